@@ -1,0 +1,116 @@
+"""Where the time goes: kernel tables for prefill and decode of Llama-3-8B (random bf16).
+
+PYTHONPATH=src python bench/profile_foundation.py [--length 32768]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+sys.path.insert(0, str(Path(__file__).parent))
+from common import LLAMA3_8B, cuda_time, random_hf_llama  # noqa: E402
+from headspace.engine.config import EngineConfig  # noqa: E402
+from headspace.engine.runner import ModelRunner  # noqa: E402
+from headspace.model.config import config_from_dict  # noqa: E402
+from headspace.model.loader import build_model  # noqa: E402
+
+
+def kernel_table(fn, title: str, rows: int = 14) -> None:
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    events = prof.key_averages()
+    total = sum(e.device_time_total for e in events) / 1000
+    print(f"\n== {title}: kernel time {total:.2f} ms")
+    print(events.table(sort_by="device_time_total", row_limit=rows, max_name_column_width=70))
+
+
+@torch.inference_mode()
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--length", type=int, default=32768)
+    parser.add_argument("--decode-context", type=int, default=8192)
+    args = parser.parse_args()
+    hf = random_hf_llama(LLAMA3_8B)
+    model = build_model(
+        config_from_dict(LLAMA3_8B), hf.state_dict().__getitem__, "cuda", torch.bfloat16
+    )
+    runner = ModelRunner(model, EngineConfig(device="cuda", max_context=1 << 20))
+    ids = torch.randint(0, 128256, (args.length,))
+    runner.reserve(args.length + 64)
+    kernel_table(lambda: runner.prefill(ids), f"headspace prefill {args.length}")
+    runner.release()
+    batch = ids[None].cuda()
+    kernel_table(lambda: hf(batch, use_cache=True, logits_to_keep=1), "transformers prefill")
+    for graph in (False, True):
+        profile_decode(model, ids[: args.decode_context], graph)
+
+
+def profile_decode(model, context: torch.Tensor, graph: bool) -> None:
+    """Time one decode step after ``context`` (and list its kernels when not graphed)."""
+    config = EngineConfig(device="cuda", max_context=1 << 20, cuda_graph=graph)
+    runner = ModelRunner(model, config)
+    runner.reserve(len(context) + 64)
+    runner.prefill(context)
+    position = len(context)
+    step_ms = 1000 * cuda_time(lambda: runner.decode(1, position), warmup=3, repeat=20)
+    print(f"\ndecode step at {len(context)} (graph={graph}): {step_ms:.3f} ms")
+    if not graph:
+        kernel_table(lambda: runner.decode(1, position), "headspace decode step (no graph)")
+    runner.release()
+
+
+def gqa_cudnn_probe(length: int = 32768) -> None:
+    """Does the cuDNN op take grouped kv heads directly (no expanded copy)?"""
+    q = torch.randn(1, 32, length, 128, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(1, 8, length, 128, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    op = torch.ops.aten._scaled_dot_product_cudnn_attention
+    expanded = op(
+        q,
+        k.repeat_interleave(4, 1),
+        v.repeat_interleave(4, 1),
+        None,
+        True,
+        0.0,
+        True,
+        False,
+        scale=None,
+    )[:2]
+    try:
+        grouped = op(q, k, v, None, True, 0.0, True, False, scale=None)[:2]
+    except RuntimeError as exc:
+        print(f"cudnn GQA: refused ({str(exc)[:80]})")
+        return
+    diff = (grouped[0].float() - expanded[0].float()).abs().max().item()
+    t_exp = cuda_time(
+        lambda: op(
+            q,
+            k.repeat_interleave(4, 1),
+            v.repeat_interleave(4, 1),
+            None,
+            True,
+            0.0,
+            True,
+            False,
+            scale=None,
+        )
+    )
+    t_grp = cuda_time(lambda: op(q, k, v, None, True, 0.0, True, False, scale=None))
+    print(
+        f"cudnn GQA: max diff {diff:.2e}, lse shape {tuple(grouped[1].shape)}, "
+        f"expanded {t_exp * 1e3:.2f} ms vs grouped {t_grp * 1e3:.2f} ms"
+    )
+
+
+if __name__ == "__main__":
+    with torch.inference_mode():
+        gqa_cudnn_probe()
+    main()

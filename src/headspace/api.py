@@ -1,0 +1,89 @@
+"""The Python API: ``LLM`` and ``SamplingParams``."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+
+import torch
+
+from headspace.engine.config import EngineConfig
+from headspace.engine.engine import Engine, RequestOutput
+from headspace.engine.sampling import SamplingParams
+from headspace.errors import UserError
+from headspace.model.source import resolve_model_dir
+
+
+class LLM:
+    """A loaded model ready to generate.
+
+    ``model``: a checkpoint directory (config.json + safetensors + tokenizer), a ``.gguf``
+    file, or None for the embedded SmolLM2-135M-Instruct. ``device``: "cpu" or "cuda[:N]".
+    ``dtype``: "float32", "bfloat16" or "float16" (default: float32 on CPU, bfloat16 on GPU).
+    Other keyword options are fields of :class:`headspace.engine.config.EngineConfig`.
+    """
+
+    def __init__(
+        self,
+        model: str | os.PathLike | None = None,
+        device: str = "cpu",
+        dtype: str | None = None,
+        **engine_options,
+    ):
+        unknown = set(engine_options) - set(EngineConfig.__dataclass_fields__)
+        if unknown:
+            raise UserError(f"unknown engine option(s): {', '.join(sorted(unknown))}")
+        self.config = EngineConfig(device=device, dtype=dtype, **engine_options)
+        self.model_dir = resolve_model_dir(model)
+        self.engine = Engine(self.model_dir, self.config)
+        self.last_output: RequestOutput | None = None
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    def _prompt_ids(self, prompt: str | list[int], chat: bool) -> list[int]:
+        if isinstance(prompt, str):
+            return self.engine.encode(prompt, chat)
+        return [int(t) for t in prompt]
+
+    def generate(
+        self,
+        prompts: str | list[int] | list[str] | list[list[int]],
+        params: SamplingParams | None = None,
+        *,
+        chat: bool = False,
+    ) -> list[RequestOutput]:
+        """Generate for one prompt or a list; returns one RequestOutput per prompt.
+
+        A prompt is text (tokenized exactly as ``tokenizer(prompt)``, or by the chat
+        template with ``chat=True``) or a list of token ids.
+        """
+        params = params or SamplingParams()
+        single = isinstance(prompts, str) or (
+            isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
+        )
+        outputs = []
+        for prompt in [prompts] if single else prompts:
+            output = self.engine.run(self._prompt_ids(prompt, chat), params)
+            output.prompt = prompt
+            outputs.append(output)
+        self.last_output = outputs[-1] if outputs else None
+        return outputs
+
+    def stream(
+        self, prompt: str | list[int], params: SamplingParams | None = None, *, chat: bool = False
+    ) -> Iterator[str]:
+        """Yield generated text pieces as they are produced (``last_output`` holds the result)."""
+        stream = self.engine.stream(self._prompt_ids(prompt, chat), params or SamplingParams())
+        while True:
+            try:
+                yield next(stream)
+            except StopIteration as done:
+                done.value.prompt = prompt
+                self.last_output = done.value
+                return
+
+    def logits(self, token_ids: list[int] | torch.Tensor) -> torch.Tensor:
+        """fp32 logits ``[len(token_ids), vocab]`` through the same chunked prefill path."""
+        return self.engine.logits([int(t) for t in token_ids])

@@ -1,0 +1,193 @@
+"""Split-K decode attention in Triton: one query token against a long KV, at HBM speed.
+
+Each program takes one kv head and one slice of the keys, attends all query heads of that
+kv head's group at once (so each K/V byte is read once), and writes a partial ``(out, lse)``;
+a second kernel merges the slices by log-sum-exp. The valid length is read from a device
+tensor, so a captured CUDA graph serves every step. Runs under ``TRITON_INTERPRET=1`` on
+CPU tensors, which is how CI compares it with the reference.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _partial_kernel(
+    Q, K, V, LENGTH, NEW_K, NEW_V, OUT, LSE, scale_log2,
+    stride_qh, stride_kh, stride_kt, stride_vh, stride_vt, stride_nh,
+    stride_oh, stride_os, stride_lh,
+    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, DIM: tl.constexpr,
+    BLOCK_N: tl.constexpr, TOKENS_PER_SPLIT: tl.constexpr, APPEND: tl.constexpr,
+):  # fmt: skip
+    kv_head = tl.program_id(0)
+    split = tl.program_id(1)
+    length = tl.load(LENGTH)
+    start = split * TOKENS_PER_SPLIT
+    end = tl.minimum(start + TOKENS_PER_SPLIT, length)
+    offs_g = tl.arange(0, GROUP_PAD)
+    offs_d = tl.arange(0, DIM)
+    heads = kv_head * GROUP + offs_g
+    head_ok = offs_g < GROUP
+    q = tl.load(Q + heads[:, None] * stride_qh + offs_d[None, :], mask=head_ok[:, None], other=0.0)
+    m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+    l_i = tl.zeros([GROUP_PAD], tl.float32)
+    acc = tl.zeros([GROUP_PAD, DIM], tl.float32)
+    k_base = K + kv_head * stride_kh
+    v_base = V + kv_head * stride_vh
+    new_pos = length - 1
+    if APPEND:  # the new token's K/V: stored by the slice that owns its position, used from
+        # registers (not re-read from memory) by that slice's loop below
+        k_new = tl.load(NEW_K + kv_head * stride_nh + offs_d)
+        v_new = tl.load(NEW_V + kv_head * stride_nh + offs_d)
+        owner = (offs_d < DIM) & (new_pos >= start) & (new_pos < end)
+        tl.store(k_base + new_pos * stride_kt + offs_d, k_new, mask=owner)
+        tl.store(v_base + new_pos * stride_vt + offs_d, v_new, mask=owner)
+    # Static trip count (pipelined); blocks past `end` are fully masked and read no memory.
+    for block_offset in tl.range(0, TOKENS_PER_SPLIT, BLOCK_N):
+        offs_n = start + block_offset + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < end
+        k = tl.load(
+            k_base + offs_n[:, None] * stride_kt + offs_d[None, :], mask=n_ok[:, None], other=0.0
+        )
+        if APPEND:
+            k = tl.where((offs_n == new_pos)[:, None], k_new[None, :], k)
+        s = tl.dot(q, tl.trans(k)).to(tl.float32) * scale_log2  # [group, block], log2 units
+        s = tl.where(n_ok[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # fully masked so far
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(
+            v_base + offs_n[:, None] * stride_vt + offs_d[None, :], mask=n_ok[:, None], other=0.0
+        )
+        if APPEND:
+            v = tl.where((offs_n == new_pos)[:, None], v_new[None, :], v)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v).to(tl.float32)
+        m_i = m_new
+    has_keys = l_i > 0
+    out = tl.where(has_keys[:, None], acc / tl.where(has_keys, l_i, 1.0)[:, None], 0.0)
+    lse = tl.where(
+        has_keys, (m_i + tl.log2(tl.where(has_keys, l_i, 1.0))) / 1.4426950408889634, float("-inf")
+    )
+    o_ptrs = OUT + heads[:, None] * stride_oh + split * stride_os + offs_d[None, :]
+    tl.store(o_ptrs, out, mask=head_ok[:, None])
+    tl.store(LSE + heads * stride_lh + split, lse, mask=head_ok)
+
+
+@triton.jit
+def _merge_kernel(
+    PART_OUT, PART_LSE, OUT, LSE, stride_ph, stride_ps, stride_lh, stride_oh,
+    NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr, DIM: tl.constexpr,
+):  # fmt: skip
+    head = tl.program_id(0)
+    offs_s = tl.arange(0, SPLITS_PAD)
+    offs_d = tl.arange(0, DIM)
+    s_ok = offs_s < NUM_SPLITS
+    lse = tl.load(PART_LSE + head * stride_lh + offs_s, mask=s_ok, other=float("-inf"))
+    lse_max = tl.max(lse, 0)
+    safe_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)
+    weights = tl.exp(lse - safe_max)  # [splits]; 0 for empty splits
+    total = tl.sum(weights, 0)
+    parts = tl.load(
+        PART_OUT + head * stride_ph + offs_s[:, None] * stride_ps + offs_d[None, :],
+        mask=s_ok[:, None],
+        other=0.0,
+    )
+    out = tl.sum(parts * weights[:, None], 0) / tl.where(total > 0, total, 1.0)
+    tl.store(OUT + head * stride_oh + offs_d, out.to(OUT.dtype.element_ty))
+    tl.store(LSE + head, tl.where(total > 0, safe_max + tl.log(total), float("-inf")))
+
+
+def num_splits_for(capacity: int, num_kv_heads: int, num_sms: int = 132) -> int:
+    """Key slices per kv head: about one program per SM, slices of >= 256 tokens.
+
+    Measured on an H100 (bench/decode_attention.py, Llama-3-8B heads): 16 slices per head
+    with 128-key blocks was the fastest setting at 8K, 32K and 128K.
+    """
+    by_length = max(1, triton.cdiv(capacity, 256))
+    by_occupancy = max(1, triton.cdiv(num_sms, num_kv_heads))
+    return int(min(by_length, by_occupancy))
+
+
+def triton_decode_attention(
+    q: torch.Tensor,  # [heads, 1, dim]
+    k: torch.Tensor,  # [kv_heads, capacity, dim]; keys past `length` are ignored
+    v: torch.Tensor,  # [kv_heads, capacity, dim]
+    length: torch.Tensor,  # [] or [1] int, number of valid keys (device tensor)
+    *,
+    new_kv: torch.Tensor | None = None,  # [2, 1, kv_heads, dim]: K/V of the query token
+    scale: float | None = None,
+    num_splits: int | None = None,
+    block_n: int = 128,
+    num_warps: int = 4,
+    num_stages: int = 3,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Decode attention of one token; returns ``out [heads, 1, dim]`` and ``lse [heads, 1]``.
+
+    With ``new_kv`` the kernel also stores that token's K/V at position ``length - 1``
+    (saving a separate cache-write launch per layer). ``num_splits`` key slices per kv
+    head (default: about one program per SM), ``block_n`` keys per inner step; the rest
+    are Triton launch settings.
+    """
+    num_heads, _, dim = q.shape
+    num_kv_heads, capacity, _ = k.shape
+    assert k.stride(-1) == 1 and v.stride(-1) == 1 and q.stride(-1) == 1
+    group = num_heads // num_kv_heads
+    num_splits = num_splits or num_splits_for(capacity, num_kv_heads)
+    tokens_per_split = triton.cdiv(triton.cdiv(capacity, num_splits), block_n) * block_n
+    num_splits = triton.cdiv(capacity, tokens_per_split)
+    scale = dim**-0.5 if scale is None else scale
+    part_out = torch.empty(num_heads, num_splits, dim, device=q.device, dtype=torch.float32)
+    part_lse = torch.empty(num_heads, num_splits, device=q.device, dtype=torch.float32)
+    new_k, new_v = (new_kv[0, 0], new_kv[1, 0]) if new_kv is not None else (k, v)
+    assert new_k.stride(-1) == 1 and new_k.stride(0) == new_v.stride(0)
+    _partial_kernel[(num_kv_heads, num_splits)](
+        q,
+        k,
+        v,
+        length,
+        new_k,
+        new_v,
+        part_out,
+        part_lse,
+        scale * LOG2E,
+        q.stride(0),
+        k.stride(0),
+        k.stride(1),
+        v.stride(0),
+        v.stride(1),
+        new_k.stride(0),
+        part_out.stride(0),
+        part_out.stride(1),
+        part_lse.stride(0),
+        GROUP=group,
+        GROUP_PAD=max(16, triton.next_power_of_2(group)),
+        DIM=dim,
+        BLOCK_N=block_n,
+        TOKENS_PER_SPLIT=tokens_per_split,
+        APPEND=new_kv is not None,
+        num_warps=num_warps,
+        num_stages=num_stages,
+    )
+    out = torch.empty(num_heads, 1, dim, device=q.device, dtype=q.dtype)
+    lse = torch.empty(num_heads, 1, device=q.device, dtype=torch.float32)
+    _merge_kernel[(num_heads,)](
+        part_out,
+        part_lse,
+        out,
+        lse,
+        part_out.stride(0),
+        part_out.stride(1),
+        part_lse.stride(0),
+        out.stride(0),
+        NUM_SPLITS=num_splits,
+        SPLITS_PAD=triton.next_power_of_2(num_splits),
+        DIM=dim,
+    )
+    return out, lse

@@ -1,0 +1,5 @@
+import sys
+
+from headspace.cli.main import main
+
+sys.exit(main())

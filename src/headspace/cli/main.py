@@ -1,0 +1,108 @@
+"""``headspace`` command line: parsing and formatting only; the work is in the API."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from headspace.errors import UserError
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # one line, exit 2, like every other user error
+        raise UserError(f"{message} (see `{self.prog} --help`)")
+
+
+def _add_generate(subparsers) -> None:
+    p = subparsers.add_parser("generate", help="generate text from a prompt (streams to stdout)")
+    p.add_argument("--model", help="checkpoint directory or .gguf file (default: embedded model)")
+    p.add_argument("--prompt", help="prompt text (appended after --prompt-file if both given)")
+    p.add_argument("--prompt-file", help="read the prompt (e.g. a document) from this file")
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--chat", action="store_true", help="apply the tokenizer's chat template")
+    p.add_argument("--device", default="cpu", help="cpu or cuda[:N] (default: cpu)")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None)
+    p.add_argument("--prefill-chunk", type=int, default=None, help="prompt tokens per step")
+    p.add_argument(
+        "--max-context", type=int, default=None, help="override the model's context length"
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="headspace", description="Long-context LLM inference.")
+    subparsers = parser.add_subparsers(dest="command", parser_class=_Parser)
+    _add_generate(subparsers)
+    return parser
+
+
+def _read_prompt(args) -> str:
+    parts = []
+    if args.prompt_file:
+        try:
+            with open(args.prompt_file, encoding="utf-8") as handle:
+                parts.append(handle.read())
+        except (OSError, UnicodeDecodeError) as exc:
+            raise UserError(f"cannot read prompt file {args.prompt_file}: {exc}") from None
+    if args.prompt is not None:
+        parts.append(args.prompt)
+    if not parts and not sys.stdin.isatty():
+        parts.append(sys.stdin.read())
+    if not parts:
+        raise UserError("no prompt: pass --prompt, --prompt-file or text on stdin")
+    return "\n\n".join(part.strip("\n") for part in parts)
+
+
+def _generate(args) -> None:
+    from headspace.api import LLM
+    from headspace.engine.sampling import SamplingParams
+
+    params = SamplingParams(
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.seed,
+        stop=args.stop,
+    )
+    prompt = _read_prompt(args)
+    llm = LLM(
+        args.model,
+        device=args.device,
+        dtype=args.dtype,
+        prefill_chunk=args.prefill_chunk,
+        max_context=args.max_context,
+        progress=True,
+    )
+    for piece in llm.stream(prompt, params, chat=args.chat):
+        sys.stdout.write(piece)
+        sys.stdout.flush()
+    sys.stdout.write("\n")
+    print(llm.last_output.stats.summary(), file=sys.stderr)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+        if args.command is None:
+            parser.print_help()
+            return 2
+        _generate(args)
+    except UserError as exc:
+        print("error: " + " ".join(str(exc).split()), file=sys.stderr)  # always one line
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    except MemoryError:
+        print("error: out of memory: lower --prefill-chunk or the context", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,57 @@
+"""Engine options shared by the API and the CLI."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from headspace.errors import UserError
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class EngineConfig:
+    """How the engine runs a model.
+
+    ``prefill_chunk``: prompt tokens per prefill step (None: as many as fit the device).
+    ``max_context``: longest sequence allowed (None: the model's trained context).
+    ``cuda_graph`` / ``compile``: capture the decode step in a CUDA graph / fuse its
+    elementwise work with torch.compile (GPU only).
+    """
+
+    device: str = "cpu"
+    dtype: str | None = None
+    prefill_chunk: int | None = None
+    max_context: int | None = None
+    attention_backend: str = "sdpa"
+    cuda_graph: bool = True
+    compile: bool = True
+    progress: bool = False
+
+    def __post_init__(self):
+        if self.dtype is None:
+            self.dtype = "bfloat16" if self.device.startswith("cuda") else "float32"
+        if self.dtype not in DTYPES:
+            raise UserError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.device != "cpu" and not self.device.startswith("cuda"):
+            raise UserError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
+        if self.device.startswith("cuda") and not torch.cuda.is_available():
+            raise UserError(f"device {self.device!r} requested but no CUDA GPU is available")
+        if self.prefill_chunk is not None and self.prefill_chunk < 1:
+            raise UserError(f"prefill_chunk must be a positive integer, got {self.prefill_chunk}")
+        if self.max_context is not None and self.max_context < 1:
+            raise UserError(f"max_context must be a positive integer, got {self.max_context}")
+        if self.attention_backend not in ("sdpa", "reference"):
+            raise UserError(
+                f"attention_backend must be 'sdpa' or 'reference', got {self.attention_backend!r}"
+            )
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+    @property
+    def on_gpu(self) -> bool:
+        return self.device.startswith("cuda")

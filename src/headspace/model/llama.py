@@ -1,0 +1,190 @@
+"""Lean Llama-family decoder (Llama 2/3, Mistral, Qwen2), token-major and cache-agnostic.
+
+The model never owns the KV cache: each layer hands its rotated q, k, v to an
+``AttentionFn`` supplied by the engine, which stores k/v wherever the head map says and
+returns the attention output. Hidden states are ``[tokens, hidden]`` (no batch axis).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from headspace.model.config import ModelConfig
+from headspace.model.rope import apply_rope, inverse_frequencies, rope_cos_sin
+
+# (layer index, q [tokens, heads, dim], kv [2, tokens, kv_heads, dim]) -> [tokens, heads, dim]
+AttentionFn = Callable[[int, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm in fp32, cast back before the weight (as transformers does)."""
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype)
+
+
+def qkv_block(
+    x: torch.Tensor,  # [tokens, hidden]
+    norm_weight: torch.Tensor,
+    eps: float,
+    qkv_weight: torch.Tensor,
+    qkv_bias: torch.Tensor | None,
+    cos: torch.Tensor,  # [tokens, head_dim]
+    sin: torch.Tensor,
+    shape: tuple[int, int, int],  # (heads, kv_heads, head_dim)
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Norm, fused q/k/v projection and rope.
+
+    Returns ``q [tokens, heads, dim]`` and ``kv [2, tokens, kv_heads, dim]`` (K then V),
+    token-major: fused attention kernels read the head-major views of these in place.
+    """
+    num_heads, num_kv_heads, head_dim = shape
+    q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
+    qkv = F.linear(rms_norm(x, norm_weight, eps), qkv_weight, qkv_bias)
+    q, k, v = qkv.split((q_size, kv_size, kv_size), dim=-1)
+    q = apply_rope(q.view(-1, num_heads, head_dim), cos, sin)
+    k = apply_rope(k.view(-1, num_kv_heads, head_dim), cos, sin)
+    return q, torch.stack((k, v.view(-1, num_kv_heads, head_dim)))
+
+
+def output_mlp_block(
+    x: torch.Tensor,  # [tokens, hidden], the residual stream
+    attn: torch.Tensor,  # [tokens, heads, head_dim]
+    o_weight: torch.Tensor,
+    o_bias: torch.Tensor | None,
+    norm_weight: torch.Tensor,
+    eps: float,
+    gate_up_weight: torch.Tensor,
+    gate_up_bias: torch.Tensor | None,
+    down_weight: torch.Tensor,
+    down_bias: torch.Tensor | None,
+) -> torch.Tensor:
+    """Output projection + residual, then norm, SwiGLU MLP + residual: ``[tokens, hidden]``."""
+    x = x + F.linear(attn.reshape(x.shape[0], -1), o_weight, o_bias)
+    gate, up = F.linear(rms_norm(x, norm_weight, eps), gate_up_weight, gate_up_bias).chunk(2, -1)
+    return x + F.linear(F.silu(gate) * up, down_weight, down_bias)
+
+
+class Blocks:
+    """The two per-layer compute blocks, eager or compiled (same functions, same math).
+
+    ``mode``: "eager"; "static" (torch.compile for one fixed shape: the decode step);
+    "dynamic" (torch.compile over any number of tokens: prefill chunks).
+    """
+
+    def __init__(self, mode: str = "eager"):
+        assert mode in ("eager", "static", "dynamic")
+        self.qkv, self.output_mlp = qkv_block, output_mlp_block
+        if mode != "eager":
+            # static mode compiles once per token count: the decode step and the chunk size
+            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+            dynamic = mode == "dynamic"
+            self.qkv = torch.compile(qkv_block, fullgraph=True, dynamic=dynamic)
+            self.output_mlp = torch.compile(output_mlp_block, fullgraph=True, dynamic=dynamic)
+
+
+EAGER_BLOCKS = Blocks()
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, self.weight, self.eps)
+
+
+class DecoderLayer(nn.Module):
+    """One transformer block; q/k/v and gate/up projections are fused into single GEMMs."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.shape = (config.num_heads, config.num_kv_heads, config.head_dim)
+        q_size = config.num_heads * config.head_dim
+        qkv_size = q_size + 2 * config.num_kv_heads * config.head_dim
+        self.input_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.qkv_proj = nn.Linear(config.hidden_size, qkv_size, bias=config.qkv_bias)
+        self.o_proj = nn.Linear(q_size, config.hidden_size, bias=config.o_bias)
+        inter = config.intermediate_size
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * inter, bias=config.mlp_bias)
+        self.down_proj = nn.Linear(inter, config.hidden_size, bias=config.mlp_bias)
+
+    def forward(
+        self,
+        layer_idx: int,
+        x: torch.Tensor,  # [tokens, hidden]
+        cos: torch.Tensor,  # [tokens, head_dim]
+        sin: torch.Tensor,
+        attention: AttentionFn,
+        blocks: Blocks = EAGER_BLOCKS,
+    ) -> torch.Tensor:
+        norm, qkv = self.input_norm, self.qkv_proj
+        q, kv = blocks.qkv(x, norm.weight, norm.eps, qkv.weight, qkv.bias, cos, sin, self.shape)
+        attn = attention(layer_idx, q, kv)  # [tokens, heads, head_dim]
+        post, o, gate_up, down = (
+            self.post_attention_norm,
+            self.o_proj,
+            self.gate_up_proj,
+            self.down_proj,
+        )
+        return blocks.output_mlp(
+            x,
+            attn,
+            o.weight,
+            o.bias,
+            post.weight,
+            post.eps,
+            gate_up.weight,
+            gate_up.bias,
+            down.weight,
+            down.bias,
+        )
+
+
+class LlamaModel(nn.Module):
+    """Embedding, decoder layers, final norm and LM head of a Llama-family model."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        inv_freq = inverse_frequencies(config.rope, config.head_dim)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self._blocks: dict[str, Blocks] = {"eager": EAGER_BLOCKS}
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [tokens] int64
+        positions: torch.Tensor,  # [tokens] int64, absolute positions
+        attention: AttentionFn,
+        blocks_mode: str = "eager",
+    ) -> torch.Tensor:
+        """Final-normed hidden states ``[tokens, hidden]`` (call ``logits`` on the rows needed).
+
+        ``blocks_mode`` (see :class:`Blocks`): "static" compiles per token count (the
+        decode step, full prefill chunks: fastest kernels), "dynamic" once for any count.
+        """
+        if blocks_mode not in self._blocks:
+            self._blocks[blocks_mode] = Blocks(blocks_mode)
+        blocks = self._blocks[blocks_mode]
+        x = self.embed_tokens(input_ids)
+        cos, sin = rope_cos_sin(self.inv_freq, positions, x.dtype)
+        for layer_idx, layer in enumerate(self.layers):
+            x = layer(layer_idx, x, cos, sin, attention, blocks)
+        return self.norm(x)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Vocabulary logits ``[tokens, vocab]`` in float32 from final hidden states."""
+        return self.lm_head(hidden).float()

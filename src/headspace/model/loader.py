@@ -1,0 +1,107 @@
+"""Load HF safetensors checkpoints (HF tensor names) into the lean decoder."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+from headspace.errors import UserError
+from headspace.model.config import ModelConfig, load_config
+from headspace.model.llama import LlamaModel
+from headspace.model.rope import inverse_frequencies
+
+GetTensor = Callable[[str], torch.Tensor]
+
+
+def _layer_tensors(prefix: str, config: ModelConfig) -> dict[str, list[str]]:
+    """Our parameter name -> the HF tensor names concatenated (dim 0) to form it."""
+    attn, mlp = f"{prefix}.self_attn", f"{prefix}.mlp"
+    names = {
+        "input_norm.weight": [f"{prefix}.input_layernorm.weight"],
+        "post_attention_norm.weight": [f"{prefix}.post_attention_layernorm.weight"],
+        "qkv_proj.weight": [f"{attn}.{p}_proj.weight" for p in "qkv"],
+        "o_proj.weight": [f"{attn}.o_proj.weight"],
+        "gate_up_proj.weight": [f"{mlp}.gate_proj.weight", f"{mlp}.up_proj.weight"],
+        "down_proj.weight": [f"{mlp}.down_proj.weight"],
+    }
+    if config.qkv_bias:
+        names["qkv_proj.bias"] = [f"{attn}.{p}_proj.bias" for p in "qkv"]
+    if config.o_bias:
+        names["o_proj.bias"] = [f"{attn}.o_proj.bias"]
+    if config.mlp_bias:
+        names["gate_up_proj.bias"] = [f"{mlp}.gate_proj.bias", f"{mlp}.up_proj.bias"]
+        names["down_proj.bias"] = [f"{mlp}.down_proj.bias"]
+    return names
+
+
+def checkpoint_layout(config: ModelConfig) -> dict[str, list[str]]:
+    """Every parameter of LlamaModel -> the HF tensor names it is built from."""
+    layout = {
+        "embed_tokens.weight": ["model.embed_tokens.weight"],
+        "norm.weight": ["model.norm.weight"],
+    }
+    if not config.tie_word_embeddings:
+        layout["lm_head.weight"] = ["lm_head.weight"]
+    for i in range(config.num_layers):
+        for ours, theirs in _layer_tensors(f"model.layers.{i}", config).items():
+            layout[f"layers.{i}.{ours}"] = theirs
+    return layout
+
+
+def build_model(
+    config: ModelConfig, get_tensor: GetTensor, device: str | torch.device, dtype: torch.dtype
+) -> LlamaModel:
+    """Build a LlamaModel on ``device``/``dtype`` from HF-named tensors given by ``get_tensor``."""
+    with torch.device("meta"):
+        model = LlamaModel(config)
+    params = dict(model.named_parameters())
+    for name, sources in checkpoint_layout(config).items():
+        parts = [get_tensor(src).to(device=device, dtype=dtype) for src in sources]
+        value = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
+        if value.shape != params[name].shape:
+            raise UserError(
+                f"malformed checkpoint: {sources[0]} has shape {tuple(value.shape)}, "
+                f"expected {tuple(params[name].shape)}"
+            )
+        module_name, _, attr = name.rpartition(".")
+        setattr(model.get_submodule(module_name), attr, torch.nn.Parameter(value, False))
+    if config.tie_word_embeddings:
+        model.lm_head.weight = model.embed_tokens.weight
+    inv_freq = inverse_frequencies(config.rope, config.head_dim).to(device)
+    model.register_buffer("inv_freq", inv_freq, persistent=False)
+    return model.eval()
+
+
+def _safetensors_reader(files: Iterable[Path]) -> GetTensor:
+    handles: dict[str, tuple[Path, object]] = {}
+    for path in files:
+        try:
+            handle = safe_open(path, framework="pt")
+            handles.update(dict.fromkeys(handle.keys(), (path, handle)))
+        except (SafetensorError, OSError) as exc:
+            raise UserError(f"corrupted safetensors file {path.name}: {exc}") from None
+
+    def get_tensor(name: str) -> torch.Tensor:
+        if name not in handles:
+            raise UserError(f"malformed checkpoint: tensor {name} not found in safetensors files")
+        path, handle = handles[name]
+        try:
+            return handle.get_tensor(name)
+        except (SafetensorError, OSError) as exc:
+            raise UserError(f"corrupted safetensors file {path.name}: {exc}") from None
+
+    return get_tensor
+
+
+def load_model(
+    model_dir: Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32
+) -> LlamaModel:
+    """Load a Llama-family checkpoint directory (config.json + *.safetensors)."""
+    config = load_config(model_dir)
+    files = sorted(Path(model_dir).glob("*.safetensors"))
+    if not files:
+        raise UserError(f"model directory {model_dir} has no .safetensors weights")
+    return build_model(config, _safetensors_reader(files), device, dtype)

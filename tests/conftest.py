@@ -1,0 +1,103 @@
+"""Shared fixtures: tiny random checkpoints of each supported family, the embedded model."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():  # run Triton kernels on CPU tensors through the interpreter
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from headspace.model.source import resolve_model_dir  # noqa: E402
+
+TINY = dict(
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=3,
+    num_attention_heads=8,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=512,
+    rms_norm_eps=1e-5,
+    bos_token_id=1,
+    eos_token_id=2,
+)
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "rope_theta": 500000.0,
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 64,
+}
+FAMILIES = {
+    "llama2": ("LlamaConfig", "LlamaForCausalLM", {}),
+    "llama3": (
+        "LlamaConfig",
+        "LlamaForCausalLM",
+        {"rope_parameters": LLAMA3_ROPE, "tie_word_embeddings": True},
+    ),
+    "llama-bias-mqa": (
+        "LlamaConfig",
+        "LlamaForCausalLM",
+        {"attention_bias": True, "mlp_bias": True, "num_key_value_heads": 1},
+    ),
+    "llama-mha-linear-rope": (
+        "LlamaConfig",
+        "LlamaForCausalLM",
+        {
+            "num_key_value_heads": 8,
+            "rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0},
+        },
+    ),
+    "mistral": ("MistralConfig", "MistralForCausalLM", {"sliding_window": None}),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {"tie_word_embeddings": True}),
+}
+
+
+@pytest.fixture(scope="session")
+def embedded_dir() -> Path:
+    """The embedded SmolLM2 checkpoint directory (converted at set-up)."""
+    return resolve_model_dir(None)
+
+
+def _randomize(model: torch.nn.Module, seed: int) -> None:
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            noise = torch.randn(param.shape, generator=generator)
+            if "norm" in name:
+                param.copy_(1.0 + 0.1 * noise)
+            elif name.endswith("bias"):
+                param.copy_(0.1 * noise)
+            else:
+                param.copy_(0.08 * noise)
+
+
+def make_tiny_checkpoint(family: str, out_dir: Path, tokenizer_dir: Path, seed: int = 0):
+    """Save a random tiny HF model of ``family`` (embedded tokenizer); returns the HF model."""
+    import transformers
+
+    config_cls, model_cls, extra = FAMILIES[family]
+    vocab = transformers.AutoTokenizer.from_pretrained(tokenizer_dir).vocab_size
+    config = getattr(transformers, config_cls)(**{**TINY, "vocab_size": vocab, **extra})
+    torch.manual_seed(seed)
+    model = getattr(transformers, model_cls)(config).float().eval()
+    _randomize(model, seed)
+    model.save_pretrained(out_dir)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        if (tokenizer_dir / name).exists():
+            shutil.copy(tokenizer_dir / name, out_dir / name)
+    return model
+
+
+@pytest.fixture(scope="session", params=list(FAMILIES))
+def tiny(request, tmp_path_factory, embedded_dir):
+    """(family, checkpoint dir, transformers model) for each supported family."""
+    out_dir = tmp_path_factory.mktemp(f"tiny-{request.param}")
+    model = make_tiny_checkpoint(request.param, out_dir, embedded_dir)
+    return request.param, out_dir, model

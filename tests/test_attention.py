@@ -1,0 +1,134 @@
+"""Attention backends and the LSE merge against the eager fp32 reference."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from headspace.attention import attend, decode_attend, merge_attention, reference_attention
+
+
+def _qkv(heads, kv_heads, num_q, num_kv, dim=32, dtype=torch.float32, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    q = torch.randn(heads, num_q, dim, generator=generator).to(dtype)
+    k = torch.randn(kv_heads, num_kv, dim, generator=generator).to(dtype)
+    v = torch.randn(kv_heads, num_kv, dim, generator=generator).to(dtype)
+    return q, k, v
+
+
+def _naive(q, k, v, causal):
+    """Per-head loop softmax in float64: an independent check of the reference itself."""
+    group = q.shape[0] // k.shape[0]
+    outs, lses = [], []
+    for h in range(q.shape[0]):
+        scores = q[h].double() @ k[h // group].double().T / q.shape[-1] ** 0.5
+        if causal:
+            offset = k.shape[1] - q.shape[1]
+            mask = torch.ones_like(scores, dtype=torch.bool).tril(offset)
+            scores = scores.masked_fill(~mask, float("-inf"))
+        lses.append(torch.logsumexp(scores, -1))
+        outs.append(torch.softmax(scores, -1) @ v[h // group].double())
+    return torch.stack(outs), torch.stack(lses)
+
+
+@pytest.mark.parametrize("heads,kv_heads", [(8, 2), (9, 3), (4, 4), (6, 1)])
+@pytest.mark.parametrize("num_q,num_kv", [(1, 1), (37, 37), (13, 101), (1, 77)])
+@pytest.mark.parametrize("causal", [False, True])
+def test_reference_matches_naive(heads, kv_heads, num_q, num_kv, causal):
+    q, k, v = _qkv(heads, kv_heads, num_q, num_kv)
+    out, lse = reference_attention(q, k, v, causal=causal)
+    ref_out, ref_lse = _naive(q, k, v, causal)
+    assert torch.allclose(out.double(), ref_out, atol=1e-5)
+    assert torch.allclose(lse.double(), ref_lse, atol=1e-5)
+
+
+@pytest.mark.parametrize("heads,kv_heads", [(8, 2), (9, 3), (4, 4), (6, 1)])
+@pytest.mark.parametrize("num_q,num_kv", [(1, 1), (37, 37), (13, 101), (1, 77), (129, 257)])
+@pytest.mark.parametrize("causal", [False, True])
+def test_sdpa_backend_matches_reference(heads, kv_heads, num_q, num_kv, causal):
+    q, k, v = _qkv(heads, kv_heads, num_q, num_kv, seed=num_q + num_kv)
+    out, lse = attend(q, k, v, causal=causal, backend="sdpa")
+    ref_out, ref_lse = reference_attention(q, k, v, causal=causal)
+    assert (out - ref_out).abs().max().item() < 1e-5
+    assert (lse - ref_lse).abs().max().item() < 1e-5
+
+
+def test_sdpa_accepts_strided_head_major_views():
+    q_tokens = torch.randn(50, 8, 32)  # [tokens, heads, dim] as the model produces it
+    k_tokens, v_tokens = torch.randn(2, 50, 2, 32).unbind(0)
+    q, k, v = q_tokens.transpose(0, 1), k_tokens.transpose(0, 1), v_tokens.transpose(0, 1)
+    out, lse = attend(q, k, v, causal=True)
+    ref_out, ref_lse = reference_attention(
+        q.contiguous(), k.contiguous(), v.contiguous(), causal=True
+    )
+    assert (out - ref_out).abs().max().item() < 1e-5
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    num_kv=st.integers(1, 90),
+    cuts=st.lists(st.integers(0, 90), max_size=4),
+    seed=st.integers(0, 1000),
+)
+def test_merge_of_random_splits_equals_union(num_kv, cuts, seed):
+    q, k, v = _qkv(4, 2, 5, num_kv, seed=seed)
+    bounds = [0, *sorted(min(c, num_kv) for c in cuts), num_kv]  # repeats = empty parts
+    parts = [reference_attention(q, k[:, a:b], v[:, a:b]) for a, b in itertools.pairwise(bounds)]
+    out, lse = merge_attention([p[0] for p in parts], [p[1] for p in parts])
+    ref_out, ref_lse = reference_attention(q, k, v)
+    assert (out - ref_out).abs().max().item() < 1e-5
+    assert (lse - ref_lse).abs().max().item() < 1e-5
+
+
+def test_merge_with_empty_parts_keeps_zero_rows():
+    q, k, v = _qkv(2, 2, 3, 0)
+    empty = reference_attention(q, k, v)
+    assert torch.isneginf(empty[1]).all() and (empty[0] == 0).all()
+    out, lse = merge_attention([empty[0], empty[0]], [empty[1], empty[1]])
+    assert torch.isneginf(lse).all() and (out == 0).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize(
+    "heads,kv_heads,capacity,length",
+    [(8, 2, 300, 257), (9, 3, 700, 700), (4, 4, 64, 1), (6, 1, 1000, 513)],
+)
+def test_triton_decode_kernel_matches_reference(dtype, heads, kv_heads, capacity, length):
+    """The GPU decode kernel itself, run by Triton's interpreter on CPU tensors."""
+    from headspace.attention.triton_decode import triton_decode_attention
+
+    q, k, v = _qkv(heads, kv_heads, 1, capacity, dim=64, dtype=dtype, seed=length)
+    out, lse = triton_decode_attention(q, k, v, torch.tensor([length]), num_splits=3, block_n=64)
+    ref_out, ref_lse = reference_attention(q, k[:, :length], v[:, :length])
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-3
+    assert (out.float() - ref_out.float()).abs().max().item() < tolerance
+    assert (lse - ref_lse).abs().max().item() < tolerance
+
+
+def test_triton_decode_appends_the_new_token():
+    from headspace.attention.triton_decode import triton_decode_attention
+
+    q, k, v = _qkv(8, 2, 1, 200, dim=64, seed=3)
+    new_kv = torch.randn(2, 1, 2, 64)
+    k_kernel, v_kernel = k.clone(), v.clone()
+    out, lse = triton_decode_attention(
+        q, k_kernel, v_kernel, torch.tensor([150]), new_kv=new_kv, num_splits=4, block_n=32
+    )
+    k[:, 149], v[:, 149] = new_kv[0, 0], new_kv[1, 0]
+    ref_out, ref_lse = reference_attention(q, k[:, :150], v[:, :150])
+    assert torch.equal(k_kernel, k) and torch.equal(v_kernel, v)  # stored, nothing else touched
+    assert (out - ref_out).abs().max().item() < 1e-5
+    assert (lse - ref_lse).abs().max().item() < 1e-5
+
+
+def test_decode_attend_cpu_appends_and_attends():
+    q, k, v = _qkv(8, 2, 1, 64, seed=4)
+    new_kv = torch.randn(2, 1, 2, 32)
+    out, _ = decode_attend(q, k, v, torch.tensor([10]), new_kv=new_kv)
+    assert torch.equal(k[:, 9], new_kv[0, 0]) and torch.equal(v[:, 9], new_kv[1, 0])
+    ref_out, _ = reference_attention(q, k[:, :10], v[:, :10])
+    assert torch.equal(out, ref_out)

@@ -1,0 +1,176 @@
+"""The command line: output on success; one-line errors with exit code 2 on bad input."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from headspace.cli.main import main
+
+
+def _run(capsys, *argv):
+    code = main(list(argv))
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def _assert_user_error(code, err, message):
+    assert code == 2
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), err
+    assert message in lines[0]
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory, embedded_dir):
+    from conftest import make_tiny_checkpoint
+
+    path = tmp_path_factory.mktemp("cli-tiny")
+    make_tiny_checkpoint("llama2", path, embedded_dir)
+    return path
+
+
+def test_generate_streams_answer_and_summary(capsys):
+    code, out, err = _run(
+        capsys,
+        "generate",
+        "--chat",
+        "--prompt",
+        "What is the capital of France?",
+        "--max-new-tokens",
+        "20",
+    )
+    assert code == 0 and "Paris" in out
+    assert "prompt" in err and "decode" in err and "tok/s" in err
+
+
+def test_prompt_file_and_question_are_joined(capsys, tmp_path):
+    document = tmp_path / "doc.txt"
+    document.write_text("The secret code word is 'marmalade'.\n")
+    code, out, _ = _run(
+        capsys,
+        "generate",
+        "--chat",
+        "--prompt-file",
+        str(document),
+        "--prompt",
+        "What is the secret code word?",
+        "--max-new-tokens",
+        "24",
+    )
+    assert code == 0 and "marmalade" in out.lower()
+
+
+def test_missing_model_directory(capsys, tmp_path):
+    code, _, err = _run(capsys, "generate", "--model", str(tmp_path / "nope"), "--prompt", "x")
+    _assert_user_error(code, err, "does not exist")
+
+
+def test_directory_without_config(capsys, tmp_path):
+    code, _, err = _run(capsys, "generate", "--model", str(tmp_path), "--prompt", "x")
+    _assert_user_error(code, err, "has no config.json")
+
+
+def test_malformed_config(capsys, tmp_path, tiny_dir):
+    shutil.copytree(tiny_dir, tmp_path / "m")
+    (tmp_path / "m" / "config.json").write_text("{ not json")
+    code, _, err = _run(capsys, "generate", "--model", str(tmp_path / "m"), "--prompt", "x")
+    _assert_user_error(code, err, "malformed config.json")
+
+
+def test_unsupported_architecture(capsys, tmp_path, tiny_dir):
+    shutil.copytree(tiny_dir, tmp_path / "m")
+    config = json.loads((tmp_path / "m" / "config.json").read_text())
+    config["architectures"] = ["GPT2LMHeadModel"]
+    (tmp_path / "m" / "config.json").write_text(json.dumps(config))
+    code, _, err = _run(capsys, "generate", "--model", str(tmp_path / "m"), "--prompt", "x")
+    _assert_user_error(code, err, "unsupported architecture GPT2LMHeadModel")
+
+
+def test_corrupted_safetensors(capsys, tmp_path, tiny_dir):
+    shutil.copytree(tiny_dir, tmp_path / "m")
+    weights = tmp_path / "m" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])
+    code, _, err = _run(capsys, "generate", "--model", str(tmp_path / "m"), "--prompt", "x")
+    _assert_user_error(code, err, "corrupted safetensors file model.safetensors")
+
+
+def test_corrupted_gguf_writes_nothing(capsys, tmp_path, monkeypatch):
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("HEADSPACE_CACHE", str(cache))
+    bad = tmp_path / "broken.gguf"
+    bad.write_bytes(b"GGUF" + os.urandom(2000))
+    code, _, err = _run(capsys, "generate", "--model", str(bad), "--prompt", "x")
+    _assert_user_error(code, err, "corrupted or unreadable GGUF file")
+    assert not cache.exists() or not any(p.is_file() for p in cache.rglob("*"))
+
+
+def test_prompt_longer_than_context_and_override(capsys, tiny_dir):
+    long_prompt = "word " * 700  # tiny models have a 512-token context
+    code, _, err = _run(capsys, "generate", "--model", str(tiny_dir), "--prompt", long_prompt)
+    _assert_user_error(code, err, "does not fit the context of 512 tokens")
+    code, out, _ = _run(
+        capsys,
+        "generate",
+        "--model",
+        str(tiny_dir),
+        "--prompt",
+        long_prompt,
+        "--max-context",
+        "2048",
+        "--max-new-tokens",
+        "4",
+    )
+    assert code == 0
+
+
+@pytest.mark.parametrize(
+    "flags,message",
+    [
+        (["--temperature", "-1"], "temperature must be >= 0"),
+        (["--top-p", "2"], "top_p must be in (0, 1]"),
+        (["--top-k", "-3"], "top_k must be a non-negative integer"),
+        (["--max-new-tokens", "0"], "max_new_tokens must be a positive integer"),
+        (["--max-new-tokens", "many"], "invalid int value"),
+        (["--dtype", "int8"], "invalid choice"),
+        (["--prefill-chunk", "0"], "prefill_chunk must be a positive integer"),
+        (["--device", "tpu"], "device must be 'cpu' or 'cuda[:N]'"),
+    ],
+)
+def test_invalid_option_values(capsys, tiny_dir, flags, message):
+    code, _, err = _run(capsys, "generate", "--model", str(tiny_dir), "--prompt", "x", *flags)
+    _assert_user_error(code, err, message)
+
+
+def test_cuda_without_gpu(capsys, tiny_dir, monkeypatch):
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)
+    code, _, err = _run(
+        capsys, "generate", "--model", str(tiny_dir), "--prompt", "x", "--device", "cuda"
+    )
+    _assert_user_error(code, err, "no CUDA GPU is available")
+
+
+def test_console_script_prints_one_line_and_no_traceback(tmp_path):
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "headspace.cli",
+            "generate",
+            "--model",
+            str(tmp_path / "missing"),
+            "--prompt",
+            "hello",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 2
+    assert result.stderr.strip() == f"error: model path {tmp_path / 'missing'} does not exist"
+    assert "Traceback" not in result.stderr and result.stdout == ""

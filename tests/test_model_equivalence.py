@@ -1,0 +1,56 @@
+"""The lean decoder equals transformers on tiny random checkpoints of every family."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from headspace import LLM, SamplingParams
+
+NUM_GREEDY_STEPS = 64
+
+
+@pytest.fixture(scope="module")
+def prompt_ids() -> list[int]:
+    generator = torch.Generator().manual_seed(7)
+    return torch.randint(3, 40000, (150,), generator=generator).tolist()
+
+
+def test_logits_match_transformers(tiny, prompt_ids):
+    family, path, hf_model = tiny
+    llm = LLM(str(path), device="cpu", dtype="float32")
+    ours = llm.logits(prompt_ids)
+    with torch.no_grad():
+        theirs = hf_model(torch.tensor([prompt_ids])).logits[0].float()
+    assert ours.shape == theirs.shape
+    assert (ours - theirs).abs().max().item() <= 1e-4, family
+
+
+def test_greedy_tokens_match_transformers(tiny, prompt_ids):
+    family, path, hf_model = tiny
+    llm = LLM(str(path), device="cpu", dtype="float32")
+    params = SamplingParams(max_new_tokens=NUM_GREEDY_STEPS, ignore_eos=True)
+    ours = llm.generate(prompt_ids[:40], params)[0].token_ids
+    with torch.no_grad():
+        theirs = hf_model.generate(
+            torch.tensor([prompt_ids[:40]]),
+            max_new_tokens=NUM_GREEDY_STEPS,
+            min_new_tokens=NUM_GREEDY_STEPS,
+            do_sample=False,
+        )[0, 40:].tolist()
+    assert ours == theirs, family
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 64])
+def test_chunked_prefill_equals_unchunked(tiny, prompt_ids, chunk):
+    family, path, _ = tiny
+    whole = LLM(str(path), prefill_chunk=len(prompt_ids)).logits(prompt_ids)
+    chunked = LLM(str(path), prefill_chunk=chunk).logits(prompt_ids)
+    assert (whole - chunked).abs().max().item() <= 1e-5, family
+
+
+def test_reference_backend_equals_sdpa_backend(tiny, prompt_ids):
+    _, path, _ = tiny
+    fast = LLM(str(path), prefill_chunk=32).logits(prompt_ids)
+    reference = LLM(str(path), prefill_chunk=32, attention_backend="reference").logits(prompt_ids)
+    assert (fast - reference).abs().max().item() <= 1e-5

@@ -1,0 +1,114 @@
+"""Sampling rules and streamed detokenization with stop strings."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from headspace import SamplingParams, UserError
+from headspace.engine.detokenize import StopStringStreamer
+from headspace.engine.sampling import make_generator, sample
+
+
+def _logits(seed=0, vocab=50):
+    return torch.randn(vocab, generator=torch.Generator().manual_seed(seed)) * 3
+
+
+def test_greedy_is_argmax():
+    logits = _logits()
+    assert sample(logits, SamplingParams(), None).item() == logits.argmax().item()
+
+
+def test_top_k_one_and_tiny_top_p_are_greedy():
+    logits = _logits(1)
+    greedy_like = [
+        SamplingParams(temperature=1.0, top_k=1, seed=3),
+        SamplingParams(temperature=1.0, top_p=1e-6, seed=3),
+    ]
+    for params in greedy_like:
+        generator = make_generator(params, torch.device("cpu"))
+        picks = {sample(logits, params, generator).item() for _ in range(20)}
+        assert picks == {logits.argmax().item()}
+
+
+def test_top_k_restricts_to_k_best():
+    logits = _logits(2)
+    params = SamplingParams(temperature=2.0, top_k=3, seed=0)
+    generator = make_generator(params, torch.device("cpu"))
+    picks = {sample(logits, params, generator).item() for _ in range(200)}
+    assert picks <= set(torch.topk(logits, 3).indices.tolist()) and len(picks) > 1
+
+
+def test_top_p_keeps_smallest_set_reaching_p():
+    logits = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05]))
+    params = SamplingParams(temperature=1.0, top_p=0.8, seed=0)
+    generator = make_generator(params, torch.device("cpu"))
+    picks = {sample(logits, params, generator).item() for _ in range(300)}
+    assert picks == {0, 1}
+
+
+def test_same_seed_same_tokens_other_seed_differs():
+    logits = _logits(3, vocab=1000) / 3
+
+    def draw(seed):
+        params = SamplingParams(temperature=1.0, seed=seed)
+        generator = make_generator(params, torch.device("cpu"))
+        return [sample(logits, params, generator).item() for _ in range(30)]
+
+    assert draw(5) == draw(5)
+    assert draw(5) != draw(6)
+
+
+@pytest.mark.parametrize(
+    "kwargs,message",
+    [
+        ({"temperature": -1.0}, "temperature"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"top_k": -2}, "top_k"),
+        ({"max_new_tokens": 0}, "max_new_tokens"),
+        ({"stop": [""]}, "stop"),
+    ],
+)
+def test_invalid_values_raise_user_error(kwargs, message):
+    with pytest.raises(UserError, match=message):
+        SamplingParams(**kwargs)
+
+
+class _CharTokenizer:
+    """One token per character, for exact streaming tests."""
+
+    def decode(self, ids, **_):
+        return "".join(chr(i) for i in ids)
+
+
+def _stream(text: str, stop: list[str]):
+    streamer = StopStringStreamer(_CharTokenizer(), stop)
+    ids, pieces = [], []
+    for ch in text:
+        ids.append(ord(ch))
+        pieces.append(streamer.update(ids))
+        if streamer.stopped:
+            break
+    pieces.append(streamer.finish())
+    return "".join(pieces), streamer
+
+
+def test_streamer_cuts_at_stop_string_and_never_shows_it():
+    shown, streamer = _stream("Hello world. END and more", ["END"])
+    assert shown == "Hello world. " and streamer.text == shown and streamer.stopped
+
+
+def test_streamer_earliest_of_several_stops():
+    shown, _ = _stream("abc###def\n\nxyz", ["\n\n", "###"])
+    assert shown == "abc"
+
+
+def test_streamer_without_stop_shows_everything_in_order():
+    shown, streamer = _stream("plain text", [])
+    assert shown == "plain text" and not streamer.stopped
+
+
+def test_streamer_holds_back_a_partial_stop():
+    streamer = StopStringStreamer(_CharTokenizer(), ["STOP"])
+    assert streamer.update([ord(c) for c in "abcST"]) == "ab"  # "cST" could start "STOP"
