@@ -18,44 +18,53 @@ LOG2E = 1.4426950408889634
 
 @triton.jit
 def _partial_kernel(
-    Q, K, V, LENGTH, NEW_K, NEW_V, OUT, LSE, scale_log2,
-    stride_qh, stride_kh, stride_kt, stride_vh, stride_vt, stride_nh,
-    stride_oh, stride_os, stride_lh,
-    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, DIM: tl.constexpr,
+    Q, K, V, TABLE, LENGTHS, NEW_K, NEW_V, OUT, LSE, scale_log2,
+    stride_qb, stride_qh, stride_kh, stride_kt, stride_vh, stride_vt, stride_tb,
+    stride_nb, stride_nh, stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
+    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr, TOKENS_PER_SPLIT: tl.constexpr, APPEND: tl.constexpr,
 ):  # fmt: skip
     kv_head = tl.program_id(0)
     split = tl.program_id(1)
-    length = tl.load(LENGTH)
+    seq = tl.program_id(2)
+    length = tl.load(LENGTHS + seq)
     start = split * TOKENS_PER_SPLIT
     end = tl.minimum(start + TOKENS_PER_SPLIT, length)
     offs_g = tl.arange(0, GROUP_PAD)
     offs_d = tl.arange(0, DIM)
     heads = kv_head * GROUP + offs_g
     head_ok = offs_g < GROUP
-    q = tl.load(Q + heads[:, None] * stride_qh + offs_d[None, :], mask=head_ok[:, None], other=0.0)
+    q_ptrs = Q + seq * stride_qb + heads[:, None] * stride_qh + offs_d[None, :]
+    q = tl.load(q_ptrs, mask=head_ok[:, None], other=0.0)
     m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, DIM], tl.float32)
     k_base = K + kv_head * stride_kh
     v_base = V + kv_head * stride_vh
+    table = TABLE + seq * stride_tb
     new_pos = length - 1
     if APPEND:  # the new token's K/V: stored by the slice that owns its position, used from
         # registers (not re-read from memory) by that slice's loop below
-        k_new = tl.load(NEW_K + kv_head * stride_nh + offs_d)
-        v_new = tl.load(NEW_V + kv_head * stride_nh + offs_d)
-        owner = (offs_d < DIM) & (new_pos >= start) & (new_pos < end)
-        tl.store(k_base + new_pos * stride_kt + offs_d, k_new, mask=owner)
-        tl.store(v_base + new_pos * stride_vt + offs_d, v_new, mask=owner)
+        new_k = tl.load(NEW_K + seq * stride_nb + kv_head * stride_nh + offs_d)
+        new_v = tl.load(NEW_V + seq * stride_nb + kv_head * stride_nh + offs_d)
+        owner = (new_pos >= start) & (new_pos < end)
+        new_page = tl.load(table + new_pos // PAGE_SIZE, mask=owner, other=0)
+        new_slot = new_page * PAGE_SIZE + new_pos % PAGE_SIZE
+        tl.store(k_base + new_slot * stride_kt + offs_d, new_k, mask=(offs_d < DIM) & owner)
+        tl.store(v_base + new_slot * stride_vt + offs_d, new_v, mask=(offs_d < DIM) & owner)
     # Static trip count (pipelined); blocks past `end` are fully masked and read no memory.
+    # A block never straddles two pages: BLOCK_N divides PAGE_SIZE and split starts.
     for block_offset in tl.range(0, TOKENS_PER_SPLIT, BLOCK_N):
-        offs_n = start + block_offset + tl.arange(0, BLOCK_N)
+        block_start = start + block_offset
+        offs_n = block_start + tl.arange(0, BLOCK_N)
         n_ok = offs_n < end
+        page = tl.load(table + block_start // PAGE_SIZE, mask=block_start < end, other=0)
+        slots = page * PAGE_SIZE + offs_n % PAGE_SIZE
         k = tl.load(
-            k_base + offs_n[:, None] * stride_kt + offs_d[None, :], mask=n_ok[:, None], other=0.0
+            k_base + slots[:, None] * stride_kt + offs_d[None, :], mask=n_ok[:, None], other=0.0
         )
         if APPEND:
-            k = tl.where((offs_n == new_pos)[:, None], k_new[None, :], k)
+            k = tl.where((offs_n == new_pos)[:, None], new_k[None, :], k)
         s = tl.dot(q, tl.trans(k)).to(tl.float32) * scale_log2  # [group, block], log2 units
         s = tl.where(n_ok[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -64,20 +73,19 @@ def _partial_kernel(
         p = tl.exp2(s - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(
-            v_base + offs_n[:, None] * stride_vt + offs_d[None, :], mask=n_ok[:, None], other=0.0
+            v_base + slots[:, None] * stride_vt + offs_d[None, :], mask=n_ok[:, None], other=0.0
         )
         if APPEND:
-            v = tl.where((offs_n == new_pos)[:, None], v_new[None, :], v)
+            v = tl.where((offs_n == new_pos)[:, None], new_v[None, :], v)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v).to(tl.float32)
         m_i = m_new
     has_keys = l_i > 0
     out = tl.where(has_keys[:, None], acc / tl.where(has_keys, l_i, 1.0)[:, None], 0.0)
-    lse = tl.where(
-        has_keys, (m_i + tl.log2(tl.where(has_keys, l_i, 1.0))) / 1.4426950408889634, float("-inf")
-    )
-    o_ptrs = OUT + heads[:, None] * stride_oh + split * stride_os + offs_d[None, :]
-    tl.store(o_ptrs, out, mask=head_ok[:, None])
-    tl.store(LSE + heads * stride_lh + split, lse, mask=head_ok)
+    lse = tl.where(has_keys, (m_i + tl.log2(tl.where(has_keys, l_i, 1.0))) / 1.4426950408889634,
+                   float("-inf"))  # fmt: skip
+    o_ptrs = OUT + seq * stride_ob + heads[:, None] * stride_oh + split * stride_os
+    tl.store(o_ptrs + offs_d[None, :], out, mask=head_ok[:, None])
+    tl.store(LSE + seq * stride_lb + heads * stride_lh + split, lse, mask=head_ok)
 
 
 @triton.jit
@@ -85,7 +93,7 @@ def _merge_kernel(
     PART_OUT, PART_LSE, OUT, LSE, stride_ph, stride_ps, stride_lh, stride_oh,
     NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr, DIM: tl.constexpr,
 ):  # fmt: skip
-    head = tl.program_id(0)
+    head = tl.program_id(0)  # a (sequence, head) row
     offs_s = tl.arange(0, SPLITS_PAD)
     offs_d = tl.arange(0, DIM)
     s_ok = offs_s < NUM_SPLITS
@@ -115,79 +123,86 @@ def num_splits_for(capacity: int, num_kv_heads: int, num_sms: int = 132) -> int:
     return int(min(by_length, by_occupancy))
 
 
-def triton_decode_attention(
-    q: torch.Tensor,  # [heads, 1, dim]
-    k: torch.Tensor,  # [kv_heads, capacity, dim]; keys past `length` are ignored
-    v: torch.Tensor,  # [kv_heads, capacity, dim]
-    length: torch.Tensor,  # [] or [1] int, number of valid keys (device tensor)
+def paged_decode_attention(
+    q: torch.Tensor,  # [seqs, heads, dim]: one query token per sequence
+    k: torch.Tensor,  # [kv_heads, slots, dim]: the page pool (slot = page * page_size + offset)
+    v: torch.Tensor,
+    block_tables: torch.Tensor,  # [seqs, max_pages] int32: pages in logical order
+    lengths: torch.Tensor,  # [seqs] int: valid keys per sequence (device tensor)
+    page_size: int,
     *,
-    new_kv: torch.Tensor | None = None,  # [2, 1, kv_heads, dim]: K/V of the query token
+    new_kv: torch.Tensor | None = None,  # [2, seqs, kv_heads, dim]: K/V of the query tokens
     scale: float | None = None,
     num_splits: int | None = None,
     block_n: int = 128,
     num_warps: int = 4,
     num_stages: int = 3,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Decode attention of one token; returns ``out [heads, 1, dim]`` and ``lse [heads, 1]``.
+    """Decode attention of a batch of sequences over pages: ``out [seqs, heads, dim]``, ``lse``.
 
-    With ``new_kv`` the kernel also stores that token's K/V at position ``length - 1``
-    (saving a separate cache-write launch per layer). ``num_splits`` key slices per kv
-    head (default: about one program per SM), ``block_n`` keys per inner step; the rest
-    are Triton launch settings.
+    Keys past each sequence's length are ignored. With ``new_kv`` the kernel also stores
+    each sequence's new K/V at position ``length - 1`` (its page must already be in the
+    table). ``num_splits`` key slices per (sequence, kv head) (default: about one program
+    per SM), ``block_n`` keys per inner step; the rest are Triton launch settings.
     """
-    num_heads, _, dim = q.shape
-    num_kv_heads, capacity, _ = k.shape
+    num_seqs, num_heads, dim = q.shape
+    num_kv_heads = k.shape[0]
     assert k.stride(-1) == 1 and v.stride(-1) == 1 and q.stride(-1) == 1
-    group = num_heads // num_kv_heads
-    num_splits = num_splits or num_splits_for(capacity, num_kv_heads)
+    block_n = min(block_n, page_size)
+    assert page_size % block_n == 0, "the page size must be a multiple of the key block"
+    capacity = block_tables.shape[1] * page_size
+    num_splits = num_splits or num_splits_for(capacity, num_seqs * num_kv_heads)
     tokens_per_split = triton.cdiv(triton.cdiv(capacity, num_splits), block_n) * block_n
     num_splits = triton.cdiv(capacity, tokens_per_split)
     scale = dim**-0.5 if scale is None else scale
-    part_out = torch.empty(num_heads, num_splits, dim, device=q.device, dtype=torch.float32)
-    part_lse = torch.empty(num_heads, num_splits, device=q.device, dtype=torch.float32)
-    new_k, new_v = (new_kv[0, 0], new_kv[1, 0]) if new_kv is not None else (k, v)
-    assert new_k.stride(-1) == 1 and new_k.stride(0) == new_v.stride(0)
-    _partial_kernel[(num_kv_heads, num_splits)](
-        q,
-        k,
-        v,
-        length,
-        new_k,
-        new_v,
-        part_out,
-        part_lse,
-        scale * LOG2E,
-        q.stride(0),
-        k.stride(0),
-        k.stride(1),
-        v.stride(0),
-        v.stride(1),
-        new_k.stride(0),
-        part_out.stride(0),
-        part_out.stride(1),
-        part_lse.stride(0),
-        GROUP=group,
-        GROUP_PAD=max(16, triton.next_power_of_2(group)),
-        DIM=dim,
-        BLOCK_N=block_n,
-        TOKENS_PER_SPLIT=tokens_per_split,
-        APPEND=new_kv is not None,
-        num_warps=num_warps,
-        num_stages=num_stages,
+    part_out = torch.empty(
+        num_seqs, num_heads, num_splits, dim, device=q.device, dtype=torch.float32
     )
-    out = torch.empty(num_heads, 1, dim, device=q.device, dtype=q.dtype)
-    lse = torch.empty(num_heads, 1, device=q.device, dtype=torch.float32)
-    _merge_kernel[(num_heads,)](
-        part_out,
-        part_lse,
-        out,
-        lse,
-        part_out.stride(0),
-        part_out.stride(1),
-        part_lse.stride(0),
-        out.stride(0),
-        NUM_SPLITS=num_splits,
-        SPLITS_PAD=triton.next_power_of_2(num_splits),
-        DIM=dim,
-    )
+    part_lse = torch.empty(num_seqs, num_heads, num_splits, device=q.device, dtype=torch.float32)
+    new_k, new_v = (new_kv[0], new_kv[1]) if new_kv is not None else (q, q)
+    _partial_kernel[(num_kv_heads, num_splits, num_seqs)](
+        q, k, v, block_tables, lengths, new_k, new_v, part_out, part_lse, scale * LOG2E,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        block_tables.stride(0), new_k.stride(0), new_k.stride(1),
+        part_out.stride(0), part_out.stride(1), part_out.stride(2),
+        part_lse.stride(0), part_lse.stride(1),
+        GROUP=num_heads // num_kv_heads, GROUP_PAD=max(16, triton.next_power_of_2(num_heads // num_kv_heads)),
+        DIM=dim, PAGE_SIZE=page_size, BLOCK_N=block_n, TOKENS_PER_SPLIT=tokens_per_split,
+        APPEND=new_kv is not None, num_warps=num_warps, num_stages=num_stages,
+    )  # fmt: skip
+    out = torch.empty(num_seqs, num_heads, dim, device=q.device, dtype=q.dtype)
+    lse = torch.empty(num_seqs, num_heads, device=q.device, dtype=torch.float32)
+    rows_out, rows_lse = part_out.view(-1, num_splits, dim), part_lse.view(-1, num_splits)
+    _merge_kernel[(num_seqs * num_heads,)](
+        rows_out, rows_lse, out, lse, rows_out.stride(0), rows_out.stride(1), rows_lse.stride(0),
+        dim, NUM_SPLITS=num_splits, SPLITS_PAD=triton.next_power_of_2(num_splits), DIM=dim,
+    )  # fmt: skip
     return out, lse
+
+
+_IDENTITY_TABLES: dict[tuple[torch.device, int], torch.Tensor] = {}
+
+
+def triton_decode_attention(
+    q: torch.Tensor,  # [heads, 1, dim]
+    k: torch.Tensor,  # [kv_heads, capacity, dim]; keys past `length` are ignored
+    v: torch.Tensor,  # [kv_heads, capacity, dim]
+    length: torch.Tensor,  # [1] int, number of valid keys (device tensor)
+    *,
+    new_kv: torch.Tensor | None = None,  # [2, 1, kv_heads, dim]: K/V of the query token
+    block_n: int = 128,
+    **kwargs,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Decode attention of one token over a contiguous buffer: ``out [heads, 1, dim]``, ``lse``.
+
+    The contiguous buffer is a pool whose pages are in order (an identity block table).
+    """
+    num_pages = triton.cdiv(k.shape[1], block_n)
+    key = (q.device, num_pages)
+    if key not in _IDENTITY_TABLES:
+        _IDENTITY_TABLES[key] = torch.arange(num_pages, device=q.device, dtype=torch.int32)[None]
+    out, lse = paged_decode_attention(
+        q.transpose(0, 1), k, v, _IDENTITY_TABLES[key], length, block_n,
+        new_kv=new_kv, block_n=block_n, **kwargs,
+    )  # fmt: skip
+    return out.transpose(0, 1), lse.transpose(0, 1)

@@ -1,0 +1,124 @@
+"""Attention over the paged pool with FlexAttention, and its dense CPU twin.
+
+The mask is written for the *logical* layout (each sequence's keys at positions 0..len-1,
+causal for queries that end the sequence), built as a BlockMask with the page size as key
+block, then converted to *physical* pages: block indices go through the block table and the
+mask function maps a physical slot back to its logical position. No page is ever gathered
+into a dense copy on this path.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch.nn.attention.flex_attention import (
+    AuxRequest,
+    BlockMask,
+    create_block_mask,
+    flex_attention,
+)
+
+Q_BLOCK = 128
+
+
+def _logical_mask(seq_lens: torch.Tensor, q_lens: torch.Tensor):
+    """Query ``i`` of sequence ``b`` sits at ``seq_len - q_len + i`` and sees keys up to it."""
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        q_pos = seq_lens[b] - q_lens[b] + q_idx
+        return (kv_idx <= q_pos) & (q_idx < q_lens[b])
+
+    return mask_mod
+
+
+def physical_block_mask(
+    block_tables: torch.Tensor,  # [seqs, max_pages] int32, pages in logical order (pad: any)
+    seq_lens: torch.Tensor,  # [seqs] keys per sequence, the queries included
+    q_lens: torch.Tensor,  # [seqs] queries per sequence (the last q_len positions)
+    num_queries: int,  # padded query length
+    num_slots: int,  # pages in the pool times page size
+    page_size: int,
+) -> BlockMask:
+    """The BlockMask of causal paged attention, in physical slot coordinates."""
+    num_seqs, max_pages = block_tables.shape
+    device = block_tables.device
+    logical_mask = _logical_mask(seq_lens, q_lens)
+    logical = create_block_mask(
+        logical_mask, num_seqs, None, num_queries, max_pages * page_size, device=device,
+        BLOCK_SIZE=(Q_BLOCK, page_size),
+    )  # fmt: skip
+    tables = block_tables.long()
+    num_pages = num_slots // page_size
+    logical_page = torch.full((num_seqs, num_pages), -1, dtype=torch.long, device=device)
+    pages_used = (seq_lens + page_size - 1) // page_size  # [seqs]
+    used = torch.arange(max_pages, device=device)[None, :] < pages_used[:, None]
+    rows = torch.arange(num_seqs, device=device)[:, None].expand_as(tables)
+    logical_page[rows[used], tables[used]] = torch.arange(max_pages, device=device).expand_as(
+        tables
+    )[used]
+
+    def physical_mask(b, h, q_idx, slot):
+        page = logical_page[b, slot // page_size]
+        return (page >= 0) & logical_mask(b, h, q_idx, page * page_size + slot % page_size)
+
+    def to_physical(indices: torch.Tensor | None) -> torch.Tensor | None:
+        """Logical block indices -> pages, widened to one column per page of the pool."""
+        if indices is None:
+            return None
+        pages = torch.gather(tables[:, None, None, :].expand(*indices.shape[:3], -1), 3,
+                             indices.long())  # fmt: skip
+        wide = torch.zeros(*indices.shape[:3], num_pages, dtype=torch.int32, device=device)
+        wide[..., : pages.shape[-1]] = pages
+        return wide
+
+    return BlockMask.from_kv_blocks(
+        logical.kv_num_blocks, to_physical(logical.kv_indices),
+        logical.full_kv_num_blocks, to_physical(logical.full_kv_indices),
+        BLOCK_SIZE=(Q_BLOCK, page_size), mask_mod=physical_mask,
+        seq_lengths=(num_queries, num_slots),
+    )  # fmt: skip
+
+
+@functools.cache
+def _compiled_flex():
+    return torch.compile(flex_attention, dynamic=False)
+
+
+def flex_paged_attention(
+    q: torch.Tensor,  # [seqs, heads, queries, dim] (padded per sequence)
+    k: torch.Tensor,  # [kv_heads, slots, dim]: the pool
+    v: torch.Tensor,
+    block_mask: BlockMask,
+    *,
+    scale: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """FlexAttention over pages: ``out [seqs, heads, queries, dim]``, ``lse [seqs, heads, queries]``.
+
+    Compiled on GPU; on CPU the eager (unfused) FlexAttention runs, for tests.
+    """
+    fn = _compiled_flex() if q.is_cuda else flex_attention
+    out, aux = fn(q, k[None], v[None], block_mask=block_mask, scale=scale, enable_gqa=True,
+                  return_aux=AuxRequest(lse=True))  # fmt: skip
+    return out, aux.lse
+
+
+def gathered_paged_attention(
+    q: torch.Tensor,  # [seqs, heads, queries, dim]
+    store_kv: torch.Tensor,  # [2, kv_heads, slots, dim]: one layer of the pool
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    q_lens: torch.Tensor,
+    page_size: int,
+    attend_fn,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The dense twin: gather each sequence's pages, then ``attend_fn(q, k, v, causal=True)``."""
+    out = torch.zeros_like(q)
+    lse = torch.full(q.shape[:3], float("-inf"), device=q.device)
+    for b in range(q.shape[0]):
+        length, num_q = int(seq_lens[b]), int(q_lens[b])
+        positions = torch.arange(length, device=q.device)
+        slots = block_tables[b].long()[positions // page_size] * page_size + positions % page_size
+        kv = store_kv.index_select(2, slots)
+        out[b, :, :num_q], lse[b, :, :num_q] = attend_fn(q[b, :, :num_q], kv[0], kv[1], causal=True)
+    return out, lse
