@@ -147,6 +147,7 @@ def paged_decode_attention(
     """
     num_seqs, num_heads, dim = q.shape
     num_kv_heads = k.shape[0]
+    group = num_heads // num_kv_heads
     assert k.stride(-1) == 1 and v.stride(-1) == 1 and q.stride(-1) == 1
     block_n = min(block_n, page_size)
     assert page_size % block_n == 0, "the page size must be a multiple of the key block"
@@ -166,7 +167,7 @@ def paged_decode_attention(
         block_tables.stride(0), new_k.stride(0), new_k.stride(1),
         part_out.stride(0), part_out.stride(1), part_out.stride(2),
         part_lse.stride(0), part_lse.stride(1),
-        GROUP=num_heads // num_kv_heads, GROUP_PAD=max(16, triton.next_power_of_2(num_heads // num_kv_heads)),
+        GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
         DIM=dim, PAGE_SIZE=page_size, BLOCK_N=block_n, TOKENS_PER_SPLIT=tokens_per_split,
         APPEND=new_kv is not None, num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
