@@ -93,7 +93,7 @@ def flex_paged_attention(
     *,
     scale: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """FlexAttention over pages: ``out [seqs, heads, queries, dim]``, ``lse [seqs, heads, queries]``.
+    """FlexAttention over pages: ``out [seqs, heads, queries, dim]`` and ``lse [seqs, heads, q]``.
 
     Compiled on GPU; on CPU the eager (unfused) FlexAttention runs, for tests.
     """
