@@ -50,25 +50,31 @@ class LLM:
     def generate(
         self,
         prompts: str | list[int] | list[str] | list[list[int]],
-        params: SamplingParams | None = None,
+        params: SamplingParams | list[SamplingParams] | None = None,
         *,
         chat: bool = False,
     ) -> list[RequestOutput]:
         """Generate for one prompt or a list; returns one RequestOutput per prompt.
 
         A prompt is text (tokenized exactly as ``tokenizer(prompt)``, or by the chat
-        template with ``chat=True``) or a list of token ids.
+        template with ``chat=True``) or a list of token ids. All prompts run as one batch
+        over the shared KV page pool (continuous batching, shared prefixes reuse pages);
+        ``params`` is one SamplingParams for all or a list with one per prompt.
         """
-        params = params or SamplingParams()
         single = isinstance(prompts, str) or (
             isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
         )
-        outputs = []
-        for prompt in [prompts] if single else prompts:
-            output = self.engine.run(self._prompt_ids(prompt, chat), params)
+        prompts = [prompts] if single else list(prompts)
+        if not prompts:
+            return []
+        params_list = (
+            params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
+        )
+        ids = [self._prompt_ids(prompt, chat) for prompt in prompts]
+        outputs = self.engine.generate_batch(ids, params_list)
+        for output, prompt in zip(outputs, prompts, strict=True):
             output.prompt = prompt
-            outputs.append(output)
-        self.last_output = outputs[-1] if outputs else None
+        self.last_output = outputs[-1]
         return outputs
 
     def stream(

@@ -31,6 +31,8 @@ def _add_generate(subparsers) -> None:
     p.add_argument(
         "--max-context", type=int, default=None, help="override the model's context length"
     )
+    p.add_argument("--gpu-memory", default=None, help="memory budget, e.g. 24GiB or 0.8")
+    p.add_argument("--page-size", type=int, default=128, help="tokens per KV page")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -19,6 +19,10 @@ class EngineConfig:
     ``max_context``: longest sequence allowed (None: the model's trained context).
     ``cuda_graph`` / ``compile``: capture the decode step in a CUDA graph / fuse its
     elementwise work with torch.compile (GPU only).
+    ``gpu_memory``: memory budget of the engine on its device ("24GiB", "500MB", a fraction
+    such as 0.8, or None for most of what is free); the KV page pool gets what weights and
+    activations leave; ``num_kv_pages`` sets the pool size directly instead.
+    ``page_size``: tokens per KV page. ``max_batch``: most sequences decoded together.
     """
 
     device: str = "cpu"
@@ -29,6 +33,10 @@ class EngineConfig:
     cuda_graph: bool = True
     compile: bool = True
     progress: bool = False
+    gpu_memory: str | float | None = None
+    num_kv_pages: int | None = None
+    page_size: int = 128
+    max_batch: int = 64
 
     def __post_init__(self):
         if self.dtype is None:
@@ -43,6 +51,11 @@ class EngineConfig:
             raise UserError(f"prefill_chunk must be a positive integer, got {self.prefill_chunk}")
         if self.max_context is not None and self.max_context < 1:
             raise UserError(f"max_context must be a positive integer, got {self.max_context}")
+        if self.num_kv_pages is not None and self.num_kv_pages < 1:
+            raise UserError(f"num_kv_pages must be a positive integer, got {self.num_kv_pages}")
+        for name in ("page_size", "max_batch"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise UserError(f"{name} must be a positive integer, got {getattr(self, name)}")
         if self.attention_backend not in ("sdpa", "reference"):
             raise UserError(
                 f"attention_backend must be 'sdpa' or 'reference', got {self.attention_backend!r}"

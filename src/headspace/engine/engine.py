@@ -59,6 +59,7 @@ class RequestOutput:
     token_ids: list[int]
     finish_reason: str  # "stop" (EOS or stop string) or "length"
     stats: GenerationStats = field(default_factory=GenerationStats)
+    num_cached_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache
 
 
 def _load_tokenizer(model_dir: Path):
@@ -88,6 +89,7 @@ class Engine:
         if self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
         self.eos_token_ids = eos
+        self._batch = None  # the paged batch generator, made on first use
 
     def encode(self, prompt: str, chat: bool = False) -> list[int]:
         """Token ids of ``prompt``: exactly ``tokenizer(prompt)``, or the chat template's."""
@@ -159,6 +161,16 @@ class Engine:
         if self.config.on_gpu:
             stats.peak_gpu_bytes = torch.cuda.max_memory_allocated(self.config.device)
         return RequestOutput(prompt_ids, streamer.text, generated, finish_reason, stats)
+
+    def generate_batch(
+        self, prompts: list[list[int]], params: list[SamplingParams]
+    ) -> list[RequestOutput]:
+        """Generate for many prompts as one batch over the shared KV page pool."""
+        from headspace.engine.batch import BatchGenerator
+
+        if self._batch is None:
+            self._batch = BatchGenerator(self)
+        return self._batch.run(prompts, params)
 
     def run(self, prompt_ids: list[int], params: SamplingParams) -> RequestOutput:
         """Generate to the end without streaming."""

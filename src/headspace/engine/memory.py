@@ -1,0 +1,73 @@
+"""Memory budgets: parse ``gpu_memory`` and size the KV page pool from it."""
+
+from __future__ import annotations
+
+import os
+import re
+
+import torch
+
+from headspace.errors import UserError
+from headspace.model.config import ModelConfig
+
+_UNITS = {"": 1, "B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12,
+          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}  # fmt: skip
+
+
+def parse_memory(value: str | float | int, total_bytes: int) -> int:
+    """Bytes from ``"24GiB"``, ``"500MB"``, a byte count, or a fraction in (0, 1] of the total."""
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        if 0 < value <= 1:
+            return int(value * total_bytes)
+        if value > 1:
+            return int(value)
+        raise UserError(f"memory budget must be positive, got {value}")
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(value))
+    if not match or match.group(2).upper() not in _UNITS:
+        raise UserError(f"cannot read memory budget {value!r} (use e.g. 24GiB, 500MB or 0.8)")
+    number, unit = float(match.group(1)), match.group(2).upper()
+    return parse_memory(number, total_bytes) if unit == "" else int(number * _UNITS[unit])
+
+
+def device_total_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def kv_page_bytes(config: ModelConfig, page_size: int, dtype: torch.dtype) -> int:
+    element = torch.empty((), dtype=dtype).element_size()
+    return 2 * config.num_layers * config.num_kv_heads * config.head_dim * page_size * element
+
+
+def num_kv_pages(
+    config: ModelConfig,
+    budget: str | float | None,
+    *,
+    device: torch.device,
+    dtype: torch.dtype,
+    page_size: int,
+    weight_bytes: int,
+    activation_bytes: int,
+    max_context: int,
+) -> int:
+    """Pages of the KV pool: what the budget leaves after weights and activations.
+
+    Without a budget: 90% of free GPU memory on a GPU; on the CPU, room for four full
+    contexts. Raises UserError when the budget leaves no room for one full page.
+    """
+    page_bytes = kv_page_bytes(config, page_size, dtype)
+    if budget is None:
+        if device.type != "cuda":
+            return 4 * -(-max_context // page_size)
+        free, _ = torch.cuda.mem_get_info(device)
+        return max(0, int(0.9 * free) - activation_bytes) // page_bytes
+    total = parse_memory(budget, device_total_bytes(device))
+    left = total - weight_bytes - activation_bytes
+    if left < page_bytes:
+        raise UserError(
+            f"memory budget too small: {total / 2**30:.2f} GiB holds weights "
+            f"({weight_bytes / 2**30:.2f} GiB) and activations ({activation_bytes / 2**30:.2f} "
+            f"GiB) but no KV page ({page_bytes / 2**20:.1f} MiB each)"
+        )
+    return left // page_bytes

@@ -1,0 +1,69 @@
+"""Batched generation over the page pool equals one-at-a-time generation."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from headspace import LLM, SamplingParams, UserError
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory, embedded_dir):
+    from conftest import make_tiny_checkpoint
+
+    path = tmp_path_factory.mktemp("batch-tiny")
+    make_tiny_checkpoint("llama3", path, embedded_dir)
+    return path
+
+
+def _prompts(lengths, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 40000, (n,), generator=generator).tolist() for n in lengths]
+
+
+def test_batch_equals_one_at_a_time_with_continuous_batching(tiny_llama):
+    prompts = _prompts([5, 40, 17, 90, 33, 64, 8])
+    params = SamplingParams(max_new_tokens=24, ignore_eos=True)
+    # 12 pages of 16 tokens: not all 7 requests fit at once, so finished ones make room
+    llm = LLM(str(tiny_llama), page_size=16, num_kv_pages=12, max_batch=4)
+    batched = llm.generate(prompts, params)
+    single = [llm.engine.run(p, params).token_ids for p in prompts]
+    assert [o.token_ids for o in batched] == single
+    runner = llm.engine._batch.runner
+    assert runner.blocks.pool.num_pages == 12
+    assert runner.blocks.pool.num_free == 12  # every page back once all are done
+
+
+def test_shared_prefix_reuses_pages_and_gives_identical_outputs(tiny_llama):
+    prefix = _prompts([100], seed=1)[0]
+    first, second = prefix + [11, 12, 13], prefix + [21, 22]
+    params = SamplingParams(max_new_tokens=16, ignore_eos=True)
+    llm = LLM(str(tiny_llama), page_size=16)
+    together = llm.generate([first, second], params)
+    assert together[0].num_cached_tokens == 0
+    assert together[1].num_cached_tokens == 96  # six full pages of the shared prefix
+    alone = LLM(str(tiny_llama), page_size=16)
+    assert together[1].token_ids == alone.generate(second, params)[0].token_ids
+    assert together[0].token_ids == alone.engine.run(first, params).token_ids
+    shared_peak = llm.engine._batch.peak_pages
+    unshared = LLM(str(tiny_llama), page_size=16)
+    unshared.generate([first, _prompts([100], seed=2)[0] + [21, 22]], params)
+    assert shared_peak < unshared.engine._batch.peak_pages
+
+
+def test_request_that_can_never_fit_is_refused(tiny_llama):
+    llm = LLM(str(tiny_llama), page_size=16, num_kv_pages=4)
+    with pytest.raises(UserError, match="needs 5 KV pages but the pool has 4"):
+        llm.generate(_prompts([70])[0], SamplingParams(max_new_tokens=10))
+
+
+def test_budget_smaller_than_the_weights_is_refused(tiny_llama):
+    with pytest.raises(UserError, match="memory budget too small"):
+        LLM(str(tiny_llama), gpu_memory="1MB").generate([1, 2, 3])
+
+
+@pytest.mark.parametrize("value", ["lots", "-3GiB", "12XB"])
+def test_unreadable_budget_is_refused(tiny_llama, value):
+    with pytest.raises(UserError, match="memory budget"):
+        LLM(str(tiny_llama), gpu_memory=value).generate([1, 2, 3])
