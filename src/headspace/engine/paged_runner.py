@@ -46,8 +46,8 @@ class PagedRunner:
         on_gpu = self.device.type == "cuda"
         mask = None
         if on_gpu and not decode:
-            mask = physical_block_mask(tables, seq_lens, q_lens, max_q,
-                                       self.store.num_pages * self.page_size, self.page_size)  # fmt: skip
+            num_slots = self.store.num_pages * self.page_size
+            mask = physical_block_mask(tables, seq_lens, q_lens, max_q, num_slots, self.page_size)
 
         def attention(layer: int, q, kv):  # q [T, H, D], kv [2, T, Hkv, D]
             store_kv = self.store.kv[layer]
