@@ -44,11 +44,13 @@ def batch_engine(model, config: EngineConfig):
     return BatchGenerator(engine)
 
 
-def run_batch(model, prompts) -> dict:
+def run_batch(model, prompts, warmup_prompts) -> dict:
+    """Time the batch after a warm-up of the same lengths (other tokens: no prefix hits),
+    so that compiling each shape stays out of the measurement."""
     config = EngineConfig(device="cuda", page_size=PAGE, max_context=1 << 20)
     generator = batch_engine(model, config)
     params = [SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True)] * len(prompts)
-    generator.run(prompts[:2], params[:2])  # warm-up: compiles, Triton kernels
+    generator.run(warmup_prompts, params)
     generator.peak_pages = 0
     torch.cuda.synchronize()
     start = time.perf_counter()
@@ -78,6 +80,7 @@ def hf_batch(hf, prompts) -> float:
     for row, p in enumerate(prompts):  # left padding, as generation needs
         ids[row, width - len(p) :] = torch.tensor(p)
         mask[row, width - len(p) :] = 1
+    hf.generate(ids[:, -64:].cuda(), attention_mask=mask[:, -64:].cuda(), max_new_tokens=4)
     torch.cuda.synchronize()
     start = time.perf_counter()
     hf.generate(ids.cuda(), attention_mask=mask.cuda(), max_new_tokens=NEW_TOKENS,
@@ -86,11 +89,11 @@ def hf_batch(hf, prompts) -> float:
     return time.perf_counter() - start
 
 
-def decode_bandwidth(context: int) -> dict:
+def decode_bandwidth(context: int, page: int = PAGE) -> dict:
     """K/V bytes per second of one decode token over 32 layers: paged Triton vs cuDNN."""
     heads, kv_heads, dim, layers = 32, 8, 128, 32
-    num_pages = context // PAGE
-    pools = [torch.randn(2, kv_heads, num_pages * PAGE, dim, device="cuda", dtype=torch.bfloat16)
+    num_pages = context // page
+    pools = [torch.randn(2, kv_heads, num_pages * page, dim, device="cuda", dtype=torch.bfloat16)
              for _ in range(layers)]  # fmt: skip
     table = torch.randperm(num_pages, device="cuda").to(torch.int32)[None]  # scattered pages
     q = torch.randn(1, heads, dim, device="cuda", dtype=torch.bfloat16)
@@ -99,7 +102,7 @@ def decode_bandwidth(context: int) -> dict:
 
     def paged():
         for kv in pools:
-            paged_decode_attention(q, kv[0], kv[1], table, length, PAGE)
+            paged_decode_attention(q, kv[0], kv[1], table, length, page)
 
     def cudnn():
         with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.CUDNN_ATTENTION):
@@ -117,13 +120,22 @@ def decode_bandwidth(context: int) -> dict:
 def main() -> None:
     env = environment()
     bandwidth = {str(n): decode_bandwidth(n) for n in (8192, 32768, 131072)}
+    # page size: decode bandwidth at 32K, and the pool overhead of this workload
+    page_sweep = {}
+    for page in (16, 32, 64, 128, 256):
+        held = sum(-(-(n + NEW_TOKENS - 1) // page) * page for n in LENGTHS)
+        page_sweep[str(page)] = {
+            "decode_tb_s_32k": decode_bandwidth(32768, page)["paged_tb_s"],
+            "kv_overhead_ratio": held / sum(n + NEW_TOKENS - 1 for n in LENGTHS),
+        }
     hf = random_hf_llama(LLAMA3_8B)
     config = config_from_dict(LLAMA3_8B)
     model = build_model(config, hf.state_dict().__getitem__, "cuda", torch.bfloat16)
     generator = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, config.vocab_size, (n,), generator=generator).tolist()
                for n in LENGTHS]  # fmt: skip
-    ours = run_batch(model, prompts)
+    warmup = [[(t + 1) % config.vocab_size for t in p] for p in prompts]
+    ours = run_batch(model, prompts, warmup)
     torch.cuda.empty_cache()
     theirs = hf_batch(hf, prompts)
     total_new = NEW_TOKENS * len(prompts)
@@ -141,6 +153,7 @@ def main() -> None:
         "pool_pages": ours["pool_pages"],
         "decode_bw_ratio_vs_contiguous": {n: b["ratio"] for n, b in bandwidth.items()},
         "decode_bw_tb_s": bandwidth,
+        "page_size_sweep": page_sweep,
         "batch_tok_s": total_new / ours["seconds"],
         "batch_seconds": ours["seconds"],
         "transformers_batch_tok_s": total_new / theirs,
@@ -151,6 +164,9 @@ def main() -> None:
     print(f"\nwrote {path}")
     print(f"KV held at peak / minimum: paged {result['kv_overhead_ratio']:.3f}, "
           f"contiguous per request {contiguous:.3f}")  # fmt: skip
+    for page, row in page_sweep.items():
+        print(f"page {page:>4}: decode at 32K {row['decode_tb_s_32k']:.2f} TB/s, "
+              f"pool overhead {row['kv_overhead_ratio']:.3f}")  # fmt: skip
     for n, b in bandwidth.items():
         print(f"decode attention {n:>6}: paged {b['paged_tb_s']:.2f} TB/s, cuDNN "
               f"{b['cudnn_tb_s']:.2f} TB/s, ratio {b['ratio']:.2f}")  # fmt: skip

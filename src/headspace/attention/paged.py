@@ -82,6 +82,8 @@ def physical_block_mask(
 
 @functools.cache
 def _compiled_flex():
+    # one compile per (query, slot) shape: callers pad queries to a few sizes
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
     return torch.compile(flex_attention, dynamic=False)
 
 

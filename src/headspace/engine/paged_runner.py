@@ -44,10 +44,13 @@ class PagedRunner:
         """The model's attention callback for a batch laid out as ``[seqs, q_lens]`` tokens."""
         num_seqs, max_q = len(seq_lens), int(q_lens.max())
         on_gpu = self.device.type == "cuda"
-        mask = None
-        if on_gpu and not decode:
+        mask, padded_q = None, max_q
+        if on_gpu and not decode:  # queries padded to a power of two >= 128: few compiled shapes
+            padded_q = max(128, 1 << (max_q - 1).bit_length())
             num_slots = self.store.num_pages * self.page_size
-            mask = physical_block_mask(tables, seq_lens, q_lens, max_q, num_slots, self.page_size)
+            mask = physical_block_mask(
+                tables, seq_lens, q_lens, padded_q, num_slots, self.page_size
+            )
 
         def attention(layer: int, q, kv):  # q [T, H, D], kv [2, T, Hkv, D]
             store_kv = self.store.kv[layer]
@@ -60,7 +63,9 @@ class PagedRunner:
             self.store.write(layer, slots, kv)
             q4 = q.view(num_seqs, max_q, *q.shape[1:]).transpose(1, 2)  # [B, H, Lq, D]
             if on_gpu:
+                q4 = torch.nn.functional.pad(q4, (0, 0, 0, padded_q - max_q))
                 out, _ = flex_paged_attention(q4, store_kv[0], store_kv[1], mask)
+                out = out[:, :, :max_q]
             else:
                 backend = self.config.attention_backend
                 out, _ = gathered_paged_attention(
