@@ -67,3 +67,14 @@ def test_budget_smaller_than_the_weights_is_refused(tiny_llama):
 def test_unreadable_budget_is_refused(tiny_llama, value):
     with pytest.raises(UserError, match="memory budget"):
         LLM(str(tiny_llama), gpu_memory=value).generate([1, 2, 3])
+
+
+def test_streaming_respects_the_memory_budget(tiny_llama):
+    weights = sum(
+        p.numel() * p.element_size() for p in LLM(str(tiny_llama)).engine.model.parameters()
+    )
+    llm = LLM(str(tiny_llama), gpu_memory=weights + 100_000)  # room for ~130 tokens of KV
+    with pytest.raises(UserError, match="memory budget too small: 400 tokens"):
+        list(llm.stream(_prompts([300])[0], SamplingParams(max_new_tokens=100)))
+    pieces = list(llm.stream(_prompts([10])[0], SamplingParams(max_new_tokens=4, ignore_eos=True)))
+    assert len(llm.last_output.token_ids) == 4 and isinstance(pieces, list)

@@ -110,6 +110,24 @@ class Engine:
                 f"{self.max_context} tokens (raise it explicitly with max_context / --max-context)"
             )
 
+    def _check_budget(self, num_tokens: int) -> None:
+        """The single-sequence cache must fit ``gpu_memory`` too (the pool path sizes itself)."""
+        if self.config.gpu_memory is None:
+            return
+        from headspace.engine.memory import device_total_bytes, parse_memory
+
+        device = torch.device(self.config.device)
+        budget = parse_memory(self.config.gpu_memory, device_total_bytes(device))
+        element = torch.empty((), dtype=self.config.torch_dtype).element_size()
+        kv_bytes = num_tokens * self.model.config.kv_bytes_per_token // 2 * element
+        weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        if weights + kv_bytes > budget:
+            raise UserError(
+                f"memory budget too small: {num_tokens} tokens need {kv_bytes / 2**30:.2f} GiB "
+                f"of KV beside {weights / 2**30:.2f} GiB of weights, over the "
+                f"{budget / 2**30:.2f} GiB budget"
+            )
+
     def _sync(self) -> None:
         if self.config.on_gpu:
             torch.cuda.synchronize(self.config.device)
@@ -127,6 +145,7 @@ class Engine:
         """Yield text pieces as tokens are produced; returns the RequestOutput at the end."""
         self.check_length(len(prompt_ids))
         total = min(len(prompt_ids) + params.max_new_tokens, self.max_context)
+        self._check_budget(total)
         if self.config.on_gpu:
             torch.cuda.reset_peak_memory_stats(self.config.device)
         self.runner.reserve(total)
