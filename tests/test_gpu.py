@@ -113,7 +113,8 @@ def test_paged_paths_on_gpu_match_reference():
 
     q = torch.randn(3, 32, 1, 128, device="cuda", dtype=torch.bfloat16)
     out, _ = paged_decode_attention(q[:, :, 0], pool[0], pool[1], tables, lens, page)
-    mask = physical_block_mask(tables, lens, torch.ones_like(lens), 1, num_pages * page, page)
+    ones = torch.ones_like(lens)
+    mask = physical_block_mask(tables, lens - 1, ones, lens, 1, num_pages * page, page)
     flex_out, _ = flex_paged_attention(q, pool[0], pool[1], mask)
     for b in range(3):
         ref, _ = reference_attention(q[b], *dense(b))

@@ -5,12 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from headspace.attention import attend, reference_attention
-from headspace.attention.paged import (
-    flex_paged_attention,
-    gathered_paged_attention,
-    physical_block_mask,
-)
+from headspace.attention import attend, merge_attention, reference_attention
+from headspace.attention.paged import flex_paged_attention, gather_pages, physical_block_mask
 
 PAGE = 16
 HEADS, KV_HEADS, DIM = 8, 2, 32
@@ -55,8 +51,9 @@ CASES = [
 @pytest.mark.parametrize("seq_lens,q_lens", CASES)
 def test_flex_paged_attention_matches_reference(seq_lens, q_lens):
     q, pool, tables, dense = _ragged_batch(seq_lens, q_lens)
+    lens, q_len_t = torch.tensor(seq_lens), torch.tensor(q_lens)
     mask = physical_block_mask(
-        tables, torch.tensor(seq_lens), torch.tensor(q_lens), q.shape[2], pool.shape[2], PAGE
+        tables, lens - q_len_t, q_len_t, lens, q.shape[2], pool.shape[2], PAGE
     )
     out, lse = flex_paged_attention(q, pool[0], pool[1], mask)
     for b, (ref_out, ref_lse) in enumerate(zip(*_expected(q, dense, q_lens), strict=True)):
@@ -64,15 +61,28 @@ def test_flex_paged_attention_matches_reference(seq_lens, q_lens):
         assert (lse[b, :, : q_lens[b]] - ref_lse).abs().max().item() < 1e-5
 
 
-@pytest.mark.parametrize("seq_lens,q_lens", CASES)
-def test_gathered_twin_matches_reference(seq_lens, q_lens):
-    q, pool, tables, dense = _ragged_batch(seq_lens, q_lens, seed=1)
-    out, lse = gathered_paged_attention(
-        q, pool, tables, torch.tensor(seq_lens), torch.tensor(q_lens), PAGE, attend
-    )
-    for b, (ref_out, ref_lse) in enumerate(zip(*_expected(q, dense, q_lens), strict=True)):
-        assert (out[b, :, : q_lens[b]] - ref_out).abs().max().item() < 1e-5
-        assert (lse[b, :, : q_lens[b]] - ref_lse).abs().max().item() < 1e-5
+def test_gathered_pages_are_the_dense_sequence():
+    seq_lens = [5, 37, 70]
+    _, pool, tables, dense = _ragged_batch(seq_lens, [1, 1, 1], seed=1)
+    for b, length in enumerate(seq_lens):
+        k, v = gather_pages(pool, tables[b], length, PAGE)
+        assert torch.equal(k, dense[b][0]) and torch.equal(v, dense[b][1])
+
+
+def test_chunk_attention_is_diagonal_plus_prefix_pages_merged():
+    """The paged prefill split: causal over the chunk's own K/V, flex over the prefix pages."""
+    seq_len, num_q = 70, 23
+    q, pool, tables, dense = _ragged_batch([seq_len], [num_q], seed=3)
+    prefix = torch.tensor([seq_len - num_q])
+    mask = physical_block_mask(tables, prefix, torch.tensor([num_q]), prefix, num_q,
+                               pool.shape[2], PAGE)  # fmt: skip
+    prefix_out, prefix_lse = flex_paged_attention(q, pool[0], pool[1], mask)
+    k_new, v_new = dense[0][0][:, -num_q:], dense[0][1][:, -num_q:]
+    diag_out, diag_lse = attend(q[0], k_new, v_new, causal=True)
+    out, lse = merge_attention([diag_out, prefix_out[0]], [diag_lse, prefix_lse[0]])
+    ref_out, ref_lse = reference_attention(q[0], dense[0][0], dense[0][1], causal=True)
+    assert (out - ref_out).abs().max().item() < 1e-5
+    assert (lse - ref_lse).abs().max().item() < 1e-5
 
 
 @pytest.mark.parametrize("block_n", [16, 8])

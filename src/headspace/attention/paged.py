@@ -22,28 +22,34 @@ from torch.nn.attention.flex_attention import (
 Q_BLOCK = 128
 
 
-def _logical_mask(seq_lens: torch.Tensor, q_lens: torch.Tensor):
-    """Query ``i`` of sequence ``b`` sits at ``seq_len - q_len + i`` and sees keys up to it."""
+def _logical_mask(q_starts: torch.Tensor, q_lens: torch.Tensor, kv_lens: torch.Tensor):
+    """Query ``i`` of sequence ``b`` sits at ``q_start + i``; it sees keys up to its position
+    and below ``kv_len`` (causal over the sequence, or a prefix only)."""
 
     def mask_mod(b, h, q_idx, kv_idx):
-        q_pos = seq_lens[b] - q_lens[b] + q_idx
-        return (kv_idx <= q_pos) & (q_idx < q_lens[b])
+        visible = (kv_idx <= q_starts[b] + q_idx) & (kv_idx < kv_lens[b])
+        return visible & (q_idx < q_lens[b])
 
     return mask_mod
 
 
 def physical_block_mask(
     block_tables: torch.Tensor,  # [seqs, max_pages] int32, pages in logical order (pad: any)
-    seq_lens: torch.Tensor,  # [seqs] keys per sequence, the queries included
-    q_lens: torch.Tensor,  # [seqs] queries per sequence (the last q_len positions)
+    q_starts: torch.Tensor,  # [seqs] position of each sequence's first query
+    q_lens: torch.Tensor,  # [seqs] queries per sequence
+    kv_lens: torch.Tensor,  # [seqs] keys per sequence that may be seen
     num_queries: int,  # padded query length
     num_slots: int,  # pages in the pool times page size
     page_size: int,
 ) -> BlockMask:
-    """The BlockMask of causal paged attention, in physical slot coordinates."""
+    """The BlockMask of paged attention, in physical slot coordinates.
+
+    Causal paged attention: ``q_starts = kv_lens - q_lens``. Attention of a chunk to the
+    prefix before it: ``q_starts = kv_lens = prefix length``.
+    """
     num_seqs, max_pages = block_tables.shape
     device = block_tables.device
-    logical_mask = _logical_mask(seq_lens, q_lens)
+    logical_mask = _logical_mask(q_starts, q_lens, kv_lens)
     logical = create_block_mask(
         logical_mask, num_seqs, None, num_queries, max_pages * page_size, device=device,
         BLOCK_SIZE=(Q_BLOCK, page_size),
@@ -51,7 +57,7 @@ def physical_block_mask(
     tables = block_tables.long()
     num_pages = num_slots // page_size
     logical_page = torch.full((num_seqs, num_pages), -1, dtype=torch.long, device=device)
-    pages_used = (seq_lens + page_size - 1) // page_size  # [seqs]
+    pages_used = (kv_lens + page_size - 1) // page_size  # [seqs]
     used = torch.arange(max_pages, device=device)[None, :] < pages_used[:, None]
     rows = torch.arange(num_seqs, device=device)[:, None].expand_as(tables)
     logical_page[rows[used], tables[used]] = torch.arange(max_pages, device=device).expand_as(
@@ -105,22 +111,14 @@ def flex_paged_attention(
     return out, aux.lse
 
 
-def gathered_paged_attention(
-    q: torch.Tensor,  # [seqs, heads, queries, dim]
+def gather_pages(
     store_kv: torch.Tensor,  # [2, kv_heads, slots, dim]: one layer of the pool
-    block_tables: torch.Tensor,
-    seq_lens: torch.Tensor,
-    q_lens: torch.Tensor,
+    pages: torch.Tensor,  # [pages] of one sequence, in logical order
+    length: int,
     page_size: int,
-    attend_fn,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The dense twin: gather each sequence's pages, then ``attend_fn(q, k, v, causal=True)``."""
-    out = torch.zeros_like(q)
-    lse = torch.full(q.shape[:3], float("-inf"), device=q.device)
-    for b in range(q.shape[0]):
-        length, num_q = int(seq_lens[b]), int(q_lens[b])
-        positions = torch.arange(length, device=q.device)
-        slots = block_tables[b].long()[positions // page_size] * page_size + positions % page_size
-        kv = store_kv.index_select(2, slots)
-        out[b, :, :num_q], lse[b, :, :num_q] = attend_fn(q[b, :, :num_q], kv[0], kv[1], causal=True)
-    return out, lse
+    """Dense K and V ``[kv_heads, length, dim]`` of a sequence's first ``length`` tokens."""
+    positions = torch.arange(length, device=store_kv.device)
+    slots = pages.long()[positions // page_size] * page_size + positions % page_size
+    kv = store_kv.index_select(2, slots)
+    return kv[0], kv[1]

@@ -4,12 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from headspace.attention import attend
-from headspace.attention.paged import (
-    flex_paged_attention,
-    gathered_paged_attention,
-    physical_block_mask,
-)
+from headspace.attention import attend, merge_attention, reference_attention
+from headspace.attention.paged import flex_paged_attention, gather_pages, physical_block_mask
 from headspace.engine.config import EngineConfig
 from headspace.engine.scheduler import Sequence
 from headspace.kv.block_table import BlockManager
@@ -26,53 +22,50 @@ class PagedRunner:
         self.device = torch.device(config.device)
         self.page_size = page_size
         self.blocks = BlockManager(num_pages, page_size)
-        self.store = PagedKVStore(
-            cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, num_pages, page_size,
+        self.store = PagedKVStore(  # one extra page: the scratch page of padded graph rows
+            cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, num_pages + 1, page_size,
             dtype=config.torch_dtype, device=self.device,
         )  # fmt: skip
         self._compiled = config.compile and self.device.type == "cuda"
+        self._graphs = None
+        if self.device.type == "cuda" and config.cuda_graph:
+            from headspace.engine.paged_graphs import DecodeGraphs
 
-    def _tables(self, seqs: list[Sequence]) -> torch.Tensor:
-        """Block tables ``[seqs, max_pages]`` int32 on the device (padded with page 0)."""
-        pages = [self.blocks.table(s.seq_id).pages for s in seqs]
-        table = torch.zeros(len(seqs), max(map(len, pages)), dtype=torch.int32)
-        for row, seq_pages in enumerate(pages):
-            table[row, : len(seq_pages)] = torch.tensor(seq_pages, dtype=torch.int32)
-        return table.to(self.device)
+            mode = "static" if self._compiled else "eager"
+            self._graphs = DecodeGraphs(model, self.store, page_size, num_pages, mode)
 
-    def _attention(self, tables, seq_lens, q_lens, slots, decode: bool):
-        """The model's attention callback for a batch laid out as ``[seqs, q_lens]`` tokens."""
-        num_seqs, max_q = len(seq_lens), int(q_lens.max())
-        on_gpu = self.device.type == "cuda"
-        mask, padded_q = None, max_q
-        if on_gpu and not decode:  # queries padded to a power of two >= 128: few compiled shapes
-            padded_q = max(128, 1 << (max_q - 1).bit_length())
-            num_slots = self.store.num_pages * self.page_size
-            mask = physical_block_mask(
-                tables, seq_lens, q_lens, padded_q, num_slots, self.page_size
-            )
+    # -- prefill -----------------------------------------------------------------------
+    def _prefix_part(self, layer: int, q: torch.Tensor, pages: torch.Tensor, prefix: int):
+        """Attention of chunk queries ``q [H, T, D]`` to the ``prefix`` tokens in the pool."""
+        store_kv = self.store.kv[layer]
+        if self.device.type != "cuda":  # the CPU twin: gather the pages, dense attention
+            k, v = gather_pages(store_kv, pages, prefix, self.page_size)
+            return attend(q, k, v, backend=self.config.attention_backend)
+        num_q = q.shape[1]
+        padded = max(128, 1 << (num_q - 1).bit_length())  # few compiled query shapes
+        start = torch.tensor([prefix], device=self.device)
+        mask = physical_block_mask(
+            pages.to(torch.int32)[None], start, torch.tensor([num_q], device=self.device), start,
+            padded, self.store.num_pages * self.page_size, self.page_size,
+        )  # fmt: skip
+        q4 = torch.nn.functional.pad(q, (0, 0, 0, padded - num_q))[None]
+        out, lse = flex_paged_attention(q4, store_kv[0], store_kv[1], mask)
+        return out[0, :, :num_q], lse[0, :, :num_q]
+
+    def _prefill_attention(self, pages: torch.Tensor, start: int, slots: torch.Tensor):
+        """Chunk at ``start``: causal attention over its own K/V (fused SDPA, cuDNN on GPU)
+        merged by LSE with attention over the prefix pages (FlexAttention on GPU)."""
 
         def attention(layer: int, q, kv):  # q [T, H, D], kv [2, T, Hkv, D]
-            store_kv = self.store.kv[layer]
-            if on_gpu and decode:
-                from headspace.attention.triton_decode import paged_decode_attention
-
-                out, _ = paged_decode_attention(q, store_kv[0], store_kv[1], tables, seq_lens,
-                                                self.page_size, new_kv=kv)  # fmt: skip
-                return out
             self.store.write(layer, slots, kv)
-            q4 = q.view(num_seqs, max_q, *q.shape[1:]).transpose(1, 2)  # [B, H, Lq, D]
-            if on_gpu:
-                q4 = torch.nn.functional.pad(q4, (0, 0, 0, padded_q - max_q))
-                out, _ = flex_paged_attention(q4, store_kv[0], store_kv[1], mask)
-                out = out[:, :, :max_q]
-            else:
-                backend = self.config.attention_backend
-                out, _ = gathered_paged_attention(
-                    q4, store_kv, tables, seq_lens, q_lens, self.page_size,
-                    lambda *a, **k: attend(*a, backend=backend, **k),
-                )  # fmt: skip
-            return out.transpose(1, 2).reshape(q.shape)
+            q_heads = q.transpose(0, 1)
+            k, v = kv[0].transpose(0, 1), kv[1].transpose(0, 1)
+            backend = self.config.attention_backend
+            out, lse = attend(q_heads, k, v, causal=True, backend=backend)
+            if start > 0:
+                prefix_out, prefix_lse = self._prefix_part(layer, q_heads, pages, start)
+                out, lse = merge_attention([out, prefix_out], [lse, prefix_lse])
+            return out.transpose(0, 1)
 
         return attention
 
@@ -80,16 +73,12 @@ class PagedRunner:
     def prefill(self, seq: Sequence, chunk: int) -> torch.Tensor:
         """Compute the prompt tokens of ``seq`` not found in the prefix cache; last logits."""
         pages = torch.tensor(self.blocks.table(seq.seq_id).pages, device=self.device)
-        tables = pages.to(torch.int32)[None]
         ids = torch.tensor(seq.prompt_ids, device=self.device)
         hidden = None
         for start in range(seq.num_cached, len(seq.prompt_ids), chunk):
             end = min(start + chunk, len(seq.prompt_ids))
             positions = torch.arange(start, end, device=self.device)
-            seq_lens = torch.tensor([end], device=self.device)
-            q_lens = torch.tensor([end - start], device=self.device)
-            slots = self.store.slots(pages, positions)
-            attention = self._attention(tables, seq_lens, q_lens, slots, decode=False)
+            attention = self._prefill_attention(pages, start, self.store.slots(pages, positions))
             mode = "eager"
             if self._compiled:  # static shapes for full chunks (see ModelRunner)
                 mode = "static" if end - start == chunk else "dynamic"
@@ -97,20 +86,47 @@ class PagedRunner:
         self.blocks.cache_full_pages(seq.seq_id, seq.prompt_ids)
         return self.model.logits(hidden[-1:])[0]
 
+    # -- decode ------------------------------------------------------------------------
     @torch.inference_mode()
     def decode(self, seqs: list[Sequence]) -> torch.Tensor:
         """Append each sequence's last token; returns fp32 logits ``[seqs, vocab]``."""
         for seq in seqs:
             self.blocks.append_token(seq.seq_id)
-        tokens = torch.tensor([s.token_ids[-1] for s in seqs], device=self.device)
-        positions = torch.tensor([s.num_tokens - 1 for s in seqs], device=self.device)
-        tables = self._tables(seqs)
-        slots = tables.long().gather(1, (positions // self.page_size)[:, None])[:, 0]
-        slots = slots * self.page_size + positions % self.page_size
-        seq_lens, q_lens = positions + 1, torch.ones_like(positions)
-        attention = self._attention(tables, seq_lens, q_lens, slots, decode=True)
-        mode = "dynamic" if self._compiled else "eager"
-        hidden = self.model(tokens, positions, attention, mode)
+        pages = [self.blocks.table(s.seq_id).pages for s in seqs]
+        tokens = [s.token_ids[-1] for s in seqs]
+        positions = [s.num_tokens - 1 for s in seqs]
+        if self._graphs is not None:
+            logits = self._graphs.run(tokens, positions, pages)
+        else:
+            logits = self._eager_decode(tokens, positions, pages)
         for seq in seqs:
             self.blocks.cache_full_pages(seq.seq_id, seq.token_ids)
-        return self.model.logits(hidden)
+        return logits
+
+    def _eager_decode(self, tokens: list[int], positions: list[int], pages: list[list[int]]):
+        """The decode step without a graph: Triton over pages on GPU, gathered twin on CPU."""
+        pos = torch.tensor(positions, device=self.device)
+        tables = torch.zeros(len(pages), max(map(len, pages)), dtype=torch.int32)
+        for row, seq_pages in enumerate(pages):
+            tables[row, : len(seq_pages)] = torch.tensor(seq_pages, dtype=torch.int32)
+        tables = tables.to(self.device)
+        slots = tables.long().gather(1, (pos // self.page_size)[:, None])[:, 0]
+        slots = slots * self.page_size + pos % self.page_size
+
+        def attention(layer: int, q, kv):  # q [B, H, D], kv [2, B, Hkv, D]
+            store_kv = self.store.kv[layer]
+            if self.device.type == "cuda":
+                from headspace.attention.triton_decode import paged_decode_attention
+
+                return paged_decode_attention(q, store_kv[0], store_kv[1], tables, pos + 1,
+                                              self.page_size, new_kv=kv)[0]  # fmt: skip
+            self.store.write(layer, slots, kv)
+            rows = []
+            for b in range(q.shape[0]):
+                k, v = gather_pages(store_kv, tables[b], positions[b] + 1, self.page_size)
+                rows.append(reference_attention(q[b][:, None], k, v)[0][:, 0])
+            return torch.stack(rows)
+
+        mode = "dynamic" if self._compiled else "eager"
+        ids = torch.tensor(tokens, device=self.device)
+        return self.model.logits(self.model(ids, pos, attention, mode))

@@ -1,0 +1,87 @@
+"""CUDA graphs of the batched paged decode step: one per (batch, table width) bucket.
+
+Rows past the real batch point at a scratch page that no sequence owns, so the padded rows
+of a replay write and read only there. Buffers are static; a replay copies the step's
+tokens, positions and block tables in and returns the logits rows of the real batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from headspace.attention.triton_decode import paged_decode_attention
+
+MIN_WIDTH = 8  # pages per block-table row, at least
+
+
+def bucket(n: int, floor: int = 1) -> int:
+    """The power of two at or above ``max(n, floor)``."""
+    return 1 << (max(n, floor) - 1).bit_length()
+
+
+@dataclass
+class _Captured:
+    graph: torch.cuda.CUDAGraph
+    tokens: torch.Tensor  # [batch]
+    positions: torch.Tensor  # [batch]
+    tables: torch.Tensor  # [batch, width] int32
+    logits: torch.Tensor  # [batch, vocab]
+
+
+class DecodeGraphs:
+    """Captures and replays the decode step of a PagedRunner (whose store has a scratch page)."""
+
+    def __init__(self, model, store, page_size: int, scratch_page: int, blocks_mode: str):
+        self.model, self.store, self.page_size = model, store, page_size
+        self.scratch_page, self.blocks_mode = scratch_page, blocks_mode
+        self.device = store.kv[0].device
+        self._graphs: dict[tuple[int, int], _Captured] = {}
+        self._pool = torch.cuda.graph_pool_handle()
+
+    def _step(self, tokens, positions, tables) -> torch.Tensor:
+        lengths = positions + 1
+
+        def attention(layer: int, q, kv):  # q [B, H, D], kv [2, B, Hkv, D]
+            store_kv = self.store.kv[layer]
+            out, _ = paged_decode_attention(q, store_kv[0], store_kv[1], tables, lengths,
+                                            self.page_size, new_kv=kv)  # fmt: skip
+            return out
+
+        return self.model.logits(self.model(tokens, positions, attention, self.blocks_mode))
+
+    def _capture(self, batch: int, width: int) -> _Captured:
+        tokens = torch.zeros(batch, dtype=torch.long, device=self.device)
+        positions = torch.zeros(batch, dtype=torch.long, device=self.device)
+        tables = torch.full((batch, width), self.scratch_page, dtype=torch.int32,
+                            device=self.device)  # fmt: skip
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):  # warm-up (compiles); writes go to the scratch page
+            for _ in range(2):
+                self._step(tokens, positions, tables)
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            logits = self._step(tokens, positions, tables)
+        return _Captured(graph, tokens, positions, tables, logits)
+
+    @torch.inference_mode()
+    def run(self, tokens: list[int], positions: list[int], pages: list[list[int]]) -> torch.Tensor:
+        """Logits ``[len(tokens), vocab]`` of one decode step (overwritten by the next call)."""
+        num_seqs = len(tokens)
+        key = (bucket(num_seqs), bucket(max(map(len, pages)), MIN_WIDTH))
+        if key not in self._graphs:
+            self._graphs[key] = self._capture(*key)
+        captured = self._graphs[key]
+        batch, width = key
+        table = torch.full((batch, width), self.scratch_page, dtype=torch.int32)
+        for row, seq_pages in enumerate(pages):
+            table[row, : len(seq_pages)] = torch.tensor(seq_pages, dtype=torch.int32)
+        pad = [0] * (batch - num_seqs)
+        captured.tokens.copy_(torch.tensor(tokens + pad))
+        captured.positions.copy_(torch.tensor(positions + pad))
+        captured.tables.copy_(table)
+        captured.graph.replay()
+        return captured.logits[:num_seqs]
