@@ -101,3 +101,36 @@ def write_result(name: str, result: dict) -> Path:
     path = out_dir / name
     path.write_text(text + "\n")
     return path
+
+
+class _NoText:
+    """A tokenizer stand-in for random-weight models: generated text is not looked at."""
+
+    def decode(self, ids, **_):
+        return ""
+
+
+def batch_engine(model, config, max_context: int = 1 << 20):
+    """The engine's BatchGenerator for a model built in memory (no checkpoint directory)."""
+    from types import SimpleNamespace
+
+    from headspace.engine.batch import BatchGenerator
+
+    engine = SimpleNamespace(
+        config=config, model=model, tokenizer=_NoText(), max_context=max_context,
+        eos_token_ids=set(), check_length=lambda n: None,
+    )  # fmt: skip
+    return BatchGenerator(engine)
+
+
+def prefill_once(generator, ids: list[int]) -> None:
+    """One prefill of ``ids`` into fresh pages (no prefix reuse), freed afterwards."""
+    from headspace.engine.scheduler import Sequence
+
+    blocks = generator.runner.blocks
+    seq = Sequence(10**9, list(ids), len(ids))
+    blocks.allocate_prompt(seq.seq_id, seq.prompt_ids, reuse=False)
+    try:
+        generator.runner.prefill(seq, generator.chunk)
+    finally:
+        blocks.free(seq.seq_id)

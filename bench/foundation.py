@@ -17,36 +17,29 @@ from tqdm import tqdm
 sys.path.insert(0, str(Path(__file__).parent))
 from common import (  # noqa: E402
     LLAMA3_8B,
+    batch_engine,
     cuda_time,
     environment,
     measure_hbm_bandwidth,
+    prefill_once,
     random_hf_llama,
     write_result,
 )
 from headspace.engine.config import EngineConfig  # noqa: E402
-from headspace.engine.runner import ModelRunner  # noqa: E402
+from headspace.engine.sampling import SamplingParams  # noqa: E402
 from headspace.model.config import config_from_dict  # noqa: E402
 from headspace.model.loader import build_model  # noqa: E402
 
 
-def ours_prefill(runner: ModelRunner, ids: torch.Tensor) -> float:
-    runner.reserve(len(ids) + 64)
-    return cuda_time(lambda: runner.prefill(ids))
+def ours_prefill(generator, ids: list[int]) -> float:
+    return cuda_time(lambda: prefill_once(generator, ids))
 
 
-def ours_decode(runner: ModelRunner, ids: torch.Tensor, steps: int) -> float:
-    """Decode tok/s after a prompt of len(ids): the engine's loop (graph step, argmax, sync)."""
-    runner.reserve(len(ids) + steps + 8)
-    logits = runner.prefill(ids)
-
-    def loop():
-        nonlocal logits
-        for position in range(len(ids), len(ids) + steps):
-            token = logits.argmax()
-            int(token.item())
-            logits = runner.decode(token, position)
-
-    return steps / cuda_time(loop, warmup=1, repeat=3)
+def ours_decode(generator, ids: list[int], steps: int) -> float:
+    """Decode tok/s after a prompt of len(ids): the engine's own loop (graph step, sampling)."""
+    params = [SamplingParams(max_new_tokens=steps + 1, ignore_eos=True)]
+    generator.run([ids], params)  # warm-up: graph capture for this table width
+    return generator.run([ids], params)[0].stats.decode_tok_s
 
 
 @torch.inference_mode()
@@ -67,26 +60,24 @@ def hf_decode(model, ids: torch.Tensor, steps: int) -> float:
     return steps / (t_many - t_one)
 
 
-def measure_prefill(runner, hf, lengths, generator) -> dict[int, dict]:
+def measure_prefill(engine, hf, lengths, rng) -> dict[int, dict]:
     rows = {}
     for length in tqdm(lengths, desc="prefill", file=sys.stderr):
-        ids = torch.randint(0, runner.model.config.vocab_size, (length,), generator=generator)
-        ours = length / ours_prefill(runner, ids)
-        runner.release()
+        ids = torch.randint(0, LLAMA3_8B["vocab_size"], (length,), generator=rng)
+        ours = length / ours_prefill(engine, ids.tolist())
         rows[length] = {"ours": ours, "transformers": length / hf_prefill(hf, ids)}
         torch.cuda.empty_cache()
     return rows
 
 
-def measure_decode(runner, hf, lengths, steps, hbm, generator) -> dict[int, dict]:
-    config = runner.model.config
+def measure_decode(engine, hf, lengths, steps, hbm, rng) -> dict[int, dict]:
+    config = engine.runner.model.config
     weight_bytes = sum(p.numel() * p.element_size() for p in hf.parameters())
     weight_bytes -= hf.model.embed_tokens.weight.numel() * 2  # one embedding row is read
     rows = {}
     for length in tqdm(lengths, desc="decode", file=sys.stderr):
-        ids = torch.randint(0, config.vocab_size, (length,), generator=generator)
-        ours = ours_decode(runner, ids, steps)
-        runner.release()
+        ids = torch.randint(0, config.vocab_size, (length,), generator=rng)
+        ours = ours_decode(engine, ids.tolist(), steps)
         roofline = hbm / (weight_bytes + length * config.kv_bytes_per_token)
         rows[length] = {"ours": ours, "transformers": hf_decode(hf, ids, steps), "roof": roofline}
     return rows
@@ -143,18 +134,21 @@ def main() -> None:
     hf = random_hf_llama(LLAMA3_8B)
     config = config_from_dict(LLAMA3_8B)
     model = build_model(config, hf.state_dict().__getitem__, "cuda", torch.bfloat16)
-    runner = ModelRunner(model, EngineConfig(device="cuda", max_context=1 << 20))
-    generator = torch.Generator().manual_seed(0)
+    pages = 2 * (max(map(int, args.prefill_lengths.split(","))) + 256) // 128
+    engine_config = EngineConfig(device="cuda", num_kv_pages=pages, prefix_caching=False)
+    engine = batch_engine(model, engine_config)
+    rng = torch.Generator().manual_seed(0)
     result = {"env": env, "hbm_bytes_per_s": hbm, "config": LLAMA3_8B}
-    result["engine"] = {"prefill_chunk": runner.prefill_chunk_size(), "cuda_graph": True}
+    result["engine"] = {"prefill_chunk": engine.chunk, "cuda_graph": True, "page_size": 128,
+                        "kv_pages": pages}  # fmt: skip
     result["head_map"] = (
         f"{config.num_layers * config.num_kv_heads} entries (layer, kv-head): "
-        "all tier=gpu, pattern=full, budget=None, rank=0 (contiguous cache)"
+        "all tier=gpu (one page pool), pattern=full, budget=None, rank=0"
     )
     lengths = [int(x) for x in args.prefill_lengths.split(",")]
-    prefill = measure_prefill(runner, hf, lengths, generator)
+    prefill = measure_prefill(engine, hf, lengths, rng)
     lengths = [int(x) for x in args.decode_lengths.split(",")]
-    decode = measure_decode(runner, hf, lengths, args.decode_steps, hbm, generator)
+    decode = measure_decode(engine, hf, lengths, args.decode_steps, hbm, rng)
     summarise(result, prefill, decode)
     gpu = env["gpu"].replace("NVIDIA ", "").split()[0].lower()
     path = write_result(f"foundation_llama3-8b_{gpu}_{env['date']}.json", result)

@@ -11,16 +11,14 @@ from __future__ import annotations
 import sys
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import LLAMA3_8B, environment, random_hf_llama, write_result  # noqa: E402
+from common import LLAMA3_8B, batch_engine, environment, random_hf_llama, write_result  # noqa: E402
 from decode_attention import graph_seconds  # noqa: E402
 from headspace.attention.triton_decode import paged_decode_attention  # noqa: E402
-from headspace.engine.batch import BatchGenerator  # noqa: E402
 from headspace.engine.config import EngineConfig  # noqa: E402
 from headspace.engine.sampling import SamplingParams  # noqa: E402
 from headspace.model.config import config_from_dict  # noqa: E402
@@ -29,19 +27,6 @@ from headspace.model.loader import build_model  # noqa: E402
 LENGTHS = list(range(500, 8001, 500))  # 16 prompts
 NEW_TOKENS = 64
 PAGE = 128
-
-
-class _NoText:
-    def decode(self, ids, **_):
-        return ""
-
-
-def batch_engine(model, config: EngineConfig):
-    engine = SimpleNamespace(
-        config=config, model=model, tokenizer=_NoText(), max_context=1 << 20,
-        eos_token_ids=set(), check_length=lambda n: None,
-    )  # fmt: skip
-    return BatchGenerator(engine)
 
 
 def run_batch(model, prompts, warmup_prompts) -> dict:

@@ -13,9 +13,9 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import LLAMA3_8B, cuda_time, random_hf_llama  # noqa: E402
+from common import LLAMA3_8B, batch_engine, cuda_time, prefill_once, random_hf_llama  # noqa: E402
 from headspace.engine.config import EngineConfig  # noqa: E402
-from headspace.engine.runner import ModelRunner  # noqa: E402
+from headspace.engine.scheduler import Sequence  # noqa: E402
 from headspace.model.config import config_from_dict  # noqa: E402
 from headspace.model.loader import build_model  # noqa: E402
 
@@ -39,32 +39,34 @@ def main() -> None:
     parser.add_argument("--decode-context", type=int, default=8192)
     args = parser.parse_args()
     hf = random_hf_llama(LLAMA3_8B)
-    model = build_model(
-        config_from_dict(LLAMA3_8B), hf.state_dict().__getitem__, "cuda", torch.bfloat16
-    )
-    runner = ModelRunner(model, EngineConfig(device="cuda", max_context=1 << 20))
-    ids = torch.randint(0, 128256, (args.length,))
-    runner.reserve(args.length + 64)
-    kernel_table(lambda: runner.prefill(ids), f"headspace prefill {args.length}")
-    runner.release()
-    batch = ids[None].cuda()
+    model = build_model(config_from_dict(LLAMA3_8B), hf.state_dict().__getitem__, "cuda",
+                        torch.bfloat16)  # fmt: skip
+    pages = 2 * (args.length + 256) // 128
+    engine = batch_engine(model, EngineConfig(device="cuda", num_kv_pages=pages))
+    ids = torch.randint(0, 128256, (args.length,)).tolist()
+    kernel_table(lambda: prefill_once(engine, ids), f"headspace prefill {args.length}")
+    batch = torch.tensor([ids], device="cuda")
     kernel_table(lambda: hf(batch, use_cache=True, logits_to_keep=1), "transformers prefill")
     for graph in (False, True):
-        profile_decode(model, ids[: args.decode_context], graph)
+        config = EngineConfig(device="cuda", num_kv_pages=pages, cuda_graph=graph)
+        profile_decode(batch_engine(model, config), ids[: args.decode_context], graph)
 
 
-def profile_decode(model, context: torch.Tensor, graph: bool) -> None:
+def profile_decode(engine, context: list[int], graph: bool) -> None:
     """Time one decode step after ``context`` (and list its kernels when not graphed)."""
-    config = EngineConfig(device="cuda", max_context=1 << 20, cuda_graph=graph)
-    runner = ModelRunner(model, config)
-    runner.reserve(len(context) + 64)
-    runner.prefill(context)
-    position = len(context)
-    step_ms = 1000 * cuda_time(lambda: runner.decode(1, position), warmup=3, repeat=20)
+    runner = engine.runner
+    seq = Sequence(0, context, len(context) + 64)
+    runner.blocks.allocate_prompt(seq.seq_id, seq.prompt_ids, reuse=False)
+    seq.output_ids.append(int(runner.prefill(seq, engine.chunk).argmax()))
+
+    def step():  # decode the same position again: the timing, not the text, matters here
+        runner.blocks.table(seq.seq_id).num_tokens = seq.num_tokens - 1
+        runner.decode([seq])
+
+    step_ms = 1000 * cuda_time(step, warmup=3, repeat=20)
     print(f"\ndecode step at {len(context)} (graph={graph}): {step_ms:.3f} ms")
     if not graph:
-        kernel_table(lambda: runner.decode(1, position), "headspace decode step (no graph)")
-    runner.release()
+        kernel_table(step, "headspace decode step (no graph)")
 
 
 def gqa_cudnn_probe(length: int = 32768) -> None:

@@ -7,7 +7,8 @@ import torch
 
 from headspace.attention import attend, reference_attention
 from headspace.engine.config import EngineConfig
-from headspace.engine.runner import ModelRunner
+from headspace.engine.paged_runner import PagedRunner
+from headspace.engine.scheduler import Sequence
 from headspace.model.config import config_from_dict
 from headspace.model.loader import build_model
 
@@ -63,33 +64,46 @@ def _tiny_model(device: str, dtype: torch.dtype):
     return build_model(config_from_dict(hf_config.to_dict()), state.__getitem__, device, dtype)
 
 
-def _greedy(runner: ModelRunner, prompt: torch.Tensor, steps: int) -> list[int]:
-    runner.reserve(len(prompt) + steps)
-    logits, tokens = runner.prefill(prompt), []
-    for position in range(len(prompt), len(prompt) + steps):
-        tokens.append(int(logits.argmax()))
-        logits = runner.decode(tokens[-1], position)
-    return tokens
+def _runner(model, **options) -> PagedRunner:
+    config = EngineConfig(device=str(model.lm_head.weight.device), page_size=64, **options)
+    return PagedRunner(model, config, num_pages=64, page_size=64)
+
+
+def _greedy(runner: PagedRunner, prompt: torch.Tensor, steps: int, chunk: int = 256) -> list[int]:
+    seq = Sequence(0, prompt.tolist(), len(prompt) + steps)
+    runner.blocks.allocate_prompt(0, seq.prompt_ids, reuse=False)
+    logits = runner.prefill(seq, chunk)
+    for _ in range(steps):
+        seq.output_ids.append(int(logits.argmax()))
+        logits = runner.decode([seq])[0]
+    runner.blocks.free(0)
+    return seq.output_ids
+
+
+def _all_logits(runner: PagedRunner, prompt: torch.Tensor, chunk: int = 256) -> torch.Tensor:
+    seq = Sequence(1, prompt.tolist(), len(prompt))
+    runner.blocks.allocate_prompt(1, seq.prompt_ids, reuse=False)
+    logits = runner.prefill(seq, chunk, all_logits=True)
+    runner.blocks.free(1)
+    return logits
 
 
 def test_gpu_engine_matches_cpu_reference():
     prompt = torch.randint(0, 512, (700,), generator=torch.Generator().manual_seed(1))
-    cpu = ModelRunner(_tiny_model("cpu", torch.float32), EngineConfig())
-    ref_logits = cpu.prefill(prompt, all_logits=True)
-    gpu_config = EngineConfig(device="cuda", dtype="float32", prefill_chunk=256)
-    gpu = ModelRunner(_tiny_model("cuda", torch.float32), gpu_config)
-    assert (gpu.prefill(prompt, all_logits=True) - ref_logits).abs().max().item() < 1e-3
+    cpu = _runner(_tiny_model("cpu", torch.float32))
+    ref_logits = _all_logits(cpu, prompt)
+    gpu = _runner(_tiny_model("cuda", torch.float32), dtype="float32")
+    assert (_all_logits(gpu, prompt) - ref_logits).abs().max().item() < 1e-3
     assert _greedy(gpu, prompt, 64) == _greedy(cpu, prompt, 64)
-    bf16 = ModelRunner(_tiny_model("cuda", torch.bfloat16), EngineConfig(device="cuda"))
-    bf16_logits = bf16.prefill(prompt, all_logits=True)
+    bf16_logits = _all_logits(_runner(_tiny_model("cuda", torch.bfloat16)), prompt)
     assert (bf16_logits - ref_logits).abs().max().item() <= 2e-2 * ref_logits.abs().max().item()
 
 
 def test_graph_decode_equals_eager_decode():
     prompt = torch.randint(0, 512, (300,), generator=torch.Generator().manual_seed(2))
     model = _tiny_model("cuda", torch.bfloat16)
-    graphed = ModelRunner(model, EngineConfig(device="cuda"))
-    eager = ModelRunner(model, EngineConfig(device="cuda", cuda_graph=False, compile=False))
+    graphed = _runner(model)
+    eager = _runner(model, cuda_graph=False, compile=False)
     assert _greedy(graphed, prompt, 64) == _greedy(eager, prompt, 64)
 
 
@@ -122,7 +136,7 @@ def test_paged_paths_on_gpu_match_reference():
         assert _rel(flex_out[b], ref) < 1e-2
 
 
-def test_paged_batch_on_gpu_equals_contiguous_single():
+def test_paged_batch_on_gpu_equals_one_at_a_time():
     from types import SimpleNamespace
 
     from headspace.engine.batch import BatchGenerator
@@ -140,5 +154,5 @@ def test_paged_batch_on_gpu_equals_contiguous_single():
     prompts = [torch.randint(0, 512, (n,)).tolist() for n in (30, 300, 129, 700)]
     params = [SamplingParams(max_new_tokens=32, ignore_eos=True)] * 4
     batched = [o.token_ids for o in BatchGenerator(engine).run(prompts, params)]
-    single = ModelRunner(model, EngineConfig(device="cuda", dtype="float32"))
+    single = _runner(model, dtype="float32")
     assert batched == [_greedy(single, torch.tensor(p), 32) for p in prompts]

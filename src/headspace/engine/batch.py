@@ -1,17 +1,32 @@
-"""Batched generation over the page pool: continuous batching with prefix sharing."""
+"""Generation over the page pool: continuous batching with prefix sharing, and streaming."""
 
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
+from dataclasses import dataclass
 
 import torch
+from tqdm import tqdm
 
 from headspace.engine.detokenize import StopStringStreamer
-from headspace.engine.memory import num_kv_pages
+from headspace.engine.memory import num_kv_pages, prefill_chunk_size
 from headspace.engine.paged_runner import PagedRunner
-from headspace.engine.runner import ModelRunner
 from headspace.engine.sampling import SamplingParams, make_generator, sample
 from headspace.engine.scheduler import Scheduler, Sequence
+
+PROGRESS_MIN_TOKENS = 4096  # show a prefill progress bar from this prompt length on
+
+
+@dataclass
+class _Request:
+    seq: Sequence
+    params: SamplingParams
+    generator: torch.Generator | None
+    streamer: StopStringStreamer
+    submitted: float
+    first_token: float = 0.0
+    finished: float = 0.0
 
 
 class BatchGenerator:
@@ -20,7 +35,7 @@ class BatchGenerator:
     def __init__(self, engine):
         config, model = engine.config, engine.model
         self.engine = engine
-        self.chunk = ModelRunner(model, config).prefill_chunk_size()
+        self.chunk = prefill_chunk_size(model.config, config)
         cfg = model.config
         activation_bytes = 2 * self.chunk * (6 * cfg.hidden_size + 3 * cfg.intermediate_size)
         weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
@@ -33,52 +48,102 @@ class BatchGenerator:
         self._next_id = 0
         self.peak_pages = 0
 
-    def run(self, prompts: list[list[int]], params: list[SamplingParams]):
-        """RequestOutputs for ``prompts`` (token ids), in order; ``params`` per prompt."""
-        from headspace.engine.engine import GenerationStats, RequestOutput
+    def _submit(self, scheduler: Scheduler, ids: list[int], params: SamplingParams) -> _Request:
+        self.engine.check_length(len(ids))
+        max_tokens = min(len(ids) + params.max_new_tokens, self.engine.max_context)
+        seq = Sequence(self._next_id, list(ids), max_tokens)
+        self._next_id += 1
+        scheduler.add(seq)
+        streamer = StopStringStreamer(self.engine.tokenizer, params.stop)
+        generator = make_generator(params, self.runner.device)
+        return _Request(seq, params, generator, streamer, time.perf_counter())
 
-        scheduler = Scheduler(self.runner.blocks, self.engine.config.max_batch)
-        states = {}
-        for ids, p in zip(prompts, params, strict=True):
-            self.engine.check_length(len(ids))
-            max_tokens = min(len(ids) + p.max_new_tokens, self.engine.max_context)
-            seq = Sequence(self._next_id, list(ids), max_tokens)
-            self._next_id += 1
-            scheduler.add(seq)
-            device = self.runner.device
-            states[seq.seq_id] = (seq, p, make_generator(p, device),
-                                  StopStringStreamer(self.engine.tokenizer, p.stop))  # fmt: skip
-        start = time.perf_counter()
+    def _steps(self, prompts, params) -> Iterator[tuple[_Request, str]]:
+        """Run the batch to the end; yield (request, new text) after every token."""
+        config = self.engine.config
+        scheduler = Scheduler(self.runner.blocks, config.max_batch, config.prefix_caching)
+        requests = [self._submit(scheduler, ids, p) for ids, p in zip(prompts, params, strict=True)]
+        by_id = {r.seq.seq_id: r for r in requests}
+        self._requests = requests
         while not scheduler.done:
             seq = scheduler.admit()
             if seq is not None:
-                self._accept(scheduler, states[seq.seq_id], self.runner.prefill(seq, self.chunk))
+                logits = self._prefill(seq)
+                yield by_id[seq.seq_id], self._accept(scheduler, by_id[seq.seq_id], logits)
                 continue
             batch = list(scheduler.running)
             logits = self.runner.decode(batch)
-            self.peak_pages = max(self.peak_pages, self.runner.blocks.pool.num_pages
-                                  - self.runner.blocks.pool.num_free)  # fmt: skip
+            pool = self.runner.blocks.pool
+            self.peak_pages = max(self.peak_pages, pool.num_pages - pool.num_free)
             for seq, row in zip(batch, logits, strict=True):
-                self._accept(scheduler, states[seq.seq_id], row)
-        seconds = time.perf_counter() - start
-        outputs = []
-        for seq, _, _, streamer in states.values():
-            streamer.finish()
-            stats = GenerationStats(len(seq.prompt_ids), len(seq.output_ids), 0.0, seconds)
-            outputs.append(RequestOutput(seq.prompt_ids, streamer.text, seq.output_ids,
-                                         seq.finish_reason, stats, seq.num_cached))  # fmt: skip
-        return outputs
+                yield by_id[seq.seq_id], self._accept(scheduler, by_id[seq.seq_id], row)
 
-    def _accept(self, scheduler: Scheduler, state, logits: torch.Tensor) -> None:
-        """Sample the next token of one sequence and finish it when it is done."""
-        seq, params, generator, streamer = state
-        token = int(sample(logits, params, generator).item())
+    def _prefill(self, seq: Sequence) -> torch.Tensor:
+        total = len(seq.prompt_ids) - seq.num_cached
+        show = self.engine.config.progress and total >= PROGRESS_MIN_TOKENS
+        with tqdm(total=total, desc="prefill", unit="tok", disable=not show, leave=False) as bar:
+            return self.runner.prefill(seq, self.chunk, on_chunk=bar.update)
+
+    def _accept(self, scheduler: Scheduler, request: _Request, logits: torch.Tensor) -> str:
+        """Sample the next token of one request; finish it when done; return new text."""
+        seq, params = request.seq, request.params
+        token = int(sample(logits, params, request.generator).item())
+        if not seq.output_ids:
+            request.first_token = time.perf_counter()
         seq.output_ids.append(token)
+        piece, reason = "", None
         if token in self.engine.eos_token_ids and not params.ignore_eos:
-            scheduler.finish(seq, "stop")
-            return
-        streamer.update(seq.output_ids)
-        if streamer.stopped:
-            scheduler.finish(seq, "stop")
-        elif seq.num_tokens >= seq.max_tokens:
-            scheduler.finish(seq, "length")
+            reason = "stop"
+        else:
+            piece = request.streamer.update(seq.output_ids)
+            if request.streamer.stopped:
+                reason = "stop"
+            elif seq.num_tokens >= seq.max_tokens:
+                reason = "length"
+        if reason:
+            scheduler.finish(seq, reason)
+            request.finished = time.perf_counter()
+            piece += request.streamer.finish()
+        return piece
+
+    def _output(self, request: _Request):
+        from headspace.engine.engine import GenerationStats, RequestOutput
+
+        seq = request.seq
+        stats = GenerationStats(
+            prompt_tokens=len(seq.prompt_ids),
+            generated_tokens=len(seq.output_ids),
+            prefill_seconds=request.first_token - request.submitted,
+            decode_seconds=request.finished - request.first_token,
+        )
+        return RequestOutput(seq.prompt_ids, request.streamer.text, seq.output_ids,
+                             seq.finish_reason, stats, seq.num_cached)  # fmt: skip
+
+    def run(self, prompts: list[list[int]], params: list[SamplingParams]):
+        """RequestOutputs for ``prompts`` (token ids), in order; ``params`` per prompt."""
+        for _ in self._steps(prompts, params):
+            pass
+        return [self._output(r) for r in self._requests]
+
+    def logits(self, token_ids: list[int]) -> torch.Tensor:
+        """fp32 logits ``[len(token_ids), vocab]`` (CPU) through the paged prefill path."""
+        from headspace.errors import UserError
+        from headspace.kv.page_pool import OutOfPages
+
+        seq = Sequence(self._next_id, list(token_ids), len(token_ids))
+        self._next_id += 1
+        try:
+            self.runner.blocks.allocate_prompt(seq.seq_id, seq.prompt_ids, reuse=False)
+        except OutOfPages:
+            raise UserError(f"{len(token_ids)} tokens do not fit the KV pool") from None
+        try:
+            return self.runner.prefill(seq, self.chunk, all_logits=True)
+        finally:
+            self.runner.blocks.free(seq.seq_id)
+
+    def stream(self, prompt_ids: list[int], params: SamplingParams):
+        """Yield the text of one request as it is produced; returns its RequestOutput."""
+        for _, piece in self._steps([prompt_ids], [params]):
+            if piece:
+                yield piece
+        return self._output(self._requests[0])

@@ -23,6 +23,7 @@ class EngineConfig:
     such as 0.8, or None for most of what is free); the KV page pool gets what weights and
     activations leave; ``num_kv_pages`` sets the pool size directly instead.
     ``page_size``: tokens per KV page. ``max_batch``: most sequences decoded together.
+    ``prefix_caching``: reuse the pages of a prompt prefix seen before.
     """
 
     device: str = "cpu"
@@ -37,6 +38,7 @@ class EngineConfig:
     num_kv_pages: int | None = None
     page_size: int = 128
     max_batch: int = 64
+    prefix_caching: bool = True
 
     def __post_init__(self):
         if self.dtype is None:

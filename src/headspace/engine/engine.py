@@ -1,24 +1,18 @@
-"""The generation engine: tokenizer, model and runner, one request at a time."""
+"""The generation engine: tokenizer, model, and the batch generator over the page pool."""
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from tqdm import tqdm
 
 from headspace.engine.config import EngineConfig
-from headspace.engine.detokenize import StopStringStreamer
-from headspace.engine.runner import ModelRunner
-from headspace.engine.sampling import SamplingParams, make_generator, sample
+from headspace.engine.sampling import SamplingParams
 from headspace.errors import UserError
 from headspace.model.config import load_config
 from headspace.model.loader import load_model
-
-PROGRESS_MIN_TOKENS = 4096  # show a prefill progress bar from this prompt length on
 
 
 @dataclass
@@ -75,21 +69,28 @@ def _load_tokenizer(model_dir: Path):
 
 
 class Engine:
-    """Loads a checkpoint directory and generates from token ids."""
+    """Loads a checkpoint directory and generates from token ids over the KV page pool."""
 
     def __init__(self, model_dir: Path, config: EngineConfig):
         self.config = config
         load_config(model_dir)  # refuse a bad directory before the slower loads
         self.tokenizer = _load_tokenizer(model_dir)
         self.model = load_model(model_dir, config.device, config.torch_dtype)
-        self.runner = ModelRunner(self.model, config)
         model_cfg = self.model.config
         self.max_context = config.max_context or model_cfg.max_context
         eos = set(model_cfg.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
         self.eos_token_ids = eos
-        self._batch = None  # the paged batch generator, made on first use
+        self._batch = None  # the batch generator and its page pool, made on first use
+
+    @property
+    def batch(self):
+        from headspace.engine.batch import BatchGenerator
+
+        if self._batch is None:
+            self._batch = BatchGenerator(self)
+        return self._batch
 
     def encode(self, prompt: str, chat: bool = False) -> list[int]:
         """Token ids of ``prompt``: exactly ``tokenizer(prompt)``, or the chat template's."""
@@ -110,100 +111,27 @@ class Engine:
                 f"{self.max_context} tokens (raise it explicitly with max_context / --max-context)"
             )
 
-    def _check_budget(self, num_tokens: int) -> None:
-        """The single-sequence cache must fit ``gpu_memory`` too (the pool path sizes itself)."""
-        if self.config.gpu_memory is None:
-            return
-        from headspace.engine.memory import device_total_bytes, parse_memory
-
-        device = torch.device(self.config.device)
-        budget = parse_memory(self.config.gpu_memory, device_total_bytes(device))
-        element = torch.empty((), dtype=self.config.torch_dtype).element_size()
-        kv_bytes = num_tokens * self.model.config.kv_bytes_per_token // 2 * element
-        weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
-        if weights + kv_bytes > budget:
-            raise UserError(
-                f"memory budget too small: {num_tokens} tokens need {kv_bytes / 2**30:.2f} GiB "
-                f"of KV beside {weights / 2**30:.2f} GiB of weights, over the "
-                f"{budget / 2**30:.2f} GiB budget"
-            )
-
-    def _sync(self) -> None:
-        if self.config.on_gpu:
-            torch.cuda.synchronize(self.config.device)
-
-    def _prefill(self, ids: torch.Tensor, stats: GenerationStats) -> torch.Tensor:
-        show = self.config.progress and len(ids) >= PROGRESS_MIN_TOKENS
-        with tqdm(total=len(ids), desc="prefill", unit="tok", disable=not show, leave=False) as bar:
-            start = time.perf_counter()
-            logits = self.runner.prefill(ids, on_chunk=bar.update)
-            self._sync()
-            stats.prefill_seconds = time.perf_counter() - start
-        return logits
-
     def stream(self, prompt_ids: list[int], params: SamplingParams) -> Iterator[str]:
         """Yield text pieces as tokens are produced; returns the RequestOutput at the end."""
-        self.check_length(len(prompt_ids))
-        total = min(len(prompt_ids) + params.max_new_tokens, self.max_context)
-        self._check_budget(total)
-        if self.config.on_gpu:
+        on_gpu = self.config.on_gpu
+        if on_gpu:
             torch.cuda.reset_peak_memory_stats(self.config.device)
-        self.runner.reserve(total)
-        stats = GenerationStats(prompt_tokens=len(prompt_ids))
-        generator = make_generator(params, self.runner.device)
-        streamer = StopStringStreamer(self.tokenizer, params.stop)
-        logits = self._prefill(torch.tensor(prompt_ids, dtype=torch.long), stats)
-        generated: list[int] = []
-        finish_reason = "length"
-        decode_start = time.perf_counter()
-        for position in range(len(prompt_ids), total):
-            token = sample(logits, params, generator)
-            token_id = int(token.item())
-            generated.append(token_id)
-            if token_id in self.eos_token_ids and not params.ignore_eos:
-                finish_reason = "stop"
-                break
-            piece = streamer.update(generated)
-            if piece:
-                yield piece
-            if streamer.stopped:
-                finish_reason = "stop"
-                break
-            if position + 1 < total:
-                logits = self.runner.decode(token, position)
-        tail = streamer.finish()
-        if tail:
-            yield tail
-        self._sync()
-        stats.decode_seconds = time.perf_counter() - decode_start
-        stats.generated_tokens = len(generated)
-        if self.config.on_gpu:
-            stats.peak_gpu_bytes = torch.cuda.max_memory_allocated(self.config.device)
-        return RequestOutput(prompt_ids, streamer.text, generated, finish_reason, stats)
+        output = yield from self.batch.stream(prompt_ids, params)
+        if on_gpu:
+            output.stats.peak_gpu_bytes = torch.cuda.max_memory_allocated(self.config.device)
+        return output
 
     def generate_batch(
         self, prompts: list[list[int]], params: list[SamplingParams]
     ) -> list[RequestOutput]:
         """Generate for many prompts as one batch over the shared KV page pool."""
-        from headspace.engine.batch import BatchGenerator
-
-        if self._batch is None:
-            self._batch = BatchGenerator(self)
-        return self._batch.run(prompts, params)
+        return self.batch.run(prompts, params)
 
     def run(self, prompt_ids: list[int], params: SamplingParams) -> RequestOutput:
-        """Generate to the end without streaming."""
-        stream = self.stream(prompt_ids, params)
-        while True:
-            try:
-                next(stream)
-            except StopIteration as done:
-                return done.value
+        """Generate for one prompt, alone."""
+        return self.batch.run([prompt_ids], [params])[0]
 
-    @torch.inference_mode()
     def logits(self, token_ids: list[int]) -> torch.Tensor:
         """fp32 logits ``[len(token_ids), vocab]`` (CPU) through the chunked prefill path."""
         self.check_length(len(token_ids) - 1 if token_ids else 0)
-        ids = torch.as_tensor(token_ids, dtype=torch.long)
-        self.runner.reserve(len(ids))
-        return self.runner.prefill(ids, all_logits=True)
+        return self.batch.logits(token_ids)

@@ -10,6 +10,9 @@ import torch
 from headspace.errors import UserError
 from headspace.model.config import ModelConfig
 
+CPU_PREFILL_CHUNK = 1024
+MAX_GPU_PREFILL_CHUNK = 32768
+
 _UNITS = {"": 1, "B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12,
           "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}  # fmt: skip
 
@@ -71,3 +74,20 @@ def num_kv_pages(
             f"GiB) but no KV page ({page_bytes / 2**20:.1f} MiB each)"
         )
     return left // page_bytes
+
+
+def prefill_chunk_size(config: ModelConfig, engine_config) -> int:
+    """Prompt tokens per prefill step: the user's choice, else what fits the device.
+
+    On a GPU a power of two, so full chunks share one compiled shape across prompts.
+    """
+    if engine_config.prefill_chunk:
+        return engine_config.prefill_chunk
+    device = torch.device(engine_config.device)
+    if device.type != "cuda":
+        return CPU_PREFILL_CHUNK
+    per_token = 2 * (6 * config.hidden_size + 3 * config.intermediate_size)  # activations
+    per_token += 4 * config.num_heads * config.head_dim * 2  # q/out copies, expanded k/v
+    free, _ = torch.cuda.mem_get_info(device)
+    fit = int(0.5 * free) // per_token
+    return max(1024, min(1 << max(fit, 1).bit_length() - 1, MAX_GPU_PREFILL_CHUNK))

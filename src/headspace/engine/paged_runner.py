@@ -70,21 +70,32 @@ class PagedRunner:
         return attention
 
     @torch.inference_mode()
-    def prefill(self, seq: Sequence, chunk: int) -> torch.Tensor:
-        """Compute the prompt tokens of ``seq`` not found in the prefix cache; last logits."""
+    def prefill(
+        self, seq: Sequence, chunk: int, *, all_logits: bool = False, on_chunk=None
+    ) -> torch.Tensor:
+        """Compute the prompt tokens of ``seq`` not found in the prefix cache.
+
+        Returns the last token's fp32 logits ``[vocab]`` on the device, or with
+        ``all_logits`` those of every computed token ``[tokens, vocab]`` on the CPU.
+        ``on_chunk(n)`` reports progress.
+        """
         pages = torch.tensor(self.blocks.table(seq.seq_id).pages, device=self.device)
         ids = torch.tensor(seq.prompt_ids, device=self.device)
-        hidden = None
+        hidden, rows = None, []
         for start in range(seq.num_cached, len(seq.prompt_ids), chunk):
             end = min(start + chunk, len(seq.prompt_ids))
             positions = torch.arange(start, end, device=self.device)
             attention = self._prefill_attention(pages, start, self.store.slots(pages, positions))
             mode = "eager"
-            if self._compiled:  # static shapes for full chunks (see ModelRunner)
+            if self._compiled:  # static shapes for full chunks: one compile per chunk size
                 mode = "static" if end - start == chunk else "dynamic"
             hidden = self.model(ids[start:end], positions, attention, mode)
+            if all_logits:
+                rows.append(self.model.logits(hidden).cpu())
+            if on_chunk:
+                on_chunk(end - start)
         self.blocks.cache_full_pages(seq.seq_id, seq.prompt_ids)
-        return self.model.logits(hidden[-1:])[0]
+        return torch.cat(rows) if all_logits else self.model.logits(hidden[-1:])[0]
 
     # -- decode ------------------------------------------------------------------------
     @torch.inference_mode()

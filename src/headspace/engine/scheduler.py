@@ -37,9 +37,10 @@ class Sequence:
 class Scheduler:
     """Admits waiting sequences into the running batch as pages allow."""
 
-    def __init__(self, blocks: BlockManager, max_batch: int):
+    def __init__(self, blocks: BlockManager, max_batch: int, prefix_caching: bool = True):
         self.blocks = blocks
         self.max_batch = max_batch
+        self.prefix_caching = prefix_caching
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
 
@@ -68,7 +69,9 @@ class Scheduler:
         pages = self.blocks.pages_for(seq.max_tokens)
         if pages + self._future_pages() > self.blocks.pool.num_free:
             return None
-        seq.num_cached = self.blocks.allocate_prompt(seq.seq_id, seq.prompt_ids)
+        seq.num_cached = self.blocks.allocate_prompt(
+            seq.seq_id, seq.prompt_ids, reuse=self.prefix_caching
+        )
         self.waiting.popleft()
         self.running.append(seq)
         return seq

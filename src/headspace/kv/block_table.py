@@ -40,8 +40,11 @@ class BlockManager:
     def table(self, seq_id: int, key=ALL_HEADS) -> BlockTable:
         return self.tables[seq_id][key]
 
-    def allocate_prompt(self, seq_id: int, token_ids: Sequence[int], key=ALL_HEADS) -> int:
-        """Give ``seq_id`` pages for its prompt, reusing cached full pages of its prefix.
+    def allocate_prompt(
+        self, seq_id: int, token_ids: Sequence[int], key=ALL_HEADS, *, reuse: bool = True
+    ) -> int:
+        """Give ``seq_id`` pages for its prompt, reusing cached full pages of its prefix
+        (unless ``reuse`` is False).
 
         Returns how many leading tokens are already in the pool (a multiple of the page
         size, and less than the prompt, so at least one token is computed). Raises
@@ -49,7 +52,7 @@ class BlockManager:
         """
         assert key not in self.tables.get(seq_id, {}), f"sequence {seq_id} already has pages"
         table, parent = BlockTable(), None
-        num_full = (len(token_ids) - 1) // self.page_size  # keep the last token to compute
+        num_full = (len(token_ids) - 1) // self.page_size if reuse else 0  # last one computed
         for i in range(num_full):
             content = page_hash(parent, token_ids[i * self.page_size : (i + 1) * self.page_size])
             page = self.pool.lookup(content)
