@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from headspace.attention.triton_decode import paged_decode_attention
+from headspace.attention.triton_decode import num_splits_for, paged_decode_attention
 
 MIN_WIDTH = 8  # pages per block-table row, at least
 
@@ -42,11 +42,17 @@ class DecodeGraphs:
 
     def _step(self, tokens, positions, tables) -> torch.Tensor:
         lengths = positions + 1
+        # A graph serves sequences from half its table width up: twice the slices that fill
+        # the GPU at full width keeps it filled at half width.
+        num_programs = tokens.shape[0] * self.store.kv[0].shape[1]
+        num_splits = 2 * num_splits_for(tables.shape[1] * self.page_size, num_programs)
 
         def attention(layer: int, q, kv):  # q [B, H, D], kv [2, B, Hkv, D]
             store_kv = self.store.kv[layer]
-            out, _ = paged_decode_attention(q, store_kv[0], store_kv[1], tables, lengths,
-                                            self.page_size, new_kv=kv)  # fmt: skip
+            out, _ = paged_decode_attention(
+                q, store_kv[0], store_kv[1], tables, lengths, self.page_size,
+                new_kv=kv, num_splits=num_splits,
+            )  # fmt: skip
             return out
 
         return self.model.logits(self.model(tokens, positions, attention, self.blocks_mode))
