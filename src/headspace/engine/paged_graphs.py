@@ -24,9 +24,8 @@ def bucket(n: int, floor: int = 1) -> int:
 @dataclass
 class _Captured:
     graph: torch.cuda.CUDAGraph
-    tokens: torch.Tensor  # [batch]
-    positions: torch.Tensor  # [batch]
-    tables: torch.Tensor  # [batch, width] int32
+    inputs: torch.Tensor  # [batch, 2 + width] int64: token, position, block table
+    staging: torch.Tensor  # the same in pinned host memory: one copy per step
     logits: torch.Tensor  # [batch, vocab]
 
 
@@ -58,10 +57,9 @@ class DecodeGraphs:
         return self.model.logits(self.model(tokens, positions, attention, self.blocks_mode))
 
     def _capture(self, batch: int, width: int) -> _Captured:
-        tokens = torch.zeros(batch, dtype=torch.long, device=self.device)
-        positions = torch.zeros(batch, dtype=torch.long, device=self.device)
-        tables = torch.full((batch, width), self.scratch_page, dtype=torch.int32,
-                            device=self.device)  # fmt: skip
+        inputs = torch.full((batch, 2 + width), self.scratch_page, device=self.device)
+        inputs[:, :2] = 0
+        tokens, positions, tables = inputs[:, 0], inputs[:, 1], inputs[:, 2:]
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):  # warm-up (compiles); writes go to the scratch page
@@ -71,7 +69,8 @@ class DecodeGraphs:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool):
             logits = self._step(tokens, positions, tables)
-        return _Captured(graph, tokens, positions, tables, logits)
+        staging = torch.empty(inputs.shape, dtype=inputs.dtype, pin_memory=True)
+        return _Captured(graph, inputs, staging, logits)
 
     @torch.inference_mode()
     def run(self, tokens: list[int], positions: list[int], pages: list[list[int]]) -> torch.Tensor:
@@ -82,12 +81,11 @@ class DecodeGraphs:
             self._graphs[key] = self._capture(*key)
         captured = self._graphs[key]
         batch, width = key
-        table = torch.full((batch, width), self.scratch_page, dtype=torch.int32)
-        for row, seq_pages in enumerate(pages):
-            table[row, : len(seq_pages)] = torch.tensor(seq_pages, dtype=torch.int32)
-        pad = [0] * (batch - num_seqs)
-        captured.tokens.copy_(torch.tensor(tokens + pad))
-        captured.positions.copy_(torch.tensor(positions + pad))
-        captured.tables.copy_(table)
+        scratch = self.scratch_page
+        rows = [[t, p, *pg, *[scratch] * (width - len(pg))]
+                for t, p, pg in zip(tokens, positions, pages, strict=True)]  # fmt: skip
+        rows += [[0, 0, *[scratch] * width]] * (batch - num_seqs)
+        captured.staging.copy_(torch.tensor(rows))
+        captured.inputs.copy_(captured.staging, non_blocking=True)
         captured.graph.replay()
         return captured.logits[:num_seqs]
