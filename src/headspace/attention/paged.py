@@ -19,6 +19,8 @@ from torch.nn.attention.flex_attention import (
     flex_attention,
 )
 
+from headspace.kv.paged_store import token_slots
+
 Q_BLOCK = 128
 
 
@@ -118,7 +120,6 @@ def gather_pages(
     page_size: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Dense K and V ``[kv_heads, length, dim]`` of a sequence's first ``length`` tokens."""
-    positions = torch.arange(length, device=store_kv.device)
-    slots = pages.long()[positions // page_size] * page_size + positions % page_size
+    slots = token_slots(pages, torch.arange(length, device=store_kv.device), page_size)
     kv = store_kv.index_select(2, slots)
     return kv[0], kv[1]

@@ -121,8 +121,7 @@ class PagedRunner:
         for row, seq_pages in enumerate(pages):
             tables[row, : len(seq_pages)] = torch.tensor(seq_pages, dtype=torch.int32)
         tables = tables.to(self.device)
-        slots = tables.long().gather(1, (pos // self.page_size)[:, None])[:, 0]
-        slots = slots * self.page_size + pos % self.page_size
+        slots = torch.stack([self.store.slots(tables[b], pos[b]) for b in range(len(pages))])
 
         def attention(layer: int, q, kv):  # q [B, H, D], kv [2, B, Hkv, D]
             store_kv = self.store.kv[layer]

@@ -83,6 +83,3 @@ class PagePool:
         if content_hash not in self._page_by_hash and page not in self._hash_by_page:
             self._page_by_hash[content_hash] = page
             self._hash_by_page[page] = content_hash
-
-    def is_cached(self, page: int) -> bool:
-        return page in self._hash_by_page

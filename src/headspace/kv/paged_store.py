@@ -5,6 +5,11 @@ from __future__ import annotations
 import torch
 
 
+def token_slots(pages: torch.Tensor, positions: torch.Tensor, page_size: int) -> torch.Tensor:
+    """Pool slots of logical ``positions`` (any shape) for a sequence's ``pages [pages]``."""
+    return pages.long()[positions // page_size] * page_size + positions % page_size
+
+
 class PagedKVStore:
     """Per layer one ``[2, kv_heads, num_pages * page_size, head_dim]`` tensor (K then V).
 
@@ -28,31 +33,10 @@ class PagedKVStore:
         self.kv = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.num_pages, self.page_size = num_pages, page_size
 
-    @staticmethod
-    def bytes_per_page(num_layers: int, num_kv_heads: int, head_dim: int, page_size: int,
-                       dtype: torch.dtype) -> int:  # fmt: skip
-        element = torch.empty((), dtype=dtype).element_size()
-        return 2 * num_layers * num_kv_heads * head_dim * page_size * element
-
-    @property
-    def num_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.kv)
-
     def slots(self, pages: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Slots ``[tokens]`` of logical ``positions`` in a sequence whose pages are ``pages``."""
-        return pages[positions // self.page_size] * self.page_size + positions % self.page_size
+        return token_slots(pages, positions, self.page_size)
 
     def write(self, layer: int, slots: torch.Tensor, kv: torch.Tensor) -> None:
         """Store ``kv [2, tokens, kv_heads, dim]`` into token ``slots [tokens]``."""
         self.kv[layer].index_copy_(2, slots, kv.transpose(1, 2))
-
-    def gather(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Dense K and V ``[kv_heads, len(slots), dim]`` of the given slots, in order."""
-        kv = self.kv[layer].index_select(2, slots)
-        return kv[0], kv[1]
-
-    def copy_page(self, src: int, dst: int) -> None:
-        """Copy every layer's K/V of page ``src`` into page ``dst`` (a forked partial page)."""
-        size = self.page_size
-        for kv in self.kv:
-            kv[:, :, dst * size : (dst + 1) * size] = kv[:, :, src * size : (src + 1) * size]
