@@ -85,23 +85,27 @@ def test_chunk_attention_is_diagonal_plus_prefix_pages_merged():
     assert (lse - ref_lse).abs().max().item() < 1e-5
 
 
-@pytest.mark.parametrize("block_n", [16, 8])
+@pytest.mark.parametrize("block_n", [16, 32])
 def test_triton_paged_decode_matches_reference(block_n):
-    """The GPU paged decode kernel, through Triton's interpreter, with the fused append."""
+    """The paged decode kernel with the fused append (on CPU through Triton's interpreter)."""
     from headspace.attention.triton_decode import paged_decode_attention
 
     seq_lens = [5, 37, 70, 16]
     q, pool, tables, dense = _ragged_batch(seq_lens, [1] * 4, seed=2)
+    if torch.cuda.is_available():
+        q, pool, tables = q.cuda(), pool.cuda(), tables.cuda()
+        dense = [kv.cuda() for kv in dense]
     new_kv = torch.stack([torch.stack([kv[0][:, -1], kv[1][:, -1]]) for kv in dense], dim=1)
     for b, length in enumerate(seq_lens):  # forget the last token: the kernel must store it
         page, offset = int(tables[b, (length - 1) // PAGE]), (length - 1) % PAGE
         pool[:, :, page * PAGE + offset] = 0
     out, lse = paged_decode_attention(
-        q[:, :, 0], pool[0], pool[1], tables, torch.tensor(seq_lens), PAGE,
+        q[:, :, 0], pool[0], pool[1], tables, torch.tensor(seq_lens, device=q.device), PAGE,
         new_kv=new_kv, num_splits=3, block_n=block_n,
     )  # fmt: skip
     for b, (ref_out, ref_lse) in enumerate(zip(*_expected(q, dense, [1] * 4), strict=True)):
-        assert (out[b] - ref_out[:, 0]).abs().max().item() < 1e-5
-        assert (lse[b] - ref_lse[:, 0]).abs().max().item() < 1e-5
+        tolerance = 5e-3 if q.is_cuda else 1e-5  # the GPU's float32 dots round like tf32
+        assert (out[b] - ref_out[:, 0]).abs().max().item() < tolerance
+        assert (lse[b] - ref_lse[:, 0]).abs().max().item() < tolerance
         page, offset = int(tables[b, (seq_lens[b] - 1) // PAGE]), (seq_lens[b] - 1) % PAGE
         assert torch.equal(pool[:, :, page * PAGE + offset], new_kv[:, b])
