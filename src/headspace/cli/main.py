@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from headspace.cli.plan import add_plan_parser, run_plan
 from headspace.errors import UserError
 
 
@@ -39,6 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="headspace", description="Long-context LLM inference.")
     subparsers = parser.add_subparsers(dest="command", parser_class=_Parser)
     _add_generate(subparsers)
+    add_plan_parser(subparsers)
     return parser
 
 
@@ -94,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command is None:
             parser.print_help()
             return 2
-        _generate(args)
+        run_plan(args) if args.command == "plan" else _generate(args)
     except UserError as exc:
         print("error: " + " ".join(str(exc).split()), file=sys.stderr)  # always one line
         return 2

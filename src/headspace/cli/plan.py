@@ -1,0 +1,106 @@
+"""``headspace plan``: the head map, memory table and predicted speed, before anything runs."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+from headspace.errors import UserError
+
+GiB = 2**30
+
+
+def parse_tokens(text: str) -> int:
+    """``"1M"`` = 1,048,576, ``"512K"`` = 524,288, or a plain count."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kKmM]?)\s*", str(text))
+    if not match:
+        raise UserError(f"cannot read context {text!r} (use e.g. 32768, 128K or 1M)")
+    scale = {"": 1, "k": 2**10, "m": 2**20}[match.group(2).lower()]
+    return int(float(match.group(1)) * scale)
+
+
+def add_plan_parser(subparsers) -> None:
+    p = subparsers.add_parser("plan", help="print the head map and memory plan for a context")
+    p.add_argument(
+        "--model", help="checkpoint directory, config.json, or .gguf (default: embedded)"
+    )
+    p.add_argument("--context", required=True, help="context length, e.g. 131072, 128K, 1M")
+    p.add_argument("--gpu-memory", default=None, help="GPU budget, e.g. 24GiB (default: the GPU's)")
+    p.add_argument("--host-memory", default=None, help="host budget (default: the machine's RAM)")
+    p.add_argument("--offload", choices=["auto", "none", "layer", "head"], default="auto")
+    p.add_argument("--head-group", type=int, default=None, help="kv heads per streamed group")
+    p.add_argument("--prefill-chunk", type=int, default=None)
+    p.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16")
+    p.add_argument("--json", action="store_true", help="print the plan as JSON")
+
+
+def _model_config(model: str | None):
+    from headspace.model.config import load_config
+    from headspace.model.source import resolve_model_dir
+
+    if model and Path(model).is_file() and Path(model).suffix == ".json":
+        return load_config(Path(model).parent) if Path(model).name == "config.json" else None
+    return load_config(resolve_model_dir(model))
+
+
+def _budgets(args) -> tuple[int, int]:
+    import torch
+
+    from headspace.engine.memory import device_total_bytes, parse_memory
+
+    if args.gpu_memory is None and not torch.cuda.is_available():
+        raise UserError("no GPU here: pass --gpu-memory (e.g. 24GiB) to plan for one")
+    gpu_total = device_total_bytes(torch.device("cuda")) if torch.cuda.is_available() else 0
+    gpu = parse_memory(args.gpu_memory or 1.0, gpu_total)
+    host_total = device_total_bytes(torch.device("cpu"))
+    return gpu, parse_memory(args.host_memory or 1.0, host_total)
+
+
+def run_plan(args) -> None:
+    from headspace.planner import PlanRequest, make_plan
+
+    context = parse_tokens(args.context)
+    config = _model_config(args.model)
+    if config is None:
+        raise UserError(f"{args.model} is not a config.json")
+    gpu, host = _budgets(args)
+    dtype_bytes = 4 if args.dtype == "float32" else 2
+    request = PlanRequest(context, gpu, host, dtype_bytes, args.offload, args.head_group,
+                          args.prefill_chunk)  # fmt: skip
+    plan = make_plan(config, request)
+    if args.json:
+        header = {"model": config.architecture, "context": context, "gpu_memory": gpu,
+                  "host_memory": host}  # fmt: skip
+        print(json.dumps({**header, **plan.to_dict()}, indent=2))
+        return
+    print(format_plan(config, request, plan))
+
+
+def format_plan(config, request, plan) -> str:
+    """The human-readable plan: model line, memory table, head map, prediction."""
+    m = plan.memory
+    groups = f", {plan.head_group} head(s) per streamed group" if plan.head_group else ""
+    lines = [
+        f"model {config.architecture}: {config.num_layers} layers, {config.num_heads}/"
+        f"{config.num_kv_heads} heads, head dim {config.head_dim}; "
+        f"KV {config.kv_bytes_per_token * request.dtype_bytes // 2 / 1024:.0f} KiB per token",
+        f"context {request.context:,} tokens; GPU budget {request.gpu_memory / GiB:.2f} GiB, "
+        f"host budget {request.host_memory / GiB:.2f} GiB; offload {plan.offload} "
+        f"(asked: {request.offload}){groups}",
+        "",
+        f"{'memory':<32}{'GPU GiB':>10}{'host GiB':>10}",
+        f"{'weights':<32}{m['weights'] / GiB:>10.2f}",
+        f"{'KV, resident heads':<32}{m['gpu_kv'] / GiB:>10.2f}",
+        f"{'KV, streamed heads':<32}{'':>10}{m['host_kv'] / GiB:>10.2f}",
+        f"{'staging (2 head groups)':<32}{m['staging'] / GiB:>10.2f}",
+        f"{f'activations ({plan.prefill_chunk}-token chunk)':<32}{m['activations'] / GiB:>10.2f}",
+        f"{'total':<32}{m['total_gpu'] / GiB:>10.2f}{m['total_host'] / GiB:>10.2f}",
+        "",
+        f"head map: {plan.head_map.summary()}",
+        plan.head_map.grid(),
+        "",
+        f"predicted (roofline): prefill {plan.prefill_tok_s:,.0f} tok/s; decode "
+        f"{plan.decode_ms:,.1f} ms/token (PCIe floor {plan.decode_pcie_floor_ms:,.1f} ms)",
+    ]
+    return "\n".join(lines)

@@ -1,0 +1,112 @@
+"""The head map: one entry per (layer, kv head) saying where its KV lives and how it runs.
+
+A small, printable, serialisable table. The planner fills ``tier`` and ``group``; later
+work fills ``pattern``, ``budget`` and ``rank``. All-``gpu``/``full``/``None``/rank 0 is a
+plain single-GPU engine.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+
+TIERS = ("gpu", "stream", "hybrid")
+
+
+@dataclass(frozen=True)
+class HeadEntry:
+    """Decisions for one kv head of one layer."""
+
+    layer: int
+    kv_head: int
+    tier: str = "gpu"  # gpu: resident; stream: host memory, copied in per layer; hybrid
+    pattern: str = "full"
+    budget: int | None = None  # KV tokens kept (None: all)
+    rank: tuple[int, ...] = (0,)  # GPU rank(s) computing this head
+    group: int = 0  # head group inside the layer (moved and computed together)
+
+    def __post_init__(self):
+        assert self.tier in TIERS, f"unknown tier {self.tier}"
+
+
+@dataclass
+class HeadMap:
+    """Entries for every (layer, kv head), layer-major."""
+
+    num_layers: int
+    num_kv_heads: int
+    entries: list[HeadEntry] = field(default_factory=list)
+
+    @classmethod
+    def all_gpu(cls, num_layers: int, num_kv_heads: int) -> HeadMap:
+        entries = [HeadEntry(l, h) for l in range(num_layers) for h in range(num_kv_heads)]  # noqa: E741
+        return cls(num_layers, num_kv_heads, entries)
+
+    def __post_init__(self):
+        if self.entries:
+            assert len(self.entries) == self.num_layers * self.num_kv_heads
+            assert all(
+                (e.layer, e.kv_head) == divmod(i, self.num_kv_heads)
+                for i, e in enumerate(self.entries)
+            ), "entries must be layer-major"
+
+    def entry(self, layer: int, kv_head: int) -> HeadEntry:
+        return self.entries[layer * self.num_kv_heads + kv_head]
+
+    def layer(self, layer: int) -> list[HeadEntry]:
+        return self.entries[layer * self.num_kv_heads : (layer + 1) * self.num_kv_heads]
+
+    def heads(self, layer: int, tier: str) -> list[int]:
+        """kv heads of ``layer`` in ``tier``, ascending."""
+        return [e.kv_head for e in self.layer(layer) if e.tier == tier]
+
+    def stream_groups(self, layer: int) -> list[list[int]]:
+        """The streamed kv heads of ``layer``, grouped as they are moved, in group order."""
+        groups: dict[int, list[int]] = {}
+        for e in self.layer(layer):
+            if e.tier == "stream":
+                groups.setdefault(e.group, []).append(e.kv_head)
+        return [groups[g] for g in sorted(groups)]
+
+    def count(self, tier: str) -> int:
+        return sum(1 for e in self.entries if e.tier == tier)
+
+    def summary(self) -> str:
+        """One line: entries per tier, group size, patterns, budgets, ranks."""
+        tiers = Counter(e.tier for e in self.entries)
+        parts = [
+            f"{len(self.entries)} entries ({self.num_layers} layers x {self.num_kv_heads} kv heads)"
+        ]
+        parts += [f"{tier}={tiers[tier]}" for tier in TIERS if tiers[tier]]
+        sizes = {len(g) for layer in range(self.num_layers) for g in self.stream_groups(layer)}
+        if sizes:
+            parts.append(f"stream group size {'/'.join(map(str, sorted(sizes)))}")
+        patterns = Counter(e.pattern for e in self.entries)
+        parts.append("pattern " + ", ".join(f"{p}={n}" for p, n in patterns.items()))
+        budgets = {e.budget for e in self.entries}
+        parts.append("budget " + ("all" if budgets == {None} else "per head"))
+        ranks = sorted({r for e in self.entries for r in e.rank})
+        parts.append(f"ranks {ranks}")
+        return "; ".join(parts)
+
+    def grid(self) -> str:
+        """A layer x head picture: G resident, S streamed (group digit after), H hybrid."""
+        marks = {"gpu": "G", "stream": "S", "hybrid": "H"}
+        lines = []
+        for layer in range(self.num_layers):
+            cells = [marks[e.tier] + (str(e.group) if e.tier == "stream" else " ")
+                     for e in self.layer(layer)]  # fmt: skip
+            lines.append(f"layer {layer:>3}  " + " ".join(cells))
+        return "\n".join(lines)
+
+    def to_dict(self) -> dict:
+        return {
+            "num_layers": self.num_layers,
+            "num_kv_heads": self.num_kv_heads,
+            "entries": [{**asdict(e), "rank": list(e.rank)} for e in self.entries],
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict) -> HeadMap:
+        entries = [HeadEntry(**{**e, "rank": tuple(e["rank"])}) for e in data["entries"]]
+        return cls(data["num_layers"], data["num_kv_heads"], entries)
