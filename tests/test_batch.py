@@ -59,7 +59,7 @@ def test_request_that_can_never_fit_is_refused(tiny_llama):
 
 
 def test_budget_smaller_than_the_weights_is_refused(tiny_llama):
-    with pytest.raises(UserError, match="memory budget too small"):
+    with pytest.raises(UserError, match="budget too small"):
         LLM(str(tiny_llama), gpu_memory="1MB").generate([1, 2, 3])
 
 

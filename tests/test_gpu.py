@@ -156,3 +156,22 @@ def test_paged_batch_on_gpu_equals_one_at_a_time():
     batched = [o.token_ids for o in BatchGenerator(engine).run(prompts, params)]
     single = _runner(model, dtype="float32")
     assert batched == [_greedy(single, torch.tensor(p), 32) for p in prompts]
+
+
+def test_streamed_heads_on_gpu_equal_resident():
+    """Copy stream, write-back stream and double-buffered staging against the resident run."""
+    from headspace.planner.head_map import HeadEntry, HeadMap
+
+    model = _tiny_model("cuda", torch.float32)
+    entries = [HeadEntry(layer, head, tier="stream" if (layer + head) % 2 else "gpu",
+                         group=0) for layer in range(4) for head in range(2)]  # fmt: skip
+    entries[0] = HeadEntry(0, 0, tier="stream", group=0)  # layer 0: both heads streamed
+    entries[1] = HeadEntry(0, 1, tier="stream", group=1)
+    head_map = HeadMap(4, 2, entries)
+    config = EngineConfig(device="cuda", dtype="float32", page_size=64)
+    streamed = PagedRunner(model, config, num_pages=64, page_size=64, head_map=head_map)
+    resident = _runner(model, dtype="float32", cuda_graph=False)
+    prompt = torch.randint(0, 512, (700,), generator=torch.Generator().manual_seed(3))
+    gap = _all_logits(streamed, prompt, chunk=128) - _all_logits(resident, prompt, chunk=128)
+    assert gap.abs().max().item() < 1e-3
+    assert _greedy(streamed, prompt, 48, chunk=128) == _greedy(resident, prompt, 48, chunk=128)

@@ -10,7 +10,7 @@ import torch
 from tqdm import tqdm
 
 from headspace.engine.detokenize import StopStringStreamer
-from headspace.engine.memory import num_kv_pages, prefill_chunk_size
+from headspace.engine.memory import num_kv_pages, offload_plan, prefill_chunk_size
 from headspace.engine.paged_runner import PagedRunner
 from headspace.engine.sampling import SamplingParams, make_generator, sample
 from headspace.engine.scheduler import Scheduler, Sequence
@@ -36,17 +36,27 @@ class BatchGenerator:
         config, model = engine.config, engine.model
         self.engine = engine
         self.chunk = prefill_chunk_size(model.config, config)
-        cfg = model.config
-        activation_bytes = 2 * self.chunk * (6 * cfg.hidden_size + 3 * cfg.intermediate_size)
-        weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-        num_pages = config.num_kv_pages or num_kv_pages(
-            cfg, config.gpu_memory, device=torch.device(config.device),
-            dtype=config.torch_dtype, page_size=config.page_size, weight_bytes=weight_bytes,
-            activation_bytes=activation_bytes, max_context=engine.max_context,
-        )  # fmt: skip
-        self.runner = PagedRunner(model, config, num_pages, config.page_size)
+        self.max_batch = config.max_batch
+        self.plan = offload_plan(model, config, engine.max_context, self.chunk)
+        if self.plan is not None:  # streamed heads: one sequence, a pool for its resident heads
+            num_pages = -(-engine.max_context // config.page_size)
+            self.runner = PagedRunner(model, config, num_pages, config.page_size,
+                                      self.plan.head_map, self.plan.head_group)  # fmt: skip
+            self.max_batch = 1
+        else:
+            self.runner = PagedRunner(model, config, self._pool_pages(), config.page_size)
         self._next_id = 0
         self.peak_pages = 0
+
+    def _pool_pages(self) -> int:
+        config, cfg = self.engine.config, self.engine.model.config
+        activation_bytes = 2 * self.chunk * (6 * cfg.hidden_size + 3 * cfg.intermediate_size)
+        weight_bytes = sum(p.numel() * p.element_size() for p in self.engine.model.parameters())
+        return config.num_kv_pages or num_kv_pages(
+            cfg, config.gpu_memory, device=torch.device(config.device),
+            dtype=config.torch_dtype, page_size=config.page_size, weight_bytes=weight_bytes,
+            activation_bytes=activation_bytes, max_context=self.engine.max_context,
+        )  # fmt: skip
 
     def _submit(self, scheduler: Scheduler, ids: list[int], params: SamplingParams) -> _Request:
         self.engine.check_length(len(ids))
@@ -61,7 +71,7 @@ class BatchGenerator:
     def _steps(self, prompts, params) -> Iterator[tuple[_Request, str]]:
         """Run the batch to the end; yield (request, new text) after every token."""
         config = self.engine.config
-        scheduler = Scheduler(self.runner.blocks, config.max_batch, config.prefix_caching)
+        scheduler = Scheduler(self.runner.blocks, self.max_batch, config.prefix_caching)
         requests = [self._submit(scheduler, ids, p) for ids, p in zip(prompts, params, strict=True)]
         by_id = {r.seq.seq_id: r for r in requests}
         self._requests = requests

@@ -24,6 +24,10 @@ class EngineConfig:
     activations leave; ``num_kv_pages`` sets the pool size directly instead.
     ``page_size``: tokens per KV page. ``max_batch``: most sequences decoded together.
     ``prefix_caching``: reuse the pages of a prompt prefix seen before.
+    ``offload``: "auto" (stream kv heads from host memory only when the context does not
+    fit ``gpu_memory``), "none", "layer" (whole layers) or "head" (head groups of
+    ``head_group`` kv heads, None: chosen by the planner); ``host_memory`` bounds the host
+    side. Streaming serves one sequence at a time.
     """
 
     device: str = "cpu"
@@ -39,6 +43,9 @@ class EngineConfig:
     page_size: int = 128
     max_batch: int = 64
     prefix_caching: bool = True
+    offload: str = "auto"
+    head_group: int | None = None
+    host_memory: str | float | None = None
 
     def __post_init__(self):
         if self.dtype is None:
@@ -53,6 +60,10 @@ class EngineConfig:
             raise UserError(f"prefill_chunk must be a positive integer, got {self.prefill_chunk}")
         if self.max_context is not None and self.max_context < 1:
             raise UserError(f"max_context must be a positive integer, got {self.max_context}")
+        if self.offload not in ("auto", "none", "layer", "head"):
+            raise UserError(f"offload must be one of auto, none, layer, head, got {self.offload!r}")
+        if self.head_group is not None and self.head_group < 1:
+            raise UserError(f"head_group must be a positive integer, got {self.head_group}")
         if self.num_kv_pages is not None and self.num_kv_pages < 1:
             raise UserError(f"num_kv_pages must be a positive integer, got {self.num_kv_pages}")
         for name in ("page_size", "max_batch"):

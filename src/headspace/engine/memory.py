@@ -91,3 +91,27 @@ def prefill_chunk_size(config: ModelConfig, engine_config) -> int:
     free, _ = torch.cuda.mem_get_info(device)
     fit = int(0.5 * free) // per_token
     return max(1024, min(1 << max(fit, 1).bit_length() - 1, MAX_GPU_PREFILL_CHUNK))
+
+
+def offload_plan(model, engine_config, max_context: int, chunk: int):
+    """The planner's head map when some kv heads must (or are asked to) stream from host
+    memory for ``max_context`` tokens; None when every head stays resident."""
+    from headspace.planner import PlanRequest, make_plan
+
+    if engine_config.offload == "none":
+        return None
+    device = torch.device(engine_config.device)
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    if engine_config.gpu_memory is not None:
+        gpu = parse_memory(engine_config.gpu_memory, device_total_bytes(device))
+    elif device.type == "cuda":
+        gpu = torch.cuda.mem_get_info(device)[0] + weight_bytes
+    else:
+        return None  # no budget on the CPU: everything stays in (host) memory
+    host_total = device_total_bytes(torch.device("cpu"))
+    host = parse_memory(engine_config.host_memory or 1.0, host_total)
+    element = torch.empty((), dtype=engine_config.torch_dtype).element_size()
+    request = PlanRequest(max_context, gpu, host, element, engine_config.offload,
+                          engine_config.head_group, chunk)  # fmt: skip
+    plan = make_plan(model.config, request)
+    return plan if plan.head_map.count("stream") else None

@@ -7,32 +7,74 @@ import torch
 from headspace.attention import attend, merge_attention, reference_attention
 from headspace.attention.paged import flex_paged_attention, gather_pages, physical_block_mask
 from headspace.engine.config import EngineConfig
+from headspace.engine.offload import HeadStreamer
 from headspace.engine.scheduler import Sequence
 from headspace.kv.block_table import BlockManager
+from headspace.kv.host_store import HostKVStore
 from headspace.kv.paged_store import PagedKVStore
 from headspace.model.llama import LlamaModel
+from headspace.planner.head_map import HeadMap
 
 
 class PagedRunner:
     """Steps the model for sequences whose K/V live in one shared page pool."""
 
-    def __init__(self, model: LlamaModel, config: EngineConfig, num_pages: int, page_size: int):
+    def __init__(self, model: LlamaModel, config: EngineConfig, num_pages: int, page_size: int,
+                 head_map: HeadMap | None = None, head_group: int = 1):  # fmt: skip
         cfg = model.config
         self.model, self.config = model, config
         self.device = torch.device(config.device)
         self.page_size = page_size
         self.blocks = BlockManager(num_pages, page_size)
+        self.head_map = head_map or HeadMap.all_gpu(cfg.num_layers, cfg.num_kv_heads)
+        self._resident = [self.head_map.heads(layer, "gpu") for layer in range(cfg.num_layers)]
         self.store = PagedKVStore(  # one extra page: the scratch page of padded graph rows
             cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, num_pages + 1, page_size,
             dtype=config.torch_dtype, device=self.device,
+            heads_per_layer=[len(heads) for heads in self._resident],
         )  # fmt: skip
         self._compiled = config.compile and self.device.type == "cuda"
-        self._graphs = None
-        if self.device.type == "cuda" and config.cuda_graph:
+        self._graphs, self.streamer, self._q_index = None, None, {}
+        if self.head_map.count("stream"):
+            self.streamer = self._make_streamer(num_pages * page_size, head_group)
+        elif self.device.type == "cuda" and config.cuda_graph:
             from headspace.engine.paged_graphs import DecodeGraphs
 
             mode = "static" if self._compiled else "eager"
             self._graphs = DecodeGraphs(model, self.store, page_size, num_pages, mode)
+
+    def _make_streamer(self, capacity: int, head_group: int) -> HeadStreamer:
+        """Host store and streamer of the head map's streamed entries (one sequence)."""
+        cfg, dtype = self.model.config, self.config.torch_dtype
+        streamed = [(e.layer, e.kv_head) for e in self.head_map.entries if e.tier == "stream"]
+        host = HostKVStore(streamed, capacity, cfg.head_dim, dtype=dtype,
+                           pin=self.device.type == "cuda")  # fmt: skip
+        return HeadStreamer(self.head_map, host, head_group, capacity, cfg.head_dim, dtype=dtype,
+                            device=self.device, backend=self.config.attention_backend)  # fmt: skip
+
+    def _q_heads(self, kv_heads: list[int]) -> torch.Tensor:
+        """Query-head indices of the given kv heads (grouped-query layout)."""
+        key = tuple(kv_heads)
+        if key not in self._q_index:
+            group = self.model.config.num_queries_per_kv
+            heads = [h * group + i for h in kv_heads for i in range(group)]
+            self._q_index[key] = torch.tensor(heads, device=self.device)
+        return self._q_index[key]
+
+    def _split_heads(self, layer: int, q, kv, resident_fn):
+        """Resident kv heads through ``resident_fn(q, kv)``, streamed groups through the
+        streamer; ``q [T, H, D]``, ``kv [2, T, Hkv, D]`` -> ``[T, H, D]``."""
+        if self.streamer is None:
+            return resident_fn(q, kv)
+        out = torch.empty_like(q)
+        resident = self._resident[layer]
+        if resident:
+            index = self._q_heads(resident)
+            out[:, index] = resident_fn(q[:, index], kv[:, :, resident])
+        for group in self.head_map.stream_groups(layer):
+            index = self._q_heads(group)
+            out[:, index] = self.streamer.attend(layer, group, q[:, index], kv[:, :, group])
+        return out
 
     # -- prefill -----------------------------------------------------------------------
     def _prefix_part(self, layer: int, q: torch.Tensor, pages: torch.Tensor, prefix: int):
@@ -56,7 +98,7 @@ class PagedRunner:
         """Chunk at ``start``: causal attention over its own K/V (fused SDPA, cuDNN on GPU)
         merged by LSE with attention over the prefix pages (FlexAttention on GPU)."""
 
-        def attention(layer: int, q, kv):  # q [T, H, D], kv [2, T, Hkv, D]
+        def resident(layer: int, q, kv):  # q [T, H, D], kv [2, T, Hkv, D]
             self.store.write(layer, slots, kv)
             q_heads = q.transpose(0, 1)
             k, v = kv[0].transpose(0, 1), kv[1].transpose(0, 1)
@@ -66,6 +108,9 @@ class PagedRunner:
                 prefix_out, prefix_lse = self._prefix_part(layer, q_heads, pages, start)
                 out, lse = merge_attention([out, prefix_out], [lse, prefix_lse])
             return out.transpose(0, 1)
+
+        def attention(layer: int, q, kv):
+            return self._split_heads(layer, q, kv, lambda q, kv: resident(layer, q, kv))
 
         return attention
 
@@ -86,6 +131,8 @@ class PagedRunner:
             end = min(start + chunk, len(seq.prompt_ids))
             positions = torch.arange(start, end, device=self.device)
             attention = self._prefill_attention(pages, start, self.store.slots(pages, positions))
+            if self.streamer is not None:
+                self.streamer.begin(start)
             mode = "eager"
             if self._compiled:  # static shapes for full chunks: one compile per chunk size
                 mode = "static" if end - start == chunk else "dynamic"
@@ -123,7 +170,7 @@ class PagedRunner:
         tables = tables.to(self.device)
         slots = torch.stack([self.store.slots(tables[b], pos[b]) for b in range(len(pages))])
 
-        def attention(layer: int, q, kv):  # q [B, H, D], kv [2, B, Hkv, D]
+        def resident(layer: int, q, kv):  # q [B, H, D], kv [2, B, Hkv, D]
             store_kv = self.store.kv[layer]
             if self.device.type == "cuda":
                 from headspace.attention.triton_decode import paged_decode_attention
@@ -137,6 +184,12 @@ class PagedRunner:
                 rows.append(reference_attention(q[b][:, None], k, v)[0][:, 0])
             return torch.stack(rows)
 
+        def attention(layer: int, q, kv):
+            return self._split_heads(layer, q, kv, lambda q, kv: resident(layer, q, kv))
+
+        if self.streamer is not None:
+            assert len(tokens) == 1, "streamed heads serve one sequence at a time"
+            self.streamer.begin(positions[0])
         mode = "dynamic" if self._compiled else "eager"
         ids = torch.tensor(tokens, device=self.device)
         return self.model.logits(self.model(ids, pos, attention, mode))

@@ -11,7 +11,8 @@ def token_slots(pages: torch.Tensor, positions: torch.Tensor, page_size: int) ->
 
 
 class PagedKVStore:
-    """Per layer one ``[2, kv_heads, num_pages * page_size, head_dim]`` tensor (K then V).
+    """Per layer one ``[2, heads, num_pages * page_size, head_dim]`` tensor (K then V), for
+    the layer's resident kv heads (all of them unless ``heads_per_layer`` says fewer).
 
     Token slot ``page * page_size + offset`` holds the token at ``offset`` of ``page``;
     attention kernels index pages through block tables, so the layout per kv head stays
@@ -28,9 +29,13 @@ class PagedKVStore:
         *,
         dtype: torch.dtype,
         device: torch.device | str,
+        heads_per_layer: list[int] | None = None,
     ):
-        shape = (2, num_kv_heads, num_pages * page_size, head_dim)
-        self.kv = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        heads_per_layer = heads_per_layer or [num_kv_heads] * num_layers
+        self.kv = [
+            torch.zeros(2, heads, num_pages * page_size, head_dim, dtype=dtype, device=device)
+            for heads in heads_per_layer
+        ]
         self.num_pages, self.page_size = num_pages, page_size
 
     def slots(self, pages: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
