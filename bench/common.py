@@ -117,9 +117,13 @@ def batch_engine(model, config, max_context: int = 1 << 20):
     from headspace.engine.batch import BatchGenerator
 
     engine = SimpleNamespace(
-        config=config, model=model, tokenizer=_NoText(), max_context=max_context,
-        eos_token_ids=set(), check_length=lambda n: None,
-    )  # fmt: skip
+        config=config,
+        model=model,
+        tokenizer=_NoText(),
+        max_context=max_context,
+        eos_token_ids=set(),
+        check_length=lambda n: None,
+    )
     return BatchGenerator(engine)
 
 
@@ -134,3 +138,56 @@ def prefill_once(generator, ids: list[int]) -> None:
         generator.runner.prefill(seq, generator.chunk)
     finally:
         blocks.free(seq.seq_id)
+
+
+def random_model(config_dict: dict, device: str = "cuda"):
+    """Our decoder with random bf16 weights (std 0.02), built straight on the device."""
+    from headspace.model.config import config_from_dict
+    from headspace.model.loader import build_model, checkpoint_layout
+
+    config = config_from_dict(config_dict)
+    generator = torch.Generator(device=device).manual_seed(0)
+    shapes = _hf_shapes(config)
+
+    def tensor(name: str) -> torch.Tensor:
+        shape = shapes[name]
+        if "norm" in name:
+            return torch.ones(shape, dtype=torch.bfloat16, device=device)
+        out = torch.empty(shape, dtype=torch.bfloat16, device=device)
+        return out.normal_(0.0, 0.02, generator=generator)
+
+    assert set(n for names in checkpoint_layout(config).values() for n in names) <= set(shapes)
+    return build_model(config, tensor, device, torch.bfloat16)
+
+
+def _hf_shapes(config) -> dict[str, tuple[int, ...]]:
+    hidden, inter = config.hidden_size, config.intermediate_size
+    q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+    shapes = {
+        "model.embed_tokens.weight": (config.vocab_size, hidden),
+        "model.norm.weight": (hidden,),
+        "lm_head.weight": (config.vocab_size, hidden),
+    }
+    for i in range(config.num_layers):
+        p = f"model.layers.{i}"
+        shapes.update(
+            {
+                f"{p}.input_layernorm.weight": (hidden,),
+                f"{p}.post_attention_layernorm.weight": (hidden,),
+                f"{p}.self_attn.q_proj.weight": (q, hidden),
+                f"{p}.self_attn.k_proj.weight": (kv, hidden),
+                f"{p}.self_attn.v_proj.weight": (kv, hidden),
+                f"{p}.self_attn.o_proj.weight": (hidden, q),
+                f"{p}.mlp.gate_proj.weight": (inter, hidden),
+                f"{p}.mlp.up_proj.weight": (inter, hidden),
+                f"{p}.mlp.down_proj.weight": (hidden, inter),
+            }
+        )
+    return shapes
+
+
+def pinned_h2d_bandwidth(num_bytes: int = 2**30) -> float:
+    """Host-to-device bytes/s from pinned memory."""
+    host = torch.empty(num_bytes, dtype=torch.uint8, pin_memory=True)
+    device = torch.empty(num_bytes, dtype=torch.uint8, device="cuda")
+    return num_bytes / cuda_time(lambda: device.copy_(host, non_blocking=True), warmup=2, repeat=5)
