@@ -25,7 +25,6 @@ from common import (  # noqa: E402
     write_result,
 )
 from headspace.engine.config import EngineConfig  # noqa: E402
-from headspace.engine.sampling import SamplingParams  # noqa: E402
 
 CAP_GIB = 24
 CHUNK = 8192
