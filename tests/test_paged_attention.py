@@ -6,7 +6,12 @@ import pytest
 import torch
 
 from headspace.attention import attend, merge_attention, reference_attention
-from headspace.attention.paged import flex_paged_attention, gather_pages, physical_block_mask
+from headspace.attention.paged import (
+    flex_paged_attention,
+    gather_pages,
+    physical_block_mask,
+    prefix_block_mask,
+)
 
 PAGE = 16
 HEADS, KV_HEADS, DIM = 8, 2, 32
@@ -77,6 +82,9 @@ def test_chunk_attention_is_diagonal_plus_prefix_pages_merged():
     mask = physical_block_mask(tables, prefix, torch.tensor([num_q]), prefix, num_q,
                                pool.shape[2], PAGE)  # fmt: skip
     prefix_out, prefix_lse = flex_paged_attention(q, pool[0], pool[1], mask)
+    direct = prefix_block_mask(tables[0], seq_len - num_q, num_q, pool.shape[2], PAGE)
+    direct_out, direct_lse = flex_paged_attention(q, pool[0], pool[1], direct)
+    assert torch.equal(direct_out, prefix_out) and torch.equal(direct_lse, prefix_lse)
     k_new, v_new = dense[0][0][:, -num_q:], dense[0][1][:, -num_q:]
     diag_out, diag_lse = attend(q[0], k_new, v_new, causal=True)
     out, lse = merge_attention([diag_out, prefix_out[0]], [diag_lse, prefix_lse[0]])

@@ -88,6 +88,42 @@ def physical_block_mask(
     )  # fmt: skip
 
 
+def prefix_block_mask(
+    pages: torch.Tensor,  # [pages] int, one sequence's pages in logical order
+    prefix: int,  # keys visible to every query: positions 0 .. prefix-1
+    num_queries: int,  # padded query length
+    num_slots: int,
+    page_size: int,
+) -> BlockMask:
+    """The BlockMask of queries attending a sequence's first ``prefix`` tokens, built from
+    block indices directly (no dense mask is evaluated: cheap at any length)."""
+    device = pages.device
+    num_full, partial = divmod(prefix, page_size)
+    num_q_blocks = -(-num_queries // Q_BLOCK)
+    num_pages = num_slots // page_size
+
+    def rows(page_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        indices = torch.zeros(1, 1, num_q_blocks, num_pages, dtype=torch.int32, device=device)
+        indices[..., : len(page_ids)] = page_ids.to(torch.int32)
+        counts = torch.full((1, 1, num_q_blocks), len(page_ids), dtype=torch.int32, device=device)
+        return counts, indices
+
+    used = num_full + (1 if partial else 0)
+    full_counts, full_indices = rows(pages[:num_full])
+    counts, indices = rows(pages[num_full:used])
+    logical_page = torch.full((num_pages,), -1, dtype=torch.long, device=device)
+    logical_page[pages[:used].long()] = torch.arange(used, device=device)
+
+    def prefix_mask(b, h, q_idx, slot):  # exact everywhere; blocks only skip work
+        page = logical_page[slot // page_size]
+        return (page >= 0) & (page * page_size + slot % page_size < prefix)
+
+    return BlockMask.from_kv_blocks(
+        counts, indices, full_counts, full_indices, BLOCK_SIZE=(Q_BLOCK, page_size),
+        mask_mod=prefix_mask, seq_lengths=(num_queries, num_slots),
+    )  # fmt: skip
+
+
 @functools.cache
 def _compiled_flex():
     # one compile per (query, slot) shape: callers pad queries to a few sizes

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from headspace.attention import attend, merge_attention, reference_attention
-from headspace.attention.paged import flex_paged_attention, gather_pages, physical_block_mask
+from headspace.attention.paged import flex_paged_attention, gather_pages, prefix_block_mask
 from headspace.engine.config import EngineConfig
 from headspace.engine.offload import HeadStreamer
 from headspace.engine.scheduler import Sequence
@@ -85,11 +85,8 @@ class PagedRunner:
             return attend(q, k, v, backend=self.config.attention_backend)
         num_q = q.shape[1]
         padded = max(128, 1 << (num_q - 1).bit_length())  # few compiled query shapes
-        start = torch.tensor([prefix], device=self.device)
-        mask = physical_block_mask(
-            pages.to(torch.int32)[None], start, torch.tensor([num_q], device=self.device), start,
-            padded, self.store.num_pages * self.page_size, self.page_size,
-        )  # fmt: skip
+        num_slots = self.store.num_pages * self.page_size
+        mask = prefix_block_mask(pages, prefix, padded, num_slots, self.page_size)
         q4 = torch.nn.functional.pad(q, (0, 0, 0, padded - num_q))[None]
         out, lse = flex_paged_attention(q4, store_kv[0], store_kv[1], mask)
         return out[0, :, :num_q], lse[0, :, :num_q]
