@@ -64,9 +64,9 @@ def test_streamed_history_is_written_once_per_token(tiny_llama, prompt):
               gpu_memory=_budget(tiny_llama, 1, 0))  # fmt: skip
     llm.generate(prompt[:100], SamplingParams(max_new_tokens=5, ignore_eos=True))
     host = llm.engine.batch.runner.streamer.host
-    for tensor in host.kv.values():  # prompt + 4 decoded tokens written; the rest untouched
-        assert tensor[:, :104].abs().sum(-1).gt(0).all()
-        assert tensor[:, 104:].abs().sum().item() == 0
+    for tensor in [*host.k.values(), *host.v.values()]:  # prompt + 4 decoded tokens written
+        assert tensor[:104].abs().sum(-1).gt(0).all()
+        assert tensor[104:].abs().sum().item() == 0  # the rest untouched
 
 
 def test_embedded_model_with_streamed_heads(embedded_dir):

@@ -59,9 +59,9 @@ class HeadStreamer:
             if written is not None:
                 self.copy_stream.wait_event(written)
             for j, head in enumerate(group):
-                self.staging[half][:, j, : self._length].copy_(
-                    self.host.read(layer, head, self._length), non_blocking=True
-                )
+                k, v = self.host.read(layer, head, self._length)
+                self.staging[half][0, j, : self._length].copy_(k, non_blocking=True)
+                self.staging[half][1, j, : self._length].copy_(v, non_blocking=True)
             event = torch.cuda.Event()
             event.record(self.copy_stream)
         self._arrived[i] = event
@@ -69,8 +69,8 @@ class HeadStreamer:
     def _history(self, layer: int, group: list[int]) -> tuple[torch.Tensor, torch.Tensor, int]:
         """K and V ``[group, prefix, dim]`` of the group, on the compute device."""
         if self.staging is None:
-            kv = torch.stack([self.host.read(layer, h, self._length) for h in group], dim=1)
-            return kv[0], kv[1], -1
+            parts = [self.host.read(layer, h, self._length) for h in group]
+            return torch.stack([k for k, _ in parts]), torch.stack([v for _, v in parts]), -1
         i = self.index[(layer, tuple(group))]
         self._prefetch(i)
         torch.cuda.current_stream(self.device).wait_event(self._arrived.pop(i))
@@ -100,17 +100,17 @@ class HeadStreamer:
 
     def _write_back(self, layer: int, group: list[int], kv: torch.Tensor) -> None:
         """Only the new tokens go to host memory (device-to-host on its own stream)."""
+        new = kv.permute(0, 2, 1, 3).contiguous()  # [2, group, T, D]: contiguous per head
         if self.write_stream is None:
             for j, head in enumerate(group):
-                self.host.write(layer, head, self._length, kv[:, :, j])
+                self.host.write(layer, head, self._length, new[0, j], new[1, j])
             return
-        new = kv.detach().clone()  # the activations may be reused before the copy runs
         ready = torch.cuda.Event()
         ready.record(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.write_stream):
             self.write_stream.wait_event(ready)
             for j, head in enumerate(group):
-                self.host.write(layer, head, self._length, new[:, :, j], non_blocking=True)
+                self.host.write(layer, head, self._length, new[0, j], new[1, j], non_blocking=True)
             new.record_stream(self.write_stream)
             written = torch.cuda.Event()
             written.record(self.write_stream)

@@ -1,6 +1,7 @@
-"""Host memory of streamed heads: one pinned ``[2, capacity, head_dim]`` tensor per
-(layer, kv head), contiguous in tokens, so a group's history is a few large copies and a CPU
-attention backend can read it in place. Only new tokens are ever written."""
+"""Host memory of streamed heads: pinned K and V ``[capacity, head_dim]`` tensors per
+(layer, kv head), contiguous in tokens, so a group's history is a few large contiguous
+copies (asynchronous copies need contiguous pinned memory) and a CPU attention backend can
+read it in place. Only new tokens are ever written."""
 
 from __future__ import annotations
 
@@ -20,20 +21,25 @@ class HostKVStore:
         pin: bool,
     ):
         self.capacity = capacity
-        self.kv = {
-            key: torch.zeros(2, capacity, head_dim, dtype=dtype, pin_memory=pin) for key in streamed
-        }
+
+        def buffer() -> torch.Tensor:
+            return torch.zeros(capacity, head_dim, dtype=dtype, pin_memory=pin)
+
+        self.k = {key: buffer() for key in streamed}
+        self.v = {key: buffer() for key in streamed}
 
     @property
     def num_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.kv.values())
+        return sum(t.numel() * t.element_size() for t in [*self.k.values(), *self.v.values()])
 
-    def write(self, layer: int, kv_head: int, start: int, kv: torch.Tensor, *, non_blocking=False):
-        """Store ``kv [2, tokens, head_dim]`` (any device) at positions ``start..``."""
-        end = start + kv.shape[1]
+    def write(self, layer: int, kv_head: int, start: int, k: torch.Tensor, v: torch.Tensor,
+              *, non_blocking: bool = False) -> None:  # fmt: skip
+        """Store ``k, v [tokens, head_dim]`` (contiguous, any device) at ``start..``."""
+        end = start + k.shape[0]
         assert end <= self.capacity, "host KV store overflow"
-        self.kv[(layer, kv_head)][:, start:end].copy_(kv, non_blocking=non_blocking)
+        self.k[(layer, kv_head)][start:end].copy_(k, non_blocking=non_blocking)
+        self.v[(layer, kv_head)][start:end].copy_(v, non_blocking=non_blocking)
 
-    def read(self, layer: int, kv_head: int, length: int) -> torch.Tensor:
-        """The first ``length`` tokens ``[2, length, head_dim]`` (a view, in host memory)."""
-        return self.kv[(layer, kv_head)][:, :length]
+    def read(self, layer: int, kv_head: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of the first ``length`` tokens (contiguous views in host memory)."""
+        return self.k[(layer, kv_head)][:length], self.v[(layer, kv_head)][:length]
