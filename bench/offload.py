@@ -72,7 +72,7 @@ def measure(model, length: int, offload: str, budget: str | None, steps: int) ->
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--lengths", default="32768,131072")
+    parser.add_argument("--lengths", default="65536,131072")
     parser.add_argument("--steps", type=int, default=8)
     args = parser.parse_args()
     env = environment()
@@ -105,7 +105,9 @@ def main() -> None:
         },
         "decode_ms": {n: r["head"]["decode_ms"] for n, r in rows.items()},
         "decode_ratio_vs_pcie_floor": {
-            n: r["head"]["decode_ms"] / r["pcie_floor_ms"] for n, r in rows.items()
+            n: r["head"]["decode_ms"] / r["pcie_floor_ms"]
+            for n, r in rows.items()
+            if r["pcie_floor_ms"] > 0
         },
         "runs": rows,
     }

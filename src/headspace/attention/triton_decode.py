@@ -23,6 +23,7 @@ def _partial_kernel(
     stride_nb, stride_nh, stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr, TOKENS_PER_SPLIT: tl.constexpr, APPEND: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):  # fmt: skip
     kv_head = tl.program_id(0)
     split = tl.program_id(1)
@@ -65,7 +66,7 @@ def _partial_kernel(
         )
         if APPEND:
             k = tl.where((offs_n == new_pos)[:, None], new_k[None, :], k)
-        s = tl.dot(q, tl.trans(k)).to(tl.float32) * scale_log2  # [group, block], log2 units
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION).to(tl.float32) * scale_log2
         s = tl.where(n_ok[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # fully masked so far
@@ -77,7 +78,9 @@ def _partial_kernel(
         )
         if APPEND:
             v = tl.where((offs_n == new_pos)[:, None], new_v[None, :], v)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v).to(tl.float32)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION).to(
+            tl.float32
+        )
         m_i = m_new
     has_keys = l_i > 0
     out = tl.where(has_keys[:, None], acc / tl.where(has_keys, l_i, 1.0)[:, None], 0.0)
@@ -170,6 +173,7 @@ def paged_decode_attention(
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
         DIM=dim, PAGE_SIZE=page_size, BLOCK_N=block_n, TOKENS_PER_SPLIT=tokens_per_split,
         APPEND=new_kv is not None, num_warps=num_warps, num_stages=num_stages,
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",  # float32 stays exact
     )  # fmt: skip
     out = torch.empty(num_seqs, num_heads, dim, device=q.device, dtype=q.dtype)
     lse = torch.empty(num_seqs, num_heads, device=q.device, dtype=torch.float32)
