@@ -34,6 +34,12 @@ def _add_generate(subparsers) -> None:
     )
     p.add_argument("--gpu-memory", default=None, help="memory budget, e.g. 24GiB or 0.8")
     p.add_argument("--page-size", type=int, default=128, help="tokens per KV page")
+    p.add_argument("--host-memory", default=None, help="host budget for streamed KV")
+    p.add_argument(
+        "--offload", choices=["auto", "none", "layer", "head"], default="auto",
+        help="stream kv heads from host memory when the context does not fit the GPU budget",
+    )  # fmt: skip
+    p.add_argument("--head-group", type=int, default=None, help="kv heads per streamed group")
 
 
 def build_parser() -> argparse.ArgumentParser:
