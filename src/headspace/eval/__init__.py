@@ -1,0 +1,1 @@
+"""Long-context evaluation: needle in a haystack, RULER-style tasks, perplexity."""

@@ -1,0 +1,122 @@
+"""Evaluation drivers over an ``LLM``: rows of results, CSV files, tables and heatmaps."""
+
+from __future__ import annotations
+
+import csv
+import math
+from pathlib import Path
+
+from tqdm import tqdm
+
+from headspace.engine.sampling import SamplingParams
+from headspace.eval.data import builtin_text, haystack_text
+from headspace.eval.niah import Needle, build_case, score
+from headspace.eval.ppl import sliding_window_nll
+from headspace.eval.ruler import make_case
+
+WORDS_PER_TOKEN = 0.7  # English prose, roughly; RULER lengths are then checked in tokens
+
+
+def _encoder(llm, chat: bool):
+    return lambda text: llm.engine.encode(text, chat=chat)
+
+
+def run_niah(llm, lengths: list[int], depths: list[float], needle: Needle | None = None,
+             chat: bool = True, max_new_tokens: int = 32) -> list[dict]:  # fmt: skip
+    """One row per (length, depth): the generation and its score, all run as one batch."""
+    needle = needle or Needle()
+    tokenizer = llm.tokenizer
+    haystack = tokenizer(haystack_text(), add_special_tokens=False)["input_ids"]
+    cases = [build_case(tokenizer, _encoder(llm, chat), haystack, n, d, needle)
+             for n in lengths for d in depths]  # fmt: skip
+    params = SamplingParams(max_new_tokens=max_new_tokens)
+    outputs = _generate(llm, [c.prompt_ids for c in cases], params, "niah")
+    return [
+        {"length": c.length, "depth": c.depth, "prompt_tokens": len(c.prompt_ids),
+         "score": score(needle.answer, o.text), "generation": o.text.strip()}
+        for c, o in zip(cases, outputs, strict=True)
+    ]  # fmt: skip
+
+
+def run_ruler(llm, lengths: list[int], tasks: list[str], seed: int = 0, samples: int = 1,
+              chat: bool = True, max_new_tokens: int = 48) -> list[dict]:  # fmt: skip
+    """One row per (task, length, sample) with its score."""
+    filler = haystack_text()
+    cases = [(task, n, s, make_case(task, int(n * WORDS_PER_TOKEN), seed + s, filler))
+             for task in tasks for n in lengths for s in range(samples)]  # fmt: skip
+    prompts = [llm.engine.encode(case.text, chat=chat) for *_, case in cases]
+    outputs = _generate(llm, prompts, SamplingParams(max_new_tokens=max_new_tokens), "ruler")
+    return [
+        {"task": task, "length": n, "sample": s, "prompt_tokens": len(p),
+         "score": case.score(o.text), "generation": o.text.strip()}
+        for (task, n, s, case), p, o in zip(cases, prompts, outputs, strict=True)
+    ]  # fmt: skip
+
+
+def _generate(llm, prompts: list[list[int]], params: SamplingParams, label: str):
+    """Batched generation with a progress bar over finished requests."""
+    with tqdm(total=len(prompts), desc=label, unit="prompt") as bar:
+        outputs = llm.generate(prompts, params)
+        bar.update(len(prompts))
+    return outputs
+
+
+def run_ppl(
+    llm, texts: list[str], contexts: list[int], max_tokens: int | None = None
+) -> list[dict]:
+    """Sliding-window perplexity per (text, context)."""
+    rows = []
+    for name in texts:
+        ids = llm.tokenizer(builtin_text(name))["input_ids"][:max_tokens]
+        for context in contexts:
+            windows = max(1, math.ceil((len(ids) - context) / (context // 2)) + 1)
+            with tqdm(total=windows, desc=f"ppl {name} @{context}", unit="window") as bar:
+                nll, count = sliding_window_nll(llm.logits, ids, context, on_window=bar.update)
+            rows.append({"text": Path(name).stem, "context": context, "tokens": count,
+                         "perplexity": math.exp(nll / count)})  # fmt: skip
+    return rows
+
+
+def write_csv(rows: list[dict], path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+
+
+def table(rows: list[dict], columns: list[str]) -> str:
+    widths = [max(len(c), *(len(_fmt(r[c])) for r in rows)) for c in columns]
+    lines = ["  ".join(c.rjust(w) for c, w in zip(columns, widths, strict=True))]
+    lines += ["  ".join(_fmt(r[c]).rjust(w) for c, w in zip(columns, widths, strict=True))
+              for r in rows]  # fmt: skip
+    return "\n".join(lines)
+
+
+def _fmt(value) -> str:
+    return f"{value:.3f}" if isinstance(value, float) else str(value)
+
+
+def niah_heatmap(rows: list[dict], path: Path, title: str) -> None:
+    """Depth x length heatmap of the scores (green = found)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    lengths = sorted({r["length"] for r in rows})
+    depths = sorted({r["depth"] for r in rows})
+    grid = [[next(r["score"] for r in rows if r["length"] == n and r["depth"] == d)
+             for n in lengths] for d in depths]  # fmt: skip
+    fig, ax = plt.subplots(figsize=(1.2 * len(lengths) + 2, 0.6 * len(depths) + 1.5))
+    image = ax.imshow(grid, cmap="RdYlGn", vmin=0, vmax=1, aspect="auto")
+    ax.set_xticks(range(len(lengths)), [f"{n // 1024}K" if n >= 1024 else str(n) for n in lengths])
+    ax.set_yticks(range(len(depths)), [f"{d:g}%" for d in depths])
+    ax.set_xlabel("context length (tokens)")
+    ax.set_ylabel("needle depth")
+    ax.set_title(title)
+    fig.colorbar(image, ax=ax, label="score")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
