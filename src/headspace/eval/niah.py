@@ -57,21 +57,17 @@ def build_case(tokenizer, encode, haystack_ids: list[int], length: int, depth: f
     target = int(round(budget * depth / 100))
     cut = target
     while cut > max(0, target - budget // 100) and cut < budget:
-        if tokenizer.decode(context[cut - 1 : cut]).rstrip().endswith("."):
+        if _decode(tokenizer, context[cut - 1 : cut]).rstrip().endswith("."):
             break
         cut -= 1
     else:
         cut = target
-    text = tokenizer.decode(context[:cut]) + needle.text + tokenizer.decode(context[cut:])
+    text = _decode(tokenizer, context[:cut]) + needle.text + _decode(tokenizer, context[cut:])
     return NiahCase(length, depth, encode(_frame(encode, text, needle)), cut, budget)
 
 
-def _find(haystack: list[int], piece: list[int]) -> int:
-    """First index of ``piece`` in ``haystack``, -1 when absent."""
-    for i in range(len(haystack) - len(piece) + 1):
-        if haystack[i : i + len(piece)] == piece:
-            return i
-    return -1
+def _decode(tokenizer, ids: list[int]) -> str:
+    return tokenizer.decode(ids, clean_up_tokenization_spaces=False)
 
 
 def count_occurrences(haystack: list[int], piece: list[int]) -> int:
