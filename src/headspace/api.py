@@ -6,6 +6,7 @@ import os
 from collections.abc import Iterator
 
 import torch
+from tqdm import tqdm
 
 from headspace.engine.config import EngineConfig
 from headspace.engine.engine import Engine, RequestOutput
@@ -53,13 +54,15 @@ class LLM:
         params: SamplingParams | list[SamplingParams] | None = None,
         *,
         chat: bool = False,
+        use_tqdm: bool = False,
     ) -> list[RequestOutput]:
         """Generate for one prompt or a list; returns one RequestOutput per prompt.
 
         A prompt is text (tokenized exactly as ``tokenizer(prompt)``, or by the chat
         template with ``chat=True``) or a list of token ids. All prompts run as one batch
         over the shared KV page pool (continuous batching, shared prefixes reuse pages);
-        ``params`` is one SamplingParams for all or a list with one per prompt.
+        ``params`` is one SamplingParams for all or a list with one per prompt;
+        ``use_tqdm`` shows a progress bar of finished requests on stderr.
         """
         single = isinstance(prompts, str) or (
             isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
@@ -71,7 +74,8 @@ class LLM:
             params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
         )
         ids = [self._prompt_ids(prompt, chat) for prompt in prompts]
-        outputs = self.engine.generate_batch(ids, params_list)
+        with tqdm(total=len(ids), unit="request", disable=not use_tqdm) as bar:
+            outputs = self.engine.generate_batch(ids, params_list, on_finish=bar.update)
         for output, prompt in zip(outputs, prompts, strict=True):
             output.prompt = prompt
         self.last_output = outputs[-1]

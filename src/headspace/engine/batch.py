@@ -129,10 +129,14 @@ class BatchGenerator:
         return RequestOutput(seq.prompt_ids, request.streamer.text, seq.output_ids,
                              seq.finish_reason, stats, seq.num_cached)  # fmt: skip
 
-    def run(self, prompts: list[list[int]], params: list[SamplingParams]):
-        """RequestOutputs for ``prompts`` (token ids), in order; ``params`` per prompt."""
-        for _ in self._steps(prompts, params):
-            pass
+    def run(self, prompts: list[list[int]], params: list[SamplingParams], on_finish=None):
+        """RequestOutputs for ``prompts`` (token ids), in order; ``params`` per prompt.
+
+        ``on_finish()`` is called each time a request completes (progress bars).
+        """
+        for request, _ in self._steps(prompts, params):
+            if on_finish and request.finished and request.seq.finish_reason:
+                on_finish()
         return [self._output(r) for r in self._requests]
 
     def logits(self, token_ids: list[int]) -> torch.Tensor:

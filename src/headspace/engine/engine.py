@@ -122,10 +122,10 @@ class Engine:
         return output
 
     def generate_batch(
-        self, prompts: list[list[int]], params: list[SamplingParams]
+        self, prompts: list[list[int]], params: list[SamplingParams], on_finish=None
     ) -> list[RequestOutput]:
         """Generate for many prompts as one batch over the shared KV page pool."""
-        return self.batch.run(prompts, params)
+        return self.batch.run(prompts, params, on_finish)
 
     def run(self, prompt_ids: list[int], params: SamplingParams) -> RequestOutput:
         """Generate for one prompt, alone."""

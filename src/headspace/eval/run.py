@@ -30,7 +30,7 @@ def run_niah(llm, lengths: list[int], depths: list[float], needle: Needle | None
     cases = [build_case(tokenizer, _encoder(llm, chat), haystack, n, d, needle)
              for n in lengths for d in depths]  # fmt: skip
     params = SamplingParams(max_new_tokens=max_new_tokens)
-    outputs = _generate(llm, [c.prompt_ids for c in cases], params, "niah")
+    outputs = _generate(llm, [c.prompt_ids for c in cases], params)
     return [
         {"length": c.length, "depth": c.depth, "prompt_tokens": len(c.prompt_ids),
          "score": score(needle.answer, o.text), "generation": o.text.strip()}
@@ -45,7 +45,7 @@ def run_ruler(llm, lengths: list[int], tasks: list[str], seed: int = 0, samples:
     cases = [(task, n, s, make_case(task, int(n * WORDS_PER_TOKEN), seed + s, filler))
              for task in tasks for n in lengths for s in range(samples)]  # fmt: skip
     prompts = [llm.engine.encode(case.text, chat=chat) for *_, case in cases]
-    outputs = _generate(llm, prompts, SamplingParams(max_new_tokens=max_new_tokens), "ruler")
+    outputs = _generate(llm, prompts, SamplingParams(max_new_tokens=max_new_tokens))
     return [
         {"task": task, "length": n, "sample": s, "prompt_tokens": len(p),
          "score": case.score(o.text), "generation": o.text.strip()}
@@ -53,12 +53,9 @@ def run_ruler(llm, lengths: list[int], tasks: list[str], seed: int = 0, samples:
     ]  # fmt: skip
 
 
-def _generate(llm, prompts: list[list[int]], params: SamplingParams, label: str):
+def _generate(llm, prompts: list[list[int]], params: SamplingParams):
     """Batched generation with a progress bar over finished requests."""
-    with tqdm(total=len(prompts), desc=label, unit="prompt") as bar:
-        outputs = llm.generate(prompts, params)
-        bar.update(len(prompts))
-    return outputs
+    return llm.generate(prompts, params, use_tqdm=True)
 
 
 def run_ppl(
