@@ -34,7 +34,7 @@ def add_eval_parser(subparsers, add_engine_options) -> None:
     p.add_argument("--output", default="eval_results", help="folder for CSV and PNG files")
     p.add_argument(
         "--compare", nargs="+", default=None, metavar="OFFLOAD",
-        help="one run per offload mode (none, layer, head); flags differences",
+        help="one run per offload mode (none: all resident); flags differences",
     )  # fmt: skip
     add_engine_options(p)
     p.set_defaults(parse_tokens=parse_tokens)
@@ -68,7 +68,10 @@ def run_eval(args, options: dict) -> None:
     modes = args.compare or [options["offload"]]
     results = {}
     for mode in modes:
-        llm = LLM(args.model, **{**options, "offload": mode})
+        mode_options = {**options, "offload": mode}
+        if args.compare and mode == "none":  # the all-resident reference ignores the budget
+            mode_options["gpu_memory"] = None
+        llm = LLM(args.model, **mode_options)
         results[mode], keys, values = _rows(args, llm)
     out = Path(args.output)
     for mode, rows in results.items():

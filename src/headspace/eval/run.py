@@ -107,7 +107,9 @@ def niah_heatmap(rows: list[dict], path: Path, title: str) -> None:
              for n in lengths] for d in depths]  # fmt: skip
     fig, ax = plt.subplots(figsize=(1.2 * len(lengths) + 2, 0.6 * len(depths) + 1.5))
     image = ax.imshow(grid, cmap="RdYlGn", vmin=0, vmax=1, aspect="auto")
-    ax.set_xticks(range(len(lengths)), [f"{n // 1024}K" if n >= 1024 else str(n) for n in lengths])
+    ax.set_xticks(
+        range(len(lengths)), [f"{round(n / 1024)}K" if n >= 1024 else str(n) for n in lengths]
+    )
     ax.set_yticks(range(len(depths)), [f"{d:g}%" for d in depths])
     ax.set_xlabel("context length (tokens)")
     ax.set_ylabel("needle depth")
