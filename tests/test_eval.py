@@ -85,3 +85,24 @@ def test_perplexity_matches_transformers(llm, embedded_dir):
     assert count == count_hf == 1199  # every token after the first is scored once
     assert abs(ours / math.exp(nll_hf / count_hf) - 1) < 0.005
     assert 1 < ours < 200
+
+
+def test_eval_cli_writes_csv_heatmap_and_table(tmp_path, capsys, llm):
+    import csv
+
+    from headspace.cli.main import main
+
+    code = main(["eval", "niah", "--lengths", "1k", "--depths", "50", "--output", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert code == 0 and "score" in out and "1024" in out
+    rows = list(csv.DictReader(open(tmp_path / "niah.csv")))
+    assert len(rows) == 1 and float(rows[0]["score"]) in (0.0, 1.0)
+    assert (tmp_path / "niah.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_eval_cli_refuses_a_partial_needle(capsys):
+    from headspace.cli.main import main
+
+    code = main(["eval", "niah", "--needle", "The code is 42.", "--lengths", "1k"])
+    assert code == 2
+    assert capsys.readouterr().err.strip() == "error: --needle, --question and --answer go together"
