@@ -95,7 +95,8 @@ def test_eval_cli_writes_csv_heatmap_and_table(tmp_path, capsys, llm):
     code = main(["eval", "niah", "--lengths", "1k", "--depths", "50", "--output", str(tmp_path)])
     out = capsys.readouterr().out
     assert code == 0 and "score" in out and "1024" in out
-    rows = list(csv.DictReader(open(tmp_path / "niah.csv")))
+    with open(tmp_path / "niah.csv") as handle:
+        rows = list(csv.DictReader(handle))
     assert len(rows) == 1 and float(rows[0]["score"]) in (0.0, 1.0)
     assert (tmp_path / "niah.png").read_bytes()[:4] == b"\x89PNG"
 
