@@ -107,3 +107,14 @@ def test_eval_cli_refuses_a_partial_needle(capsys):
     code = main(["eval", "niah", "--needle", "The code is 42.", "--lengths", "1k"])
     assert code == 2
     assert capsys.readouterr().err.strip() == "error: --needle, --question and --answer go together"
+
+
+def test_ruler_accuracy_is_averaged_per_task_and_length():
+    from headspace.eval.run import accuracy_by
+
+    rows = [{"task": "a", "length": 1, "score": 1.0}, {"task": "a", "length": 1, "score": 0.0},
+            {"task": "b", "length": 1, "score": 0.5}]  # fmt: skip
+    assert accuracy_by(rows, ["task", "length"]) == [
+        {"task": "a", "length": 1, "accuracy": 0.5, "cases": 2},
+        {"task": "b", "length": 1, "accuracy": 0.5, "cases": 1},
+    ]

@@ -80,7 +80,12 @@ def run_eval(args, options: dict) -> None:
         if args.suite == "niah":
             run.niah_heatmap(rows, out / f"niah{suffix}.png", f"needle in a haystack ({mode})")
     if not args.compare:
-        print(run.table(results[modes[0]], keys + values))
+        rows = results[modes[0]]
+        if args.suite == "ruler":  # per-task accuracy; the CSV keeps every case
+            print(run.table(run.accuracy_by(rows, ["task", "length"]), ["task", "length",
+                                                                        "accuracy", "cases"]))  # fmt: skip
+            return
+        print(run.table(rows, keys + values))
         return
     merged = []
     for rows in zip(*results.values(), strict=True):

@@ -74,6 +74,15 @@ def run_ppl(
     return rows
 
 
+def accuracy_by(rows: list[dict], keys: list[str]) -> list[dict]:
+    """Mean score per distinct value of ``keys`` (e.g. per task and length), with counts."""
+    groups: dict[tuple, list[float]] = {}
+    for row in rows:
+        groups.setdefault(tuple(row[k] for k in keys), []).append(row["score"])
+    return [{**dict(zip(keys, key, strict=True)), "accuracy": sum(v) / len(v), "cases": len(v)}
+            for key, v in groups.items()]  # fmt: skip
+
+
 def write_csv(rows: list[dict], path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "w", newline="") as handle:
