@@ -82,8 +82,8 @@ def run_eval(args, options: dict) -> None:
     if not args.compare:
         rows = results[modes[0]]
         if args.suite == "ruler":  # per-task accuracy; the CSV keeps every case
-            print(run.table(run.accuracy_by(rows, ["task", "length"]), ["task", "length",
-                                                                        "accuracy", "cases"]))  # fmt: skip
+            summary = run.accuracy_by(rows, ["task", "length"])
+            print(run.table(summary, ["task", "length", "accuracy", "cases"]))
             return
         print(run.table(rows, keys + values))
         return
