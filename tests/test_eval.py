@@ -118,3 +118,13 @@ def test_ruler_accuracy_is_averaged_per_task_and_length():
         {"task": "a", "length": 1, "accuracy": 0.5, "cases": 2},
         {"task": "b", "length": 1, "accuracy": 0.5, "cases": 1},
     ]
+
+
+def test_ruler_end_to_end_on_the_embedded_model(llm):
+    from headspace.eval.run import run_ruler
+
+    rows = run_ruler(llm, [768], ["niah_single", "variable_tracking"], seed=1)
+    assert [r["task"] for r in rows] == ["niah_single", "variable_tracking"]
+    for row in rows:
+        assert 0.0 <= row["score"] <= 1.0
+        assert 0.6 * 768 <= row["prompt_tokens"] <= 1.4 * 768
