@@ -81,3 +81,15 @@ def test_embedded_model_with_streamed_heads(embedded_dir):
     llm = LLM(prefill_chunk=128, offload="head", head_group=1, gpu_memory=budget)
     assert llm.engine.batch.plan.head_map.count("gpu") == 40
     assert (llm.logits(ids) - reference).abs().max().item() <= 1e-4
+
+
+def test_requests_sharing_a_prefix_match_the_resident_run(tiny_llama, prompt):
+    """Found by `eval --compare`: prefix reuse must not hand a streamed head another
+    request's history."""
+    prompts = [prompt[:100] + [7, 8], prompt[:60] + [9], prompt[:100] + [11, 12, 13]]
+    params = SamplingParams(max_new_tokens=24, ignore_eos=True)
+    resident = LLM(str(tiny_llama), prefill_chunk=CHUNK, page_size=16).generate(prompts, params)
+    llm = LLM(str(tiny_llama), prefill_chunk=CHUNK, page_size=16, offload="head", head_group=1,
+              gpu_memory=_budget(tiny_llama, 1, 2))  # fmt: skip
+    streamed = llm.generate(prompts, params)
+    assert [o.token_ids for o in streamed] == [o.token_ids for o in resident]

@@ -70,8 +70,9 @@ class BatchGenerator:
 
     def _steps(self, prompts, params) -> Iterator[tuple[_Request, str]]:
         """Run the batch to the end; yield (request, new text) after every token."""
-        config = self.engine.config
-        scheduler = Scheduler(self.runner.blocks, self.max_batch, config.prefix_caching)
+        # Streamed heads keep one sequence's history in host memory: no cross-request reuse.
+        prefix_caching = self.engine.config.prefix_caching and self.plan is None
+        scheduler = Scheduler(self.runner.blocks, self.max_batch, prefix_caching)
         requests = [self._submit(scheduler, ids, p) for ids, p in zip(prompts, params, strict=True)]
         by_id = {r.seq.seq_id: r for r in requests}
         self._requests = requests
