@@ -49,13 +49,16 @@ class BatchGenerator:
         self.peak_pages = 0
 
     def _pool_pages(self) -> int:
+        from headspace.planner.plan import activation_bytes
+
         config, cfg = self.engine.config, self.engine.model.config
-        activation_bytes = 2 * self.chunk * (6 * cfg.hidden_size + 3 * cfg.intermediate_size)
+        element = torch.empty((), dtype=config.torch_dtype).element_size()
         weight_bytes = sum(p.numel() * p.element_size() for p in self.engine.model.parameters())
         return config.num_kv_pages or num_kv_pages(
             cfg, config.gpu_memory, device=torch.device(config.device),
             dtype=config.torch_dtype, page_size=config.page_size, weight_bytes=weight_bytes,
-            activation_bytes=activation_bytes, max_context=self.engine.max_context,
+            activation_bytes=activation_bytes(cfg, self.chunk, element),
+            max_context=self.engine.max_context,
         )  # fmt: skip
 
     def _submit(self, scheduler: Scheduler, ids: list[int], params: SamplingParams) -> _Request:

@@ -86,8 +86,9 @@ def prefill_chunk_size(config: ModelConfig, engine_config) -> int:
     device = torch.device(engine_config.device)
     if device.type != "cuda":
         return CPU_PREFILL_CHUNK
-    per_token = 2 * (6 * config.hidden_size + 3 * config.intermediate_size)  # activations
-    per_token += 4 * config.num_heads * config.head_dim * 2  # q/out copies, expanded k/v
+    from headspace.planner.plan import activation_bytes_per_token
+
+    per_token = activation_bytes_per_token(config, 2)
     free, _ = torch.cuda.mem_get_info(device)
     fit = int(0.5 * free) // per_token
     return max(1024, min(1 << max(fit, 1).bit_length() - 1, MAX_GPU_PREFILL_CHUNK))
