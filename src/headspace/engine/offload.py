@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from headspace.attention import attend, merge_attention
+from headspace.attention import attend, decode_attend, merge_attention
 from headspace.kv.host_store import HostKVStore
 from headspace.planner.head_map import HeadMap
 
@@ -42,6 +42,8 @@ class HeadStreamer:
     def begin(self, prefix: int) -> None:
         """Start a forward pass whose streamed heads hold ``prefix`` tokens so far."""
         self._length = prefix
+        if self.staging is not None:
+            self._length_t = torch.tensor([prefix], device=self.device)
         self._arrived.clear()
         if self.order and self.staging is not None:
             self._prefetch(0)
@@ -89,7 +91,10 @@ class HeadStreamer:
         out, lse = attend(q_heads, new_k, new_v, causal=True, backend=self.backend)
         if self._length > 0:
             k, v, i = self._history(layer, group)
-            past_out, past_lse = attend(q_heads, k, v, backend=self.backend)
+            if i >= 0 and q.shape[0] == 1:  # decode: split-K over the history fills the GPU
+                past_out, past_lse = decode_attend(q_heads, k, v, self._length_t)
+            else:
+                past_out, past_lse = attend(q_heads, k, v, backend=self.backend)
             out, lse = merge_attention([out, past_out], [lse, past_lse])
             if i >= 0:  # the staging half may be refilled once this attention is done
                 done = torch.cuda.Event()
