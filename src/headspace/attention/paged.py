@@ -126,8 +126,9 @@ def prefix_block_mask(
 
 @functools.cache
 def _compiled_flex():
-    # one compile per (query, slot) shape: callers pad queries to a few sizes
-    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+    # one compile per shape (padded queries, resident heads of a layer, pool slots); past the
+    # limit dynamo would fall back to the eager kernel, which materialises every score
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 1024)
     return torch.compile(flex_attention, dynamic=False)
 
 
