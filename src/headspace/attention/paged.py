@@ -113,10 +113,11 @@ def prefix_block_mask(
     counts, indices = rows(pages[num_full:used])
     logical_page = torch.full((num_pages,), -1, dtype=torch.long, device=device)
     logical_page[pages[:used].long()] = torch.arange(used, device=device)
+    prefix_t = torch.tensor(prefix, device=device)  # a tensor: no recompile per prefix
 
     def prefix_mask(b, h, q_idx, slot):  # exact everywhere; blocks only skip work
         page = logical_page[slot // page_size]
-        return (page >= 0) & (page * page_size + slot % page_size < prefix)
+        return (page >= 0) & (page * page_size + slot % page_size < prefix_t)
 
     return BlockMask.from_kv_blocks(
         counts, indices, full_counts, full_indices, BLOCK_SIZE=(Q_BLOCK, page_size),
