@@ -164,15 +164,18 @@ class PagedRunner:
         tables = torch.zeros(len(pages), max(map(len, pages)), dtype=torch.int32)
         for row, seq_pages in enumerate(pages):
             tables[row, : len(seq_pages)] = torch.tensor(seq_pages, dtype=torch.int32)
-        tables = tables.to(self.device)
-        slots = torch.stack([self.store.slots(tables[b], pos[b]) for b in range(len(pages))])
+        tables, lengths = tables.to(self.device), pos + 1
+        on_gpu = self.device.type == "cuda"
+        if not on_gpu:  # one slot per sequence, where its new token goes
+            page = tables.long().gather(1, (pos // self.page_size)[:, None])[:, 0]
+            slots = page * self.page_size + pos % self.page_size
 
         def resident(layer: int, q, kv):  # q [B, H, D], kv [2, B, Hkv, D]
             store_kv = self.store.kv[layer]
-            if self.device.type == "cuda":
+            if on_gpu:  # the kernel appends the new K/V itself
                 from headspace.attention.triton_decode import paged_decode_attention
 
-                return paged_decode_attention(q, store_kv[0], store_kv[1], tables, pos + 1,
+                return paged_decode_attention(q, store_kv[0], store_kv[1], tables, lengths,
                                               self.page_size, new_kv=kv)[0]  # fmt: skip
             self.store.write(layer, slots, kv)
             rows = []
