@@ -1,118 +1,146 @@
-"""Head-wise offload on a GPU capped at 24 GiB: prefill and decode vs the resident run.
+"""Head-wise offload benchmark, Llama-3-8B architecture with random bf16 weights.
 
-    PYTHONPATH=src python bench/offload.py [--lengths 32768,131072]
+    PYTHONPATH=src python bench/offload.py --part max     # maximum context per system
+    PYTHONPATH=src python bench/offload.py --part speed   # 32K / 128K (+ 512K resident)
+    PYTHONPATH=src python bench/offload.py --part long    # 512K: head, layer
+    python bench/offload_report.py DIR                    # merge parts: JSON, PNGs, table
 
-Llama-3-8B architecture, random bf16 weights. Writes bench/results/offload_<...>.json.
+Offloaded runs cap the GPU at 24 GiB (``set_per_process_memory_fraction``); the no-offload
+reference runs on the uncapped GPU. Each part writes ``offload_part_<part>.json`` (to $OUT
+when set, else bench/results/parts), a row at a time, so a part cut short keeps its rows.
+The parts are three commands only because one command may run at most ten minutes.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import sys
 import time
 from pathlib import Path
 
 import torch
+from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import (  # noqa: E402
-    LLAMA3_8B,
-    batch_engine,
-    environment,
-    pinned_h2d_bandwidth,
-    prefill_once,
-    random_model,
-    write_result,
+from common import LLAMA3_8B, environment, pinned_h2d_bandwidth, random_model  # noqa: E402
+from offload_runs import (  # noqa: E402
+    compute_rates,
+    gpu_cap,
+    headspace_run,
+    planner_limit,
+    prefill_roofline_tok_s,
+    transformers_run,
 )
-from headspace.engine.config import EngineConfig  # noqa: E402
 
 CAP_GIB = 24
-CHUNK = 8192
+LOW_BUDGET = "17GiB"  # head offload's target peak at 512K
+CAP_BUDGET = f"{CAP_GIB - 2}GiB"  # the cap less room for CUDA workspaces and fragmentation
+STEPS = 16  # decode tokens after every prefill
+K = 1024
+LADDER = [16 * K, 32 * K, 40 * K, 48 * K, 64 * K, 80 * K, 96 * K, 128 * K, 192 * K, 256 * K]
 
 
-def measure(model, length: int, offload: str, budget: str | None, steps: int) -> dict:
-    """Prefill tok/s and decode ms/token at ``length``, after a warm-up that compiles."""
-    from headspace.engine.scheduler import Sequence
+class Part:
+    """Rows of one part, rewritten to disk after each one."""
 
-    max_context = length + steps + 8
-    config = EngineConfig(device="cuda", offload=offload, gpu_memory=budget, prefill_chunk=CHUNK,
-                          max_context=max_context, prefix_caching=False)  # fmt: skip
-    engine = batch_engine(model, config, max_context=max_context)
-    ids = torch.randint(0, LLAMA3_8B["vocab_size"], (length,)).tolist()
-    prefill_once(engine, ids[: 2 * CHUNK])  # compiles the chunk and prefix shapes
-    runner = engine.runner
-    seq = Sequence(1, ids, max_context)
-    runner.blocks.allocate_prompt(seq.seq_id, ids, reuse=False)
-    torch.cuda.reset_peak_memory_stats()
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    logits = runner.prefill(seq, CHUNK)
-    seq.output_ids.append(int(logits.argmax()))
-    prefill_s = time.perf_counter() - start
-    runner.decode([seq])  # warm-up step
-    seq.output_ids.append(1)
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(steps):
-        seq.output_ids.append(int(runner.decode([seq])[0].argmax()))
-    decode_s = (time.perf_counter() - start) / steps
-    plan = engine.plan
-    row = {
-        "prefill_tok_s": length / prefill_s,
-        "decode_ms": 1000 * decode_s,
-        "peak_gpu_gib": torch.cuda.max_memory_allocated() / 2**30,
-        "head_map": plan.head_map.summary() if plan else "all resident",
-        "streamed_bytes_per_token": plan.memory["host_kv"] if plan else 0,
-    }
-    runner.blocks.free(seq.seq_id)
-    del engine, runner
+    def __init__(self, name: str):
+        out = Path(os.environ.get("OUT") or Path(__file__).parent / "results" / "parts")
+        out.mkdir(parents=True, exist_ok=True)
+        self.path = out / f"offload_part_{name}.json"
+        self.data = {"part": name, "env": environment(), "config": LLAMA3_8B,
+                     "gpu_cap_gib": CAP_GIB, "rows": []}  # fmt: skip
+
+    def add(self, system: str, length: int, row: dict) -> None:
+        self.data["rows"].append({"system": system, "length": length, **row})
+        self.path.write_text(json.dumps(self.data, indent=2) + "\n")
+        shown = {k: round(v, 2) if isinstance(v, float) else v for k, v in row.items()}
+        print(f"{system:>14} {length:>8}: {shown}", flush=True)
+
+
+def ladder(part: Part, system: str, run, lengths: list[int]) -> None:
+    """Run increasing lengths until the first that does not fit."""
+    for length in tqdm(lengths, desc=system, file=sys.stderr):
+        row = run(length)
+        part.add(system, length, row)
+        if not row["ok"]:
+            return
+
+
+def part_max(part: Part) -> None:
+    """Longest prompt (+ 16 decode tokens) per system with the GPU capped at 24 GiB."""
+    _transformers_ladders(part)
     torch.cuda.empty_cache()
-    return row
+    model = random_model(LLAMA3_8B)
+    with gpu_cap(CAP_GIB):
+        ladder(part, "none", lambda n: headspace_run(model, n, "none", CAP_BUDGET, STEPS), LADDER)
+    # layer and head are limited by host RAM: their runs are the long part (512K); here the
+    # planner's limit on this host, found without running anything
+    limits = {mode: planner_limit(mode, CAP_BUDGET) for mode in ("layer", "head")}
+    part.data["planner_limit"] = limits
+
+
+def _transformers_ladders(part: Part) -> None:
+    from common import random_hf_llama
+
+    hf = random_hf_llama(LLAMA3_8B)
+    with gpu_cap(CAP_GIB):
+        for system, offloading in (("transformers", False), ("transformers_offload", True)):
+            ladder(part, system, lambda n, o=offloading: transformers_run(hf, n, o, STEPS), LADDER)
+
+
+def part_speed(part: Part, reference_512k: bool) -> None:
+    """Prefill and decode at 32K and 128K: no offload (uncapped) vs head offload (capped)."""
+    part.data["pinned_h2d_bytes_per_s"] = pinned_h2d_bandwidth()
+    part.data["compute_rates"] = rates = compute_rates()
+    model = random_model(LLAMA3_8B)
+    lengths = [32 * K, 128 * K] + ([512 * K] if reference_512k else [])
+    for length in lengths:
+        roofline = prefill_roofline_tok_s(length, rates)
+        part.add("none", length, {**headspace_run(model, length, "none", None, STEPS),
+                                  "prefill_roofline_tok_s": roofline})  # fmt: skip
+        if length == 512 * K:
+            break  # the offloaded 512K runs are the long part
+        with gpu_cap(CAP_GIB):
+            for budget in (LOW_BUDGET, CAP_BUDGET) if length > 32 * K else (LOW_BUDGET,):
+                row = headspace_run(model, length, "head", budget, STEPS)
+                part.add("head", length, {**row, "prefill_roofline_tok_s": roofline})
+
+
+def part_long(part: Part) -> None:
+    """512K tokens with the GPU capped at 24 GiB: head offload at a 17 GiB budget, then
+    layer offload at the cap."""
+    part.data["pinned_h2d_bytes_per_s"] = pinned_h2d_bandwidth()
+    part.data["compute_rates"] = rates = compute_rates()
+    model = random_model(LLAMA3_8B)
+    length = 512 * K
+    roofline = prefill_roofline_tok_s(length, rates)
+    with gpu_cap(CAP_GIB):
+        for mode, budget in (("head", LOW_BUDGET), ("layer", CAP_BUDGET)):
+            row = headspace_run(model, length, mode, budget, STEPS)
+            part.add(mode, length, {**row, "prefill_roofline_tok_s": roofline})
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--lengths", default="65536,131072")
-    parser.add_argument("--steps", type=int, default=8)
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--part", choices=("max", "speed", "long"), required=True)
+    parser.add_argument(
+        "--reference-512k", action="store_true",
+        help="speed part: also the no-offload run at 512K (needs ~90 GiB of GPU memory)",
+    )  # fmt: skip
     args = parser.parse_args()
-    env = environment()
-    h2d = pinned_h2d_bandwidth()
-    model = random_model(LLAMA3_8B)
-    rows = {}
-    for length in [int(n) for n in args.lengths.split(",")]:
-        resident = measure(model, length, "none", None, args.steps)
-        total = torch.cuda.get_device_properties(0).total_memory
-        torch.cuda.set_per_process_memory_fraction(CAP_GIB * 2**30 / total)
-        head = measure(model, length, "head", f"{CAP_GIB - 2}GiB", args.steps)
-        torch.cuda.set_per_process_memory_fraction(1.0)
-        floor_ms = 1000 * head["streamed_bytes_per_token"] / h2d
-        rows[str(length)] = {"none": resident, "head": head, "pcie_floor_ms": floor_ms}
-        print(
-            f"{length:>8}: prefill {resident['prefill_tok_s']:.0f} -> {head['prefill_tok_s']:.0f} "
-            f"tok/s (overhead {resident['prefill_tok_s'] / head['prefill_tok_s'] - 1:.1%}); "
-            f"decode {resident['decode_ms']:.1f} -> {head['decode_ms']:.1f} ms "
-            f"(PCIe floor {floor_ms:.1f} ms, ratio {head['decode_ms'] / max(floor_ms, 1e-9):.2f}); "
-            f"peak GPU {head['peak_gpu_gib']:.1f} GiB; {head['head_map']}"
-        )
-    result = {
-        "env": env,
-        "config": LLAMA3_8B,
-        "gpu_cap_gib": CAP_GIB,
-        "pinned_h2d_bytes_per_s": h2d,
-        "prefill_tok_s": {n: r["head"]["prefill_tok_s"] for n, r in rows.items()},
-        "prefill_offload_overhead": {
-            n: r["none"]["prefill_tok_s"] / r["head"]["prefill_tok_s"] - 1 for n, r in rows.items()
-        },
-        "decode_ms": {n: r["head"]["decode_ms"] for n, r in rows.items()},
-        "decode_ratio_vs_pcie_floor": {
-            n: r["head"]["decode_ms"] / r["pcie_floor_ms"]
-            for n, r in rows.items()
-            if r["pcie_floor_ms"] > 0
-        },
-        "runs": rows,
-    }
-    gpu = env["gpu"].replace("NVIDIA ", "").split()[0].lower()
-    print("wrote", write_result(f"offload_llama3-8b_{gpu}_{env['date']}.json", result))
+    part = Part(args.part)
+    start = time.perf_counter()
+    if args.part == "max":
+        part_max(part)
+    elif args.part == "speed":
+        part_speed(part, args.reference_512k)
+    else:
+        part_long(part)
+    part.data["seconds"] = time.perf_counter() - start
+    part.path.write_text(json.dumps(part.data, indent=2) + "\n")
+    print(f"wrote {part.path} in {part.data['seconds']:.0f} s")
 
 
 if __name__ == "__main__":

@@ -175,3 +175,19 @@ def test_streamed_heads_on_gpu_equal_resident():
     gap = _all_logits(streamed, prompt, chunk=128) - _all_logits(resident, prompt, chunk=128)
     assert gap.abs().max().item() < 1e-3
     assert _greedy(streamed, prompt, 48, chunk=128) == _greedy(resident, prompt, 48, chunk=128)
+
+
+def test_host_store_is_page_locked_at_its_exact_size():
+    """One registered buffer, not power-of-two pinned blocks; async copies round-trip."""
+    from headspace.kv.host_store import HostKVStore
+
+    streamed = [(0, 1), (2, 0), (3, 1)]
+    host = HostKVStore(streamed, 1000, 64, dtype=torch.bfloat16, pin=True)
+    assert host.data.is_pinned() and host.num_bytes == 3 * 2 * 1000 * 64 * 2
+    k, v = torch.randn(2, 300, 64, device="cuda", dtype=torch.bfloat16)
+    host.write(2, 0, 100, k, v, non_blocking=True)
+    torch.cuda.synchronize()
+    back_k, back_v = host.read(2, 0, 400)
+    assert torch.equal(back_k[100:].cuda(non_blocking=True), k)
+    assert torch.equal(back_v[100:].cuda(non_blocking=True), v)
+    assert back_k[:100].abs().sum().item() == 0 and host.entry(0, 1).abs().sum().item() == 0

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from headspace import LLM, SamplingParams
-from headspace.planner.plan import activation_bytes, head_bytes, weight_bytes
+from headspace.planner.plan import head_bytes, weight_bytes, working_bytes
 
 CHUNK = 64
 
@@ -37,7 +37,7 @@ def _budget(llm_dir, group: int, resident_heads: int, dtype_bytes: int = 4) -> i
     """A GPU budget that leaves room for ``resident_heads`` heads beside the staging."""
     config = LLM(str(llm_dir)).engine.model.config
     per_head = head_bytes(config, config.max_context, dtype_bytes)
-    return (weight_bytes(config, dtype_bytes) + activation_bytes(config, CHUNK, dtype_bytes)
+    return (weight_bytes(config, dtype_bytes) + working_bytes(config, CHUNK, dtype_bytes)
             + 2 * group * per_head + resident_heads * per_head)  # fmt: skip
 
 
@@ -64,7 +64,8 @@ def test_streamed_history_is_written_once_per_token(tiny_llama, prompt):
               gpu_memory=_budget(tiny_llama, 1, 0))  # fmt: skip
     llm.generate(prompt[:100], SamplingParams(max_new_tokens=5, ignore_eos=True))
     host = llm.engine.batch.runner.streamer.host
-    for tensor in [*host.k.values(), *host.v.values()]:  # prompt + 4 decoded tokens written
+    assert host.data.shape[0] == llm.engine.batch.plan.head_map.count("stream")
+    for tensor in host.data.flatten(0, 1):  # prompt + 4 decoded tokens written, per K and V
         assert tensor[:104].abs().sum(-1).gt(0).all()
         assert tensor[104:].abs().sum().item() == 0  # the rest untouched
 
@@ -76,7 +77,7 @@ def test_embedded_model_with_streamed_heads(embedded_dir):
     reference = LLM(prefill_chunk=128).logits(ids)
     config = LLM().engine.model.config
     per_head = head_bytes(config, config.max_context, 4)
-    budget = (weight_bytes(config, 4) + activation_bytes(config, 128, 4) + 2 * per_head
+    budget = (weight_bytes(config, 4) + working_bytes(config, 128, 4) + 2 * per_head
               + 40 * per_head)  # fmt: skip
     llm = LLM(prefill_chunk=128, offload="head", head_group=1, gpu_memory=budget)
     assert llm.engine.batch.plan.head_map.count("gpu") == 40

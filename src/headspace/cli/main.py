@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from headspace.cli.eval import add_eval_parser, run_eval
@@ -40,7 +41,11 @@ def add_engine_options(p) -> None:
     )
     p.add_argument("--gpu-memory", default=None, help="memory budget, e.g. 24GiB or 0.8")
     p.add_argument("--page-size", type=int, default=128, help="tokens per KV page")
-    p.add_argument("--host-memory", default=None, help="host budget for streamed KV")
+    p.add_argument(
+        "--host-memory",
+        default=None,
+        help="host budget for streamed KV (default: 90%% of available RAM)",
+    )
     p.add_argument(
         "--offload", choices=["auto", "none", "layer", "head"], default="auto",
         help="stream kv heads from host memory when the context does not fit the GPU budget",
@@ -125,6 +130,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:  # the reader went away (e.g. `| head`): stop quietly
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
     except MemoryError:
         print("error: out of memory: lower --prefill-chunk or the context", file=sys.stderr)
         return 2

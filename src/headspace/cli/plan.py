@@ -95,6 +95,7 @@ def format_plan(config, request, plan) -> str:
         f"{'KV, streamed heads':<32}{'':>10}{m['host_kv'] / GiB:>10.2f}",
         f"{'staging (2 head groups)':<32}{m['staging'] / GiB:>10.2f}",
         f"{f'activations ({plan.prefill_chunk}-token chunk)':<32}{m['activations'] / GiB:>10.2f}",
+        f"{'allocator slack':<32}{m['allocator_slack'] / GiB:>10.2f}",
         f"{'total':<32}{m['total_gpu'] / GiB:>10.2f}{m['total_host'] / GiB:>10.2f}",
         "",
         f"head map: {plan.head_map.summary()}",

@@ -35,9 +35,12 @@ class BatchGenerator:
     def __init__(self, engine):
         config, model = engine.config, engine.model
         self.engine = engine
-        self.chunk = prefill_chunk_size(model.config, config)
         self.max_batch = config.max_batch
-        self.plan = offload_plan(model, config, engine.max_context, self.chunk)
+        self.plan = offload_plan(model, config, engine.max_context)
+        self._weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        self.chunk = (self.plan.prefill_chunk if self.plan is not None
+                      else prefill_chunk_size(model.config, config, self._weight_bytes,
+                                              engine.max_context))  # fmt: skip
         if self.plan is not None:  # streamed heads: one sequence, a pool for its resident heads
             num_pages = -(-engine.max_context // config.page_size)
             self.runner = PagedRunner(model, config, num_pages, config.page_size,
@@ -49,15 +52,14 @@ class BatchGenerator:
         self.peak_pages = 0
 
     def _pool_pages(self) -> int:
-        from headspace.planner.plan import activation_bytes
+        from headspace.planner.plan import working_bytes
 
         config, cfg = self.engine.config, self.engine.model.config
         element = torch.empty((), dtype=config.torch_dtype).element_size()
-        weight_bytes = sum(p.numel() * p.element_size() for p in self.engine.model.parameters())
         return config.num_kv_pages or num_kv_pages(
             cfg, config.gpu_memory, device=torch.device(config.device),
-            dtype=config.torch_dtype, page_size=config.page_size, weight_bytes=weight_bytes,
-            activation_bytes=activation_bytes(cfg, self.chunk, element),
+            dtype=config.torch_dtype, page_size=config.page_size, weight_bytes=self._weight_bytes,
+            activation_bytes=working_bytes(cfg, self.chunk, element),
             max_context=self.engine.max_context,
         )  # fmt: skip
 

@@ -27,7 +27,7 @@ class EngineConfig:
     ``offload``: "auto" (stream kv heads from host memory only when the context does not
     fit ``gpu_memory``), "none", "layer" (whole layers) or "head" (head groups of
     ``head_group`` kv heads, None: chosen by the planner); ``host_memory`` bounds the host
-    side. Streaming serves one sequence at a time.
+    side (None: 90% of the host memory available). Streaming serves one sequence at a time.
     """
 
     device: str = "cpu"

@@ -11,7 +11,6 @@ from headspace.errors import UserError
 from headspace.model.config import ModelConfig
 
 CPU_PREFILL_CHUNK = 1024
-MAX_GPU_PREFILL_CHUNK = 32768
 
 _UNITS = {"": 1, "B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12,
           "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}  # fmt: skip
@@ -36,6 +35,22 @@ def device_total_bytes(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).total_memory
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def host_budget(value: str | float | None) -> int:
+    """Host bytes for streamed KV: the user's budget (fractions of total RAM), else 90% of
+    the memory available now (a plan must not push the machine into swap)."""
+    total = device_total_bytes(torch.device("cpu"))
+    if value is not None:
+        return parse_memory(value, total)
+    available = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+    try:
+        with open("/proc/meminfo") as meminfo:  # counts reclaimable page cache as available
+            fields = dict(line.split(":", 1) for line in meminfo)
+        available = int(fields["MemAvailable"].split()[0]) * 1024
+    except (OSError, KeyError, ValueError):
+        pass
+    return int(0.9 * available)
 
 
 def kv_page_bytes(config: ModelConfig, page_size: int, dtype: torch.dtype) -> int:
@@ -76,27 +91,32 @@ def num_kv_pages(
     return left // page_bytes
 
 
-def prefill_chunk_size(config: ModelConfig, engine_config) -> int:
+def prefill_chunk_size(config: ModelConfig, engine_config, weight_bytes: int,
+                       max_context: int) -> int:  # fmt: skip
     """Prompt tokens per prefill step: the user's choice, else what fits the device.
 
-    On a GPU a power of two, so full chunks share one compiled shape across prompts.
+    On a GPU a power of two (full chunks share one compiled shape across prompts) whose
+    activations take a fifth of what the budget (or free memory) leaves after weights.
     """
     if engine_config.prefill_chunk:
         return engine_config.prefill_chunk
     device = torch.device(engine_config.device)
     if device.type != "cuda":
         return CPU_PREFILL_CHUNK
-    from headspace.planner.plan import activation_bytes_per_token
+    from headspace.planner.plan import prefill_chunk
 
-    per_token = activation_bytes_per_token(config, 2)
-    free, _ = torch.cuda.mem_get_info(device)
-    fit = int(0.5 * free) // per_token
-    return max(1024, min(1 << max(fit, 1).bit_length() - 1, MAX_GPU_PREFILL_CHUNK))
+    if engine_config.gpu_memory is not None:
+        room = parse_memory(engine_config.gpu_memory, device_total_bytes(device)) - weight_bytes
+    else:
+        room = torch.cuda.mem_get_info(device)[0]
+    element = torch.empty((), dtype=engine_config.torch_dtype).element_size()
+    return prefill_chunk(config, room, max_context, element)
 
 
-def offload_plan(model, engine_config, max_context: int, chunk: int):
-    """The planner's head map when some kv heads must (or are asked to) stream from host
-    memory for ``max_context`` tokens; None when every head stays resident."""
+def offload_plan(model, engine_config, max_context: int):
+    """The planner's plan (head map, prefill chunk) when some kv heads must (or are asked
+    to) stream from host memory for ``max_context`` tokens; None when every head stays
+    resident."""
     from headspace.planner import PlanRequest, make_plan
 
     if engine_config.offload == "none":
@@ -109,10 +129,9 @@ def offload_plan(model, engine_config, max_context: int, chunk: int):
         gpu = torch.cuda.mem_get_info(device)[0] + weight_bytes
     else:
         return None  # no budget on the CPU: everything stays in (host) memory
-    host_total = device_total_bytes(torch.device("cpu"))
-    host = parse_memory(engine_config.host_memory or 1.0, host_total)
+    host = host_budget(engine_config.host_memory)
     element = torch.empty((), dtype=engine_config.torch_dtype).element_size()
     request = PlanRequest(max_context, gpu, host, element, engine_config.offload,
-                          engine_config.head_group, chunk)  # fmt: skip
+                          engine_config.head_group, engine_config.prefill_chunk)  # fmt: skip
     plan = make_plan(model.config, request)
     return plan if plan.head_map.count("stream") else None

@@ -34,7 +34,7 @@ class PagedRunner:
             heads_per_layer=[len(heads) for heads in self._resident],
         )  # fmt: skip
         self._compiled = config.compile and self.device.type == "cuda"
-        self._graphs, self.streamer, self._q_index = None, None, {}
+        self._graphs, self.streamer, self._head_indices = None, None, {}
         if self.head_map.count("stream"):
             self.streamer = self._make_streamer(num_pages * page_size, head_group)
         elif self.device.type == "cuda" and config.cuda_graph:
@@ -52,14 +52,16 @@ class PagedRunner:
         return HeadStreamer(self.head_map, host, head_group, capacity, cfg.head_dim, dtype=dtype,
                             device=self.device, backend=self.config.attention_backend)  # fmt: skip
 
-    def _q_heads(self, kv_heads: list[int]) -> torch.Tensor:
-        """Query-head indices of the given kv heads (grouped-query layout)."""
+    def _head_index(self, kv_heads: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Query-head and kv-head indices of the given kv heads, cached on the device
+        (indexing with a Python list copies it to the GPU and waits, every layer)."""
         key = tuple(kv_heads)
-        if key not in self._q_index:
+        if key not in self._head_indices:
             group = self.model.config.num_queries_per_kv
             heads = [h * group + i for h in kv_heads for i in range(group)]
-            self._q_index[key] = torch.tensor(heads, device=self.device)
-        return self._q_index[key]
+            self._head_indices[key] = (torch.tensor(heads, device=self.device),
+                                  torch.tensor(kv_heads, device=self.device))  # fmt: skip
+        return self._head_indices[key]
 
     def _split_heads(self, layer: int, q, kv, resident_fn):
         """Resident kv heads through ``resident_fn(q, kv)``, streamed groups through the
@@ -69,11 +71,11 @@ class PagedRunner:
         out = torch.empty_like(q)
         resident = self._resident[layer]
         if resident:
-            index = self._q_heads(resident)
-            out[:, index] = resident_fn(q[:, index], kv[:, :, resident])
+            q_index, kv_index = self._head_index(resident)
+            out[:, q_index] = resident_fn(q[:, q_index], kv[:, :, kv_index])
         for group in self.head_map.stream_groups(layer):
-            index = self._q_heads(group)
-            out[:, index] = self.streamer.attend(layer, group, q[:, index], kv[:, :, group])
+            q_index, kv_index = self._head_index(group)
+            out[:, q_index] = self.streamer.attend(layer, group, q[:, q_index], kv[:, :, kv_index])
         return out
 
     # -- prefill -----------------------------------------------------------------------

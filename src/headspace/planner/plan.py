@@ -91,13 +91,46 @@ def activation_bytes(config: ModelConfig, chunk: int, dtype_bytes: int) -> int:
     return chunk * activation_bytes_per_token(config, dtype_bytes) + 4 * config.vocab_size
 
 
-def _chunk(config: ModelConfig, request: PlanRequest, weights: int) -> int:
+def working_bytes(config: ModelConfig, chunk: int, dtype_bytes: int) -> int:
+    """GPU bytes a prefill chunk needs besides weights and KV: its activations and as much
+    again for the caching allocator's slack (cached blocks of other sizes), so that what
+    the allocator reserves, not only what tensors hold, stays within the budget."""
+    return 2 * activation_bytes(config, chunk, dtype_bytes)
+
+
+def prefill_chunk(config: ModelConfig, room: int, context: int, dtype_bytes: int, *,
+                  streaming: bool = False, hw: Hardware | None = None) -> int:  # fmt: skip
+    """Prompt tokens per prefill chunk: a power of two in [512, 32768] whose activations take
+    a fifth of ``room`` (bytes left after weights). When heads stream, at least the chunk
+    whose attention FLOPs hide re-reading their history over PCIe, if it fits half the room:
+    each history byte serves ``chunk * 2 * queries_per_kv / dtype_bytes`` FLOPs.
+    """
+    per_token = activation_bytes_per_token(config, dtype_bytes)
+    fit = max(room, 0) // 5 // per_token
+    chunk = 1 << max(int(fit), 1).bit_length() - 1
+    if streaming:
+        hw = hw or Hardware()
+        flops_per_byte = hw.attention_flops / hw.h2d_bytes
+        balance = flops_per_byte * dtype_bytes / (2 * config.num_queries_per_kv)
+        balanced = 1 << max(int(balance) - 1, 1).bit_length()  # next power of two
+        if balanced * per_token <= max(room, 0) // 2:
+            chunk = max(chunk, balanced)
+    return max(512, min(chunk, MAX_PREFILL_CHUNK, 1 << (context - 1).bit_length()))
+
+
+def _plan_chunk(config: ModelConfig, request: PlanRequest, room: int, total_kv: int,
+                hw: Hardware) -> int:  # fmt: skip
+    """The user's chunk, else the planner's: larger when heads will stream."""
     if request.prefill_chunk:
         return request.prefill_chunk
-    room = max(request.gpu_memory - weights, 0) // 5  # a fifth of what weights leave
-    fit = room // activation_bytes_per_token(config, request.dtype_bytes)
-    chunk = 1 << max(int(fit), 1).bit_length() - 1
-    return max(512, min(chunk, MAX_PREFILL_CHUNK, 1 << (request.context - 1).bit_length()))
+    dtype_bytes = request.dtype_bytes
+    chunk = prefill_chunk(config, room, request.context, dtype_bytes)
+    streams = request.offload in ("layer", "head") or (
+        request.offload == "auto" and total_kv > room - working_bytes(config, chunk, dtype_bytes)
+    )
+    if not streams:
+        return chunk
+    return prefill_chunk(config, room, request.context, dtype_bytes, streaming=True, hw=hw)
 
 
 def _group_size(config: ModelConfig, request: PlanRequest, mode: str) -> int:
@@ -165,18 +198,21 @@ def make_plan(config: ModelConfig, request: PlanRequest, hw: Hardware | None = N
         raise UserError(f"context must be a positive number of tokens, got {request.context}")
     dtype_bytes = request.dtype_bytes
     weights = weight_bytes(config, dtype_bytes)
-    chunk = _chunk(config, request, weights)
+    per_head = head_bytes(config, request.context, dtype_bytes)
+    total_kv = config.num_layers * config.num_kv_heads * per_head
+    room = request.gpu_memory - weights
+    chunk = _plan_chunk(config, request, room, total_kv, hw)
     activations = activation_bytes(config, chunk, dtype_bytes)
-    free = request.gpu_memory - weights - activations
+    slack = working_bytes(config, chunk, dtype_bytes) - activations
+    free = room - activations - slack
     if free < 0:
         raise UserError(
             f"GPU budget too small: weights ({weights / GiB:.2f} GiB) and activations of a "
-            f"{chunk}-token prefill chunk ({activations / GiB:.2f} GiB) exceed "
+            f"{chunk}-token prefill chunk ({(activations + slack) / GiB:.2f} GiB with allocator "
+            "slack) exceed "
             f"{request.gpu_memory / GiB:.2f} GiB"
         )
-    per_head = head_bytes(config, request.context, dtype_bytes)
     num_entries = config.num_layers * config.num_kv_heads
-    total_kv = num_entries * per_head
     mode = request.offload
     if mode == "auto":
         mode = "none" if total_kv <= free else "head"
@@ -210,7 +246,8 @@ def make_plan(config: ModelConfig, request: PlanRequest, hw: Hardware | None = N
     gpu_kv = head_map.count("gpu") * per_head
     memory = {
         "weights": weights, "gpu_kv": gpu_kv, "staging": staging,
-        "activations": activations, "total_gpu": weights + gpu_kv + staging + activations,
+        "activations": activations, "allocator_slack": slack,
+        "total_gpu": weights + gpu_kv + staging + activations + slack,
         "host_kv": host_kv, "total_host": host_kv,
     }  # fmt: skip
     streaming = head_map.count("stream") > 0
