@@ -3,7 +3,8 @@
     python bench/offload_report.py DIR [--out bench/results]
 
 DIR holds ``offload_part_{max,speed,long}.json`` written by ``bench/offload.py`` on one GPU
-machine kind. Comparisons (offload vs no offload, vs the PCIe floor) are within one part.
+machine. A row's PCIe floor uses the bandwidth measured in its own part; offload and no
+offload at 32K and 128K ran in one part, at 512K in two parts of one machine session.
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ def load_parts(directory: Path) -> dict[str, dict]:
     parts = {}
     for path in sorted(directory.glob("offload_part_*.json")):
         data = json.loads(path.read_text())
+        for row in data["rows"]:  # each row keeps the bandwidth measured beside it
+            row["h2d_bytes_per_s"] = data.get("pinned_h2d_bytes_per_s")
         parts[data["part"]] = data
     return parts
 
@@ -64,19 +67,18 @@ def max_context(parts: dict) -> dict:
 
 def speeds(parts: dict) -> dict:
     """Head offload at the 17 GiB budget per length, against no offload and the PCIe floor."""
-    h2d = next(p["pinned_h2d_bytes_per_s"] for p in parts.values() if "pinned_h2d_bytes_per_s" in p)
     lengths = sorted({r["length"] for r in _rows(parts, system="head", budget=LOW_BUDGET)})
     result = {k: {} for k in ("prefill_tok_s", "prefill_tok_s_no_offload",
                               "prefill_offload_overhead", "prefill_fraction_of_compute_roofline",
                               "decode_ms", "decode_ms_no_offload", "decode_pcie_floor_ms",
                               "decode_ratio_vs_pcie_floor")}  # fmt: skip
     for length in lengths:
-        head, none = _one(parts, system="head", budget=LOW_BUDGET, length=length), None
+        head = _one(parts, system="head", budget=LOW_BUDGET, length=length)
         none = _one(parts, system="none", length=length, budget=None)
         if head is None:
             continue
         key = str(length)
-        floor_ms = 1000 * head["streamed_bytes_per_token"] / h2d
+        floor_ms = 1000 * head["streamed_bytes_per_token"] / head["h2d_bytes_per_s"]
         result["prefill_tok_s"][key] = head["prefill_tok_s"]
         result["prefill_fraction_of_compute_roofline"][key] = (
             head["prefill_tok_s"] / head["prefill_roofline_tok_s"]
@@ -105,7 +107,11 @@ def plot_max_context(table: dict, path: Path) -> None:
         if limit:
             ax.plot([limit / 1024], [y], "k|", markersize=18)
             ax.text(
-                limit / 1024, y, f"  planner limit\n  {limit // 1024}K", fontsize=7, va="center"
+                limit / 1024,
+                y,
+                f"  planner limit\n  {limit // 1024}K at 22 GiB",
+                fontsize=7,
+                va="center",
             )
     ax.set_xscale("log", base=2)
     ax.set_xlim(left=8, right=max(values) * 8)
@@ -117,7 +123,6 @@ def plot_max_context(table: dict, path: Path) -> None:
 
 def plot_speed(parts: dict, path: Path) -> None:
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.8))
-    h2d = next(p["pinned_h2d_bytes_per_s"] for p in parts.values() if "pinned_h2d_bytes_per_s" in p)
     series = [("no offload (uncapped)", dict(system="none", budget=None)),
               ("head, 17 GiB budget", dict(system="head", budget=LOW_BUDGET)),
               ("head, 22 GiB budget", dict(system="head", budget=CAP_BUDGET)),
@@ -132,7 +137,7 @@ def plot_speed(parts: dict, path: Path) -> None:
         left.plot(x, [r["prefill_tok_s"] for r in rows], "o-", label=label)
         right.plot(x, [r["decode_ms"] for r in rows], "o-", label=label)
         if match["system"] == "head" and match["budget"] == LOW_BUDGET:
-            floor = [1000 * r["streamed_bytes_per_token"] / h2d for r in rows]
+            floor = [1000 * r["streamed_bytes_per_token"] / r["h2d_bytes_per_s"] for r in rows]
             right.plot(x, floor, "k--", label="PCIe floor (17 GiB plan)")
     for ax, title in ((left, "prefill tokens/s"), (right, "decode ms/token")):
         ax.set_xscale("log", base=2)
@@ -171,7 +176,7 @@ def main() -> None:
         "Prefill and decode of offloaded runs: head offload at a 17 GiB budget under the cap. "
         "peak_gpu_gib_at_512k: torch's peak reserved memory (allocated: "
         "peak_gpu_allocated_gib_at_512k). PCIe floor: streamed bytes per token / pinned H2D "
-        "bandwidth measured in the same part."
+        "bandwidth measured in the row's part. planner_limit_tokens: at the 22 GiB budget."
     )
     result["parts"] = parts
     gpu = env["gpu"].replace("NVIDIA ", "").split()[0].lower()
@@ -187,7 +192,7 @@ def print_table(result: dict) -> None:
     print("max context (GPU capped at 24 GiB):")
     for system, row in result["max_context"].items():
         limit = row.get("planner_limit_tokens")
-        extra = f" (planner limit on this host: {limit // 1024}K)" if limit else ""
+        extra = f" (planner limit on this host at 22 GiB: {limit // 1024}K)" if limit else ""
         print(f"  {system:<22}{row['tokens'] // 1024:>6}K{extra}")
     print(f"peak GPU at 512K (head, 17 GiB budget): {result['peak_gpu_gib_at_512k']} GiB")
     print(f"{'context':>8}{'prefill':>9}{'no offl.':>9}{'overhead':>9}{'roofline':>9}"

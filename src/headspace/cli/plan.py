@@ -27,7 +27,11 @@ def add_plan_parser(subparsers) -> None:
     )
     p.add_argument("--context", required=True, help="context length, e.g. 131072, 128K, 1M")
     p.add_argument("--gpu-memory", default=None, help="GPU budget, e.g. 24GiB (default: the GPU's)")
-    p.add_argument("--host-memory", default=None, help="host budget (default: the machine's RAM)")
+    p.add_argument(
+        "--host-memory",
+        default=None,
+        help="host budget (default: 90%% of this machine's available RAM, as the engine)",
+    )
     p.add_argument("--offload", choices=["auto", "none", "layer", "head"], default="auto")
     p.add_argument("--head-group", type=int, default=None, help="kv heads per streamed group")
     p.add_argument("--prefill-chunk", type=int, default=None)
@@ -47,14 +51,13 @@ def _model_config(model: str | None):
 def _budgets(args) -> tuple[int, int]:
     import torch
 
-    from headspace.engine.memory import device_total_bytes, parse_memory
+    from headspace.engine.memory import device_total_bytes, host_budget, parse_memory
 
     if args.gpu_memory is None and not torch.cuda.is_available():
         raise UserError("no GPU here: pass --gpu-memory (e.g. 24GiB) to plan for one")
     gpu_total = device_total_bytes(torch.device("cuda")) if torch.cuda.is_available() else 0
     gpu = parse_memory(args.gpu_memory or 1.0, gpu_total)
-    host_total = device_total_bytes(torch.device("cpu"))
-    return gpu, parse_memory(args.host_memory or 1.0, host_total)
+    return gpu, host_budget(args.host_memory)
 
 
 def run_plan(args) -> None:

@@ -43,13 +43,15 @@ def host_budget(value: str | float | None) -> int:
     total = device_total_bytes(torch.device("cpu"))
     if value is not None:
         return parse_memory(value, total)
-    available = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
     try:
         with open("/proc/meminfo") as meminfo:  # counts reclaimable page cache as available
             fields = dict(line.split(":", 1) for line in meminfo)
         available = int(fields["MemAvailable"].split()[0]) * 1024
-    except (OSError, KeyError, ValueError):
-        pass
+    except (OSError, KeyError, ValueError):  # not Linux: what is free, else the total
+        try:
+            available = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+        except (OSError, ValueError):
+            available = total
     return int(0.9 * available)
 
 
@@ -93,7 +95,8 @@ def num_kv_pages(
 
 def prefill_chunk_size(config: ModelConfig, engine_config, weight_bytes: int,
                        max_context: int) -> int:  # fmt: skip
-    """Prompt tokens per prefill step: the user's choice, else what fits the device.
+    """Prompt tokens per prefill step: the user's choice, else what fits the device
+    (``weight_bytes`` in bytes, ``max_context`` in tokens).
 
     On a GPU a power of two (full chunks share one compiled shape across prompts) whose
     activations take a fifth of what the budget (or free memory) leaves after weights.

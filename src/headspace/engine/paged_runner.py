@@ -59,8 +59,10 @@ class PagedRunner:
         if key not in self._head_indices:
             group = self.model.config.num_queries_per_kv
             heads = [h * group + i for h in kv_heads for i in range(group)]
-            self._head_indices[key] = (torch.tensor(heads, device=self.device),
-                                  torch.tensor(kv_heads, device=self.device))  # fmt: skip
+            self._head_indices[key] = (
+                torch.tensor(heads, device=self.device),
+                torch.tensor(kv_heads, device=self.device),
+            )
         return self._head_indices[key]
 
     def _split_heads(self, layer: int, q, kv, resident_fn):

@@ -13,6 +13,8 @@ import weakref
 
 import torch
 
+from headspace.errors import UserError
+
 
 class HostKVStore:
     """K/V of the streamed (layer, kv head) entries of one sequence, in host memory."""
@@ -31,9 +33,15 @@ class HostKVStore:
         # [entries, K/V, tokens, dim]; zero-filled by torch's parallel fill (touches every page)
         self.data = torch.zeros(len(streamed), 2, capacity, head_dim, dtype=dtype)
         self.pinned = pin and self.data.numel() > 0
+        self._finalizer = None
         if self.pinned:
             _register(self.data)
-            weakref.finalize(self, _unregister, self.data)
+            self._finalizer = weakref.finalize(self, _unregister, self.data)
+
+    def close(self) -> None:
+        """Unregister the page-locked buffer now (else when the store is collected)."""
+        if self._finalizer is not None:
+            self._finalizer()
 
     @property
     def num_bytes(self) -> int:
@@ -61,11 +69,17 @@ class HostKVStore:
 def _register(buffer: torch.Tensor) -> None:
     """Page-lock ``buffer`` so host-device copies of it run asynchronously at full speed."""
     num_bytes = buffer.numel() * buffer.element_size()
-    status = torch.cuda.cudart().cudaHostRegister(buffer.data_ptr(), num_bytes, 0)
+    cudart = torch.cuda.cudart()
+    status = cudart.cudaHostRegister(buffer.data_ptr(), num_bytes, 0)
     if int(status) != 0:
-        raise RuntimeError(f"cudaHostRegister of {num_bytes / 2**30:.2f} GiB failed ({status})")
+        raise UserError(
+            f"cannot page-lock {num_bytes / 2**30:.2f} GiB of host memory for streamed KV "
+            f"(CUDA error {int(status)}); lower --host-memory, the context, or raise the "
+            "locked-memory limit"
+        )
 
 
 def _unregister(buffer: torch.Tensor) -> None:
-    torch.cuda.synchronize()  # no copy may still read or write it
+    for device in range(torch.cuda.device_count()):  # no copy may still read or write it
+        torch.cuda.synchronize(device)
     torch.cuda.cudart().cudaHostUnregister(buffer.data_ptr())

@@ -130,7 +130,12 @@ def _plan_chunk(config: ModelConfig, request: PlanRequest, room: int, total_kv: 
     )
     if not streams:
         return chunk
-    return prefill_chunk(config, room, request.context, dtype_bytes, streaming=True, hw=hw)
+    larger = prefill_chunk(config, room, request.context, dtype_bytes, streaming=True, hw=hw)
+    group = config.num_kv_heads if request.offload == "layer" else 1
+    staging = 2 * group * head_bytes(config, request.context, dtype_bytes)
+    if room - working_bytes(config, larger, dtype_bytes) < staging:
+        return chunk  # the larger chunk would leave no room to stage one group
+    return larger
 
 
 def _group_size(config: ModelConfig, request: PlanRequest, mode: str) -> int:
@@ -187,6 +192,33 @@ def _predict(plan: Plan, config: ModelConfig, request: PlanRequest, hw: Hardware
     plan.decode_pcie_floor_ms = 1000 * pcie_s
 
 
+def _layout(config: ModelConfig, request: PlanRequest, mode: str, free: int,
+            per_head: int) -> tuple[list[int], int, int]:  # fmt: skip
+    """Resident heads per layer, streamed group size and staging bytes for ``mode`` within
+    ``free`` bytes of GPU memory."""
+    num_entries = config.num_layers * config.num_kv_heads
+    if mode == "none":
+        if num_entries * per_head > free:
+            raise UserError(
+                f"the KV cache of {request.context} tokens ({num_entries * per_head / GiB:.2f} "
+                f"GiB) does not fit the {free / GiB:.2f} GiB the GPU budget leaves; use offload "
+                "(auto, layer, head)"
+            )
+        return [config.num_kv_heads] * config.num_layers, 0, 0
+    group = _group_size(config, request, mode)
+    while group > 1 and mode == "head" and 2 * group * per_head > free:
+        group -= 1
+    staging = 2 * group * per_head  # double-buffered: one group computes, one arrives
+    if staging > free:
+        raise UserError(
+            f"GPU budget too small: streaming needs {staging / GiB:.2f} GiB of staging for "
+            f"{group} head(s) x {request.context} tokens, but only {free / GiB:.2f} GiB is "
+            "left after weights and activations"
+        )
+    num_resident = min(num_entries, (free - staging) // per_head)
+    return _resident_counts(num_resident, config, mode), group, staging
+
+
 def make_plan(config: ModelConfig, request: PlanRequest, hw: Hardware | None = None) -> Plan:
     """Fill the head map for ``request``; raises UserError with the numbers when it cannot."""
     hw = hw or Hardware()
@@ -209,33 +241,11 @@ def make_plan(config: ModelConfig, request: PlanRequest, hw: Hardware | None = N
         raise UserError(
             f"GPU budget too small: weights ({weights / GiB:.2f} GiB) and activations of a "
             f"{chunk}-token prefill chunk ({(activations + slack) / GiB:.2f} GiB with allocator "
-            "slack) exceed "
-            f"{request.gpu_memory / GiB:.2f} GiB"
+            f"slack) exceed {request.gpu_memory / GiB:.2f} GiB"
         )
-    num_entries = config.num_layers * config.num_kv_heads
-    mode = request.offload
-    if mode == "auto":
-        mode = "none" if total_kv <= free else "head"
-    if mode == "none":
-        if total_kv > free:
-            raise UserError(
-                f"the KV cache of {request.context} tokens ({total_kv / GiB:.2f} GiB) does not fit "
-                f"the {free / GiB:.2f} GiB the GPU budget leaves; use offload (auto, layer, head)"
-            )
-        resident, group, staging = [config.num_kv_heads] * config.num_layers, 0, 0
-    else:
-        group = _group_size(config, request, mode)
-        while group > 1 and mode == "head" and 2 * group * per_head > free:
-            group -= 1
-        staging = 2 * group * per_head  # double-buffered: one group computes, one arrives
-        if staging > free:
-            raise UserError(
-                f"GPU budget too small: streaming needs {staging / GiB:.2f} GiB of staging for "
-                f"{group} head(s) x {request.context} tokens, but only {free / GiB:.2f} GiB is "
-                "left after weights and activations"
-            )
-        num_resident = min(num_entries, (free - staging) // per_head)
-        resident = _resident_counts(num_resident, config, mode)
+    mode = "none" if request.offload == "auto" and total_kv <= free else request.offload
+    mode = "head" if mode == "auto" else mode
+    resident, group, staging = _layout(config, request, mode, free, per_head)
     head_map = _head_map(config, resident, max(group, 1))
     host_kv = head_map.count("stream") * per_head
     if host_kv > request.host_memory:
