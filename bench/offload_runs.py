@@ -141,14 +141,11 @@ def compute_rates() -> dict:
 
 def prefill_roofline_tok_s(length: int, rates: dict) -> float:
     """Tokens/s of a prefill of ``length`` if GEMMs and attention ran at the measured rates."""
-    cfg = LLAMA3_8B
-    hidden, inter, layers = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"]
-    q_size = cfg["num_attention_heads"] * cfg["head_dim"]
-    kv_size = cfg["num_key_value_heads"] * cfg["head_dim"]
-    layer_params = hidden * (2 * q_size + 2 * kv_size) + 3 * hidden * inter
-    gemm_s = 2 * layers * layer_params * length / rates["gemm_flops"]
-    attention_s = 2 * q_size * length**2 * layers / rates["attention_flops"]
-    return length / (gemm_s + attention_s)
+    from headspace.model.config import config_from_dict
+    from headspace.planner.plan import Hardware, prefill_compute_seconds
+
+    hw = Hardware(gemm_flops=rates["gemm_flops"], attention_flops=rates["attention_flops"])
+    return length / prefill_compute_seconds(config_from_dict(LLAMA3_8B), length, hw)
 
 
 def planner_limit(mode: str, budget: str) -> dict:

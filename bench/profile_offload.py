@@ -15,7 +15,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import LLAMA3_8B, batch_engine, prefill_once, random_model  # noqa: E402
+from common import LLAMA3_8B, batch_engine, cuda_time, prefill_once, random_model  # noqa: E402
 from headspace.engine.config import EngineConfig  # noqa: E402
 from offload_runs import gpu_cap  # noqa: E402
 
@@ -26,13 +26,8 @@ def timed_prefill(model, **options) -> tuple[float, object]:
     config = EngineConfig(device="cuda", max_context=LENGTH + 64, prefix_caching=False, **options)
     engine = batch_engine(model, config, max_context=LENGTH + 64)
     ids = torch.randint(0, LLAMA3_8B["vocab_size"], (LENGTH,)).tolist()
-    prefill_once(engine, ids)  # warm-up and compiles
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    prefill_once(engine, ids)
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / 1000, (engine, ids)
+    seconds = cuda_time(lambda: prefill_once(engine, ids), warmup=1, repeat=1)  # warm: compiled
+    return seconds, (engine, ids)
 
 
 def main() -> None:

@@ -59,7 +59,7 @@ def test_streaming_prefill_chunk_hides_the_history_reads():
     assert plan.prefill_chunk == 4096 and plan.memory["total_gpu"] <= 17 * GiB
     assert plan.head_map.count("gpu") == 1  # 17 - 14.96 - 2 x 0.64 - 0.5 staging: 0.26 GiB
     tight = make_plan(config, PlanRequest(2**19, 16 * GiB, 200 * GiB, offload="head"))
-    assert tight.prefill_chunk == 1024  # 4096 would not fit half the room: a fifth of it
+    assert tight.prefill_chunk == 1024  # 4096 and its staging would not fit: a fifth of it
     weights = weight_bytes(config, 2)
     for context, extra in ((2**20, 2 * GiB), (2**19, 1.4 * GiB)):  # 4096 would leave no room
         plan = make_plan(config, PlanRequest(context, int(weights + extra), 200 * GiB))

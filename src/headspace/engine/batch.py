@@ -36,8 +36,8 @@ class BatchGenerator:
         config, model = engine.config, engine.model
         self.engine = engine
         self.max_batch = config.max_batch
-        self.plan = offload_plan(model, config, engine.max_context)
-        self._weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        self._weight_bytes = sum(p.nbytes for p in model.parameters())
+        self.plan = offload_plan(model.config, config, self._weight_bytes, engine.max_context)
         self.chunk = (self.plan.prefill_chunk if self.plan is not None
                       else prefill_chunk_size(model.config, config, self._weight_bytes,
                                               engine.max_context))  # fmt: skip
@@ -55,11 +55,10 @@ class BatchGenerator:
         from headspace.planner.plan import working_bytes
 
         config, cfg = self.engine.config, self.engine.model.config
-        element = torch.empty((), dtype=config.torch_dtype).element_size()
         return config.num_kv_pages or num_kv_pages(
             cfg, config.gpu_memory, device=torch.device(config.device),
             dtype=config.torch_dtype, page_size=config.page_size, weight_bytes=self._weight_bytes,
-            activation_bytes=working_bytes(cfg, self.chunk, element),
+            activation_bytes=working_bytes(cfg, self.chunk, config.torch_dtype.itemsize),
             max_context=self.engine.max_context,
         )  # fmt: skip
 

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from headspace.errors import UserError
+from headspace.planner.plan import OFFLOAD_MODES
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -60,8 +61,10 @@ class EngineConfig:
             raise UserError(f"prefill_chunk must be a positive integer, got {self.prefill_chunk}")
         if self.max_context is not None and self.max_context < 1:
             raise UserError(f"max_context must be a positive integer, got {self.max_context}")
-        if self.offload not in ("auto", "none", "layer", "head"):
-            raise UserError(f"offload must be one of auto, none, layer, head, got {self.offload!r}")
+        if self.offload not in OFFLOAD_MODES:
+            raise UserError(
+                f"offload must be one of {', '.join(OFFLOAD_MODES)}, got {self.offload!r}"
+            )
         if self.head_group is not None and self.head_group < 1:
             raise UserError(f"head_group must be a positive integer, got {self.head_group}")
         if self.num_kv_pages is not None and self.num_kv_pages < 1:

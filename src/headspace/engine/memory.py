@@ -56,8 +56,20 @@ def host_budget(value: str | float | None) -> int:
 
 
 def kv_page_bytes(config: ModelConfig, page_size: int, dtype: torch.dtype) -> int:
-    element = torch.empty((), dtype=dtype).element_size()
-    return 2 * config.num_layers * config.num_kv_heads * config.head_dim * page_size * element
+    return (
+        2 * config.num_layers * config.num_kv_heads * config.head_dim * page_size * dtype.itemsize
+    )
+
+
+def gpu_budget(engine_config, weight_bytes: int) -> int | None:
+    """Bytes the engine may hold on its device: the user's budget, else on a GPU the weights
+    plus what is free now; None on the CPU without a budget."""
+    device = torch.device(engine_config.device)
+    if engine_config.gpu_memory is not None:
+        return parse_memory(engine_config.gpu_memory, device_total_bytes(device))
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0] + weight_bytes
+    return None
 
 
 def num_kv_pages(
@@ -103,20 +115,15 @@ def prefill_chunk_size(config: ModelConfig, engine_config, weight_bytes: int,
     """
     if engine_config.prefill_chunk:
         return engine_config.prefill_chunk
-    device = torch.device(engine_config.device)
-    if device.type != "cuda":
+    if not engine_config.on_gpu:
         return CPU_PREFILL_CHUNK
     from headspace.planner.plan import prefill_chunk
 
-    if engine_config.gpu_memory is not None:
-        room = parse_memory(engine_config.gpu_memory, device_total_bytes(device)) - weight_bytes
-    else:
-        room = torch.cuda.mem_get_info(device)[0]
-    element = torch.empty((), dtype=engine_config.torch_dtype).element_size()
-    return prefill_chunk(config, room, max_context, element)
+    room = gpu_budget(engine_config, weight_bytes) - weight_bytes
+    return prefill_chunk(config, room, max_context, engine_config.torch_dtype.itemsize)
 
 
-def offload_plan(model, engine_config, max_context: int):
+def offload_plan(config: ModelConfig, engine_config, weight_bytes: int, max_context: int):
     """The planner's plan (head map, prefill chunk) when some kv heads must (or are asked
     to) stream from host memory for ``max_context`` tokens; None when every head stays
     resident."""
@@ -124,17 +131,12 @@ def offload_plan(model, engine_config, max_context: int):
 
     if engine_config.offload == "none":
         return None
-    device = torch.device(engine_config.device)
-    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    if engine_config.gpu_memory is not None:
-        gpu = parse_memory(engine_config.gpu_memory, device_total_bytes(device))
-    elif device.type == "cuda":
-        gpu = torch.cuda.mem_get_info(device)[0] + weight_bytes
-    else:
-        return None  # no budget on the CPU: everything stays in (host) memory
+    gpu = gpu_budget(engine_config, weight_bytes)
+    if gpu is None:  # no budget on the CPU: everything stays in (host) memory
+        return None
     host = host_budget(engine_config.host_memory)
-    element = torch.empty((), dtype=engine_config.torch_dtype).element_size()
-    request = PlanRequest(max_context, gpu, host, element, engine_config.offload,
-                          engine_config.head_group, engine_config.prefill_chunk)  # fmt: skip
-    plan = make_plan(model.config, request)
+    request = PlanRequest(max_context, gpu, host, engine_config.torch_dtype.itemsize,
+                          engine_config.offload, engine_config.head_group,
+                          engine_config.prefill_chunk)  # fmt: skip
+    plan = make_plan(config, request)
     return plan if plan.head_map.count("stream") else None

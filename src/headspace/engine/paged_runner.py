@@ -34,9 +34,10 @@ class PagedRunner:
             heads_per_layer=[len(heads) for heads in self._resident],
         )  # fmt: skip
         self._compiled = config.compile and self.device.type == "cuda"
-        self._graphs, self.streamer, self._head_indices = None, None, {}
+        self._graphs, self.streamer, self._parts = None, None, []
         if self.head_map.count("stream"):
             self.streamer = self._make_streamer(num_pages * page_size, head_group)
+            self._parts = [self._layer_parts(layer) for layer in range(cfg.num_layers)]
         elif self.device.type == "cuda" and config.cuda_graph:
             from headspace.engine.paged_graphs import DecodeGraphs
 
@@ -52,18 +53,20 @@ class PagedRunner:
         return HeadStreamer(self.head_map, host, head_group, capacity, cfg.head_dim, dtype=dtype,
                             device=self.device, backend=self.config.attention_backend)  # fmt: skip
 
-    def _head_index(self, kv_heads: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Query-head and kv-head indices of the given kv heads, cached on the device
-        (indexing with a Python list copies it to the GPU and waits, every layer)."""
-        key = tuple(kv_heads)
-        if key not in self._head_indices:
-            group = self.model.config.num_queries_per_kv
-            heads = [h * group + i for h in kv_heads for i in range(group)]
-            self._head_indices[key] = (
-                torch.tensor(heads, device=self.device),
-                torch.tensor(kv_heads, device=self.device),
-            )
-        return self._head_indices[key]
+    def _layer_parts(self, layer: int) -> list[tuple[list[int] | None, torch.Tensor, torch.Tensor]]:
+        """How ``layer``'s heads split: (None for the resident kv heads, else a streamed
+        group; query-head index; kv-head index), indices on the device once (indexing with
+        a Python list copies it to the GPU and waits, every layer)."""
+        per_kv = self.model.config.num_queries_per_kv
+        resident = self._resident[layer]
+        splits = [(None, resident)] if resident else []
+        splits += [(group, group) for group in self.head_map.stream_groups(layer)]
+        parts = []
+        for group, kv_heads in splits:
+            q_heads = [h * per_kv + i for h in kv_heads for i in range(per_kv)]
+            parts.append((group, torch.tensor(q_heads, device=self.device),
+                          torch.tensor(kv_heads, device=self.device)))  # fmt: skip
+        return parts
 
     def _split_heads(self, layer: int, q, kv, resident_fn):
         """Resident kv heads through ``resident_fn(q, kv)``, streamed groups through the
@@ -71,13 +74,12 @@ class PagedRunner:
         if self.streamer is None:
             return resident_fn(q, kv)
         out = torch.empty_like(q)
-        resident = self._resident[layer]
-        if resident:
-            q_index, kv_index = self._head_index(resident)
-            out[:, q_index] = resident_fn(q[:, q_index], kv[:, :, kv_index])
-        for group in self.head_map.stream_groups(layer):
-            q_index, kv_index = self._head_index(group)
-            out[:, q_index] = self.streamer.attend(layer, group, q[:, q_index], kv[:, :, kv_index])
+        for group, q_index, kv_index in self._parts[layer]:
+            q_part, kv_part = q[:, q_index], kv[:, :, kv_index]
+            if group is None:
+                out[:, q_index] = resident_fn(q_part, kv_part)
+            else:
+                out[:, q_index] = self.streamer.attend(layer, group, q_part, kv_part)
         return out
 
     # -- prefill -----------------------------------------------------------------------

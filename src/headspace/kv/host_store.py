@@ -32,20 +32,13 @@ class HostKVStore:
         self._index = {key: i for i, key in enumerate(streamed)}
         # [entries, K/V, tokens, dim]; zero-filled by torch's parallel fill (touches every page)
         self.data = torch.zeros(len(streamed), 2, capacity, head_dim, dtype=dtype)
-        self.pinned = pin and self.data.numel() > 0
-        self._finalizer = None
-        if self.pinned:
+        if pin and self.data.numel() > 0:  # unregistered when the store is collected
             _register(self.data)
-            self._finalizer = weakref.finalize(self, _unregister, self.data)
-
-    def close(self) -> None:
-        """Unregister the page-locked buffer now (else when the store is collected)."""
-        if self._finalizer is not None:
-            self._finalizer()
+            weakref.finalize(self, _unregister, self.data)
 
     @property
     def num_bytes(self) -> int:
-        return self.data.numel() * self.data.element_size()
+        return self.data.nbytes
 
     def entry(self, layer: int, kv_head: int) -> torch.Tensor:
         """K and V of one entry, ``[2, capacity, head_dim]`` (a view)."""
@@ -68,7 +61,7 @@ class HostKVStore:
 
 def _register(buffer: torch.Tensor) -> None:
     """Page-lock ``buffer`` so host-device copies of it run asynchronously at full speed."""
-    num_bytes = buffer.numel() * buffer.element_size()
+    num_bytes = buffer.nbytes
     cudart = torch.cuda.cudart()
     status = cudart.cudaHostRegister(buffer.data_ptr(), num_bytes, 0)
     if int(status) != 0:

@@ -99,21 +99,22 @@ def working_bytes(config: ModelConfig, chunk: int, dtype_bytes: int) -> int:
 
 
 def prefill_chunk(config: ModelConfig, room: int, context: int, dtype_bytes: int, *,
-                  streaming: bool = False, hw: Hardware | None = None) -> int:  # fmt: skip
+                  staging: int | None = None, hw: Hardware | None = None) -> int:  # fmt: skip
     """Prompt tokens per prefill chunk: a power of two in [512, 32768] whose activations take
-    a fifth of ``room`` (bytes left after weights). When heads stream, at least the chunk
-    whose attention FLOPs hide re-reading their history over PCIe, if it fits half the room:
+    a fifth of ``room`` (bytes left after weights). When heads stream (``staging``: bytes
+    that must stay free to stage them), at least the chunk whose attention FLOPs hide
+    re-reading their history over PCIe, if its working bytes and the staging fit the room:
     each history byte serves ``chunk * 2 * queries_per_kv / dtype_bytes`` FLOPs.
     """
     per_token = activation_bytes_per_token(config, dtype_bytes)
     fit = max(room, 0) // 5 // per_token
     chunk = 1 << max(int(fit), 1).bit_length() - 1
-    if streaming:
+    if staging is not None:
         hw = hw or Hardware()
         flops_per_byte = hw.attention_flops / hw.h2d_bytes
         balance = flops_per_byte * dtype_bytes / (2 * config.num_queries_per_kv)
         balanced = 1 << max(int(balance) - 1, 1).bit_length()  # next power of two
-        if balanced * per_token <= max(room, 0) // 2:
+        if working_bytes(config, balanced, dtype_bytes) + staging <= room:
             chunk = max(chunk, balanced)
     return max(512, min(chunk, MAX_PREFILL_CHUNK, 1 << (context - 1).bit_length()))
 
@@ -130,12 +131,9 @@ def _plan_chunk(config: ModelConfig, request: PlanRequest, room: int, total_kv: 
     )
     if not streams:
         return chunk
-    larger = prefill_chunk(config, room, request.context, dtype_bytes, streaming=True, hw=hw)
-    group = config.num_kv_heads if request.offload == "layer" else 1
+    group = config.num_kv_heads if request.offload == "layer" else 1  # the smallest group
     staging = 2 * group * head_bytes(config, request.context, dtype_bytes)
-    if room - working_bytes(config, larger, dtype_bytes) < staging:
-        return chunk  # the larger chunk would leave no room to stage one group
-    return larger
+    return prefill_chunk(config, room, request.context, dtype_bytes, staging=staging, hw=hw)
 
 
 def _group_size(config: ModelConfig, request: PlanRequest, mode: str) -> int:
@@ -170,15 +168,22 @@ def _head_map(config: ModelConfig, resident: list[int], group: int) -> HeadMap:
     return HeadMap(config.num_layers, config.num_kv_heads, entries)
 
 
+def prefill_compute_seconds(config: ModelConfig, context: int, hw: Hardware) -> float:
+    """Seconds of a ``context``-token prefill if its layer GEMMs and causal attention ran at
+    ``hw``'s FLOP rates (the compute roofline)."""
+    embeddings = config.vocab_size * config.hidden_size * (1 if config.tie_word_embeddings else 2)
+    layer_params = weight_bytes(config, 1) - embeddings
+    gemm_s = 2 * layer_params * context / hw.gemm_flops
+    attention_flops = 2 * config.num_heads * config.head_dim * context**2 * config.num_layers
+    return gemm_s + attention_flops / hw.attention_flops
+
+
 def _predict(plan: Plan, config: ModelConfig, request: PlanRequest, hw: Hardware) -> None:
     """Roofline: prefill = max(compute, PCIe traffic); decode = max(HBM reads, PCIe reads)."""
     context, dtype_bytes, chunk = request.context, request.dtype_bytes, plan.prefill_chunk
     weights = weight_bytes(config, dtype_bytes)
     embed_bytes = config.vocab_size * config.hidden_size * dtype_bytes
-    layer_params = (weights - embed_bytes * (1 if config.tie_word_embeddings else 2)) / dtype_bytes
-    gemm_s = 2 * layer_params * context / hw.gemm_flops
-    attention_flops = 2 * config.num_heads * config.head_dim * context**2 * config.num_layers
-    compute_s = gemm_s + attention_flops / hw.attention_flops
+    compute_s = prefill_compute_seconds(config, context, hw)
     streamed = plan.head_map.count("stream")
     num_chunks = -(-context // chunk)
     prefix_tokens = chunk * num_chunks * (num_chunks - 1) // 2  # prefixes re-read per chunk
