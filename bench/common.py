@@ -103,37 +103,39 @@ def write_result(name: str, result: dict) -> Path:
     return path
 
 
-class _NoText:
+LLAMA31_8B = {  # Llama-3.1-8B: the same weights' shapes, a 128K trained context
+    **LLAMA3_8B,
+    "max_position_embeddings": 131072,
+    "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                     "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+}  # fmt: skip
+
+
+class NoText:
     """A tokenizer stand-in for random-weight models: generated text is not looked at."""
 
     def decode(self, ids, **_):
         return ""
 
 
-def batch_engine(model, config, max_context: int = 1 << 20):
-    """The engine's BatchGenerator for a model built in memory (no checkpoint directory)."""
-    from types import SimpleNamespace
+def make_engine(model, **options):
+    """The engine over a model built in memory, as ``LLM(...)`` builds it from a checkpoint
+    (the model's own context, default options unless given)."""
+    from headspace.engine.config import EngineConfig
+    from headspace.engine.engine import Engine
 
-    from headspace.engine.batch import BatchGenerator
-
-    engine = SimpleNamespace(
-        config=config,
-        model=model,
-        tokenizer=_NoText(),
-        max_context=max_context,
-        eos_token_ids=set(),
-        check_length=lambda n: None,
-    )
-    return BatchGenerator(engine)
+    return Engine.from_model(model, NoText(), EngineConfig(device="cuda", **options))
 
 
-def prefill_once(generator, ids: list[int]) -> None:
+def prefill_once(engine, ids: list[int]) -> None:
     """One prefill of ``ids`` into fresh pages (no prefix reuse), freed afterwards."""
     from headspace.engine.scheduler import Sequence
 
-    blocks = generator.runner.blocks
+    generator = engine.batch
     seq = Sequence(10**9, list(ids), len(ids))
-    blocks.allocate_prompt(seq.seq_id, seq.prompt_ids, reuse=False)
+    generator.prepare([seq])
+    blocks = generator.runner.blocks
+    blocks.allocate_prompt(seq.seq_id, seq.prompt_ids, generator.tiers, reuse=False)
     try:
         generator.runner.prefill(seq, generator.chunk)
     finally:

@@ -13,8 +13,8 @@ import time
 
 import torch
 
-from common import LLAMA3_8B, batch_engine, cuda_time, prefill_once
-from headspace.engine.config import EngineConfig
+from common import LLAMA3_8B, cuda_time, make_engine
+from headspace.engine.sampling import SamplingParams
 from headspace.errors import UserError
 from headspace.kv.page_pool import OutOfPages
 
@@ -63,42 +63,51 @@ def headspace_run(model, length: int, offload: str, budget: str | None, steps: i
 
 
 def _headspace_run(model, length, offload, budget, steps) -> dict:
+    """The engine as a user builds it (the context raised only past the model's own), a
+    warm-up that compiles the shapes, then the measured request."""
+    needed = length + steps + 8
+    options = {"max_context": needed} if needed > model.config.max_context else {}
+    engine = make_engine(model, offload=offload, gpu_memory=budget, prefix_caching=False,
+                         **options)  # fmt: skip
+    generator = engine.batch
+    vocab = LLAMA3_8B["vocab_size"]
+    warm_up(generator, length, length + steps + 1, min(length, 2 * generator.chunk), vocab)
+    _fresh_peak()
+    ids = torch.randint(0, vocab, (length,)).tolist()
+    params = SamplingParams(max_new_tokens=steps + 1, ignore_eos=True)
+    out = engine.generate_batch([ids], [params])[0]
+    plan = generator.runner.plan
+    streamed = plan.head_map.count("stream")
+    return {
+        "ok": True, "prefill_tok_s": out.stats.prefill_tok_s,
+        "prefill_s": out.stats.prefill_seconds,
+        "decode_ms": 1000 * out.stats.decode_seconds / steps,
+        "decode_steps": steps, "prefill_chunk": generator.chunk, **_peaks(), "budget": budget,
+        "head_map": plan.head_map.summary(), "summary": out.stats.summary(),
+        "streamed_bytes_per_token": streamed * 2 * length * model.config.head_dim * 2,
+        "host_pages_gib": generator.runner.host.num_bytes / GiB,
+    }  # fmt: skip
+
+
+@torch.inference_mode()
+def warm_up(generator, length: int, max_tokens: int, chunk_tokens: int, vocab: int) -> None:
+    """Compile the shapes of the layout a request of ``length`` prompt tokens (up to
+    ``max_tokens``) gets, and pin its host pages: its last ``chunk_tokens`` prefilled over
+    an uncomputed history, then two decode steps at its own length (decode kernels compile
+    per table width)."""
     from headspace.engine.scheduler import Sequence
 
-    max_context = length + steps + 8
-    config = EngineConfig(device="cuda", offload=offload, gpu_memory=budget,
-                          max_context=max_context, prefix_caching=False)  # fmt: skip
-    engine = batch_engine(model, config, max_context=max_context)
-    runner, plan = engine.runner, engine.plan
-    ids = torch.randint(0, LLAMA3_8B["vocab_size"], (length,)).tolist()
-    warmup = min(length, 2 * engine.chunk)
-    prefill_once(engine, ids[:warmup])  # compiles the chunk and prefix shapes
-    seq = Sequence(1, ids, max_context)
-    runner.blocks.allocate_prompt(seq.seq_id, ids, reuse=False)
-    _fresh_peak()
-    start = time.perf_counter()
-    logits = runner.prefill(seq, engine.chunk)
-    seq.output_ids.append(int(logits.argmax()))
-    prefill_s = time.perf_counter() - start
-    runner.decode([seq])  # warm-up step (compiles the decode shape)
-    seq.output_ids.append(1)
+    generator.prepare([Sequence(0, [0] * length, max_tokens)])
+    runner = generator.runner
+    seq = Sequence(10**9, torch.randint(0, vocab, (length,)).tolist(), max_tokens)
+    runner.blocks.allocate_prompt(seq.seq_id, seq.prompt_ids, generator.tiers, reuse=False)
+    seq.num_cached = length - chunk_tokens
+    runner.prefill(seq, generator.chunk, slot=0)
+    for position in (length, length + 1):
+        runner.blocks.append_token(seq.seq_id)
+        runner.decode([seq.seq_id], [position], [0])
     torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(steps):
-        seq.output_ids.append(int(runner.decode([seq])[0].argmax()))
-    decode_s = (time.perf_counter() - start) / steps
-    row = {
-        "ok": True, "prefill_tok_s": length / prefill_s, "prefill_s": prefill_s,
-        "decode_ms": 1000 * decode_s, "decode_steps": steps, "prefill_chunk": engine.chunk,
-        **_peaks(), "budget": budget,
-        "head_map": plan.head_map.summary() if plan else "all resident",
-        "streamed_bytes_per_token": plan.memory["host_kv"] if plan else 0,
-        "planned_gpu_gib": plan.memory["total_gpu"] / GiB if plan else None,
-        "predicted_prefill_tok_s": plan.prefill_tok_s if plan else None,
-        "host_store_gib": runner.streamer.host.num_bytes / GiB if runner.streamer else 0.0,
-    }  # fmt: skip
     runner.blocks.free(seq.seq_id)
-    return row
 
 
 @torch.inference_mode()

@@ -16,10 +16,9 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import LLAMA3_8B, batch_engine, environment, random_hf_llama, write_result  # noqa: E402
+from common import LLAMA3_8B, environment, make_engine, random_hf_llama, write_result  # noqa: E402
 from decode_attention import graph_seconds  # noqa: E402
 from headspace.attention.triton_decode import paged_decode_attention  # noqa: E402
-from headspace.engine.config import EngineConfig  # noqa: E402
 from headspace.engine.sampling import SamplingParams  # noqa: E402
 from headspace.model.config import config_from_dict  # noqa: E402
 from headspace.model.loader import build_model  # noqa: E402
@@ -32,14 +31,14 @@ PAGE = 128
 def run_batch(model, prompts, warmup_prompts) -> dict:
     """Time the batch after a warm-up of the same lengths (other tokens: no prefix hits),
     so that compiling each shape stays out of the measurement."""
-    config = EngineConfig(device="cuda", page_size=PAGE, max_context=1 << 20)
-    generator = batch_engine(model, config)
+    engine = make_engine(model, page_size=PAGE)
+    generator = engine.batch
     params = [SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True)] * len(prompts)
-    generator.run(warmup_prompts, params)
+    engine.generate_batch(warmup_prompts, params)
     generator.peak_pages = 0
     torch.cuda.synchronize()
     start = time.perf_counter()
-    outputs = generator.run(prompts, params)
+    outputs = engine.generate_batch(prompts, params)
     torch.cuda.synchronize()
     seconds = time.perf_counter() - start
     cfg = model.config

@@ -13,8 +13,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import LLAMA3_8B, batch_engine, cuda_time, prefill_once, random_hf_llama  # noqa: E402
-from headspace.engine.config import EngineConfig  # noqa: E402
+from common import LLAMA3_8B, cuda_time, make_engine, prefill_once, random_hf_llama  # noqa: E402
 from headspace.engine.scheduler import Sequence  # noqa: E402
 from headspace.model.config import config_from_dict  # noqa: E402
 from headspace.model.loader import build_model  # noqa: E402
@@ -37,31 +36,35 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--length", type=int, default=32768)
     parser.add_argument("--decode-context", type=int, default=8192)
+    parser.add_argument("--decode-only", action="store_true", help="skip the prefill tables")
     args = parser.parse_args()
     hf = random_hf_llama(LLAMA3_8B)
     model = build_model(config_from_dict(LLAMA3_8B), hf.state_dict().__getitem__, "cuda",
                         torch.bfloat16)  # fmt: skip
     pages = 2 * (args.length + 256) // 128
-    engine = batch_engine(model, EngineConfig(device="cuda", num_kv_pages=pages))
+    engine = make_engine(model, num_kv_pages=pages)
     ids = torch.randint(0, 128256, (args.length,)).tolist()
-    kernel_table(lambda: prefill_once(engine, ids), f"headspace prefill {args.length}")
-    batch = torch.tensor([ids], device="cuda")
-    kernel_table(lambda: hf(batch, use_cache=True, logits_to_keep=1), "transformers prefill")
+    if not args.decode_only:
+        kernel_table(lambda: prefill_once(engine, ids), f"headspace prefill {args.length}")
+        batch = torch.tensor([ids], device="cuda")
+        kernel_table(lambda: hf(batch, use_cache=True, logits_to_keep=1), "transformers prefill")
     for graph in (False, True):
-        config = EngineConfig(device="cuda", num_kv_pages=pages, cuda_graph=graph)
-        profile_decode(batch_engine(model, config), ids[: args.decode_context], graph)
+        engine = make_engine(model, num_kv_pages=pages, cuda_graph=graph)
+        profile_decode(engine, ids[: args.decode_context], graph)
 
 
 def profile_decode(engine, context: list[int], graph: bool) -> None:
     """Time one decode step after ``context`` (and list its kernels when not graphed)."""
-    runner = engine.runner
+    generator = engine.batch
+    runner = generator.runner
     seq = Sequence(0, context, len(context) + 64)
-    runner.blocks.allocate_prompt(seq.seq_id, seq.prompt_ids, reuse=False)
-    seq.output_ids.append(int(runner.prefill(seq, engine.chunk).argmax()))
+    generator.prepare([seq])
+    runner.blocks.allocate_prompt(seq.seq_id, seq.prompt_ids, generator.tiers, reuse=False)
+    runner.prefill(seq, generator.chunk, slot=0)
+    runner.blocks.append_token(seq.seq_id)
 
     def step():  # decode the same position again: the timing, not the text, matters here
-        runner.blocks.table(seq.seq_id).num_tokens = seq.num_tokens - 1
-        runner.decode([seq])
+        runner.decode([seq.seq_id], [len(context)], [0])
 
     step_ms = 1000 * cuda_time(step, warmup=3, repeat=20)
     print(f"\ndecode step at {len(context)} (graph={graph}): {step_ms:.3f} ms")

@@ -15,16 +15,14 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import LLAMA3_8B, batch_engine, cuda_time, prefill_once, random_model  # noqa: E402
-from headspace.engine.config import EngineConfig  # noqa: E402
+from common import LLAMA3_8B, cuda_time, make_engine, prefill_once, random_model  # noqa: E402
 from offload_runs import gpu_cap  # noqa: E402
 
 LENGTH = 32768
 
 
 def timed_prefill(model, **options) -> tuple[float, object]:
-    config = EngineConfig(device="cuda", max_context=LENGTH + 64, prefix_caching=False, **options)
-    engine = batch_engine(model, config, max_context=LENGTH + 64)
+    engine = make_engine(model, max_context=LENGTH + 64, prefix_caching=False, **options)
     ids = torch.randint(0, LLAMA3_8B["vocab_size"], (LENGTH,)).tolist()
     seconds = cuda_time(lambda: prefill_once(engine, ids), warmup=1, repeat=1)  # warm: compiled
     return seconds, (engine, ids)
@@ -39,7 +37,7 @@ def main() -> None:
     for name, options in runs:
         with gpu_cap(24 if "gpu_memory" in options else None):
             seconds, (engine, ids) = timed_prefill(model, **options)
-            rows.append((name, seconds, engine.chunk))
+            rows.append((name, seconds, engine.batch.chunk))
             if name.startswith("head"):
                 with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
                     prefill_once(engine, ids)

@@ -78,13 +78,16 @@ def _randomize(model: torch.nn.Module, seed: int) -> None:
                 param.copy_(0.08 * noise)
 
 
-def make_tiny_checkpoint(family: str, out_dir: Path, tokenizer_dir: Path, seed: int = 0):
-    """Save a random tiny HF model of ``family`` (embedded tokenizer); returns the HF model."""
+def make_tiny_checkpoint(family: str, out_dir: Path, tokenizer_dir: Path, seed: int = 0,
+                         **overrides):  # fmt: skip
+    """Save a random tiny HF model of ``family`` (embedded tokenizer); returns the HF model.
+    ``overrides`` change config fields (e.g. more layers)."""
     import transformers
 
     config_cls, model_cls, extra = FAMILIES[family]
     vocab = transformers.AutoTokenizer.from_pretrained(tokenizer_dir).vocab_size
-    config = getattr(transformers, config_cls)(**{**TINY, "vocab_size": vocab, **extra})
+    fields = {**TINY, "vocab_size": vocab, **extra, **overrides}
+    config = getattr(transformers, config_cls)(**fields)
     torch.manual_seed(seed)
     model = getattr(transformers, model_cls)(config).float().eval()
     _randomize(model, seed)

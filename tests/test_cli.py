@@ -174,3 +174,67 @@ def test_console_script_prints_one_line_and_no_traceback(tmp_path):
     assert result.returncode == 2
     assert result.stderr.strip() == f"error: model path {tmp_path / 'missing'} does not exist"
     assert "Traceback" not in result.stderr and result.stdout == ""
+
+
+def _non_default(f):
+    """A value other than the command line's default for an EngineConfig field, as a flag
+    argument and as parsed."""
+    values = {"device": ("cuda:1", "cuda:1"), "dtype": ("bfloat16", "bfloat16"),
+              "attention_backend": ("reference", "reference"), "offload": ("head", "head"),
+              "gpu_memory": ("3GiB", "3GiB"), "host_memory": ("5GiB", "5GiB")}  # fmt: skip
+    if f.name in values:
+        return values[f.name]
+    if f.type == "bool":
+        return None, not f.metadata.get("cli_default", f.default)
+    return "7", 7
+
+
+@pytest.mark.parametrize("command", ["generate", "eval"])
+@pytest.mark.parametrize(
+    "field", [f.name for f in __import__("dataclasses").fields(__import__(
+        "headspace.engine.config", fromlist=["EngineConfig"]).EngineConfig)]
+)  # fmt: skip
+def test_every_engine_flag_reaches_the_engine(monkeypatch, capsys, field, command):
+    from dataclasses import fields
+
+    from headspace.engine.config import EngineConfig
+
+    f = next(f for f in fields(EngineConfig) if f.name == field)
+    argument, expected = _non_default(f)
+    flag = "--" + field.replace("_", "-")
+    if argument is None:  # a boolean: --flag or --no-flag
+        flag = flag if expected else "--no-" + field.replace("_", "-")
+    seen = {}
+
+    class Recorder:
+        def __init__(self, model=None, **options):
+            seen.update(options)
+            raise KeyboardInterrupt  # stop before any work
+
+    monkeypatch.setattr("headspace.api.LLM", Recorder)
+    args = [flag] if argument is None else [flag, argument]
+    if command == "generate":
+        code = main(["generate", "--prompt", "x", *args])
+    else:
+        code = main(["eval", "niah", "--lengths", "1k", *args])
+    assert code == 130 and seen[field] == expected
+    assert set(seen) == {f.name for f in fields(EngineConfig)}
+
+
+def test_generate_with_a_budget_below_the_weights_exits_with_the_numbers(capsys):
+    code, _, err = _run(capsys, "generate", "--prompt", "x", "--gpu-memory", "100MB")
+    _assert_user_error(code, err, "GPU budget too small: 0.09 GiB holds the weights (0.50 GiB)")
+
+
+def test_generate_honours_the_budget_and_reports_the_tiers(capsys):
+    """600MB cannot hold the embedded model's 8K context (0.38 GiB of fp32 KV) beside its
+    0.50 GiB of weights, but a short request fits: all resident. At 575MB its 293 tokens
+    (prompt + 256 new) do not fit the pool: some heads stream, with the same answer."""
+    question = ["generate", "--chat", "--prompt", "What is the capital of France?"]
+    code, out, err = _run(capsys, *question, "--max-new-tokens", "12", "--gpu-memory", "600MB")
+    assert code == 0 and "Paris" in out
+    assert "heads 90 gpu / 0 streamed" in err
+    code, streamed_out, err = _run(capsys, *question, "--gpu-memory", "575MB")
+    assert code == 0 and streamed_out.startswith(out.strip())
+    streamed = int(err.split(" gpu / ")[1].split(" streamed")[0])
+    assert 0 < streamed < 90

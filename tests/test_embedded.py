@@ -75,3 +75,20 @@ def test_gguf_file_path_converts_once_into_the_cache(tmp_path, monkeypatch, llm)
     assert from_gguf.model_dir.parent == tmp_path / "models"
     ids = list(range(100, 160))
     assert torch.equal(from_gguf.logits(ids), llm.logits(ids))
+
+
+def test_a_float32_run_keeps_the_float32_dequantized_weights(llm):
+    """The GGUF is dequantized at the run's precision: a float32 run equals transformers'
+    own float32 dequantization of the same file (not a bf16-rounded copy of it)."""
+    from transformers import AutoModelForCausalLM
+
+    gguf = embedded_gguf_path()
+    hf = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name,
+                                              dtype=torch.float32).eval()  # fmt: skip
+    ids = list(range(200, 264))
+    with torch.no_grad():
+        theirs = hf(torch.tensor([ids])).logits[0]
+    assert (llm.logits(ids) - theirs).abs().max().item() <= 1e-4
+    assert llm.model_dir.name.endswith("-float32")
+    bf16 = LLM(dtype="bfloat16")
+    assert bf16.model_dir.name.endswith("-bfloat16") and bf16.model_dir != llm.model_dir

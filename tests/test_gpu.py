@@ -7,10 +7,11 @@ import torch
 
 from headspace.attention import attend, reference_attention
 from headspace.engine.config import EngineConfig
-from headspace.engine.paged_runner import PagedRunner
-from headspace.engine.scheduler import Sequence
+from headspace.engine.engine import Engine
+from headspace.engine.sampling import SamplingParams
 from headspace.model.config import config_from_dict
 from headspace.model.loader import build_model
+from headspace.planner.memory import decode_bytes, working_bytes
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -44,14 +45,14 @@ def test_sdpa_gpu_matches_reference(num_q, num_kv):
         assert (lse - ref_lse).abs().max().item() < 2e-2
 
 
-def _tiny_model(device: str, dtype: torch.dtype):
+def _tiny_model(device: str, dtype: torch.dtype, layers: int = 4):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     hf_config = LlamaConfig(
         vocab_size=512,
         hidden_size=256,
         intermediate_size=512,
-        num_hidden_layers=4,
+        num_hidden_layers=layers,
         num_attention_heads=8,
         num_key_value_heads=2,
         head_dim=32,
@@ -64,47 +65,52 @@ def _tiny_model(device: str, dtype: torch.dtype):
     return build_model(config_from_dict(hf_config.to_dict()), state.__getitem__, device, dtype)
 
 
-def _runner(model, **options) -> PagedRunner:
-    config = EngineConfig(device=str(model.lm_head.weight.device), page_size=64, **options)
-    return PagedRunner(model, config, num_pages=64, page_size=64)
+class NoText:
+    def decode(self, ids, **_):
+        return ""
 
 
-def _greedy(runner: PagedRunner, prompt: torch.Tensor, steps: int, chunk: int = 256) -> list[int]:
-    seq = Sequence(0, prompt.tolist(), len(prompt) + steps)
-    runner.blocks.allocate_prompt(0, seq.prompt_ids, reuse=False)
-    logits = runner.prefill(seq, chunk)
-    for _ in range(steps):
-        seq.output_ids.append(int(logits.argmax()))
-        logits = runner.decode([seq])[0]
-    runner.blocks.free(0)
-    return seq.output_ids
+def _engine(model, **options) -> Engine:
+    device = str(model.lm_head.weight.device)
+    options = {"page_size": 64, "prefill_chunk": 256, **options}
+    return Engine.from_model(model, NoText(), EngineConfig(device=device, **options))
 
 
-def _all_logits(runner: PagedRunner, prompt: torch.Tensor, chunk: int = 256) -> torch.Tensor:
-    seq = Sequence(1, prompt.tolist(), len(prompt))
-    runner.blocks.allocate_prompt(1, seq.prompt_ids, reuse=False)
-    logits = runner.prefill(seq, chunk, all_logits=True)
-    runner.blocks.free(1)
-    return logits
+def _arena_budget(model, arena: int, chunk: int = 256) -> int:
+    """A GPU budget whose KV arena is ``arena`` bytes."""
+    cfg, itemsize = model.config, model.lm_head.weight.element_size()
+    weights = sum(p.nbytes for p in model.parameters())
+    return weights + working_bytes(cfg, chunk, itemsize) + decode_bytes(cfg, 64, itemsize) + arena
+
+
+GREEDY = SamplingParams(max_new_tokens=64, ignore_eos=True)
+
+
+def _greedy(engine: Engine, prompts) -> list[list[int]]:
+    return [o.token_ids for o in engine.generate_batch([p.tolist() for p in prompts],
+                                                        [GREEDY] * len(prompts))]  # fmt: skip
 
 
 def test_gpu_engine_matches_cpu_reference():
     prompt = torch.randint(0, 512, (700,), generator=torch.Generator().manual_seed(1))
-    cpu = _runner(_tiny_model("cpu", torch.float32))
-    ref_logits = _all_logits(cpu, prompt)
-    gpu = _runner(_tiny_model("cuda", torch.float32), dtype="float32")
-    assert (_all_logits(gpu, prompt) - ref_logits).abs().max().item() < 1e-3
-    assert _greedy(gpu, prompt, 64) == _greedy(cpu, prompt, 64)
-    bf16_logits = _all_logits(_runner(_tiny_model("cuda", torch.bfloat16)), prompt)
+    cpu = _engine(_tiny_model("cpu", torch.float32))
+    ref_logits = cpu.logits(prompt.tolist())
+    gpu = _engine(_tiny_model("cuda", torch.float32), dtype="float32")
+    assert (gpu.logits(prompt.tolist()) - ref_logits).abs().max().item() < 1e-3
+    assert _greedy(gpu, [prompt]) == _greedy(cpu, [prompt])
+    bf16_logits = _engine(_tiny_model("cuda", torch.bfloat16)).logits(prompt.tolist())
     assert (bf16_logits - ref_logits).abs().max().item() <= 2e-2 * ref_logits.abs().max().item()
 
 
-def test_graph_decode_equals_eager_decode():
-    prompt = torch.randint(0, 512, (300,), generator=torch.Generator().manual_seed(2))
-    model = _tiny_model("cuda", torch.bfloat16)
-    graphed = _runner(model)
-    eager = _runner(model, cuda_graph=False, compile=False)
-    assert _greedy(graphed, prompt, 64) == _greedy(eager, prompt, 64)
+def test_graph_decode_equals_eager_decode_and_batches_equal_one_at_a_time():
+    generator = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(0, 512, (n,), generator=generator) for n in (30, 300, 129, 700)]
+    model = _tiny_model("cuda", torch.float32)
+    graphed = _engine(model, dtype="float32")
+    eager = _engine(model, dtype="float32", cuda_graph=False, compile=False)
+    batched = _greedy(graphed, prompts)
+    assert batched == [_greedy(eager, [p])[0] for p in prompts]
+    assert graphed.batch.runner._graphs is not None
 
 
 def test_paged_paths_on_gpu_match_reference():
@@ -136,58 +142,58 @@ def test_paged_paths_on_gpu_match_reference():
         assert _rel(flex_out[b], ref) < 1e-2
 
 
-def test_paged_batch_on_gpu_equals_one_at_a_time():
-    from types import SimpleNamespace
-
-    from headspace.engine.batch import BatchGenerator
-    from headspace.engine.sampling import SamplingParams
-
-    model = _tiny_model("cuda", torch.float32)
-    config = EngineConfig(device="cuda", dtype="float32", page_size=64, num_kv_pages=64)
-
-    class NoText:
-        def decode(self, ids, **_):
-            return ""
-
-    engine = SimpleNamespace(config=config, model=model, tokenizer=NoText(), max_context=4096,
-                             eos_token_ids=set(), check_length=lambda n: None)  # fmt: skip
-    prompts = [torch.randint(0, 512, (n,)).tolist() for n in (30, 300, 129, 700)]
-    params = [SamplingParams(max_new_tokens=32, ignore_eos=True)] * 4
-    batched = [o.token_ids for o in BatchGenerator(engine).run(prompts, params)]
-    single = _runner(model, dtype="float32")
-    assert batched == [_greedy(single, torch.tensor(p), 32) for p in prompts]
-
-
-def test_streamed_heads_on_gpu_equal_resident():
-    """Copy stream, write-back stream and double-buffered staging against the resident run."""
-    from headspace.planner.head_map import HeadEntry, HeadMap
-
-    model = _tiny_model("cuda", torch.float32)
-    entries = [HeadEntry(layer, head, tier="stream" if (layer + head) % 2 else "gpu",
-                         group=0) for layer in range(4) for head in range(2)]  # fmt: skip
-    entries[0] = HeadEntry(0, 0, tier="stream", group=0)  # layer 0: both heads streamed
-    entries[1] = HeadEntry(0, 1, tier="stream", group=1)
-    head_map = HeadMap(4, 2, entries)
-    config = EngineConfig(device="cuda", dtype="float32", page_size=64)
-    streamed = PagedRunner(model, config, num_pages=64, page_size=64, head_map=head_map)
-    resident = _runner(model, dtype="float32", cuda_graph=False)
-    prompt = torch.randint(0, 512, (700,), generator=torch.Generator().manual_seed(3))
-    gap = _all_logits(streamed, prompt, chunk=128) - _all_logits(resident, prompt, chunk=128)
+@pytest.mark.parametrize("arena_kib,pieces", [(2048, False), (96, True)])
+def test_streamed_heads_on_gpu_equal_resident(arena_kib, pieces):
+    """Gather kernels over page-locked host pages, staging slots and the copy stream, for a
+    batch (a long request and short ones joining it) against the all-resident run."""
+    model = _tiny_model("cuda", torch.float32, layers=8)
+    generator = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, 512, (n,), generator=generator) for n in (900, 40, 70)]
+    resident = _engine(model, dtype="float32")
+    expected = [_greedy(resident, [p])[0] for p in prompts]
+    streamed = _engine(model, dtype="float32", gpu_memory=_arena_budget(model, arena_kib * 1024))
+    assert _greedy(streamed, prompts) == expected
+    plan = streamed.batch.runner.plan
+    assert plan.head_map.count("stream") > 0 and streamed.batch.runner.host.data.is_pinned()
+    total = streamed.batch.spec.pages_for(900 + 64)
+    assert (plan.staging.piece_pages < total) == pieces
+    gap = streamed.logits(prompts[0].tolist()) - resident.logits(prompts[0].tolist())
     assert gap.abs().max().item() < 1e-3
-    assert _greedy(streamed, prompt, 48, chunk=128) == _greedy(resident, prompt, 48, chunk=128)
 
 
-def test_host_store_is_page_locked_at_its_exact_size():
-    """One registered buffer, not power-of-two pinned blocks; async copies round-trip."""
-    from headspace.kv.host_store import HostKVStore
+def test_swap_out_and_in_on_gpu_keeps_outputs():
+    model = _tiny_model("cuda", torch.float32)
+    generator = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(0, 512, (n,), generator=generator) for n in (200, 150, 230, 100)]
+    expected = [_greedy(_engine(model, dtype="float32"), [p])[0] for p in prompts]
+    small = _engine(model, dtype="float32", num_kv_pages=8)  # two fit, then one must go
+    outs = small.generate_batch([p.tolist() for p in prompts], [GREEDY] * 4)
+    assert [o.token_ids for o in outs] == expected
+    assert sum(o.stats.num_swaps for o in outs) > 0
 
-    streamed = [(0, 1), (2, 0), (3, 1)]
-    host = HostKVStore(streamed, 1000, 64, dtype=torch.bfloat16, pin=True)
-    assert host.data.is_pinned() and host.num_bytes == 3 * 2 * 1000 * 64 * 2
-    k, v = torch.randn(2, 300, 64, device="cuda", dtype=torch.bfloat16)
-    host.write(2, 0, 100, k, v, non_blocking=True)
+
+def test_transfer_kernels_read_and_write_page_locked_host_pages():
+    from headspace.kv.host_store import HostKVArena
+    from headspace.kv.transfer import as_heads, copy_pages, write_tokens
+    from headspace.planner.memory import KVSpec
+
+    spec = KVSpec(2, 4, 128, 128, 2)
+    host = HostKVArena(spec, torch.bfloat16, pin=True, budget=None)
+    host.ensure(10)
+    assert host.data.is_pinned() and host.num_bytes == (10 + 1) * spec.full_page_bytes  # + scratch
+    host.data.normal_()
+    twin = host.data.clone()
+    staging = torch.zeros(2, 3, 6 * 128, 128, device="cuda", dtype=torch.bfloat16)
+    pages, heads = torch.tensor([7, 2, 9]), torch.tensor([1, 2, 3])
+    copy_pages(host.layer(1), as_heads(staging, True), pages.cuda(), torch.arange(3).cuda(),
+               heads.cuda(), torch.arange(3).cuda(), 128)  # fmt: skip
+    expected = torch.zeros(2, 3, 6 * 128, 128, dtype=torch.bfloat16)
+    copy_pages(twin[1], as_heads(expected, True), pages, torch.arange(3), heads,
+               torch.arange(3), 128)  # fmt: skip
+    assert torch.equal(staging.cpu(), expected)
+    kv = torch.randn(2, 5, 2, 128, device="cuda", dtype=torch.bfloat16)
+    slots = torch.tensor([3, 4, 900, 901, 1279])
+    write_tokens(host.layer(0), torch.tensor([0, 3]).cuda(), slots.cuda(), kv)
     torch.cuda.synchronize()
-    back_k, back_v = host.read(2, 0, 400)
-    assert torch.equal(back_k[100:].cuda(non_blocking=True), k)
-    assert torch.equal(back_v[100:].cuda(non_blocking=True), v)
-    assert back_k[:100].abs().sum().item() == 0 and host.entry(0, 1).abs().sum().item() == 0
+    write_tokens(twin[0], torch.tensor([0, 3]), slots, kv.cpu())
+    assert torch.equal(host.data, twin)

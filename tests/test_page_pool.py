@@ -7,13 +7,13 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from headspace.kv.block_table import BlockManager, OutOfPages
+from headspace.kv.block_table import GPU, HOST, BlockManager, OutOfPages
 from headspace.kv.page_pool import PagePool
 
 
 def test_worked_example_from_docs():
     """docs/paged_kv.md, step by step: page size 4, a pool of 6 pages."""
-    blocks = BlockManager(num_pages=6, page_size=4)
+    blocks = BlockManager(page_size=4, num_gpu_pages=6)
     a = list(range(1, 11))  # 10 tokens
     assert blocks.allocate_prompt(0, a) == 0
     assert blocks.table(0).pages == [0, 1, 2]
@@ -43,7 +43,7 @@ def test_worked_example_from_docs():
 
 
 def test_last_token_is_always_computed():
-    blocks = BlockManager(num_pages=4, page_size=4)
+    blocks = BlockManager(page_size=4, num_gpu_pages=4)
     tokens = list(range(8))
     blocks.allocate_prompt(0, tokens)
     blocks.cache_full_pages(0, tokens)
@@ -51,7 +51,7 @@ def test_last_token_is_always_computed():
 
 
 def test_append_opens_a_page_when_the_last_is_full():
-    blocks = BlockManager(num_pages=3, page_size=2)
+    blocks = BlockManager(page_size=2, num_gpu_pages=3)
     blocks.allocate_prompt(0, [5, 6])
     blocks.append_token(0)
     assert blocks.table(0).pages == [0, 1] and blocks.table(0).num_tokens == 3
@@ -59,33 +59,57 @@ def test_append_opens_a_page_when_the_last_is_full():
     assert blocks.table(0).pages == [0, 1]
 
 
-def test_fork_shares_full_pages_and_copies_the_partial_one():
-    blocks = BlockManager(num_pages=6, page_size=4)
-    blocks.allocate_prompt(0, list(range(6)))
-    assert blocks.fork(0, 1) == (1, 2)
-    assert blocks.table(1).pages == [0, 2]
-    assert blocks.pool.ref_counts[:3] == [2, 1, 1]
+def test_two_tiers_share_the_prefix_and_swap_round_trips():
+    blocks = BlockManager(page_size=4, num_gpu_pages=6, num_host_pages=6)
+    tokens = list(range(9))  # 3 pages
+    assert blocks.allocate_prompt(0, tokens, (GPU, HOST)) == 0
+    assert blocks.table(0, GPU).pages == [0, 1, 2] and blocks.table(0, HOST).pages == [0, 1, 2]
+    blocks.cache_full_pages(0, tokens)
+    assert blocks.allocate_prompt(1, [*tokens[:8], 50], (GPU, HOST)) == 8  # both tiers hit
+    assert blocks.pools[HOST].ref_counts[:4] == [2, 2, 1, 1]
+    blocks.free(1)
+    blocks.free(0)
+    blocks.allocate_prompt(2, list(range(20, 26)))  # GPU only: 2 pages
+    gpu_pages = list(blocks.table(2, GPU).pages)
+    pairs = blocks.swap_out(2)
+    assert [gpu for gpu, _ in pairs] == gpu_pages and blocks.tiers(2) == [HOST]
+    assert blocks.pools[GPU].num_free == 6  # its GPU pages are back
+    back = blocks.swap_in(2)
+    assert [host for host, _ in back] == [host for _, host in pairs]
+    assert blocks.tiers(2) == [GPU] and blocks.table(2, GPU).num_tokens == 6
+    assert blocks.pools[HOST].num_free == 6
 
 
-def test_pool_rejects_empty_pool():
-    with pytest.raises(ValueError):
-        PagePool(0)
+def test_grow_and_drop_cache():
+    pool = PagePool(0)
+    with pytest.raises(OutOfPages):
+        pool.allocate()
+    pool.grow(2)
+    page = pool.allocate()
+    pool.register(page, b"x")
+    pool.release(page)
+    assert pool.lookup(b"x") == page and pool.num_free == 2
+    pool.drop_cache()
+    assert pool.lookup(b"x") is None and pool.num_free == 2 and len(pool._free) == 2
 
 
 class PoolMachine(RuleBasedStateMachine):
-    """Random allocate / append / fork / free sequences keep the pool consistent."""
+    """Random allocate / append / swap out / swap in / free sequences over both tiers keep
+    both pools consistent."""
 
     def __init__(self):
         super().__init__()
-        self.blocks = BlockManager(num_pages=12, page_size=3)
+        self.blocks = BlockManager(page_size=3, num_gpu_pages=12, num_host_pages=10)
         self.tokens: dict[int, list[int]] = {}
         self.next_id = 0
 
-    @rule(prefix=st.integers(0, 2), length=st.integers(1, 14), tail=st.integers(0, 3))
-    def allocate(self, prefix, length, tail):
+    @rule(prefix=st.integers(0, 2), length=st.integers(1, 14), tail=st.integers(0, 3),
+          both=st.booleans())  # fmt: skip
+    def allocate(self, prefix, length, tail, both):
         tokens = ([prefix] * 6 + list(range(100, 120)))[:length] + [tail]
+        tiers = (GPU, HOST) if both else (GPU,)
         try:
-            self.blocks.allocate_prompt(self.next_id, tokens)
+            self.blocks.allocate_prompt(self.next_id, tokens, tiers)
         except OutOfPages:
             return
         self.blocks.cache_full_pages(self.next_id, tokens)
@@ -105,13 +129,20 @@ class PoolMachine(RuleBasedStateMachine):
 
     @precondition(lambda self: self.tokens)
     @rule(data=st.data())
-    def fork(self, data):
+    def swap(self, data):
         seq = data.draw(st.sampled_from(sorted(self.tokens)))
-        if self.blocks.pool.num_free == 0:
+        tiers = self.blocks.tiers(seq)
+        try:
+            if tiers == [GPU]:
+                pairs = self.blocks.swap_out(seq)
+            elif tiers == [HOST]:
+                pairs = self.blocks.swap_in(seq)
+            else:
+                return
+        except OutOfPages:
+            assert self.blocks.tiers(seq) == tiers  # refused: nothing moved
             return
-        self.blocks.fork(seq, self.next_id)
-        self.tokens[self.next_id] = list(self.tokens[seq])
-        self.next_id += 1
+        assert len(pairs) == self.blocks.pages_for(len(self.tokens[seq]))
 
     @precondition(lambda self: self.tokens)
     @rule(data=st.data())
@@ -122,27 +153,31 @@ class PoolMachine(RuleBasedStateMachine):
 
     @invariant()
     def ref_counts_equal_holders(self):
-        holders = [0] * self.blocks.pool.num_pages
-        for tables in self.blocks.tables.values():
-            for table in tables.values():
+        for tier, pool in self.blocks.pools.items():
+            holders = [0] * pool.num_pages
+            for seq, tables in self.blocks.tables.items():
+                if tier not in tables:
+                    continue
+                table = tables[tier]
                 assert len(set(table.pages)) == len(table.pages), "page twice in one table"
                 assert len(table.pages) == self.blocks.pages_for(table.num_tokens)
+                assert table.num_tokens == len(self.tokens[seq])
                 for page in table.pages:
                     holders[page] += 1
-        assert holders == self.blocks.pool.ref_counts
+            assert holders == pool.ref_counts
 
     @invariant()
     def every_page_is_in_exactly_one_place(self):
-        pool = self.blocks.pool
-        free, evictable = list(pool._free), list(pool._evictable)
-        held = [p for p in range(pool.num_pages) if pool.ref_counts[p] > 0]
-        assert sorted(free + evictable + held) == list(range(pool.num_pages))
+        for pool in self.blocks.pools.values():
+            free, evictable = list(pool._free), list(pool._evictable)
+            held = [p for p in range(pool.num_pages) if pool.ref_counts[p] > 0]
+            assert sorted(free + evictable + held) == list(range(pool.num_pages))
 
     def teardown(self):
         for seq in list(self.tokens):
             self.blocks.free(seq)
-        assert self.blocks.pool.num_free == self.blocks.pool.num_pages
-        assert not any(self.blocks.pool.ref_counts)
+        for pool in self.blocks.pools.values():
+            assert pool.num_free == pool.num_pages and not any(pool.ref_counts)
 
 
 TestPoolMachine = PoolMachine.TestCase

@@ -35,7 +35,7 @@ class LLM:
         if unknown:
             raise UserError(f"unknown engine option(s): {', '.join(sorted(unknown))}")
         self.config = EngineConfig(device=device, dtype=dtype, **engine_options)
-        self.model_dir = resolve_model_dir(model)
+        self.model_dir = resolve_model_dir(model, self.config.dtype)
         self.engine = Engine(self.model_dir, self.config)
         self.last_output: RequestOutput | None = None
 

@@ -161,3 +161,31 @@ def gather_pages(
     slots = token_slots(pages, torch.arange(length, device=store_kv.device), page_size)
     kv = store_kv.index_select(2, slots)
     return kv[0], kv[1]
+
+
+def paged_decode_reference(
+    q: torch.Tensor,  # [seqs, heads, dim]
+    k: torch.Tensor,  # [kv_heads, slots, dim]
+    v: torch.Tensor,
+    block_tables: torch.Tensor,  # [seqs, max_pages]
+    lengths: list[int],  # valid keys per sequence (the new token included)
+    page_size: int,
+    *,
+    new_kv: torch.Tensor | None = None,  # [2, seqs, kv_heads, dim], stored at length - 1
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The CPU twin of ``paged_decode_attention``: gather each sequence's pages, attend with
+    the fp32 reference. Returns ``out [seqs, heads, dim]`` and ``lse [seqs, heads]``."""
+    from headspace.attention.reference import reference_attention
+
+    outs, lses = [], []
+    for row, length in enumerate(lengths):
+        pages = block_tables[row]
+        if new_kv is not None:
+            slot = token_slots(pages, torch.tensor(length - 1), page_size)
+            k[:, slot], v[:, slot] = new_kv[0, row], new_kv[1, row]
+        slots = token_slots(pages, torch.arange(length, device=k.device), page_size)
+        k_row, v_row = k.index_select(1, slots), v.index_select(1, slots)
+        out, lse = reference_attention(q[row][:, None], k_row, v_row)
+        outs.append(out[:, 0])
+        lses.append(lse[:, 0])
+    return torch.stack(outs), torch.stack(lses)

@@ -32,34 +32,31 @@ def _add_generate(subparsers) -> None:
 
 
 def add_engine_options(p) -> None:
-    """Options every command that runs the engine takes (generate, eval)."""
-    p.add_argument("--device", default="cpu", help="cpu or cuda[:N] (default: cpu)")
-    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None)
-    p.add_argument("--prefill-chunk", type=int, default=None, help="prompt tokens per step")
-    p.add_argument(
-        "--max-context", type=int, default=None, help="override the model's context length"
-    )
-    p.add_argument("--gpu-memory", default=None, help="memory budget, e.g. 24GiB or 0.8")
-    p.add_argument("--page-size", type=int, default=128, help="tokens per KV page")
-    p.add_argument(
-        "--host-memory",
-        default=None,
-        help="host budget for streamed KV (default: 90%% of available RAM)",
-    )
-    p.add_argument(
-        "--offload", choices=["auto", "none", "layer", "head"], default="auto",
-        help="stream kv heads from host memory when the context does not fit the GPU budget",
-    )  # fmt: skip
-    p.add_argument("--head-group", type=int, default=None, help="kv heads per streamed group")
+    """One flag per :class:`EngineConfig` field (its documentation is the help text)."""
+    from dataclasses import fields
+
+    from headspace.engine.config import EngineConfig
+
+    for f in fields(EngineConfig):
+        flag = "--" + f.name.replace("_", "-")
+        default = f.metadata.get("cli_default", f.default)
+        help_text = f.metadata["help"].replace("%", "%%")
+        if f.type == "bool":
+            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=default,
+                           help=help_text)  # fmt: skip
+            continue
+        kind = int if f.type.startswith("int") else str
+        p.add_argument(flag, type=kind, default=default, choices=f.metadata.get("choices"),
+                       help=help_text)  # fmt: skip
 
 
 def engine_options(args) -> dict:
-    """LLM keyword arguments from the engine options."""
-    return dict(
-        device=args.device, dtype=args.dtype, prefill_chunk=args.prefill_chunk,
-        max_context=args.max_context, gpu_memory=args.gpu_memory, page_size=args.page_size,
-        host_memory=args.host_memory, offload=args.offload, head_group=args.head_group,
-    )  # fmt: skip
+    """LLM keyword arguments: every EngineConfig field, as parsed."""
+    from dataclasses import fields
+
+    from headspace.engine.config import EngineConfig
+
+    return {f.name: getattr(args, f.name) for f in fields(EngineConfig)}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -101,14 +98,7 @@ def _generate(args) -> None:
         stop=args.stop,
     )
     prompt = _read_prompt(args)
-    llm = LLM(
-        args.model,
-        device=args.device,
-        dtype=args.dtype,
-        prefill_chunk=args.prefill_chunk,
-        max_context=args.max_context,
-        progress=True,
-    )
+    llm = LLM(args.model, **engine_options(args))
     for piece in llm.stream(prompt, params, chat=args.chat):
         sys.stdout.write(piece)
         sys.stdout.flush()

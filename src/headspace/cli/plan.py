@@ -35,6 +35,7 @@ def add_plan_parser(subparsers) -> None:
     p.add_argument("--offload", choices=["auto", "none", "layer", "head"], default="auto")
     p.add_argument("--head-group", type=int, default=None, help="kv heads per streamed group")
     p.add_argument("--prefill-chunk", type=int, default=None)
+    p.add_argument("--page-size", type=int, default=128, help="tokens per KV page")
     p.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
 
@@ -70,7 +71,7 @@ def run_plan(args) -> None:
     gpu, host = _budgets(args)
     dtype_bytes = 4 if args.dtype == "float32" else 2
     request = PlanRequest(context, gpu, host, dtype_bytes, args.offload, args.head_group,
-                          args.prefill_chunk)  # fmt: skip
+                          args.prefill_chunk, args.page_size)  # fmt: skip
     plan = make_plan(config, request)
     if args.json:
         header = {"model": config.architecture, "context": context, "gpu_memory": gpu,
@@ -82,8 +83,11 @@ def run_plan(args) -> None:
 
 def format_plan(config, request, plan) -> str:
     """The human-readable plan: model line, memory table, head map, prediction."""
-    m = plan.memory
-    groups = f", {plan.head_group} head(s) per streamed group" if plan.head_group else ""
+    m, staging = plan.memory, plan.staging
+    groups = ""
+    if staging:
+        groups = (f", {staging.group} head(s) per streamed group, {staging.depth} staging "
+                  f"slots of {staging.piece_pages} pages")  # fmt: skip
     lines = [
         f"model {config.architecture}: {config.num_layers} layers, {config.num_heads}/"
         f"{config.num_kv_heads} heads, head dim {config.head_dim}; "
@@ -92,14 +96,16 @@ def format_plan(config, request, plan) -> str:
         f"host budget {request.host_memory / GiB:.2f} GiB; offload {plan.offload} "
         f"(asked: {request.offload}){groups}",
         "",
-        f"{'memory':<32}{'GPU GiB':>10}{'host GiB':>10}",
-        f"{'weights':<32}{m['weights'] / GiB:>10.2f}",
-        f"{'KV, resident heads':<32}{m['gpu_kv'] / GiB:>10.2f}",
-        f"{'KV, streamed heads':<32}{'':>10}{m['host_kv'] / GiB:>10.2f}",
-        f"{'staging (2 head groups)':<32}{m['staging'] / GiB:>10.2f}",
-        f"{f'activations ({plan.prefill_chunk}-token chunk)':<32}{m['activations'] / GiB:>10.2f}",
-        f"{'allocator slack':<32}{m['allocator_slack'] / GiB:>10.2f}",
-        f"{'total':<32}{m['total_gpu'] / GiB:>10.2f}{m['total_host'] / GiB:>10.2f}",
+        f"{'memory':<34}{'GPU GiB':>10}{'host GiB':>10}",
+        f"{'weights':<34}{m['weights'] / GiB:>10.2f}",
+        f"{'KV pool (resident heads)':<34}{m['gpu_pool'] / GiB:>10.2f}",
+        f"{'  of which this context':<34}{m['gpu_kv'] / GiB:>10.2f}",
+        f"{'KV pages on the host':<34}{'':>10}{m['host_kv'] / GiB:>10.2f}",
+        f"{'staging (streamed groups)':<34}{m['staging'] / GiB:>10.2f}",
+        f"{f'activations ({plan.prefill_chunk}-token chunk)':<34}{m['activations'] / GiB:>10.2f}",
+        f"{'allocator slack':<34}{m['allocator_slack'] / GiB:>10.2f}",
+        f"{'batched decode':<34}{m['decode'] / GiB:>10.2f}",
+        f"{'total':<34}{m['total_gpu'] / GiB:>10.2f}{m['total_host'] / GiB:>10.2f}",
         "",
         f"head map: {plan.head_map.summary()}",
         plan.head_map.grid(),

@@ -1,19 +1,36 @@
-"""Generation over the page pool: continuous batching with prefix sharing, and streaming."""
+"""Generation over the tiers: a plan per batch, continuous batching, pipelined decode.
+
+Each time nothing holds pages, the planner lays the KV arena out for the sequences next in
+line (``_replan``): all resident when they fit the GPU, else heads streamed from host pages
+for as many of them as maximise the predicted throughput. A decode step reads its input
+tokens from device slots, so step n+1 is launched before the host reads the tokens of step
+n: the host's work (stop strings, detokenising, scheduling) overlaps the GPU's.
+"""
 
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
 from tqdm import tqdm
 
+from headspace.engine.config import EngineConfig
 from headspace.engine.detokenize import StopStringStreamer
-from headspace.engine.memory import num_kv_pages, offload_plan, prefill_chunk_size
+from headspace.engine.memory import host_budget, kv_arena_bytes, prefill_chunk_size
+from headspace.engine.outputs import GenerationStats, RequestOutput
 from headspace.engine.paged_runner import PagedRunner
 from headspace.engine.sampling import SamplingParams, make_generator, sample
 from headspace.engine.scheduler import Scheduler, Sequence
+from headspace.errors import UserError
+from headspace.kv.block_table import GPU, HOST
+from headspace.kv.host_store import HostKVArena
+from headspace.kv.page_pool import OutOfPages
+from headspace.model.llama import LlamaModel
+from headspace.planner.memory import KVSpec
+from headspace.planner.plan import Plan, plan_batch, step_seconds
 
 PROGRESS_MIN_TOKENS = 4096  # show a prefill progress bar from this prompt length on
 
@@ -27,87 +44,213 @@ class _Request:
     submitted: float
     first_token: float = 0.0
     finished: float = 0.0
+    num_gpu_heads: int = 0
+    num_streamed_heads: int = 0
+
+
+@dataclass
+class _Read:
+    """Tokens of one launched step on their way to the host."""
+
+    seq_ids: list[int]
+    tokens: torch.Tensor
+    ready: torch.cuda.Event | None
 
 
 class BatchGenerator:
-    """Generates for many prompts at once; finished sequences make room for waiting ones."""
+    """Generates for many prompts at once over the tiers of the current plan."""
 
-    def __init__(self, engine):
-        config, model = engine.config, engine.model
-        self.engine = engine
-        self.max_batch = config.max_batch
-        self._weight_bytes = sum(p.nbytes for p in model.parameters())
-        self.plan = offload_plan(model.config, config, self._weight_bytes, engine.max_context)
-        self.chunk = (self.plan.prefill_chunk if self.plan is not None
-                      else prefill_chunk_size(model.config, config, self._weight_bytes,
-                                              engine.max_context))  # fmt: skip
-        if self.plan is not None:  # streamed heads: one sequence, a pool for its resident heads
-            num_pages = -(-engine.max_context // config.page_size)
-            self.runner = PagedRunner(model, config, num_pages, config.page_size,
-                                      self.plan.head_map, self.plan.head_group)  # fmt: skip
-            self.max_batch = 1
-        else:
-            self.runner = PagedRunner(model, config, self._pool_pages(), config.page_size)
+    def __init__(self, model: LlamaModel, tokenizer, config: EngineConfig,
+                 eos_token_ids: set[int], max_context: int):  # fmt: skip
+        self.model, self.tokenizer, self.config = model, tokenizer, config
+        self.eos_token_ids, self.max_context = eos_token_ids, max_context
+        cfg, dtype = model.config, config.torch_dtype
+        self.spec = KVSpec.of(cfg, config.page_size, dtype.itemsize)
+        weights = sum(p.nbytes for p in model.parameters())
+        self.chunk = prefill_chunk_size(cfg, config, weights, max_context)
+        arena = kv_arena_bytes(cfg, config, self.spec, weights, self.chunk, max_context)
+        host = HostKVArena(self.spec, dtype, pin=config.on_gpu,
+                           budget=host_budget(config.host_memory))  # fmt: skip
+        self.runner = PagedRunner(model, config, self.spec, arena, host, 2 * config.max_batch)
         self._next_id = 0
         self.peak_pages = 0
 
-    def _pool_pages(self) -> int:
-        from headspace.planner.plan import working_bytes
+    # -- planning ------------------------------------------------------------------------
+    def plan(self, seqs: list[Sequence]) -> Plan:
+        """The plan for ``seqs`` running together (UserError with the numbers if none)."""
+        total = sum(self.spec.pages_for(s.max_tokens) for s in seqs)
+        what = f"{len(seqs)} requests of {sum(s.max_tokens for s in seqs)} tokens"
+        if len(seqs) == 1:
+            what = f"a request of up to {seqs[0].max_tokens} tokens"
+        return plan_batch(self.spec, self.runner.store.num_bytes, total,
+                          offload=self.config.offload, head_group=self.config.head_group,
+                          host_budget=self.runner.host.budget, what=what)  # fmt: skip
 
-        config, cfg = self.engine.config, self.engine.model.config
-        return config.num_kv_pages or num_kv_pages(
-            cfg, config.gpu_memory, device=torch.device(config.device),
-            dtype=config.torch_dtype, page_size=config.page_size, weight_bytes=self._weight_bytes,
-            activation_bytes=working_bytes(cfg, self.chunk, config.torch_dtype.itemsize),
-            max_context=self.engine.max_context,
-        )  # fmt: skip
+    def _rate(self, plan: Plan, seqs: list[Sequence]) -> float:
+        """Predicted sequences x tokens/s of a decode step over ``seqs`` (roofline)."""
+        tokens = sum(s.max_tokens for s in seqs)
+        seconds, _ = step_seconds(self.model.config, plan, tokens, self.spec.dtype_bytes)
+        return len(seqs) / seconds
 
+    def _replan(self, scheduler: Scheduler) -> None:
+        """Lay out for the sequences next in line: all resident if the first fits, else the
+        streaming plan for the first k that maximises the predicted throughput."""
+        queue = list(scheduler.waiting)[: self.config.max_batch]
+        best, best_rate = self.plan(queue[:1]), 0.0
+        if best.staging is not None:
+            best_rate = self._rate(best, queue[:1])
+            for k in range(2, len(queue) + 1):
+                try:
+                    plan = self.plan(queue[:k])
+                except UserError:
+                    break
+                rate = self._rate(plan, queue[:k])
+                if rate < best_rate:
+                    break
+                best, best_rate = plan, rate
+        self._apply(best, scheduler)
+
+    def prepare(self, seqs: list[Sequence]) -> Plan:
+        """Plan and lay out for ``seqs`` alone (nothing may hold pages); returns the plan."""
+        plan = self.plan(seqs)
+        self._apply(plan)
+        return plan
+
+    def _apply(self, plan: Plan, scheduler: Scheduler | None = None) -> None:
+        self.runner.apply(plan)
+        streams = plan.staging is not None
+        self.tiers = ((GPU,) if plan.head_map.count("gpu") else ()) + ((HOST,) if streams else ())
+        if scheduler is not None:
+            scheduler.tiers = self.tiers
+            scheduler.optimistic = not streams and self.config.offload != "none"
+            scheduler.host_room = self._host_room
+
+    def _host_room(self, num_pages: int) -> bool:
+        pool = self.runner.blocks.pools[HOST]
+        try:
+            self.runner.ensure_host_pages(pool.num_pages - pool.num_free + num_pages)
+        except UserError:
+            return False
+        return True
+
+    def _worth_joining(self, scheduler: Scheduler):
+        """While heads stream, a sequence joins the batch only if the predicted throughput
+        does not drop (every byte of its history crosses PCIe each step)."""
+        plan = self.runner.plan
+
+        def accept(seq: Sequence) -> bool:
+            running = scheduler.running
+            if plan.staging is None or not running:
+                return True
+            return self._rate(plan, running + [seq]) >= self._rate(plan, running)
+
+        return accept
+
+    # -- requests ------------------------------------------------------------------------
     def _submit(self, scheduler: Scheduler, ids: list[int], params: SamplingParams) -> _Request:
-        self.engine.check_length(len(ids))
-        max_tokens = min(len(ids) + params.max_new_tokens, self.engine.max_context)
+        if not ids:
+            raise UserError("the prompt is empty")
+        if len(ids) >= self.max_context:
+            raise UserError(
+                f"the prompt has {len(ids)} tokens, which does not fit the context of "
+                f"{self.max_context} tokens (raise it explicitly with max_context / --max-context)"
+            )
+        max_tokens = min(len(ids) + params.max_new_tokens, self.max_context)
         seq = Sequence(self._next_id, list(ids), max_tokens)
         self._next_id += 1
+        self.plan([seq])  # refuses, with the numbers, what no plan can hold
         scheduler.add(seq)
-        streamer = StopStringStreamer(self.engine.tokenizer, params.stop)
+        streamer = StopStringStreamer(self.tokenizer, params.stop)
         generator = make_generator(params, self.runner.device)
         return _Request(seq, params, generator, streamer, time.perf_counter())
 
     def _steps(self, prompts, params) -> Iterator[tuple[_Request, str]]:
         """Run the batch to the end; yield (request, new text) after every token."""
-        # Streamed heads keep one sequence's history in host memory: no cross-request reuse.
-        prefix_caching = self.engine.config.prefix_caching and self.plan is None
-        scheduler = Scheduler(self.runner.blocks, self.max_batch, prefix_caching)
+        scheduler = Scheduler(self.runner.blocks, self.config.max_batch,
+                              2 * self.config.max_batch, self.config.prefix_caching)  # fmt: skip
         requests = [self._submit(scheduler, ids, p) for ids, p in zip(prompts, params, strict=True)]
-        by_id = {r.seq.seq_id: r for r in requests}
-        self._requests = requests
-        while not scheduler.done:
-            seq = scheduler.admit()
-            if seq is not None:
-                logits = self._prefill(seq)
-                yield by_id[seq.seq_id], self._accept(scheduler, by_id[seq.seq_id], logits)
-                continue
-            batch = list(scheduler.running)
-            logits = self.runner.decode(batch)
-            pool = self.runner.blocks.pool
-            self.peak_pages = max(self.peak_pages, pool.num_pages - pool.num_free)
-            for seq, row in zip(batch, logits, strict=True):
-                yield by_id[seq.seq_id], self._accept(scheduler, by_id[seq.seq_id], row)
+        self._requests, self._by_id = requests, {r.seq.seq_id: r for r in requests}
+        reads: deque[_Read] = deque()
+        while not scheduler.done or reads:
+            launched = self._launch(scheduler, reads)
+            if reads and (len(reads) > 1 or not launched):
+                yield from self._resolve(reads.popleft(), scheduler)
+
+    def _launch(self, scheduler: Scheduler, reads: deque[_Read]) -> bool:
+        """Queue the next piece of GPU work (a swap-in, a prefill or a decode step)."""
+        if scheduler.idle and scheduler.waiting:
+            self._replan(scheduler)
+        resumed = scheduler.resume()
+        if resumed is not None:
+            self.runner.swap(resumed[1], to_host=False)
+        seq = scheduler.admit(self._worth_joining(scheduler))
+        if seq is not None:
+            request = self._by_id[seq.seq_id]
+            request.num_gpu_heads = self.runner.plan.head_map.count("gpu")
+            request.num_streamed_heads = self.runner.plan.head_map.count("stream")
+            logits = self._prefill(seq)
+            self._sample([seq], logits[None])
+            reads.append(self._read([seq], self.runner.tokens[seq.slot : seq.slot + 1].clone()))
+            return True
+        batch = [s for s in scheduler.running if s.num_scheduled < s.max_tokens]
+        if not batch:
+            return resumed is not None
+        batch, pairs = scheduler.grow(batch)
+        self.runner.swap(pairs, to_host=True)
+        if not batch:
+            return True
+        positions = [s.num_scheduled - 1 for s in batch]
+        logits, slots = self.runner.decode([s.seq_id for s in batch], positions,
+                                           [s.slot for s in batch])  # fmt: skip
+        self._sample(batch, logits)
+        reads.append(self._read(batch, self.runner.tokens.index_select(0, slots)))
+        pool = self.runner.blocks.pool
+        self.peak_pages = max(self.peak_pages, pool.num_pages - pool.num_free)
+        return True
 
     def _prefill(self, seq: Sequence) -> torch.Tensor:
         total = len(seq.prompt_ids) - seq.num_cached
-        show = self.engine.config.progress and total >= PROGRESS_MIN_TOKENS
+        show = self.config.progress and total >= PROGRESS_MIN_TOKENS
         with tqdm(total=total, desc="prefill", unit="tok", disable=not show, leave=False) as bar:
-            return self.runner.prefill(seq, self.chunk, on_chunk=bar.update)
+            return self.runner.prefill(seq, self.chunk, on_chunk=bar.update, slot=seq.slot)
 
-    def _accept(self, scheduler: Scheduler, request: _Request, logits: torch.Tensor) -> str:
-        """Sample the next token of one request; finish it when done; return new text."""
+    def _sample(self, batch: list[Sequence], logits: torch.Tensor) -> None:
+        """Sampled rows overwrite the greedy pick in their slot (on the device, no sync)."""
+        for row, seq in enumerate(batch):
+            seq.num_pending += 1
+            request = self._by_id[seq.seq_id]
+            if request.params.temperature > 0:
+                token = sample(logits[row], request.params, request.generator)
+                self.runner.tokens[seq.slot] = token
+
+    def _read(self, batch: list[Sequence], tokens: torch.Tensor) -> _Read:
+        """Start copying ``tokens`` (a fresh tensor) of ``batch`` to the host."""
+        if not tokens.is_cuda:
+            return _Read([s.seq_id for s in batch], tokens, None)
+        host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+        host.copy_(tokens, non_blocking=True)
+        ready = torch.cuda.Event()
+        ready.record()
+        return _Read([s.seq_id for s in batch], host, ready)
+
+    def _resolve(self, read: _Read, scheduler: Scheduler) -> Iterator[tuple[_Request, str]]:
+        if read.ready is not None:
+            read.ready.synchronize()
+        for seq_id, token in zip(read.seq_ids, read.tokens.tolist(), strict=True):
+            request = self._by_id[seq_id]
+            if request.seq.finish_reason:  # a step launched before its end was known
+                continue
+            request.seq.num_pending -= 1
+            yield request, self._accept(scheduler, request, token)
+
+    def _accept(self, scheduler: Scheduler, request: _Request, token: int) -> str:
+        """Append one read token; finish the request when done; return new text."""
         seq, params = request.seq, request.params
-        token = int(sample(logits, params, request.generator).item())
         if not seq.output_ids:
             request.first_token = time.perf_counter()
         seq.output_ids.append(token)
         piece, reason = "", None
-        if token in self.engine.eos_token_ids and not params.ignore_eos:
+        if token in self.eos_token_ids and not params.ignore_eos:
             reason = "stop"
         else:
             piece = request.streamer.update(seq.output_ids)
@@ -119,46 +262,35 @@ class BatchGenerator:
             scheduler.finish(seq, reason)
             request.finished = time.perf_counter()
             piece += request.streamer.finish()
+        else:
+            self.runner.blocks.cache_full_pages(seq.seq_id, seq.token_ids)
         return piece
 
-    def _output(self, request: _Request):
-        from headspace.engine.engine import GenerationStats, RequestOutput
-
+    def _output(self, request: _Request) -> RequestOutput:
         seq = request.seq
         stats = GenerationStats(
-            prompt_tokens=len(seq.prompt_ids),
-            generated_tokens=len(seq.output_ids),
+            prompt_tokens=len(seq.prompt_ids), generated_tokens=len(seq.output_ids),
             prefill_seconds=request.first_token - request.submitted,
             decode_seconds=request.finished - request.first_token,
-        )
+            num_gpu_heads=request.num_gpu_heads, num_streamed_heads=request.num_streamed_heads,
+            num_swaps=seq.num_swaps,
+        )  # fmt: skip
+        if self.config.on_gpu:
+            stats.peak_gpu_bytes = torch.cuda.max_memory_allocated(self.config.device)
+            stats.peak_reserved_bytes = torch.cuda.max_memory_reserved(self.config.device)
         return RequestOutput(seq.prompt_ids, request.streamer.text, seq.output_ids,
                              seq.finish_reason, stats, seq.num_cached)  # fmt: skip
 
+    # -- entry points --------------------------------------------------------------------
     def run(self, prompts: list[list[int]], params: list[SamplingParams], on_finish=None):
         """RequestOutputs for ``prompts`` (token ids), in order; ``params`` per prompt.
 
         ``on_finish()`` is called each time a request completes (progress bars).
         """
         for request, _ in self._steps(prompts, params):
-            if on_finish and request.finished and request.seq.finish_reason:
+            if on_finish and request.seq.finish_reason:
                 on_finish()
         return [self._output(r) for r in self._requests]
-
-    def logits(self, token_ids: list[int]) -> torch.Tensor:
-        """fp32 logits ``[len(token_ids), vocab]`` (CPU) through the paged prefill path."""
-        from headspace.errors import UserError
-        from headspace.kv.page_pool import OutOfPages
-
-        seq = Sequence(self._next_id, list(token_ids), len(token_ids))
-        self._next_id += 1
-        try:
-            self.runner.blocks.allocate_prompt(seq.seq_id, seq.prompt_ids, reuse=False)
-        except OutOfPages:
-            raise UserError(f"{len(token_ids)} tokens do not fit the KV pool") from None
-        try:
-            return self.runner.prefill(seq, self.chunk, all_logits=True)
-        finally:
-            self.runner.blocks.free(seq.seq_id)
 
     def stream(self, prompt_ids: list[int], params: SamplingParams):
         """Yield the text of one request as it is produced; returns its RequestOutput."""
@@ -166,3 +298,22 @@ class BatchGenerator:
             if piece:
                 yield piece
         return self._output(self._requests[0])
+
+    def logits(self, token_ids: list[int]) -> torch.Tensor:
+        """fp32 logits ``[len(token_ids), vocab]`` (CPU) through the paged prefill path."""
+        if len(token_ids) > self.max_context:
+            raise UserError(
+                f"{len(token_ids)} tokens do not fit the context of {self.max_context} tokens "
+                "(raise it explicitly with max_context / --max-context)"
+            )
+        seq = Sequence(self._next_id, list(token_ids), len(token_ids))
+        self._next_id += 1
+        self.prepare([seq])
+        try:
+            self.runner.blocks.allocate_prompt(seq.seq_id, seq.prompt_ids, self.tiers, reuse=False)
+        except OutOfPages:
+            raise UserError(f"{len(token_ids)} tokens do not fit the KV pool") from None
+        try:
+            return self.runner.prefill(seq, self.chunk, all_logits=True)
+        finally:
+            self.runner.blocks.free(seq.seq_id)

@@ -1,8 +1,9 @@
-"""Engine options shared by the API and the CLI."""
+"""Engine options: one documented dataclass; the API takes its fields as keyword arguments
+and every command line that runs the engine derives its flags from them."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields
 
 import torch
 
@@ -12,41 +13,54 @@ from headspace.planner.plan import OFFLOAD_MODES
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+def _option(default, help: str, *, choices=None, cli_default=None):
+    """A documented field: ``help`` is its flag's help text; ``cli_default`` the command
+    line's default when it differs from the API's."""
+    meta = {"help": help, "choices": choices, "cli_default": cli_default}
+    return field(default=default, metadata={k: v for k, v in meta.items() if v is not None})
+
+
 @dataclass
 class EngineConfig:
-    """How the engine runs a model.
+    """How the engine runs a model (each field is also a command-line flag)."""
 
-    ``prefill_chunk``: prompt tokens per prefill step (None: as many as fit the device).
-    ``max_context``: longest sequence allowed (None: the model's trained context).
-    ``cuda_graph`` / ``compile``: capture the decode step in a CUDA graph / fuse its
-    elementwise work with torch.compile (GPU only).
-    ``gpu_memory``: memory budget of the engine on its device ("24GiB", "500MB", a fraction
-    such as 0.8, or None for most of what is free); the KV page pool gets what weights and
-    activations leave; ``num_kv_pages`` sets the pool size directly instead.
-    ``page_size``: tokens per KV page. ``max_batch``: most sequences decoded together.
-    ``prefix_caching``: reuse the pages of a prompt prefix seen before.
-    ``offload``: "auto" (stream kv heads from host memory only when the context does not
-    fit ``gpu_memory``), "none", "layer" (whole layers) or "head" (head groups of
-    ``head_group`` kv heads, None: chosen by the planner); ``host_memory`` bounds the host
-    side (None: 90% of the host memory available). Streaming serves one sequence at a time.
-    """
-
-    device: str = "cpu"
-    dtype: str | None = None
-    prefill_chunk: int | None = None
-    max_context: int | None = None
-    attention_backend: str = "sdpa"
-    cuda_graph: bool = True
-    compile: bool = True
-    progress: bool = False
-    gpu_memory: str | float | None = None
-    num_kv_pages: int | None = None
-    page_size: int = 128
-    max_batch: int = 64
-    prefix_caching: bool = True
-    offload: str = "auto"
-    head_group: int | None = None
-    host_memory: str | float | None = None
+    device: str = _option("cpu", "cpu or cuda[:N]")
+    dtype: str | None = _option(
+        None, "weights and KV dtype (default: float32 on CPU, bfloat16 on GPU)",
+        choices=tuple(DTYPES),
+    )  # fmt: skip
+    prefill_chunk: int | None = _option(
+        None, "prompt tokens per prefill step (default: what the budget allows)"
+    )
+    max_context: int | None = _option(
+        None, "longest sequence allowed (default: the model's trained context)"
+    )
+    attention_backend: str = _option(
+        "sdpa", "attention kernels: fused (sdpa) or the fp32 reference",
+        choices=("sdpa", "reference"),
+    )  # fmt: skip
+    cuda_graph: bool = _option(True, "capture the decode step in CUDA graphs (GPU)")
+    compile: bool = _option(True, "fuse each layer's elementwise work with torch.compile (GPU)")
+    progress: bool = _option(False, "progress bars on long prefills", cli_default=True)
+    gpu_memory: str | float | None = _option(
+        None, "GPU memory budget, e.g. 24GiB, 500MB or a fraction such as 0.8 (default: most "
+        "of what is free); weights, activations and KV pages stay within it",
+    )  # fmt: skip
+    num_kv_pages: int | None = _option(
+        None, "pages of the all-resident KV pool (overrides the budget)"
+    )
+    page_size: int = _option(128, "tokens per KV page")
+    max_batch: int = _option(64, "most sequences decoded together")
+    prefix_caching: bool = _option(True, "reuse the KV pages of prompt prefixes seen before")
+    offload: str = _option(
+        "auto", "host tier: auto (stream kv heads from host pages, and swap sequences out, "
+        "only when the running batch needs it), none (never), layer (stream whole layers), "
+        "head (stream head groups)", choices=OFFLOAD_MODES,
+    )  # fmt: skip
+    head_group: int | None = _option(None, "kv heads per streamed group (default: the planner's)")
+    host_memory: str | float | None = _option(
+        None, "host memory budget for KV pages (default: 90% of the RAM available)"
+    )
 
     def __post_init__(self):
         if self.dtype is None:
@@ -57,25 +71,19 @@ class EngineConfig:
             raise UserError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
         if self.device.startswith("cuda") and not torch.cuda.is_available():
             raise UserError(f"device {self.device!r} requested but no CUDA GPU is available")
-        if self.prefill_chunk is not None and self.prefill_chunk < 1:
-            raise UserError(f"prefill_chunk must be a positive integer, got {self.prefill_chunk}")
-        if self.max_context is not None and self.max_context < 1:
-            raise UserError(f"max_context must be a positive integer, got {self.max_context}")
-        if self.offload not in OFFLOAD_MODES:
-            raise UserError(
-                f"offload must be one of {', '.join(OFFLOAD_MODES)}, got {self.offload!r}"
-            )
-        if self.head_group is not None and self.head_group < 1:
-            raise UserError(f"head_group must be a positive integer, got {self.head_group}")
-        if self.num_kv_pages is not None and self.num_kv_pages < 1:
-            raise UserError(f"num_kv_pages must be a positive integer, got {self.num_kv_pages}")
+        for name in ("prefill_chunk", "max_context", "head_group", "num_kv_pages"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise UserError(f"{name} must be a positive integer, got {value}")
         for name in ("page_size", "max_batch"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise UserError(f"{name} must be a positive integer, got {getattr(self, name)}")
-        if self.attention_backend not in ("sdpa", "reference"):
-            raise UserError(
-                f"attention_backend must be 'sdpa' or 'reference', got {self.attention_backend!r}"
-            )
+        for f in fields(self):
+            choices = f.metadata.get("choices")
+            if choices and getattr(self, f.name) not in choices:
+                raise UserError(
+                    f"{f.name} must be one of {', '.join(choices)}, got {getattr(self, f.name)!r}"
+                )
 
     @property
     def torch_dtype(self) -> torch.dtype:

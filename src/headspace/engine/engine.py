@@ -3,57 +3,20 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
+from headspace.engine.batch import BatchGenerator
 from headspace.engine.config import EngineConfig
+from headspace.engine.outputs import GenerationStats, RequestOutput
 from headspace.engine.sampling import SamplingParams
 from headspace.errors import UserError
 from headspace.model.config import load_config
+from headspace.model.llama import LlamaModel
 from headspace.model.loader import load_model
 
-
-@dataclass
-class GenerationStats:
-    """Counts and timings of one request (seconds, bytes)."""
-
-    prompt_tokens: int = 0
-    generated_tokens: int = 0
-    prefill_seconds: float = 0.0
-    decode_seconds: float = 0.0
-    peak_gpu_bytes: int | None = None
-
-    @property
-    def prefill_tok_s(self) -> float:
-        return self.prompt_tokens / max(self.prefill_seconds, 1e-9)
-
-    @property
-    def decode_tok_s(self) -> float:
-        return max(self.generated_tokens - 1, 0) / max(self.decode_seconds, 1e-9)
-
-    def summary(self) -> str:
-        parts = [
-            f"prompt {self.prompt_tokens} tokens",
-            f"prefill {self.prefill_tok_s:,.0f} tok/s",
-            f"decode {self.decode_tok_s:,.1f} tok/s ({self.generated_tokens} tokens)",
-        ]
-        if self.peak_gpu_bytes is not None:
-            parts.append(f"peak GPU memory {self.peak_gpu_bytes / 2**30:.2f} GiB")
-        return " | ".join(parts)
-
-
-@dataclass
-class RequestOutput:
-    """One finished request: generated text and token ids (prompt excluded)."""
-
-    prompt: str | list[int]
-    text: str
-    token_ids: list[int]
-    finish_reason: str  # "stop" (EOS or stop string) or "length"
-    stats: GenerationStats = field(default_factory=GenerationStats)
-    num_cached_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache
+__all__ = ["Engine", "GenerationStats", "RequestOutput"]
 
 
 def _load_tokenizer(model_dir: Path):
@@ -69,27 +32,36 @@ def _load_tokenizer(model_dir: Path):
 
 
 class Engine:
-    """Loads a checkpoint directory and generates from token ids over the KV page pool."""
+    """A model, its tokenizer and the batch generator over the KV tiers."""
 
     def __init__(self, model_dir: Path, config: EngineConfig):
-        self.config = config
         load_config(model_dir)  # refuse a bad directory before the slower loads
-        self.tokenizer = _load_tokenizer(model_dir)
-        self.model = load_model(model_dir, config.device, config.torch_dtype)
-        model_cfg = self.model.config
+        tokenizer = _load_tokenizer(model_dir)
+        self._setup(load_model(model_dir, config.device, config.torch_dtype), tokenizer, config)
+
+    @classmethod
+    def from_model(cls, model: LlamaModel, tokenizer, config: EngineConfig) -> Engine:
+        """An engine over a model built in memory (benchmarks with random weights); the
+        tokenizer needs only ``decode`` when prompts are token ids."""
+        engine = cls.__new__(cls)
+        engine._setup(model, tokenizer, config)
+        return engine
+
+    def _setup(self, model: LlamaModel, tokenizer, config: EngineConfig) -> None:
+        self.config, self.model, self.tokenizer = config, model, tokenizer
+        model_cfg = model.config
         self.max_context = config.max_context or model_cfg.max_context
         eos = set(model_cfg.eos_token_ids)
-        if self.tokenizer.eos_token_id is not None:
-            eos.add(self.tokenizer.eos_token_id)
+        if getattr(tokenizer, "eos_token_id", None) is not None:
+            eos.add(tokenizer.eos_token_id)
         self.eos_token_ids = eos
-        self._batch = None  # the batch generator and its page pool, made on first use
+        self._batch: BatchGenerator | None = None  # made on first use
 
     @property
-    def batch(self):
-        from headspace.engine.batch import BatchGenerator
-
+    def batch(self) -> BatchGenerator:
         if self._batch is None:
-            self._batch = BatchGenerator(self)
+            self._batch = BatchGenerator(self.model, self.tokenizer, self.config,
+                                         self.eos_token_ids, self.max_context)  # fmt: skip
         return self._batch
 
     def encode(self, prompt: str, chat: bool = False) -> list[int]:
@@ -102,29 +74,18 @@ class Engine:
         ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
         return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
-    def check_length(self, num_prompt_tokens: int) -> None:
-        if num_prompt_tokens == 0:
-            raise UserError("the prompt is empty")
-        if num_prompt_tokens >= self.max_context:
-            raise UserError(
-                f"the prompt has {num_prompt_tokens} tokens, which does not fit the context of "
-                f"{self.max_context} tokens (raise it explicitly with max_context / --max-context)"
-            )
-
     def stream(self, prompt_ids: list[int], params: SamplingParams) -> Iterator[str]:
         """Yield text pieces as tokens are produced; returns the RequestOutput at the end."""
-        on_gpu = self.config.on_gpu
-        if on_gpu:
+        if self.config.on_gpu:
             torch.cuda.reset_peak_memory_stats(self.config.device)
-        output = yield from self.batch.stream(prompt_ids, params)
-        if on_gpu:
-            output.stats.peak_gpu_bytes = torch.cuda.max_memory_allocated(self.config.device)
-        return output
+        return (yield from self.batch.stream(prompt_ids, params))
 
     def generate_batch(
         self, prompts: list[list[int]], params: list[SamplingParams], on_finish=None
     ) -> list[RequestOutput]:
         """Generate for many prompts as one batch over the shared KV page pool."""
+        if self.config.on_gpu:
+            torch.cuda.reset_peak_memory_stats(self.config.device)
         return self.batch.run(prompts, params, on_finish)
 
     def run(self, prompt_ids: list[int], params: SamplingParams) -> RequestOutput:
@@ -133,5 +94,6 @@ class Engine:
 
     def logits(self, token_ids: list[int]) -> torch.Tensor:
         """fp32 logits ``[len(token_ids), vocab]`` (CPU) through the chunked prefill path."""
-        self.check_length(len(token_ids) - 1 if token_ids else 0)
+        if not token_ids:
+            raise UserError("the prompt is empty")
         return self.batch.logits(token_ids)

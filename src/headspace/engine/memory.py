@@ -1,4 +1,5 @@
-"""Memory budgets: parse ``gpu_memory`` and size the KV page pool from it."""
+"""Memory budgets: parse ``gpu_memory`` / ``host_memory`` and size the KV arena from them
+with the planner's arithmetic (one source for the planner and the pools)."""
 
 from __future__ import annotations
 
@@ -9,8 +10,10 @@ import torch
 
 from headspace.errors import UserError
 from headspace.model.config import ModelConfig
+from headspace.planner.memory import KVSpec, prefill_chunk, split_gpu_budget
 
 CPU_PREFILL_CHUNK = 1024
+FREE_MEMORY_SHARE = 0.9  # of what is free on the GPU, without a budget
 
 _UNITS = {"": 1, "B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12,
           "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}  # fmt: skip
@@ -38,7 +41,7 @@ def device_total_bytes(device: torch.device) -> int:
 
 
 def host_budget(value: str | float | None) -> int:
-    """Host bytes for streamed KV: the user's budget (fractions of total RAM), else 90% of
+    """Host bytes for KV pages: the user's budget (fractions of total RAM), else 90% of
     the memory available now (a plan must not push the machine into swap)."""
     total = device_total_bytes(torch.device("cpu"))
     if value is not None:
@@ -55,88 +58,41 @@ def host_budget(value: str | float | None) -> int:
     return int(0.9 * available)
 
 
-def kv_page_bytes(config: ModelConfig, page_size: int, dtype: torch.dtype) -> int:
-    return (
-        2 * config.num_layers * config.num_kv_heads * config.head_dim * page_size * dtype.itemsize
-    )
-
-
 def gpu_budget(engine_config, weight_bytes: int) -> int | None:
     """Bytes the engine may hold on its device: the user's budget, else on a GPU the weights
-    plus what is free now; None on the CPU without a budget."""
+    plus 90% of what is free now; None on the CPU without a budget."""
     device = torch.device(engine_config.device)
     if engine_config.gpu_memory is not None:
         return parse_memory(engine_config.gpu_memory, device_total_bytes(device))
     if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0] + weight_bytes
+        return int(FREE_MEMORY_SHARE * torch.cuda.mem_get_info(device)[0]) + weight_bytes
     return None
-
-
-def num_kv_pages(
-    config: ModelConfig,
-    budget: str | float | None,
-    *,
-    device: torch.device,
-    dtype: torch.dtype,
-    page_size: int,
-    weight_bytes: int,
-    activation_bytes: int,
-    max_context: int,
-) -> int:
-    """Pages of the KV pool: what the budget leaves after weights and activations.
-
-    Without a budget: 90% of free GPU memory on a GPU; on the CPU, room for four full
-    contexts. Raises UserError when the budget leaves no room for one full page.
-    """
-    page_bytes = kv_page_bytes(config, page_size, dtype)
-    if budget is None:
-        if device.type != "cuda":
-            return 4 * -(-max_context // page_size)
-        free, _ = torch.cuda.mem_get_info(device)
-        return max(0, int(0.9 * free) - activation_bytes) // page_bytes
-    total = parse_memory(budget, device_total_bytes(device))
-    left = total - weight_bytes - activation_bytes
-    if left < page_bytes:
-        raise UserError(
-            f"memory budget too small: {total / 2**30:.2f} GiB holds weights "
-            f"({weight_bytes / 2**30:.2f} GiB) and activations ({activation_bytes / 2**30:.2f} "
-            f"GiB) but no KV page ({page_bytes / 2**20:.1f} MiB each)"
-        )
-    return left // page_bytes
 
 
 def prefill_chunk_size(config: ModelConfig, engine_config, weight_bytes: int,
                        max_context: int) -> int:  # fmt: skip
-    """Prompt tokens per prefill step: the user's choice, else what fits the device
-    (``weight_bytes`` in bytes, ``max_context`` in tokens).
-
-    On a GPU a power of two (full chunks share one compiled shape across prompts) whose
-    activations take a fifth of what the budget (or free memory) leaves after weights.
-    """
+    """Prompt tokens per prefill step: the user's choice, else what fits the budget (on a
+    GPU, or on the CPU with a budget; 1024 on the CPU without one)."""
     if engine_config.prefill_chunk:
         return engine_config.prefill_chunk
-    if not engine_config.on_gpu:
+    budget = gpu_budget(engine_config, weight_bytes)
+    if budget is None:
         return CPU_PREFILL_CHUNK
-    from headspace.planner.plan import prefill_chunk
-
-    room = gpu_budget(engine_config, weight_bytes) - weight_bytes
-    return prefill_chunk(config, room, max_context, engine_config.torch_dtype.itemsize)
+    return prefill_chunk(config, budget - weight_bytes, max_context,
+                         engine_config.torch_dtype.itemsize)  # fmt: skip
 
 
-def offload_plan(config: ModelConfig, engine_config, weight_bytes: int, max_context: int):
-    """The planner's plan (head map, prefill chunk) when some kv heads must (or are asked
-    to) stream from host memory for ``max_context`` tokens; None when every head stays
-    resident."""
-    from headspace.planner import PlanRequest, make_plan
-
-    if engine_config.offload == "none":
-        return None
-    gpu = gpu_budget(engine_config, weight_bytes)
-    if gpu is None:  # no budget on the CPU: everything stays in (host) memory
-        return None
-    host = host_budget(engine_config.host_memory)
-    request = PlanRequest(max_context, gpu, host, engine_config.torch_dtype.itemsize,
-                          engine_config.offload, engine_config.head_group,
-                          engine_config.prefill_chunk)  # fmt: skip
-    plan = make_plan(config, request)
-    return plan if plan.head_map.count("stream") else None
+def kv_arena_bytes(config: ModelConfig, engine_config, spec: KVSpec, weight_bytes: int,
+                   chunk: int, max_context: int) -> int:  # fmt: skip
+    """Bytes of the KV arena: ``num_kv_pages`` all-resident pages (+1 scratch) when given;
+    else what the budget leaves after weights, a chunk's activations with allocator slack
+    and batched decode (UserError when nothing is left); on the CPU without a budget, room
+    for four full contexts."""
+    if engine_config.num_kv_pages:
+        return (engine_config.num_kv_pages + 1) * spec.full_page_bytes
+    budget = gpu_budget(engine_config, weight_bytes)
+    if budget is None:
+        return (4 * spec.pages_for(max_context) + 1) * spec.full_page_bytes
+    split = split_gpu_budget(config, budget, weight_bytes, chunk, spec.dtype_bytes,
+                             engine_config.max_batch)  # fmt: skip
+    return split.arena

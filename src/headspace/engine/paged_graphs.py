@@ -1,91 +1,183 @@
-"""CUDA graphs of the batched paged decode step: one per (batch, table width) bucket.
+"""CUDA graphs of the batched decode step of one layout: one per (batch, table widths) bucket.
 
-Rows past the real batch point at a scratch page that no sequence owns, so the padded rows
-of a replay write and read only there. Buffers are static; a replay copies the step's
-tokens, positions and block tables in and returns the logits rows of the real batch.
+A step reads each sequence's input token from the runner's token slots on the device, runs
+the model through the layout's executors, writes the fp32 logits into one shared buffer and
+the greedy pick back into the slots: the next step can be launched before the host has read
+this one's tokens. With streamed heads the step also gathers their history from host pages
+(one kernel per head group, as many pages as the step's count says) into staging, when it
+fits one staging slot. Rows past the real batch point at scratch pages and a scratch slot
+that no sequence owns. Inputs are double-buffered in pinned memory, so the host fills one
+while the copy of the other is queued.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
-from headspace.attention.triton_decode import num_splits_for, paged_decode_attention
+from headspace.engine.executors import (
+    MIN_WIDTH,
+    ResidentExecutor,
+    StepInputs,
+    attend_tiers,
+    bucket,
+)
+from headspace.engine.streaming import StreamExecutor
 
-MIN_WIDTH = 8  # pages per block-table row, at least
-
-
-def bucket(n: int, floor: int = 1) -> int:
-    """The power of two at or above ``max(n, floor)``."""
-    return 1 << (max(n, floor) - 1).bit_length()
+# Above this many streamed bytes per step (~80 ms of PCIe), eager steps with copy-engine
+# copies beat a graph with gather kernels: measured on an H200, 128K tokens with 248 of 256
+# heads streamed decoded in 363 ms as a graph and about 300 ms eagerly (floor 301 ms), 64K
+# with 86 streamed in 72 ms as a graph and 86 ms eagerly (floor 53 ms).
+GRAPH_MAX_STREAMED_BYTES = 4 * 2**30
 
 
 @dataclass
 class _Captured:
     graph: torch.cuda.CUDAGraph
-    inputs: torch.Tensor  # [batch, 2 + width] int64: token, position, block table
-    staging: torch.Tensor  # the same in pinned host memory: one copy per step
-    logits: torch.Tensor  # [batch, vocab]
+    inputs: torch.Tensor  # flat int64: rows [batch, columns], then count and host pages
+    staging: list[torch.Tensor]  # the same twice in pinned host memory
+    copied: list[torch.cuda.Event | None] = field(default_factory=lambda: [None, None])
+    turn: int = 0
 
 
 class DecodeGraphs:
-    """Captures and replays the decode step of a PagedRunner (whose store has a scratch page)."""
+    """Captures and replays the decode step over the executors of one layout."""
 
-    def __init__(self, model, store, page_size: int, scratch_page: int, blocks_mode: str):
-        self.model, self.store, self.page_size = model, store, page_size
-        self.scratch_page, self.blocks_mode = scratch_page, blocks_mode
-        self.device = store.kv[0].device
-        self._graphs: dict[tuple[int, int], _Captured] = {}
-        self._pool = torch.cuda.graph_pool_handle()
+    def __init__(self, model, executors: list, tokens: torch.Tensor, scratch_page: int,
+                 host_scratch_slot: int, max_batch: int, blocks_mode: str,
+                 pool) -> None:  # fmt: skip
+        self.model, self.executors, self.tokens = model, list(executors), tokens
+        self.resident = next((e for e in executors if isinstance(e, ResidentExecutor)), None)
+        self.stream = next((e for e in executors if isinstance(e, StreamExecutor)), None)
+        self.scratch_page, self.scratch_slot = scratch_page, tokens.numel() - 1
+        self.host_scratch_slot, self.blocks_mode = host_scratch_slot, blocks_mode
+        self.page_size = (self.resident or self.stream).page_size
+        self.device = tokens.device
+        vocab = model.lm_head.weight.shape[0]
+        self.logits = torch.empty(bucket(max_batch), vocab, device=self.device)
+        self._graphs: dict[tuple[int, int, int], _Captured] = {}
+        self._pool = pool
 
-    def _step(self, tokens, positions, tables) -> torch.Tensor:
-        lengths = positions + 1
-        # A graph serves sequences from half its table width up: twice the slices that fill
-        # the GPU at full width keeps it filled at half width.
-        num_programs = tokens.shape[0] * self.store.kv[0].shape[1]
-        num_splits = 2 * num_splits_for(tables.shape[1] * self.page_size, num_programs)
+    def accepts(self, positions: list[int]) -> bool:
+        """Whether a step at ``positions`` runs as a graph: always when nothing streams;
+        with streamed heads when their history fits one staging slot and is short enough
+        that launching the step costs more than the copy engine's lead over the gather
+        kernel (55 against 51 GB/s measured on an H200) wins back."""
+        if self.stream is None:
+            return True
+        num_pages = sum(-(-(p + 1) // self.page_size) for p in positions)
+        streamed = num_pages * self.stream.num_heads * self.stream.entry_page_bytes
+        return num_pages <= self.stream.piece_pages and streamed <= GRAPH_MAX_STREAMED_BYTES
 
-        def attention(layer: int, q, kv):  # q [B, H, D], kv [2, B, Hkv, D]
-            store_kv = self.store.kv[layer]
-            out, _ = paged_decode_attention(
-                q, store_kv[0], store_kv[1], tables, lengths, self.page_size,
-                new_kv=kv, num_splits=num_splits,
-            )  # fmt: skip
-            return out
+    def _columns(self, key) -> tuple[int, int]:
+        """(int64 values per row, values after the rows) of the inputs of ``key``."""
+        batch, gpu_width, staging_width = key
+        per_row = 2 + gpu_width + staging_width + (1 if self.stream else 0)
+        return per_row, (1 + self.stream.piece_pages) if self.stream else 0
 
-        return self.model.logits(self.model(tokens, positions, attention, self.blocks_mode))
+    def _views(self, inputs: torch.Tensor, key) -> dict[str, torch.Tensor]:
+        batch, gpu_width, staging_width = key
+        per_row, _ = self._columns(key)
+        rows = inputs[: batch * per_row].view(batch, per_row)
+        views = {"slots": rows[:, 0], "positions": rows[:, 1],
+                 "gpu": rows[:, 2 : 2 + gpu_width],
+                 "host": rows[:, 2 + gpu_width : 2 + gpu_width + staging_width]}  # fmt: skip
+        if self.stream:
+            views["new_slots"] = rows[:, -1]
+            views["count"], views["pages"] = (
+                inputs[batch * per_row :][:1],
+                inputs[batch * per_row + 1 :],
+            )
+        return views
 
-    def _capture(self, batch: int, width: int) -> _Captured:
-        inputs = torch.full((batch, 2 + width), self.scratch_page, device=self.device)
-        inputs[:, :2] = 0
-        tokens, positions, tables = inputs[:, 0], inputs[:, 1], inputs[:, 2:]
+    def _attention(self, layer: int, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
+        return attend_tiers(self.executors, layer, q, kv)
+
+    def _step(self, views: dict[str, torch.Tensor]) -> None:
+        positions = views["positions"]
+        tables = {tier: views[tier] for tier in ("gpu", "host") if views[tier].shape[1]}
+        step = StepInputs(True, positions, [], {}, tables, positions + 1)
+        if self.resident is not None:
+            self.resident.begin(step)
+        if self.stream is not None:
+            self.stream.begin_static(step, views["pages"], views["count"], views["new_slots"])
+        slots = views["slots"]
+        hidden = self.model(self.tokens.index_select(0, slots), positions, self._attention,
+                            self.blocks_mode)  # fmt: skip
+        logits = self.logits[: slots.shape[0]]
+        logits.copy_(self.model.logits(hidden))
+        self.tokens.index_copy_(0, slots, logits.argmax(-1))
+
+    def _capture(self, key) -> _Captured:
+        batch, gpu_width, staging_width = key
+        per_row, tail = self._columns(key)
+        inputs = torch.zeros(batch * per_row + tail, dtype=torch.long, device=self.device)
+        staging = [torch.empty(inputs.shape, dtype=torch.long, pin_memory=True) for _ in range(2)]
+        staging[0].copy_(torch.tensor(self._pack([], [], {}, key)))
+        inputs.copy_(staging[0])  # every row padding: writes go to scratch pages
+        views = self._views(inputs, key)
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream):  # warm-up (compiles); writes go to the scratch page
+        with torch.cuda.stream(stream):  # warm-up (compiles)
             for _ in range(2):
-                self._step(tokens, positions, tables)
+                self._step(views)
         torch.cuda.current_stream(self.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool):
-            logits = self._step(tokens, positions, tables)
-        staging = torch.empty(inputs.shape, dtype=inputs.dtype, pin_memory=True)
-        return _Captured(graph, inputs, staging, logits)
+            self._step(views)
+        return _Captured(graph, inputs, staging)
+
+    def _pack(self, slots: list[int], positions: list[int], pages: dict, key) -> list[int]:
+        """The step's inputs as one flat list of int64 values (see ``_views``)."""
+        batch, gpu_width, staging_width = key
+        size, values, host_pages, staged = self.page_size, [], [], 0
+        for row, (slot, position) in enumerate(zip(slots, positions, strict=True)):
+            values += [slot, position]
+            if gpu_width:
+                gpu = pages["gpu"][row]
+                values += gpu + [self.scratch_page] * (gpu_width - len(gpu))
+            if self.stream:
+                num_pages = -(-(position + 1) // size)
+                host = pages["host"][row]
+                values += list(range(staged, staged + num_pages))
+                values += [self.stream.piece_pages] * (staging_width - num_pages)
+                values.append(host[position // size] * size + position % size)
+                host_pages += host[:num_pages]
+                staged += num_pages
+        pad = [self.scratch_slot, 0] + [self.scratch_page] * gpu_width
+        if self.stream:
+            pad += [self.stream.piece_pages] * staging_width + [self.host_scratch_slot]
+        values += pad * (batch - len(slots))
+        if self.stream:
+            values += [len(host_pages)] + host_pages
+            values += [0] * (self.stream.piece_pages - len(host_pages))
+        return values
 
     @torch.inference_mode()
-    def run(self, tokens: list[int], positions: list[int], pages: list[list[int]]) -> torch.Tensor:
-        """Logits ``[len(tokens), vocab]`` of one decode step (overwritten by the next call)."""
-        num_seqs = len(tokens)
-        key = (bucket(num_seqs), bucket(max(map(len, pages)), MIN_WIDTH))
+    def run(self, slots: list[int], positions: list[int],
+            pages: dict[str, list[list[int]]]) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        """Logits ``[len(slots), vocab]`` of one decode step (overwritten by the next call)
+        and the slots on the device; each row's greedy token is written into its slot."""
+        num_seqs = len(slots)
+        gpu_width = bucket(max(map(len, pages["gpu"])), MIN_WIDTH) if "gpu" in pages else 0
+        staging_width = 0
+        if self.stream:
+            widest = max(-(-(p + 1) // self.page_size) for p in positions)
+            staging_width = bucket(widest, MIN_WIDTH)
+        key = (bucket(num_seqs), gpu_width, staging_width)
         if key not in self._graphs:
-            self._graphs[key] = self._capture(*key)
+            self._graphs[key] = self._capture(key)
         captured = self._graphs[key]
-        batch, width = key
-        scratch = self.scratch_page
-        rows = [[t, p, *pg, *[scratch] * (width - len(pg))]
-                for t, p, pg in zip(tokens, positions, pages, strict=True)]  # fmt: skip
-        rows += [[0, 0, *[scratch] * width]] * (batch - num_seqs)
-        captured.staging.copy_(torch.tensor(rows))
-        captured.inputs.copy_(captured.staging, non_blocking=True)
+        turn = captured.turn
+        if captured.copied[turn] is not None:  # the copy that read this buffer is done
+            captured.copied[turn].synchronize()
+        staging = captured.staging[turn]
+        staging.copy_(torch.tensor(self._pack(slots, positions, pages, key)))
+        captured.inputs.copy_(staging, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self.device))
+        captured.copied[turn], captured.turn = event, 1 - turn
         captured.graph.replay()
-        return captured.logits[:num_seqs]
+        per_row, _ = self._columns(key)
+        return self.logits[:num_seqs], captured.inputs[: num_seqs * per_row : per_row]

@@ -1,201 +1,211 @@
-"""Runs the model over the paged pool: per-sequence chunked prefill, batched decode."""
+"""Runs the model over the tiers of the current plan: per-sequence chunked prefill, batched
+decode, swapping sequences between the GPU pool and host pages.
+
+The runner holds the KV arena (GPU), the host pages and their block tables, and one executor
+per tier of the head map. ``apply(plan)`` lays the arena out for a new head map (only when no
+sequence holds pages); the all-resident layout is always the same tensors, so its CUDA
+graphs survive a detour through streaming.
+"""
 
 from __future__ import annotations
 
 import torch
 
-from headspace.attention import attend, merge_attention, reference_attention
-from headspace.attention.paged import flex_paged_attention, gather_pages, prefix_block_mask
 from headspace.engine.config import EngineConfig
-from headspace.engine.offload import HeadStreamer
-from headspace.engine.scheduler import Sequence
-from headspace.kv.block_table import BlockManager
-from headspace.kv.host_store import HostKVStore
+from headspace.engine.executors import (
+    MIN_WIDTH,
+    ResidentExecutor,
+    StepInputs,
+    attend_tiers,
+    bucket,
+)
+from headspace.engine.streaming import StreamExecutor
+from headspace.kv.block_table import GPU, HOST, BlockManager
+from headspace.kv.host_store import HostKVArena
 from headspace.kv.paged_store import PagedKVStore
+from headspace.kv.transfer import as_heads, copy_pages
 from headspace.model.llama import LlamaModel
-from headspace.planner.head_map import HeadMap
+from headspace.planner.memory import KVSpec
+from headspace.planner.plan import Plan
+
+
+def _ranges(plan: Plan, layer: int) -> tuple[tuple[int, int] | None, list[tuple[int, int]]]:
+    """(resident kv-head range, streamed group ranges) of ``layer``: resident heads first."""
+    head_map = plan.head_map
+    num_resident = len(head_map.heads(layer, "gpu"))
+    groups = [(g[0], g[-1] + 1) for g in head_map.stream_groups(layer)]
+    return ((0, num_resident) if num_resident else None), groups
 
 
 class PagedRunner:
-    """Steps the model for sequences whose K/V live in one shared page pool."""
+    """Steps the model for sequences whose K/V live in the GPU pool and host pages."""
 
-    def __init__(self, model: LlamaModel, config: EngineConfig, num_pages: int, page_size: int,
-                 head_map: HeadMap | None = None, head_group: int = 1):  # fmt: skip
-        cfg = model.config
-        self.model, self.config = model, config
+    def __init__(self, model: LlamaModel, config: EngineConfig, spec: KVSpec, arena_bytes: int,
+                 host: HostKVArena, max_slots: int):  # fmt: skip
+        self.model, self.config, self.spec, self.host = model, config, spec, host
         self.device = torch.device(config.device)
-        self.page_size = page_size
-        self.blocks = BlockManager(num_pages, page_size)
-        self.head_map = head_map or HeadMap.all_gpu(cfg.num_layers, cfg.num_kv_heads)
-        self._resident = [self.head_map.heads(layer, "gpu") for layer in range(cfg.num_layers)]
-        self.store = PagedKVStore(  # one extra page: the scratch page of padded graph rows
-            cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, num_pages + 1, page_size,
-            dtype=config.torch_dtype, device=self.device,
-            heads_per_layer=[len(heads) for heads in self._resident],
-        )  # fmt: skip
+        self.store = PagedKVStore(spec, arena_bytes, dtype=config.torch_dtype, device=self.device)
+        self.blocks = BlockManager(spec.page_size, 0)
+        # the last sampled token of each running sequence (+1 scratch slot for graph padding)
+        self.tokens = torch.zeros(max_slots + 1, dtype=torch.long, device=self.device)
         self._compiled = config.compile and self.device.type == "cuda"
-        self._graphs, self.streamer, self._parts = None, None, []
-        if self.head_map.count("stream"):
-            self.streamer = self._make_streamer(num_pages * page_size, head_group)
-            self._parts = [self._layer_parts(layer) for layer in range(cfg.num_layers)]
-        elif self.device.type == "cuda" and config.cuda_graph:
-            from headspace.engine.paged_graphs import DecodeGraphs
+        self.plan: Plan | None = None
+        self.executors: list = []
+        self._graphs, self._graph_cache, self._graph_pool = None, {}, None
 
-            mode = "static" if self._compiled else "eager"
-            self._graphs = DecodeGraphs(model, self.store, page_size, num_pages, mode)
+    @property
+    def page_size(self) -> int:
+        return self.spec.page_size
 
-    def _make_streamer(self, capacity: int, head_group: int) -> HeadStreamer:
-        """Host store and streamer of the head map's streamed entries (one sequence)."""
-        cfg, dtype = self.model.config, self.config.torch_dtype
-        streamed = [(e.layer, e.kv_head) for e in self.head_map.entries if e.tier == "stream"]
-        host = HostKVStore(streamed, capacity, cfg.head_dim, dtype=dtype,
-                           pin=self.device.type == "cuda")  # fmt: skip
-        return HeadStreamer(self.head_map, host, head_group, capacity, cfg.head_dim, dtype=dtype,
-                            device=self.device, backend=self.config.attention_backend)  # fmt: skip
+    @property
+    def streaming(self) -> bool:
+        return self.plan is not None and self.plan.head_map.count("stream") > 0
 
-    def _layer_parts(self, layer: int) -> list[tuple[list[int] | None, torch.Tensor, torch.Tensor]]:
-        """How ``layer``'s heads split: (None for the resident kv heads, else a streamed
-        group; query-head index; kv-head index), indices on the device once (indexing with
-        a Python list copies it to the GPU and waits, every layer)."""
-        per_kv = self.model.config.num_queries_per_kv
-        resident = self._resident[layer]
-        splits = [(None, resident)] if resident else []
-        splits += [(group, group) for group in self.head_map.stream_groups(layer)]
-        parts = []
-        for group, kv_heads in splits:
-            q_heads = [h * per_kv + i for h in kv_heads for i in range(per_kv)]
-            parts.append((group, torch.tensor(q_heads, device=self.device),
-                          torch.tensor(kv_heads, device=self.device)))  # fmt: skip
-        return parts
+    def apply(self, plan: Plan) -> None:
+        """Lay the arena and executors out for ``plan`` (no sequence may hold pages)."""
+        self.ensure_host_pages(plan.num_host_pages)
+        if self.plan is not None and _same_layout(self.plan, plan):
+            return
+        head_map, cfg = plan.head_map, self.model.config
+        ranges = [_ranges(plan, layer) for layer in range(cfg.num_layers)]
+        staging = plan.staging
+        slots = (staging.depth, staging.group, staging.piece_pages) if staging else None
+        self.store.layout([r[1] - r[0] if r else 0 for r, _ in ranges], plan.num_gpu_pages, slots)
+        same_map = self.plan is not None and self.plan.head_map == head_map
+        self.blocks.reset(plan.num_gpu_pages, drop_host_cache=not same_map)
+        self.plan = plan
+        q_per_kv, backend = cfg.num_queries_per_kv, self.config.attention_backend
+        resident = [r for r, _ in ranges]
+        self.executors = []
+        if any(resident):
+            self.executors.append(ResidentExecutor(self.store, resident, q_per_kv, backend))
+        if staging is not None:
+            self.executors.append(StreamExecutor(self.host, self.store.staging,
+                                                 [g for _, g in ranges], q_per_kv,
+                                                 self.page_size, backend))  # fmt: skip
+        self._graphs = self._decode_graphs(plan)
 
-    def _split_heads(self, layer: int, q, kv, resident_fn):
-        """Resident kv heads through ``resident_fn(q, kv)``, streamed groups through the
-        streamer; ``q [T, H, D]``, ``kv [2, T, Hkv, D]`` -> ``[T, H, D]``."""
-        if self.streamer is None:
-            return resident_fn(q, kv)
-        out = torch.empty_like(q)
-        for group, q_index, kv_index in self._parts[layer]:
-            q_part, kv_part = q[:, q_index], kv[:, :, kv_index]
-            if group is None:
-                out[:, q_index] = resident_fn(q_part, kv_part)
-            else:
-                out[:, q_index] = self.streamer.attend(layer, group, q_part, kv_part)
-        return out
+    def _decode_graphs(self, plan: Plan):
+        """The CUDA graphs of this layout's decode step (kept per layout while the host
+        pages they address stay where they are)."""
+        if self.device.type != "cuda" or not self.config.cuda_graph:
+            return None
+        from headspace.engine.paged_graphs import DecodeGraphs
+
+        tiers = tuple((e.tier, e.group) for e in plan.head_map.entries)
+        key = (tiers, plan.num_gpu_pages, plan.staging)
+        generation = self.host.generation if plan.staging else 0  # graphs address host pages
+        cached = self._graph_cache.get(key)
+        if cached is not None and cached[0] == generation:
+            return cached[1]
+        if self._graph_pool is None:
+            self._graph_pool = torch.cuda.graph_pool_handle()
+        mode = "static" if self._compiled else "eager"
+        graphs = DecodeGraphs(self.model, self.executors, self.tokens, self.store.num_pages,
+                              self.host.scratch_slot, self.config.max_batch, mode,
+                              self._graph_pool)  # fmt: skip
+        self._graph_cache[key] = (generation, graphs)
+        return graphs
+
+    def ensure_host_pages(self, num_pages: int) -> None:
+        """Host pages for at least ``num_pages`` (grows the arena when needed; graphs that
+        address the old one are dropped)."""
+        if num_pages > self.host.num_pages:
+            self.host.ensure(num_pages)
+            self.blocks.grow_host(self.host.num_pages)
+            if self.streaming:
+                self._graphs = self._decode_graphs(self.plan)
 
     # -- prefill -----------------------------------------------------------------------
-    def _prefix_part(self, layer: int, q: torch.Tensor, pages: torch.Tensor, prefix: int):
-        """Attention of chunk queries ``q [H, T, D]`` to the ``prefix`` tokens in the pool."""
-        store_kv = self.store.kv[layer]
-        if self.device.type != "cuda":  # the CPU twin: gather the pages, dense attention
-            k, v = gather_pages(store_kv, pages, prefix, self.page_size)
-            return attend(q, k, v, backend=self.config.attention_backend)
-        num_q = q.shape[1]
-        padded = max(128, 1 << (num_q - 1).bit_length())  # few compiled query shapes
-        num_slots = self.store.num_pages * self.page_size
-        mask = prefix_block_mask(pages, prefix, padded, num_slots, self.page_size)
-        q4 = torch.nn.functional.pad(q, (0, 0, 0, padded - num_q))[None]
-        out, lse = flex_paged_attention(q4, store_kv[0], store_kv[1], mask)
-        return out[0, :, :num_q], lse[0, :, :num_q]
+    def _attention(self, layer: int, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
+        return attend_tiers(self.executors, layer, q, kv)
 
-    def _prefill_attention(self, pages: torch.Tensor, start: int, slots: torch.Tensor):
-        """Chunk at ``start``: causal attention over its own K/V (fused SDPA, cuDNN on GPU)
-        merged by LSE with attention over the prefix pages (FlexAttention on GPU)."""
-
-        def resident(layer: int, q, kv):  # q [T, H, D], kv [2, T, Hkv, D]
-            self.store.write(layer, slots, kv)
-            q_heads = q.transpose(0, 1)
-            k, v = kv[0].transpose(0, 1), kv[1].transpose(0, 1)
-            backend = self.config.attention_backend
-            out, lse = attend(q_heads, k, v, causal=True, backend=backend)
-            if start > 0:
-                prefix_out, prefix_lse = self._prefix_part(layer, q_heads, pages, start)
-                out, lse = merge_attention([out, prefix_out], [lse, prefix_lse])
-            return out.transpose(0, 1)
-
-        def attention(layer: int, q, kv):
-            return self._split_heads(layer, q, kv, lambda q, kv: resident(layer, q, kv))
-
-        return attention
+    def _pages(self, seq_ids: list[int]) -> dict[str, list[list[int]]]:
+        tiers = self.blocks.tiers(seq_ids[0])
+        return {tier: [self.blocks.table(s, tier).pages for s in seq_ids] for tier in tiers}
 
     @torch.inference_mode()
-    def prefill(
-        self, seq: Sequence, chunk: int, *, all_logits: bool = False, on_chunk=None
-    ) -> torch.Tensor:
+    def prefill(self, seq, chunk: int, *, all_logits: bool = False, on_chunk=None,
+                slot: int | None = None) -> torch.Tensor:  # fmt: skip
         """Compute the prompt tokens of ``seq`` not found in the prefix cache.
 
-        Returns the last token's fp32 logits ``[vocab]`` on the device, or with
-        ``all_logits`` those of every computed token ``[tokens, vocab]`` on the CPU.
-        ``on_chunk(n)`` reports progress.
+        Returns the last token's fp32 logits ``[vocab]`` on the device (its greedy pick goes
+        into token ``slot``), or with ``all_logits`` those of every computed token
+        ``[tokens, vocab]`` on the CPU. ``on_chunk(n)`` reports progress.
         """
-        pages = torch.tensor(self.blocks.table(seq.seq_id).pages, device=self.device)
+        pages = self._pages([seq.seq_id])
         ids = torch.tensor(seq.prompt_ids, device=self.device)
         hidden, rows = None, []
         for start in range(seq.num_cached, len(seq.prompt_ids), chunk):
             end = min(start + chunk, len(seq.prompt_ids))
             positions = torch.arange(start, end, device=self.device)
-            attention = self._prefill_attention(pages, start, self.store.slots(pages, positions))
-            if self.streamer is not None:
-                self.streamer.begin(start)
+            step = StepInputs(False, positions, [], pages, start=start)
+            for executor in self.executors:
+                executor.begin(step)
             mode = "eager"
             if self._compiled:  # static shapes for full chunks: one compile per chunk size
                 mode = "static" if end - start == chunk else "dynamic"
-            hidden = self.model(ids[start:end], positions, attention, mode)
+            hidden = self.model(ids[start:end], positions, self._attention, mode)
             if all_logits:
                 rows.append(self.model.logits(hidden).cpu())
             if on_chunk:
                 on_chunk(end - start)
         self.blocks.cache_full_pages(seq.seq_id, seq.prompt_ids)
-        return torch.cat(rows) if all_logits else self.model.logits(hidden[-1:])[0]
+        if all_logits:
+            return torch.cat(rows)
+        logits = self.model.logits(hidden[-1:])[0]
+        if slot is not None:
+            self.tokens[slot] = logits.argmax()
+        return logits
 
     # -- decode ------------------------------------------------------------------------
     @torch.inference_mode()
-    def decode(self, seqs: list[Sequence]) -> torch.Tensor:
-        """Append each sequence's last token; returns fp32 logits ``[seqs, vocab]``."""
-        for seq in seqs:
-            self.blocks.append_token(seq.seq_id)
-        pages = [self.blocks.table(s.seq_id).pages for s in seqs]
-        tokens = [s.token_ids[-1] for s in seqs]
-        positions = [s.num_tokens - 1 for s in seqs]
-        if self._graphs is not None:
-            logits = self._graphs.run(tokens, positions, pages)
-        else:
-            logits = self._eager_decode(tokens, positions, pages)
-        for seq in seqs:
-            self.blocks.cache_full_pages(seq.seq_id, seq.token_ids)
-        return logits
-
-    def _eager_decode(self, tokens: list[int], positions: list[int], pages: list[list[int]]):
-        """The decode step without a graph: Triton over pages on GPU, gathered twin on CPU."""
-        pos = torch.tensor(positions, device=self.device)
-        tables = torch.zeros(len(pages), max(map(len, pages)), dtype=torch.int32)
-        for row, seq_pages in enumerate(pages):
-            tables[row, : len(seq_pages)] = torch.tensor(seq_pages, dtype=torch.int32)
-        tables, lengths = tables.to(self.device), pos + 1
-        on_gpu = self.device.type == "cuda"
-        if not on_gpu:  # one slot per sequence, where its new token goes
-            page = tables.long().gather(1, (pos // self.page_size)[:, None])[:, 0]
-            slots = page * self.page_size + pos % self.page_size
-
-        def resident(layer: int, q, kv):  # q [B, H, D], kv [2, B, Hkv, D]
-            store_kv = self.store.kv[layer]
-            if on_gpu:  # the kernel appends the new K/V itself
-                from headspace.attention.triton_decode import paged_decode_attention
-
-                return paged_decode_attention(q, store_kv[0], store_kv[1], tables, lengths,
-                                              self.page_size, new_kv=kv)[0]  # fmt: skip
-            self.store.write(layer, slots, kv)
-            rows = []
-            for b in range(q.shape[0]):
-                k, v = gather_pages(store_kv, tables[b], positions[b] + 1, self.page_size)
-                rows.append(reference_attention(q[b][:, None], k, v)[0][:, 0])
-            return torch.stack(rows)
-
-        def attention(layer: int, q, kv):
-            return self._split_heads(layer, q, kv, lambda q, kv: resident(layer, q, kv))
-
-        if self.streamer is not None:
-            assert len(tokens) == 1, "streamed heads serve one sequence at a time"
-            self.streamer.begin(positions[0])
+    def decode(self, seq_ids: list[int], positions: list[int],
+               slots: list[int]) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        """One token for each sequence: its input is token ``slots[i]``, at ``positions[i]``
+        (pages already allocated). Returns fp32 logits ``[seqs, vocab]`` and the slots on
+        the device; each greedy pick is written into its slot (sampled rows overwrite it)."""
+        pages = self._pages(seq_ids)
+        if self._graphs is not None and self._graphs.accepts(positions):
+            return self._graphs.run(slots, positions, pages)
+        step = self._decode_inputs(positions, pages)
+        for executor in self.executors:
+            executor.begin(step)
+        slot_index = torch.tensor(slots, device=self.device)
         mode = "dynamic" if self._compiled else "eager"
-        ids = torch.tensor(tokens, device=self.device)
-        return self.model.logits(self.model(ids, pos, attention, mode))
+        hidden = self.model(self.tokens[slot_index], step.positions, self._attention, mode)
+        logits = self.model.logits(hidden)
+        self.tokens[slot_index] = logits.argmax(-1)
+        return logits, slot_index
+
+    def _decode_inputs(self, positions: list[int], pages: dict) -> StepInputs:
+        pos = torch.tensor(positions, device=self.device)
+        tables = {}
+        for tier, rows in pages.items():
+            width = bucket(max(map(len, rows)), MIN_WIDTH)
+            table = torch.zeros(len(rows), width, dtype=torch.int32)
+            for row, seq_pages in enumerate(rows):
+                table[row, : len(seq_pages)] = torch.tensor(seq_pages, dtype=torch.int32)
+            tables[tier] = table.to(self.device)
+        return StepInputs(True, pos, list(positions), pages, tables, pos + 1)
+
+    # -- swapping ----------------------------------------------------------------------
+    def swap(self, pairs: list[tuple[int, int]], to_host: bool) -> None:
+        """Copy the resident entries of page pairs (GPU, host) or (host, GPU)."""
+        if not pairs:
+            return
+        src_pages = torch.tensor([a for a, _ in pairs], device=self.device)
+        dst_pages = torch.tensor([b for _, b in pairs], device=self.device)
+        for layer, store_kv in enumerate(self.store.kv):
+            heads = torch.arange(store_kv.shape[1], device=self.device)
+            gpu, host = as_heads(store_kv, kv_first=True), self.host.layer(layer)
+            src, dst = (gpu, host) if to_host else (host, gpu)
+            copy_pages(src, dst, src_pages, dst_pages, heads, heads, self.page_size)
+
+
+def _same_layout(a: Plan, b: Plan) -> bool:
+    return (a.head_map == b.head_map and a.num_gpu_pages == b.num_gpu_pages
+            and a.staging == b.staging)  # fmt: skip
+
+
+__all__ = ["GPU", "HOST", "PagedRunner"]

@@ -1,17 +1,21 @@
-"""Continuous batching: which sequences prefill or decode next. Pure bookkeeping, no tensors.
+"""Continuous batching over the tiers: who is admitted, who grows, who is swapped out and
+back in. Pure bookkeeping, no tensors.
 
-A waiting prompt is admitted when the pool can hold it *and* the pages every running
-sequence may still need to reach its token limit, so a running batch never runs out of
-pages. Finished sequences free their pages at once, which admits the next prompts.
+Admission follows the current plan. In the all-resident layout, with the host tier allowed,
+a prompt is admitted when its pages fit (plus a page of headroom per running sequence),
+like vLLM: a sequence that later finds no page for its next token swaps the most recently
+admitted one out to host pages (its K/V copied, not recomputed) and that one resumes when
+pages free up. Without a host tier, and while heads stream, a prompt is admitted only when
+the pages it may ever need fit beside those the running sequences may still need.
 """
 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from headspace.errors import UserError
-from headspace.kv.block_table import BlockManager
+from headspace.kv.block_table import GPU, HOST, BlockManager, OutOfPages
 
 
 @dataclass
@@ -24,6 +28,9 @@ class Sequence:
     output_ids: list[int] = field(default_factory=list)
     num_cached: int = 0  # leading prompt tokens found in the prefix cache
     finish_reason: str | None = None
+    slot: int = -1  # where its last sampled token lives on the device
+    num_pending: int = 0  # tokens sampled on the device, not read yet
+    num_swaps: int = 0
 
     @property
     def token_ids(self) -> list[int]:
@@ -31,56 +38,129 @@ class Sequence:
 
     @property
     def num_tokens(self) -> int:
+        """Tokens known on the host (prompt and read outputs)."""
         return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def num_scheduled(self) -> int:
+        """Tokens that exist, read or still on the device."""
+        return self.num_tokens + self.num_pending
 
 
 class Scheduler:
-    """Admits waiting sequences into the running batch as pages allow."""
+    """Waiting, running and swapped-out sequences over a BlockManager.
 
-    def __init__(self, blocks: BlockManager, max_batch: int, prefix_caching: bool = True):
-        self.blocks = blocks
-        self.max_batch = max_batch
-        self.prefix_caching = prefix_caching
+    ``tiers``: the tiers a sequence takes pages in under the current plan; ``optimistic``:
+    admit on the prompt's pages and swap out on shortage (else reserve up to max_tokens);
+    ``host_room(n)``: grow the host pool to ``n`` free pages, False when the budget forbids.
+    """
+
+    def __init__(self, blocks: BlockManager, max_batch: int, num_slots: int,
+                 prefix_caching: bool = True):  # fmt: skip
+        self.blocks, self.max_batch, self.prefix_caching = blocks, max_batch, prefix_caching
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.swapped: deque[Sequence] = deque()
+        self.free_slots = list(range(num_slots))
+        self.tiers: tuple[str, ...] = (GPU,)
+        self.optimistic = False
+        self.host_room: Callable[[int], bool] = lambda n: False
 
     def add(self, seq: Sequence) -> None:
-        """Queue a sequence; refuses one that could never fit the pool."""
-        needed = self.blocks.pages_for(seq.max_tokens)
-        if needed > self.blocks.pool.num_pages:
-            raise UserError(
-                f"a request of up to {seq.max_tokens} tokens needs {needed} KV pages but the "
-                f"pool has {self.blocks.pool.num_pages}; raise the memory budget or shorten it"
-            )
         self.waiting.append(seq)
-
-    def _future_pages(self) -> int:
-        """Pages the running sequences may still allocate before they hit their limits."""
-        return sum(
-            self.blocks.pages_for(s.max_tokens) - len(self.blocks.table(s.seq_id).pages)
-            for s in self.running
-        )
-
-    def admit(self) -> Sequence | None:
-        """Move the next waiting sequence into the batch if it fits; returns it (to prefill)."""
-        if not self.waiting or len(self.running) >= self.max_batch:
-            return None
-        seq = self.waiting[0]
-        pages = self.blocks.pages_for(seq.max_tokens)
-        if pages + self._future_pages() > self.blocks.pool.num_free:
-            return None
-        seq.num_cached = self.blocks.allocate_prompt(
-            seq.seq_id, seq.prompt_ids, reuse=self.prefix_caching
-        )
-        self.waiting.popleft()
-        self.running.append(seq)
-        return seq
-
-    def finish(self, seq: Sequence, reason: str) -> None:
-        seq.finish_reason = reason
-        self.running.remove(seq)
-        self.blocks.free(seq.seq_id)
 
     @property
     def done(self) -> bool:
-        return not self.waiting and not self.running
+        return not self.waiting and not self.running and not self.swapped
+
+    @property
+    def idle(self) -> bool:
+        """No sequence holds pages: the layout may change."""
+        return not self.running and not self.swapped
+
+    def _future_pages(self) -> int:
+        """Pages the running sequences may still allocate before they hit their limits."""
+        first = self.tiers[0]
+        held = (len(self.blocks.table(s.seq_id, first).pages) for s in self.running)
+        return sum(self.blocks.pages_for(s.max_tokens) for s in self.running) - sum(held)
+
+    def _fits(self, seq: Sequence) -> bool:
+        pools = self.blocks.pools
+        if self.optimistic:
+            needed = self.blocks.pages_for(len(seq.prompt_ids)) + len(self.running)
+            fits_alone = self.blocks.pages_for(seq.max_tokens) <= pools[GPU].num_pages
+            return fits_alone and needed <= pools[GPU].num_free
+        needed = self.blocks.pages_for(seq.max_tokens) + self._future_pages()
+        return all(needed <= pools[tier].num_free or (tier == HOST and self.host_room(needed))
+                   for tier in self.tiers)  # fmt: skip
+
+    def admit(self, accept: Callable[[Sequence], bool] = lambda s: True) -> Sequence | None:
+        """Move the next waiting sequence into the batch if it fits (and ``accept`` agrees);
+        returns it (to prefill)."""
+        if not self.waiting or self.swapped or not self.free_slots:
+            return None
+        seq = self.waiting[0]
+        if len(self.running) >= self.max_batch or not self._fits(seq) or not accept(seq):
+            return None
+        try:
+            seq.num_cached = self.blocks.allocate_prompt(
+                seq.seq_id, seq.prompt_ids, self.tiers, reuse=self.prefix_caching
+            )
+        except OutOfPages:  # reused pages were counted as free
+            return None
+        self.waiting.popleft()
+        seq.slot = self.free_slots.pop()
+        self.running.append(seq)
+        return seq
+
+    def grow(self, batch: list[Sequence]) -> tuple[list[Sequence], list[tuple[int, int]]]:
+        """A slot for one more token of every sequence of ``batch``; on shortage the most
+        recently admitted sequences are swapped out first. Returns (the sequences that step,
+        (GPU page, host page) pairs the caller copies before anything reuses them)."""
+        pairs, stepping, pools = [], list(batch), self.blocks.pools
+        while True:
+            needed = sum(1 for s in stepping if self.blocks.needs_page(s.seq_id))
+            if all(needed <= pools[tier].num_free for tier in self.tiers):
+                break
+            if not self.optimistic:
+                raise OutOfPages(f"{needed} pages needed, fewer free")
+            victim = self.running[-1]
+            pairs += self._swap_out(victim)
+            if victim in stepping:
+                stepping.remove(victim)
+        for seq in stepping:
+            self.blocks.append_token(seq.seq_id)
+        return stepping, pairs
+
+    def _swap_out(self, seq: Sequence) -> list[tuple[int, int]]:
+        num_pages = len(self.blocks.table(seq.seq_id, GPU).pages)
+        if num_pages > self.blocks.pools[HOST].num_free and not self.host_room(num_pages):
+            raise OutOfPages("the host budget cannot hold a swapped-out sequence")
+        pairs = self.blocks.swap_out(seq.seq_id)
+        self.running.remove(seq)
+        self.swapped.appendleft(seq)
+        seq.num_swaps += 1
+        return pairs
+
+    def resume(self) -> tuple[Sequence, list[tuple[int, int]]] | None:
+        """Swap the first swapped-out sequence back in when its pages (and a page of
+        headroom per running sequence) fit: (sequence, (host page, GPU page) pairs)."""
+        if not self.swapped:
+            return None
+        seq = self.swapped[0]
+        num_pages = len(self.blocks.table(seq.seq_id, HOST).pages)
+        if num_pages + len(self.running) + 1 > self.blocks.pools[GPU].num_free:
+            return None
+        self.swapped.popleft()
+        pairs = self.blocks.swap_in(seq.seq_id)
+        self.running.append(seq)
+        return seq, pairs
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        seq.finish_reason = reason
+        if seq in self.running:
+            self.running.remove(seq)
+        else:
+            self.swapped.remove(seq)
+        self.blocks.free(seq.seq_id)
+        self.free_slots.append(seq.slot)

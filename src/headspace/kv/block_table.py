@@ -1,8 +1,11 @@
-"""Per-sequence block tables over a PagePool: prompts with prefix reuse, growth, fork, free.
+"""Per-sequence block tables over the two page pools: prompts with prefix reuse, growth,
+swapping between tiers, free. Bookkeeping only, no tensors.
 
-A sequence owns one :class:`BlockTable` per *head key*: ``ALL_HEADS`` (every layer and kv
-head share the same pages, the default) or a ``(layer, kv_head)`` pair, so that later work
-can give a head its own page list and its own length.
+A sequence owns one :class:`BlockTable` per *tier* it occupies: ``GPU`` (pages of the GPU
+pool, holding the resident (layer, kv head) entries) and ``HOST`` (pages of the host pool,
+holding every entry; streamed entries live only there). Both tables list the sequence's
+pages in logical order, so logical page ``i`` of a sequence is ``table.pages[i]`` in each
+tier. A swapped-out sequence has only a host table.
 """
 
 from __future__ import annotations
@@ -12,12 +15,12 @@ from dataclasses import dataclass, field
 
 from headspace.kv.page_pool import OutOfPages, PagePool, page_hash
 
-ALL_HEADS = "all"
+GPU, HOST = "gpu", "host"
 
 
 @dataclass
 class BlockTable:
-    """Pages of one sequence (for one head key), in logical order, and its token count."""
+    """Pages of one sequence in one tier, in logical order, and its token count."""
 
     pages: list[int] = field(default_factory=list)
     num_tokens: int = 0
@@ -25,95 +28,146 @@ class BlockTable:
 
 
 class BlockManager:
-    """Allocates and frees the pages of sequences; owns their block tables. No tensors."""
+    """Allocates and frees the pages of sequences in both tiers; owns their block tables."""
 
-    def __init__(self, num_pages: int, page_size: int):
+    def __init__(self, page_size: int, num_gpu_pages: int, num_host_pages: int = 0):
         if page_size < 1:
             raise ValueError(f"page_size must be positive, got {page_size}")
-        self.pool = PagePool(num_pages)
         self.page_size = page_size
+        self.pools = {GPU: PagePool(num_gpu_pages), HOST: PagePool(num_host_pages)}
         self.tables: dict[int, dict[str, BlockTable]] = {}
+
+    @property
+    def pool(self) -> PagePool:
+        """The GPU pool."""
+        return self.pools[GPU]
+
+    def reset(self, num_gpu_pages: int, *, drop_host_cache: bool = True) -> None:
+        """A new GPU pool (a new layout of the GPU arena); no sequence may hold pages. Host
+        pages keep their data; their cached prefixes are forgotten unless the streamed
+        entries stay the same (``drop_host_cache=False``)."""
+        assert not self.tables, "the layout can change only when no sequence holds pages"
+        self.pools[GPU] = PagePool(num_gpu_pages)
+        if drop_host_cache:
+            self.pools[HOST].drop_cache()
+
+    def grow_host(self, num_pages: int) -> None:
+        self.pools[HOST].grow(num_pages)
 
     def pages_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.page_size)
 
-    def table(self, seq_id: int, key=ALL_HEADS) -> BlockTable:
-        return self.tables[seq_id][key]
+    def table(self, seq_id: int, tier: str = GPU) -> BlockTable:
+        return self.tables[seq_id][tier]
 
-    def allocate_prompt(
-        self, seq_id: int, token_ids: Sequence[int], key=ALL_HEADS, *, reuse: bool = True
-    ) -> int:
-        """Give ``seq_id`` pages for its prompt, reusing cached full pages of its prefix
-        (unless ``reuse`` is False).
+    def tiers(self, seq_id: int) -> list[str]:
+        return list(self.tables.get(seq_id, {}))
 
-        Returns how many leading tokens are already in the pool (a multiple of the page
-        size, and less than the prompt, so at least one token is computed). Raises
-        OutOfPages, leaving the pool unchanged, when the rest does not fit.
-        """
-        assert key not in self.tables.get(seq_id, {}), f"sequence {seq_id} already has pages"
-        table, parent = BlockTable(), None
-        num_full = (len(token_ids) - 1) // self.page_size if reuse else 0  # last one computed
-        for i in range(num_full):
-            content = page_hash(parent, token_ids[i * self.page_size : (i + 1) * self.page_size])
-            page = self.pool.lookup(content)
+    def _prefix_hashes(self, token_ids: Sequence[int]) -> list[bytes]:
+        """Chained hashes of the full pages that may be reused (the last token is always
+        computed, so its page never is)."""
+        hashes, parent = [], None
+        for i in range((len(token_ids) - 1) // self.page_size):
+            parent = page_hash(parent, token_ids[i * self.page_size : (i + 1) * self.page_size])
+            hashes.append(parent)
+        return hashes
+
+    def _hits(self, tier: str, hashes: list[bytes]) -> list[int]:
+        pages = []
+        for content in hashes:
+            page = self.pools[tier].lookup(content)
             if page is None:
                 break
-            table.pages.append(page)
-            table.hashes.append(content)
-            parent = content
-        num_new = self.pages_for(len(token_ids)) - len(table.pages)
-        if num_new > self.pool.num_free - self._evictable_among(table.pages):
-            raise OutOfPages(f"sequence {seq_id} needs {num_new} more pages")
-        for page in table.pages:
-            self.pool.retain(page)
-        table.pages += [self.pool.allocate() for _ in range(num_new)]
-        table.num_tokens = len(token_ids)
-        self.tables.setdefault(seq_id, {})[key] = table
-        return len(table.hashes) * self.page_size
+            pages.append(page)
+        return pages
 
-    def _evictable_among(self, pages: list[int]) -> int:
-        return sum(1 for p in pages if self.pool.ref_counts[p] == 0)
+    def allocate_prompt(self, seq_id: int, token_ids: Sequence[int], tiers=(GPU,), *,
+                        reuse: bool = True) -> int:  # fmt: skip
+        """Give ``seq_id`` pages for its prompt in each of ``tiers``, reusing cached full
+        pages of its prefix (found in every tier) unless ``reuse`` is False.
 
-    def append_token(self, seq_id: int, key=ALL_HEADS) -> None:
-        """Room for one more token (a new page when the last one is full)."""
-        table = self.table(seq_id, key)
-        if table.num_tokens == len(table.pages) * self.page_size:
-            table.pages.append(self.pool.allocate())
-        table.num_tokens += 1
-
-    def cache_full_pages(self, seq_id: int, token_ids: Sequence[int], key=ALL_HEADS) -> None:
-        """Register the full pages of ``seq_id`` (whose K/V are now computed) for reuse."""
-        table = self.table(seq_id, key)
-        size = self.page_size
-        num_full = min(len(token_ids), table.num_tokens) // size
-        for i in range(len(table.hashes), num_full):
-            parent = table.hashes[-1] if table.hashes else None
-            content = page_hash(parent, token_ids[i * size : (i + 1) * size])
-            self.pool.register(table.pages[i], content)
-            table.hashes.append(content)
-
-    def fork(self, seq_id: int, child_id: int, key=ALL_HEADS) -> tuple[int, int] | None:
-        """Let ``child_id`` share the pages of ``seq_id``.
-
-        Full pages are shared; a partly filled last page is copied into a new page of the
-        child. Returns ``(source page, child page)`` for the caller to copy, or None.
+        Returns how many leading tokens are already computed (a multiple of the page size,
+        less than the prompt). Raises OutOfPages, leaving the pools unchanged, when the
+        rest does not fit.
         """
-        parent = self.table(seq_id, key)
-        child = BlockTable(list(parent.pages), parent.num_tokens, list(parent.hashes))
-        copy = None
-        if parent.num_tokens % self.page_size:
-            child.pages[-1] = self.pool.allocate()
-            copy = (parent.pages[-1], child.pages[-1])
-        for page in child.pages[: len(child.pages) - (copy is not None)]:
-            self.pool.retain(page)
-        self.tables.setdefault(child_id, {})[key] = child
-        return copy
+        assert seq_id not in self.tables, f"sequence {seq_id} already has pages"
+        hashes = self._prefix_hashes(token_ids) if reuse else []
+        hits = {tier: self._hits(tier, hashes) for tier in tiers}
+        num_hits = min((len(pages) for pages in hits.values()), default=0)
+        num_pages = self.pages_for(len(token_ids))
+        for tier in tiers:
+            pool, reused = self.pools[tier], hits[tier][:num_hits]
+            evictable = sum(1 for p in reused if pool.ref_counts[p] == 0)
+            if num_pages - num_hits > pool.num_free - evictable:
+                raise OutOfPages(f"sequence {seq_id} needs {num_pages - num_hits} more pages")
+        tables = {}
+        for tier in tiers:
+            pool, reused = self.pools[tier], hits[tier][:num_hits]
+            for page in reused:
+                pool.retain(page)
+            new = [pool.allocate() for _ in range(num_pages - num_hits)]
+            if tier == HOST:  # ascending: adjacent host pages are copied in one piece
+                new.sort()
+            pages = reused + new
+            tables[tier] = BlockTable(pages, len(token_ids), list(hashes[:num_hits]))
+        self.tables[seq_id] = tables
+        return num_hits * self.page_size
+
+    def needs_page(self, seq_id: int) -> bool:
+        """Whether one more token of ``seq_id`` starts a new page."""
+        table = next(iter(self.tables[seq_id].values()))
+        return table.num_tokens == len(table.pages) * self.page_size
+
+    def append_token(self, seq_id: int) -> None:
+        """Room for one more token in every tier (a new page when the last one is full).
+        Raises OutOfPages, changing nothing, when a tier has no page left."""
+        tables = self.tables[seq_id]
+        if self.needs_page(seq_id):
+            if any(self.pools[tier].num_free == 0 for tier in tables):
+                raise OutOfPages(f"no free page for sequence {seq_id}")
+            for tier, table in tables.items():
+                table.pages.append(self.pools[tier].allocate())
+        for table in tables.values():
+            table.num_tokens += 1
+
+    def cache_full_pages(self, seq_id: int, token_ids: Sequence[int]) -> None:
+        """Register the full pages of ``seq_id`` (whose K/V are computed) for reuse."""
+        size = self.page_size
+        for tier, table in self.tables[seq_id].items():
+            num_full = min(len(token_ids), table.num_tokens) // size
+            for i in range(len(table.hashes), num_full):
+                parent = table.hashes[-1] if table.hashes else None
+                content = page_hash(parent, token_ids[i * size : (i + 1) * size])
+                self.pools[tier].register(table.pages[i], content)
+                table.hashes.append(content)
+
+    def swap_out(self, seq_id: int) -> list[tuple[int, int]]:
+        """Move ``seq_id`` from the GPU pool to host pages: returns (GPU page, host page)
+        pairs whose data the caller copies before the GPU pages are reused (same stream).
+        Raises OutOfPages when the host pool cannot hold it."""
+        return self._move(seq_id, GPU, HOST)
+
+    def swap_in(self, seq_id: int) -> list[tuple[int, int]]:
+        """Move a swapped-out ``seq_id`` back into the GPU pool: (host page, GPU page) pairs.
+        Raises OutOfPages when the GPU pool cannot hold it."""
+        return self._move(seq_id, HOST, GPU)
+
+    def _move(self, seq_id: int, source: str, target: str) -> list[tuple[int, int]]:
+        old, pool = self.tables[seq_id][source], self.pools[target]
+        if len(old.pages) > pool.num_free:
+            raise OutOfPages(f"the {target} pool cannot hold sequence {seq_id}")
+        new = BlockTable(sorted(pool.allocate() for _ in old.pages), old.num_tokens)
+        pairs = list(zip(old.pages, new.pages, strict=True))
+        for page in reversed(old.pages):
+            self.pools[source].release(page)
+        self.tables[seq_id] = {target: new}
+        return pairs
 
     def free(self, seq_id: int) -> None:
         """Release every page of ``seq_id``; tail pages first, so they are evicted first."""
-        for table in self.tables.pop(seq_id).values():
+        for tier, table in self.tables.pop(seq_id).items():
             for page in reversed(table.pages):
-                self.pool.release(page)
+                self.pools[tier].release(page)
 
 
-__all__ = ["ALL_HEADS", "BlockManager", "BlockTable", "OutOfPages"]
+__all__ = ["GPU", "HOST", "BlockManager", "BlockTable", "OutOfPages"]

@@ -1,10 +1,15 @@
-"""Host memory of streamed heads: K and V ``[capacity, head_dim]`` per (layer, kv head),
-contiguous in tokens, so a group's history is a few large contiguous copies and a CPU
-attention backend can read it in place. Only new tokens are ever written.
+"""Host pages: one page-locked arena ``[layers, kv_heads, 2, num_pages * page_size, head_dim]``.
 
-All entries share one buffer of exactly the size needed, page-locked by registering it with
-CUDA. (torch's pinned allocator rounds every allocation up to a power of two: a 512K-token
-context of Llama-3-8B would pin 128 GiB for 64 GiB of KV.)
+Host page ``p`` holds tokens ``p * page_size ..`` of one sequence for *every* (layer, kv
+head) entry, so a whole sequence can be swapped out and any entry can stream without a new
+layout. Within an entry a page's K (or V) is one contiguous ``[page_size, head_dim]`` block
+and a sequence's consecutive pages are adjacent: a CPU thread attends over them in place,
+and GPU kernels read and write them through unified addressing (see ``kv.transfer``).
+
+The arena is one buffer of exactly the size needed, page-locked by registering it with CUDA
+(torch's pinned allocator rounds every allocation up to a power of two). It is allocated
+when a batch first needs host pages and grows (copying what it holds) when a larger batch
+does.
 """
 
 from __future__ import annotations
@@ -14,65 +19,75 @@ import weakref
 import torch
 
 from headspace.errors import UserError
+from headspace.planner.memory import GiB, KVSpec
 
 
-class HostKVStore:
-    """K/V of the streamed (layer, kv head) entries of one sequence, in host memory."""
+class HostKVArena:
+    """The host tier's pages (``data`` is None until the first page is needed): ``num_pages``
+    for sequences and one scratch page after them (padded rows of a CUDA-graph step write
+    there)."""
 
-    def __init__(
-        self,
-        streamed: list[tuple[int, int]],  # (layer, kv_head) entries kept here
-        capacity: int,
-        head_dim: int,
-        *,
-        dtype: torch.dtype,
-        pin: bool,
-    ):
-        self.capacity = capacity
-        self._index = {key: i for i, key in enumerate(streamed)}
-        # [entries, K/V, tokens, dim]; zero-filled by torch's parallel fill (touches every page)
-        self.data = torch.zeros(len(streamed), 2, capacity, head_dim, dtype=dtype)
-        if pin and self.data.numel() > 0:  # unregistered when the store is collected
-            _register(self.data)
-            weakref.finalize(self, _unregister, self.data)
+    def __init__(self, spec: KVSpec, dtype: torch.dtype, *, pin: bool, budget: int | None):
+        self.spec, self.dtype, self.pin, self.budget = spec, dtype, pin, budget
+        self.data: torch.Tensor | None = None
+        self.num_pages = 0
+        self.generation = 0  # counts reallocations (captured pointers go stale)
 
     @property
     def num_bytes(self) -> int:
-        return self.data.nbytes
+        return self.data.nbytes if self.data is not None else 0
 
-    def entry(self, layer: int, kv_head: int) -> torch.Tensor:
-        """K and V of one entry, ``[2, capacity, head_dim]`` (a view)."""
-        return self.data[self._index[(layer, kv_head)]]
+    @property
+    def scratch_slot(self) -> int:
+        return self.num_pages * self.spec.page_size
 
-    def write(self, layer: int, kv_head: int, start: int, k: torch.Tensor, v: torch.Tensor,
-              *, non_blocking: bool = False) -> None:  # fmt: skip
-        """Store ``k, v [tokens, head_dim]`` (contiguous, any device) at ``start..``."""
-        end = start + k.shape[0]
-        assert end <= self.capacity, "host KV store overflow"
-        entry = self.entry(layer, kv_head)
-        entry[0, start:end].copy_(k, non_blocking=non_blocking)
-        entry[1, start:end].copy_(v, non_blocking=non_blocking)
+    def ensure(self, num_pages: int) -> bool:
+        """Hold at least ``num_pages`` pages; returns whether the arena was reallocated
+        (its old pages are copied over). Raises UserError beyond the host budget."""
+        if num_pages <= self.num_pages:
+            return False
+        spec = self.spec
+        grown = max(num_pages, self.num_pages + self.num_pages // 2)
+        if self.budget is not None:
+            limit = self.budget // spec.full_page_bytes - 1
+            if num_pages > limit:
+                raise UserError(
+                    f"host pages for {num_pages * spec.page_size} tokens need "
+                    f"{num_pages * spec.full_page_bytes / GiB:.2f} GiB, more than the "
+                    f"{self.budget / GiB:.2f} GiB host budget (--host-memory)"
+                )
+            grown = min(grown, limit)
+        shape = (spec.num_layers, spec.num_kv_heads, 2, (grown + 1) * spec.page_size, spec.head_dim)
+        data = torch.zeros(shape, dtype=self.dtype)  # a parallel fill touches every page
+        if self.data is not None:
+            if self.pin:  # copies queued on the GPU may still read or write the old pages
+                torch.cuda.synchronize()
+            data[..., : self.data.shape[3], :].copy_(self.data)
+        if self.pin and data.numel() > 0:  # unregistered when the buffer is collected
+            _register(data)
+            weakref.finalize(data, _unregister, data.data_ptr())
+        self.data, self.num_pages = data, grown
+        self.generation += 1
+        return True
 
-    def read(self, layer: int, kv_head: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V of the first ``length`` tokens (contiguous views in host memory)."""
-        entry = self.entry(layer, kv_head)
-        return entry[0, :length], entry[1, :length]
+    def layer(self, layer: int) -> torch.Tensor:
+        """``[kv_heads, 2, slots, head_dim]`` of one layer (a view)."""
+        return self.data[layer]
 
 
 def _register(buffer: torch.Tensor) -> None:
-    """Page-lock ``buffer`` so host-device copies of it run asynchronously at full speed."""
+    """Page-lock ``buffer`` so copies and kernels reach it at full PCIe speed."""
     num_bytes = buffer.nbytes
-    cudart = torch.cuda.cudart()
-    status = cudart.cudaHostRegister(buffer.data_ptr(), num_bytes, 0)
+    status = torch.cuda.cudart().cudaHostRegister(buffer.data_ptr(), num_bytes, 0)
     if int(status) != 0:
         raise UserError(
-            f"cannot page-lock {num_bytes / 2**30:.2f} GiB of host memory for streamed KV "
+            f"cannot page-lock {num_bytes / GiB:.2f} GiB of host memory for KV pages "
             f"(CUDA error {int(status)}); lower --host-memory, the context, or raise the "
             "locked-memory limit"
         )
 
 
-def _unregister(buffer: torch.Tensor) -> None:
+def _unregister(pointer: int) -> None:
     for device in range(torch.cuda.device_count()):  # no copy may still read or write it
         torch.cuda.synchronize(device)
-    torch.cuda.cudart().cudaHostUnregister(buffer.data_ptr())
+    torch.cuda.cudart().cudaHostUnregister(pointer)

@@ -29,14 +29,28 @@ class PagePool:
     """Free list, reference counts and the prefix-hash table of ``num_pages`` pages."""
 
     def __init__(self, num_pages: int):
-        if num_pages < 1:
-            raise ValueError(f"a page pool needs at least one page, got {num_pages}")
+        if num_pages < 0:
+            raise ValueError(f"a page pool cannot have {num_pages} pages")
         self.num_pages = num_pages
         self.ref_counts = [0] * num_pages
         self._free: deque[int] = deque(range(num_pages))  # never-cached pages, FIFO
         self._evictable: OrderedDict[int, None] = OrderedDict()  # cached, unreferenced; LRU
         self._page_by_hash: dict[bytes, int] = {}
         self._hash_by_page: dict[int, bytes] = {}
+
+    def grow(self, num_pages: int) -> None:
+        """Add pages ``self.num_pages .. num_pages - 1`` (free) to the pool."""
+        assert num_pages >= self.num_pages
+        self._free.extend(range(self.num_pages, num_pages))
+        self.ref_counts += [0] * (num_pages - self.num_pages)
+        self.num_pages = num_pages
+
+    def drop_cache(self) -> None:
+        """Forget every cached prefix: unreferenced cached pages become free."""
+        self._free.extend(self._evictable)
+        self._evictable.clear()
+        self._page_by_hash.clear()
+        self._hash_by_page.clear()
 
     @property
     def num_free(self) -> int:

@@ -1,7 +1,8 @@
 """Where a model comes from: a checkpoint directory, a GGUF file, or the embedded default.
 
-GGUF files (including the embedded SmolLM2-135M-Instruct) are converted once to bf16
-safetensors + config + tokenizer in the user cache, so later loads take about a second.
+GGUF files (including the embedded SmolLM2-135M-Instruct) are dequantized once, at the
+precision the run asks for (float32, bfloat16 or float16), to safetensors + config +
+tokenizer in the user cache, so later loads take about a second.
 """
 
 from __future__ import annotations
@@ -42,14 +43,15 @@ def embedded_gguf_path() -> Path:
     return path
 
 
-def _converted_dir(gguf: Path, name: str | None = None) -> Path:
+def _converted_dir(gguf: Path, name: str | None, dtype: str) -> Path:
     stat = gguf.stat()
     key = hashlib.sha1(f"{gguf.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode())
-    return cache_root() / "models" / f"{name or gguf.stem}-{key.hexdigest()[:12]}"
+    return cache_root() / "models" / f"{name or gguf.stem}-{key.hexdigest()[:12]}-{dtype}"
 
 
-def convert_gguf(gguf: Path, out_dir: Path) -> Path:
-    """Dequantize ``gguf`` into ``out_dir`` as bf16 safetensors, config.json and tokenizer."""
+def convert_gguf(gguf: Path, out_dir: Path, dtype: str = "float32") -> Path:
+    """Dequantize ``gguf`` into ``out_dir`` as safetensors in ``dtype`` (the run's: a float32
+    run gets the float32 dequantized values), config.json and tokenizer."""
     import torch
     from safetensors.torch import save_file
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
@@ -74,14 +76,15 @@ def convert_gguf(gguf: Path, out_dir: Path) -> Path:
         model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
     except Exception as exc:
         raise UserError(f"corrupted or unreadable GGUF file {gguf}: {exc}") from None
-    state = {k: v.to(torch.bfloat16).contiguous() for k, v in model.state_dict().items()}
+    torch_dtype = getattr(torch, dtype)
+    state = {k: v.to(torch_dtype).contiguous() for k, v in model.state_dict().items()}
     if hf_config.tie_word_embeddings:
         state.pop("lm_head.weight", None)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=".tmp-"))
     try:
         save_file(state, tmp / "model.safetensors", metadata={"format": "pt"})
-        hf_config.dtype = "bfloat16"
+        hf_config.dtype = dtype
         hf_config.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         tmp.rename(out_dir)
@@ -90,8 +93,9 @@ def convert_gguf(gguf: Path, out_dir: Path) -> Path:
     return out_dir
 
 
-def resolve_model_dir(model: str | os.PathLike | None) -> Path:
-    """A checkpoint directory for ``model`` (None = embedded), converting GGUF once if needed."""
+def resolve_model_dir(model: str | os.PathLike | None, dtype: str = "float32") -> Path:
+    """A checkpoint directory for ``model`` (None = embedded), converting GGUF once per
+    ``dtype`` if needed."""
     if model is None:
         gguf, name = embedded_gguf_path(), EMBEDDED_NAME
     else:
@@ -103,7 +107,7 @@ def resolve_model_dir(model: str | os.PathLike | None) -> Path:
         if path.suffix != ".gguf":
             raise UserError(f"model {path} is neither a checkpoint directory nor a .gguf file")
         gguf, name = path, None
-    out_dir = _converted_dir(gguf, name)
+    out_dir = _converted_dir(gguf, name, dtype)
     if (out_dir / "model.safetensors").is_file():
         return out_dir
-    return convert_gguf(gguf, out_dir)
+    return convert_gguf(gguf, out_dir, dtype)

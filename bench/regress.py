@@ -1,0 +1,129 @@
+"""Re-measure the headline figure of every landed result and print it beside the committed one.
+
+    PYTHONPATH=src python bench/regress.py        # one GPU, under ten minutes
+
+Flags any drop of more than 10% (a figure measured on another GPU kind than the committed
+one is shown but not judged). Run it before resolving any change to ``engine/``,
+``attention/`` or ``kv/``; it writes ``regress_<gpu>_<date>.json`` (to $OUT when set).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from common import (  # noqa: E402
+    LLAMA31_8B,
+    environment,
+    make_engine,
+    random_model,
+    write_result,
+)
+from headspace.engine.sampling import SamplingParams  # noqa: E402
+
+RESULTS = Path(__file__).parent / "results"
+K = 1024
+
+
+def committed(kind: str, gpu: str) -> tuple[dict, str] | tuple[None, None]:
+    """The newest committed result of ``kind``: this GPU's if any, else another's."""
+    files = sorted(RESULTS.glob(f"{kind}_llama3-8b_*.json"), key=lambda p: p.stem[-10:])
+    mine = [p for p in files if f"_{gpu}_" in p.name]
+    path = (mine or files or [None])[-1]
+    return (json.loads(path.read_text()), path.name) if path else (None, None)
+
+
+def _ids(n: int, seed: int) -> list[int]:
+    return torch.randint(0, LLAMA31_8B["vocab_size"], (n,),
+                         generator=torch.Generator().manual_seed(seed)).tolist()  # fmt: skip
+
+
+def foundation(model) -> dict:
+    engine = make_engine(model)
+    one = [SamplingParams(max_new_tokens=1, ignore_eos=True)]
+    figures = {}
+    for length in (8 * K, 32 * K):
+        engine.generate_batch([_ids(length, 1)], one)  # warm-up: compiles this length
+        times = []
+        for seed in (2, 3, 4):  # the median of three, as bench/foundation.py
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            engine.generate_batch([_ids(length, seed)], one)
+            times.append(time.perf_counter() - start)
+        figures[f"prefill {length // K}K tok/s"] = length / sorted(times)[1]
+    params = [SamplingParams(max_new_tokens=129, ignore_eos=True)]
+    engine.generate_batch([_ids(8 * K, 3)], params)
+    out = engine.generate_batch([_ids(8 * K, 4)], params)[0]
+    figures["decode 8K tok/s"] = out.stats.decode_tok_s
+    return figures
+
+
+def paged(model) -> dict:
+    """The mixed batch of bench/paged.py: 16 prompts of 500..8000 tokens, 64 new each."""
+    engine = make_engine(model)
+    prompts = [_ids(n, n) for n in range(500, 8001, 500)]
+    params = [SamplingParams(max_new_tokens=64, ignore_eos=True)] * len(prompts)
+    engine.generate_batch([_ids(n, n + 1) for n in range(500, 8001, 500)], params)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    engine.generate_batch(prompts, params)
+    return {"mixed batch tok/s": 64 * len(prompts) / (time.perf_counter() - start)}
+
+
+def offload(model) -> dict:
+    """Decode at 128K with the GPU capped at 24 GiB and a 17 GiB budget (bench/offload.py)."""
+    from offload_runs import gpu_cap, headspace_run
+
+    with gpu_cap(24):
+        row = headspace_run(model, 128 * K, "head", "17GiB", 16)
+    return {"offload decode 128K ms": row.get("decode_ms", float("nan"))}
+
+
+def reference(kind: str, data: dict | None, name: str) -> float | None:
+    """The committed value of figure ``name`` (older files keep other keys)."""
+    if data is None:
+        return None
+    if kind == "foundation":
+        if "configs" in data:
+            rows = data["configs"]["no budget"]
+            part, length = ("prefill", name.split()[1]) if "prefill" in name else ("decode", "8K")
+            return rows[part][str(int(length[:-1]) * K)]["tok_s"]
+        key = "prefill_tok_s" if "prefill" in name else "decode_tok_s"
+        return data[key][str(int(name.split()[1][:-1]) * K)]
+    if kind == "paged":
+        return data["batch_tok_s"]
+    return data["decode_ms"][str(128 * K)]
+
+
+def main() -> None:
+    env = environment()
+    gpu = env["gpu"].replace("NVIDIA ", "").split()[0].lower()
+    model = random_model(LLAMA31_8B)
+    rows = []
+    for kind, fn in (("foundation", foundation), ("paged", paged), ("offload", offload)):
+        data, name = committed(kind, gpu)
+        for figure, value in fn(model).items():
+            ref = reference(kind, data, figure)
+            lower_is_better = figure.endswith("ms")
+            change = None if ref is None else (value / ref - 1) * (-1 if lower_is_better else 1)
+            same_gpu = name is not None and f"_{gpu}_" in name
+            flag = "DROP" if same_gpu and change is not None and change < -0.10 else ""
+            rows.append({"figure": figure, "measured": value, "committed": ref,
+                         "file": name, "change": change, "flag": flag})  # fmt: skip
+        torch.cuda.empty_cache()
+    write_result(f"regress_{gpu}_{env['date']}.json", {"env": env, "rows": rows})
+    print(f"\n{'figure':<26}{'measured':>10}{'committed':>11}{'change':>8}  file")
+    for r in rows:
+        ref = f"{r['committed']:.1f}" if r["committed"] is not None else "-"
+        change = f"{100 * r['change']:+.0f}%" if r["change"] is not None else "-"
+        print(f"{r['figure']:<26}{r['measured']:>10.1f}{ref:>11}{change:>8}  {r['file']} "
+              f"{r['flag']}")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

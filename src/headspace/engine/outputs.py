@@ -1,0 +1,53 @@
+"""What a request gets back: its text, tokens, and how it ran."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class GenerationStats:
+    """Counts and timings of one request (seconds, bytes), and the tiers it ran on."""
+
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    prefill_seconds: float = 0.0
+    decode_seconds: float = 0.0
+    num_gpu_heads: int = 0  # (layer, kv head) entries resident while it ran
+    num_streamed_heads: int = 0  # entries streamed from host pages
+    num_swaps: int = 0  # times it was swapped out to host pages and back
+    peak_gpu_bytes: int | None = None  # allocated by tensors
+    peak_reserved_bytes: int | None = None  # reserved by torch's caching allocator
+
+    @property
+    def prefill_tok_s(self) -> float:
+        return self.prompt_tokens / max(self.prefill_seconds, 1e-9)
+
+    @property
+    def decode_tok_s(self) -> float:
+        return max(self.generated_tokens - 1, 0) / max(self.decode_seconds, 1e-9)
+
+    def summary(self) -> str:
+        parts = [
+            f"prompt {self.prompt_tokens} tokens",
+            f"prefill {self.prefill_tok_s:,.0f} tok/s",
+            f"decode {self.decode_tok_s:,.1f} tok/s ({self.generated_tokens} tokens)",
+            f"heads {self.num_gpu_heads} gpu / {self.num_streamed_heads} streamed",
+        ]
+        if self.num_swaps:
+            parts.append(f"swapped out {self.num_swaps}x")
+        if self.peak_reserved_bytes is not None:
+            parts.append(f"peak GPU memory {self.peak_reserved_bytes / 2**30:.2f} GiB reserved")
+        return " | ".join(parts)
+
+
+@dataclass
+class RequestOutput:
+    """One finished request: generated text and token ids (prompt excluded)."""
+
+    prompt: str | list[int]
+    text: str
+    token_ids: list[int]
+    finish_reason: str  # "stop" (EOS or stop string) or "length"
+    stats: GenerationStats = field(default_factory=GenerationStats)
+    num_cached_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache

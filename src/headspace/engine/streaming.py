@@ -1,0 +1,282 @@
+"""The stream tier's executor: entries whose K/V live in host pages are gathered into GPU
+staging slots one head group at a time and attended there.
+
+Order of work in one forward pass (a prefill chunk or a decode step of the whole batch):
+the (layer, group, piece) items in layer order. One gather kernel per item moves the
+group's pages of every sequence (a *piece* of the history when it exceeds a slot) from
+host pages into a staging slot, on a high-priority copy stream, ``depth - 1`` items ahead
+of the attention; the compute stream waits on the item's event, attends (one launch for the
+group and the whole batch), frees the slot, and writes the new tokens' K/V to host pages in
+place. On the CPU the same code runs synchronously.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from headspace.attention import attend, merge_attention
+from headspace.attention.paged import paged_decode_reference
+from headspace.engine.executors import MIN_WIDTH, HeadRange, StepInputs, bucket, q_heads
+from headspace.kv.host_store import HostKVArena
+from headspace.kv.transfer import as_heads, copy_pages, write_tokens
+
+MAX_COPY_RUNS = 16  # a piece in at most this many runs of adjacent pages uses the copy engine
+
+
+@dataclass
+class _Piece:
+    """History pages gathered together: host ``pages`` (on the device), the same as runs of
+    adjacent pages (first host page, first staging page, count), and at decode each
+    sequence's staging pages (``tables``) and keys in the piece (``lengths``)."""
+
+    pages: torch.Tensor
+    num_tokens: int
+    tables: torch.Tensor | None = None
+    lengths: torch.Tensor | None = None
+    lengths_list: list[int] | None = None
+    runs: list[tuple[int, int, int]] | None = None
+    count: torch.Tensor | None = None  # pages in use, on the device (CUDA-graph steps)
+
+
+def page_runs(pages: list[int]) -> list[tuple[int, int, int]]:
+    """``pages`` as runs of adjacent pages: (first page, index of it in the list, count)."""
+    runs = []
+    for index, page in enumerate(pages):
+        if runs and page == runs[-1][0] + runs[-1][2]:
+            first, at, count = runs[-1]
+            runs[-1] = (first, at, count + 1)
+        else:
+            runs.append((page, index, 1))
+    return runs
+
+
+class StreamExecutor:
+    """Attention of the streamed (layer, kv head) entries over host pages."""
+
+    def __init__(self, host: HostKVArena, staging: list[torch.Tensor],
+                 groups: list[list[HeadRange]], q_per_kv: int, page_size: int,
+                 backend: str):  # fmt: skip
+        self.host, self.staging, self.q_per_kv = host, staging, q_per_kv
+        self.page_size, self.backend = page_size, backend
+        self.groups = groups  # per layer: contiguous kv-head ranges, one per group
+        self.num_heads = sum(hi - lo for ranges in groups for lo, hi in ranges)
+        self.entry_page_bytes = (2 * page_size * staging[0].shape[-1]
+                                 * staging[0].element_size())  # fmt: skip
+        self.order = [(layer, r) for layer, ranges in enumerate(groups) for r in ranges]
+        self.index = {item: i for i, item in enumerate(self.order)}
+        self.device = staging[0].device
+        # the last page of each slot is its scratch page
+        self.depth, self.piece_pages = len(staging), staging[0].shape[2] // page_size - 1
+        on_gpu = self.device.type == "cuda"
+        self.copy_stream = torch.cuda.Stream(self.device, priority=-1) if on_gpu else None
+        self._results: dict[int, list] = {}
+        self._aranges: dict[int, torch.Tensor] = {}
+
+    def _arange(self, n: int, start: int = 0) -> torch.Tensor:
+        key = (n, start)
+        if key not in self._aranges:
+            self._aranges[key] = torch.arange(start, start + n, device=self.device)
+        return self._aranges[key]
+
+    # -- the pass ----------------------------------------------------------------------
+    def begin(self, step: StepInputs) -> None:
+        self.step = step
+        self.fused = False
+        size = self.page_size
+        if step.decode:
+            self.pieces = self._decode_pieces(step)
+            rows = zip(step.pages["host"], step.positions_list, strict=True)
+            slots = [pages[pos // size] * size + pos % size for pages, pos in rows]
+            self.new_slots = torch.tensor(slots, device=self.device)
+        else:
+            pages = step.pages["host"][0]
+            self.pieces = self._pieces(pages[: -(-step.start // size)], step.start)
+            host_pages = torch.tensor(pages, device=self.device)
+            self.new_slots = host_pages[step.positions // size] * size + step.positions % size
+        self._start()
+
+    def begin_static(self, step: StepInputs, pages: torch.Tensor, count: torch.Tensor,
+                     new_slots: torch.Tensor) -> None:  # fmt: skip
+        """A decode step whose inputs live in device buffers (a CUDA graph captures it): one
+        piece holding every sequence's pages (``pages [piece_pages]``, the first ``count``
+        in use), ``step.tables["host"]`` into the staging slot, the new tokens' host
+        ``new_slots``; the kernel appends each new token in staging."""
+        self.step, self.fused = step, True
+        self.pieces = [_Piece(pages, 0, step.tables["host"], step.lengths, count=count)]
+        self.new_slots = new_slots
+        self._start()
+
+    def _start(self) -> None:
+        self.items = [(g, p) for g in range(len(self.order)) for p in range(len(self.pieces))]
+        self._arrived: dict[int, torch.cuda.Event] = {}
+        self._released: list[torch.cuda.Event | None] = [None] * self.depth
+        if self.copy_stream is not None:  # history written by earlier passes is complete
+            self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
+            for i in range(self.depth - 1):
+                self._issue(i)
+
+    def _pieces(self, pages: list[int], num_tokens: int) -> list[_Piece]:
+        """One sequence's history of ``num_tokens`` in ``pages``, in runs of one slot."""
+        pieces, size = [], self.piece_pages * self.page_size
+        for first in range(0, len(pages), self.piece_pages):
+            run = pages[first : first + self.piece_pages]
+            tokens = min(size, num_tokens - first * self.page_size)
+            pieces.append(
+                _Piece(torch.tensor(run, device=self.device), tokens, runs=page_runs(run))
+            )
+        return pieces
+
+    def _decode_pieces(self, step: StepInputs) -> list[_Piece]:
+        """Every sequence's pages, concatenated, in runs of one slot. When all of it fits one
+        slot, the page of the new token comes along and the kernel appends it in staging."""
+        positions, host, size = step.positions_list, step.pages["host"], self.page_size
+        self.fused = sum(-(-(p + 1) // size) for p in positions) <= self.piece_pages
+        lengths = [p + 1 for p in positions] if self.fused else positions
+        flat, owners = [], []  # each page and its (sequence, index in the sequence)
+        for row, (pages, length) in enumerate(zip(host, lengths, strict=True)):
+            num_pages = -(-length // size)
+            flat += pages[:num_pages]
+            owners += [(row, j) for j in range(num_pages)]
+        pieces = []
+        for first in range(0, len(flat), self.piece_pages):
+            run = flat[first : first + self.piece_pages]
+            first_page, counts, rows = {}, [0] * len(positions), [[] for _ in positions]
+            for slot_page, (row, j) in enumerate(owners[first : first + self.piece_pages]):
+                first_page.setdefault(row, j)
+                rows[row].append(slot_page)
+                counts[row] += 1
+            tables = torch.zeros(len(positions), bucket(max(counts), MIN_WIDTH), dtype=torch.int32)
+            for row, slot_pages in enumerate(rows):
+                tables[row, : len(slot_pages)] = torch.tensor(slot_pages, dtype=torch.int32)
+            seq_lengths = [
+                min(lengths[row], (first_page[row] + counts[row]) * size) - first_page[row] * size
+                if counts[row] else 0
+                for row in range(len(positions))
+            ]  # fmt: skip
+            pieces.append(_Piece(torch.tensor(run, device=self.device), 0, tables.to(self.device),
+                                 torch.tensor(seq_lengths, device=self.device), seq_lengths,
+                                 page_runs(run)))  # fmt: skip
+        return pieces
+
+    # -- staging -------------------------------------------------------------------------
+    def _gather(self, i: int) -> None:
+        """Item ``i``'s pages into its slot: a few large copies through the copy engine when
+        the pages lie in a few runs (as a fresh sequence's do), else one gather kernel."""
+        group, piece_index = self.items[i]
+        layer, (lo, hi) = self.order[group]
+        piece, slot = self.pieces[piece_index], self.staging[i % self.depth]
+        host = self.host.layer(layer)
+        if self.copy_stream is not None and piece.runs and len(piece.runs) <= MAX_COPY_RUNS:
+            size = self.page_size
+            for first, at, count in piece.runs:
+                for j in range(hi - lo):
+                    for kv in range(2):
+                        source = host[lo + j, kv, first * size : (first + count) * size]
+                        slot[kv, j, at * size : (at + count) * size].copy_(
+                            source, non_blocking=True
+                        )
+            return
+        copy_pages(host, as_heads(slot, kv_first=True), piece.pages,
+                   self._arange(piece.pages.numel()), self._arange(hi - lo, lo),
+                   self._arange(hi - lo), self.page_size, count=piece.count)  # fmt: skip
+
+    def _issue(self, i: int) -> None:
+        """Start gathering item ``i`` into slot ``i % depth`` once that slot is free."""
+        if i >= len(self.items) or i in self._arrived or self.copy_stream is None:
+            return
+        released = self._released[i % self.depth]
+        with torch.cuda.stream(self.copy_stream):
+            if released is not None:
+                self.copy_stream.wait_event(released)
+            self._gather(i)
+            event = torch.cuda.Event()
+            event.record(self.copy_stream)
+        self._arrived[i] = event
+
+    def _staged(self, i: int, num_heads: int, num_tokens: int):
+        """K and V ``[heads, tokens, dim]`` of item ``i`` in its staging slot."""
+        if self.copy_stream is None:
+            self._gather(i)
+        else:
+            for ahead in range(i, i + self.depth):
+                self._issue(ahead)
+            torch.cuda.current_stream(self.device).wait_event(self._arrived.pop(i))
+        slot = self.staging[i % self.depth]
+        return slot[0, :num_heads, :num_tokens], slot[1, :num_heads, :num_tokens]
+
+    def _release(self, i: int) -> None:
+        if self.copy_stream is not None:
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(self.device))
+            self._released[i % self.depth] = event
+
+    # -- attention -----------------------------------------------------------------------
+    def submit(self, layer: int, q: torch.Tensor, kv: torch.Tensor, out: torch.Tensor) -> None:
+        """Attend every streamed group of ``layer``; results go into their heads of ``out``."""
+        results = []
+        for kv_range in self.groups[layer]:
+            heads = q_heads(kv_range, self.q_per_kv)
+            q_part, kv_part = q[:, heads], kv[:, :, slice(*kv_range)]
+            group = self.index[(layer, kv_range)]
+            attend_fn = self._decode if self.step.decode else self._prefill
+            results.append(attend_fn(group, kv_range, q_part, kv_part, out[:, heads]))
+            write_tokens(self.host.layer(layer), self._arange(kv_range[1] - kv_range[0],
+                         kv_range[0]), self.new_slots, kv_part)  # fmt: skip
+        self._results[layer] = results
+
+    def collect(self, layer: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        return self._results.pop(layer, [])
+
+    def _history(self, group: int, num_heads: int, fn) -> tuple[list, list]:
+        """``fn(piece, k, v) -> (out, lse)`` over every piece of the group's history."""
+        outs, lses = [], []
+        for p, piece in enumerate(self.pieces):
+            i = group * len(self.pieces) + p
+            tokens = self.staging[0].shape[2] if self.step.decode else piece.num_tokens
+            k, v = self._staged(i, num_heads, tokens)
+            out, lse = fn(piece, k, v)
+            self._release(i)
+            outs.append(out)
+            lses.append(lse)
+        return outs, lses
+
+    def _prefill(self, group: int, kv_range: HeadRange, q, kv, out):
+        q_first = q.transpose(0, 1)  # [heads, tokens, dim]
+        k_new, v_new = kv[0].transpose(0, 1), kv[1].transpose(0, 1)
+        chunk = attend(q_first, k_new, v_new, causal=True, backend=self.backend)
+        outs, lses = [chunk[0]], [chunk[1]]
+        if self.step.start > 0:
+
+            def over(_, k, v):
+                return attend(q_first, k, v, backend=self.backend)
+
+            more = self._history(group, kv_range[1] - kv_range[0], over)
+            outs, lses = outs + more[0], lses + more[1]
+        merged, lse = merge_attention(outs, lses)
+        out.copy_(merged.transpose(0, 1))
+        return out, lse
+
+    def _decode(self, group: int, kv_range: HeadRange, q, kv, out):
+        new_kv = kv if self.fused else None
+
+        def piece_attention(piece: _Piece, k, v):
+            if k.is_cuda:
+                from headspace.attention.triton_decode import paged_decode_attention
+
+                return paged_decode_attention(q, k, v, piece.tables, piece.lengths,
+                                              self.page_size, new_kv=new_kv)  # fmt: skip
+            return paged_decode_reference(q, k, v, piece.tables, piece.lengths_list,
+                                          self.page_size, new_kv=new_kv)  # fmt: skip
+
+        outs, lses = self._history(group, kv_range[1] - kv_range[0], piece_attention)
+        if not self.fused:  # the new token's own key: softmax over one score
+            scale = q.shape[-1] ** -0.5
+            k_new = kv[0].repeat_interleave(self.q_per_kv, dim=1).float()
+            outs.append(kv[1].repeat_interleave(self.q_per_kv, dim=1).to(q.dtype))
+            lses.append((q.float() * k_new).sum(-1) * scale)
+        merged, lse = merge_attention([o.transpose(0, 1) for o in outs],
+                                      [x.transpose(0, 1) for x in lses])  # fmt: skip
+        out.copy_(merged.transpose(0, 1))
+        return out, lse

@@ -1,0 +1,177 @@
+"""Byte arithmetic shared by the planner and the engine: weights, activations, KV pages and
+the GPU budget's split. Pure arithmetic: no tensors, no CUDA.
+
+One source for every consumer: the engine sizes its KV arena with :func:`gpu_arena_bytes`
+and the planner lays pages and staging out inside the same number of bytes, so a budget the
+planner accepts is a budget the pool can hold.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from headspace.errors import UserError
+from headspace.model.config import ModelConfig
+
+GiB = 2**30
+MAX_PREFILL_CHUNK = 32768
+MIN_PREFILL_CHUNK = 128
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """Rates the roofline uses (bytes/s, FLOP/s); defaults: measured on an H100 machine."""
+
+    gemm_flops: float = 790e12
+    attention_flops: float = 610e12
+    hbm_bytes: float = 3.0e12
+    h2d_bytes: float = 54e9
+    d2h_bytes: float = 55e9
+
+
+@dataclass(frozen=True)
+class KVSpec:
+    """The KV cache's shape and the bytes of its pages.
+
+    An *entry* is one (layer, kv head). A GPU page holds ``page_size`` tokens of every
+    resident entry; a host page holds ``page_size`` tokens of every entry (so a whole
+    sequence can be swapped out, and any entry can stream, without a new layout).
+    """
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    page_size: int
+    dtype_bytes: int
+
+    @classmethod
+    def of(cls, config: ModelConfig, page_size: int, dtype_bytes: int) -> KVSpec:
+        return cls(config.num_layers, config.num_kv_heads, config.head_dim, page_size,
+                   dtype_bytes)  # fmt: skip
+
+    @property
+    def num_entries(self) -> int:
+        return self.num_layers * self.num_kv_heads
+
+    @property
+    def entry_token_bytes(self) -> int:
+        """K and V of one token of one entry."""
+        return 2 * self.head_dim * self.dtype_bytes
+
+    @property
+    def entry_page_bytes(self) -> int:
+        """K and V of one page of one entry."""
+        return self.page_size * self.entry_token_bytes
+
+    @property
+    def full_page_bytes(self) -> int:
+        """One page of every entry: the all-resident GPU page and every host page."""
+        return self.num_entries * self.entry_page_bytes
+
+    def pages_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.page_size)
+
+
+def weight_bytes(config: ModelConfig, dtype_bytes: int) -> int:
+    """Bytes of all parameters (embeddings counted once when tied)."""
+    hidden, inter = config.hidden_size, config.intermediate_size
+    q_size, kv_size = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+    per_layer = hidden * (q_size + 2 * kv_size) + q_size * hidden + 3 * hidden * inter
+    per_layer += 2 * hidden + (q_size + 2 * kv_size if config.qkv_bias else 0)
+    embeddings = config.vocab_size * hidden * (1 if config.tie_word_embeddings else 2)
+    return dtype_bytes * (config.num_layers * per_layer + embeddings + hidden)
+
+
+def head_bytes(config: ModelConfig, tokens: int, dtype_bytes: int) -> int:
+    """K and V bytes of one kv head of one layer over ``tokens``."""
+    return 2 * tokens * config.head_dim * dtype_bytes
+
+
+def activation_bytes_per_token(config: ModelConfig, dtype_bytes: int) -> int:
+    """Peak activations per prefill token (hidden states, MLP, q/out copies, expanded K/V)."""
+    per_token = dtype_bytes * (6 * config.hidden_size + 3 * config.intermediate_size)
+    return per_token + 4 * config.num_heads * config.head_dim * dtype_bytes
+
+
+def activation_bytes(config: ModelConfig, chunk: int, dtype_bytes: int) -> int:
+    """Peak activations of one prefill chunk, with the fp32 logits of its last token."""
+    return chunk * activation_bytes_per_token(config, dtype_bytes) + 4 * config.vocab_size
+
+
+def decode_bytes(config: ModelConfig, max_batch: int, dtype_bytes: int) -> int:
+    """Buffers of batched decode kept beside the prefill activations: the fp32 logits of a
+    full batch and its sampled tokens (CUDA graphs share one pool for the rest)."""
+    return max_batch * (4 * config.vocab_size + activation_bytes_per_token(config, dtype_bytes))
+
+
+def working_bytes(config: ModelConfig, chunk: int, dtype_bytes: int) -> int:
+    """GPU bytes a prefill chunk needs besides weights and KV: its activations and as much
+    again for the caching allocator's slack (cached blocks of other sizes), so that what
+    the allocator reserves, not only what tensors hold, stays within the budget."""
+    return 2 * activation_bytes(config, chunk, dtype_bytes)
+
+
+def balanced_chunk(config: ModelConfig, dtype_bytes: int, hw: Hardware | None = None) -> int:
+    """The smallest power-of-two chunk whose attention FLOPs hide re-reading streamed history
+    over PCIe: each history byte serves ``chunk * 2 * queries_per_kv / dtype_bytes`` FLOPs."""
+    hw = hw or Hardware()
+    balance = hw.attention_flops / hw.h2d_bytes * dtype_bytes / (2 * config.num_queries_per_kv)
+    return 1 << max(int(balance) - 1, 1).bit_length()
+
+
+def prefill_chunk(config: ModelConfig, room: int, context: int, dtype_bytes: int,
+                  hw: Hardware | None = None) -> int:  # fmt: skip
+    """Prompt tokens per prefill chunk: a power of two in [128, 32768] whose activations take
+    a fifth of ``room`` (bytes left after weights), at most the context rounded up. Raised
+    to the :func:`balanced_chunk` (streamed heads re-read their history once per chunk) when
+    its working memory takes at most three quarters of the room."""
+    per_token = activation_bytes_per_token(config, dtype_bytes)
+    fit = max(room, 0) // 5 // per_token
+    chunk = 1 << max(int(fit), 1).bit_length() - 1
+    balanced = balanced_chunk(config, dtype_bytes, hw)
+    if chunk < balanced and working_bytes(config, balanced, dtype_bytes) <= 3 * room // 4:
+        chunk = balanced
+    return max(MIN_PREFILL_CHUNK, min(chunk, MAX_PREFILL_CHUNK, 1 << (context - 1).bit_length()))
+
+
+@dataclass(frozen=True)
+class GpuSplit:
+    """How a GPU budget splits (bytes): weights, working memory, and the KV arena that holds
+    resident pages and the staging of streamed heads."""
+
+    budget: int
+    weights: int
+    activations: int
+    allocator_slack: int
+    decode: int
+
+    @property
+    def arena(self) -> int:
+        return self.budget - self.weights - self.activations - self.allocator_slack - self.decode
+
+
+def split_gpu_budget(config: ModelConfig, budget: int, weights: int, chunk: int,
+                     dtype_bytes: int, max_batch: int = 1) -> GpuSplit:  # fmt: skip
+    """Split ``budget`` bytes; raises UserError with the numbers when nothing is left for KV."""
+    activations = activation_bytes(config, chunk, dtype_bytes)
+    split = GpuSplit(budget, weights, activations,
+                     working_bytes(config, chunk, dtype_bytes) - activations,
+                     decode_bytes(config, max_batch, dtype_bytes))  # fmt: skip
+    if split.arena <= 0:
+        raise UserError(
+            f"GPU budget too small: {budget / GiB:.2f} GiB holds the weights "
+            f"({weights / GiB:.2f} GiB) and the activations of a {chunk}-token prefill chunk "
+            f"with allocator slack ({(activations + split.allocator_slack) / GiB:.2f} GiB) "
+            f"and batched decode ({split.decode / GiB:.2f} GiB), but leaves no room for KV"
+        )
+    return split
+
+
+def prefill_compute_seconds(config: ModelConfig, context: int, hw: Hardware) -> float:
+    """Seconds of a ``context``-token prefill if its layer GEMMs and causal attention ran at
+    ``hw``'s FLOP rates (the compute roofline)."""
+    embeddings = config.vocab_size * config.hidden_size * (1 if config.tie_word_embeddings else 2)
+    layer_params = weight_bytes(config, 1) - embeddings
+    gemm_s = 2 * layer_params * context / hw.gemm_flops
+    attention_flops = 2 * config.num_heads * config.head_dim * context**2 * config.num_layers
+    return gemm_s + attention_flops / hw.attention_flops

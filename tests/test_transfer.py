@@ -1,0 +1,87 @@
+"""Moving KV between tiers: the Triton kernels (through Triton's interpreter on the CPU)
+equal their torch twins; the paged decode kernel equals its CPU twin on head ranges."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from headspace.attention.paged import paged_decode_reference
+from headspace.kv.transfer import as_heads, copy_pages, write_tokens
+
+triton = pytest.importorskip("triton")
+
+
+def _tiers(seed: int, heads: int, dim: int, page: int, num_pages: int):
+    generator = torch.Generator().manual_seed(seed)
+    host = torch.randn(heads, 2, num_pages * page, dim, generator=generator)  # one layer
+    gpu = torch.randn(2, heads, num_pages * page, dim, generator=generator)
+    return host, gpu
+
+
+@pytest.mark.parametrize("seed,heads,dim,page", [(0, 4, 16, 8), (1, 3, 32, 16), (2, 8, 64, 4)])
+def test_copy_pages_kernel_equals_the_twin(seed, heads, dim, page):
+    host, gpu = _tiers(seed, heads, dim, page, num_pages=9)
+    generator = torch.Generator().manual_seed(seed)
+    src_pages = torch.randperm(9, generator=generator)[:5]
+    dst_pages = torch.randperm(9, generator=generator)[:5]
+    src_heads = torch.randperm(heads, generator=generator)[:2]
+    dst_heads = torch.tensor([1, 0])
+    twin_dst = as_heads(gpu.clone(), kv_first=True)
+    kernel_dst = as_heads(gpu.clone(), kv_first=True)
+    copy_pages(host, twin_dst, src_pages, dst_pages, src_heads, dst_heads, page, kernel=False)
+    copy_pages(host, kernel_dst, src_pages, dst_pages, src_heads, dst_heads, page, kernel=True)
+    assert torch.equal(twin_dst, kernel_dst)
+    for i in range(5):  # and the twin does what it says
+        for j in range(2):
+            s, d = src_pages[i] * page, dst_pages[i] * page
+            expected = host[src_heads[j], :, s : s + page]
+            assert torch.equal(twin_dst[dst_heads[j], :, d : d + page], expected)
+    untouched = torch.ones(heads, 9, dtype=torch.bool)
+    untouched[dst_heads[:, None], dst_pages[None, :]] = False
+    original = as_heads(gpu, kv_first=True).unflatten(2, (9, page))
+    rows, pages = untouched.nonzero(as_tuple=True)
+    assert torch.equal(twin_dst.unflatten(2, (9, page))[rows, :, pages], original[rows, :, pages])
+
+
+@pytest.mark.parametrize("num_tokens", [1, 5, 37])
+def test_write_tokens_kernel_equals_the_twin(num_tokens):
+    host, _ = _tiers(3, 4, 16, 8, num_pages=10)
+    generator = torch.Generator().manual_seed(num_tokens)
+    kv = torch.randn(2, num_tokens, 4, 16, generator=generator)[:, :, 1:3]  # a head range view
+    slots = torch.randperm(80, generator=generator)[:num_tokens]
+    columns = torch.zeros(num_tokens, 3, dtype=torch.long)
+    columns[:, 2] = slots  # a column of a CUDA graph's input rows: strided
+    heads = torch.tensor([3, 0])
+    twin, kernel = host.clone(), host.clone()
+    write_tokens(twin, heads, slots, kv, kernel=False)
+    write_tokens(kernel, heads, columns[:, 2], kv, kernel=True)
+    assert torch.equal(twin, kernel)
+    assert torch.equal(twin[3, :, slots], kv[:, :, 0]) and torch.equal(
+        twin[0, :, slots], kv[:, :, 1]
+    )
+    changed = (twin != host).any(-1).nonzero(as_tuple=True)
+    assert set(changed[0].tolist()) <= {0, 3} and set(changed[2].tolist()) <= set(slots.tolist())
+
+
+@pytest.mark.parametrize("append", [False, True])
+def test_paged_decode_kernel_writes_a_head_range_and_equals_the_twin(append):
+    from headspace.attention.triton_decode import paged_decode_attention
+
+    generator = torch.Generator().manual_seed(4)
+    page, num_pages, lengths = 16, 12, [35, 1, 64]
+    k, v = torch.randn(2, 2, num_pages * page, 16, generator=generator)
+    tables = torch.tensor([[5, 2, 9, 0], [7, 0, 0, 0], [1, 3, 4, 11]], dtype=torch.int32)
+    q_all = torch.randn(3, 12, 16, generator=generator)  # 6 kv heads' queries; 2 are ours
+    q = q_all[:, 4:8]  # kv heads 2 and 3 of the layer, GQA 2:1
+    new_kv = torch.randn(2, 3, 2, 16, generator=generator) if append else None
+    out_all = torch.zeros(3, 12, 16)
+    k_ref, v_ref = k.clone(), v.clone()
+    _, lse = paged_decode_attention(q, k, v, tables, torch.tensor(lengths), page,
+                                    new_kv=new_kv, out=out_all[:, 4:8])  # fmt: skip
+    ref_out, ref_lse = paged_decode_reference(q, k_ref, v_ref, tables, lengths, page,
+                                              new_kv=new_kv)  # fmt: skip
+    assert torch.allclose(out_all[:, 4:8], ref_out, atol=1e-5)
+    assert torch.allclose(lse, ref_lse, atol=1e-5)
+    assert out_all[:, :4].abs().sum() == 0 and out_all[:, 8:].abs().sum() == 0
+    assert torch.equal(k, k_ref) and torch.equal(v, v_ref)  # both appended the same K/V
