@@ -7,6 +7,7 @@ import os
 import sys
 
 from headspace.cli.eval import add_eval_parser, run_eval
+from headspace.cli.options import add_engine_options, engine_options
 from headspace.cli.plan import add_plan_parser, run_plan
 from headspace.errors import UserError
 
@@ -29,34 +30,6 @@ def _add_generate(subparsers) -> None:
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--chat", action="store_true", help="apply the tokenizer's chat template")
     add_engine_options(p)
-
-
-def add_engine_options(p) -> None:
-    """One flag per :class:`EngineConfig` field (its documentation is the help text)."""
-    from dataclasses import fields
-
-    from headspace.engine.config import EngineConfig
-
-    for f in fields(EngineConfig):
-        flag = "--" + f.name.replace("_", "-")
-        default = f.metadata.get("cli_default", f.default)
-        help_text = f.metadata["help"].replace("%", "%%")
-        if f.type == "bool":
-            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=default,
-                           help=help_text)  # fmt: skip
-            continue
-        kind = int if f.type.startswith("int") else str
-        p.add_argument(flag, type=kind, default=default, choices=f.metadata.get("choices"),
-                       help=help_text)  # fmt: skip
-
-
-def engine_options(args) -> dict:
-    """LLM keyword arguments: every EngineConfig field, as parsed."""
-    from dataclasses import fields
-
-    from headspace.engine.config import EngineConfig
-
-    return {f.name: getattr(args, f.name) for f in fields(EngineConfig)}
 
 
 def build_parser() -> argparse.ArgumentParser:

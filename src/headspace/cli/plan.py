@@ -6,6 +6,7 @@ import json
 import re
 from pathlib import Path
 
+from headspace.cli.options import add_engine_options
 from headspace.errors import UserError
 
 GiB = 2**30
@@ -26,17 +27,10 @@ def add_plan_parser(subparsers) -> None:
         "--model", help="checkpoint directory, config.json, or .gguf (default: embedded)"
     )
     p.add_argument("--context", required=True, help="context length, e.g. 131072, 128K, 1M")
-    p.add_argument("--gpu-memory", default=None, help="GPU budget, e.g. 24GiB (default: the GPU's)")
-    p.add_argument(
-        "--host-memory",
-        default=None,
-        help="host budget (default: 90%% of this machine's available RAM, as the engine)",
-    )
-    p.add_argument("--offload", choices=["auto", "none", "layer", "head"], default="auto")
-    p.add_argument("--head-group", type=int, default=None, help="kv heads per streamed group")
-    p.add_argument("--prefill-chunk", type=int, default=None)
-    p.add_argument("--page-size", type=int, default=128, help="tokens per KV page")
-    p.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16")
+    # the engine's own flags for what a plan depends on (the GPU's memory unless given)
+    planned = ("gpu_memory", "host_memory", "offload", "head_group", "prefill_chunk",
+               "page_size", "dtype")  # fmt: skip
+    add_engine_options(p, planned, {"dtype": "bfloat16"})
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
 
 

@@ -148,13 +148,7 @@ class BatchGenerator:
 
     # -- requests ------------------------------------------------------------------------
     def _submit(self, scheduler: Scheduler, ids: list[int], params: SamplingParams) -> _Request:
-        if not ids:
-            raise UserError("the prompt is empty")
-        if len(ids) >= self.max_context:
-            raise UserError(
-                f"the prompt has {len(ids)} tokens, which does not fit the context of "
-                f"{self.max_context} tokens (raise it explicitly with max_context / --max-context)"
-            )
+        self._check_length(len(ids), room_for_one=True)
         max_tokens = min(len(ids) + params.max_new_tokens, self.max_context)
         seq = Sequence(self._next_id, list(ids), max_tokens)
         self._next_id += 1
@@ -163,6 +157,17 @@ class BatchGenerator:
         streamer = StopStringStreamer(self.tokenizer, params.stop)
         generator = make_generator(params, self.runner.device)
         return _Request(seq, params, generator, streamer, time.perf_counter())
+
+    def _check_length(self, num_tokens: int, room_for_one: bool) -> None:
+        """Refuse an empty prompt or one past the context (with ``room_for_one``, a prompt
+        must leave room for a generated token)."""
+        if num_tokens == 0:
+            raise UserError("the prompt is empty")
+        if num_tokens + room_for_one > self.max_context:
+            raise UserError(
+                f"the prompt has {num_tokens} tokens, which does not fit the context of "
+                f"{self.max_context} tokens (raise it explicitly with max_context / --max-context)"
+            )
 
     def _steps(self, prompts, params) -> Iterator[tuple[_Request, str]]:
         """Run the batch to the end; yield (request, new text) after every token."""
@@ -217,14 +222,16 @@ class BatchGenerator:
     def _sample(self, batch: list[Sequence], logits: torch.Tensor) -> None:
         """Sampled rows overwrite the greedy pick in their slot (on the device, no sync)."""
         for row, seq in enumerate(batch):
-            seq.num_pending += 1
             request = self._by_id[seq.seq_id]
             if request.params.temperature > 0:
                 token = sample(logits[row], request.params, request.generator)
                 self.runner.tokens[seq.slot] = token
 
     def _read(self, batch: list[Sequence], tokens: torch.Tensor) -> _Read:
-        """Start copying ``tokens`` (a fresh tensor) of ``batch`` to the host."""
+        """Start copying ``tokens`` (a fresh tensor) of ``batch`` to the host; until they
+        are read, each sequence has one more token pending."""
+        for seq in batch:
+            seq.num_pending += 1
         if not tokens.is_cuda:
             return _Read([s.seq_id for s in batch], tokens, None)
         host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
@@ -262,8 +269,8 @@ class BatchGenerator:
             scheduler.finish(seq, reason)
             request.finished = time.perf_counter()
             piece += request.streamer.finish()
-        else:
-            self.runner.blocks.cache_full_pages(seq.seq_id, seq.token_ids)
+        elif self.runner.blocks.has_pages_to_cache(seq.seq_id, seq.num_tokens):
+            self.runner.blocks.cache_full_pages(seq.seq_id, seq.token_ids)  # once per page
         return piece
 
     def _output(self, request: _Request) -> RequestOutput:
@@ -301,11 +308,7 @@ class BatchGenerator:
 
     def logits(self, token_ids: list[int]) -> torch.Tensor:
         """fp32 logits ``[len(token_ids), vocab]`` (CPU) through the paged prefill path."""
-        if len(token_ids) > self.max_context:
-            raise UserError(
-                f"{len(token_ids)} tokens do not fit the context of {self.max_context} tokens "
-                "(raise it explicitly with max_context / --max-context)"
-            )
+        self._check_length(len(token_ids), room_for_one=False)
         seq = Sequence(self._next_id, list(token_ids), len(token_ids))
         self._next_id += 1
         self.prepare([seq])

@@ -94,6 +94,4 @@ class Engine:
 
     def logits(self, token_ids: list[int]) -> torch.Tensor:
         """fp32 logits ``[len(token_ids), vocab]`` (CPU) through the chunked prefill path."""
-        if not token_ids:
-            raise UserError("the prompt is empty")
         return self.batch.logits(token_ids)

@@ -137,8 +137,8 @@ class ResidentExecutor:
                                             step.lengths, self.store.page_size, new_kv=kv,
                                             out=out)  # fmt: skip
             return out, lse.transpose(0, 1)
-        lengths = [p + 1 for p in step.positions_list]
         result, lse = paged_decode_reference(q, store_kv[0], store_kv[1], step.tables["gpu"],
-                                             lengths, self.store.page_size, new_kv=kv)  # fmt: skip
+                                             step.lengths.tolist(), self.store.page_size,
+                                             new_kv=kv)  # fmt: skip
         out.copy_(result)
         return out, lse.transpose(0, 1)

@@ -29,6 +29,13 @@ from headspace.planner.memory import KVSpec
 from headspace.planner.plan import Plan
 
 
+def _layout_key(plan: Plan) -> tuple:
+    """What the arena's layout depends on: each entry's tier and group, the GPU page count
+    and the staging slots (the same key gives the same tensors)."""
+    tiers = tuple((e.tier, e.group) for e in plan.head_map.entries)
+    return tiers, plan.num_gpu_pages, plan.staging
+
+
 def _ranges(plan: Plan, layer: int) -> tuple[tuple[int, int] | None, list[tuple[int, int]]]:
     """(resident kv-head range, streamed group ranges) of ``layer``: resident heads first."""
     head_map = plan.head_map
@@ -51,7 +58,9 @@ class PagedRunner:
         self._compiled = config.compile and self.device.type == "cuda"
         self.plan: Plan | None = None
         self.executors: list = []
-        self._graphs, self._graph_cache, self._graph_pool = None, {}, None
+        self._layout: tuple | None = None
+        self._layout_ids: dict[tuple, int] = {}  # a small key per layout seen, for the graphs
+        self._graph_cache, self._graph_pool = {}, None
 
     @property
     def page_size(self) -> int:
@@ -64,16 +73,18 @@ class PagedRunner:
     def apply(self, plan: Plan) -> None:
         """Lay the arena and executors out for ``plan`` (no sequence may hold pages)."""
         self.ensure_host_pages(plan.num_host_pages)
-        if self.plan is not None and _same_layout(self.plan, plan):
+        key = _layout_key(plan)
+        if key == self._layout:
             return
-        head_map, cfg = plan.head_map, self.model.config
+        cfg = self.model.config
         ranges = [_ranges(plan, layer) for layer in range(cfg.num_layers)]
         staging = plan.staging
         slots = (staging.depth, staging.group, staging.piece_pages) if staging else None
         self.store.layout([r[1] - r[0] if r else 0 for r, _ in ranges], plan.num_gpu_pages, slots)
-        same_map = self.plan is not None and self.plan.head_map == head_map
+        same_map = self._layout is not None and self._layout[0] == key[0]
         self.blocks.reset(plan.num_gpu_pages, drop_host_cache=not same_map)
-        self.plan = plan
+        self.plan, self._layout = plan, key
+        self._layout_id = self._layout_ids.setdefault(key, len(self._layout_ids))
         q_per_kv, backend = cfg.num_queries_per_kv, self.config.attention_backend
         resident = [r for r, _ in ranges]
         self.executors = []
@@ -83,38 +94,34 @@ class PagedRunner:
             self.executors.append(StreamExecutor(self.host, self.store.staging,
                                                  [g for _, g in ranges], q_per_kv,
                                                  self.page_size, backend))  # fmt: skip
-        self._graphs = self._decode_graphs(plan)
 
-    def _decode_graphs(self, plan: Plan):
-        """The CUDA graphs of this layout's decode step (kept per layout while the host
-        pages they address stay where they are)."""
-        if self.device.type != "cuda" or not self.config.cuda_graph:
+    @property
+    def _graphs(self):
+        """The CUDA graphs of this layout's decode step, None without CUDA graphs (kept per
+        layout while the host pages they address stay where they are)."""
+        if self.device.type != "cuda" or not self.config.cuda_graph or self.plan is None:
             return None
-        from headspace.engine.paged_graphs import DecodeGraphs
-
-        tiers = tuple((e.tier, e.group) for e in plan.head_map.entries)
-        key = (tiers, plan.num_gpu_pages, plan.staging)
-        generation = self.host.generation if plan.staging else 0  # graphs address host pages
-        cached = self._graph_cache.get(key)
+        generation = self.host.generation if self.plan.staging else 0  # graphs address host
+        cached = self._graph_cache.get(self._layout_id)
         if cached is not None and cached[0] == generation:
             return cached[1]
+        from headspace.engine.paged_graphs import DecodeGraphs
+
         if self._graph_pool is None:
             self._graph_pool = torch.cuda.graph_pool_handle()
         mode = "static" if self._compiled else "eager"
         graphs = DecodeGraphs(self.model, self.executors, self.tokens, self.store.num_pages,
                               self.host.scratch_slot, self.config.max_batch, mode,
                               self._graph_pool)  # fmt: skip
-        self._graph_cache[key] = (generation, graphs)
+        self._graph_cache[self._layout_id] = (generation, graphs)
         return graphs
 
     def ensure_host_pages(self, num_pages: int) -> None:
         """Host pages for at least ``num_pages`` (grows the arena when needed; graphs that
-        address the old one are dropped)."""
+        address the old one are then captured again)."""
         if num_pages > self.host.num_pages:
             self.host.ensure(num_pages)
             self.blocks.grow_host(self.host.num_pages)
-            if self.streaming:
-                self._graphs = self._decode_graphs(self.plan)
 
     # -- prefill -----------------------------------------------------------------------
     def _attention(self, layer: int, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
@@ -166,8 +173,9 @@ class PagedRunner:
         (pages already allocated). Returns fp32 logits ``[seqs, vocab]`` and the slots on
         the device; each greedy pick is written into its slot (sampled rows overwrite it)."""
         pages = self._pages(seq_ids)
-        if self._graphs is not None and self._graphs.accepts(positions):
-            return self._graphs.run(slots, positions, pages)
+        graphs = self._graphs
+        if graphs is not None and graphs.accepts(positions):
+            return graphs.run(slots, positions, pages)
         step = self._decode_inputs(positions, pages)
         for executor in self.executors:
             executor.begin(step)
@@ -201,11 +209,6 @@ class PagedRunner:
             gpu, host = as_heads(store_kv, kv_first=True), self.host.layer(layer)
             src, dst = (gpu, host) if to_host else (host, gpu)
             copy_pages(src, dst, src_pages, dst_pages, heads, heads, self.page_size)
-
-
-def _same_layout(a: Plan, b: Plan) -> bool:
-    return (a.head_map == b.head_map and a.num_gpu_pages == b.num_gpu_pages
-            and a.staging == b.staging)  # fmt: skip
 
 
 __all__ = ["GPU", "HOST", "PagedRunner"]

@@ -35,7 +35,6 @@ class _Piece:
     num_tokens: int
     tables: torch.Tensor | None = None
     lengths: torch.Tensor | None = None
-    lengths_list: list[int] | None = None
     runs: list[tuple[int, int, int]] | None = None
     count: torch.Tensor | None = None  # pages in use, on the device (CUDA-graph steps)
 
@@ -156,8 +155,8 @@ class StreamExecutor:
                 for row in range(len(positions))
             ]  # fmt: skip
             pieces.append(_Piece(torch.tensor(run, device=self.device), 0, tables.to(self.device),
-                                 torch.tensor(seq_lengths, device=self.device), seq_lengths,
-                                 page_runs(run)))  # fmt: skip
+                                 torch.tensor(seq_lengths, device=self.device),
+                                 runs=page_runs(run)))  # fmt: skip
         return pieces
 
     # -- staging -------------------------------------------------------------------------
@@ -259,23 +258,26 @@ class StreamExecutor:
         return out, lse
 
     def _decode(self, group: int, kv_range: HeadRange, q, kv, out):
-        new_kv = kv if self.fused else None
+        new_kv, target = (kv, out) if self.fused else (None, None)
 
         def piece_attention(piece: _Piece, k, v):
             if k.is_cuda:
                 from headspace.attention.triton_decode import paged_decode_attention
 
-                return paged_decode_attention(q, k, v, piece.tables, piece.lengths,
-                                              self.page_size, new_kv=new_kv)  # fmt: skip
-            return paged_decode_reference(q, k, v, piece.tables, piece.lengths_list,
-                                          self.page_size, new_kv=new_kv)  # fmt: skip
+                size = self.page_size
+                return paged_decode_attention(q, k, v, piece.tables, piece.lengths, size,
+                                              new_kv=new_kv, out=target)  # fmt: skip
+            result, lse = paged_decode_reference(q, k, v, piece.tables, piece.lengths.tolist(),
+                                                 self.page_size, new_kv=new_kv)  # fmt: skip
+            return (target.copy_(result) if target is not None else result), lse
 
         outs, lses = self._history(group, kv_range[1] - kv_range[0], piece_attention)
-        if not self.fused:  # the new token's own key: softmax over one score
-            scale = q.shape[-1] ** -0.5
-            k_new = kv[0].repeat_interleave(self.q_per_kv, dim=1).float()
-            outs.append(kv[1].repeat_interleave(self.q_per_kv, dim=1).to(q.dtype))
-            lses.append((q.float() * k_new).sum(-1) * scale)
+        if self.fused:  # one piece held the whole history and the new token: final in ``out``
+            return out, lses[0].transpose(0, 1)
+        scale = q.shape[-1] ** -0.5  # the new token's own key: softmax over one score
+        k_new = kv[0].repeat_interleave(self.q_per_kv, dim=1).float()
+        outs.append(kv[1].repeat_interleave(self.q_per_kv, dim=1).to(q.dtype))
+        lses.append((q.float() * k_new).sum(-1) * scale)
         merged, lse = merge_attention([o.transpose(0, 1) for o in outs],
                                       [x.transpose(0, 1) for x in lses])  # fmt: skip
         out.copy_(merged.transpose(0, 1))

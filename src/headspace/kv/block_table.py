@@ -130,6 +130,12 @@ class BlockManager:
         for table in tables.values():
             table.num_tokens += 1
 
+    def has_pages_to_cache(self, seq_id: int, num_known_tokens: int) -> bool:
+        """Whether a page of ``seq_id`` became full (of known tokens) since the last
+        registration: a cheap check before building the token list for it."""
+        table = next(iter(self.tables[seq_id].values()))
+        return min(num_known_tokens, table.num_tokens) // self.page_size > len(table.hashes)
+
     def cache_full_pages(self, seq_id: int, token_ids: Sequence[int]) -> None:
         """Register the full pages of ``seq_id`` (whose K/V are computed) for reuse."""
         size = self.page_size

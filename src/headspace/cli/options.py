@@ -1,0 +1,34 @@
+"""Command-line flags derived from the documented fields of :class:`EngineConfig`."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import fields
+
+from headspace.engine.config import EngineConfig
+
+
+def add_engine_options(p, names: tuple[str, ...] | None = None, defaults: dict | None = None):
+    """One flag per :class:`EngineConfig` field (``names``: only these), its documentation
+    the help text; ``defaults`` overrides the command line's default of some."""
+    defaults = defaults or {}
+    for f in fields(EngineConfig):
+        if names is not None and f.name not in names:
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        default = defaults.get(f.name, f.metadata.get("cli_default", f.default))
+        help_text = f.metadata["help"].replace("%", "%%")
+        if f.name in defaults:
+            help_text += f"; here {default}"
+        if f.type == "bool":
+            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=default,
+                           help=help_text)  # fmt: skip
+            continue
+        kind = int if f.type.startswith("int") else str
+        p.add_argument(flag, type=kind, default=default, choices=f.metadata.get("choices"),
+                       help=help_text)  # fmt: skip
+
+
+def engine_options(args) -> dict:
+    """LLM keyword arguments: every EngineConfig field, as parsed."""
+    return {f.name: getattr(args, f.name) for f in fields(EngineConfig)}
