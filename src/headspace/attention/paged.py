@@ -173,19 +173,15 @@ def paged_decode_reference(
     *,
     new_kv: torch.Tensor | None = None,  # [2, seqs, kv_heads, dim], stored at length - 1
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The CPU twin of ``paged_decode_attention``: gather each sequence's pages, attend with
-    the fp32 reference. Returns ``out [seqs, heads, dim]`` and ``lse [seqs, heads]``."""
-    from headspace.attention.reference import reference_attention
+    """The CPU twin of ``paged_decode_attention``: store ``new_kv``, then gather each
+    sequence's pages and attend with the fp32 reference. Returns ``out [seqs, heads, dim]``
+    and ``lse [seqs, heads]``."""
+    from headspace.attention.cpu_decode import cpu_paged_decode_reference
 
-    outs, lses = [], []
-    for row, length in enumerate(lengths):
-        pages = block_tables[row]
-        if new_kv is not None:
-            slot = token_slots(pages, torch.tensor(length - 1), page_size)
+    if new_kv is not None:
+        for row, length in enumerate(lengths):
+            slot = token_slots(block_tables[row], torch.tensor(length - 1), page_size)
             k[:, slot], v[:, slot] = new_kv[0, row], new_kv[1, row]
-        slots = token_slots(pages, torch.arange(length, device=k.device), page_size)
-        k_row, v_row = k.index_select(1, slots), v.index_select(1, slots)
-        out, lse = reference_attention(q[row][:, None], k_row, v_row)
-        outs.append(out[:, 0])
-        lses.append(lse[:, 0])
-    return torch.stack(outs), torch.stack(lses)
+    ends = torch.tensor(lengths, dtype=torch.int32)
+    out, lse = cpu_paged_decode_reference(q, k, v, block_tables, ends, page_size)
+    return out.to(q.dtype), lse

@@ -14,12 +14,8 @@ from dataclasses import dataclass, field
 import torch
 
 from headspace.attention import attend, merge_attention
-from headspace.attention.paged import (
-    flex_paged_attention,
-    gather_pages,
-    paged_decode_reference,
-    prefix_block_mask,
-)
+from headspace.attention.cpu_decode import cpu_paged_decode
+from headspace.attention.paged import flex_paged_attention, gather_pages, prefix_block_mask
 from headspace.kv.paged_store import PagedKVStore
 
 HeadRange = tuple[int, int]  # kv heads lo..hi-1 of a layer
@@ -68,8 +64,9 @@ def attend_tiers(executors: list, layer: int, q: torch.Tensor, kv: torch.Tensor)
 
 class ResidentExecutor:
     """Entries resident in the GPU pool's pages: FlexAttention over pages at prefill, the
-    Triton split-K paged kernel (which also appends the new K/V) at decode; the CPU twin
-    gathers pages and runs the reference."""
+    Triton split-K paged kernel (which also appends the new K/V) at decode. On the CPU,
+    prefill gathers pages for the reference backends and decode runs the CPU kernel over the
+    pages in place."""
 
     def __init__(self, store: PagedKVStore, ranges: list[HeadRange | None], q_per_kv: int,
                  backend: str):  # fmt: skip
@@ -84,6 +81,11 @@ class ResidentExecutor:
         if not step.decode:
             self.pages = torch.tensor(step.pages["gpu"][0], device=device)
             self.slots = self.store.slots(self.pages, step.positions)
+        elif not self.on_gpu and "gpu" in step.tables:  # the CPU kernel's inputs, per step
+            table, positions = step.tables["gpu"], step.positions
+            self.ends = step.lengths.to(torch.int32)
+            page_of = table.gather(1, (positions // self.page_size)[:, None])[:, 0]
+            self.slots = page_of.long() * self.page_size + positions % self.page_size
 
     def submit(self, layer: int, q: torch.Tensor, kv: torch.Tensor, out: torch.Tensor) -> None:
         """``q [tokens, heads, dim]``, ``kv [2, tokens, kv_heads, dim]`` of the whole layer;
@@ -137,8 +139,8 @@ class ResidentExecutor:
                                             step.lengths, self.store.page_size, new_kv=kv,
                                             out=out)  # fmt: skip
             return out, lse.transpose(0, 1)
-        result, lse = paged_decode_reference(q, store_kv[0], store_kv[1], step.tables["gpu"],
-                                             step.lengths.tolist(), self.store.page_size,
-                                             new_kv=kv)  # fmt: skip
+        store_kv[:, :, self.slots] = kv.transpose(1, 2)  # [2, heads, seqs, dim]
+        result, lse = cpu_paged_decode(q, store_kv[0], store_kv[1], step.tables["gpu"], self.ends,
+                                       self.page_size)  # fmt: skip
         out.copy_(result)
         return out, lse.transpose(0, 1)

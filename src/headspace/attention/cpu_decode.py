@@ -1,0 +1,165 @@
+"""Decode attention by CPU threads over K/V pages in place: the compiled kernel
+(``cpu_kernel.cpp``, a C ABI called through ctypes) and its reference twin.
+
+The kernel is built once per source version with the system C++ compiler into the cache
+directory (``make`` set-up builds it up front; otherwise the first call does). The hot loop
+is compiled for AVX-512, AVX2 and the baseline x86-64 and chosen when the library loads;
+other machines get the portable build. Without a compiler the reference twin runs.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+import warnings
+from pathlib import Path
+
+import torch
+
+from headspace.model.source import cache_root
+
+SOURCE = Path(__file__).with_name("cpu_kernel.cpp")
+FLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-fopenmp"]
+BLOCK_TOKENS = 256  # tokens per task: K and V of a block stay in the core's L2
+ISA_NAMES = {0: "portable", 1: "x86-64", 2: "AVX2", 3: "AVX-512"}
+_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+
+
+def library_path() -> Path:
+    """Where the library of this source version lives (built or not)."""
+    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode()).hexdigest()[:16]
+    return cache_root() / "native" / f"cpu_kernel-{digest}.so"
+
+
+def build() -> Path:
+    """Compile the kernel into the cache (atomically; a no-op when it is there)."""
+    target = library_path()
+    if target.exists():
+        return target
+    compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+    if compiler is None:
+        raise RuntimeError("no C++ compiler (g++ or c++) on PATH")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        built = Path(tmp) / target.name
+        subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", str(built)], check=True,
+                       capture_output=True, text=True)  # fmt: skip
+        os.replace(built, target)
+    return target
+
+
+@functools.cache
+def _library() -> ctypes.CDLL | None:
+    try:
+        lib = ctypes.CDLL(str(build()))
+    except (OSError, RuntimeError, subprocess.CalledProcessError) as error:
+        detail = getattr(error, "stderr", "") or error
+        warnings.warn(f"CPU attention kernel unavailable, using the reference: {detail}",
+                      stacklevel=3)  # fmt: skip
+        return None
+    pointer, i32, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
+    lib.hs_paged_decode.argtypes = [pointer, pointer, pointer, i32, i64, pointer, i64,
+                                    pointer, pointer, i32, i32, i32, i32, i32, ctypes.c_float,
+                                    i32, i32, i32, pointer, pointer]  # fmt: skip
+    lib.hs_paged_decode.restype = i32
+    lib.hs_isa.restype = i32
+    return lib
+
+
+def kernel_isa() -> str | None:
+    """The instruction set the kernel runs with here, or None without the kernel."""
+    lib = _library()
+    return None if lib is None else ISA_NAMES[lib.hs_isa()]
+
+
+def default_threads() -> int:
+    return torch.get_num_threads()
+
+
+def _check(q, k, v, tables, ends, starts) -> None:
+    if k.dtype not in _DTYPES or v.dtype != k.dtype:
+        raise ValueError(f"K/V dtype must be float32 or bfloat16, got {k.dtype}, {v.dtype}")
+    if k.stride() != v.stride() or k.stride(2) != 1 or k.stride(1) != k.shape[2]:
+        raise ValueError("K and V need the same strides and contiguous [slots, dim] rows")
+    if tables.dtype != torch.int32 or tables.stride(1) != 1:
+        raise ValueError("block tables must be int32 with contiguous rows")
+    for index in (ends, starts):
+        if index is not None and (index.dtype != torch.int32 or not index.is_contiguous()):
+            raise ValueError("starts and ends must be contiguous int32")
+    if q.device.type != "cpu" or k.device.type != "cpu":
+        raise ValueError("the CPU kernel reads CPU tensors")
+
+
+def cpu_paged_decode(
+    q: torch.Tensor,  # [seqs, heads, dim]
+    k: torch.Tensor,  # [kv_heads, slots, dim] (any head stride; rows contiguous)
+    v: torch.Tensor,  # like k, same strides
+    block_tables: torch.Tensor,  # [seqs, max_pages] int32
+    ends: torch.Tensor,  # [seqs] int32: attend tokens start..end-1 of each sequence
+    page_size: int,
+    *,
+    starts: torch.Tensor | None = None,  # [seqs] int32, default 0
+    scale: float | None = None,
+    num_threads: int | None = None,
+    block_tokens: int = BLOCK_TOKENS,
+    portable: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Decode attention of one query token per sequence over its pages, read in place by
+    CPU threads. Returns fp32 ``out [seqs, heads, dim]`` and natural-log ``lse [seqs,
+    heads]``; a sequence with no token gives out 0 and lse -inf. Falls back to
+    :func:`cpu_paged_decode_reference` where the kernel cannot be built. ``portable`` runs
+    the compiler-vectorised loops instead of the AVX-512 ones (tests)."""
+    _check(q, k, v, block_tables, ends, starts)
+    lib = _library()
+    if lib is None:
+        return cpu_paged_decode_reference(q, k, v, block_tables, ends, page_size,
+                                          starts=starts, scale=scale)  # fmt: skip
+    num_seqs, num_heads, dim = q.shape
+    num_kv_heads = k.shape[0]
+    scale = dim**-0.5 if scale is None else scale
+    q32 = q.float().contiguous()
+    out = torch.empty(num_seqs, num_heads, dim)
+    lse = torch.empty(num_seqs, num_heads)
+    status = lib.hs_paged_decode(
+        q32.data_ptr(), k.data_ptr(), v.data_ptr(), _DTYPES[k.dtype], k.stride(0),
+        block_tables.data_ptr(), block_tables.stride(0),
+        None if starts is None else starts.data_ptr(), ends.data_ptr(), num_seqs,
+        num_kv_heads, num_heads // num_kv_heads, dim, page_size, scale, block_tokens,
+        num_threads or default_threads(), int(not portable), out.data_ptr(), lse.data_ptr(),
+    )  # fmt: skip
+    if status != 0:
+        raise ValueError(f"CPU kernel refused the shapes (dim {dim}, group "
+                         f"{num_heads // num_kv_heads}, block {block_tokens})")  # fmt: skip
+    return out, lse
+
+
+def cpu_paged_decode_reference(
+    q: torch.Tensor,  # [seqs, heads, dim]
+    k: torch.Tensor,  # [kv_heads, slots, dim]
+    v: torch.Tensor,
+    block_tables: torch.Tensor,  # [seqs, max_pages]
+    ends: torch.Tensor,  # [seqs]
+    page_size: int,
+    *,
+    starts: torch.Tensor | None = None,
+    scale: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The twin: gather tokens ``start..end-1`` of each sequence, the fp32 reference."""
+    from headspace.attention.reference import reference_attention
+    from headspace.kv.paged_store import token_slots
+
+    outs, lses = [], []
+    for row in range(q.shape[0]):
+        start = 0 if starts is None else int(starts[row])
+        positions = torch.arange(start, max(int(ends[row]), start))
+        slots = token_slots(block_tables[row], positions, page_size)
+        out, lse = reference_attention(q[row][:, None].float(), k.index_select(1, slots),
+                                       v.index_select(1, slots), scale=scale)  # fmt: skip
+        outs.append(out[:, 0])
+        lses.append(lse[:, 0])
+    return torch.stack(outs), torch.stack(lses)

@@ -1,0 +1,88 @@
+"""The CPU attention kernel against its reference twin: shapes, GQA ratios, ragged lengths,
+both K/V layouts (GPU-pool order and host-arena order), threads."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from headspace.attention.cpu_decode import (
+    cpu_paged_decode,
+    cpu_paged_decode_reference,
+    kernel_isa,
+)
+
+PAGE = 16
+
+
+def _problem(num_seqs, num_kv_heads, group, dim, lengths, dtype, host_layout, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    num_pages = sum(-(-n // PAGE) for n in lengths) + 3
+    slots = num_pages * PAGE
+    if host_layout:  # [kv_heads, 2, slots, dim]: K and V of a head adjacent
+        kv = torch.randn(num_kv_heads, 2, slots, dim, generator=gen).to(dtype)
+        k, v = kv[:, 0], kv[:, 1]
+    else:  # [2, kv_heads, slots, dim]
+        kv = torch.randn(2, num_kv_heads, slots, dim, generator=gen).to(dtype)
+        k, v = kv[0], kv[1]
+    order = torch.randperm(num_pages, generator=gen)  # pages scattered over the pool
+    width = max(-(-n // PAGE) for n in lengths) + 1
+    tables = torch.zeros(num_seqs, width, dtype=torch.int32)
+    used = 0
+    for row, n in enumerate(lengths):
+        count = -(-n // PAGE)
+        tables[row, :count] = order[used : used + count].to(torch.int32)
+        used += count
+    q = torch.randn(num_seqs, num_kv_heads * group, dim, generator=gen).to(dtype)
+    return q, k, v, tables, torch.tensor(lengths, dtype=torch.int32)
+
+
+def test_kernel_builds_here():
+    assert kernel_isa() is not None  # CI and the device have a compiler: no silent fallback
+
+
+@pytest.mark.parametrize("portable", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("host_layout", [False, True])
+@pytest.mark.parametrize(
+    "num_kv_heads,group,dim,lengths",
+    [(2, 4, 64, [1, 700, 33]), (3, 1, 32, [16, 17]), (1, 7, 128, [1000]), (4, 2, 48, [0, 5]),
+     (2, 3, 40, [300]), (1, 9, 80, [129, 2])],
+)  # fmt: skip
+def test_kernel_equals_reference(portable, dtype, host_layout, num_kv_heads, group, dim,
+                                 lengths):  # fmt: skip
+    q, k, v, tables, ends = _problem(len(lengths), num_kv_heads, group, dim, lengths, dtype,
+                                     host_layout)  # fmt: skip
+    out, lse = cpu_paged_decode(q, k, v, tables, ends, PAGE, block_tokens=64, portable=portable)
+    ref_out, ref_lse = cpu_paged_decode_reference(q, k, v, tables, ends, PAGE)
+    torch.testing.assert_close(out, ref_out.float(), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lse, ref_lse, atol=1e-5, rtol=1e-5)
+    empty = ends == 0
+    assert torch.isneginf(lse[empty]).all() and (out[empty] == 0).all()
+
+
+def test_kernel_token_ranges():
+    """Tokens start..end-1 only (the part of a history a CPU thread is given)."""
+    q, k, v, tables, ends = _problem(3, 2, 4, 64, [500, 300, 40], torch.bfloat16, True)
+    starts = torch.tensor([100, 299, 40], dtype=torch.int32)
+    out, lse = cpu_paged_decode(q, k, v, tables, ends, PAGE, starts=starts)
+    ref_out, ref_lse = cpu_paged_decode_reference(q, k, v, tables, ends, PAGE, starts=starts)
+    torch.testing.assert_close(out, ref_out.float(), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lse, ref_lse, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("portable", [False, True])
+def test_threads_give_the_same_bits(portable):
+    q, k, v, tables, ends = _problem(2, 2, 4, 64, [3000, 1234], torch.bfloat16, False)
+    results = [cpu_paged_decode(q, k, v, tables, ends, PAGE, num_threads=n, portable=portable)
+               for n in (1, 2, 3)]  # fmt: skip
+    for out, lse in results[1:]:
+        assert torch.equal(out, results[0][0]) and torch.equal(lse, results[0][1])
+
+
+def test_rejects_what_it_cannot_read():
+    q, k, v, tables, ends = _problem(1, 2, 2, 32, [10], torch.float32, False)
+    with pytest.raises(ValueError, match="int32"):
+        cpu_paged_decode(q, k, v, tables.long(), ends, PAGE)
+    with pytest.raises(ValueError, match="dtype"):
+        cpu_paged_decode(q, k.half(), v.half(), tables, ends, PAGE)
