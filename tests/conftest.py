@@ -104,3 +104,26 @@ def tiny(request, tmp_path_factory, embedded_dir):
     out_dir = tmp_path_factory.mktemp(f"tiny-{request.param}")
     model = make_tiny_checkpoint(request.param, out_dir, embedded_dir)
     return request.param, out_dir, model
+
+
+# the tiers' tests share these (test_offload, test_hybrid)
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory, embedded_dir):
+    path = tmp_path_factory.mktemp("offload-tiny")
+    make_tiny_checkpoint("llama3", path, embedded_dir)
+    return path
+
+
+@pytest.fixture(scope="module")
+def prompt() -> list[int]:
+    generator = torch.Generator().manual_seed(5)
+    return torch.randint(3, 40000, (150,), generator=generator).tolist()
+
+
+@pytest.fixture(scope="module")
+def wide_llama(tmp_path_factory, embedded_dir):
+    """8 layers x 4 kv heads: 32 entries, so one streamed head is a small part of the KV."""
+    path = tmp_path_factory.mktemp("offload-wide")
+    make_tiny_checkpoint("llama3", path, embedded_dir, num_hidden_layers=8,
+                         num_key_value_heads=4)  # fmt: skip
+    return path

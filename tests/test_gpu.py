@@ -161,6 +161,20 @@ def test_streamed_heads_on_gpu_equal_resident(arena_kib, pieces):
     assert gap.abs().max().item() < 1e-3
 
 
+@pytest.mark.parametrize("share,arena_kib", [(1.0, 2048), (0.5, 2048), (0.5, 96)])
+def test_hybrid_on_gpu_equals_resident(share, arena_kib):
+    """CPU threads over page-locked host pages, merged on the GPU with the streamed part."""
+    model = _tiny_model("cuda", torch.float32, layers=8)
+    generator = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, 512, (n,), generator=generator) for n in (900, 40, 300)]
+    resident = _engine(model, dtype="float32")
+    expected = [_greedy(resident, [p])[0] for p in prompts]
+    hybrid = _engine(model, dtype="float32", gpu_memory=_arena_budget(model, arena_kib * 1024),
+                     offload="hybrid", cpu_share=share, gpu_window=128)  # fmt: skip
+    assert _greedy(hybrid, prompts) == expected
+    assert hybrid.batch.runner.plan.offload == "hybrid"
+
+
 def test_swap_out_and_in_on_gpu_keeps_outputs():
     model = _tiny_model("cuda", torch.float32)
     generator = torch.Generator().manual_seed(4)

@@ -18,15 +18,6 @@ CHUNK, PAGE = 64, 16
 
 
 @pytest.fixture(scope="module")
-def tiny_llama(tmp_path_factory, embedded_dir):
-    from conftest import make_tiny_checkpoint
-
-    path = tmp_path_factory.mktemp("offload-tiny")
-    make_tiny_checkpoint("llama3", path, embedded_dir)
-    return path
-
-
-@pytest.fixture(scope="module")
 def spec(tiny_llama) -> KVSpec:
     return KVSpec.of(load_config(tiny_llama), PAGE, 4)  # fp32: an entry's page is 2 KiB
 
@@ -43,12 +34,6 @@ def make(checkpoint, arena: int | None = None, **options) -> LLM:
     return LLM(str(checkpoint), prefill_chunk=CHUNK, page_size=PAGE, gpu_memory=budget, **options)
 
 
-@pytest.fixture(scope="module")
-def prompt() -> list[int]:
-    generator = torch.Generator().manual_seed(5)
-    return torch.randint(3, 40000, (150,), generator=generator).tolist()
-
-
 GREEDY = SamplingParams(max_new_tokens=64, ignore_eos=True)
 
 
@@ -61,17 +46,6 @@ def test_short_prompt_under_a_small_budget_runs_all_resident(tiny_llama, spec, p
     assert generator.runner.plan.head_map.count("stream") == 0
     assert (out.stats.num_gpu_heads, out.stats.num_streamed_heads) == (6, 0)
     assert "heads 6 gpu / 0 streamed" in out.stats.summary()
-
-
-@pytest.fixture(scope="module")
-def wide_llama(tmp_path_factory, embedded_dir):
-    """8 layers x 4 kv heads: 32 entries, so one streamed head is a small part of the KV."""
-    from conftest import make_tiny_checkpoint
-
-    path = tmp_path_factory.mktemp("offload-wide")
-    make_tiny_checkpoint("llama3", path, embedded_dir, num_hidden_layers=8,
-                         num_key_value_heads=4)  # fmt: skip
-    return path
 
 
 @pytest.mark.parametrize(

@@ -46,6 +46,7 @@ class _Request:
     finished: float = 0.0
     num_gpu_heads: int = 0
     num_streamed_heads: int = 0
+    num_hybrid_heads: int = 0
 
 
 @dataclass
@@ -192,7 +193,10 @@ class BatchGenerator:
         if seq is not None:
             request = self._by_id[seq.seq_id]
             request.num_gpu_heads = self.runner.plan.head_map.count("gpu")
-            request.num_streamed_heads = self.runner.plan.head_map.count("stream")
+            offloaded = self.runner.plan.head_map.count("stream")
+            hybrid = self.runner.plan.offload == "hybrid"
+            request.num_streamed_heads = 0 if hybrid else offloaded
+            request.num_hybrid_heads = offloaded if hybrid else 0
             logits = self._prefill(seq)
             self._sample([seq], logits[None])
             reads.append(self._read([seq], self.runner.tokens[seq.slot : seq.slot + 1].clone()))
@@ -280,7 +284,7 @@ class BatchGenerator:
             prefill_seconds=request.first_token - request.submitted,
             decode_seconds=request.finished - request.first_token,
             num_gpu_heads=request.num_gpu_heads, num_streamed_heads=request.num_streamed_heads,
-            num_swaps=seq.num_swaps,
+            num_hybrid_heads=request.num_hybrid_heads, num_swaps=seq.num_swaps,
         )  # fmt: skip
         if self.config.on_gpu:
             stats.peak_gpu_bytes = torch.cuda.max_memory_allocated(self.config.device)

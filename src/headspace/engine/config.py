@@ -55,8 +55,18 @@ class EngineConfig:
     offload: str = _option(
         "auto", "host tier: auto (stream kv heads from host pages, and swap sequences out, "
         "only when the running batch needs it), none (never), layer (stream whole layers), "
-        "head (stream head groups)", choices=OFFLOAD_MODES,
+        "head (stream head groups), hybrid (offloaded heads' older tokens attended by CPU "
+        "threads in host memory, merged exactly)", choices=OFFLOAD_MODES,
     )  # fmt: skip
+    cpu_share: float | None = _option(
+        None, "hybrid: share of each offloaded history (before the GPU window) attended by "
+        "CPU threads, the rest streamed over PCIe (default: split by the CPU and PCIe rates; "
+        "1 = CPU only)",
+    )  # fmt: skip
+    gpu_window: int = _option(1024, "hybrid: most recent tokens always attended on the GPU")
+    cpu_threads: int | None = _option(
+        None, "hybrid: CPU threads of the attention kernel (default: the cores less one)"
+    )
     head_group: int | None = _option(None, "kv heads per streamed group (default: the planner's)")
     host_memory: str | float | None = _option(
         None, "host memory budget for KV pages (default: 90% of the RAM available)"
@@ -71,11 +81,13 @@ class EngineConfig:
             raise UserError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
         if self.device.startswith("cuda") and not torch.cuda.is_available():
             raise UserError(f"device {self.device!r} requested but no CUDA GPU is available")
-        for name in ("prefill_chunk", "max_context", "head_group", "num_kv_pages"):
+        for name in ("prefill_chunk", "max_context", "head_group", "num_kv_pages", "cpu_threads"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise UserError(f"{name} must be a positive integer, got {value}")
-        for name in ("page_size", "max_batch"):
+        if self.cpu_share is not None and not 0 <= self.cpu_share <= 1:
+            raise UserError(f"cpu_share must be between 0 and 1, got {self.cpu_share}")
+        for name in ("page_size", "max_batch", "gpu_window"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise UserError(f"{name} must be a positive integer, got {getattr(self, name)}")
         for f in fields(self):

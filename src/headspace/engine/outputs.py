@@ -15,6 +15,7 @@ class GenerationStats:
     decode_seconds: float = 0.0
     num_gpu_heads: int = 0  # (layer, kv head) entries resident while it ran
     num_streamed_heads: int = 0  # entries streamed from host pages
+    num_hybrid_heads: int = 0  # offloaded entries whose older tokens the CPU attends
     num_swaps: int = 0  # times it was swapped out to host pages and back
     peak_gpu_bytes: int | None = None  # allocated by tensors
     peak_reserved_bytes: int | None = None  # reserved by torch's caching allocator
@@ -34,6 +35,8 @@ class GenerationStats:
             f"decode {self.decode_tok_s:,.1f} tok/s ({self.generated_tokens} tokens)",
             f"heads {self.num_gpu_heads} gpu / {self.num_streamed_heads} streamed",
         ]
+        if self.num_hybrid_heads:
+            parts[-1] = f"heads {self.num_gpu_heads} gpu / {self.num_hybrid_heads} hybrid"
         if self.num_swaps:
             parts.append(f"swapped out {self.num_swaps}x")
         if self.peak_reserved_bytes is not None:

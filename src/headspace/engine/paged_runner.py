@@ -9,6 +9,8 @@ graphs survive a detour through streaming.
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from headspace.engine.config import EngineConfig
@@ -19,21 +21,22 @@ from headspace.engine.executors import (
     attend_tiers,
     bucket,
 )
-from headspace.engine.streaming import StreamExecutor
+from headspace.engine.hybrid import CpuAttention, balanced_share
+from headspace.engine.streaming import CpuSplit, StreamExecutor
 from headspace.kv.block_table import GPU, HOST, BlockManager
 from headspace.kv.host_store import HostKVArena
 from headspace.kv.paged_store import PagedKVStore
 from headspace.kv.transfer import as_heads, copy_pages
 from headspace.model.llama import LlamaModel
-from headspace.planner.memory import KVSpec
+from headspace.planner.memory import Hardware, KVSpec
 from headspace.planner.plan import Plan
 
 
 def _layout_key(plan: Plan) -> tuple:
-    """What the arena's layout depends on: each entry's tier and group, the GPU page count
-    and the staging slots (the same key gives the same tensors)."""
+    """What the arena's layout and executors depend on: each entry's tier and group, the GPU
+    page count, the staging slots and the mode (the same key gives the same tensors)."""
     tiers = tuple((e.tier, e.group) for e in plan.head_map.entries)
-    return tiers, plan.num_gpu_pages, plan.staging
+    return tiers, plan.num_gpu_pages, plan.staging, plan.offload
 
 
 def _ranges(plan: Plan, layer: int) -> tuple[tuple[int, int] | None, list[tuple[int, int]]]:
@@ -58,6 +61,7 @@ class PagedRunner:
         self._compiled = config.compile and self.device.type == "cuda"
         self.plan: Plan | None = None
         self.executors: list = []
+        self._cpu_attention: CpuAttention | None = None
         self._layout: tuple | None = None
         self._layout_ids: dict[tuple, int] = {}  # a small key per layout seen, for the graphs
         self._graph_cache, self._graph_pool = {}, None
@@ -93,7 +97,22 @@ class PagedRunner:
         if staging is not None:
             self.executors.append(StreamExecutor(self.host, self.store.staging,
                                                  [g for _, g in ranges], q_per_kv,
-                                                 self.page_size, backend))  # fmt: skip
+                                                 self.page_size, backend,
+                                                 self._cpu_split(plan)))  # fmt: skip
+
+    def _cpu_split(self, plan: Plan) -> CpuSplit | None:
+        """The hybrid tier's CPU side (one per runner: its worker thread is kept)."""
+        if plan.offload != "hybrid":
+            return None
+        if self._cpu_attention is None:
+            threads = self.config.cpu_threads or max((os.cpu_count() or 2) - 1, 1)
+            self._cpu_attention = CpuAttention(self.host, self.model.config.num_queries_per_kv,
+                                               threads)  # fmt: skip
+        share = self.config.cpu_share
+        if share is None:
+            hw = Hardware()
+            share = balanced_share(hw.cpu_attention_bytes, hw.h2d_bytes)
+        return CpuSplit(self._cpu_attention, share, self.config.gpu_window)
 
     @property
     def _graphs(self):

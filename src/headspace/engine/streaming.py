@@ -19,10 +19,21 @@ import torch
 from headspace.attention import attend, merge_attention
 from headspace.attention.paged import paged_decode_reference
 from headspace.engine.executors import MIN_WIDTH, HeadRange, StepInputs, bucket, q_heads
+from headspace.engine.hybrid import CpuAttention, cpu_ends
 from headspace.kv.host_store import HostKVArena
 from headspace.kv.transfer import as_heads, copy_pages, write_tokens
 
 MAX_COPY_RUNS = 16  # a piece in at most this many runs of adjacent pages uses the copy engine
+
+
+@dataclass
+class CpuSplit:
+    """How the hybrid tier splits each decode step's history: ``share`` of what lies before
+    the last ``gpu_window`` tokens goes to the CPU threads of ``attention``."""
+
+    attention: CpuAttention
+    share: float
+    gpu_window: int
 
 
 @dataclass
@@ -56,8 +67,9 @@ class StreamExecutor:
 
     def __init__(self, host: HostKVArena, staging: list[torch.Tensor],
                  groups: list[list[HeadRange]], q_per_kv: int, page_size: int,
-                 backend: str):  # fmt: skip
+                 backend: str, cpu: CpuSplit | None = None):  # fmt: skip
         self.host, self.staging, self.q_per_kv = host, staging, q_per_kv
+        self.cpu = cpu  # the hybrid tier: CPU threads attend the older part of the history
         self.page_size, self.backend = page_size, backend
         self.groups = groups  # per layer: contiguous kv-head ranges, one per group
         self.num_heads = sum(hi - lo for ranges in groups for lo, hi in ranges)
@@ -85,7 +97,12 @@ class StreamExecutor:
         self.fused = False
         size = self.page_size
         if step.decode:
-            self.pieces = self._decode_pieces(step)
+            first_pages = [0] * len(step.positions_list)
+            if self.cpu is not None:  # tokens 0 .. end-1 of each sequence go to the CPU
+                ends = cpu_ends(step.positions_list, self.cpu.share, self.cpu.gpu_window, size)
+                self.cpu.attention.begin(step.pages["host"], ends)
+                first_pages = [end // size for end in ends]
+            self.pieces = self._decode_pieces(step, first_pages)
             rows = zip(step.pages["host"], step.positions_list, strict=True)
             slots = [pages[pos // size] * size + pos % size for pages, pos in rows]
             self.new_slots = torch.tensor(slots, device=self.device)
@@ -127,17 +144,21 @@ class StreamExecutor:
             )
         return pieces
 
-    def _decode_pieces(self, step: StepInputs) -> list[_Piece]:
-        """Every sequence's pages, concatenated, in runs of one slot. When all of it fits one
-        slot, the page of the new token comes along and the kernel appends it in staging."""
+    def _decode_pieces(self, step: StepInputs, first_pages: list[int]) -> list[_Piece]:
+        """Every sequence's pages from ``first_pages`` on, concatenated, in runs of one slot.
+        When all of it fits one slot, the page of the new token comes along and the kernel
+        appends it in staging."""
         positions, host, size = step.positions_list, step.pages["host"], self.page_size
-        self.fused = sum(-(-(p + 1) // size) for p in positions) <= self.piece_pages
+        staged = [
+            -(-(p + 1) // size) - first for p, first in zip(positions, first_pages, strict=True)
+        ]
+        self.fused = sum(staged) <= self.piece_pages
         lengths = [p + 1 for p in positions] if self.fused else positions
         flat, owners = [], []  # each page and its (sequence, index in the sequence)
         for row, (pages, length) in enumerate(zip(host, lengths, strict=True)):
             num_pages = -(-length // size)
-            flat += pages[:num_pages]
-            owners += [(row, j) for j in range(num_pages)]
+            flat += pages[first_pages[row] : num_pages]
+            owners += [(row, j) for j in range(first_pages[row], num_pages)]
         pieces = []
         for first in range(0, len(flat), self.piece_pages):
             run = flat[first : first + self.piece_pages]
@@ -213,8 +234,13 @@ class StreamExecutor:
 
     # -- attention -----------------------------------------------------------------------
     def submit(self, layer: int, q: torch.Tensor, kv: torch.Tensor, out: torch.Tensor) -> None:
-        """Attend every streamed group of ``layer``; results go into their heads of ``out``."""
-        results = []
+        """Attend every streamed group of ``layer``; results go into their heads of ``out``
+        (the hybrid tier's CPU part is merged in at :meth:`collect`)."""
+        results, jobs = [], []
+        if self.cpu is not None and self.step.decode:  # the CPU starts first
+            for kv_range in self.groups[layer]:
+                q_part = q[:, q_heads(kv_range, self.q_per_kv)]
+                jobs.append(self.cpu.attention.submit(layer, kv_range, q_part))
         for kv_range in self.groups[layer]:
             heads = q_heads(kv_range, self.q_per_kv)
             q_part, kv_part = q[:, heads], kv[:, :, slice(*kv_range)]
@@ -224,9 +250,21 @@ class StreamExecutor:
             write_tokens(self.host.layer(layer), self._arange(kv_range[1] - kv_range[0],
                          kv_range[0]), self.new_slots, kv_part)  # fmt: skip
         self._results[layer] = results
+        self._jobs = jobs
 
     def collect(self, layer: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        return self._results.pop(layer, [])
+        results = self._results.pop(layer, [])
+        jobs, self._jobs = getattr(self, "_jobs", []), []
+        for i, job in enumerate(jobs):
+            if job is None:
+                continue
+            out, lse = results[i]  # [seqs, heads, dim], [heads, seqs]
+            cpu_out, cpu_lse = CpuAttention.result(job, out.device)
+            merged, lse = merge_attention([out.transpose(0, 1), cpu_out.transpose(0, 1)],
+                                          [lse, cpu_lse.transpose(0, 1)])  # fmt: skip
+            out.copy_(merged.transpose(0, 1))
+            results[i] = (out, lse)
+        return results
 
     def _history(self, group: int, num_heads: int, fn) -> tuple[list, list]:
         """``fn(piece, k, v) -> (out, lse)`` over every piece of the group's history."""

@@ -24,7 +24,7 @@ from headspace.planner.memory import (
     weight_bytes,
 )
 
-OFFLOAD_MODES = ("auto", "none", "layer", "head")
+OFFLOAD_MODES = ("auto", "none", "layer", "head", "hybrid")
 MIN_TRANSFER_BYTES = 16 * 2**20  # a streamed group moves at least this much per gather
 STAGING_SHARE = 2  # staging takes at most half the KV arena (depth beats a resident head)
 
@@ -51,7 +51,7 @@ class Plan:
     """The planner's answer; ``memory`` in bytes, predictions in tok/s and ms."""
 
     head_map: HeadMap
-    offload: str  # the mode used: "none" (all resident), "layer" or "head"
+    offload: str  # the mode used: "none" (all resident), "layer", "head" or "hybrid"
     num_gpu_pages: int  # pages of the GPU pool (each holds the resident entries)
     num_host_pages: int  # host pages the batch needs (each holds every entry)
     staging: Staging | None
@@ -169,7 +169,8 @@ def plan_batch(spec: KVSpec, arena: int, total_pages: int, *, offload: str = "au
             f"{what} needs {host_bytes / GiB:.2f} GiB of host memory for its KV pages, "
             f"more than the {host_budget / GiB:.2f} GiB host budget"
         )
-    return Plan(head_map, mode, gpu_pages, total_pages, staging, 0)
+    used = "hybrid" if offload == "hybrid" else mode  # hybrid: head groups, CPU attention too
+    return Plan(head_map, used, gpu_pages, total_pages, staging, 0)
 
 
 def step_seconds(config: ModelConfig, plan: Plan, tokens: int, dtype_bytes: int,

@@ -1,0 +1,140 @@
+"""Hybrid GPU-CPU attention against head streaming: decode at 128K on Llama-3.1-8B with
+random bf16 weights, the GPU capped at 24 GiB (23 GiB budget), in one run.
+
+    PYTHONPATH=src python bench/hybrid.py [--batch]     # on a GPU machine, about four minutes
+
+Modes, each an engine built as a user builds it (the model's context, default options but
+the one named): ``stream`` (offload auto: offloaded heads stream over PCIe), ``hybrid_cpu``
+(``offload="hybrid", cpu_share=1``: the CPU attends everything before the GPU window) and
+``hybrid_split`` (``offload="hybrid"``: the history splits between PCIe and the CPU by their
+rates). Measured in the same run: the pinned host-to-device bandwidth (the PCIe floor of the
+offloaded heads), the host's read bandwidth, the CPU kernel alone and torch's CPU SDPA.
+``--batch`` adds four concurrent 128K requests (stream vs hybrid_split). Writes
+``hybrid_llama3-8b_<gpu>_<date>.json`` (to $OUT when set).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from common import (  # noqa: E402  # noqa: E402
+    LLAMA31_8B,
+    environment,
+    make_engine,
+    pinned_h2d_bandwidth,
+    random_model,
+    write_result,
+)
+from cpu_attention import host_read_gb_s, kernel_gb_s, torch_sdpa_gb_s  # noqa: E402
+from headspace.attention.cpu_decode import kernel_isa  # noqa: E402
+from headspace.engine.sampling import SamplingParams  # noqa: E402
+from offload_runs import gpu_cap, warm_up  # noqa: E402
+
+K = 1024
+CAP_GIB, BUDGET = 24, "23GiB"
+NEW_TOKENS = 16
+MODES = {
+    "stream": {},
+    "hybrid_cpu": {"offload": "hybrid", "cpu_share": 1.0},
+    "hybrid_split": {"offload": "hybrid"},
+}
+
+
+def _prompt(length: int, seed: int) -> list[int]:
+    rng = torch.Generator().manual_seed(seed)
+    return torch.randint(0, LLAMA31_8B["vocab_size"], (length,), generator=rng).tolist()
+
+
+def run_mode(model, mode: str, lengths: list[int], h2d: float) -> dict:
+    engine = make_engine(model, gpu_memory=BUDGET, **MODES[mode])
+    generator = engine.batch
+    warm_up(generator, max(lengths), max(lengths) + NEW_TOKENS, 2 * K, LLAMA31_8B["vocab_size"])
+    params = SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True)
+    prompts = [_prompt(n, seed) for seed, n in enumerate(lengths)]
+    start = time.perf_counter()
+    outs = engine.generate_batch(prompts, [params] * len(prompts))
+    wall = time.perf_counter() - start
+    cfg, out = model.config, outs[0]
+    offloaded = out.stats.num_streamed_heads + out.stats.num_hybrid_heads
+    steps = len(out.token_ids) - 1
+    context = sum(lengths) + len(lengths) * NEW_TOKENS // 2
+    floor_s = offloaded * 2 * context * cfg.head_dim * 2 / h2d
+    decode_s = max(o.stats.decode_seconds for o in outs)
+    split = getattr(generator.runner.executors[-1], "cpu", None)
+    return {
+        "decode_ms": 1000 * decode_s / steps, "pcie_floor_ms": 1000 * floor_s,
+        "speedup_vs_pcie_floor": floor_s / (decode_s / steps),
+        "aggregate_decode_tok_s": sum(len(o.token_ids) - 1 for o in outs) / decode_s,
+        "cpu_share": split.share if split else None,
+        "gpu_window": split.gpu_window if split else None,
+        "head_map_summary": out.stats.summary().split(" | ")[3], "wall_seconds": wall,
+        "summary": out.stats.summary(), "tokens": [o.token_ids for o in outs],
+    }  # fmt: skip
+
+
+def cpu_kernel_figures(context: int) -> dict:
+    threads = torch.get_num_threads()
+    figures = {"threads": threads, "kernel_isa": kernel_isa(),
+               "host_read_gb_s": host_read_gb_s(4 << 30, threads),
+               "cpu_attention_gb_s": kernel_gb_s(context, 4, threads),
+               "torch_cpu_sdpa_gb_s": torch_sdpa_gb_s(context, threads)}  # fmt: skip
+    figures["share_of_host_read"] = figures["cpu_attention_gb_s"] / figures["host_read_gb_s"]
+    return figures
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--batch", action="store_true", help="also four 128K requests at once")
+    args = parser.parse_args()
+    env = environment()
+    result = {"env": env, "config": LLAMA31_8B, "budget": BUDGET, "gpu_cap_gib": CAP_GIB,
+              "new_tokens": NEW_TOKENS, "h2d_bytes_per_s": pinned_h2d_bandwidth(),
+              "cpu_kernel": cpu_kernel_figures(128 * K)}  # fmt: skip
+    print(result["cpu_kernel"], flush=True)
+    gpu = env["gpu"].replace("NVIDIA ", "").split()[0].lower()
+    name = f"hybrid_llama3-8b_{gpu}_{env['date']}.json"
+    model = random_model(LLAMA31_8B)
+    runs = {"128K": [128 * K]}
+    if args.batch:
+        runs["4x128K"] = [128 * K] * 4
+    with gpu_cap(CAP_GIB):
+        for label, lengths in runs.items():
+            for mode in MODES if len(lengths) == 1 else ("stream", "hybrid_split"):
+                row = run_mode(model, mode, lengths, result["h2d_bytes_per_s"])
+                result.setdefault(label, {})[mode] = row
+                print(label, mode, {k: v for k, v in row.items() if k != "tokens"}, flush=True)
+                torch.cuda.empty_cache()
+            rows = result[label]
+            result[label]["outputs_equal"] = all(r["tokens"] == rows["stream"]["tokens"]
+                                                 for r in rows.values())  # fmt: skip
+            write_result(name, result)
+    _print(result)
+
+
+def _print(result: dict) -> None:
+    print(f"\n{'run':>8} {'mode':>13} {'ms/token':>9} {'PCIe floor':>11} {'x floor':>8} "
+          f"{'tok/s':>7}  heads")  # fmt: skip
+    for label in ("128K", "4x128K"):
+        for mode, row in result.get(label, {}).items():
+            if isinstance(row, dict):
+                floor, times = row["pcie_floor_ms"], row["speedup_vs_pcie_floor"]
+                print(f"{label:>8} {mode:>13} {row['decode_ms']:>9.1f} {floor:>11.1f} "
+                      f"{times:>8.2f} {row['aggregate_decode_tok_s']:>7.2f}  "
+                      f"{row['head_map_summary']}")  # fmt: skip
+        if label in result:
+            print(f"{label:>8} outputs equal across modes: {result[label]['outputs_equal']}")
+    kernel = result["cpu_kernel"]
+    print(f"CPU kernel ({kernel['kernel_isa']}, {kernel['threads']} threads): "
+          f"{kernel['cpu_attention_gb_s']:.1f} GB/s = {kernel['share_of_host_read']:.2f} of the "
+          f"host read {kernel['host_read_gb_s']:.1f} GB/s; torch CPU SDPA "
+          f"{kernel['torch_cpu_sdpa_gb_s']:.1f} GB/s")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

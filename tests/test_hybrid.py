@@ -1,0 +1,93 @@
+"""The hybrid tier: older tokens of offloaded heads attended by CPU threads in host pages,
+merged by LSE with what streams to the GPU; every split equals the all-resident run."""
+
+from __future__ import annotations
+
+import pytest
+
+import headspace.engine.hybrid as hybrid
+from headspace import SamplingParams, UserError
+from headspace.engine.hybrid import balanced_share, cpu_ends
+from test_offload import GREEDY, _prompts, make
+
+
+def test_cpu_ends_split_before_the_window_on_page_boundaries():
+    assert cpu_ends([1000, 100, 0], 1.0, 64, 16) == [928, 32, 0]
+    assert cpu_ends([1000], 0.5, 64, 16) == [464]  # half of the 936 before the window
+    assert cpu_ends([1000], 0.0, 64, 16) == [0]
+    assert cpu_ends([50], 1.0, 64, 16) == [0]  # all inside the window
+
+
+def test_balanced_share_finishes_both_together():
+    share = balanced_share(30e9, 60e9)
+    assert share == pytest.approx(1 / 3)
+    history = 9e9  # bytes: the CPU's part at its rate takes as long as PCIe's at its own
+    assert share * history / 30e9 == pytest.approx((1 - share) * history / 60e9)
+
+
+@pytest.fixture
+def cpu_calls(monkeypatch):
+    """Counts the tokens the CPU kernel attends."""
+    seen = {"calls": 0, "tokens": 0}
+    kernel = hybrid.cpu_paged_decode
+
+    def counting(q, k, v, tables, ends, page_size, **options):
+        seen["calls"] += 1
+        seen["tokens"] += int(ends.sum())
+        return kernel(q, k, v, tables, ends, page_size, **options)
+
+    monkeypatch.setattr(hybrid, "cpu_paged_decode", counting)
+    return seen
+
+
+@pytest.mark.parametrize(
+    "arena_kib,options",
+    [
+        (700, {"cpu_share": 1.0, "gpu_window": 16}),  # CPU only before one page of window
+        (700, {"cpu_share": 1.0, "gpu_window": 40, "head_group": 1}),
+        (700, {"cpu_share": 0.5, "gpu_window": 16}),  # PCIe and CPU split the history
+        (100, {"cpu_share": 0.3, "gpu_window": 1}),  # the streamed part in pieces
+        (10, {"cpu_share": 1.0, "gpu_window": 16}),  # every entry offloaded
+    ],
+)
+def test_hybrid_equals_all_resident(wide_llama, prompt, cpu_calls, arena_kib, options):
+    expected = make(wide_llama).generate(prompt, GREEDY)[0].token_ids
+    llm = make(wide_llama, arena=arena_kib * 1024, offload="hybrid", **options)
+    out = llm.generate(prompt, GREEDY)[0]
+    assert out.token_ids == expected
+    plan = llm.engine.batch.runner.plan
+    assert plan.offload == "hybrid"
+    assert out.stats.num_hybrid_heads == plan.head_map.count("stream") > 0
+    assert f"{out.stats.num_hybrid_heads} hybrid" in out.stats.summary()
+    assert cpu_calls["tokens"] > 0  # the CPU attended part of every decode step
+
+
+def test_cpu_share_zero_streams_everything(wide_llama, prompt, cpu_calls):
+    expected = make(wide_llama).generate(prompt, GREEDY)[0].token_ids
+    llm = make(wide_llama, arena=700 * 1024, offload="hybrid", cpu_share=0.0)
+    assert llm.generate(prompt, GREEDY)[0].token_ids == expected
+    assert cpu_calls["calls"] == 0
+
+
+def test_hybrid_batch_equals_one_at_a_time(tiny_llama, cpu_calls):
+    prompts = _prompts([180, 12, 30, 7, 25])
+    params = SamplingParams(max_new_tokens=40, ignore_eos=True)
+    resident = make(tiny_llama)
+    expected = [resident.generate(p, params)[0].token_ids for p in prompts]
+    llm = make(tiny_llama, arena=60 * 1024, offload="hybrid", cpu_share=1.0, gpu_window=16)
+    outs = llm.generate(prompts, params)
+    assert [o.token_ids for o in outs] == expected
+    assert any(o.stats.num_hybrid_heads > 0 for o in outs) and cpu_calls["tokens"] > 0
+
+
+@pytest.mark.parametrize("options", [{"cpu_share": 1.5}, {"gpu_window": 0}, {"cpu_threads": 0}])
+def test_bad_hybrid_options_are_refused(tiny_llama, options):
+    with pytest.raises(UserError):
+        make(tiny_llama, offload="hybrid", **options)
+
+
+def test_sampled_tokens_equal_too(wide_llama, prompt):
+    params = SamplingParams(max_new_tokens=32, temperature=1.0, seed=3, ignore_eos=True)
+    expected = make(wide_llama).generate(prompt, params)[0].token_ids
+    llm = make(wide_llama, arena=700 * 1024, offload="hybrid", cpu_share=1.0, gpu_window=16)
+    assert llm.generate(prompt, params)[0].token_ids == expected
