@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
+from batch_offload import _decode_window  # noqa: E402
 from common import (  # noqa: E402  # noqa: E402
     LLAMA31_8B,
     environment,
@@ -65,17 +66,29 @@ def run_mode(model, mode: str, lengths: list[int], h2d: float) -> dict:
     steps = len(out.token_ids) - 1
     context = sum(lengths) + len(lengths) * NEW_TOKENS // 2
     floor_s = offloaded * 2 * context * cfg.head_dim * 2 / h2d
-    decode_s = max(o.stats.decode_seconds for o in outs)
+    decode_s = _decode_window(outs)  # requests may run together or one after another
     split = getattr(generator.runner.executors[-1], "cpu", None)
     return {
         "decode_ms": 1000 * decode_s / steps, "pcie_floor_ms": 1000 * floor_s,
-        "speedup_vs_pcie_floor": floor_s / (decode_s / steps),
+        "speedup_vs_pcie_floor": floor_s / (decode_s / steps), "num_requests": len(outs),
         "aggregate_decode_tok_s": sum(len(o.token_ids) - 1 for o in outs) / decode_s,
         "cpu_share": split.share if split else None,
         "gpu_window": split.gpu_window if split else None,
         "head_map_summary": out.stats.summary().split(" | ")[3], "wall_seconds": wall,
         "summary": out.stats.summary(), "tokens": [o.token_ids for o in outs],
     }  # fmt: skip
+
+
+def _agreement(tokens: list[list[int]], reference: list[list[int]]) -> float:
+    """Share of greedy tokens equal to the streamed run's up to the first difference (random
+    bf16 weights give near-tied logits: a different but exact summation order may flip one;
+    fp32 equality of every mode is what the tests check)."""
+    same, total = 0, 0
+    for row, ref in zip(tokens, reference, strict=True):
+        diverged = next((i for i, (a, b) in enumerate(zip(row, ref, strict=True)) if a != b),
+                        len(ref))  # fmt: skip
+        same, total = same + diverged, total + len(ref)
+    return same / total
 
 
 def cpu_kernel_figures(context: int) -> dict:
@@ -100,9 +113,10 @@ def main() -> None:
     gpu = env["gpu"].replace("NVIDIA ", "").split()[0].lower()
     name = f"hybrid_llama3-8b_{gpu}_{env['date']}.json"
     model = random_model(LLAMA31_8B)
-    runs = {"128K": [128 * K]}
+    length = 128 * K - 4 * NEW_TOKENS  # within the model's 128K context with its new tokens
+    runs = {"128K": [length]}
     if args.batch:
-        runs["4x128K"] = [128 * K] * 4
+        runs["4x128K"] = [length] * 4
     with gpu_cap(CAP_GIB):
         for label, lengths in runs.items():
             for mode in MODES if len(lengths) == 1 else ("stream", "hybrid_split"):
@@ -111,8 +125,10 @@ def main() -> None:
                 print(label, mode, {k: v for k, v in row.items() if k != "tokens"}, flush=True)
                 torch.cuda.empty_cache()
             rows = result[label]
-            result[label]["outputs_equal"] = all(r["tokens"] == rows["stream"]["tokens"]
-                                                 for r in rows.values())  # fmt: skip
+            reference = rows["stream"]["tokens"]
+            rows["token_agreement_with_stream"] = {
+                mode: _agreement(row["tokens"], reference) for mode, row in list(rows.items())
+            }
             write_result(name, result)
     _print(result)
 
@@ -122,13 +138,14 @@ def _print(result: dict) -> None:
           f"{'tok/s':>7}  heads")  # fmt: skip
     for label in ("128K", "4x128K"):
         for mode, row in result.get(label, {}).items():
-            if isinstance(row, dict):
+            if isinstance(row, dict) and "decode_ms" in row:
                 floor, times = row["pcie_floor_ms"], row["speedup_vs_pcie_floor"]
                 print(f"{label:>8} {mode:>13} {row['decode_ms']:>9.1f} {floor:>11.1f} "
                       f"{times:>8.2f} {row['aggregate_decode_tok_s']:>7.2f}  "
                       f"{row['head_map_summary']}")  # fmt: skip
         if label in result:
-            print(f"{label:>8} outputs equal across modes: {result[label]['outputs_equal']}")
+            agreement = result[label]["token_agreement_with_stream"]
+            print(f"{label:>8} greedy tokens as the streamed run's: {agreement}")
     kernel = result["cpu_kernel"]
     print(f"CPU kernel ({kernel['kernel_isa']}, {kernel['threads']} threads): "
           f"{kernel['cpu_attention_gb_s']:.1f} GB/s = {kernel['share_of_host_read']:.2f} of the "

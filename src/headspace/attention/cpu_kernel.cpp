@@ -381,7 +381,12 @@ int hs_paged_decode(const float* q, const void* k, const void* v, int kv_dtype,
     for (int b = first_block[s]; b < first_block[s + 1]; ++b) block_seq[b] = s;
   const int part_stride = dim + 2;
   const int64_t head_parts = int64_t(group) * part_stride;
-  std::vector<float> parts(int64_t(num_blocks) * num_kv_heads * head_parts);
+  // partials, kept per calling thread between calls: a fresh buffer of megabytes would
+  // page-fault on every call
+  static thread_local std::vector<float> parts;
+  const size_t num_parts = size_t(num_blocks) * num_kv_heads * head_parts;
+  if (parts.size() < num_parts) parts.resize(num_parts);
+  float* const part_data = parts.data();  // the threads below see their own (empty) `parts`
   const int64_t num_tasks = int64_t(num_blocks) * num_kv_heads;
   const int threads = std::max(1, num_threads);
   const bool avx512 = allow_avx512 && dim % 16 == 0 && has_avx512();
@@ -391,7 +396,7 @@ int hs_paged_decode(const float* q, const void* k, const void* v, int kv_dtype,
     const int seq = block_seq[block];
     const int t0 = (starts ? starts[seq] : 0) + (block - first_block[seq]) * block_tokens;
     const int t1 = std::min(t0 + block_tokens, ends[seq]);
-    float* part = parts.data() + task * head_parts;
+    float* part = part_data + task * head_parts;
     if (kv_dtype == kBF16)
       attend_task<uint16_t>(p, avx512, seq, head, t0, t1, part);
     else
@@ -405,7 +410,7 @@ int hs_paged_decode(const float* q, const void* k, const void* v, int kv_dtype,
     const int head = int(query / group % num_kv_heads);
     const int seq = int(query / group / num_kv_heads);
     const int count = first_block[seq + 1] - first_block[seq];
-    const float* first = parts.data() +
+    const float* first = part_data +
                          (int64_t(first_block[seq]) * num_kv_heads + head) * head_parts +
                          g * part_stride;
     merge(first, count, num_kv_heads * head_parts, dim, out + query * dim, lse + query);

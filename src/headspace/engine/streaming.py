@@ -236,11 +236,14 @@ class StreamExecutor:
     def submit(self, layer: int, q: torch.Tensor, kv: torch.Tensor, out: torch.Tensor) -> None:
         """Attend every streamed group of ``layer``; results go into their heads of ``out``
         (the hybrid tier's CPU part is merged in at :meth:`collect`)."""
-        results, jobs = [], []
-        if self.cpu is not None and self.step.decode:  # the CPU starts first
-            for kv_range in self.groups[layer]:
-                q_part = q[:, q_heads(kv_range, self.q_per_kv)]
-                jobs.append(self.cpu.attention.submit(layer, kv_range, q_part))
+        results, self._job = [], None
+        if self.cpu is not None and self.step.decode and self.groups[layer]:
+            # the CPU starts first, with one job for all the layer's groups (adjacent heads)
+            heads = (self.groups[layer][0][0], self.groups[layer][-1][1])
+            self._job = (
+                heads,
+                self.cpu.attention.submit(layer, heads, q[:, q_heads(heads, self.q_per_kv)]),
+            )
         for kv_range in self.groups[layer]:
             heads = q_heads(kv_range, self.q_per_kv)
             q_part, kv_part = q[:, heads], kv[:, :, slice(*kv_range)]
@@ -250,18 +253,19 @@ class StreamExecutor:
             write_tokens(self.host.layer(layer), self._arange(kv_range[1] - kv_range[0],
                          kv_range[0]), self.new_slots, kv_part)  # fmt: skip
         self._results[layer] = results
-        self._jobs = jobs
 
     def collect(self, layer: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         results = self._results.pop(layer, [])
-        jobs, self._jobs = getattr(self, "_jobs", []), []
-        for i, job in enumerate(jobs):
-            if job is None:
-                continue
+        job, self._job = getattr(self, "_job", None), None
+        if job is None or job[1] is None:
+            return results
+        (first, _), future = job
+        cpu_out, cpu_lse = CpuAttention.result(future, results[0][0].device)
+        for i, (lo, hi) in enumerate(self.groups[layer]):
             out, lse = results[i]  # [seqs, heads, dim], [heads, seqs]
-            cpu_out, cpu_lse = CpuAttention.result(job, out.device)
-            merged, lse = merge_attention([out.transpose(0, 1), cpu_out.transpose(0, 1)],
-                                          [lse, cpu_lse.transpose(0, 1)])  # fmt: skip
+            heads = slice((lo - first) * self.q_per_kv, (hi - first) * self.q_per_kv)
+            merged, lse = merge_attention([out.transpose(0, 1), cpu_out[:, heads].transpose(0, 1)],
+                                          [lse, cpu_lse[:, heads].transpose(0, 1)])  # fmt: skip
             out.copy_(merged.transpose(0, 1))
             results[i] = (out, lse)
         return results
