@@ -24,7 +24,7 @@ def add_engine_options(p, names: tuple[str, ...] | None = None, defaults: dict |
             p.add_argument(flag, action=argparse.BooleanOptionalAction, default=default,
                            help=help_text)  # fmt: skip
             continue
-        kind = int if f.type.startswith("int") else str
+        kind = {"int": int, "float": float}.get(f.type.split(" ")[0], str)
         p.add_argument(flag, type=kind, default=default, choices=f.metadata.get("choices"),
                        help=help_text)  # fmt: skip
 
