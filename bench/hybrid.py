@@ -104,7 +104,11 @@ def cpu_kernel_figures(context: int) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--batch", action="store_true", help="also four 128K requests at once")
+    parser.add_argument("--shares", type=float, nargs="*", default=[],
+                        help="also hybrid at these CPU shares (a sweep, at 128K)")  # fmt: skip
     args = parser.parse_args()
+    for share in args.shares:
+        MODES[f"hybrid_share_{share:g}"] = {"offload": "hybrid", "cpu_share": share}
     env = environment()
     result = {"env": env, "config": LLAMA31_8B, "budget": BUDGET, "gpu_cap_gib": CAP_GIB,
               "new_tokens": NEW_TOKENS, "h2d_bytes_per_s": pinned_h2d_bandwidth(),
@@ -120,6 +124,8 @@ def main() -> None:
     with gpu_cap(CAP_GIB):
         for label, lengths in runs.items():
             for mode in MODES if len(lengths) == 1 else ("stream", "hybrid_split"):
+                if args.shares and mode in ("hybrid_cpu", "hybrid_split"):
+                    continue  # a sweep measures the shares it names
                 row = run_mode(model, mode, lengths, result["h2d_bytes_per_s"])
                 result.setdefault(label, {})[mode] = row
                 print(label, mode, {k: v for k, v in row.items() if k != "tokens"}, flush=True)

@@ -27,7 +27,7 @@ class Hardware:
     hbm_bytes: float = 3.0e12
     h2d_bytes: float = 54e9
     d2h_bytes: float = 55e9
-    cpu_attention_bytes: float = 73e9  # the CPU kernel inside a decode step, 16-core host
+    cpu_attention_bytes: float = 55e9  # the CPU kernel's share-setting rate, 16-core host
 
 
 @dataclass(frozen=True)
