@@ -39,12 +39,12 @@ def _instrument() -> None:
         CALLS.append((time.perf_counter() - start, nbytes))
         return out
 
-    def timed_run(self, q, ready, kv):
+    def timed_run(self, q, ready, kv, tables, ends):
         start = time.perf_counter()
         if ready is not None:
             ready.synchronize()
         WAITS["query"].append(time.perf_counter() - start)
-        return run(self, q, None, kv)
+        return run(self, q, None, kv, tables, ends)
 
     def timed_result(job, device):
         start = time.perf_counter()

@@ -80,9 +80,21 @@ def test_threads_give_the_same_bits(portable):
         assert torch.equal(out, results[0][0]) and torch.equal(lse, results[0][1])
 
 
+def test_float16_pages_take_the_twin():
+    q, k, v, tables, ends = _problem(2, 2, 2, 32, [40, 7], torch.float16, True)
+    out, lse = cpu_paged_decode(q, k, v, tables, ends, PAGE)
+    ref_out, ref_lse = cpu_paged_decode_reference(q, k, v, tables, ends, PAGE)
+    torch.testing.assert_close(out.float(), ref_out.float())
+    torch.testing.assert_close(lse, ref_lse)
+
+
 def test_rejects_what_it_cannot_read():
     q, k, v, tables, ends = _problem(1, 2, 2, 32, [10], torch.float32, False)
     with pytest.raises(ValueError, match="int32"):
         cpu_paged_decode(q, k, v, tables.long(), ends, PAGE)
-    with pytest.raises(ValueError, match="dtype"):
-        cpu_paged_decode(q, k.half(), v.half(), tables, ends, PAGE)
+    with pytest.raises(ValueError, match="dtypes differ"):
+        cpu_paged_decode(q, k, v.half(), tables, ends, PAGE)
+    with pytest.raises(ValueError, match="group"):
+        cpu_paged_decode(q[:, :3], k, v, tables, ends, PAGE)
+    with pytest.raises(ValueError, match="past its block table"):
+        cpu_paged_decode(q, k, v, tables, ends + 10 * PAGE, PAGE)

@@ -4,6 +4,7 @@ merged by LSE with what streams to the GPU; every split equals the all-resident 
 from __future__ import annotations
 
 import pytest
+import torch
 
 import headspace.engine.hybrid as hybrid
 from headspace import SamplingParams, UserError
@@ -40,6 +41,22 @@ def cpu_calls(monkeypatch):
     return seen
 
 
+def decode_logits(llm, prompt: list[int], steps: int) -> torch.Tensor:
+    """fp32 logits ``[steps - 1, vocab]`` of each greedy decode step."""
+    runner, seen = llm.engine.batch.runner, []
+    step = runner.decode
+
+    def recording(*args, **options):
+        logits, slots = step(*args, **options)
+        seen.append(logits.clone())
+        return logits, slots
+
+    runner.decode = recording
+    llm.generate(prompt, SamplingParams(max_new_tokens=steps, ignore_eos=True))
+    del runner.decode
+    return torch.cat(seen)
+
+
 @pytest.mark.parametrize(
     "arena_kib,options",
     [
@@ -51,7 +68,8 @@ def cpu_calls(monkeypatch):
     ],
 )
 def test_hybrid_equals_all_resident(wide_llama, prompt, cpu_calls, arena_kib, options):
-    expected = make(wide_llama).generate(prompt, GREEDY)[0].token_ids
+    resident = make(wide_llama)
+    expected = resident.generate(prompt, GREEDY)[0].token_ids
     llm = make(wide_llama, arena=arena_kib * 1024, offload="hybrid", **options)
     out = llm.generate(prompt, GREEDY)[0]
     assert out.token_ids == expected
@@ -60,6 +78,8 @@ def test_hybrid_equals_all_resident(wide_llama, prompt, cpu_calls, arena_kib, op
     assert out.stats.num_hybrid_heads == plan.head_map.count("stream") > 0
     assert f"{out.stats.num_hybrid_heads} hybrid" in out.stats.summary()
     assert cpu_calls["tokens"] > 0  # the CPU attended part of every decode step
+    gap = decode_logits(llm, prompt, 64) - decode_logits(resident, prompt, 64)
+    assert gap.abs().max().item() < 1e-4  # every decode step's logits, not only the argmax
 
 
 def test_cpu_share_zero_streams_everything(wide_llama, prompt, cpu_calls):
@@ -80,7 +100,11 @@ def test_hybrid_batch_equals_one_at_a_time(tiny_llama, cpu_calls):
     assert any(o.stats.num_hybrid_heads > 0 for o in outs) and cpu_calls["tokens"] > 0
 
 
-@pytest.mark.parametrize("options", [{"cpu_share": 1.5}, {"gpu_window": 0}, {"cpu_threads": 0}])
+@pytest.mark.parametrize(
+    "options",
+    [{"cpu_share": 1.5}, {"cpu_share": "0.5"}, {"gpu_window": 0}, {"cpu_threads": 0},
+     {"cpu_threads": True}],
+)  # fmt: skip
 def test_bad_hybrid_options_are_refused(tiny_llama, options):
     with pytest.raises(UserError):
         make(tiny_llama, offload="hybrid", **options)

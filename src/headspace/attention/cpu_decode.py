@@ -81,9 +81,18 @@ def default_threads() -> int:
     return torch.get_num_threads()
 
 
-def _check(q, k, v, tables, ends, starts) -> None:
-    if k.dtype not in _DTYPES or v.dtype != k.dtype:
-        raise ValueError(f"K/V dtype must be float32 or bfloat16, got {k.dtype}, {v.dtype}")
+def _check(q, k, v, tables, ends, starts, page_size: int) -> None:
+    if v.dtype != k.dtype:
+        raise ValueError(f"K and V dtypes differ: {k.dtype}, {v.dtype}")
+    if q.shape[1] % k.shape[0] or q.shape[2] != k.shape[2]:
+        raise ValueError(f"query heads {tuple(q.shape)} do not group over kv {tuple(k.shape)}")
+    for index in (ends, starts):
+        if index is not None and index.numel() != q.shape[0]:
+            raise ValueError("starts and ends need one value per sequence")
+    if tables.shape[0] != q.shape[0]:
+        raise ValueError("block tables need one row per sequence")
+    if ends.numel() and int(ends.max()) > tables.shape[1] * page_size:
+        raise ValueError("a sequence's tokens run past its block table")
     if k.stride() != v.stride() or k.stride(2) != 1 or k.stride(1) != k.shape[2]:
         raise ValueError("K and V need the same strides and contiguous [slots, dim] rows")
     if tables.dtype != torch.int32 or tables.stride(1) != 1:
@@ -112,10 +121,10 @@ def cpu_paged_decode(
     """Decode attention of one query token per sequence over its pages, read in place by
     CPU threads. Returns fp32 ``out [seqs, heads, dim]`` and natural-log ``lse [seqs,
     heads]``; a sequence with no token gives out 0 and lse -inf. Falls back to
-    :func:`cpu_paged_decode_reference` where the kernel cannot be built. ``portable`` runs
-    the compiler-vectorised loops instead of the AVX-512 ones (tests)."""
-    _check(q, k, v, block_tables, ends, starts)
-    lib = _library()
+    :func:`cpu_paged_decode_reference` where the kernel cannot be built and for float16.
+    ``portable`` runs the compiler-vectorised loops instead of the AVX-512 ones (tests)."""
+    _check(q, k, v, block_tables, ends, starts, page_size)
+    lib = _library() if k.dtype in _DTYPES else None  # float16 pages: the twin
     if lib is None:
         return cpu_paged_decode_reference(q, k, v, block_tables, ends, page_size,
                                           starts=starts, scale=scale)  # fmt: skip

@@ -83,9 +83,11 @@ class EngineConfig:
             raise UserError(f"device {self.device!r} requested but no CUDA GPU is available")
         for name in ("prefill_chunk", "max_context", "head_group", "num_kv_pages", "cpu_threads"):
             value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or value < 1):
+            if value is not None and (type(value) is not int or value < 1):
                 raise UserError(f"{name} must be a positive integer, got {value}")
-        if self.cpu_share is not None and not 0 <= self.cpu_share <= 1:
+        share = self.cpu_share
+        if share is not None and (isinstance(share, bool) or not isinstance(share, int | float)
+                                  or not 0 <= share <= 1):  # fmt: skip
             raise UserError(f"cpu_share must be between 0 and 1, got {self.cpu_share}")
         for name in ("page_size", "max_batch", "gpu_window"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:

@@ -65,17 +65,16 @@ class CpuAttention:
             q_host = torch.empty(q.shape, dtype=q.dtype, pin_memory=True)
             q_host.copy_(q, non_blocking=True)
             ready = torch.cuda.Event()
-            ready.record()
+            ready.record(torch.cuda.current_stream(q.device))
         else:
             q_host, ready = q.clone(), None
         kv = self.host.layer(layer)[kv_range[0] : kv_range[1]]  # [heads, 2, slots, dim]
-        return self.worker.submit(self._run, q_host, ready, kv)
+        return self.worker.submit(self._run, q_host, ready, kv, self.tables, self.ends)
 
-    def _run(self, q: torch.Tensor, ready, kv: torch.Tensor):
+    def _run(self, q: torch.Tensor, ready, kv: torch.Tensor, tables, ends):
         if ready is not None:
             ready.synchronize()
-        out, lse = cpu_paged_decode(q, kv[:, 0], kv[:, 1], self.tables, self.ends,
-                                    self.host.spec.page_size,
+        out, lse = cpu_paged_decode(q, kv[:, 0], kv[:, 1], tables, ends, self.host.spec.page_size,
                                     num_threads=self.num_threads)  # fmt: skip
         return (out.pin_memory(), lse.pin_memory()) if torch.cuda.is_available() else (out, lse)
 

@@ -105,7 +105,7 @@ class PagedRunner:
         if plan.offload != "hybrid":
             return None
         if self._cpu_attention is None:
-            threads = self.config.cpu_threads or max((os.cpu_count() or 2) - 1, 1)
+            threads = self.config.cpu_threads or max(len(os.sched_getaffinity(0)) - 1, 1)
             self._cpu_attention = CpuAttention(self.host, self.model.config.num_queries_per_kv,
                                                threads)  # fmt: skip
         share = self.config.cpu_share
