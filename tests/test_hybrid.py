@@ -8,7 +8,8 @@ import torch
 
 import headspace.engine.hybrid as hybrid
 from headspace import SamplingParams, UserError
-from headspace.engine.hybrid import balanced_share, cpu_ends
+from headspace.engine.hybrid import cpu_ends
+from headspace.planner.memory import balanced_share
 from test_offload import GREEDY, _prompts, make
 
 
@@ -115,3 +116,28 @@ def test_sampled_tokens_equal_too(wide_llama, prompt):
     expected = make(wide_llama).generate(prompt, params)[0].token_ids
     llm = make(wide_llama, arena=700 * 1024, offload="hybrid", cpu_share=1.0, gpu_window=16)
     assert llm.generate(prompt, params)[0].token_ids == expected
+
+
+def test_the_planner_prices_the_split():
+    """Decode roofline with the hybrid tier: PCIe carries 1 - share of the offloaded bytes
+    while the CPU reads the rest; at the rates' balance both take the same time."""
+    from headspace.model.config import config_from_dict
+    from headspace.planner.memory import GiB, Hardware
+    from headspace.planner.plan import PlanRequest, make_plan
+
+    config = config_from_dict({
+        "architectures": ["LlamaForCausalLM"], "hidden_size": 4096, "intermediate_size": 14336,
+        "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+        "vocab_size": 128256, "max_position_embeddings": 131072,
+    })  # fmt: skip
+    hw = Hardware(h2d_bytes=50e9, cpu_attention_bytes=50e9)
+
+    def plan(**options):
+        return make_plan(config, PlanRequest(131072, 23 * GiB, 200 * GiB, **options), hw)
+
+    streamed, hybrid = plan(), plan(offload="hybrid")
+    assert hybrid.head_map.count("stream") == streamed.head_map.count("stream") > 0
+    assert hybrid.decode_pcie_floor_ms == pytest.approx(streamed.decode_ms)
+    assert hybrid.decode_ms == pytest.approx(streamed.decode_ms / 2)  # share 0.5, both halves
+    assert plan(offload="hybrid", cpu_share=0.0).decode_ms == pytest.approx(streamed.decode_ms)
+    assert plan(offload="hybrid", cpu_share=1.0).decode_ms == pytest.approx(streamed.decode_ms)

@@ -90,7 +90,8 @@ class BatchGenerator:
     def _rate(self, plan: Plan, seqs: list[Sequence]) -> float:
         """Predicted sequences x tokens/s of a decode step over ``seqs`` (roofline)."""
         tokens = sum(s.max_tokens for s in seqs)
-        seconds, _ = step_seconds(self.model.config, plan, tokens, self.spec.dtype_bytes)
+        seconds, _ = step_seconds(self.model.config, plan, tokens, self.spec.dtype_bytes,
+                                  cpu_share=self.config.cpu_share)  # fmt: skip
         return len(seqs) / seconds
 
     def _replan(self, scheduler: Scheduler) -> None:

@@ -32,12 +32,6 @@ def cpu_ends(lengths: list[int], cpu_share: float, gpu_window: int, page_size: i
     return ends
 
 
-def balanced_share(cpu_bytes_per_s: float, h2d_bytes_per_s: float) -> float:
-    """The CPU's share of the offloaded history when CPU attention and PCIe run together
-    and should finish together."""
-    return cpu_bytes_per_s / (cpu_bytes_per_s + h2d_bytes_per_s)
-
-
 class CpuAttention:
     """Attention of query heads over host pages by CPU threads, one job per (layer, group)."""
 

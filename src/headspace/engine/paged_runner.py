@@ -21,14 +21,14 @@ from headspace.engine.executors import (
     attend_tiers,
     bucket,
 )
-from headspace.engine.hybrid import CpuAttention, balanced_share
+from headspace.engine.hybrid import CpuAttention
 from headspace.engine.streaming import CpuSplit, StreamExecutor
 from headspace.kv.block_table import GPU, HOST, BlockManager
 from headspace.kv.host_store import HostKVArena
 from headspace.kv.paged_store import PagedKVStore
 from headspace.kv.transfer import as_heads, copy_pages
 from headspace.model.llama import LlamaModel
-from headspace.planner.memory import Hardware, KVSpec
+from headspace.planner.memory import Hardware, KVSpec, balanced_share
 from headspace.planner.plan import Plan
 
 

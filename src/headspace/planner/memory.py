@@ -30,6 +30,12 @@ class Hardware:
     cpu_attention_bytes: float = 55e9  # the CPU kernel's share-setting rate, 16-core host
 
 
+def balanced_share(cpu_bytes_per_s: float, h2d_bytes_per_s: float) -> float:
+    """The CPU's share of the hybrid tier's offloaded history when CPU attention and PCIe
+    run together and should finish together."""
+    return cpu_bytes_per_s / (cpu_bytes_per_s + h2d_bytes_per_s)
+
+
 @dataclass(frozen=True)
 class KVSpec:
     """The KV cache's shape and the bytes of its pages.

@@ -18,6 +18,7 @@ from headspace.planner.memory import (
     GpuSplit,
     Hardware,
     KVSpec,
+    balanced_share,
     prefill_chunk,
     prefill_compute_seconds,
     split_gpu_budget,
@@ -174,16 +175,24 @@ def plan_batch(spec: KVSpec, arena: int, total_pages: int, *, offload: str = "au
 
 
 def step_seconds(config: ModelConfig, plan: Plan, tokens: int, dtype_bytes: int,
-                 hw: Hardware | None = None) -> tuple[float, float]:  # fmt: skip
+                 hw: Hardware | None = None,
+                 cpu_share: float | None = None) -> tuple[float, float]:  # fmt: skip
     """Roofline of one decode step over ``tokens`` of KV in all: (seconds, PCIe floor
-    seconds). HBM reads weights and resident KV; PCIe carries the streamed KV."""
+    seconds). HBM reads weights and resident KV; PCIe carries the offloaded KV, or with the
+    hybrid tier its ``1 - cpu_share`` (default: the rates' balance) while CPU threads read
+    the rest; the floor is that of streaming all of it."""
     hw = hw or Hardware()
     per_entry = 2 * tokens * config.head_dim * dtype_bytes
     embeddings = config.vocab_size * config.hidden_size * dtype_bytes
     hbm_s = (weight_bytes(config, dtype_bytes) - embeddings
              + plan.head_map.count("gpu") * per_entry) / hw.hbm_bytes  # fmt: skip
-    pcie_s = plan.head_map.count("stream") * per_entry / hw.h2d_bytes
-    return max(hbm_s, pcie_s), pcie_s
+    offloaded = plan.head_map.count("stream") * per_entry
+    pcie_s = offloaded / hw.h2d_bytes
+    if plan.offload != "hybrid":
+        return max(hbm_s, pcie_s), pcie_s
+    share = balanced_share(hw.cpu_attention_bytes, hw.h2d_bytes) if cpu_share is None else cpu_share
+    cpu_s = share * offloaded / hw.cpu_attention_bytes
+    return max(hbm_s, (1 - share) * pcie_s, cpu_s), pcie_s
 
 
 @dataclass(frozen=True)
@@ -198,6 +207,7 @@ class PlanRequest:
     head_group: int | None = None
     prefill_chunk: int | None = None
     page_size: int = 128
+    cpu_share: float | None = None
 
 
 def make_plan(config: ModelConfig, request: PlanRequest, hw: Hardware | None = None) -> Plan:
@@ -248,5 +258,5 @@ def _predict(plan: Plan, config: ModelConfig, request: PlanRequest, hw: Hardware
     h2d_s = streamed * prefix_tokens * per_token / hw.h2d_bytes
     d2h_s = streamed * context * per_token / hw.d2h_bytes
     plan.prefill_tok_s = context / max(compute_s, h2d_s + d2h_s)
-    step_s, pcie_s = step_seconds(config, plan, context, dtype_bytes, hw)
+    step_s, pcie_s = step_seconds(config, plan, context, dtype_bytes, hw, request.cpu_share)
     plan.decode_ms, plan.decode_pcie_floor_ms = 1000 * step_s, 1000 * pcie_s
