@@ -77,10 +77,6 @@ def kernel_isa() -> str | None:
     return None if lib is None else ISA_NAMES[lib.hs_isa()]
 
 
-def default_threads() -> int:
-    return torch.get_num_threads()
-
-
 def _check(q, k, v, tables, ends, starts, page_size: int) -> None:
     if v.dtype != k.dtype:
         raise ValueError(f"K and V dtypes differ: {k.dtype}, {v.dtype}")
@@ -114,7 +110,7 @@ def cpu_paged_decode(
     *,
     starts: torch.Tensor | None = None,  # [seqs] int32, default 0
     scale: float | None = None,
-    num_threads: int | None = None,
+    num_threads: int | None = None,  # default: torch's intra-op threads
     block_tokens: int = BLOCK_TOKENS,
     portable: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -139,7 +135,7 @@ def cpu_paged_decode(
         block_tables.data_ptr(), block_tables.stride(0),
         None if starts is None else starts.data_ptr(), ends.data_ptr(), num_seqs,
         num_kv_heads, num_heads // num_kv_heads, dim, page_size, scale, block_tokens,
-        num_threads or default_threads(), int(not portable), out.data_ptr(), lse.data_ptr(),
+        num_threads or torch.get_num_threads(), int(not portable), out.data_ptr(), lse.data_ptr(),
     )  # fmt: skip
     if status != 0:
         raise ValueError(f"CPU kernel refused the shapes (dim {dim}, group "

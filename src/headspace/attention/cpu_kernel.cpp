@@ -110,20 +110,16 @@ HS_INLINE void attend_block(const Problem& p, const T* k, const T* v, const int3
   }
 }
 
-HS_CLONES void attend_block_f32(const Problem& p, int seq, int head, int t0, int t1,
-                                float* part) {
-  const int64_t offset = head * p.head_stride;
-  attend_block(p, static_cast<const float*>(p.k) + offset,
-               static_cast<const float*>(p.v) + offset, p.tables + seq * p.table_stride,
-               p.q + (int64_t(seq) * p.num_kv_heads + head) * p.group * p.dim, t0, t1, part);
-}
-
-HS_CLONES void attend_block_bf16(const Problem& p, int seq, int head, int t0, int t1,
-                                 float* part) {
-  const int64_t offset = head * p.head_stride;
-  attend_block(p, static_cast<const uint16_t*>(p.k) + offset,
-               static_cast<const uint16_t*>(p.v) + offset, p.tables + seq * p.table_stride,
-               p.q + (int64_t(seq) * p.num_kv_heads + head) * p.group * p.dim, t0, t1, part);
+// The portable loops, compiled for each ISA by the compiler and chosen at load time.
+HS_CLONES void attend_block_portable(const Problem& p, bool bf16, const void* k, const void* v,
+                                     const int32_t* table, const float* q, int t0, int t1,
+                                     float* part) {
+  if (bf16)
+    attend_block(p, static_cast<const uint16_t*>(k), static_cast<const uint16_t*>(v), table, q,
+                 t0, t1, part);
+  else
+    attend_block(p, static_cast<const float*>(k), static_cast<const float*>(v), table, q, t0,
+                 t1, part);
 }
 
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
@@ -309,10 +305,8 @@ void attend_task(const Problem& p, bool avx512, int seq, int head, int t0, int t
   const float* q = p.q + (int64_t(seq) * p.num_kv_heads + head) * p.group * p.dim;
   if (avx512)
     attend_block_avx512(p, k, v, table, q, t0, t1, part);
-  else if constexpr (std::is_same_v<T, float>)
-    attend_block_f32(p, seq, head, t0, t1, part);
   else
-    attend_block_bf16(p, seq, head, t0, t1, part);
+    attend_block_portable(p, std::is_same_v<T, uint16_t>, k, v, table, q, t0, t1, part);
 }
 
 // Merge the partials of one (sequence, kv head, query) over its blocks, `stride` apart.

@@ -33,14 +33,15 @@ def cpu_ends(lengths: list[int], cpu_share: float, gpu_window: int, page_size: i
 
 
 class CpuAttention:
-    """Attention of query heads over host pages by CPU threads, one job per (layer, group)."""
+    """Attention of query heads over host pages by CPU threads, one job per layer (all its
+    hybrid heads, the whole batch)."""
 
-    def __init__(self, host: HostKVArena, q_per_kv: int, num_threads: int | None = None):
-        self.host, self.q_per_kv = host, q_per_kv
-        self.num_threads = num_threads
+    def __init__(self, host: HostKVArena, num_threads: int | None = None):
+        self.host, self.num_threads = host, num_threads
         self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="headspace-cpu")
         self.tables: torch.Tensor | None = None
         self.ends: torch.Tensor | None = None
+        self.any = False  # whether this step gives the CPU any token
 
     def begin(self, host_pages: list[list[int]], ends: list[int]) -> None:
         """The step's host block tables ``[seqs, pages]`` and CPU token counts."""
@@ -70,7 +71,7 @@ class CpuAttention:
             ready.synchronize()
         out, lse = cpu_paged_decode(q, kv[:, 0], kv[:, 1], tables, ends, self.host.spec.page_size,
                                     num_threads=self.num_threads)  # fmt: skip
-        return (out.pin_memory(), lse.pin_memory()) if torch.cuda.is_available() else (out, lse)
+        return (out, lse) if ready is None else (out.pin_memory(), lse.pin_memory())
 
     @staticmethod
     def result(job: Future, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:

@@ -28,7 +28,7 @@ from headspace.kv.host_store import HostKVArena
 from headspace.kv.paged_store import PagedKVStore
 from headspace.kv.transfer import as_heads, copy_pages
 from headspace.model.llama import LlamaModel
-from headspace.planner.memory import Hardware, KVSpec, balanced_share
+from headspace.planner.memory import KVSpec, hybrid_share
 from headspace.planner.plan import Plan
 
 
@@ -106,12 +106,8 @@ class PagedRunner:
             return None
         if self._cpu_attention is None:
             threads = self.config.cpu_threads or max(len(os.sched_getaffinity(0)) - 1, 1)
-            self._cpu_attention = CpuAttention(self.host, self.model.config.num_queries_per_kv,
-                                               threads)  # fmt: skip
-        share = self.config.cpu_share
-        if share is None:
-            hw = Hardware()
-            share = balanced_share(hw.cpu_attention_bytes, hw.h2d_bytes)
+            self._cpu_attention = CpuAttention(self.host, threads)
+        share = hybrid_share(self.config.cpu_share)
         return CpuSplit(self._cpu_attention, share, self.config.gpu_window)
 
     @property

@@ -83,6 +83,7 @@ class StreamExecutor:
         on_gpu = self.device.type == "cuda"
         self.copy_stream = torch.cuda.Stream(self.device, priority=-1) if on_gpu else None
         self._results: dict[int, list] = {}
+        self._cpu_job = None  # the hybrid tier's CPU part of the layer being attended
         self._aranges: dict[int, torch.Tensor] = {}
 
     def _arange(self, n: int, start: int = 0) -> torch.Tensor:
@@ -236,14 +237,12 @@ class StreamExecutor:
     def submit(self, layer: int, q: torch.Tensor, kv: torch.Tensor, out: torch.Tensor) -> None:
         """Attend every streamed group of ``layer``; results go into their heads of ``out``
         (the hybrid tier's CPU part is merged in at :meth:`collect`)."""
-        results, self._job = [], None
+        results = []
         if self.cpu is not None and self.step.decode and self.groups[layer]:
             # the CPU starts first, with one job for all the layer's groups (adjacent heads)
             heads = (self.groups[layer][0][0], self.groups[layer][-1][1])
-            self._job = (
-                heads,
-                self.cpu.attention.submit(layer, heads, q[:, q_heads(heads, self.q_per_kv)]),
-            )
+            q_part = q[:, q_heads(heads, self.q_per_kv)]
+            self._cpu_job = self.cpu.attention.submit(layer, heads, q_part)
         for kv_range in self.groups[layer]:
             heads = q_heads(kv_range, self.q_per_kv)
             q_part, kv_part = q[:, heads], kv[:, :, slice(*kv_range)]
@@ -256,11 +255,11 @@ class StreamExecutor:
 
     def collect(self, layer: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         results = self._results.pop(layer, [])
-        job, self._job = getattr(self, "_job", None), None
-        if job is None or job[1] is None:
+        job, self._cpu_job = self._cpu_job, None
+        if job is None:
             return results
-        (first, _), future = job
-        cpu_out, cpu_lse = CpuAttention.result(future, results[0][0].device)
+        cpu_out, cpu_lse = CpuAttention.result(job, results[0][0].device)
+        first = self.groups[layer][0][0]  # the job's first kv head
         for i, (lo, hi) in enumerate(self.groups[layer]):
             out, lse = results[i]  # [seqs, heads, dim], [heads, seqs]
             heads = slice((lo - first) * self.q_per_kv, (hi - first) * self.q_per_kv)

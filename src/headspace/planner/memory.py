@@ -36,6 +36,14 @@ def balanced_share(cpu_bytes_per_s: float, h2d_bytes_per_s: float) -> float:
     return cpu_bytes_per_s / (cpu_bytes_per_s + h2d_bytes_per_s)
 
 
+def hybrid_share(cpu_share: float | None, hw: Hardware | None = None) -> float:
+    """The hybrid tier's CPU share: the one asked for, else the rates' balance."""
+    if cpu_share is not None:
+        return cpu_share
+    hw = hw or Hardware()
+    return balanced_share(hw.cpu_attention_bytes, hw.h2d_bytes)
+
+
 @dataclass(frozen=True)
 class KVSpec:
     """The KV cache's shape and the bytes of its pages.

@@ -18,7 +18,7 @@ from headspace.planner.memory import (
     GpuSplit,
     Hardware,
     KVSpec,
-    balanced_share,
+    hybrid_share,
     prefill_chunk,
     prefill_compute_seconds,
     split_gpu_budget,
@@ -190,7 +190,7 @@ def step_seconds(config: ModelConfig, plan: Plan, tokens: int, dtype_bytes: int,
     pcie_s = offloaded / hw.h2d_bytes
     if plan.offload != "hybrid":
         return max(hbm_s, pcie_s), pcie_s
-    share = balanced_share(hw.cpu_attention_bytes, hw.h2d_bytes) if cpu_share is None else cpu_share
+    share = hybrid_share(cpu_share, hw)
     cpu_s = share * offloaded / hw.cpu_attention_bytes
     return max(hbm_s, (1 - share) * pcie_s, cpu_s), pcie_s
 
