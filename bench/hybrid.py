@@ -1,7 +1,7 @@
 """Hybrid GPU-CPU attention against head streaming: decode at 128K on Llama-3.1-8B with
 random bf16 weights, the GPU capped at 24 GiB (23 GiB budget), in one run.
 
-    PYTHONPATH=src python bench/hybrid.py [--batch]     # on a GPU machine, about four minutes
+    PYTHONPATH=src python bench/hybrid.py [--batch] [--sparse 0.25 0.5 1] [--long]
 
 Modes, each an engine built as a user builds it (the model's context, default options but
 the one named): ``stream`` (offload auto: offloaded heads stream over PCIe), ``hybrid_cpu``
@@ -9,8 +9,13 @@ the one named): ``stream`` (offload auto: offloaded heads stream over PCIe), ``h
 ``hybrid_split`` (``offload="hybrid"``: the history splits between PCIe and the CPU by their
 rates). Measured in the same run: the pinned host-to-device bandwidth (the PCIe floor of the
 offloaded heads), the host's read bandwidth, the CPU kernel alone and torch's CPU SDPA.
-``--batch`` adds four concurrent 128K requests (stream vs hybrid_split). Writes
-``hybrid_llama3-8b_<gpu>_<date>.json`` (to $OUT when set).
+``--batch`` adds four concurrent 128K requests (stream vs hybrid_split); ``--sparse`` the
+sparse hybrid (``cpu_sparsity=beta``) at 128K with the share of tokens kept per head (random
+weights attend nearly uniformly, so these shares are far above a trained model's);
+``--long`` the exact modes' decode step at 512K, over a sequence whose pages are allocated
+without a prefill (a 512K prefill takes minutes per mode; an exact decode step's work does
+not depend on the values in the pages). Writes ``hybrid_llama3-8b_<gpu>_<date>.json`` (to
+$OUT when set).
 """
 
 from __future__ import annotations
@@ -75,8 +80,39 @@ def run_mode(model, mode: str, lengths: list[int], h2d: float) -> dict:
         "cpu_share": split.share if split else None,
         "gpu_window": split.gpu_window if split else None,
         "head_map_summary": out.stats.summary().split(" | ")[3], "wall_seconds": wall,
+        "cpu_kept_fraction_min_median_max": out.stats.cpu_kept_fraction,
         "summary": out.stats.summary(), "tokens": [o.token_ids for o in outs],
     }  # fmt: skip
+
+
+def long_decode(model, mode: str, length: int, h2d: float, steps: int = 4) -> dict:
+    """Decode steps at ``length`` over freshly allocated (zero) pages, the engine built as a
+    user builds it for that context (``max_context``)."""
+    from headspace.engine.scheduler import Sequence
+
+    engine = make_engine(model, gpu_memory=BUDGET, max_context=length + 64, **MODES[mode])
+    generator = engine.batch
+    seq = Sequence(10**9, [0] * length, length + steps + 1)
+    plan = generator.prepare([seq])
+    blocks, runner = generator.runner.blocks, generator.runner
+    blocks.allocate_prompt(seq.seq_id, seq.prompt_ids, generator.tiers, reuse=False)
+    times = []
+    for step in range(steps + 1):
+        blocks.append_token(seq.seq_id)
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        runner.decode([seq.seq_id], [length + step], [0])
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    blocks.free(seq.seq_id)
+    cfg, offloaded = model.config, plan.head_map.count("stream")
+    floor_s = offloaded * 2 * length * cfg.head_dim * 2 / h2d
+    decode_s = sorted(times[1:])[len(times[1:]) // 2]  # the median after the first step
+    split = getattr(runner.executors[-1], "cpu", None)
+    return {"decode_ms": 1000 * decode_s, "pcie_floor_ms": 1000 * floor_s,
+            "speedup_vs_pcie_floor": floor_s / decode_s, "step_ms": [1000 * t for t in times],
+            "offloaded_heads": offloaded, "gpu_heads": plan.head_map.count("gpu"),
+            "cpu_share": split.share if split else None}  # fmt: skip
 
 
 def _agreement(tokens: list[list[int]], reference: list[list[int]]) -> float:
@@ -106,9 +142,14 @@ def main() -> None:
     parser.add_argument("--batch", action="store_true", help="also four 128K requests at once")
     parser.add_argument("--shares", type=float, nargs="*", default=[],
                         help="also hybrid at these CPU shares (a sweep, at 128K)")  # fmt: skip
+    parser.add_argument("--sparse", type=float, nargs="*", default=[],
+                        help="also sparse hybrid at these betas (at 128K)")  # fmt: skip
+    parser.add_argument("--long", action="store_true", help="also the exact modes at 512K")
     args = parser.parse_args()
     for share in args.shares:
         MODES[f"hybrid_share_{share:g}"] = {"offload": "hybrid", "cpu_share": share}
+    for beta in args.sparse:
+        MODES[f"hybrid_sparse_{beta:g}"] = {"offload": "hybrid", "cpu_sparsity": beta}
     env = environment()
     result = {"env": env, "config": LLAMA31_8B, "budget": BUDGET, "gpu_cap_gib": CAP_GIB,
               "new_tokens": NEW_TOKENS, "h2d_bytes_per_s": pinned_h2d_bandwidth(),
@@ -136,6 +177,13 @@ def main() -> None:
                 mode: _agreement(row["tokens"], reference) for mode, row in list(rows.items())
             }
             write_result(name, result)
+        if args.long:
+            for mode in ("stream", "hybrid_cpu", "hybrid_split"):
+                row = long_decode(model, mode, 512 * K, result["h2d_bytes_per_s"])
+                result.setdefault("512K", {})[mode] = row
+                print("512K", mode, row, flush=True)
+                torch.cuda.empty_cache()
+                write_result(name, result)
     _print(result)
 
 
@@ -152,6 +200,13 @@ def _print(result: dict) -> None:
         if label in result:
             agreement = result[label]["token_agreement_with_stream"]
             print(f"{label:>8} greedy tokens as the streamed run's: {agreement}")
+    for mode, row in result.get("128K", {}).items():
+        if isinstance(row, dict) and row.get("cpu_kept_fraction_min_median_max"):
+            print(f"{mode}: kept per head min/median/max {row['cpu_kept_fraction_min_median_max']}")
+    for mode, row in result.get("512K", {}).items():
+        print(f"{'512K':>8} {mode:>13} {row['decode_ms']:>9.1f} {row['pcie_floor_ms']:>11.1f} "
+              f"{row['speedup_vs_pcie_floor']:>8.2f}  {row['gpu_heads']} gpu / "
+              f"{row['offloaded_heads']} offloaded")  # fmt: skip
     kernel = result["cpu_kernel"]
     print(f"CPU kernel ({kernel['kernel_isa']}, {kernel['threads']} threads): "
           f"{kernel['cpu_attention_gb_s']:.1f} GB/s = {kernel['share_of_host_read']:.2f} of the "

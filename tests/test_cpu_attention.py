@@ -80,6 +80,25 @@ def test_threads_give_the_same_bits(portable):
         assert torch.equal(out, results[0][0]) and torch.equal(lse, results[0][1])
 
 
+@pytest.mark.parametrize("portable", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kernel_writes_the_softmax_weights(portable, dtype):
+    """``probs``: each query head's weight of every token attended, as the twin computes
+    them, summing to 1 per query (what the hybrid tier's sparse selection reads)."""
+    lengths = [300, 0, 45]
+    q, k, v, tables, ends = _problem(3, 2, 4, 64, lengths, dtype, host_layout=True)
+    starts = torch.tensor([20, 0, 3], dtype=torch.int32)
+    probs, ref_probs = torch.full((3, 8, 290), -1.0), torch.full((3, 8, 290), -1.0)
+    cpu_paged_decode(q, k, v, tables, ends, PAGE, starts=starts, block_tokens=64,
+                     portable=portable, probs=probs)  # fmt: skip
+    cpu_paged_decode_reference(q, k, v, tables, ends, PAGE, starts=starts, probs=ref_probs)
+    torch.testing.assert_close(probs, ref_probs, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(probs[0, :, :280].sum(-1), torch.ones(8))
+    assert (probs[0, :, 280:] == -1).all() and (probs[1] == -1).all()  # past the counts
+    with pytest.raises(ValueError, match="probs"):
+        cpu_paged_decode(q, k, v, tables, ends, PAGE, starts=starts, probs=torch.zeros(3, 8, 10))
+
+
 def test_float16_pages_take_the_twin():
     q, k, v, tables, ends = _problem(2, 2, 2, 32, [40, 7], torch.float16, True)
     out, lse = cpu_paged_decode(q, k, v, tables, ends, PAGE)

@@ -184,6 +184,25 @@ def test_hybrid_on_gpu_equals_resident(share, arena_kib, monkeypatch):
     assert hybrid.batch.runner.plan.offload == "hybrid" and tokens[0] > 0
 
 
+def test_sparse_hybrid_on_gpu():
+    """Sparse mode on the GPU: moving averages on the device, selection on the host; beta 0
+    keeps every token and equals the resident run, beta 2 keeps fewer."""
+    model = _tiny_model("cuda", torch.float32, layers=8)
+    generator = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, 512, (n,), generator=generator) for n in (900, 300)]
+    expected = [_greedy(_engine(model, dtype="float32"), [p])[0] for p in prompts]
+    budget = _arena_budget(model, 100 * 1024)
+    exact = _engine(model, dtype="float32", gpu_memory=budget, offload="hybrid",
+                    cpu_sparsity=0.0, gpu_window=128)  # fmt: skip
+    outs = exact.generate_batch([p.tolist() for p in prompts], [GREEDY] * 2)
+    assert [o.token_ids for o in outs] == expected
+    assert all(o.stats.cpu_kept_fraction == (1.0, 1.0, 1.0) for o in outs)
+    sparse = _engine(model, dtype="float32", gpu_memory=budget, offload="hybrid",
+                     cpu_sparsity=2.0, gpu_window=128)  # fmt: skip
+    out = sparse.generate_batch([prompts[0].tolist()], [GREEDY])[0]
+    assert out.stats.cpu_kept_fraction[1] < 0.9
+
+
 def test_swap_out_and_in_on_gpu_keeps_outputs():
     model = _tiny_model("cuda", torch.float32)
     generator = torch.Generator().manual_seed(4)

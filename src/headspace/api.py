@@ -94,6 +94,8 @@ class LLM:
                 self.last_output = done.value
                 return
 
-    def logits(self, token_ids: list[int] | torch.Tensor) -> torch.Tensor:
-        """fp32 logits ``[len(token_ids), vocab]`` through the same chunked prefill path."""
-        return self.engine.logits([int(t) for t in token_ids])
+    def logits(self, token_ids: list[int] | torch.Tensor, decode_tokens: int = 0) -> torch.Tensor:
+        """fp32 logits ``[len(token_ids), vocab]`` through the same chunked prefill path; the
+        last ``decode_tokens`` rows through decode steps fed the given tokens (teacher
+        forcing: what generation runs, e.g. the hybrid tier's CPU attention)."""
+        return self.engine.logits([int(t) for t in token_ids], decode_tokens)

@@ -65,7 +65,7 @@ def _library() -> ctypes.CDLL | None:
     pointer, i32, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
     lib.hs_paged_decode.argtypes = [pointer, pointer, pointer, i32, i64, pointer, i64,
                                     pointer, pointer, i32, i32, i32, i32, i32, ctypes.c_float,
-                                    i32, i32, i32, pointer, pointer]  # fmt: skip
+                                    i32, i32, i32, pointer, pointer, pointer, i64]  # fmt: skip
     lib.hs_paged_decode.restype = i32
     lib.hs_isa.restype = i32
     return lib
@@ -100,6 +100,16 @@ def _check(q, k, v, tables, ends, starts, page_size: int) -> None:
         raise ValueError("the CPU kernel reads CPU tensors")
 
 
+def _check_probs(probs, q, ends, starts) -> None:
+    counts = ends if starts is None else ends - starts
+    width = int(counts.max()) if counts.numel() else 0
+    dense = probs.dim() == 3 and probs.stride(2) == 1
+    dense = dense and probs.stride(0) == q.shape[1] * probs.stride(1)
+    if (probs.dtype != torch.float32 or probs.device.type != "cpu" or not dense
+            or tuple(probs.shape[:2]) != tuple(q.shape[:2]) or probs.shape[2] < width):  # fmt: skip
+        raise ValueError(f"probs must be fp32 [seqs, heads, >= {width}] with dense rows")
+
+
 def cpu_paged_decode(
     q: torch.Tensor,  # [seqs, heads, dim]
     k: torch.Tensor,  # [kv_heads, slots, dim] (any head stride; rows contiguous)
@@ -113,17 +123,24 @@ def cpu_paged_decode(
     num_threads: int | None = None,  # default: torch's intra-op threads
     block_tokens: int = BLOCK_TOKENS,
     portable: bool = False,
+    probs: torch.Tensor | None = None,  # [seqs, heads, width] fp32, filled when given
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Decode attention of one query token per sequence over its pages, read in place by
     CPU threads. Returns fp32 ``out [seqs, heads, dim]`` and natural-log ``lse [seqs,
     heads]``; a sequence with no token gives out 0 and lse -inf. Falls back to
     :func:`cpu_paged_decode_reference` where the kernel cannot be built and for float16.
-    ``portable`` runs the compiler-vectorised loops instead of the AVX-512 ones (tests)."""
+    ``portable`` runs the compiler-vectorised loops instead of the AVX-512 ones (tests).
+
+    With ``probs``, each query head's softmax weight of token ``start + j`` is written to
+    ``probs[seq, head, j]`` (what the hybrid tier's sparse selection reads); the columns
+    past a sequence's count are left as they were."""
     _check(q, k, v, block_tables, ends, starts, page_size)
+    if probs is not None:
+        _check_probs(probs, q, ends, starts)
     lib = _library() if k.dtype in _DTYPES else None  # float16 pages: the twin
     if lib is None:
         return cpu_paged_decode_reference(q, k, v, block_tables, ends, page_size,
-                                          starts=starts, scale=scale)  # fmt: skip
+                                          starts=starts, scale=scale, probs=probs)  # fmt: skip
     num_seqs, num_heads, dim = q.shape
     num_kv_heads = k.shape[0]
     scale = dim**-0.5 if scale is None else scale
@@ -136,6 +153,7 @@ def cpu_paged_decode(
         None if starts is None else starts.data_ptr(), ends.data_ptr(), num_seqs,
         num_kv_heads, num_heads // num_kv_heads, dim, page_size, scale, block_tokens,
         num_threads or torch.get_num_threads(), int(not portable), out.data_ptr(), lse.data_ptr(),
+        None if probs is None else probs.data_ptr(), 0 if probs is None else probs.stride(1),
     )  # fmt: skip
     if status != 0:
         raise ValueError(f"CPU kernel refused the shapes (dim {dim}, group "
@@ -153,8 +171,10 @@ def cpu_paged_decode_reference(
     *,
     starts: torch.Tensor | None = None,
     scale: float | None = None,
+    probs: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The twin: gather tokens ``start..end-1`` of each sequence, the fp32 reference."""
+    """The twin: gather tokens ``start..end-1`` of each sequence, the fp32 reference
+    (``probs`` filled as the kernel fills it)."""
     from headspace.attention.reference import reference_attention
     from headspace.kv.paged_store import token_slots
 
@@ -163,8 +183,15 @@ def cpu_paged_decode_reference(
         start = 0 if starts is None else int(starts[row])
         positions = torch.arange(start, max(int(ends[row]), start))
         slots = token_slots(block_tables[row], positions, page_size)
-        out, lse = reference_attention(q[row][:, None].float(), k.index_select(1, slots),
-                                       v.index_select(1, slots), scale=scale)  # fmt: skip
+        keys = k.index_select(1, slots)  # [kv_heads, tokens, dim]
+        out, lse = reference_attention(q[row][:, None].float(), keys, v.index_select(1, slots),
+                                       scale=scale)  # fmt: skip
+        if probs is not None and len(positions):
+            group = q.shape[1] // k.shape[0]
+            scores = torch.einsum("hd,htd->ht", q[row].float(),
+                                  keys.float().repeat_interleave(group, 0))  # fmt: skip
+            scores *= q.shape[-1] ** -0.5 if scale is None else scale
+            probs[row, :, : len(positions)] = torch.exp(scores - lse[:, 0, None])
         outs.append(out[:, 0])
         lses.append(lse[:, 0])
     return torch.stack(outs), torch.stack(lses)

@@ -51,7 +51,17 @@ struct Problem {
   const int32_t* ends;     // [seqs] one past the last token attended
   int num_seqs, num_kv_heads, group, dim, page_size, block_tokens;
   float scale;
+  float* probs;            // [seqs, kv_heads, group, probs_stride] softmax weights, or null
+  int64_t probs_stride;
 };
+
+// The raw scores of a block's queries, kept for the weights pass (`raw` null: not asked).
+HS_INLINE void keep_scores(const float* scores, int group, int stride, int num, float* raw,
+                           int64_t raw_stride) {
+  if (raw == nullptr) return;
+  for (int g = 0; g < group; ++g)
+    std::memcpy(raw + g * raw_stride, scores + g * stride, sizeof(float) * num);
+}
 
 HS_INLINE void load_row(const float* src, float* dst, int dim) {
   std::memcpy(dst, src, sizeof(float) * dim);
@@ -66,7 +76,7 @@ HS_INLINE void load_row(const uint16_t* src, float* dst, int dim) {
 // Tokens [t0, t1) of one (sequence, kv head): part = [group][dim + 2] as (acc..., max, sum).
 template <typename T>
 HS_INLINE void attend_block(const Problem& p, const T* k, const T* v, const int32_t* table,
-                            const float* q, int t0, int t1, float* part) {
+                            const float* q, int t0, int t1, float* part, float* raw) {
   const int dim = p.dim, group = p.group, num = t1 - t0;
   alignas(64) float row[kMaxDim];
   alignas(64) float scores[kMaxScores];
@@ -83,6 +93,7 @@ HS_INLINE void attend_block(const Problem& p, const T* k, const T* v, const int3
       scores[g * stride + i] = dot * p.scale;
     }
   }
+  keep_scores(scores, group, stride, num, raw, p.probs_stride);
   for (int g = 0; g < group; ++g) {
     float* s = scores + g * stride;
     float top = -std::numeric_limits<float>::infinity();
@@ -113,13 +124,13 @@ HS_INLINE void attend_block(const Problem& p, const T* k, const T* v, const int3
 // The portable loops, compiled for each ISA by the compiler and chosen at load time.
 HS_CLONES void attend_block_portable(const Problem& p, bool bf16, const void* k, const void* v,
                                      const int32_t* table, const float* q, int t0, int t1,
-                                     float* part) {
+                                     float* part, float* raw) {
   if (bf16)
     attend_block(p, static_cast<const uint16_t*>(k), static_cast<const uint16_t*>(v), table, q,
-                 t0, t1, part);
+                 t0, t1, part, raw);
   else
     attend_block(p, static_cast<const float*>(k), static_cast<const float*>(v), table, q, t0,
-                 t1, part);
+                 t1, part, raw);
 }
 
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
@@ -248,9 +259,10 @@ HS_AVX512 HS_INLINE void softmax_row(float* s, int num, float* top_out, float* s
 template <typename T, int NG>
 HS_AVX512 HS_INLINE void attend_queries(const Problem& p, const T* k, const T* v,
                                         const int64_t* slots, int num, const float* q,
-                                        float* scores, float* part) {
+                                        float* scores, float* part, float* raw) {
   const int dim = p.dim, stride = p.block_tokens;
   scores_of<T, NG>(k, slots, num, dim, q, p.scale, stride, scores);
+  keep_scores(scores, NG, stride, num, raw, p.probs_stride);
   for (int g = 0; g < NG; ++g)
     softmax_row(scores + g * stride, num, part + g * (dim + 2) + dim,
                 part + g * (dim + 2) + dim + 1);
@@ -260,7 +272,7 @@ HS_AVX512 HS_INLINE void attend_queries(const Problem& p, const T* k, const T* v
 template <typename T>
 HS_AVX512 void attend_block_avx512(const Problem& p, const T* k, const T* v,
                                    const int32_t* table, const float* q, int t0, int t1,
-                                   float* part) {
+                                   float* part, float* raw) {
   const int dim = p.dim, group = p.group, num = t1 - t0, stride = p.block_tokens;
   alignas(64) float scores[kMaxScores];
   int64_t slots[kMaxBlock];
@@ -271,16 +283,16 @@ HS_AVX512 void attend_block_avx512(const Problem& p, const T* k, const T* v,
   int g = 0;  // queries of the group four at a time: each pass reads the block's K/V once
   for (; g + 4 <= group; g += 4)
     attend_queries<T, 4>(p, k, v, slots, num, q + g * dim, scores + g * stride,
-                         part + g * (dim + 2));
+                         part + g * (dim + 2), raw ? raw + g * p.probs_stride : nullptr);
   if (group - g == 3)
     attend_queries<T, 3>(p, k, v, slots, num, q + g * dim, scores + g * stride,
-                         part + g * (dim + 2));
+                         part + g * (dim + 2), raw ? raw + g * p.probs_stride : nullptr);
   else if (group - g == 2)
     attend_queries<T, 2>(p, k, v, slots, num, q + g * dim, scores + g * stride,
-                         part + g * (dim + 2));
+                         part + g * (dim + 2), raw ? raw + g * p.probs_stride : nullptr);
   else if (group - g == 1)
     attend_queries<T, 1>(p, k, v, slots, num, q + g * dim, scores + g * stride,
-                         part + g * (dim + 2));
+                         part + g * (dim + 2), raw ? raw + g * p.probs_stride : nullptr);
 }
 
 bool has_avx512() {
@@ -292,21 +304,25 @@ bool has_avx512() {
 bool has_avx512() { return false; }
 template <typename T>
 void attend_block_avx512(const Problem&, const T*, const T*, const int32_t*, const float*, int,
-                         int, float*) {}
+                         int, float*, float*) {}
 #endif
 
 template <typename T>
 void attend_task(const Problem& p, bool avx512, int seq, int head, int t0, int t1,
                  float* part) {
   const int64_t offset = head * p.head_stride;
+  const int start = p.starts ? p.starts[seq] : 0;
+  float* raw = p.probs ? p.probs + (int64_t(seq) * p.num_kv_heads + head) * p.group *
+                                       p.probs_stride + (t0 - start)
+                       : nullptr;
   const T* k = static_cast<const T*>(p.k) + offset;
   const T* v = static_cast<const T*>(p.v) + offset;
   const int32_t* table = p.tables + seq * p.table_stride;
   const float* q = p.q + (int64_t(seq) * p.num_kv_heads + head) * p.group * p.dim;
   if (avx512)
-    attend_block_avx512(p, k, v, table, q, t0, t1, part);
+    attend_block_avx512(p, k, v, table, q, t0, t1, part, raw);
   else
-    attend_block_portable(p, std::is_same_v<T, uint16_t>, k, v, table, q, t0, t1, part);
+    attend_block_portable(p, std::is_same_v<T, uint16_t>, k, v, table, q, t0, t1, part, raw);
 }
 
 // Merge the partials of one (sequence, kv head, query) over its blocks, `stride` apart.
@@ -348,20 +364,22 @@ int hs_isa() {
 }
 
 // Returns 0, or 1 for arguments out of range (nothing written). `allow_avx512` 0 runs the
-// portable loops (compiled per ISA by the compiler) even where AVX-512 is there.
+// portable loops (compiled per ISA by the compiler) even where AVX-512 is there. With
+// `probs` (else null), query (seq, head, g)'s softmax weight of token start + j goes to
+// probs[((seq * kv_heads + head) * group + g) * probs_stride + j] (HGCA's A_cpu).
 int hs_paged_decode(const float* q, const void* k, const void* v, int kv_dtype,
                     int64_t head_stride, const int32_t* tables, int64_t table_stride,
                     const int32_t* starts, const int32_t* ends, int num_seqs,
                     int num_kv_heads, int group, int dim, int page_size, float scale,
                     int block_tokens, int num_threads, int allow_avx512, float* out,
-                    float* lse) {
+                    float* lse, float* probs, int64_t probs_stride) {
   if (dim > kMaxDim || group > kMaxGroup || block_tokens > kMaxBlock || block_tokens < 1 ||
       group * block_tokens > kMaxScores ||
       (kv_dtype != kF32 && kv_dtype != kBF16) || page_size < 1)
     return 1;
   const Problem p{q,     k,          v,        head_stride, tables,
                   table_stride, starts, ends, num_seqs,    num_kv_heads,
-                  group, dim,   page_size,   block_tokens, scale};
+                  group, dim,   page_size,   block_tokens, scale, probs, probs_stride};
   // tasks: (sequence, block) pairs, times the kv heads
   std::vector<int> first_block(num_seqs + 1, 0);
   for (int s = 0; s < num_seqs; ++s) {
@@ -408,6 +426,16 @@ int hs_paged_decode(const float* q, const void* k, const void* v, int kv_dtype,
                          (int64_t(first_block[seq]) * num_kv_heads + head) * head_parts +
                          g * part_stride;
     merge(first, count, num_kv_heads * head_parts, dim, out + query * dim, lse + query);
+  }
+  if (probs != nullptr) {  // raw scores -> weights, once every lse is known
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t query = 0; query < num_queries; ++query) {
+      const int seq = int(query / group / num_kv_heads);
+      const int count = std::max(ends[seq] - (starts ? starts[seq] : 0), 0);
+      float* row = probs + query * probs_stride;
+      const float top = lse[query];
+      for (int j = 0; j < count; ++j) row[j] = std::exp(row[j] - top);
+    }
   }
   return 0;
 }

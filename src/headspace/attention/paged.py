@@ -185,3 +185,29 @@ def paged_decode_reference(
     ends = torch.tensor(lengths, dtype=torch.int32)
     out, lse = cpu_paged_decode_reference(q, k, v, block_tables, ends, page_size)
     return out.to(q.dtype), lse
+
+
+def paged_token_probs(
+    q: torch.Tensor,  # [seqs, heads, dim], one query token per sequence
+    k: torch.Tensor,  # [kv_heads, slots, dim]
+    block_tables: torch.Tensor,  # [seqs, max_pages] int32
+    lengths: torch.Tensor,  # [seqs] keys per sequence
+    width: int,  # at least the longest sequence
+    page_size: int,
+    lse: torch.Tensor,  # [seqs, heads] natural-log normaliser of the weights
+    scale: float | None = None,
+) -> torch.Tensor:
+    """Softmax weights ``exp(scale q.k - lse)`` of each sequence's keys, fp32 ``[seqs, heads,
+    width]`` (0 past a sequence's length): which keys a decode step attended to, for the
+    hybrid tier's moving average (a few hundred keys per sequence, so plain torch)."""
+    num_seqs, num_heads, dim = q.shape
+    num_kv_heads = k.shape[0]
+    scale = dim**-0.5 if scale is None else scale
+    offsets = torch.arange(width, device=q.device)
+    pages = block_tables.long().gather(1, (offsets // page_size).expand(num_seqs, -1))
+    slots = pages * page_size + offsets % page_size  # [seqs, width]
+    keys = k[:, slots].float()  # [kv_heads, seqs, width, dim]
+    queries = q.float().view(num_seqs, num_kv_heads, num_heads // num_kv_heads, dim)
+    scores = torch.einsum("skgd,kswd->skgw", queries, keys).reshape(num_seqs, num_heads, width)
+    probs = torch.exp(scores * scale - lse.float()[..., None])
+    return probs.masked_fill(offsets >= lengths[:, None, None], 0.0)

@@ -27,6 +27,11 @@ def add_eval_parser(subparsers, add_engine_options) -> None:
     )
     p.add_argument("--context", default="2k,8k", help="perplexity windows")
     p.add_argument("--max-tokens", type=int, default=None, help="score at most this many tokens")
+    p.add_argument(
+        "--decode-tokens", type=int, default=0,
+        help="ppl: score each window's last N tokens through decode steps (teacher forcing), "
+        "which run the decode tiers (hybrid, sparse); windows then advance by N",
+    )  # fmt: skip
     p.add_argument("--needle", default=None, help="the needle sentence (with --question, --answer)")
     p.add_argument("--question", default=None)
     p.add_argument("--answer", default=None)
@@ -34,7 +39,8 @@ def add_eval_parser(subparsers, add_engine_options) -> None:
     p.add_argument("--output", default="eval_results", help="folder for CSV and PNG files")
     p.add_argument(
         "--compare", nargs="+", default=None, metavar="OFFLOAD",
-        help="one run per offload mode (none: all resident); flags differences",
+        help="one run per offload mode (none: all resident; hybrid-sparse[:BETA]: hybrid with "
+        "cpu_sparsity BETA, default --cpu-sparsity or 1); flags differences",
     )  # fmt: skip
     add_engine_options(p)
     p.set_defaults(parse_tokens=parse_tokens)
@@ -57,8 +63,23 @@ def _rows(args, llm) -> tuple[list[dict], list[str], list[str]]:
         rows = run.run_ruler(llm, lengths, _list(args.tasks), args.seed, args.samples)
         return rows, ["task", "length", "sample"], ["score", "prompt_tokens"]
     rows = run.run_ppl(llm, _list(args.text), _list(args.context, args.parse_tokens),
-                       args.max_tokens)  # fmt: skip
+                       args.max_tokens, args.decode_tokens)  # fmt: skip
     return rows, ["text", "context"], ["perplexity", "tokens"]
+
+
+def _mode_options(mode: str, options: dict) -> dict:
+    """Engine options of one ``--compare`` mode: an offload mode, or ``hybrid-sparse[:BETA]``
+    (the hybrid tier with ``cpu_sparsity``); other modes run exact (no sparsity)."""
+    name, _, beta = mode.partition(":")
+    if name != "hybrid-sparse":
+        if beta:
+            raise UserError(f"only hybrid-sparse takes a value after ':', got {mode!r}")
+        return {**options, "offload": name, "cpu_sparsity": None}
+    try:
+        value = float(beta) if beta else (options.get("cpu_sparsity") or 1.0)
+    except ValueError:
+        raise UserError(f"hybrid-sparse:BETA needs a number, got {beta!r}") from None
+    return {**options, "offload": "hybrid", "cpu_sparsity": value, "cpu_share": None}
 
 
 def run_eval(args, options: dict) -> None:
@@ -68,14 +89,14 @@ def run_eval(args, options: dict) -> None:
     modes = args.compare or [options["offload"]]
     results = {}
     for mode in modes:
-        mode_options = {**options, "offload": mode}
+        mode_options = _mode_options(mode, options) if args.compare else options
         if args.compare and mode == "none":  # the all-resident reference ignores the budget
             mode_options["gpu_memory"] = None
         llm = LLM(args.model, **mode_options)
         results[mode], keys, values = _rows(args, llm)
     out = Path(args.output)
     for mode, rows in results.items():
-        suffix = f"_{mode}" if args.compare else ""
+        suffix = f"_{mode.replace(':', '-')}" if args.compare else ""
         run.write_csv(rows, out / f"{args.suite}{suffix}.csv")
         if args.suite == "niah":
             run.niah_heatmap(rows, out / f"niah{suffix}.png", f"needle in a haystack ({mode})")
@@ -91,6 +112,9 @@ def run_eval(args, options: dict) -> None:
     for rows in zip(*results.values(), strict=True):
         row = {k: rows[0][k] for k in keys}
         row |= {f"{values[0]}[{m}]": r[values[0]] for m, r in zip(modes, rows, strict=True)}
+        if args.suite == "ppl":  # relative to the first mode's
+            row |= {f"delta[{m}]": f"{r[values[0]] / rows[0][values[0]] - 1:+.2%}"
+                    for m, r in zip(modes[1:], rows[1:], strict=True)}  # fmt: skip
         row["differs"] = "DIFFERS" if len({r[values[0]] for r in rows}) > 1 else ""
         merged.append(row)
     print(run.table(merged, list(merged[0])))

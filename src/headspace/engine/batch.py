@@ -286,6 +286,7 @@ class BatchGenerator:
             decode_seconds=request.finished - request.first_token,
             num_gpu_heads=request.num_gpu_heads, num_streamed_heads=request.num_streamed_heads,
             num_hybrid_heads=request.num_hybrid_heads, num_swaps=seq.num_swaps,
+            cpu_kept_fraction=self.runner.kept_summary(seq.seq_id),
         )  # fmt: skip
         if self.config.on_gpu:
             stats.peak_gpu_bytes = torch.cuda.max_memory_allocated(self.config.device)
@@ -311,17 +312,30 @@ class BatchGenerator:
                 yield piece
         return self._output(self._requests[0])
 
-    def logits(self, token_ids: list[int]) -> torch.Tensor:
-        """fp32 logits ``[len(token_ids), vocab]`` (CPU) through the paged prefill path."""
+    def logits(self, token_ids: list[int], decode_tokens: int = 0) -> torch.Tensor:
+        """fp32 logits ``[len(token_ids), vocab]`` (CPU) through the paged prefill path; the
+        last ``decode_tokens`` rows come from decode steps fed the given tokens (teacher
+        forcing), so they run what generation runs (the hybrid tier, its sparse mode)."""
         self._check_length(len(token_ids), room_for_one=False)
-        seq = Sequence(self._next_id, list(token_ids), len(token_ids))
+        if not 0 <= decode_tokens < len(token_ids):
+            raise UserError(f"decode_tokens must be in [0, {len(token_ids) - 1}], got "
+                            f"{decode_tokens}")  # fmt: skip
+        num_prompt = len(token_ids) - decode_tokens
+        seq = Sequence(self._next_id, list(token_ids[:num_prompt]), len(token_ids))
         self._next_id += 1
         self.prepare([seq])
+        blocks = self.runner.blocks
         try:
-            self.runner.blocks.allocate_prompt(seq.seq_id, seq.prompt_ids, self.tiers, reuse=False)
+            blocks.allocate_prompt(seq.seq_id, seq.prompt_ids, self.tiers, reuse=False)
         except OutOfPages:
             raise UserError(f"{len(token_ids)} tokens do not fit the KV pool") from None
         try:
-            return self.runner.prefill(seq, self.chunk, all_logits=True)
+            rows = [self.runner.prefill(seq, self.chunk, all_logits=True)]
+            for position in range(num_prompt, len(token_ids)):
+                blocks.append_token(seq.seq_id)
+                self.runner.tokens[0] = token_ids[position]
+                logits, _ = self.runner.decode([seq.seq_id], [position], [0])
+                rows.append(logits.float().cpu())
+            return torch.cat(rows)
         finally:
-            self.runner.blocks.free(seq.seq_id)
+            blocks.free(seq.seq_id)

@@ -20,6 +20,10 @@ def _option(default, help: str, *, choices=None, cli_default=None):
     return field(default=default, metadata={k: v for k, v in meta.items() if v is not None})
 
 
+def _is_number(value) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
 @dataclass
 class EngineConfig:
     """How the engine runs a model (each field is also a command-line flag)."""
@@ -64,6 +68,14 @@ class EngineConfig:
         "1 = CPU only)",
     )  # fmt: skip
     gpu_window: int = _option(1024, "hybrid: most recent tokens always attended on the GPU")
+    cpu_sparsity: float | None = _option(
+        None, "hybrid: HGCA's beta; CPU threads attend only the older tokens whose moving "
+        "average of attention weights exceeds beta / n, per (layer, kv head) (default: every "
+        "token, exact; needs offload hybrid, where the CPU then takes all before the window)",
+    )  # fmt: skip
+    maw_alpha: float = _option(
+        0.1, "hybrid sparse: weight of each step in the moving average of attention weights"
+    )
     cpu_threads: int | None = _option(
         None, "hybrid: CPU threads of the attention kernel (default: the cores less one)"
     )
@@ -86,9 +98,9 @@ class EngineConfig:
             if value is not None and (type(value) is not int or value < 1):
                 raise UserError(f"{name} must be a positive integer, got {value}")
         share = self.cpu_share
-        if share is not None and (isinstance(share, bool) or not isinstance(share, int | float)
-                                  or not 0 <= share <= 1):  # fmt: skip
+        if share is not None and (not _is_number(share) or not 0 <= share <= 1):
             raise UserError(f"cpu_share must be between 0 and 1, got {self.cpu_share}")
+        self._check_sparsity()
         for name in ("page_size", "max_batch", "gpu_window"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise UserError(f"{name} must be a positive integer, got {getattr(self, name)}")
@@ -98,6 +110,18 @@ class EngineConfig:
                 raise UserError(
                     f"{f.name} must be one of {', '.join(choices)}, got {getattr(self, f.name)!r}"
                 )
+
+    def _check_sparsity(self) -> None:
+        beta, alpha = self.cpu_sparsity, self.maw_alpha
+        if beta is not None and (not _is_number(beta) or beta < 0):
+            raise UserError(f"cpu_sparsity must be a number >= 0, got {beta}")
+        if not _is_number(alpha) or not 0 < alpha <= 1:
+            raise UserError(f"maw_alpha must be in (0, 1], got {alpha}")
+        if beta is not None and self.offload != "hybrid":
+            raise UserError(f"cpu_sparsity needs offload 'hybrid', got {self.offload!r}")
+        if beta is not None and self.cpu_share not in (None, 1):
+            raise UserError(f"cpu_sparsity attends all before the GPU window on the CPU; "
+                            f"cpu_share must be 1 or unset, got {self.cpu_share}")  # fmt: skip
 
     @property
     def torch_dtype(self) -> torch.dtype:

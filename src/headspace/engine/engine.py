@@ -92,6 +92,7 @@ class Engine:
         """Generate for one prompt, alone."""
         return self.batch.run([prompt_ids], [params])[0]
 
-    def logits(self, token_ids: list[int]) -> torch.Tensor:
-        """fp32 logits ``[len(token_ids), vocab]`` (CPU) through the chunked prefill path."""
-        return self.batch.logits(token_ids)
+    def logits(self, token_ids: list[int], decode_tokens: int = 0) -> torch.Tensor:
+        """fp32 logits ``[len(token_ids), vocab]`` (CPU) through the chunked prefill path,
+        the last ``decode_tokens`` rows through decode steps fed the given tokens."""
+        return self.batch.logits(token_ids, decode_tokens)

@@ -45,6 +45,7 @@ class StepInputs:
     tables: dict[str, torch.Tensor] = field(default_factory=dict)
     lengths: torch.Tensor | None = None
     start: int = 0
+    seq_ids: list[int] = field(default_factory=list)
 
 
 def q_heads(kv_range: HeadRange, q_per_kv: int) -> slice:

@@ -19,6 +19,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 
 from headspace.attention.cpu_decode import cpu_paged_decode
+from headspace.engine.hybrid_sparse import SparseSelector
 from headspace.kv.host_store import HostKVArena
 
 
@@ -34,11 +35,13 @@ def cpu_ends(lengths: list[int], cpu_share: float, gpu_window: int, page_size: i
 
 class CpuAttention:
     """Attention of query heads over host pages by CPU threads, one job per layer (all its
-    hybrid heads, the whole batch)."""
+    hybrid heads, the whole batch). With ``sparse`` (set by the runner in sparse mode), rows
+    with a selection attend only their kept tokens."""
 
     def __init__(self, host: HostKVArena, num_threads: int | None = None):
         self.host, self.num_threads = host, num_threads
         self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="headspace-cpu")
+        self.sparse: SparseSelector | None = None
         self.tables: torch.Tensor | None = None
         self.ends: torch.Tensor | None = None
         self.any = False  # whether this step gives the CPU any token
@@ -49,6 +52,7 @@ class CpuAttention:
         tables = torch.zeros(len(host_pages), width, dtype=torch.int32)
         for row, pages in enumerate(host_pages):
             tables[row, : len(pages)] = torch.tensor(pages, dtype=torch.int32)
+        self.host_pages = host_pages
         self.tables, self.ends = tables, torch.tensor(ends, dtype=torch.int32)
         self.any = any(ends)
 
@@ -63,15 +67,53 @@ class CpuAttention:
             ready.record(torch.cuda.current_stream(q.device))
         else:
             q_host, ready = q.clone(), None
-        kv = self.host.layer(layer)[kv_range[0] : kv_range[1]]  # [heads, 2, slots, dim]
-        return self.worker.submit(self._run, q_host, ready, kv, self.tables, self.ends)
+        return self.worker.submit(self._run, q_host, ready, layer, kv_range)
 
-    def _run(self, q: torch.Tensor, ready, kv: torch.Tensor, tables, ends):
+    def _run(self, q: torch.Tensor, ready, layer: int, kv_range: tuple[int, int]):
         if ready is not None:
             ready.synchronize()
-        out, lse = cpu_paged_decode(q, kv[:, 0], kv[:, 1], tables, ends, self.host.spec.page_size,
-                                    num_threads=self.num_threads)  # fmt: skip
+        if self.sparse is None:
+            out, lse = self._dense(q, layer, kv_range)
+        else:
+            out, lse = self._rows(q, layer, kv_range)
         return (out, lse) if ready is None else (out.pin_memory(), lse.pin_memory())
+
+    def _dense(self, q, layer: int, kv_range, rows=None, probs=None):
+        """Every token before each row's CPU end, through its page table."""
+        kv = self.host.layer(layer)[kv_range[0] : kv_range[1]]  # [heads, 2, slots, dim]
+        tables, ends = self.tables, self.ends
+        if rows is not None:
+            q, tables, ends = q[rows], tables[rows], ends[rows]
+        return cpu_paged_decode(q, kv[:, 0], kv[:, 1], tables, ends, self.host.spec.page_size,
+                                num_threads=self.num_threads, probs=probs)  # fmt: skip
+
+    def _rows(self, q, layer: int, kv_range: tuple[int, int]):
+        """Sparse mode: rows without a selection yet attend densely (the first of them also
+        writes the weights a selection starts from), the others their kept tokens."""
+        sparse, (lo, hi) = self.sparse, kv_range
+        out, lse = torch.empty(q.shape), torch.empty(q.shape[:2])
+        if sparse.dense:
+            rows, probs = torch.tensor(sparse.dense), None
+            if sparse.weigh:
+                width = max(1, int(self.ends[rows].max()))
+                probs = torch.empty(len(rows), q.shape[1], width)
+            out[rows], lse[rows] = self._dense(q, layer, kv_range, rows, probs)
+            for j, row in enumerate(sparse.dense):
+                if row in sparse.weigh:
+                    sparse.reevaluate(row, layer, kv_range, probs[j], int(self.ends[row]))
+        if sparse.sparse:
+            rows, num_heads, dim = torch.tensor(sparse.sparse), hi - lo, q.shape[-1]
+            kv = self.host.layer(layer)  # [heads, 2, slots, dim], flat rows below
+            slots, flat = kv.shape[2], kv.view(1, -1, dim)
+            tables, counts = sparse.token_tables(layer, kv_range, self.host_pages, slots,
+                                                 self.host.spec.page_size)  # fmt: skip
+            queries = q[rows].reshape(len(rows) * num_heads, -1, dim)
+            part, part_lse = cpu_paged_decode(queries, flat[:, : flat.shape[1] - slots],
+                                              flat[:, slots:], tables, counts, 1,
+                                              num_threads=self.num_threads)  # fmt: skip
+            out[rows] = part.view(len(rows), -1, dim)
+            lse[rows] = part_lse.view(len(rows), -1)
+        return out, lse
 
     @staticmethod
     def result(job: Future, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:

@@ -17,6 +17,8 @@ class GenerationStats:
     num_streamed_heads: int = 0  # entries streamed from host pages
     num_hybrid_heads: int = 0  # offloaded entries whose older tokens the CPU attends
     num_swaps: int = 0  # times it was swapped out to host pages and back
+    # sparse hybrid: (min, median, max) share of the CPU-side tokens kept per hybrid head
+    cpu_kept_fraction: tuple[float, float, float] | None = None
     peak_gpu_bytes: int | None = None  # allocated by tensors
     peak_reserved_bytes: int | None = None  # reserved by torch's caching allocator
 
@@ -37,6 +39,9 @@ class GenerationStats:
         ]
         if self.num_hybrid_heads:
             parts[-1] = f"heads {self.num_gpu_heads} gpu / {self.num_hybrid_heads} hybrid"
+        if self.cpu_kept_fraction is not None:
+            low, median, high = self.cpu_kept_fraction
+            parts.append(f"CPU kept {median:.1%} median ({low:.1%}-{high:.1%})")
         if self.num_swaps:
             parts.append(f"swapped out {self.num_swaps}x")
         if self.peak_reserved_bytes is not None:

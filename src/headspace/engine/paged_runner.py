@@ -22,6 +22,7 @@ from headspace.engine.executors import (
     bucket,
 )
 from headspace.engine.hybrid import CpuAttention
+from headspace.engine.hybrid_sparse import SparseSelector
 from headspace.engine.streaming import CpuSplit, StreamExecutor
 from headspace.kv.block_table import GPU, HOST, BlockManager
 from headspace.kv.host_store import HostKVArena
@@ -107,8 +108,29 @@ class PagedRunner:
         if self._cpu_attention is None:
             threads = self.config.cpu_threads or max(len(os.sched_getaffinity(0)) - 1, 1)
             self._cpu_attention = CpuAttention(self.host, threads)
-        share = hybrid_share(self.config.cpu_share)
-        return CpuSplit(self._cpu_attention, share, self.config.gpu_window)
+        config = self.config
+        share = hybrid_share(config.cpu_share)
+        self._cpu_attention.sparse = None
+        if config.cpu_sparsity is not None:  # the CPU takes all before the window
+            share, spec = 1.0, self.spec
+            kv_heads = {layer: range(groups[0][0], groups[-1][1])
+                        for layer in range(spec.num_layers)
+                        if (groups := _ranges(plan, layer)[1])}  # fmt: skip
+            self._cpu_attention.sparse = SparseSelector(
+                config.cpu_sparsity, config.maw_alpha, kv_heads, spec.num_layers,
+                spec.num_kv_heads, config.gpu_window, spec.page_size, self.tokens.numel(),
+                self.device,
+            )  # fmt: skip
+        return CpuSplit(self._cpu_attention, share, config.gpu_window)
+
+    def kept_summary(self, seq_id: int) -> tuple[float, float, float] | None:
+        """Sparse hybrid mode: (min, median, max) share of the CPU-side tokens kept per
+        hybrid (layer, kv head) for ``seq_id``; None in other modes."""
+        sparse = self._cpu_attention.sparse if self._cpu_attention is not None else None
+        if sparse is None:
+            return None
+        sparse.drain()
+        return sparse.summary(seq_id)
 
     @property
     def _graphs(self):
@@ -192,6 +214,7 @@ class PagedRunner:
         if graphs is not None and graphs.accepts(positions):
             return graphs.run(slots, positions, pages)
         step = self._decode_inputs(positions, pages)
+        step.seq_ids = list(seq_ids)
         for executor in self.executors:
             executor.begin(step)
         slot_index = torch.tensor(slots, device=self.device)

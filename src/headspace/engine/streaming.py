@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from headspace.attention import attend, merge_attention
-from headspace.attention.paged import paged_decode_reference
+from headspace.attention.paged import paged_decode_reference, paged_token_probs
 from headspace.engine.executors import MIN_WIDTH, HeadRange, StepInputs, bucket, q_heads
 from headspace.engine.hybrid import CpuAttention, cpu_ends
 from headspace.kv.host_store import HostKVArena
@@ -48,6 +48,8 @@ class _Piece:
     lengths: torch.Tensor | None = None
     runs: list[tuple[int, int, int]] | None = None
     count: torch.Tensor | None = None  # pages in use, on the device (CUDA-graph steps)
+    offsets: torch.Tensor | None = None  # at decode: each sequence's first position in it
+    width: int = 0  # at decode: the most keys of one sequence in it
 
 
 def page_runs(pages: list[int]) -> list[tuple[int, int, int]]:
@@ -102,6 +104,8 @@ class StreamExecutor:
             if self.cpu is not None:  # tokens 0 .. end-1 of each sequence go to the CPU
                 ends = cpu_ends(step.positions_list, self.cpu.share, self.cpu.gpu_window, size)
                 self.cpu.attention.begin(step.pages["host"], ends)
+                if self.cpu.attention.sparse is not None:
+                    self.cpu.attention.sparse.begin(step.seq_ids, step.positions_list, ends)
                 first_pages = [end // size for end in ends]
             self.pieces = self._decode_pieces(step, first_pages)
             rows = zip(step.pages["host"], step.positions_list, strict=True)
@@ -176,9 +180,12 @@ class StreamExecutor:
                 if counts[row] else 0
                 for row in range(len(positions))
             ]  # fmt: skip
+            offsets = [first_page.get(row, 0) * size for row in range(len(positions))]
             pieces.append(_Piece(torch.tensor(run, device=self.device), 0, tables.to(self.device),
                                  torch.tensor(seq_lengths, device=self.device),
-                                 runs=page_runs(run)))  # fmt: skip
+                                 runs=page_runs(run),
+                                 offsets=torch.tensor(offsets, device=self.device),
+                                 width=max(seq_lengths)))  # fmt: skip
         return pieces
 
     # -- staging -------------------------------------------------------------------------
@@ -300,26 +307,51 @@ class StreamExecutor:
 
     def _decode(self, group: int, kv_range: HeadRange, q, kv, out):
         new_kv, target = (kv, out) if self.fused else (None, None)
+        tracker = self.cpu.attention.sparse if self.cpu is not None else None
+        weighed = []  # sparse mode: (piece, weights, piece lse) of the GPU-side tokens
 
         def piece_attention(piece: _Piece, k, v):
             if k.is_cuda:
                 from headspace.attention.triton_decode import paged_decode_attention
 
                 size = self.page_size
-                return paged_decode_attention(q, k, v, piece.tables, piece.lengths, size,
-                                              new_kv=new_kv, out=target)  # fmt: skip
-            result, lse = paged_decode_reference(q, k, v, piece.tables, piece.lengths.tolist(),
-                                                 self.page_size, new_kv=new_kv)  # fmt: skip
-            return (target.copy_(result) if target is not None else result), lse
+                result = paged_decode_attention(q, k, v, piece.tables, piece.lengths, size,
+                                                new_kv=new_kv, out=target)  # fmt: skip
+            else:
+                result = paged_decode_reference(q, k, v, piece.tables, piece.lengths.tolist(),
+                                                self.page_size, new_kv=new_kv)  # fmt: skip
+                if target is not None:
+                    result = (target.copy_(result[0]), result[1])
+            if tracker is not None:
+                probs = paged_token_probs(q, k, piece.tables, piece.lengths, piece.width,
+                                          self.page_size, result[1])  # fmt: skip
+                weighed.append((piece, probs, result[1]))
+            return result
 
         outs, lses = self._history(group, kv_range[1] - kv_range[0], piece_attention)
         if self.fused:  # one piece held the whole history and the new token: final in ``out``
-            return out, lses[0].transpose(0, 1)
-        scale = q.shape[-1] ** -0.5  # the new token's own key: softmax over one score
-        k_new = kv[0].repeat_interleave(self.q_per_kv, dim=1).float()
-        outs.append(kv[1].repeat_interleave(self.q_per_kv, dim=1).to(q.dtype))
-        lses.append((q.float() * k_new).sum(-1) * scale)
-        merged, lse = merge_attention([o.transpose(0, 1) for o in outs],
-                                      [x.transpose(0, 1) for x in lses])  # fmt: skip
-        out.copy_(merged.transpose(0, 1))
+            lse = lses[0].transpose(0, 1)
+        else:
+            scale = q.shape[-1] ** -0.5  # the new token's own key: softmax over one score
+            k_new = kv[0].repeat_interleave(self.q_per_kv, dim=1).float()
+            outs.append(kv[1].repeat_interleave(self.q_per_kv, dim=1).to(q.dtype))
+            lses.append((q.float() * k_new).sum(-1) * scale)
+            merged, lse = merge_attention([o.transpose(0, 1) for o in outs],
+                                          [x.transpose(0, 1) for x in lses])  # fmt: skip
+            out.copy_(merged.transpose(0, 1))
+        if tracker is not None:
+            self._track(tracker, group, kv_range, weighed, lses[-1], lse.transpose(0, 1))
         return out, lse
+
+    def _track(self, tracker, group: int, kv_range: HeadRange, weighed, new_lse, lse) -> None:
+        """The weights of this step's GPU-side tokens, normalised over all of them (``lse
+        [seqs, heads]``), into the sparse mode's moving averages."""
+        layer = self.order[group][0]
+        for piece, probs, piece_lse in weighed:
+            if not self.fused:
+                probs = probs * torch.exp(piece_lse.float() - lse.float())[..., None]
+            tracker.track(layer, kv_range, probs, piece.offsets, piece.lengths)
+        if not self.fused:  # the new token, at its position
+            probs = torch.exp(new_lse.float() - lse.float())[..., None]
+            ones = torch.ones_like(self.step.lengths)
+            tracker.track(layer, kv_range, probs, self.step.positions, ones)

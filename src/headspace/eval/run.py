@@ -58,17 +58,24 @@ def _generate(llm, prompts: list[list[int]], params: SamplingParams):
     return llm.generate(prompts, params, use_tqdm=True)
 
 
-def run_ppl(
-    llm, texts: list[str], contexts: list[int], max_tokens: int | None = None
-) -> list[dict]:
-    """Sliding-window perplexity per (text, context)."""
+def run_ppl(llm, texts: list[str], contexts: list[int], max_tokens: int | None = None,
+            decode_tokens: int = 0) -> list[dict]:  # fmt: skip
+    """Sliding-window perplexity per (text, context). With ``decode_tokens``, each window's
+    last ``decode_tokens`` tokens are scored, predicted by decode steps (teacher forcing):
+    the path generation takes, with its tiers."""
     rows = []
     for name in texts:
         ids = llm.tokenizer(builtin_text(name))["input_ids"][:max_tokens]
         for context in contexts:
-            windows = max(1, math.ceil((len(ids) - context) / (context // 2)) + 1)
+            stride = decode_tokens or context // 2
+            windows = max(1, math.ceil((len(ids) - context) / stride) + 1)
+
+            def logits(window: list[int]):
+                return llm.logits(window, decode_tokens=decode_tokens + 1 if decode_tokens else 0)
+
             with tqdm(total=windows, desc=f"ppl {name} @{context}", unit="window") as bar:
-                nll, count = sliding_window_nll(llm.logits, ids, context, on_window=bar.update)
+                nll, count = sliding_window_nll(logits, ids, context, on_window=bar.update,
+                                                score_last=decode_tokens or None)  # fmt: skip
             rows.append({"text": Path(name).stem, "context": context, "tokens": count,
                          "perplexity": math.exp(nll / count)})  # fmt: skip
     return rows

@@ -1,0 +1,213 @@
+"""The hybrid tier's sparse mode (HGCA, ``cpu_sparsity=beta``): CPU threads attend, for each
+(layer, kv head) and sequence, only the older tokens judged salient.
+
+Salience is a moving average of attention weights (MAW) per token and kv head (a kv head's
+weight of a token: the largest over its query heads). While a token is on the GPU side (the
+window) its MAW is tracked on the device, ``maw <- (1 - alpha) maw + alpha w`` from its first
+weight on. When the window moves past a page, the page's tokens leave with their MAW and are
+kept for the CPU when ``maw > beta / n`` (``n``: the tokens on the GPU side then).
+
+After an append (a prompt), the CPU attends the whole history once, densely and exactly,
+writing every token's weight ``A_cpu``; a background thread then keeps, per (layer, kv
+head), the tokens with ``A_cpu > beta / n`` (``n``: the CPU-side tokens). Steps stay dense
+until that selection is in. Nothing is freed: a dropped token stays in its host page, so a
+later re-evaluation reinstates it when its weight rises.
+"""
+
+from __future__ import annotations
+
+import statistics
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+
+def salient(weights: torch.Tensor, beta: float, count: int) -> torch.Tensor:
+    """HGCA's rule: entries whose weight exceeds ``beta`` times the uniform ``1 / count``."""
+    return weights > beta / max(count, 1)
+
+
+class SparseState:
+    """One sequence's kept positions per (layer, kv head): the last re-evaluation's (``base``,
+    over tokens ``0 .. end - 1``) and, after it, what each page leaving the window kept."""
+
+    def __init__(self, layers: list[int], cpu_end: int):
+        self.layers = layers  # the layers that have hybrid heads
+        self.base: dict[int, tuple[int, dict[int, torch.Tensor]]] = {}  # layer -> (end, heads)
+        self.chunks: list[tuple[int, torch.Tensor]] = []  # (first position, keep [L, H, n])
+        self.evicted_end = cpu_end  # tokens 0 .. evicted_end - 1 are on the CPU side
+        self.requested = False  # the dense pass that writes A_cpu has been run
+        self.version = 0
+
+    @property
+    def ready(self) -> bool:
+        """Whether every hybrid layer has a selection (until then the CPU attends densely)."""
+        return all(layer in self.base for layer in self.layers)
+
+    def reevaluate(self, layer: int, heads: range, weights: torch.Tensor, beta: float) -> None:
+        """A new selection for ``layer`` from each kv head's weights ``[heads, n]`` of tokens
+        ``0 .. n - 1`` (normalised over them): replaces what was kept of those tokens."""
+        count = weights.shape[1]
+        keep = salient(weights, beta, count)
+        kept = {h: keep[i].nonzero()[:, 0].int() for i, h in enumerate(heads)}
+        self.base[layer] = (count, kept)
+        self.version += 1
+
+    def evict(self, start: int, maw: torch.Tensor, beta: float, num_gpu_tokens: int) -> None:
+        """Tokens ``start ..`` (``maw [layers, kv heads, n]``) leave the GPU window."""
+        self.chunks.append((start, salient(maw, beta, num_gpu_tokens)))
+        self.evicted_end = start + maw.shape[-1]
+        self.version += 1
+
+    def kept(self, layer: int, head: int) -> torch.Tensor:
+        """Positions (int32, ascending) the CPU attends for (``layer``, ``head``)."""
+        end, heads = self.base.get(layer, (0, {}))
+        parts = [heads[head]] if head in heads else []
+        parts += [first + keep[layer, head].nonzero()[:, 0].int()
+                  for first, keep in self.chunks if first >= end]  # fmt: skip
+        return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int32)
+
+    def fractions(self, kv_heads: dict[int, range]) -> list[float]:
+        """Kept share of the CPU-side tokens per hybrid (layer, kv head)."""
+        total = max(self.evicted_end, 1)
+        return [len(self.kept(layer, h)) / total
+                for layer, heads in kv_heads.items() for h in heads]  # fmt: skip
+
+
+class SparseSelector:
+    """MAW tracking on the device, selection on a background thread, and the CPU kernel's
+    token tables, for the sequences of the running batch."""
+
+    def __init__(self, beta: float, alpha: float, kv_heads: dict[int, range], num_layers: int,
+                 num_kv_heads: int, window: int, page_size: int, max_rows: int,
+                 device: torch.device):  # fmt: skip
+        self.beta, self.alpha, self.kv_heads = beta, alpha, kv_heads
+        self.ring = window + 2 * page_size  # the GPU side never spans more tokens
+        self.maw = torch.full((max_rows, num_layers, num_kv_heads, self.ring), -1.0, device=device)
+        self.states: dict[int, SparseState] = {}
+        self.rows: dict[int, int] = {}
+        self.summaries: dict[int, tuple[float, float, float]] = {}
+        self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="headspace-select")
+        self._tables: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    # -- the step ------------------------------------------------------------------------
+    def begin(self, seq_ids: list[int], positions: list[int], cpu_ends: list[int]) -> None:
+        """A decode step of ``seq_ids`` (new tokens at ``positions``, CPU tokens
+        ``cpu_ends``): evicts the pages that left the window, sorts the rows into dense
+        (no selection yet) and sparse."""
+        for seq_id in [s for s in self.states if s not in seq_ids]:
+            self.release(seq_id)
+        for seq_id, position, end in zip(seq_ids, positions, cpu_ends, strict=True):
+            state = self.states.get(seq_id)
+            if state is None:
+                self._admit(seq_id, end)
+            elif end > state.evicted_end:
+                self._evict(seq_id, state, end, position + 1 - state.evicted_end)
+        self.seq_ids = seq_ids
+        states = [self.states[s] for s in seq_ids]
+        self.dense = [i for i, state in enumerate(states) if not state.ready]
+        self.sparse = [i for i, state in enumerate(states) if state.ready]
+        # a history's first CPU-side step attends densely and writes the weights to select by
+        self.weigh = [i for i in self.dense if not states[i].requested and cpu_ends[i]]
+        rows = [self.rows[s] for s in seq_ids]
+        self.row_index = torch.tensor(rows, device=self.maw.device)
+
+    def _admit(self, seq_id: int, cpu_end: int) -> None:
+        row = min(set(range(self.maw.shape[0])) - set(self.rows.values()))
+        self.rows[seq_id] = row
+        self.maw[row] = -1.0
+        self.states[seq_id] = SparseState(list(self.kv_heads), cpu_end)
+
+    def _evict(self, seq_id: int, state: SparseState, end: int, num_gpu_tokens: int) -> None:
+        start = state.evicted_end
+        index = torch.arange(start, end, device=self.maw.device) % self.ring
+        row = self.rows[seq_id]
+        maw = self.maw[row][:, :, index].cpu()  # [layers, kv heads, tokens]
+        self.maw[row, :, :, index] = -1.0  # the ring's places go to new tokens
+        state.evict(start, maw, self.beta, num_gpu_tokens)
+
+    def release(self, seq_id: int) -> None:
+        """Forget a sequence that left the batch (its kept shares stay for its summary)."""
+        state = self.states.pop(seq_id)
+        self.summaries[seq_id] = _summary(state.fractions(self.kv_heads))
+        self.rows.pop(seq_id)
+
+    def summary(self, seq_id: int) -> tuple[float, float, float] | None:
+        """(min, median, max) kept share of the CPU-side tokens over the hybrid heads."""
+        if seq_id in self.states:
+            return _summary(self.states[seq_id].fractions(self.kv_heads))
+        return self.summaries.get(seq_id)
+
+    # -- the GPU side --------------------------------------------------------------------
+    def track(self, layer: int, kv_range: tuple[int, int], probs: torch.Tensor,
+              offsets: torch.Tensor, lengths: torch.Tensor) -> None:  # fmt: skip
+        """Fold one step's weights of the GPU-side tokens into their MAW: ``probs [seqs,
+        heads, width]`` of tokens ``offsets[s] + j`` for ``j < lengths[s]``."""
+        num_seqs, num_heads, width = probs.shape
+        if width > self.ring:
+            raise ValueError(f"{width} GPU-side tokens exceed the MAW ring of {self.ring}")
+        lo, hi = kv_range
+        weights = probs.view(num_seqs, hi - lo, num_heads // (hi - lo), width).amax(2)
+        columns = torch.arange(width, device=probs.device)
+        index = ((offsets[:, None] + columns) % self.ring)[:, None, :]  # [seqs, 1, width]
+        heads = torch.arange(lo, hi, device=probs.device)[None, :, None]
+        where = (self.row_index[:, None, None], layer, heads, index)
+        current = self.maw[where]  # [seqs, heads, width]
+        moved = torch.where(current < 0, weights, (1 - self.alpha) * current + self.alpha * weights)
+        valid = (columns < lengths[:, None])[:, None, :]
+        self.maw[where] = torch.where(valid, moved, current)
+
+    # -- the CPU side (worker thread) ----------------------------------------------------
+    def reevaluate(self, row: int, layer: int, kv_range: tuple[int, int],
+                   probs: torch.Tensor, end: int) -> None:  # fmt: skip
+        """Select on the background thread from ``probs [heads, >= end]`` (row ``row`` of
+        this step's dense pass, which attended tokens ``0 .. end - 1``)."""
+        state, heads = self.states[self.seq_ids[row]], range(*kv_range)
+        state.requested = True
+
+        def select():
+            group = probs.shape[0] // len(heads)
+            weights = probs[:, :end].view(len(heads), group, end).amax(1)
+            state.reevaluate(layer, heads, weights, self.beta)
+
+        self.worker.submit(select)
+
+    def token_tables(
+        self,
+        layer: int,
+        kv_range: tuple[int, int],
+        host_pages: list[list[int]],
+        slots_per_head: int,
+        page_size: int,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The kernel's inputs for this step's sparse rows, one row per (sequence, kv head):
+        int32 tables of rows ``2 h slots_per_head + slot`` into a layer's flat ``[heads * 2
+        * slots, dim]`` K view (V: ``slots_per_head`` rows on), and the kept counts."""
+        states = [self.states[self.seq_ids[i]] for i in self.sparse]
+        key = (layer, kv_range, slots_per_head, tuple(self.seq_ids[i] for i in self.sparse),
+               tuple(s.version for s in states))  # fmt: skip
+        if key not in self._tables:
+            self._tables = {k: v for k, v in self._tables.items() if k[:4] != key[:4]}
+            rows = []
+            for i, state in zip(self.sparse, states, strict=True):
+                pages = torch.tensor(host_pages[i], dtype=torch.int64)
+                for h in range(*kv_range):
+                    positions = state.kept(layer, h).long()
+                    slots = pages[positions // page_size] * page_size + positions % page_size
+                    rows.append((slots + 2 * h * slots_per_head).int())
+            counts = torch.tensor([len(r) for r in rows], dtype=torch.int32)
+            tables = torch.zeros(len(rows), max(1, int(counts.max())), dtype=torch.int32)
+            for j, r in enumerate(rows):
+                tables[j, : len(r)] = r
+            self._tables[key] = (tables, counts)
+        return self._tables[key]
+
+    def drain(self) -> None:
+        """Wait for the selections in flight (tests, and before reading summaries)."""
+        self.worker.submit(lambda: None).result()
+
+
+def _summary(fractions: list[float]) -> tuple[float, float, float]:
+    if not fractions:
+        return (1.0, 1.0, 1.0)
+    return (min(fractions), statistics.median(fractions), max(fractions))

@@ -1,0 +1,169 @@
+"""The hybrid tier's sparse mode (HGCA's beta): the selection rule, the moving averages and
+their eviction, re-evaluation, and end to end against the exact run."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import headspace.engine.hybrid as hybrid
+from headspace import SamplingParams, UserError
+from headspace.attention.paged import paged_token_probs
+from headspace.attention.reference import reference_attention
+from headspace.engine.hybrid_sparse import SparseSelector, SparseState, salient
+from test_hybrid import decode_logits
+from test_offload import GREEDY, _prompts, make
+
+SPARSE = {"offload": "hybrid", "gpu_window": 16}
+
+
+def test_selection_keeps_exactly_the_entries_above_beta_over_n():
+    weights = torch.tensor([[0.05, 0.25, 0.2, 0.5], [0.7, 0.1, 0.1, 0.1]])
+    # beta 1 over 4 entries: above 0.25 (strictly, as HGCA writes it)
+    assert salient(weights, 1.0, 4).tolist() == [[False, False, False, True], [True] + [False] * 3]
+    assert salient(weights, 0.5, 4).tolist() == [[False, True, True, True], [True] + [False] * 3]
+    assert salient(weights, 0.0, 4).all()  # beta 0 keeps every entry with any weight
+
+
+def test_kept_positions_join_the_reevaluation_and_later_evictions():
+    state = SparseState([0, 1], cpu_end=8)
+    assert not state.ready
+    state.reevaluate(0, range(2), torch.tensor([[0.5, 0, 0, 0, 0, 0, 0, 0.5]] * 2), 1.0)
+    state.reevaluate(1, range(2), torch.full((2, 8), 1 / 8), 0.5)
+    assert state.ready
+    maw = torch.zeros(2, 2, 4)
+    maw[0, 1, 2] = 0.3  # layer 0, head 1, token 8 + 2: above 1 / 4
+    state.evict(8, maw, beta=1.0, num_gpu_tokens=4)
+    assert state.kept(0, 0).tolist() == [0, 7]
+    assert state.kept(0, 1).tolist() == [0, 7, 10]
+    assert state.kept(1, 0).tolist() == list(range(8))
+    assert state.evicted_end == 12
+    assert state.fractions({0: range(2)}) == [2 / 12, 3 / 12]
+
+
+def test_reevaluation_reinstates_a_token_whose_weight_rises():
+    state = SparseState([0], cpu_end=0)
+    low = torch.full((1, 1, 4), 0.01)
+    state.evict(0, low, beta=1.0, num_gpu_tokens=4)  # all four below 1 / 4: dropped
+    assert state.kept(0, 0).tolist() == []
+    risen = torch.tensor([[0.05, 0.05, 0.85, 0.05]])  # token 2 is now salient
+    state.reevaluate(0, range(1), risen, 1.0)
+    assert state.kept(0, 0).tolist() == [2]
+
+
+def _selector(**options) -> SparseSelector:
+    settings = dict(beta=1.0, alpha=0.5, kv_heads={0: range(2), 1: range(2)}, num_layers=2,
+                    num_kv_heads=2, window=8, page_size=4, max_rows=4,
+                    device=torch.device("cpu"))  # fmt: skip
+    return SparseSelector(**{**settings, **options})
+
+
+def test_moving_average_starts_at_the_first_weight_and_moves_by_alpha():
+    selector = _selector()
+    selector.begin([7], [20], [12])  # tokens 12..20 on the GPU side
+    probs = torch.zeros(1, 4, 9)  # 2 kv heads x 2 query heads
+    probs[0, 0, 3], probs[0, 1, 3] = 0.2, 0.6  # kv head 0 takes the larger of its queries
+    offsets, lengths = torch.tensor([12]), torch.tensor([9])
+    selector.track(0, (0, 2), probs, offsets, lengths)
+    ring = selector.ring
+    assert selector.maw[0, 0, 0, 15 % ring].item() == pytest.approx(0.6)
+    assert selector.maw[0, 0, 1, 15 % ring].item() == 0.0
+    probs[0, 1, 3] = 0.2
+    selector.track(0, (0, 2), probs, offsets, lengths)
+    assert selector.maw[0, 0, 0, 15 % ring].item() == pytest.approx(0.4)  # 0.5 0.6 + 0.5 0.2
+    assert selector.maw[0, 1, 0, 15 % ring].item() == -1.0  # layer 1 not tracked yet
+
+
+def test_pages_leaving_the_window_are_selected_by_their_moving_average():
+    selector = _selector()
+    selector.begin([7], [20], [12])
+    probs = torch.zeros(1, 4, 9)
+    probs[0, 2, 1] = 0.5  # kv head 1 attends token 13
+    selector.track(0, (0, 2), probs, torch.tensor([12]), torch.tensor([9]))
+    selector.track(1, (0, 2), probs, torch.tensor([12]), torch.tensor([9]))
+    selector.begin([7], [24], [16])  # tokens 12..15 leave; 13 GPU-side tokens then
+    state = selector.states[7]
+    assert state.evicted_end == 16
+    assert state.kept(0, 1).tolist() == [13] and state.kept(0, 0).tolist() == []
+    assert (selector.maw[0, :, :, torch.arange(12, 16) % selector.ring] == -1).all()
+    selector.begin([8], [3], [0])  # 7 left the batch: its summary stays, its row is free
+    assert 7 not in selector.states and selector.summary(7) is not None
+    assert selector.rows[8] == 0
+
+
+def test_token_probs_are_the_softmax_weights():
+    torch.manual_seed(0)
+    q, k = torch.randn(2, 4, 16), torch.randn(2, 64, 16)
+    tables = torch.tensor([[3, 1, 0, 0], [2, 0, 0, 0]], dtype=torch.int32)
+    lengths = torch.tensor([37, 9])
+    lse = torch.empty(2, 4)
+    for row in range(2):
+        slots = torch.cat([torch.arange(p * 16, p * 16 + 16) for p in tables[row].tolist()])
+        keys = k[:, slots[: lengths[row]]]
+        lse[row] = reference_attention(q[row][:, None], keys, keys)[1][:, 0]
+    probs = paged_token_probs(q, k, tables, lengths, 40, 16, lse)
+    assert probs.shape == (2, 4, 40)
+    assert torch.allclose(probs.sum(-1), torch.ones(2, 4), atol=1e-5)
+    assert (probs[1, :, 9:] == 0).all()
+
+
+@pytest.fixture
+def kernel_calls(monkeypatch):
+    """(token, kv head) pairs the CPU kernel attends, by page size (1: the sparse rows' token
+    tables, one row per sequence and kv head)."""
+    seen = {"dense": 0, "sparse": 0}
+    kernel = hybrid.cpu_paged_decode
+
+    def counting(q, k, v, tables, ends, page_size, **options):
+        seen["sparse" if page_size == 1 else "dense"] += int(ends.sum()) * k.shape[0]
+        return kernel(q, k, v, tables, ends, page_size, **options)
+
+    monkeypatch.setattr(hybrid, "cpu_paged_decode", counting)
+    return seen
+
+
+def test_beta_zero_keeps_everything_and_equals_exact(wide_llama, prompt, kernel_calls):
+    resident = make(wide_llama)
+    expected = resident.generate(prompt, GREEDY)[0].token_ids
+    llm = make(wide_llama, arena=700 * 1024, cpu_sparsity=0.0, **SPARSE)
+    out = llm.generate(prompt, GREEDY)[0]
+    assert out.token_ids == expected
+    assert out.stats.cpu_kept_fraction == (1.0, 1.0, 1.0)
+    assert "CPU kept 100.0% median" in out.stats.summary()
+    assert kernel_calls["sparse"] > 0  # after the first steps, through the kept tokens
+    gap = decode_logits(llm, prompt, 48) - decode_logits(resident, prompt, 48)
+    assert gap.abs().max().item() < 1e-4
+
+
+def test_beta_one_attends_fewer_tokens(wide_llama, prompt, kernel_calls):
+    llm = make(wide_llama, arena=700 * 1024, cpu_sparsity=1.0, **SPARSE)
+    out = llm.generate(prompt, GREEDY)[0]
+    low, median, high = out.stats.cpu_kept_fraction
+    assert 0 < low <= median <= high and median < 0.9
+    dense = make(wide_llama, arena=700 * 1024, **SPARSE, cpu_share=1.0)
+    before = dict(kernel_calls)
+    dense.generate(prompt, GREEDY)
+    dense_tokens = kernel_calls["dense"] - before["dense"]
+    assert 0 < before["dense"] + before["sparse"] < 0.9 * dense_tokens
+
+
+def test_sparse_batch_equals_one_at_a_time(tiny_llama):
+    prompts = _prompts([180, 12, 90, 7])
+    params = SamplingParams(max_new_tokens=40, ignore_eos=True)
+    options = {"arena": 10 * 1024, "cpu_sparsity": 2.0, **SPARSE}  # every entry hybrid
+    expected = [make(tiny_llama, **options).generate(p, params)[0] for p in prompts]
+    outs = make(tiny_llama, **options).generate(prompts, params)
+    assert [o.token_ids for o in outs] == [e.token_ids for e in expected]
+    kept = [o.stats.cpu_kept_fraction for o in outs]
+    assert kept == [e.stats.cpu_kept_fraction for e in expected]
+    assert all(median < 0.6 for _, median, _ in kept)  # each selects by its own weights
+
+
+@pytest.mark.parametrize(
+    "options",
+    [{"cpu_sparsity": -1.0}, {"cpu_sparsity": "1"}, {"cpu_sparsity": 1.0, "offload": "head"},
+     {"cpu_sparsity": 1.0, "cpu_share": 0.5}, {"maw_alpha": 0.0}, {"maw_alpha": 1.5}],
+)  # fmt: skip
+def test_bad_sparse_options_are_refused(tiny_llama, options):
+    with pytest.raises(UserError):
+        make(tiny_llama, **{"offload": "hybrid", **options})
