@@ -26,7 +26,8 @@ from hybrid import BUDGET, CAP_GIB, K, _prompt  # noqa: E402
 from offload_runs import gpu_cap  # noqa: E402
 
 CALLS: list[tuple[float, int]] = []
-WAITS: dict[str, list[float]] = {"query": [], "result": [], "sparse tables": []}
+WAITS: dict[str, list[float]] = {"query": [], "result": [], "sparse tables": [],
+                                 "track (host)": [], "selector begin": []}  # fmt: skip
 
 
 def _instrument() -> None:
@@ -58,6 +59,20 @@ def _instrument() -> None:
         return result(job, device)
 
     tables = SparseSelector.token_tables
+
+    track, begin = SparseSelector.track, SparseSelector.begin
+
+    def timed_track(self, *args):
+        start = time.perf_counter()
+        track(self, *args)
+        WAITS["track (host)"].append(time.perf_counter() - start)
+
+    def timed_begin(self, *args):
+        start = time.perf_counter()
+        begin(self, *args)
+        WAITS["selector begin"].append(time.perf_counter() - start)
+
+    SparseSelector.track, SparseSelector.begin = timed_track, timed_begin
 
     def timed_tables(self, *args):
         start = time.perf_counter()
@@ -93,7 +108,13 @@ def main() -> None:
     parser.add_argument("--threads", type=int)
     parser.add_argument("--sparse", type=float, default=None, help="cpu_sparsity (beta)")
     parser.add_argument("--tokens", type=int, default=8)
+    parser.add_argument("--no-track", action="store_true",
+                        help="sparse: skip the moving averages' update")  # fmt: skip
     args = parser.parse_args()
+    if args.no_track:
+        from headspace.engine.streaming import StreamExecutor
+
+        StreamExecutor._track = lambda *args: None
     model = random_model(LLAMA31_8B)
     options = {"cpu_share": args.share, "cpu_threads": args.threads}
     if args.sparse is not None:

@@ -187,8 +187,32 @@ def paged_decode_reference(
     return out.to(q.dtype), lse
 
 
-def paged_token_probs(
+def paged_token_slots(block_tables: torch.Tensor, width: int, page_size: int) -> torch.Tensor:
+    """Slots ``[seqs, width]`` (int64) of each sequence's first ``width`` keys."""
+    offsets = torch.arange(width, device=block_tables.device)
+    pages = block_tables.long().gather(1, (offsets // page_size).expand(len(block_tables), -1))
+    return pages * page_size + offsets % page_size
+
+
+def paged_token_scores(
     q: torch.Tensor,  # [seqs, heads, dim], one query token per sequence
+    k: torch.Tensor,  # [kv_heads, slots, dim]
+    slots: torch.Tensor,  # [seqs, width] from paged_token_slots
+    scale: float | None = None,
+) -> torch.Tensor:
+    """Scaled scores ``scale q.k`` of the keys at ``slots``, fp32 ``[seqs, heads, width]``
+    (a few hundred keys per sequence: plain torch)."""
+    num_seqs, num_heads, dim = q.shape
+    num_kv_heads, width = k.shape[0], slots.shape[1]
+    scale = dim**-0.5 if scale is None else scale
+    keys = k[:, slots].float()  # [kv_heads, seqs, width, dim]
+    queries = q.float().view(num_seqs, num_kv_heads, num_heads // num_kv_heads, dim)
+    scores = torch.einsum("skgd,kswd->skgw", queries, keys)
+    return scores.reshape(num_seqs, num_heads, width) * scale
+
+
+def paged_token_probs(
+    q: torch.Tensor,  # [seqs, heads, dim]
     k: torch.Tensor,  # [kv_heads, slots, dim]
     block_tables: torch.Tensor,  # [seqs, max_pages] int32
     lengths: torch.Tensor,  # [seqs] keys per sequence
@@ -198,16 +222,8 @@ def paged_token_probs(
     scale: float | None = None,
 ) -> torch.Tensor:
     """Softmax weights ``exp(scale q.k - lse)`` of each sequence's keys, fp32 ``[seqs, heads,
-    width]`` (0 past a sequence's length): which keys a decode step attended to, for the
-    hybrid tier's moving average (a few hundred keys per sequence, so plain torch)."""
-    num_seqs, num_heads, dim = q.shape
-    num_kv_heads = k.shape[0]
-    scale = dim**-0.5 if scale is None else scale
+    width]`` (0 past a sequence's length): which keys a decode step attended to."""
+    slots = paged_token_slots(block_tables, width, page_size)
+    probs = torch.exp(paged_token_scores(q, k, slots, scale) - lse.float()[..., None])
     offsets = torch.arange(width, device=q.device)
-    pages = block_tables.long().gather(1, (offsets // page_size).expand(num_seqs, -1))
-    slots = pages * page_size + offsets % page_size  # [seqs, width]
-    keys = k[:, slots].float()  # [kv_heads, seqs, width, dim]
-    queries = q.float().view(num_seqs, num_kv_heads, num_heads // num_kv_heads, dim)
-    scores = torch.einsum("skgd,kswd->skgw", queries, keys).reshape(num_seqs, num_heads, width)
-    probs = torch.exp(scores * scale - lse.float()[..., None])
     return probs.masked_fill(offsets >= lengths[:, None, None], 0.0)

@@ -89,6 +89,7 @@ class SparseSelector:
         self.summaries: dict[int, tuple[float, float, float]] = {}
         self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="headspace-select")
         self._tables: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._aranges: dict[tuple[int, int], torch.Tensor] = {}
 
     # -- the step ------------------------------------------------------------------------
     def begin(self, seq_ids: list[int], positions: list[int], cpu_ends: list[int]) -> None:
@@ -148,14 +149,20 @@ class SparseSelector:
             raise ValueError(f"{width} GPU-side tokens exceed the MAW ring of {self.ring}")
         lo, hi = kv_range
         weights = probs.view(num_seqs, hi - lo, num_heads // (hi - lo), width).amax(2)
-        columns = torch.arange(width, device=probs.device)
+        columns = self._arange(width)
         index = ((offsets[:, None] + columns) % self.ring)[:, None, :]  # [seqs, 1, width]
-        heads = torch.arange(lo, hi, device=probs.device)[None, :, None]
+        heads = self._arange(hi, lo)[None, :, None]
         where = (self.row_index[:, None, None], layer, heads, index)
         current = self.maw[where]  # [seqs, heads, width]
         moved = torch.where(current < 0, weights, (1 - self.alpha) * current + self.alpha * weights)
         valid = (columns < lengths[:, None])[:, None, :]
         self.maw[where] = torch.where(valid, moved, current)
+
+    def _arange(self, end: int, start: int = 0) -> torch.Tensor:
+        key = (start, end)
+        if key not in self._aranges:
+            self._aranges[key] = torch.arange(start, end, device=self.maw.device)
+        return self._aranges[key]
 
     # -- the CPU side (worker thread) ----------------------------------------------------
     def reevaluate(self, row: int, layer: int, kv_range: tuple[int, int],

@@ -17,7 +17,11 @@ from dataclasses import dataclass
 import torch
 
 from headspace.attention import attend, merge_attention
-from headspace.attention.paged import paged_decode_reference, paged_token_probs
+from headspace.attention.paged import (
+    paged_decode_reference,
+    paged_token_scores,
+    paged_token_slots,
+)
 from headspace.engine.executors import MIN_WIDTH, HeadRange, StepInputs, bucket, q_heads
 from headspace.engine.hybrid import CpuAttention, cpu_ends
 from headspace.kv.host_store import HostKVArena
@@ -50,6 +54,7 @@ class _Piece:
     count: torch.Tensor | None = None  # pages in use, on the device (CUDA-graph steps)
     offsets: torch.Tensor | None = None  # at decode: each sequence's first position in it
     width: int = 0  # at decode: the most keys of one sequence in it
+    slots: torch.Tensor | None = None  # sparse hybrid: staging slots of its keys [seqs, width]
 
 
 def page_runs(pages: list[int]) -> list[tuple[int, int, int]]:
@@ -85,6 +90,7 @@ class StreamExecutor:
         on_gpu = self.device.type == "cuda"
         self.copy_stream = torch.cuda.Stream(self.device, priority=-1) if on_gpu else None
         self._results: dict[int, list] = {}
+        self._scored: list = []  # sparse hybrid: this layer's GPU-side scores, per group
         self._cpu_job = None  # the hybrid tier's CPU part of the layer being attended
         self._aranges: dict[int, torch.Tensor] = {}
 
@@ -259,6 +265,8 @@ class StreamExecutor:
             write_tokens(self.host.layer(layer), self._arange(kv_range[1] - kv_range[0],
                          kv_range[0]), self.new_slots, kv_part)  # fmt: skip
         self._results[layer] = results
+        if self._scored:
+            self._track(layer)
 
     def collect(self, layer: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         results = self._results.pop(layer, [])
@@ -307,10 +315,12 @@ class StreamExecutor:
 
     def _decode(self, group: int, kv_range: HeadRange, q, kv, out):
         new_kv, target = (kv, out) if self.fused else (None, None)
-        tracker = self.cpu.attention.sparse if self.cpu is not None else None
-        weighed = []  # sparse mode: (piece, weights, piece lse) of the GPU-side tokens
+        tracked = self.cpu is not None and self.cpu.attention.sparse is not None
+        scores = []  # sparse mode: each piece's scores of its keys
 
         def piece_attention(piece: _Piece, k, v):
+            if tracked and piece.slots is None:  # the same for every group
+                piece.slots = paged_token_slots(piece.tables, piece.width, self.page_size)
             if k.is_cuda:
                 from headspace.attention.triton_decode import paged_decode_attention
 
@@ -322,10 +332,8 @@ class StreamExecutor:
                                                 self.page_size, new_kv=new_kv)  # fmt: skip
                 if target is not None:
                     result = (target.copy_(result[0]), result[1])
-            if tracker is not None:
-                probs = paged_token_probs(q, k, piece.tables, piece.lengths, piece.width,
-                                          self.page_size, result[1])  # fmt: skip
-                weighed.append((piece, probs, result[1]))
+            if tracked:
+                scores.append(paged_token_scores(q, k, piece.slots))
             return result
 
         outs, lses = self._history(group, kv_range[1] - kv_range[0], piece_attention)
@@ -339,19 +347,22 @@ class StreamExecutor:
             merged, lse = merge_attention([o.transpose(0, 1) for o in outs],
                                           [x.transpose(0, 1) for x in lses])  # fmt: skip
             out.copy_(merged.transpose(0, 1))
-        if tracker is not None:
-            self._track(tracker, group, kv_range, weighed, lses[-1], lse.transpose(0, 1))
+            scores.append(lses[-1][..., None])  # the new token's score
+        if tracked:
+            self._scored.append((kv_range, scores, lse.transpose(0, 1)))
         return out, lse
 
-    def _track(self, tracker, group: int, kv_range: HeadRange, weighed, new_lse, lse) -> None:
-        """The weights of this step's GPU-side tokens, normalised over all of them (``lse
-        [seqs, heads]``), into the sparse mode's moving averages."""
-        layer = self.order[group][0]
-        for piece, probs, piece_lse in weighed:
-            if not self.fused:
-                probs = probs * torch.exp(piece_lse.float() - lse.float())[..., None]
+    def _track(self, layer: int) -> None:
+        """The sparse mode's moving averages: weights of this step's GPU-side tokens of all
+        the layer's groups (adjacent kv heads), normalised over the GPU side (``lse``)."""
+        scored, self._scored = self._scored, []
+        kv_range = (scored[0][0][0], scored[-1][0][1])
+        lse = torch.cat([s[2] for s in scored], dim=1).float()[..., None]  # [seqs, heads, 1]
+        tracker = self.cpu.attention.sparse
+        for p, piece in enumerate(self.pieces):
+            probs = torch.exp(torch.cat([s[1][p] for s in scored], dim=1) - lse)
             tracker.track(layer, kv_range, probs, piece.offsets, piece.lengths)
         if not self.fused:  # the new token, at its position
-            probs = torch.exp(new_lse.float() - lse.float())[..., None]
-            ones = torch.ones_like(self.step.lengths)
-            tracker.track(layer, kv_range, probs, self.step.positions, ones)
+            probs = torch.exp(torch.cat([s[1][-1] for s in scored], dim=1) - lse)
+            tracker.track(layer, kv_range, probs, self.step.positions,
+                          torch.ones_like(self.step.lengths))  # fmt: skip
