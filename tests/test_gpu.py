@@ -151,7 +151,8 @@ def test_streamed_heads_on_gpu_equal_resident(arena_kib, pieces):
     prompts = [torch.randint(0, 512, (n,), generator=generator) for n in (900, 40, 70)]
     resident = _engine(model, dtype="float32")
     expected = [_greedy(resident, [p])[0] for p in prompts]
-    streamed = _engine(model, dtype="float32", gpu_memory=_arena_budget(model, arena_kib * 1024))
+    streamed = _engine(model, dtype="float32", gpu_memory=_arena_budget(model, arena_kib * 1024),
+                       offload="head")  # fmt: skip
     assert _greedy(streamed, prompts) == expected
     plan = streamed.batch.runner.plan
     assert plan.head_map.count("stream") > 0 and streamed.batch.runner.host.data.is_pinned()

@@ -75,8 +75,8 @@ def test_hybrid_equals_all_resident(wide_llama, prompt, cpu_calls, arena_kib, op
     out = llm.generate(prompt, GREEDY)[0]
     assert out.token_ids == expected
     plan = llm.engine.batch.runner.plan
-    assert plan.offload == "hybrid"
-    assert out.stats.num_hybrid_heads == plan.head_map.count("stream") > 0
+    assert plan.offload == "hybrid" and plan.head_map.count("stream") == 0
+    assert out.stats.num_hybrid_heads == plan.head_map.count("hybrid") > 0
     assert f"{out.stats.num_hybrid_heads} hybrid" in out.stats.summary()
     assert cpu_calls["tokens"] > 0  # the CPU attended part of every decode step
     gap = decode_logits(llm, prompt, 64) - decode_logits(resident, prompt, 64)
@@ -130,14 +130,39 @@ def test_the_planner_prices_the_split():
         "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
         "vocab_size": 128256, "max_position_embeddings": 131072,
     })  # fmt: skip
-    hw = Hardware(h2d_bytes=50e9, cpu_attention_bytes=50e9)
+    hw = Hardware(h2d_bytes=50e9, cpu_attention_bytes=50e9, hybrid_layer_seconds=1e-3)
 
     def plan(**options):
         return make_plan(config, PlanRequest(131072, 23 * GiB, 200 * GiB, **options), hw)
 
-    streamed, hybrid = plan(), plan(offload="hybrid")
-    assert hybrid.head_map.count("stream") == streamed.head_map.count("stream") > 0
+    streamed, hybrid = plan(offload="head"), plan(offload="hybrid")
+    assert hybrid.head_map.count("hybrid") == streamed.head_map.count("stream") > 0
     assert hybrid.decode_pcie_floor_ms == pytest.approx(streamed.decode_ms)
-    assert hybrid.decode_ms == pytest.approx(streamed.decode_ms / 2)  # share 0.5, both halves
-    assert plan(offload="hybrid", cpu_share=0.0).decode_ms == pytest.approx(streamed.decode_ms)
-    assert plan(offload="hybrid", cpu_share=1.0).decode_ms == pytest.approx(streamed.decode_ms)
+    handoff = 32.0  # every layer holds hybrid heads: 1 ms each
+    # share 0.5: both halves at once, then the hand-offs
+    assert hybrid.decode_ms == pytest.approx(streamed.decode_ms / 2 + handoff)
+    for share in (0.0, 1.0):
+        one_side = plan(offload="hybrid", cpu_share=share).decode_ms
+        assert one_side == pytest.approx(streamed.decode_ms + handoff)
+
+
+def test_auto_picks_the_hybrid_tier_where_it_is_predicted_faster():
+    """``offload="auto"``: hybrid where halving the bytes on each path outweighs the
+    hand-offs (a long history), streaming for a short one or without CPU attention."""
+    from headspace.planner.memory import GiB, Hardware, KVSpec
+    from headspace.planner.plan import plan_batch
+
+    spec = KVSpec(32, 8, 128, 128, 2)  # Llama-3-8B's KV: 64 KiB per entry page
+    hw = Hardware(h2d_bytes=50e9, cpu_attention_bytes=50e9, hybrid_layer_seconds=1e-3)
+    # 128K tokens (1024 pages) in a 7 GiB arena: ~170 entries offloaded, ~11 GB per step:
+    # 220 ms streamed, 110 + 32 ms hybrid
+    long = plan_batch(spec, 7 * GiB, 1024, hw=hw)
+    assert long.offload == "hybrid" and long.head_map.count("stream") == 0
+    assert long.head_map.count("hybrid") > 0 and "hybrid=" in long.head_map.summary()
+    assert "H0" in long.head_map.grid()
+    # 2K tokens (16 pages) in a 30 MiB arena: ~1 ms streamed, far below 32 ms of hand-offs
+    short = plan_batch(spec, 30 * 2**20, 16, hw=hw)
+    assert short.offload == "head" and short.head_map.count("stream") > 0
+    no_cpu = Hardware(cpu_attention_bytes=0)
+    assert plan_batch(spec, 7 * GiB, 1024, hw=no_cpu).offload == "head"
+    assert plan_batch(spec, 7 * GiB, 1024, offload="head", hw=hw).offload == "head"

@@ -34,7 +34,7 @@ def test_llama3_8b_at_one_million_tokens_by_hand():
     weights = 2 * (32 * 218_112_000 + 2 * 525_336_576 + 4096)
     assert weight_bytes(config, 2) == weights
     assert head_bytes(config, 2**20, 2) == 512 * MiB  # one (layer, kv head) at 1M: 512 MiB
-    plan = make_plan(config, PlanRequest(2**20, 24 * GiB, 200 * GiB))
+    plan = make_plan(config, PlanRequest(2**20, 24 * GiB, 200 * GiB, offload="head"))
     # a fifth of the 9.04 GiB left after weights is 11.5K tokens of activations: 8192
     assert plan.prefill_chunk == 8192
     activations = 8192 * 167936 + 4 * 128256
@@ -70,7 +70,7 @@ def test_streamed_heads_are_the_last_of_each_layer_in_contiguous_groups():
     for layer in range(4):
         resident = head_map.heads(layer, "gpu")
         assert resident == list(range(len(resident)))
-        groups = head_map.stream_groups(layer)
+        groups = head_map.offloaded_groups(layer)
         assert [h for g in groups for h in g] == list(range(len(resident), 8))
         assert all(g == list(range(g[0], g[0] + len(g))) and len(g) <= 2 for g in groups)
 
@@ -81,7 +81,7 @@ def test_layer_mode_streams_whole_layers():
     assert plan.head_group == 8
     for layer in range(32):
         assert len(plan.head_map.heads(layer, "gpu")) in (0, 8)
-        assert plan.head_map.stream_groups(layer) in ([], [list(range(8))])
+        assert plan.head_map.offloaded_groups(layer) in ([], [list(range(8))])
 
 
 def test_a_long_history_is_staged_in_pieces_when_slots_would_crowd_out_the_pool():
@@ -112,7 +112,7 @@ def test_impossible_budgets_raise(kwargs, message):
     layers=st.integers(1, 40), kv_heads=st.sampled_from([1, 2, 4, 8]),
     head_dim=st.sampled_from([64, 128]), page_size=st.sampled_from([16, 128]),
     total_pages=st.integers(1, 20000), arena_mib=st.floats(0.01, 20000),
-    offload=st.sampled_from(["auto", "layer", "head"]),
+    offload=st.sampled_from(["auto", "layer", "head", "hybrid"]),
     head_group=st.one_of(st.none(), st.integers(1, 8)),
 )  # fmt: skip
 def test_plans_fit_the_arena(layers, kv_heads, head_dim, page_size, total_pages, arena_mib,
@@ -129,7 +129,7 @@ def test_plans_fit_the_arena(layers, kv_heads, head_dim, page_size, total_pages,
     staging = plan.staging.num_bytes if plan.staging else 0
     assert (plan.num_gpu_pages + 1) * resident * spec.entry_page_bytes + staging <= arena
     assert resident == 0 or plan.num_gpu_pages >= total_pages  # the batch fits the pool
-    assert resident + plan.head_map.count("stream") == spec.num_entries
+    assert resident + plan.head_map.num_offloaded == spec.num_entries
     if plan.staging is not None:
         assert plan.num_host_pages == total_pages and plan.staging.piece_pages >= 1
     assert HeadMap.from_dict(json.loads(json.dumps(plan.head_map.to_dict()))) == plan.head_map
@@ -161,12 +161,12 @@ def test_plan_cli_prints_the_table_and_json(capsys, tmp_path):
             "--host-memory", "200GiB"]  # fmt: skip
     assert main(args) == 0
     out = capsys.readouterr().out
-    assert "KV 128 KiB per token" in out and "offload head" in out
+    assert "KV 128 KiB per token" in out and "offload hybrid (asked: auto)" in out
     assert "weights" in out and "14.96" in out and "128.00" in out and "allocator slack" in out
     assert "3 staging slots of 8192 pages" in out
     assert main([*args, "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
-    assert data["context"] == 2**20 and data["offload"] == "head"
+    assert data["context"] == 2**20 and data["offload"] == "hybrid"
     assert data["memory_bytes"]["host_kv"] == 128 * GiB and data["staging_depth"] == 3
 
 

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 from tqdm import tqdm
 
+from headspace.attention.cpu_decode import kernel_isa
 from headspace.engine.config import EngineConfig
 from headspace.engine.detokenize import StopStringStreamer
 from headspace.engine.memory import host_budget, kv_arena_bytes, prefill_chunk_size
@@ -29,7 +30,7 @@ from headspace.kv.block_table import GPU, HOST
 from headspace.kv.host_store import HostKVArena
 from headspace.kv.page_pool import OutOfPages
 from headspace.model.llama import LlamaModel
-from headspace.planner.memory import KVSpec
+from headspace.planner.memory import Hardware, KVSpec
 from headspace.planner.plan import Plan, plan_batch, step_seconds
 
 PROGRESS_MIN_TOKENS = 4096  # show a prefill progress bar from this prompt length on
@@ -73,6 +74,11 @@ class BatchGenerator:
         host = HostKVArena(self.spec, dtype, pin=config.on_gpu,
                            budget=host_budget(config.host_memory))  # fmt: skip
         self.runner = PagedRunner(model, config, self.spec, arena, host, 2 * config.max_batch)
+        # the planner's rates; ``offload="auto"`` considers the hybrid tier only on a GPU
+        # machine whose CPU attention kernel builds
+        self.hardware = Hardware()
+        cpu_attention = config.on_gpu and kernel_isa() is not None
+        self._plan_hw = self.hardware if cpu_attention else Hardware(cpu_attention_bytes=0)
         self._next_id = 0
         self.peak_pages = 0
 
@@ -85,13 +91,14 @@ class BatchGenerator:
             what = f"a request of up to {seqs[0].max_tokens} tokens"
         return plan_batch(self.spec, self.runner.store.num_bytes, total,
                           offload=self.config.offload, head_group=self.config.head_group,
-                          host_budget=self.runner.host.budget, what=what)  # fmt: skip
+                          host_budget=self.runner.host.budget, what=what,
+                          hw=self._plan_hw)  # fmt: skip
 
     def _rate(self, plan: Plan, seqs: list[Sequence]) -> float:
         """Predicted sequences x tokens/s of a decode step over ``seqs`` (roofline)."""
         tokens = sum(s.max_tokens for s in seqs)
         seconds, _ = step_seconds(self.model.config, plan, tokens, self.spec.dtype_bytes,
-                                  cpu_share=self.config.cpu_share)  # fmt: skip
+                                  self.hardware, self.config.cpu_share)  # fmt: skip
         return len(seqs) / seconds
 
     def _replan(self, scheduler: Scheduler) -> None:
@@ -194,10 +201,8 @@ class BatchGenerator:
         if seq is not None:
             request = self._by_id[seq.seq_id]
             request.num_gpu_heads = self.runner.plan.head_map.count("gpu")
-            offloaded = self.runner.plan.head_map.count("stream")
-            hybrid = self.runner.plan.offload == "hybrid"
-            request.num_streamed_heads = 0 if hybrid else offloaded
-            request.num_hybrid_heads = offloaded if hybrid else 0
+            request.num_streamed_heads = self.runner.plan.head_map.count("stream")
+            request.num_hybrid_heads = self.runner.plan.head_map.count("hybrid")
             logits = self._prefill(seq)
             self._sample([seq], logits[None])
             reads.append(self._read([seq], self.runner.tokens[seq.slot : seq.slot + 1].clone()))

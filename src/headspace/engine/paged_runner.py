@@ -44,7 +44,7 @@ def _ranges(plan: Plan, layer: int) -> tuple[tuple[int, int] | None, list[tuple[
     """(resident kv-head range, streamed group ranges) of ``layer``: resident heads first."""
     head_map = plan.head_map
     num_resident = len(head_map.heads(layer, "gpu"))
-    groups = [(g[0], g[-1] + 1) for g in head_map.stream_groups(layer)]
+    groups = [(g[0], g[-1] + 1) for g in head_map.offloaded_groups(layer)]
     return ((0, num_resident) if num_resident else None), groups
 
 
@@ -73,7 +73,7 @@ class PagedRunner:
 
     @property
     def streaming(self) -> bool:
-        return self.plan is not None and self.plan.head_map.count("stream") > 0
+        return self.plan is not None and self.plan.head_map.num_offloaded > 0
 
     def apply(self, plan: Plan) -> None:
         """Lay the arena and executors out for ``plan`` (no sequence may hold pages)."""

@@ -11,6 +11,7 @@ from collections import Counter
 from dataclasses import asdict, dataclass, field
 
 TIERS = ("gpu", "stream", "hybrid")
+OFFLOADED = ("stream", "hybrid")  # tiers whose KV lives in host pages
 
 
 @dataclass(frozen=True)
@@ -19,7 +20,8 @@ class HeadEntry:
 
     layer: int
     kv_head: int
-    tier: str = "gpu"  # gpu: resident; stream: host memory, copied in per layer; hybrid
+    tier: str = "gpu"  # gpu: resident; stream: host pages, copied in per layer; hybrid:
+    # host pages, the older tokens attended there by CPU threads, the rest copied in
     pattern: str = "full"
     budget: int | None = None  # KV tokens kept (None: all)
     rank: tuple[int, ...] = (0,)  # GPU rank(s) computing this head
@@ -60,16 +62,23 @@ class HeadMap:
         """kv heads of ``layer`` in ``tier``, ascending."""
         return [e.kv_head for e in self.layer(layer) if e.tier == tier]
 
-    def stream_groups(self, layer: int) -> list[list[int]]:
-        """The streamed kv heads of ``layer``, grouped as they are moved, in group order."""
+    def offloaded_groups(self, layer: int) -> list[list[int]]:
+        """The offloaded (stream or hybrid) kv heads of ``layer``, grouped as they are moved
+        and attended, in group order."""
         groups: dict[int, list[int]] = {}
         for e in self.layer(layer):
-            if e.tier == "stream":
+            if e.tier in OFFLOADED:
                 groups.setdefault(e.group, []).append(e.kv_head)
         return [groups[g] for g in sorted(groups)]
 
-    def count(self, tier: str) -> int:
-        return sum(1 for e in self.entries if e.tier == tier)
+    def count(self, *tiers: str) -> int:
+        """Entries in any of ``tiers``."""
+        return sum(1 for e in self.entries if e.tier in tiers)
+
+    @property
+    def num_offloaded(self) -> int:
+        """Entries whose KV lives in host pages (stream or hybrid)."""
+        return self.count(*OFFLOADED)
 
     def summary(self) -> str:
         """One line: entries per tier, group size, patterns, budgets, ranks."""
@@ -78,9 +87,9 @@ class HeadMap:
             f"{len(self.entries)} entries ({self.num_layers} layers x {self.num_kv_heads} kv heads)"
         ]
         parts += [f"{tier}={tiers[tier]}" for tier in TIERS if tiers[tier]]
-        sizes = {len(g) for layer in range(self.num_layers) for g in self.stream_groups(layer)}
+        sizes = {len(g) for layer in range(self.num_layers) for g in self.offloaded_groups(layer)}
         if sizes:
-            parts.append(f"stream group size {'/'.join(map(str, sorted(sizes)))}")
+            parts.append(f"group size {'/'.join(map(str, sorted(sizes)))}")
         patterns = Counter(e.pattern for e in self.entries)
         parts.append("pattern " + ", ".join(f"{p}={n}" for p, n in patterns.items()))
         budgets = {e.budget for e in self.entries}
@@ -90,11 +99,11 @@ class HeadMap:
         return "; ".join(parts)
 
     def grid(self) -> str:
-        """A layer x head picture: G resident, S streamed (group digit after), H hybrid."""
+        """A layer x head picture: G resident, S streamed, H hybrid (group digit after)."""
         marks = {"gpu": "G", "stream": "S", "hybrid": "H"}
         lines = []
         for layer in range(self.num_layers):
-            cells = [marks[e.tier] + (str(e.group) if e.tier == "stream" else " ")
+            cells = [marks[e.tier] + (str(e.group) if e.tier in OFFLOADED else " ")
                      for e in self.layer(layer)]  # fmt: skip
             lines.append(f"layer {layer:>3}  " + " ".join(cells))
         return "\n".join(lines)

@@ -28,6 +28,10 @@ class Hardware:
     h2d_bytes: float = 54e9
     d2h_bytes: float = 55e9
     cpu_attention_bytes: float = 55e9  # the CPU kernel's share-setting rate, 16-core host
+    # (0: no CPU attention here, so ``offload="auto"`` never picks the hybrid tier)
+    hybrid_layer_seconds: float = 1.5e-3  # per layer with hybrid heads: the query's hand-off
+    # to the CPU worker, the wait for its (out, lse) and the merge (measured on an H200
+    # host at 128K: 154-197 ms per step where the rates alone predict 105)
 
 
 def balanced_share(cpu_bytes_per_s: float, h2d_bytes_per_s: float) -> float:
@@ -42,6 +46,19 @@ def hybrid_share(cpu_share: float | None, hw: Hardware | None = None) -> float:
         return cpu_share
     hw = hw or Hardware()
     return balanced_share(hw.cpu_attention_bytes, hw.h2d_bytes)
+
+
+def offloaded_seconds(offloaded_bytes: float, num_layers: int, hybrid: bool,
+                      cpu_share: float | None, hw: Hardware) -> float:  # fmt: skip
+    """Seconds per decode step to attend ``offloaded_bytes`` of host-resident KV spread over
+    ``num_layers`` layers: over PCIe alone, or with the hybrid tier PCIe and CPU threads
+    together (``cpu_share`` of the bytes on the CPU) plus the per-layer hand-off."""
+    if not hybrid:
+        return offloaded_bytes / hw.h2d_bytes
+    share = hybrid_share(cpu_share, hw)
+    cpu_s = share * offloaded_bytes / hw.cpu_attention_bytes if share else 0.0
+    pcie_s = (1 - share) * offloaded_bytes / hw.h2d_bytes
+    return max(cpu_s, pcie_s) + num_layers * hw.hybrid_layer_seconds
 
 
 @dataclass(frozen=True)

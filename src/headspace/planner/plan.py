@@ -18,7 +18,7 @@ from headspace.planner.memory import (
     GpuSplit,
     Hardware,
     KVSpec,
-    hybrid_share,
+    offloaded_seconds,
     prefill_chunk,
     prefill_compute_seconds,
     split_gpu_budget,
@@ -120,27 +120,46 @@ def _resident_counts(num_resident: int, spec: KVSpec, mode: str) -> list[int]:
     return [min(heads, base + (1 if i < extra else 0)) for i in range(layers)]
 
 
-def _head_map(spec: KVSpec, resident: list[int], group: int) -> HeadMap:
+def _head_map(spec: KVSpec, resident: list[int], group: int, tier: str) -> HeadMap:
+    """Resident heads first in each layer, the rest in ``tier`` in groups of ``group``."""
     entries = []
     for layer, num_resident in enumerate(resident):
         for head in range(spec.num_kv_heads):
             if head < num_resident:
                 entries.append(HeadEntry(layer, head))
             else:
-                streamed_index = head - num_resident
-                entries.append(HeadEntry(layer, head, tier="stream", group=streamed_index // group))
+                index = head - num_resident
+                entries.append(HeadEntry(layer, head, tier=tier, group=index // group))
     return HeadMap(spec.num_layers, spec.num_kv_heads, entries)
+
+
+def _offloaded_layers(head_map: HeadMap) -> int:
+    return sum(1 for layer in range(head_map.num_layers) if head_map.offloaded_groups(layer))
+
+
+def _hybrid_faster(spec: KVSpec, resident: list[int], total_pages: int,
+                   hw: Hardware) -> bool:  # fmt: skip
+    """Whether the hybrid tier is predicted to attend the offloaded entries' KV faster
+    than streaming it all over PCIe (never without CPU attention on this machine)."""
+    if hw.cpu_attention_bytes <= 0:
+        return False
+    offloaded = spec.num_entries - sum(resident)
+    num_bytes = offloaded * total_pages * spec.entry_page_bytes
+    layers = sum(1 for n in resident if n < spec.num_kv_heads)
+    hybrid_s = offloaded_seconds(num_bytes, layers, True, None, hw)
+    return hybrid_s < offloaded_seconds(num_bytes, layers, False, None, hw)
 
 
 def plan_batch(spec: KVSpec, arena: int, total_pages: int, *, offload: str = "auto",
                head_group: int | None = None, host_budget: int | None = None,
-               what: str = "the batch") -> Plan:  # fmt: skip
+               what: str = "the batch", hw: Hardware | None = None) -> Plan:  # fmt: skip
     """Head map, pool sizes and staging for sequences that may reach ``total_pages`` pages in
     all, within ``arena`` bytes of GPU memory for KV (see :func:`split_gpu_budget`).
 
     All resident when the pages fit (one page more is the scratch page of padded graph
-    rows); else as many entries resident as fit beside the staging, the rest streamed from
-    host pages (``host_budget`` bytes at most). Raises UserError with the numbers.
+    rows); else as many entries resident as fit beside the staging, the rest offloaded to
+    host pages (``host_budget`` bytes at most): streamed, or hybrid where asked or, with
+    ``auto``, where ``hw``'s rates predict it faster. Raises UserError with the numbers.
     """
     if offload not in OFFLOAD_MODES:
         raise UserError(f"offload must be one of {', '.join(OFFLOAD_MODES)}, got {offload!r}")
@@ -161,7 +180,10 @@ def plan_batch(spec: KVSpec, arena: int, total_pages: int, *, offload: str = "au
     if mode == "layer":
         num_resident -= num_resident % spec.num_kv_heads
     resident = _resident_counts(num_resident, spec, mode)
-    head_map = _head_map(spec, resident, staging.group)
+    hybrid = offload == "hybrid" or (
+        offload == "auto" and _hybrid_faster(spec, resident, total_pages, hw or Hardware())
+    )
+    head_map = _head_map(spec, resident, staging.group, "hybrid" if hybrid else "stream")
     num_resident = head_map.count("gpu")
     gpu_pages = (arena - staging.num_bytes) // (num_resident * epb) - 1 if num_resident else 0
     host_bytes = total_pages * full
@@ -170,8 +192,7 @@ def plan_batch(spec: KVSpec, arena: int, total_pages: int, *, offload: str = "au
             f"{what} needs {host_bytes / GiB:.2f} GiB of host memory for its KV pages, "
             f"more than the {host_budget / GiB:.2f} GiB host budget"
         )
-    used = "hybrid" if offload == "hybrid" else mode  # hybrid: head groups, CPU attention too
-    return Plan(head_map, used, gpu_pages, total_pages, staging, 0)
+    return Plan(head_map, "hybrid" if hybrid else mode, gpu_pages, total_pages, staging, 0)
 
 
 def step_seconds(config: ModelConfig, plan: Plan, tokens: int, dtype_bytes: int,
@@ -180,19 +201,17 @@ def step_seconds(config: ModelConfig, plan: Plan, tokens: int, dtype_bytes: int,
     """Roofline of one decode step over ``tokens`` of KV in all: (seconds, PCIe floor
     seconds). HBM reads weights and resident KV; PCIe carries the offloaded KV, or with the
     hybrid tier its ``1 - cpu_share`` (default: the rates' balance) while CPU threads read
-    the rest; the floor is that of streaming all of it."""
+    the rest (see :func:`offloaded_seconds`); the floor is that of streaming all of it."""
     hw = hw or Hardware()
     per_entry = 2 * tokens * config.head_dim * dtype_bytes
     embeddings = config.vocab_size * config.hidden_size * dtype_bytes
     hbm_s = (weight_bytes(config, dtype_bytes) - embeddings
              + plan.head_map.count("gpu") * per_entry) / hw.hbm_bytes  # fmt: skip
-    offloaded = plan.head_map.count("stream") * per_entry
-    pcie_s = offloaded / hw.h2d_bytes
-    if plan.offload != "hybrid":
-        return max(hbm_s, pcie_s), pcie_s
-    share = hybrid_share(cpu_share, hw)
-    cpu_s = share * offloaded / hw.cpu_attention_bytes
-    return max(hbm_s, (1 - share) * pcie_s, cpu_s), pcie_s
+    offloaded = plan.head_map.num_offloaded * per_entry
+    hybrid = plan.head_map.count("hybrid") > 0
+    layers = _offloaded_layers(plan.head_map)
+    offloaded_s = offloaded_seconds(offloaded, layers, hybrid, cpu_share, hw)
+    return max(hbm_s, offloaded_s), offloaded / hw.h2d_bytes
 
 
 @dataclass(frozen=True)
@@ -226,7 +245,7 @@ def make_plan(config: ModelConfig, request: PlanRequest, hw: Hardware | None = N
     pages = spec.pages_for(request.context)
     plan = plan_batch(spec, split.arena, pages, offload=request.offload,
                       head_group=request.head_group, host_budget=request.host_memory,
-                      what=f"a context of {request.context} tokens")  # fmt: skip
+                      what=f"a context of {request.context} tokens", hw=hw)  # fmt: skip
     plan.prefill_chunk = chunk
     plan.memory = _memory_table(spec, split, plan, pages)
     _predict(plan, config, request, hw)
@@ -251,7 +270,7 @@ def _predict(plan: Plan, config: ModelConfig, request: PlanRequest, hw: Hardware
     """Roofline: prefill = max(compute, PCIe traffic); decode = max(HBM reads, PCIe reads)."""
     context, dtype_bytes, chunk = request.context, request.dtype_bytes, plan.prefill_chunk
     compute_s = prefill_compute_seconds(config, context, hw)
-    streamed = plan.head_map.count("stream")
+    streamed = plan.head_map.num_offloaded  # prefill streams the hybrid entries too
     num_chunks = -(-context // chunk)
     prefix_tokens = chunk * num_chunks * (num_chunks - 1) // 2  # prefixes re-read per chunk
     per_token = 2 * config.head_dim * dtype_bytes
