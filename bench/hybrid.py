@@ -105,7 +105,7 @@ def long_decode(model, mode: str, length: int, h2d: float, steps: int = 4) -> di
         torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
     blocks.free(seq.seq_id)
-    cfg, offloaded = model.config, plan.head_map.count("stream")
+    cfg, offloaded = model.config, plan.head_map.num_offloaded
     floor_s = offloaded * 2 * length * cfg.head_dim * 2 / h2d
     decode_s = sorted(times[1:])[len(times[1:]) // 2]  # the median after the first step
     split = getattr(runner.executors[-1], "cpu", None)

@@ -77,7 +77,7 @@ def _headspace_run(model, length, offload, budget, steps) -> dict:
     params = SamplingParams(max_new_tokens=steps + 1, ignore_eos=True)
     out = engine.generate_batch([ids], [params])[0]
     plan = generator.runner.plan
-    streamed = plan.head_map.count("stream")
+    streamed = plan.head_map.num_offloaded
     return {
         "ok": True, "prefill_tok_s": out.stats.prefill_tok_s,
         "prefill_s": out.stats.prefill_seconds,

@@ -84,6 +84,17 @@ def offload(model) -> dict:
     return {"offload decode 128K ms": row.get("decode_ms", float("nan"))}
 
 
+def hybrid(model) -> dict:
+    """Hybrid decode step at 128K, PCIe and CPU split, 23 GiB budget (bench/hybrid.py)."""
+    from common import pinned_h2d_bandwidth
+    from hybrid import CAP_GIB, K, long_decode
+    from offload_runs import gpu_cap
+
+    with gpu_cap(CAP_GIB):
+        row = long_decode(model, "hybrid_split", 128 * K - 64, pinned_h2d_bandwidth())
+    return {"hybrid decode 128K ms": row["decode_ms"]}
+
+
 def reference(kind: str, data: dict | None, name: str) -> float | None:
     """The committed value of figure ``name`` (older files keep other keys)."""
     if data is None:
@@ -97,6 +108,8 @@ def reference(kind: str, data: dict | None, name: str) -> float | None:
         return data[key][str(int(name.split()[1][:-1]) * K)]
     if kind == "paged":
         return data["batch_tok_s"]
+    if kind == "hybrid":
+        return data["128K"]["hybrid_split"]["decode_ms"]
     return data["decode_ms"][str(128 * K)]
 
 
@@ -105,7 +118,9 @@ def main() -> None:
     gpu = env["gpu"].replace("NVIDIA ", "").split()[0].lower()
     model = random_model(LLAMA31_8B)
     rows = []
-    for kind, fn in (("foundation", foundation), ("paged", paged), ("offload", offload)):
+    kinds = (("foundation", foundation), ("paged", paged), ("offload", offload),
+             ("hybrid", hybrid))  # fmt: skip
+    for kind, fn in kinds:
         data, name = committed(kind, gpu)
         for figure, value in fn(model).items():
             ref = reference(kind, data, figure)

@@ -127,3 +127,26 @@ def wide_llama(tmp_path_factory, embedded_dir):
     make_tiny_checkpoint("llama3", path, embedded_dir, num_hidden_layers=8,
                          num_key_value_heads=4)  # fmt: skip
     return path
+
+
+@pytest.fixture
+def cpu_calls(monkeypatch):
+    """Counts the tokens the CPU kernel attends (called in place, or as background jobs)."""
+    seen = {"calls": 0, "tokens": 0, "jobs": 0}
+    import headspace.engine.hybrid as hybrid
+
+    kernel, submit = hybrid.cpu_paged_decode, hybrid.BackgroundDecode.submit
+
+    def counting(q, k, v, tables, ends, page_size, **options):
+        seen["calls"] += 1
+        seen["tokens"] += int(ends.sum())
+        return kernel(q, k, v, tables, ends, page_size, **options)
+
+    def counting_jobs(self, q, k, v, tables, ends, *args, **options):
+        seen["jobs"] += 1
+        seen["tokens"] += int(ends.sum())
+        return submit(self, q, k, v, tables, ends, *args, **options)
+
+    monkeypatch.setattr(hybrid, "cpu_paged_decode", counting)
+    monkeypatch.setattr(hybrid.BackgroundDecode, "submit", counting_jobs)
+    return seen

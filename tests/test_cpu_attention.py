@@ -117,3 +117,45 @@ def test_rejects_what_it_cannot_read():
         cpu_paged_decode(q[:, :3], k, v, tables, ends, PAGE)
     with pytest.raises(ValueError, match="past its block table"):
         cpu_paged_decode(q, k, v, tables, ends + 10 * PAGE, PAGE)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_background_jobs_wait_for_their_flag_and_equal_the_kernel(dtype):
+    """A job queued before its query's values exist starts only when its flag reaches its
+    value, then gives the kernel's exact result; jobs finish in order, each with its own."""
+    import threading
+
+    from headspace.attention.cpu_jobs import BackgroundDecode
+
+    jobs = BackgroundDecode()
+    problems = [_problem(3, 2, 4, 64, [700, 1, 300], dtype, True, seed=s) for s in (1, 2)]
+    flag = torch.zeros(1, dtype=torch.int64)
+    queries = [torch.zeros(q.shape) for q, *_ in problems]  # filled only after the submits
+    tickets = [
+        jobs.submit(query, k, v, tables, ends, PAGE, flag, value, num_threads=2)
+        for query, (_, k, v, tables, ends), value in zip(queries, problems, (1, 2), strict=True)
+    ]
+
+    def produce():  # what a GPU stream does: the query, then the flag
+        for value, (query, (q, *_)) in enumerate(zip(queries, problems, strict=True), 1):
+            query.copy_(q.float())
+            flag.fill_(value)
+
+    producer = threading.Timer(0.05, produce)
+    producer.start()
+    for ticket, (q, k, v, tables, ends) in zip(tickets, problems, strict=True):
+        out, lse = jobs.wait(ticket)
+        expected_out, expected_lse = cpu_paged_decode(q.float(), k, v, tables, ends, PAGE)
+        assert torch.equal(out, expected_out) and torch.equal(lse, expected_lse)
+    producer.join()
+
+
+def test_background_jobs_refuse_bad_arguments():
+    from headspace.attention.cpu_jobs import BackgroundDecode
+
+    q, k, v, tables, ends = _problem(1, 1, 2, 32, [20], torch.float32, True)
+    jobs, flag = BackgroundDecode(), torch.zeros(1, dtype=torch.int64)
+    with pytest.raises(ValueError, match="flag"):
+        jobs.submit(q, k, v, tables, ends, PAGE, flag.int(), 1)
+    with pytest.raises(ValueError, match="fp32 query"):
+        jobs.submit(q.bfloat16(), k, v, tables, ends, PAGE, flag, 1)

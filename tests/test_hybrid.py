@@ -6,7 +6,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-import headspace.engine.hybrid as hybrid
 from headspace import SamplingParams, UserError
 from headspace.engine.hybrid import cpu_ends
 from headspace.planner.memory import balanced_share
@@ -25,21 +24,6 @@ def test_balanced_share_finishes_both_together():
     assert share == pytest.approx(1 / 3)
     history = 9e9  # bytes: the CPU's part at its rate takes as long as PCIe's at its own
     assert share * history / 30e9 == pytest.approx((1 - share) * history / 60e9)
-
-
-@pytest.fixture
-def cpu_calls(monkeypatch):
-    """Counts the tokens the CPU kernel attends."""
-    seen = {"calls": 0, "tokens": 0}
-    kernel = hybrid.cpu_paged_decode
-
-    def counting(q, k, v, tables, ends, page_size, **options):
-        seen["calls"] += 1
-        seen["tokens"] += int(ends.sum())
-        return kernel(q, k, v, tables, ends, page_size, **options)
-
-    monkeypatch.setattr(hybrid, "cpu_paged_decode", counting)
-    return seen
 
 
 def decode_logits(llm, prompt: list[int], steps: int) -> torch.Tensor:
@@ -87,7 +71,7 @@ def test_cpu_share_zero_streams_everything(wide_llama, prompt, cpu_calls):
     expected = make(wide_llama).generate(prompt, GREEDY)[0].token_ids
     llm = make(wide_llama, arena=700 * 1024, offload="hybrid", cpu_share=0.0)
     assert llm.generate(prompt, GREEDY)[0].token_ids == expected
-    assert cpu_calls["calls"] == 0
+    assert cpu_calls["calls"] == cpu_calls["jobs"] == 0
 
 
 def test_hybrid_batch_equals_one_at_a_time(tiny_llama, cpu_calls):
@@ -136,14 +120,38 @@ def test_the_planner_prices_the_split():
         return make_plan(config, PlanRequest(131072, 23 * GiB, 200 * GiB, **options), hw)
 
     streamed, hybrid = plan(offload="head"), plan(offload="hybrid")
-    assert hybrid.head_map.count("hybrid") == streamed.head_map.count("stream") > 0
-    assert hybrid.decode_pcie_floor_ms == pytest.approx(streamed.decode_ms)
+    entry_ms = streamed.decode_ms / streamed.head_map.count("stream")  # PCIe-bound at 128K
+    floor = hybrid.head_map.count("hybrid") * entry_ms
+    assert hybrid.head_map.count("stream") == 0
+    assert hybrid.decode_pcie_floor_ms == pytest.approx(floor)
     handoff = 32.0  # every layer holds hybrid heads: 1 ms each
     # share 0.5: both halves at once, then the hand-offs
-    assert hybrid.decode_ms == pytest.approx(streamed.decode_ms / 2 + handoff)
+    assert hybrid.decode_ms == pytest.approx(floor / 2 + handoff)
     for share in (0.0, 1.0):
-        one_side = plan(offload="hybrid", cpu_share=share).decode_ms
-        assert one_side == pytest.approx(streamed.decode_ms + handoff)
+        one_side = plan(offload="hybrid", cpu_share=share)
+        assert one_side.decode_ms == pytest.approx(one_side.decode_pcie_floor_ms + handoff)
+
+
+def test_hybrid_staging_holds_what_streams_of_a_layer():
+    """At decode the hybrid tier stages 1 - share of each history before the window, and
+    the window: one group per layer covers all its offloaded heads in slots of that size
+    (more resident heads fit than with whole-history slots of one head each)."""
+    from headspace.planner.memory import GiB, KVSpec
+    from headspace.planner.plan import plan_batch
+
+    spec = KVSpec(32, 8, 128, 128, 2)
+    pages = 1024  # 128K tokens
+    for share, window in ((0.5, 1024), (0.25, 4096), (1.0, 1024)):
+        plan = plan_batch(spec, 7 * GiB, pages, offload="hybrid", cpu_share=share,
+                          gpu_window=window)  # fmt: skip
+        head_map, staging = plan.head_map, plan.staging
+        assert staging.piece_pages == min(pages, round((1 - share) * pages) + window // 128 + 1)
+        for layer in range(spec.num_layers):
+            assert len(head_map.offloaded_groups(layer)) == 1  # one copy and launch per layer
+        assert staging.group == max(len(head_map.heads(layer, "hybrid")) for layer in range(32))
+        assert staging.num_bytes <= 7 * GiB // 2
+    # the user's group size is kept
+    assert plan_batch(spec, 7 * GiB, pages, offload="hybrid", head_group=2).staging.group == 2
 
 
 def test_auto_picks_the_hybrid_tier_where_it_is_predicted_faster():

@@ -112,13 +112,18 @@ def kernel_calls(monkeypatch):
     """(token, kv head) pairs the CPU kernel attends, by page size (1: the sparse rows' token
     tables, one row per sequence and kv head)."""
     seen = {"dense": 0, "sparse": 0}
-    kernel = hybrid.cpu_paged_decode
+    kernel, submit = hybrid.cpu_paged_decode, hybrid.BackgroundDecode.submit
 
     def counting(q, k, v, tables, ends, page_size, **options):
         seen["sparse" if page_size == 1 else "dense"] += int(ends.sum()) * k.shape[0]
         return kernel(q, k, v, tables, ends, page_size, **options)
 
+    def counting_jobs(self, q, k, v, tables, ends, *args, **options):  # the exact mode's
+        seen["dense"] += int(ends.sum()) * k.shape[0]
+        return submit(self, q, k, v, tables, ends, *args, **options)
+
     monkeypatch.setattr(hybrid, "cpu_paged_decode", counting)
+    monkeypatch.setattr(hybrid.BackgroundDecode, "submit", counting_jobs)
     return seen
 
 

@@ -1,5 +1,6 @@
 """Decode attention by CPU threads over K/V pages in place: the compiled kernel
-(``cpu_kernel.cpp``, a C ABI called through ctypes) and its reference twin.
+(``cpu_kernel.cpp``, a C ABI called through ctypes), its background jobs (``cpu_jobs.cpp``:
+a native thread that starts a job when its query lands) and its reference twin.
 
 The kernel is built once per source version with the system C++ compiler into the cache
 directory (``make`` set-up builds it up front; otherwise the first call does). The hot loop
@@ -23,8 +24,8 @@ import torch
 
 from headspace.model.source import cache_root
 
-SOURCE = Path(__file__).with_name("cpu_kernel.cpp")
-FLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-fopenmp"]
+SOURCES = [Path(__file__).with_name(name) for name in ("cpu_kernel.cpp", "cpu_jobs.cpp")]
+FLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-fopenmp", "-pthread"]
 BLOCK_TOKENS = 256  # tokens per task: K and V of a block stay in the core's L2
 ISA_NAMES = {0: "portable", 1: "x86-64", 2: "AVX2", 3: "AVX-512"}
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
@@ -32,7 +33,8 @@ _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 
 def library_path() -> Path:
     """Where the library of this source version lives (built or not)."""
-    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode()).hexdigest()[:16]
+    text = b"".join(source.read_bytes() for source in SOURCES) + " ".join(FLAGS).encode()
+    digest = hashlib.sha256(text).hexdigest()[:16]
     return cache_root() / "native" / f"cpu_kernel-{digest}.so"
 
 
@@ -47,7 +49,7 @@ def build() -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         built = Path(tmp) / target.name
-        subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", str(built)], check=True,
+        subprocess.run([compiler, *FLAGS, *map(str, SOURCES), "-o", str(built)], check=True,
                        capture_output=True, text=True)  # fmt: skip
         os.replace(built, target)
     return target
@@ -68,6 +70,14 @@ def _library() -> ctypes.CDLL | None:
                                     i32, i32, i32, pointer, pointer, pointer, i64]  # fmt: skip
     lib.hs_paged_decode.restype = i32
     lib.hs_isa.restype = i32
+    lib.hs_runner_new.restype = pointer
+    lib.hs_runner_free.argtypes = [pointer]
+    lib.hs_runner_submit.argtypes = [pointer, pointer, i64, pointer, pointer, pointer, i32, i64,
+                                     pointer, i64, pointer, i32, i32, i32, i32, i32,
+                                     ctypes.c_float, i32, i32, pointer, pointer]  # fmt: skip
+    lib.hs_runner_submit.restype = i64
+    lib.hs_runner_wait.argtypes = [pointer, i64]
+    lib.hs_runner_wait.restype = i32
     return lib
 
 

@@ -28,7 +28,7 @@ def add_plan_parser(subparsers) -> None:
     )
     p.add_argument("--context", required=True, help="context length, e.g. 131072, 128K, 1M")
     # the engine's own flags for what a plan depends on (the GPU's memory unless given)
-    planned = ("gpu_memory", "host_memory", "offload", "cpu_share", "head_group",
+    planned = ("gpu_memory", "host_memory", "offload", "cpu_share", "gpu_window", "head_group",
                "prefill_chunk", "page_size", "dtype")  # fmt: skip
     add_engine_options(p, planned, {"dtype": "bfloat16"})
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
@@ -65,7 +65,8 @@ def run_plan(args) -> None:
     gpu, host = _budgets(args)
     dtype_bytes = 4 if args.dtype == "float32" else 2
     request = PlanRequest(context, gpu, host, dtype_bytes, args.offload, args.head_group,
-                          args.prefill_chunk, args.page_size, args.cpu_share)  # fmt: skip
+                          args.prefill_chunk, args.page_size, args.cpu_share,
+                          args.gpu_window)  # fmt: skip
     plan = make_plan(config, request)
     if args.json:
         header = {"model": config.architecture, "context": context, "gpu_memory": gpu,

@@ -92,13 +92,14 @@ class BatchGenerator:
         return plan_batch(self.spec, self.runner.store.num_bytes, total,
                           offload=self.config.offload, head_group=self.config.head_group,
                           host_budget=self.runner.host.budget, what=what,
-                          hw=self._plan_hw)  # fmt: skip
+                          hw=self._plan_hw, cpu_share=self.config.hybrid_cpu_share,
+                          gpu_window=self.config.gpu_window)  # fmt: skip
 
     def _rate(self, plan: Plan, seqs: list[Sequence]) -> float:
         """Predicted sequences x tokens/s of a decode step over ``seqs`` (roofline)."""
         tokens = sum(s.max_tokens for s in seqs)
         seconds, _ = step_seconds(self.model.config, plan, tokens, self.spec.dtype_bytes,
-                                  self.hardware, self.config.cpu_share)  # fmt: skip
+                                  self.hardware, self.config.hybrid_cpu_share)  # fmt: skip
         return len(seqs) / seconds
 
     def _replan(self, scheduler: Scheduler) -> None:

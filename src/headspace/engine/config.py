@@ -124,6 +124,12 @@ class EngineConfig:
                             f"cpu_share must be 1 or unset, got {self.cpu_share}")  # fmt: skip
 
     @property
+    def hybrid_cpu_share(self) -> float | None:
+        """The hybrid tier's CPU share as asked: 1 in sparse mode (the CPU takes all before
+        the window), else ``cpu_share`` (None: the balance of the planner's rates)."""
+        return 1.0 if self.cpu_sparsity is not None else self.cpu_share
+
+    @property
     def torch_dtype(self) -> torch.dtype:
         return DTYPES[self.dtype]
 

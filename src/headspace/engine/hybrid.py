@@ -7,9 +7,12 @@ recent tokens) stream to the GPU as the stream tier's do. With ``cpu_share`` 1 t
 everything before the window (HGCA); below 1 the history splits between PCIe and the CPU in
 that proportion so that both finish together. Exact either way: the parts merge by LSE.
 
-The query goes to the host as soon as the layer computed it (a copy and an event); one
-worker thread, never the thread driving CUDA, waits for it and runs the kernel with its own
-CPU threads; the result comes back to the GPU when the layer collects it.
+The query goes to the host as soon as the layer computed it: its copy, then a flag's, on the
+GPU's stream. A native thread (``BackgroundDecode``), never the thread driving CUDA, waits
+for the flag and runs the kernel with its own CPU threads, without Python's GIL, so the CPU
+starts the moment the query lands; the result comes back to the GPU when the layer collects
+it. The sparse mode's rows need Python (selection, token tables): they run on a Python
+worker thread that waits for the query's event instead.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 
 from headspace.attention.cpu_decode import cpu_paged_decode
+from headspace.attention.cpu_jobs import BackgroundDecode
 from headspace.engine.hybrid_sparse import SparseSelector
 from headspace.kv.host_store import HostKVArena
 
@@ -45,6 +49,11 @@ class CpuAttention:
         self.tables: torch.Tensor | None = None
         self.ends: torch.Tensor | None = None
         self.any = False  # whether this step gives the CPU any token
+        dense = BackgroundDecode.available(host.dtype)
+        self.background = BackgroundDecode() if dense else None  # exact mode's jobs
+        self.step_id = 0  # a job starts once its layer's flag holds its step's id
+        self._flags: torch.Tensor | None = None  # [layers] int64, host
+        self._counter: torch.Tensor | None = None  # the step's id, on the query's device
 
     def begin(self, host_pages: list[list[int]], ends: list[int]) -> None:
         """The step's host block tables ``[seqs, pages]`` and CPU token counts."""
@@ -55,11 +64,15 @@ class CpuAttention:
         self.host_pages = host_pages
         self.tables, self.ends = tables, torch.tensor(ends, dtype=torch.int32)
         self.any = any(ends)
+        self.step_id += 1
+        self._counted = False  # the device counter holds this step's id
 
-    def submit(self, layer: int, kv_range: tuple[int, int], q: torch.Tensor) -> Future | None:
+    def submit(self, layer: int, kv_range: tuple[int, int], q: torch.Tensor) -> Future | int | None:
         """Start attending ``q [seqs, heads, dim]`` (the query heads of ``kv_range``)."""
         if not self.any:
             return None
+        if self.sparse is None and self.background is not None:
+            return self._submit_background(layer, kv_range, q)
         if q.is_cuda:
             q_host = torch.empty(q.shape, dtype=q.dtype, pin_memory=True)
             q_host.copy_(q, non_blocking=True)
@@ -68,6 +81,28 @@ class CpuAttention:
         else:
             q_host, ready = q.clone(), None
         return self.worker.submit(self._run, q_host, ready, layer, kv_range)
+
+    def _submit_background(self, layer: int, kv_range: tuple[int, int], q: torch.Tensor) -> int:
+        """The exact mode: a native job that starts when the query's flag comes."""
+        if self._flags is None:
+            self._flags = torch.zeros(self.host.spec.num_layers, dtype=torch.int64,
+                                      pin_memory=q.is_cuda)  # fmt: skip
+        flag = self._flags[layer : layer + 1]
+        if q.is_cuda:
+            if self._counter is None:
+                self._counter = torch.zeros((), dtype=torch.int64, device=q.device)
+            if not self._counted:
+                self._counter.fill_(self.step_id)
+                self._counted = True
+            q_host = torch.empty(q.shape, pin_memory=True).copy_(q.float(), non_blocking=True)
+            flag.copy_(self._counter, non_blocking=True)  # after the query, on its stream
+        else:
+            q_host = torch.empty(q.shape).copy_(q)
+            flag.fill_(self.step_id)
+        kv = self.host.layer(layer)[kv_range[0] : kv_range[1]]  # [heads, 2, slots, dim]
+        return self.background.submit(q_host, kv[:, 0], kv[:, 1], self.tables, self.ends,
+                                      self.host.spec.page_size, flag, self.step_id,
+                                      num_threads=self.num_threads, pin=q.is_cuda)  # fmt: skip
 
     def _run(self, q: torch.Tensor, ready, layer: int, kv_range: tuple[int, int]):
         if ready is not None:
@@ -115,8 +150,7 @@ class CpuAttention:
             lse[rows] = part_lse.view(len(rows), -1)
         return out, lse
 
-    @staticmethod
-    def result(job: Future, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    def result(self, job: Future | int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """``out [seqs, heads, dim]`` fp32 and ``lse [seqs, heads]`` on ``device``."""
-        out, lse = job.result()
+        out, lse = self.background.wait(job) if isinstance(job, int) else job.result()
         return out.to(device, non_blocking=True), lse.to(device, non_blocking=True)

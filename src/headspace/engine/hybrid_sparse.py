@@ -9,9 +9,11 @@ kept for the CPU when ``maw > beta / n`` (``n``: the tokens on the GPU side then
 
 After an append (a prompt), the CPU attends the whole history once, densely and exactly,
 writing every token's weight ``A_cpu``; a background thread then keeps, per (layer, kv
-head), the tokens with ``A_cpu > beta / n`` (``n``: the CPU-side tokens). Steps stay dense
-until that selection is in. Nothing is freed: a dropped token stays in its host page, so a
-later re-evaluation reinstates it when its weight rises.
+head), the tokens with ``A_cpu > beta / n`` (``n``: the CPU-side tokens). The sequence's
+steps stay dense for ``SELECTION_DELAY`` more steps while it runs, then use it (waiting
+for it if it is late, so that results never depend on thread timing). Nothing is freed:
+a dropped token stays in its host page, so a later re-evaluation reinstates it when its
+weight rises.
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ import statistics
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
+
+SELECTION_DELAY = 2  # steps from the dense pass that writes the weights to the first sparse one
 
 
 def salient(weights: torch.Tensor, beta: float, count: int) -> torch.Tensor:
@@ -37,6 +41,7 @@ class SparseState:
         self.chunks: list[tuple[int, torch.Tensor]] = []  # (first position, keep [L, H, n])
         self.evicted_end = cpu_end  # tokens 0 .. evicted_end - 1 are on the CPU side
         self.requested = False  # the dense pass that writes A_cpu has been run
+        self.sparse_from: int | None = None  # the selector's step from which it is used
         self.version = 0
 
     @property
@@ -90,6 +95,7 @@ class SparseSelector:
         self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="headspace-select")
         self._tables: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
         self._aranges: dict[tuple[int, int], torch.Tensor] = {}
+        self.step = 0
 
     # -- the step ------------------------------------------------------------------------
     def begin(self, seq_ids: list[int], positions: list[int], cpu_ends: list[int]) -> None:
@@ -104,10 +110,13 @@ class SparseSelector:
                 self._admit(seq_id, end)
             elif end > state.evicted_end:
                 self._evict(seq_id, state, end, position + 1 - state.evicted_end)
-        self.seq_ids = seq_ids
+        self.seq_ids, self.step = seq_ids, self.step + 1
         states = [self.states[s] for s in seq_ids]
-        self.dense = [i for i, state in enumerate(states) if not state.ready]
-        self.sparse = [i for i, state in enumerate(states) if state.ready]
+        due = [s.sparse_from is not None and self.step >= s.sparse_from for s in states]
+        if any(d and not s.ready for d, s in zip(due, states, strict=True)):
+            self.drain()  # a selection that is late: wait, so timing never changes a result
+        self.dense = [i for i, state in enumerate(states) if not (due[i] and state.ready)]
+        self.sparse = [i for i, state in enumerate(states) if due[i] and state.ready]
         # a history's first CPU-side step attends densely and writes the weights to select by
         self.weigh = [i for i in self.dense if not states[i].requested and cpu_ends[i]]
         rows = [self.rows[s] for s in seq_ids]
@@ -170,7 +179,8 @@ class SparseSelector:
         """Select on the background thread from ``probs [heads, >= end]`` (row ``row`` of
         this step's dense pass, which attended tokens ``0 .. end - 1``)."""
         state, heads = self.states[self.seq_ids[row]], range(*kv_range)
-        state.requested = True
+        if not state.requested:
+            state.requested, state.sparse_from = True, self.step + SELECTION_DELAY
 
         def select():
             group = probs.shape[0] // len(heads)

@@ -109,10 +109,10 @@ class PagedRunner:
             threads = self.config.cpu_threads or max(len(os.sched_getaffinity(0)) - 1, 1)
             self._cpu_attention = CpuAttention(self.host, threads)
         config = self.config
-        share = hybrid_share(config.cpu_share)
+        share = hybrid_share(config.hybrid_cpu_share)
         self._cpu_attention.sparse = None
         if config.cpu_sparsity is not None:  # the CPU takes all before the window
-            share, spec = 1.0, self.spec
+            spec = self.spec
             kv_heads = {layer: range(groups[0][0], groups[-1][1])
                         for layer in range(spec.num_layers)
                         if (groups := _ranges(plan, layer)[1])}  # fmt: skip

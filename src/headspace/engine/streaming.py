@@ -273,7 +273,7 @@ class StreamExecutor:
         job, self._cpu_job = self._cpu_job, None
         if job is None:
             return results
-        cpu_out, cpu_lse = CpuAttention.result(job, results[0][0].device)
+        cpu_out, cpu_lse = self.cpu.attention.result(job, results[0][0].device)
         first = self.groups[layer][0][0]  # the job's first kv head
         for i, (lo, hi) in enumerate(self.groups[layer]):
             out, lse = results[i]  # [seqs, heads, dim], [heads, seqs]

@@ -29,9 +29,9 @@ class Hardware:
     d2h_bytes: float = 55e9
     cpu_attention_bytes: float = 55e9  # the CPU kernel's share-setting rate, 16-core host
     # (0: no CPU attention here, so ``offload="auto"`` never picks the hybrid tier)
-    hybrid_layer_seconds: float = 1.5e-3  # per layer with hybrid heads: the query's hand-off
-    # to the CPU worker, the wait for its (out, lse) and the merge (measured on an H200
-    # host at 128K: 154-197 ms per step where the rates alone predict 105)
+    hybrid_layer_seconds: float = 1.2e-3  # per layer with hybrid heads, on the CPU's path:
+    # from its (out, lse) to the next layer's query (the merge, the rest of the layer, the
+    # next query's copy); measured on an H200 host at 128K (bench/profile_hybrid_split.py)
 
 
 def balanced_share(cpu_bytes_per_s: float, h2d_bytes_per_s: float) -> float:

@@ -8,6 +8,7 @@ the same arithmetic for one sequence of a given context, before anything runs.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from headspace.errors import UserError
@@ -18,6 +19,7 @@ from headspace.planner.memory import (
     GpuSplit,
     Hardware,
     KVSpec,
+    hybrid_share,
     offloaded_seconds,
     prefill_chunk,
     prefill_compute_seconds,
@@ -110,6 +112,34 @@ def _staging(spec: KVSpec, arena: int, total_pages: int, mode: str,
     return staging
 
 
+def _hybrid_staging(spec: KVSpec, arena: int, total_pages: int, resident: list[int],
+                    share: float, window: int,
+                    head_group: int | None) -> Staging | None:  # fmt: skip
+    """The hybrid tier stages, at decode, only what streams of each history (``1 - share``
+    of what precedes the ``window`` most recent tokens, and the window): slots sized for
+    that hold all of a layer's offloaded heads as one group, so a layer takes one copy, one
+    attention launch and one merge, and the next layer's copy runs while the CPU attends.
+    None when even two such slots exceed half the arena."""
+    group = head_group or max(spec.num_kv_heads - n for n in resident)
+    window_pages = -(-window // spec.page_size)
+    pages = min(total_pages, math.ceil((1 - share) * total_pages) + window_pages + 1)
+    for depth in (3, 2):
+        staging = Staging(depth, group, pages, spec.entry_page_bytes)
+        if staging.num_bytes <= arena // STAGING_SHARE:
+            return staging
+    return None
+
+
+def _num_resident(spec: KVSpec, arena: int, staging: Staging, total_pages: int,
+                  mode: str) -> list[int]:  # fmt: skip
+    """Resident heads per layer: as many entries as fit beside ``staging``."""
+    num_resident = (arena - staging.num_bytes) // ((total_pages + 1) * spec.entry_page_bytes)
+    num_resident = min(num_resident, spec.num_entries - 1)
+    if mode == "layer":
+        num_resident -= num_resident % spec.num_kv_heads
+    return _resident_counts(num_resident, spec, mode)
+
+
 def _resident_counts(num_resident: int, spec: KVSpec, mode: str) -> list[int]:
     """Resident heads per layer: whole layers first (layer mode), else spread evenly."""
     layers, heads = spec.num_layers, spec.num_kv_heads
@@ -152,14 +182,16 @@ def _hybrid_faster(spec: KVSpec, resident: list[int], total_pages: int,
 
 def plan_batch(spec: KVSpec, arena: int, total_pages: int, *, offload: str = "auto",
                head_group: int | None = None, host_budget: int | None = None,
-               what: str = "the batch", hw: Hardware | None = None) -> Plan:  # fmt: skip
+               what: str = "the batch", hw: Hardware | None = None,
+               cpu_share: float | None = None, gpu_window: int = 1024) -> Plan:  # fmt: skip
     """Head map, pool sizes and staging for sequences that may reach ``total_pages`` pages in
     all, within ``arena`` bytes of GPU memory for KV (see :func:`split_gpu_budget`).
 
     All resident when the pages fit (one page more is the scratch page of padded graph
     rows); else as many entries resident as fit beside the staging, the rest offloaded to
     host pages (``host_budget`` bytes at most): streamed, or hybrid where asked or, with
-    ``auto``, where ``hw``'s rates predict it faster. Raises UserError with the numbers.
+    ``auto``, where ``hw``'s rates predict it faster (with the hybrid tier's ``cpu_share``
+    and ``gpu_window``, which size its staging). Raises UserError with the numbers.
     """
     if offload not in OFFLOAD_MODES:
         raise UserError(f"offload must be one of {', '.join(OFFLOAD_MODES)}, got {offload!r}")
@@ -175,14 +207,20 @@ def plan_batch(spec: KVSpec, arena: int, total_pages: int, *, offload: str = "au
         )
     mode = "layer" if offload == "layer" else "head"
     staging = _staging(spec, arena, total_pages, mode, head_group)
-    num_resident = (arena - staging.num_bytes) // ((total_pages + 1) * epb)
-    num_resident = min(num_resident, spec.num_entries - 1)
-    if mode == "layer":
-        num_resident -= num_resident % spec.num_kv_heads
-    resident = _resident_counts(num_resident, spec, mode)
+    resident = _num_resident(spec, arena, staging, total_pages, mode)
+    hw = hw or Hardware()
     hybrid = offload == "hybrid" or (
-        offload == "auto" and _hybrid_faster(spec, resident, total_pages, hw or Hardware())
+        offload == "auto" and _hybrid_faster(spec, resident, total_pages, hw)
     )
+    share = hybrid_share(cpu_share, hw)
+    for _ in range(2 if hybrid else 0):  # twice: its slots may leave fewer heads resident
+        slots = _hybrid_staging(spec, arena, total_pages, resident, share, gpu_window,
+                                head_group)  # fmt: skip
+        if slots is None:
+            break
+        staging, resident = slots, _num_resident(spec, arena, slots, total_pages, mode)
+        if head_group or slots.group >= spec.num_kv_heads - min(resident):
+            break
     head_map = _head_map(spec, resident, staging.group, "hybrid" if hybrid else "stream")
     num_resident = head_map.count("gpu")
     gpu_pages = (arena - staging.num_bytes) // (num_resident * epb) - 1 if num_resident else 0
@@ -227,6 +265,7 @@ class PlanRequest:
     prefill_chunk: int | None = None
     page_size: int = 128
     cpu_share: float | None = None
+    gpu_window: int = 1024
 
 
 def make_plan(config: ModelConfig, request: PlanRequest, hw: Hardware | None = None) -> Plan:
@@ -245,7 +284,8 @@ def make_plan(config: ModelConfig, request: PlanRequest, hw: Hardware | None = N
     pages = spec.pages_for(request.context)
     plan = plan_batch(spec, split.arena, pages, offload=request.offload,
                       head_group=request.head_group, host_budget=request.host_memory,
-                      what=f"a context of {request.context} tokens", hw=hw)  # fmt: skip
+                      what=f"a context of {request.context} tokens", hw=hw,
+                      cpu_share=request.cpu_share, gpu_window=request.gpu_window)  # fmt: skip
     plan.prefill_chunk = chunk
     plan.memory = _memory_table(spec, split, plan, pages)
     _predict(plan, config, request, hw)

@@ -1,0 +1,133 @@
+"""Where the hybrid tier's decode step goes, per layer, across CPU shares and thread counts,
+on one engine and one sequence (decode steps over allocated pages: an exact step's work
+does not depend on the values in them, so no prefill is needed).
+
+    PYTHONPATH=src python bench/profile_hybrid_split.py [--length 131008] [--steps 6]
+
+For each variant (share, kernel threads, the CPU job on the native thread or on a Python worker), in
+two rounds of alternating order: the step's wall time and, summed over its layers, what the
+thread driving the GPU does (see ``_breakdown``). Writes
+``profile_hybrid_split_<gpu>_<date>.json`` (to $OUT when set).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+import headspace.engine.hybrid as hybrid  # noqa: E402
+from common import LLAMA31_8B, environment, make_engine, random_model, write_result  # noqa: E402
+from headspace.engine.scheduler import Sequence  # noqa: E402
+from hybrid import BUDGET, CAP_GIB  # noqa: E402
+from offload_runs import gpu_cap  # noqa: E402
+
+EVENTS: list[tuple[str, float]] = []  # (what, perf_counter seconds), in layer order
+
+
+def _instrument() -> None:
+    submit, result = hybrid.CpuAttention.submit, hybrid.CpuAttention.result
+
+    def timed_submit(self, layer, kv_range, q):
+        EVENTS.append(("submit", time.perf_counter()))
+        return submit(self, layer, kv_range, q)
+
+    def timed_result(self, job, device):
+        EVENTS.append(("wait", time.perf_counter()))
+        out = result(self, job, device)
+        EVENTS.append(("done", time.perf_counter()))
+        return out
+
+    hybrid.CpuAttention.submit, hybrid.CpuAttention.result = timed_submit, timed_result
+
+
+def _breakdown(events: list[tuple[str, float]]) -> dict[str, float]:
+    """Milliseconds per step, summed over layers, of the GPU thread: launching the layer's
+    GPU part after handing the CPU its job (``launch``), waiting for the CPU result
+    (``gpu_waits_cpu``), and from the result to the next layer's job (``between``: the
+    merge, the rest of the layer, the next layer up to its query)."""
+    times = {"submit": [], "wait": [], "done": []}
+    for what, t in events:
+        times[what].append(t)
+    sums = {"launch": 0.0, "gpu_waits_cpu": 0.0, "between": 0.0}
+    for i, (s, w, d) in enumerate(zip(times["submit"], times["wait"], times["done"], strict=True)):
+        sums["launch"] += w - s
+        sums["gpu_waits_cpu"] += d - w
+        if i + 1 < len(times["submit"]):
+            sums["between"] += times["submit"][i + 1] - d
+    return {k: 1000 * v for k, v in sums.items()}
+
+
+def measure(runner, seq_id: int, position: int, steps: int) -> dict:
+    times, parts = [], []
+    for step in range(steps):
+        runner.blocks.append_token(seq_id)
+        torch.cuda.synchronize()
+        EVENTS.clear()
+        start = time.perf_counter()
+        runner.decode([seq_id], [position + step], [0])
+        torch.cuda.synchronize()
+        times.append(1000 * (time.perf_counter() - start))
+        if EVENTS:
+            parts.append(_breakdown(EVENTS))
+    row = {"step_ms": times, "median_ms": statistics.median(times)}
+    if parts:
+        row |= {k: statistics.median(p[k] for p in parts) for k in parts[0]}
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--length", type=int, default=128 * 1024 - 64)
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--shares", type=float, nargs="+", default=[1.0, 0.6, 0.5, 0.4, 0.3, 0.0])
+    parser.add_argument("--threads", type=int, nargs="+", default=[15])
+    args = parser.parse_args()
+    model = random_model(LLAMA31_8B)
+    _instrument()
+    result = {"env": environment(), "config": LLAMA31_8B, "length": args.length, "rows": []}
+    with gpu_cap(CAP_GIB):
+        engine = make_engine(model, gpu_memory=BUDGET, offload="hybrid",
+                             max_context=args.length + 256)  # fmt: skip
+        generator = engine.batch
+        seq = Sequence(10**9, [0] * args.length, args.length + 256)
+        plan = generator.prepare([seq])
+        runner = generator.runner
+        runner.blocks.allocate_prompt(seq.seq_id, seq.prompt_ids, generator.tiers, reuse=False)
+        result["head_map_summary"] = plan.head_map.summary()
+        result["staging"] = plan.to_dict()["staging_depth"], plan.staging.piece_pages
+        split = runner.executors[-1].cpu
+        position = args.length
+        measure(runner, seq.seq_id, position, 2)  # warm-up: compiles, pins
+        position += 2
+        native = split.attention.background
+        variants = [(s, t, True) for s in args.shares for t in args.threads]
+        variants += [(s, args.threads[0], False) for s in (1.0, 0.5)]
+        for round_ in range(2):
+            for share, threads, background in variants[:: 1 if round_ == 0 else -1]:
+                split.share, split.attention.num_threads = share, threads
+                split.attention.background = native if background else None
+                row = measure(runner, seq.seq_id, position, args.steps)
+                position += args.steps
+                row |= {"share": share, "threads": threads, "native": background,
+                        "round": round_}  # fmt: skip
+                result["rows"].append(row)
+                print({k: (round(v, 1) if isinstance(v, float) else v)
+                       for k, v in row.items() if k != "step_ms"}, flush=True)  # fmt: skip
+    gpu = result["env"]["gpu"].replace("NVIDIA ", "").split()[0].lower()
+    write_result(f"profile_hybrid_split_{gpu}_{result['env']['date']}.json", result)
+    print(f"\n{'share':>5} {'thr':>3} {'native':>6} {'round':>5} {'step':>6} {'launch':>6} "
+          f"{'gpu wait':>8} {'between':>8}")  # fmt: skip
+    for row in result["rows"]:
+        print(f"{row['share']:>5} {row['threads']:>3} {row['native']!s:>6} {row['round']:>5} "
+              f"{row['median_ms']:>6.1f} {row.get('launch', 0):>6.1f} "
+              f"{row.get('gpu_waits_cpu', 0):>8.1f} {row.get('between', 0):>8.1f}")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
