@@ -4,7 +4,8 @@ random bf16 weights, the GPU capped at 24 GiB (23 GiB budget), in one run.
     PYTHONPATH=src python bench/hybrid.py [--batch] [--sparse 0.25 0.5 1] [--long]
 
 Modes, each an engine built as a user builds it (the model's context, default options but
-the one named): ``stream`` (offload auto: offloaded heads stream over PCIe), ``hybrid_cpu``
+the one named): ``stream`` (``offload="head"``: offloaded heads stream over PCIe; the
+default ``auto`` picks the hybrid tier here, recorded as ``auto_picks``), ``hybrid_cpu``
 (``offload="hybrid", cpu_share=1``: the CPU attends everything before the GPU window) and
 ``hybrid_split`` (``offload="hybrid"``: the history splits between PCIe and the CPU by their
 rates). Measured in the same run: the pinned host-to-device bandwidth (the PCIe floor of the
@@ -46,7 +47,7 @@ K = 1024
 CAP_GIB, BUDGET = 24, "23GiB"
 NEW_TOKENS = 16
 MODES = {
-    "stream": {},
+    "stream": {"offload": "head"},
     "hybrid_cpu": {"offload": "hybrid", "cpu_share": 1.0},
     "hybrid_split": {"offload": "hybrid"},
 }
@@ -55,6 +56,16 @@ MODES = {
 def _prompt(length: int, seed: int) -> list[int]:
     rng = torch.Generator().manual_seed(seed)
     return torch.randint(0, LLAMA31_8B["vocab_size"], (length,), generator=rng).tolist()
+
+
+def auto_choice(generator, lengths: list[int]) -> str:
+    """The mode ``offload="auto"`` takes for these requests under the same budget (the
+    engine's own planner call, with its rates)."""
+    from headspace.planner.plan import plan_batch
+
+    pages = sum(generator.spec.pages_for(n + NEW_TOKENS) for n in lengths)
+    return plan_batch(generator.spec, generator.runner.store.num_bytes, pages, offload="auto",
+                      hw=generator._plan_hw).offload  # fmt: skip
 
 
 def run_mode(model, mode: str, lengths: list[int], h2d: float) -> dict:
@@ -80,6 +91,8 @@ def run_mode(model, mode: str, lengths: list[int], h2d: float) -> dict:
         "cpu_share": split.share if split else None,
         "gpu_window": split.gpu_window if split else None,
         "head_map_summary": out.stats.summary().split(" | ")[3], "wall_seconds": wall,
+        "plan": generator.runner.plan.head_map.summary(),
+        "auto_picks": auto_choice(generator, lengths),
         "cpu_kept_fraction_min_median_max": out.stats.cpu_kept_fraction,
         "summary": out.stats.summary(), "tokens": [o.token_ids for o in outs],
     }  # fmt: skip

@@ -298,18 +298,25 @@ class StreamExecutor:
         return outs, lses
 
     def _prefill(self, group: int, kv_range: HeadRange, q, kv, out):
+        """The chunk's causal part, then each staged piece of the history merged into an fp32
+        running state one kv head at a time (a group of many heads would otherwise hold
+        every piece's output for all its query heads at once)."""
         q_first = q.transpose(0, 1)  # [heads, tokens, dim]
         k_new, v_new = kv[0].transpose(0, 1), kv[1].transpose(0, 1)
-        chunk = attend(q_first, k_new, v_new, causal=True, backend=self.backend)
-        outs, lses = [chunk[0]], [chunk[1]]
+        merged, lse = attend(q_first, k_new, v_new, causal=True, backend=self.backend)
         if self.step.start > 0:
+            merged, per_kv = merged.float(), self.q_per_kv
 
-            def over(_, k, v):
-                return attend(q_first, k, v, backend=self.backend)
+            def over(_, k, v):  # k, v: [group heads, tokens, dim]
+                for j in range(k.shape[0]):
+                    heads = slice(j * per_kv, (j + 1) * per_kv)
+                    part = attend(q_first[heads], k[j : j + 1], v[j : j + 1],
+                                  backend=self.backend)  # fmt: skip
+                    merged[heads], lse[heads] = merge_attention([merged[heads], part[0]],
+                                                                [lse[heads], part[1]])  # fmt: skip
+                return None, None
 
-            more = self._history(group, kv_range[1] - kv_range[0], over)
-            outs, lses = outs + more[0], lses + more[1]
-        merged, lse = merge_attention(outs, lses)
+            self._history(group, kv_range[1] - kv_range[0], over)
         out.copy_(merged.transpose(0, 1))
         return out, lse
 
