@@ -119,15 +119,19 @@ def _hybrid_staging(spec: KVSpec, arena: int, total_pages: int, resident: list[i
     of what precedes the ``window`` most recent tokens, and the window): slots sized for
     that hold all of a layer's offloaded heads as one group, so a layer takes one copy, one
     attention launch and one merge, and the next layer's copy runs while the CPU attends.
-    None when even two such slots exceed half the arena."""
+    Where that exceeds half the arena, groups of half as many heads, and so on; None when
+    even two slots of one head do."""
     group = head_group or max(spec.num_kv_heads - n for n in resident)
     window_pages = -(-window // spec.page_size)
     pages = min(total_pages, math.ceil((1 - share) * total_pages) + window_pages + 1)
-    for depth in (3, 2):
-        staging = Staging(depth, group, pages, spec.entry_page_bytes)
-        if staging.num_bytes <= arena // STAGING_SHARE:
-            return staging
-    return None
+    while True:
+        for depth in (3, 2):
+            staging = Staging(depth, group, pages, spec.entry_page_bytes)
+            if staging.num_bytes <= arena // STAGING_SHARE:
+                return staging
+        if group == 1 or head_group:
+            return None
+        group = -(-group // 2)
 
 
 def _num_resident(spec: KVSpec, arena: int, staging: Staging, total_pages: int,
