@@ -1,0 +1,75 @@
+"""Per-head KV budgets: after prefill each (layer, kv head) keeps only its highest-scoring
+tokens, by observation-window attention (``scores.py``); policies (one file each) decide how
+many tokens each head keeps.
+
+- ``snapkv``: the same number for every head.
+- ``ada_snapkv``: a layer's total shared by its heads, which compete by score.
+- ``headkv``: the model's total divided across layers and heads by a profile's head scores.
+
+A budget is the average number of tokens kept per head: a float in (0, 1] is a fraction of
+each prompt, an int a number of tokens. The observation window (the prompt's last tokens)
+is always kept and counts towards it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from headspace.budgets import ada_snapkv, headkv, snapkv
+from headspace.budgets.scores import POOL, WINDOW, observation_scores
+
+POLICIES = {"snapkv": snapkv.allocate, "ada_snapkv": ada_snapkv.allocate,
+            "headkv": headkv.allocate}  # fmt: skip
+
+__all__ = ["POLICIES", "KVBudget", "kept_positions", "observation_scores", "POOL", "WINDOW"]
+
+
+@dataclass(frozen=True)
+class KVBudget:
+    """How much KV each head keeps after prefill, and which policy divides it."""
+
+    value: float | int  # float in (0, 1]: fraction of the prompt; int >= 1: tokens per head
+    policy: str = "snapkv"
+    window: int = WINDOW
+
+    def __post_init__(self):
+        value = self.value
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise ValueError(f"kv_budget must be a number, got {value!r}")
+        if isinstance(value, float) and not 0 < value <= 1:
+            raise ValueError(f"a fractional kv_budget must be in (0, 1], got {value}")
+        if isinstance(value, int) and value < 1:
+            raise ValueError(f"a kv_budget in tokens must be at least 1, got {value}")
+        if self.policy not in POLICIES:
+            raise ValueError(f"kv_policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
+
+    def tokens(self, prompt_len: int) -> int:
+        """Average tokens kept per head for a prompt of ``prompt_len`` (window included)."""
+        kept = round(self.value * prompt_len) if isinstance(self.value, float) else self.value
+        return min(prompt_len, max(kept, min(self.window, prompt_len)))
+
+
+def kept_positions(
+    budget: KVBudget,
+    scores: list[torch.Tensor],  # per layer [kv_heads, prompt_len - window]
+    prompt_len: int,
+    head_scores: torch.Tensor | None = None,  # [layers, kv_heads] (headkv)
+) -> list[list[torch.Tensor]]:
+    """Positions each (layer, kv head) keeps, ascending int64, the observation window's
+    last tokens included; everything when the budget covers the prompt."""
+    if budget.tokens(prompt_len) >= prompt_len:  # the budget covers the prompt: exact
+        return [[torch.arange(prompt_len) for _ in layer] for layer in scores]
+    window = min(budget.window, prompt_len)
+    selectable = budget.tokens(prompt_len) - window
+    window_positions = torch.arange(prompt_len - window, prompt_len)
+    counts = POLICIES[budget.policy](scores, selectable, head_scores=head_scores)
+    kept = []
+    for layer_scores, layer_counts in zip(scores, counts, strict=True):
+        heads = []
+        for head_scores_row, count in zip(layer_scores, layer_counts.tolist(), strict=True):
+            top = head_scores_row.topk(count).indices.sort().values.cpu()
+            heads.append(torch.cat([top, window_positions]))
+        kept.append(heads)
+    return kept

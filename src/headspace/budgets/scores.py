@@ -1,0 +1,37 @@
+"""Observation-window scores (SnapKV): how much the last queries of a prompt attend each
+earlier token, per kv head; what every budget policy ranks tokens by."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+WINDOW = 32  # observation window: the prompt's last queries, always kept
+POOL = 7  # max-pool width over neighbouring tokens (SnapKV keeps clusters, not lone tokens)
+
+
+def observation_scores(
+    q_window: torch.Tensor,  # [heads, window, dim]: the prompt's last queries (rotated)
+    k: torch.Tensor,  # [kv_heads, tokens, dim]: every key of the prompt, window included
+    *,
+    pool: int = POOL,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """Scores ``[kv_heads, tokens - window]`` of the tokens before the window: each window
+    query's softmax weight of the token (causal inside the window), summed over the window's
+    queries, averaged over the query heads of a kv head, then max-pooled over ``pool``
+    neighbouring tokens. fp32; weights of a row sum to at most ``window``."""
+    num_heads, window, dim = q_window.shape
+    num_kv_heads, num_tokens, _ = k.shape
+    group = num_heads // num_kv_heads
+    scale = dim**-0.5 if scale is None else scale
+    keys = k.float().repeat_interleave(group, dim=0)
+    logits = torch.matmul(q_window.float(), keys.transpose(1, 2)) * scale  # [heads, w, tokens]
+    positions = torch.arange(num_tokens, device=k.device)
+    q_positions = torch.arange(num_tokens - window, num_tokens, device=k.device)
+    logits = logits.masked_fill(positions[None, :] > q_positions[:, None], float("-inf"))
+    weights = torch.softmax(logits, dim=-1)[..., : num_tokens - window].sum(1)  # [heads, n]
+    scores = weights.view(num_kv_heads, group, -1).mean(1)
+    if pool > 1 and scores.shape[-1]:
+        scores = F.max_pool1d(scores[:, None], pool, stride=1, padding=pool // 2)[:, 0]
+    return scores

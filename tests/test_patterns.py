@@ -1,0 +1,122 @@
+"""Per-head attention patterns: specs, estimation, and block masks equal to their dense masks
+(the same attention through FlexAttention as through the dense fp32 twin)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from headspace.attention.patterns import BLOCK, Pattern, estimate
+from headspace.attention.reference import reference_attention
+from headspace.attention.sparse_prefill import (
+    block_maps,
+    pattern_block_mask,
+    sparse_prefill_attention,
+)
+
+MIX = ["full", "streaming(4,100)", "vertical_slash(30,80)", "block_sparse(2)",
+       "streaming(0,300)", "vertical_slash(5,64)"]  # fmt: skip
+
+
+def _qkv(num_heads, num_kv_heads, num_q, num_keys, dim=32, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(num_heads, num_q, dim, generator=gen)
+    k = torch.randn(num_kv_heads, num_keys, dim, generator=gen)
+    v = torch.randn(num_kv_heads, num_keys, dim, generator=gen)
+    return q, k, v
+
+
+def test_patterns_parse_and_print():
+    for text in ("full", "streaming(4,1024)", "vertical_slash(1000,6000)", "block_sparse(16)"):
+        assert str(Pattern.parse(text)) == text
+    assert Pattern.parse(" streaming( 0, 64 )") == Pattern("streaming", (0, 64))
+    for bad in ("dense", "streaming(4)", "block_sparse(0)", "full(3)", "streaming(a,b)"):
+        with pytest.raises(ValueError):
+            Pattern.parse(bad)
+
+
+@pytest.mark.parametrize(
+    "num_q,num_keys", [(300, 300), (128, 1000), (77, 613), (513, 900), (1, 450)]
+)
+def test_block_maps_cover_the_dense_mask_and_full_blocks_are_full(num_q, num_keys):
+    q, k, _ = _qkv(6, 2, num_q, num_keys)
+    table = estimate([Pattern.parse(p) for p in MIX], q, k)
+    dense = table.dense()  # [heads, q, keys]
+    touched, full = block_maps(table)
+    num_qb, num_kb = touched.shape[1:]
+    padded = torch.zeros(6, num_qb * BLOCK, num_kb * BLOCK, dtype=torch.bool)
+    padded[:, :num_q, :num_keys] = dense
+    per_block = padded.view(6, num_qb, BLOCK, num_kb, BLOCK)
+    any_allowed = per_block.any(4).any(2)
+    valid = torch.zeros_like(padded)
+    valid[:, :num_q, :num_keys] = True
+    all_allowed = (per_block | ~valid.view_as(per_block)).all(4).all(2)
+    assert (touched >= any_allowed).all()  # no allowed pair in a skipped block
+    assert (~full | all_allowed).all()  # a full block skips the mask only where it is all true
+    assert (touched >= full).all()
+    mask = pattern_block_mask(table).to_dense()[0].bool()
+    assert torch.equal(mask, touched)
+
+
+@pytest.mark.parametrize("num_q,num_keys", [(200, 200), (130, 700), (64, 389)])
+def test_flex_attention_under_patterns_equals_the_dense_twin(num_q, num_keys):
+    q, k, v = _qkv(6, 2, num_q, num_keys, seed=1)
+    table = estimate([Pattern.parse(p) for p in MIX], q, k)
+    out, lse = sparse_prefill_attention(q, k, v, table)
+    ref_out, ref_lse = sparse_prefill_attention(q, k, v, table, backend="reference")
+    torch.testing.assert_close(out, ref_out, atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(lse, ref_lse, atol=2e-5, rtol=2e-5)
+
+
+def test_full_everywhere_equals_causal_attention_exactly():
+    q, k, v = _qkv(4, 2, 150, 420, seed=2)
+    table = estimate([Pattern()] * 4, q, k)
+    expected = reference_attention(q, k, v, causal=True)
+    dense = sparse_prefill_attention(q, k, v, table, backend="reference")
+    assert torch.equal(dense[0], expected[0]) and torch.equal(dense[1], expected[1])
+    flex = sparse_prefill_attention(q, k, v, table)
+    torch.testing.assert_close(flex[0], expected[0], atol=2e-5, rtol=2e-5)
+
+
+def test_a_streaming_head_over_a_short_context_is_full():
+    q, k, _ = _qkv(2, 1, 50, 240)
+    short = estimate([Pattern("streaming", (16, 240)), Pattern()], q, k).dense()
+    assert torch.equal(short[0], short[1])
+    cut = estimate([Pattern("streaming", (16, 100)), Pattern()], q, k).dense()
+    assert cut[0].sum() < cut[1].sum()
+    assert cut[0, -1, :16].all() and cut[0, -1, -100:].all() and not cut[0, -1, 16:-100].any()
+
+
+def test_vertical_slash_finds_a_planted_column_and_diagonal():
+    """Queries aligned with one key (a column) and keys aligned with the query 200 positions
+    later (a diagonal): both are in the estimate, beyond the forced sink and local band."""
+    num_keys, dim = 600, 32
+    gen = torch.Generator().manual_seed(3)
+    k = torch.randn(1, num_keys, dim, generator=gen) * 0.1
+    q = torch.randn(1, num_keys, dim, generator=gen) * 0.1
+    column = torch.zeros(dim)
+    column[0] = 1.0
+    k[0, 250] = column * 12
+    q[0, :, 0] += 1.0  # every query looks at key 250
+    direction = torch.zeros(dim)
+    direction[1] = 1.0
+    q[0, 200:, 1] += 3.0 * torch.sign(torch.randn(400, generator=gen))
+    k[0, :400, 1] = 3.0 * torch.sign(q[0, 200:, 1])  # key j matches query j + 200
+    table = estimate([Pattern("vertical_slash", (8, 72))], q, k)
+    assert table.vertical[0, 250] and table.vertical[0, :4].all()
+    assert table.slash[0, 200] and table.slash[0, :64].all()
+    assert table.vertical.sum() == 8 and table.slash.sum() == 72
+
+
+def test_block_sparse_keeps_the_first_the_diagonal_and_the_best_block():
+    num_keys, dim = 640, 16
+    gen = torch.Generator().manual_seed(4)
+    k = torch.randn(1, num_keys, dim, generator=gen) * 0.1
+    q = torch.randn(1, 256, dim, generator=gen) * 0.1
+    k[0, 2 * BLOCK : 3 * BLOCK, 0] = 5.0  # key block 2 matches every query
+    q[0, :, 0] = 5.0
+    blocks = estimate([Pattern("block_sparse", (3,))], q, k).blocks[0]  # queries 384..639
+    assert blocks.shape == (2, 5)
+    assert blocks[:, 0].all() and blocks[:, 2].all()  # the first and the planted block
+    assert blocks[0, 3] and blocks[1, 4]  # each query block's diagonal
+    assert blocks.sum(1).tolist() == [3, 3]
