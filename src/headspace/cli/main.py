@@ -9,6 +9,7 @@ import sys
 from headspace.cli.eval import add_eval_parser, run_eval
 from headspace.cli.options import add_engine_options, engine_options
 from headspace.cli.plan import add_plan_parser, run_plan
+from headspace.cli.profile import add_profile_parser, run_profile
 from headspace.errors import UserError
 
 
@@ -38,6 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_generate(subparsers)
     add_plan_parser(subparsers)
     add_eval_parser(subparsers, add_engine_options)
+    add_profile_parser(subparsers, add_engine_options)
     return parser
 
 
@@ -86,7 +88,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.command is None:
             parser.print_help()
             return 2
-        commands = {"plan": run_plan, "eval": lambda a: run_eval(a, engine_options(a))}
+        commands = {"plan": run_plan, "eval": lambda a: run_eval(a, engine_options(a)),
+                    "profile": run_profile}  # fmt: skip
         commands.get(args.command, _generate)(args)
     except UserError as exc:
         print("error: " + " ".join(str(exc).split()), file=sys.stderr)  # always one line

@@ -32,6 +32,12 @@ def add_plan_parser(subparsers) -> None:
                "prefill_chunk", "page_size", "dtype")  # fmt: skip
     add_engine_options(p, planned, {"dtype": "bfloat16"})
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    p.add_argument("--profile", help="a profile from `headspace profile`: fills the patterns")
+    p.add_argument("--retrieval-heads", type=float, default=0.5,
+                   help="with --profile: share of (layer, kv head) entries, the highest "
+                   "retrieval scores, that keep full attention (default 0.5)")  # fmt: skip
+    p.add_argument("--sparse-pattern", default="streaming(4,1024)",
+                   help="with --profile: the pattern of the other entries")  # fmt: skip
 
 
 def _model_config(model: str | None):
@@ -68,12 +74,27 @@ def run_plan(args) -> None:
                           args.prefill_chunk, args.page_size, args.cpu_share,
                           args.gpu_window)  # fmt: skip
     plan = make_plan(config, request)
+    if args.profile:
+        plan.head_map = _patterns(args, config, plan.head_map)
     if args.json:
         header = {"model": config.architecture, "context": context, "gpu_memory": gpu,
                   "host_memory": host}  # fmt: skip
         print(json.dumps({**header, **plan.to_dict()}, indent=2))
         return
     print(format_plan(config, request, plan))
+
+
+def _patterns(args, config, head_map):
+    from headspace.attention.patterns import Pattern
+    from headspace.planner.profile import Profile, with_patterns
+
+    try:
+        sparse = str(Pattern.parse(args.sparse_pattern))
+    except ValueError as exc:
+        raise UserError(f"--sparse-pattern: {exc}") from None
+    profile = Profile.load(args.profile)
+    profile.check(config.num_layers, config.num_kv_heads)
+    return with_patterns(head_map, profile.retrieval, args.retrieval_heads, sparse)
 
 
 def format_plan(config, request, plan) -> str:

@@ -99,11 +99,13 @@ class HeadMap:
         return "; ".join(parts)
 
     def grid(self) -> str:
-        """A layer x head picture: G resident, S streamed, H hybrid (group digit after)."""
+        """A layer x head picture: G resident, S streamed, H hybrid (group digit after),
+        lower case where the head's pattern is not ``full``."""
         marks = {"gpu": "G", "stream": "S", "hybrid": "H"}
         lines = []
         for layer in range(self.num_layers):
-            cells = [marks[e.tier] + (str(e.group) if e.tier in OFFLOADED else " ")
+            cells = [(marks[e.tier] if e.pattern == "full" else marks[e.tier].lower())
+                     + (str(e.group) if e.tier in OFFLOADED else " ")
                      for e in self.layer(layer)]  # fmt: skip
             lines.append(f"layer {layer:>3}  " + " ".join(cells))
         return "\n".join(lines)

@@ -1,0 +1,119 @@
+"""``headspace profile``: what each head does on this model, and what each pattern costs on
+this device, in one JSON file (:class:`headspace.planner.profile.Profile`) that ``plan``
+reads to fill the head map's patterns.
+
+- Retrieval scores (the attention-head pattern report): needles hidden in a long real text;
+  the needle's answer is fed after the question (teacher forcing), and each head's score is
+  the attention weight its queries give the needle token that the next answer token copies,
+  averaged over the answer and the cases. A kv head scores its best query head's value.
+  Heads that retrieve need the whole context; the others can be made sparse.
+- Runtime costs (the runtime profile): milliseconds of one kv head's attention (its query
+  heads, one prefill chunk at the end of the context) under each pattern and context length.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from headspace.attention import attend
+from headspace.attention.patterns import Pattern, estimate
+from headspace.attention.sparse_prefill import sparse_prefill_attention
+from headspace.errors import UserError
+
+PATTERNS = ("full", "streaming(4,1024)", "vertical_slash(1000,2048)", "block_sparse(8)")
+
+
+class _Recorder:
+    """A dense attention callback for the lean model that keeps, for the last ``rows``
+    queries, each head's weights ``[heads, rows, keys]`` per layer."""
+
+    def __init__(self, rows: int):
+        self.rows, self.weights = rows, {}
+
+    def __call__(self, layer: int, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
+        q_first = q.transpose(0, 1)  # [heads, tokens, dim]
+        k, v = kv[0].transpose(0, 1), kv[1].transpose(0, 1)
+        out, _ = attend(q_first, k, v, causal=True)
+        group, num_keys = q.shape[1] // k.shape[0], k.shape[1]
+        last = q_first[:, -self.rows :].float()
+        logits = last @ k.float().repeat_interleave(group, 0).transpose(1, 2) * q.shape[-1] ** -0.5
+        rows = torch.arange(num_keys - self.rows, num_keys, device=q.device)
+        logits = logits.masked_fill(torch.arange(num_keys, device=q.device) > rows[:, None],
+                                    float("-inf"))  # fmt: skip
+        self.weights[layer] = torch.softmax(logits, dim=-1)
+        return out.transpose(0, 1)
+
+
+def _find(haystack: list[int], piece: list[int]) -> int:
+    for start in range(len(haystack) - len(piece), -1, -1):
+        if haystack[start : start + len(piece)] == piece:
+            return start
+    return -1
+
+
+@torch.inference_mode()
+def retrieval_scores(model, tokenizer, encode, lengths: list[int], depths: list[float],
+                     needle=None) -> tuple[torch.Tensor, list[dict]]:  # fmt: skip
+    """``[layers, kv heads]`` retrieval scores averaged over needle cases of ``lengths`` x
+    ``depths``, and one record per case."""
+    from headspace.eval.data import haystack_text
+    from headspace.eval.niah import Needle, build_case
+
+    needle = needle or Needle()
+    haystack = tokenizer(haystack_text(), add_special_tokens=False)["input_ids"]
+    config, device = model.config, next(model.parameters()).device
+    total, cases = torch.zeros(config.num_layers, config.num_heads), []
+    for length in lengths:
+        for depth in depths:
+            case = build_case(tokenizer, encode, haystack, length, depth, needle)
+            prompt = case.prompt_ids
+            answer = tokenizer(" " + needle.answer, add_special_tokens=False)["input_ids"]
+            source = _find(prompt, answer)
+            if source < 0:
+                raise UserError(f"the needle's answer {needle.answer!r} is not a token run "
+                                "of the prompt; choose another needle")  # fmt: skip
+            ids = torch.tensor(prompt + answer[:-1], device=device)
+            recorder = _Recorder(len(answer))
+            model(ids, torch.arange(len(ids), device=device), recorder)
+            # the query before answer token i predicts it; its source is source + i
+            columns = torch.arange(source, source + len(answer), device=device)
+            rows = torch.arange(len(answer), device=device)
+            per_layer = torch.stack([recorder.weights[layer][:, rows, columns].mean(1).cpu()
+                                     for layer in range(config.num_layers)])  # fmt: skip
+            total += per_layer
+            cases.append({"length": len(prompt), "depth": depth, "source": source,
+                          "answer_tokens": len(answer)})  # fmt: skip
+    per_query_head = total / len(cases)
+    group = config.num_heads // config.num_kv_heads
+    return per_query_head.view(config.num_layers, config.num_kv_heads, group).amax(2), cases
+
+
+def pattern_costs(num_heads: int, head_dim: int, contexts: list[int], chunk: int, device: str,
+                  patterns=PATTERNS, repeat: int = 3) -> dict[str, dict[str, float]]:  # fmt: skip
+    """Milliseconds of ``num_heads`` query heads over one kv head: the last ``chunk`` queries
+    of each context under each pattern (estimation included), the median of ``repeat``."""
+    costs: dict[str, dict[str, float]] = {}
+    gen = torch.Generator(device=device).manual_seed(0)
+    dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
+    for text in patterns:
+        pattern = Pattern.parse(text)
+        for context in contexts:
+            queries = min(chunk, context)
+            q = torch.randn(num_heads, queries, head_dim, generator=gen, device=device, dtype=dtype)
+            k = torch.randn(1, context, head_dim, generator=gen, device=device, dtype=dtype)
+            times = []
+            for _ in range(repeat + 1):  # the first compiles
+                _sync(device)
+                start = time.perf_counter()
+                sparse_prefill_attention(q, k, k, estimate([pattern] * num_heads, q, k))
+                _sync(device)
+                times.append(1000 * (time.perf_counter() - start))
+            costs.setdefault(text, {})[str(context)] = sorted(times[1:])[len(times[1:]) // 2]
+    return costs
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()

@@ -1,0 +1,68 @@
+"""Head profiles: retrieval scores measured on the embedded model, patterns given to the head
+map by score, the profile file and the commands that write and read it."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from headspace.cli.main import main
+from headspace.errors import UserError
+from headspace.planner.head_map import HeadMap
+from headspace.planner.profile import Profile, with_patterns
+
+
+def test_the_highest_scores_keep_full_attention():
+    scores = [[0.1, 0.9], [0.5, 0.0], [0.3, 0.7]]
+    head_map = with_patterns(HeadMap.all_gpu(3, 2), scores, 0.5, "streaming(4,64)")
+    full = {(e.layer, e.kv_head) for e in head_map.entries if e.pattern == "full"}
+    assert full == {(0, 1), (2, 1), (1, 0)}
+    assert head_map.count("gpu") == 6 and "streaming(4,64)=3" in head_map.summary()
+    assert all(e.pattern == "full" for e in with_patterns(head_map, scores, 1.0, "x").entries)
+    none = with_patterns(HeadMap.all_gpu(3, 2), scores, 0.0, "streaming(4,64)")
+    assert {e.pattern for e in none.entries} == {"streaming(4,64)"}
+    assert "g " in none.grid() and "G " not in none.grid()
+    with pytest.raises(UserError, match="share"):
+        with_patterns(head_map, scores, 1.5, "streaming(4,64)")
+
+
+def test_profile_files_are_checked(tmp_path):
+    profile = Profile("m", 2, 2, [[0.1, 0.2], [0.3, 0.4]], pattern_ms={"full": {"2048": 1.0}})
+    path = tmp_path / "p.json"
+    profile.save(path)
+    assert Profile.load(path) == profile
+    profile.check(2, 2)
+    with pytest.raises(UserError, match="2 layers x 2 kv heads, not 3 x 2"):
+        profile.check(3, 2)
+    (tmp_path / "bad.json").write_text(json.dumps({**json.loads(path.read_text()),
+                                                   "retrieval": [[0.1], [0.2, 0.3]]}))  # fmt: skip
+    with pytest.raises(UserError, match="every"):
+        Profile.load(tmp_path / "bad.json")
+    with pytest.raises(UserError, match="cannot read"):
+        Profile.load(tmp_path / "missing.json")
+
+
+def test_profile_and_plan_from_the_command_line(tmp_path, capsys, embedded_dir):
+    """The embedded model has a few retrieval heads (scores far above the median); plan
+    keeps them full and makes the others sparse."""
+    out = tmp_path / "smol.json"
+    code = main(["profile", "--lengths", "1k", "--depths", "30,70", "--contexts", "1k",
+                 "--chunk", "256", "--output", str(out)])  # fmt: skip
+    text = capsys.readouterr().out
+    assert code == 0 and out.exists() and out.with_suffix(".png").exists()
+    profile = Profile.load(out)
+    scores = sorted(x for row in profile.retrieval for x in row)
+    assert scores[-1] > 0.3 and scores[len(scores) // 2] < 0.05  # few heads retrieve
+    assert len(profile.cases) == 2 and set(profile.pattern_ms) >= {"full", "streaming(4,1024)"}
+    assert "retrieval scores of 90" in text and "block_sparse(8)" in text
+    code = main(["plan", "--context", "4K", "--gpu-memory", "2GiB", "--profile", str(out),
+                 "--retrieval-heads", "0.1",
+                 "--sparse-pattern", "vertical_slash(64,128)"])  # fmt: skip
+    plan = capsys.readouterr().out
+    assert code == 0 and "vertical_slash(64,128)=81, full=9" in plan
+    best = max(((x, i) for i, row in enumerate(profile.retrieval) for x in row))[1]
+    assert "G " in [line for line in plan.splitlines() if line.startswith(f"layer {best:>3}")][0]
+    code = main(["plan", "--context", "4K", "--gpu-memory", "2GiB", "--profile", str(out),
+                 "--sparse-pattern", "dense(3)"])  # fmt: skip
+    assert code == 2 and "sparse-pattern" in capsys.readouterr().err
