@@ -159,3 +159,44 @@ def test_background_jobs_refuse_bad_arguments():
         jobs.submit(q, k, v, tables, ends, PAGE, flag.int(), 1)
     with pytest.raises(ValueError, match="fp32 query"):
         jobs.submit(q.bfloat16(), k, v, tables, ends, PAGE, flag, 1)
+
+
+def test_background_runners_start_and_stop_without_a_lost_wake_up():
+    """Freeing a runner whose thread is about to wait must not hang (a lost wake-up)."""
+    import threading
+
+    from headspace.attention.cpu_jobs import BackgroundDecode
+
+    def cycle():
+        for _ in range(300):
+            BackgroundDecode()  # freed at once: its thread stops and is joined
+
+    worker = threading.Thread(target=cycle, daemon=True)
+    worker.start()
+    worker.join(timeout=60)
+    assert not worker.is_alive()
+
+
+def test_a_job_whose_query_never_lands_surfaces_the_check_and_is_drained():
+    """A wait runs ``check`` between slices (a GPU error raises there instead of hanging);
+    a job left behind is drained once its flag comes."""
+    from headspace.attention.cpu_jobs import BackgroundDecode
+
+    q, k, v, tables, ends = _problem(1, 1, 2, 32, [40], torch.float32, True)
+    jobs, flag = BackgroundDecode(), torch.zeros(1, dtype=torch.int64)
+    ticket = jobs.submit(q.float(), k, v, tables, ends, PAGE, flag, 1, num_threads=1)
+    calls = []
+
+    def check():
+        calls.append(1)
+        raise RuntimeError("device error")
+
+    with pytest.raises(RuntimeError, match="device error"):
+        jobs.wait(ticket, check)
+    assert calls == [1] and ticket in jobs._jobs
+    flag.fill_(1)
+    jobs.drain()
+    assert not jobs._jobs
+    with pytest.raises(ValueError, match="failed"):  # a ticket that was never queued
+        jobs._jobs[99] = (None,) * 8
+        jobs.wait(99)

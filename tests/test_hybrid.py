@@ -3,6 +3,8 @@ merged by LSE with what streams to the GPU; every split equals the all-resident 
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -145,13 +147,20 @@ def test_hybrid_staging_holds_what_streams_of_a_layer():
         plan = plan_batch(spec, 7 * GiB, pages, offload="hybrid", cpu_share=share,
                           gpu_window=window)  # fmt: skip
         head_map, staging = plan.head_map, plan.staging
-        assert staging.piece_pages == min(pages, round((1 - share) * pages) + window // 128 + 1)
+        streamed = math.ceil((1 - share) * pages) + window // 128 + 2  # +2: the split's pages
+        assert staging.piece_pages == min(pages, streamed)
         for layer in range(spec.num_layers):
             assert len(head_map.offloaded_groups(layer)) == 1  # one copy and launch per layer
         assert staging.group == max(len(head_map.heads(layer, "hybrid")) for layer in range(32))
         assert staging.num_bytes <= 7 * GiB // 2
-    # the user's group size is kept
+    # the user's group size is kept, within the heads a layer offloads
     assert plan_batch(spec, 7 * GiB, pages, offload="hybrid", head_group=2).staging.group == 2
+    wide = plan_batch(spec, 7 * GiB, pages, offload="hybrid", head_group=50)
+    offloaded = max(len(wide.head_map.heads(layer, "hybrid")) for layer in range(32))
+    assert wide.staging.group <= offloaded
+    # a batch stages each sequence's window
+    batch = plan_batch(spec, 7 * GiB, pages, offload="hybrid", cpu_share=1.0, num_seqs=4)
+    assert batch.staging.piece_pages == 4 * (1024 // 128 + 2) and batch.cpu_share == 1.0
 
 
 def test_auto_picks_the_hybrid_tier_where_it_is_predicted_faster():
@@ -174,3 +183,12 @@ def test_auto_picks_the_hybrid_tier_where_it_is_predicted_faster():
     no_cpu = Hardware(cpu_attention_bytes=0)
     assert plan_batch(spec, 7 * GiB, 1024, hw=no_cpu).offload == "head"
     assert plan_batch(spec, 7 * GiB, 1024, offload="head", hw=hw).offload == "head"
+    assert plan_batch(spec, 7 * GiB, 1024, hw=hw, auto_hybrid=False).offload == "head"
+    # the share asked for is the one priced: nothing on the CPU gains nothing
+    assert plan_batch(spec, 7 * GiB, 1024, hw=hw, cpu_share=0.0).offload == "head"
+    # asked for without CPU attention: a plan, its CPU part never ending (no division by zero)
+    hybrid = plan_batch(spec, 7 * GiB, 1024, hw=no_cpu, offload="hybrid", cpu_share=0.5)
+    assert hybrid.offload == "hybrid" and hybrid.cpu_share == 0.5
+    from headspace.planner.memory import offloaded_seconds
+
+    assert math.isinf(offloaded_seconds(1e9, 4, True, 0.5, no_cpu))

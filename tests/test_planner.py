@@ -164,8 +164,8 @@ def test_plan_cli_prints_the_table_and_json(capsys, tmp_path):
     assert "KV 128 KiB per token" in out and "offload hybrid (asked: auto)" in out
     assert "weights" in out and "14.96" in out and "128.00" in out and "allocator slack" in out
     # hybrid slots hold what streams: (1 - 0.505) of 8192 pages rounded up, the window's 8
-    # and one more; 7 offloaded heads a layer do not fit one group, 4 do
-    assert "4 head(s) per streamed group, 3 staging slots of 4068 pages" in out
+    # and the two the split rounds into; 7 offloaded heads a layer do not fit one group, 4 do
+    assert "4 head(s) per streamed group, 3 staging slots of 4069 pages" in out
     assert main([*args, "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
     assert data["context"] == 2**20 and data["offload"] == "hybrid"

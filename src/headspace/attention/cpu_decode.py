@@ -76,7 +76,7 @@ def _library() -> ctypes.CDLL | None:
                                      pointer, i64, pointer, i32, i32, i32, i32, i32,
                                      ctypes.c_float, i32, i32, pointer, pointer]  # fmt: skip
     lib.hs_runner_submit.restype = i64
-    lib.hs_runner_wait.argtypes = [pointer, i64]
+    lib.hs_runner_wait.argtypes = [pointer, i64, i32]
     lib.hs_runner_wait.restype = i32
     return lib
 

@@ -9,6 +9,7 @@
 // query lands rather than when the interpreter lets a Python thread run.
 
 #include <atomic>
+#include <chrono>
 #include <condition_variable>
 #include <cstdint>
 #include <deque>
@@ -63,22 +64,33 @@ class Runner {
     return job.ticket;
   }
 
-  int wait(int64_t ticket) {
+  // The job's status once done, or -1 if it is not done within `timeout_ms` (the caller
+  // checks for errors and waits again); -2 for a ticket that was never queued or already
+  // waited for.
+  int wait(int64_t ticket, int timeout_ms) {
     std::unique_lock<std::mutex> lock(mutex_);
-    finished_.wait(lock, [&] { return num_done_ > ticket; });
-    const int status = statuses_[ticket];
-    statuses_.erase(ticket);
+    if (ticket < 0 || ticket >= next_ticket_) return -2;
+    const auto done = [&] { return num_done_ > ticket; };
+    if (!finished_.wait_for(lock, std::chrono::milliseconds(timeout_ms), done)) return -1;
+    const auto found = statuses_.find(ticket);
+    if (found == statuses_.end()) return -2;
+    const int status = found->second;
+    statuses_.erase(found);
     return status;
   }
 
   void stop() {
-    stopping_.store(true);
+    {
+      std::lock_guard<std::mutex> lock(mutex_);  // the loop cannot miss the wake-up
+      stopping_.store(true);
+    }
     wake_.notify_all();
     thread_.join();
   }
 
  private:
-  // Spin briefly, then yield: the query lands within a layer's GPU work (a few ms at most).
+  // Spin briefly, then yield, then sleep: the query lands within a layer's GPU work (a few
+  // ms at most), but a GPU that faulted never writes the flag.
   bool wait_flag(const int64_t* flag, int64_t value) {
     for (int64_t spin = 0; __atomic_load_n(flag, __ATOMIC_ACQUIRE) < value; ++spin) {
       if (stopping_.load(std::memory_order_relaxed)) return false;
@@ -88,7 +100,10 @@ class Runner {
         continue;
       }
 #endif
-      std::this_thread::yield();
+      if (spin < 20000)
+        std::this_thread::yield();
+      else
+        std::this_thread::sleep_for(std::chrono::microseconds(50));
     }
     return true;
   }
@@ -154,9 +169,10 @@ int64_t hs_runner_submit(void* runner, const int64_t* flag, int64_t value, const
   return static_cast<Runner*>(runner)->submit(job);
 }
 
-// Block until job `ticket` is done: the kernel's status (0 ok, 1 shapes refused, 2 stopped).
-int hs_runner_wait(void* runner, int64_t ticket) {
-  return static_cast<Runner*>(runner)->wait(ticket);
+// Wait up to `timeout_ms` for job `ticket`: the kernel's status (0 ok, 1 shapes refused,
+// 2 stopped), -1 not done yet, -2 no such job.
+int hs_runner_wait(void* runner, int64_t ticket, int timeout_ms) {
+  return static_cast<Runner*>(runner)->wait(ticket, timeout_ms);
 }
 
 }  // extern "C"

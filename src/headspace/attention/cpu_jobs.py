@@ -14,6 +14,8 @@ import torch
 
 from headspace.attention.cpu_decode import _DTYPES, BLOCK_TOKENS, _check, _library
 
+WAIT_MS = 100  # a wait for a job returns to Python this often
+
 
 class BackgroundDecode:
     """One native thread running :func:`~headspace.attention.cpu_decode.cpu_paged_decode`
@@ -44,11 +46,12 @@ class BackgroundDecode:
         value: int,
         *,
         num_threads: int | None = None,
-        pin: bool = False,
+        out: torch.Tensor | None = None,  # [seqs, heads, dim] fp32, contiguous: the result
+        lse: torch.Tensor | None = None,  # [seqs, heads] fp32, contiguous
     ) -> int:
         """Queue decode attention of ``q`` over its pages; returns a ticket for :meth:`wait`.
-        The results (fp32 ``out [seqs, heads, dim]``, ``lse [seqs, heads]``) are page-locked
-        with ``pin``, ready for an asynchronous copy to a GPU."""
+        The results go to ``out`` and ``lse`` (new tensors where not given: a caller that
+        copies them to a GPU asynchronously passes page-locked ones)."""
         _check(q, k, v, block_tables, ends, None, page_size)
         if q.dtype != torch.float32 or not q.is_contiguous() or k.dtype not in _DTYPES:
             raise ValueError("background jobs take a contiguous fp32 query, bf16 or fp32 K/V")
@@ -56,8 +59,12 @@ class BackgroundDecode:
             raise ValueError("the flag is one int64 in host memory")
         num_seqs, num_heads, dim = q.shape
         num_kv_heads = k.shape[0]
-        out = torch.empty(num_seqs, num_heads, dim, pin_memory=pin)
-        lse = torch.empty(num_seqs, num_heads, pin_memory=pin)
+        out = torch.empty(num_seqs, num_heads, dim) if out is None else out
+        lse = torch.empty(num_seqs, num_heads) if lse is None else lse
+        for name, tensor, shape in (("out", out, q.shape), ("lse", lse, q.shape[:2])):
+            if (tensor.dtype != torch.float32 or tensor.shape != shape
+                    or not tensor.is_contiguous()):  # fmt: skip
+                raise ValueError(f"{name} must be contiguous fp32 {tuple(shape)}")
         ticket = self._lib.hs_runner_submit(
             self._handle, flag.data_ptr(), value, q.data_ptr(), k.data_ptr(), v.data_ptr(),
             _DTYPES[k.dtype], k.stride(0), block_tables.data_ptr(), block_tables.stride(0),
@@ -68,10 +75,21 @@ class BackgroundDecode:
         self._jobs[ticket] = (q, k, v, block_tables, ends, flag, out, lse)
         return ticket
 
-    def wait(self, ticket: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Block (without the GIL) until job ``ticket`` is done; its ``(out, lse)``."""
-        status = self._lib.hs_runner_wait(self._handle, ticket)
+    def wait(self, ticket: int, check=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Block until job ``ticket`` is done; its ``(out, lse)``. The wait runs without the
+        GIL in slices of ``WAIT_MS``, between which ``check()`` runs (a GPU event's ``query``
+        raises the device's error, where a query that never lands would hang) and signals
+        are delivered."""
+        while (status := self._lib.hs_runner_wait(self._handle, ticket, WAIT_MS)) == -1:
+            if check is not None:
+                check()
         *_, out, lse = self._jobs.pop(ticket)
         if status != 0:
             raise ValueError(f"background CPU attention job failed (status {status})")
         return out, lse
+
+    def drain(self) -> None:
+        """Wait for every job not yet waited for and drop its results (a step that raised
+        between a submit and its wait leaves one)."""
+        for ticket in sorted(self._jobs):
+            self.wait(ticket)

@@ -74,11 +74,9 @@ class BatchGenerator:
         host = HostKVArena(self.spec, dtype, pin=config.on_gpu,
                            budget=host_budget(config.host_memory))  # fmt: skip
         self.runner = PagedRunner(model, config, self.spec, arena, host, 2 * config.max_batch)
-        # the planner's rates; ``offload="auto"`` considers the hybrid tier only on a GPU
-        # machine whose CPU attention kernel builds
-        self.hardware = Hardware()
-        cpu_attention = config.on_gpu and kernel_isa() is not None
-        self._plan_hw = self.hardware if cpu_attention else Hardware(cpu_attention_bytes=0)
+        # the planner's rates (no CPU attention where the kernel does not build); with
+        # ``offload="auto"`` the hybrid tier is considered only on a GPU machine
+        self.hardware = Hardware() if kernel_isa() is not None else Hardware(cpu_attention_bytes=0)
         self._next_id = 0
         self.peak_pages = 0
 
@@ -92,8 +90,9 @@ class BatchGenerator:
         return plan_batch(self.spec, self.runner.store.num_bytes, total,
                           offload=self.config.offload, head_group=self.config.head_group,
                           host_budget=self.runner.host.budget, what=what,
-                          hw=self._plan_hw, cpu_share=self.config.hybrid_cpu_share,
-                          gpu_window=self.config.gpu_window)  # fmt: skip
+                          hw=self.hardware, cpu_share=self.config.hybrid_cpu_share,
+                          gpu_window=self.config.gpu_window, num_seqs=len(seqs),
+                          auto_hybrid=self.config.on_gpu)  # fmt: skip
 
     def _rate(self, plan: Plan, seqs: list[Sequence]) -> float:
         """Predicted sequences x tokens/s of a decode step over ``seqs`` (roofline)."""

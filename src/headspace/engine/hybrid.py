@@ -54,6 +54,8 @@ class CpuAttention:
         self.step_id = 0  # a job starts once its layer's flag holds its step's id
         self._flags: torch.Tensor | None = None  # [layers] int64, host
         self._counter: torch.Tensor | None = None  # the step's id, on the query's device
+        self._pinned: dict[int, tuple[torch.Tensor, ...]] = {}  # layer -> q, out, lse buffers
+        self._landed: dict[int, torch.cuda.Event] = {}  # ticket -> after its flag's copy
 
     def begin(self, host_pages: list[list[int]], ends: list[int]) -> None:
         """The step's host block tables ``[seqs, pages]`` and CPU token counts."""
@@ -64,6 +66,9 @@ class CpuAttention:
         self.host_pages = host_pages
         self.tables, self.ends = tables, torch.tensor(ends, dtype=torch.int32)
         self.any = any(ends)
+        if self.background is not None:
+            self.background.drain()  # a step that raised may have left a job
+            self._landed.clear()
         self.step_id += 1
         self._counted = False  # the device counter holds this step's id
 
@@ -87,22 +92,42 @@ class CpuAttention:
         if self._flags is None:
             self._flags = torch.zeros(self.host.spec.num_layers, dtype=torch.int64,
                                       pin_memory=q.is_cuda)  # fmt: skip
-        flag = self._flags[layer : layer + 1]
+        flag, out, lse = self._flags[layer : layer + 1], None, None
         if q.is_cuda:
             if self._counter is None:
                 self._counter = torch.zeros((), dtype=torch.int64, device=q.device)
             if not self._counted:
                 self._counter.fill_(self.step_id)
                 self._counted = True
-            q_host = torch.empty(q.shape, pin_memory=True).copy_(q.float(), non_blocking=True)
+            q_host, out, lse = self._buffers(layer, q.shape)
+            q_host.copy_(q.float(), non_blocking=True)
             flag.copy_(self._counter, non_blocking=True)  # after the query, on its stream
+            landed = torch.cuda.Event()
+            landed.record(torch.cuda.current_stream(q.device))
         else:
             q_host = torch.empty(q.shape).copy_(q)
             flag.fill_(self.step_id)
         kv = self.host.layer(layer)[kv_range[0] : kv_range[1]]  # [heads, 2, slots, dim]
-        return self.background.submit(q_host, kv[:, 0], kv[:, 1], self.tables, self.ends,
-                                      self.host.spec.page_size, flag, self.step_id,
-                                      num_threads=self.num_threads, pin=q.is_cuda)  # fmt: skip
+        ticket = self.background.submit(q_host, kv[:, 0], kv[:, 1], self.tables, self.ends,
+                                        self.host.spec.page_size, flag, self.step_id,
+                                        num_threads=self.num_threads, out=out, lse=lse)  # fmt: skip
+        if q.is_cuda:
+            self._landed[ticket] = landed
+        return ticket
+
+    def _buffers(self, layer: int, shape: torch.Size) -> tuple[torch.Tensor, ...]:
+        """Page-locked query and result buffers of ``layer``, reused every step (allocating
+        page-locked memory synchronises the device). Safe: a layer's next query, and so
+        its next job, comes after this step's results were copied up, on the same stream."""
+        seqs, heads, dim = shape
+        held = self._pinned.get(layer)
+        if held is None or held[0].shape[0] < seqs or held[0].shape[1:] != (heads, dim):
+            rows = max(seqs, held[0].shape[0] if held is not None else 0)
+            held = (torch.empty(rows, heads, dim, pin_memory=True),
+                    torch.empty(rows, heads, dim, pin_memory=True),
+                    torch.empty(rows, heads, pin_memory=True))  # fmt: skip
+            self._pinned[layer] = held
+        return tuple(buffer[:seqs] for buffer in held)
 
     def _run(self, q: torch.Tensor, ready, layer: int, kv_range: tuple[int, int]):
         if ready is not None:
@@ -152,5 +177,9 @@ class CpuAttention:
 
     def result(self, job: Future | int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """``out [seqs, heads, dim]`` fp32 and ``lse [seqs, heads]`` on ``device``."""
-        out, lse = self.background.wait(job) if isinstance(job, int) else job.result()
+        if isinstance(job, int):
+            landed = self._landed.pop(job, None)  # a query that never lands raises here
+            out, lse = self.background.wait(job, None if landed is None else landed.query)
+        else:
+            out, lse = job.result()
         return out.to(device, non_blocking=True), lse.to(device, non_blocking=True)

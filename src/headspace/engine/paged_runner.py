@@ -29,7 +29,7 @@ from headspace.kv.host_store import HostKVArena
 from headspace.kv.paged_store import PagedKVStore
 from headspace.kv.transfer import as_heads, copy_pages
 from headspace.model.llama import LlamaModel
-from headspace.planner.memory import KVSpec, hybrid_share
+from headspace.planner.memory import KVSpec
 from headspace.planner.plan import Plan
 
 
@@ -109,7 +109,7 @@ class PagedRunner:
             threads = self.config.cpu_threads or max(len(os.sched_getaffinity(0)) - 1, 1)
             self._cpu_attention = CpuAttention(self.host, threads)
         config = self.config
-        share = hybrid_share(config.hybrid_cpu_share)
+        share = plan.cpu_share  # what the planner sized the staging slots for
         self._cpu_attention.sparse = None
         if config.cpu_sparsity is not None:  # the CPU takes all before the window
             spec = self.spec

@@ -8,6 +8,7 @@ planner accepts is a budget the pool can hold.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from headspace.errors import UserError
@@ -56,7 +57,10 @@ def offloaded_seconds(offloaded_bytes: float, num_layers: int, hybrid: bool,
     if not hybrid:
         return offloaded_bytes / hw.h2d_bytes
     share = hybrid_share(cpu_share, hw)
-    cpu_s = share * offloaded_bytes / hw.cpu_attention_bytes if share else 0.0
+    cpu_s = 0.0
+    if share:  # no CPU attention here: the CPU's part never ends
+        rate = hw.cpu_attention_bytes
+        cpu_s = share * offloaded_bytes / rate if rate > 0 else math.inf
     pcie_s = (1 - share) * offloaded_bytes / hw.h2d_bytes
     return max(cpu_s, pcie_s) + num_layers * hw.hybrid_layer_seconds
 

@@ -9,7 +9,7 @@ the same arithmetic for one sequence of a given context, before anything runs.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from headspace.errors import UserError
 from headspace.model.config import ModelConfig
@@ -63,6 +63,7 @@ class Plan:
     prefill_tok_s: float = 0.0
     decode_ms: float = 0.0
     decode_pcie_floor_ms: float = 0.0
+    cpu_share: float = 0.0  # hybrid: share of each history before the window on the CPU
 
     @property
     def head_group(self) -> int:
@@ -113,17 +114,18 @@ def _staging(spec: KVSpec, arena: int, total_pages: int, mode: str,
 
 
 def _hybrid_staging(spec: KVSpec, arena: int, total_pages: int, resident: list[int],
-                    share: float, window: int,
+                    share: float, window: int, num_seqs: int,
                     head_group: int | None) -> Staging | None:  # fmt: skip
     """The hybrid tier stages, at decode, only what streams of each history (``1 - share``
-    of what precedes the ``window`` most recent tokens, and the window): slots sized for
-    that hold all of a layer's offloaded heads as one group, so a layer takes one copy, one
-    attention launch and one merge, and the next layer's copy runs while the CPU attends.
-    Where that exceeds half the arena, groups of half as many heads, and so on; None when
-    even two slots of one head do."""
-    group = head_group or max(spec.num_kv_heads - n for n in resident)
-    window_pages = -(-window // spec.page_size)
-    pages = min(total_pages, math.ceil((1 - share) * total_pages) + window_pages + 1)
+    of what precedes the ``window`` most recent tokens, and the window, for each of
+    ``num_seqs`` sequences): slots sized for that hold all of a layer's offloaded heads as
+    one group, so a layer takes one copy, one attention launch and one merge, and the next
+    layer's copy runs while the CPU attends. Where that exceeds half the arena, groups of
+    half as many heads, and so on; None when even two slots of one head do."""
+    offloaded = max(spec.num_kv_heads - n for n in resident)
+    group = min(head_group or offloaded, offloaded)
+    window_pages = -(-window // spec.page_size) + 2  # and the pages the split rounds into
+    pages = min(total_pages, math.ceil((1 - share) * total_pages) + num_seqs * window_pages)
     while True:
         for depth in (3, 2):
             staging = Staging(depth, group, pages, spec.entry_page_bytes)
@@ -132,6 +134,23 @@ def _hybrid_staging(spec: KVSpec, arena: int, total_pages: int, resident: list[i
         if group == 1 or head_group:
             return None
         group = -(-group // 2)
+
+
+def _hybrid_layout(spec: KVSpec, arena: int, total_pages: int, staging: Staging,
+                   resident: list[int], share: float, window: int, num_seqs: int,
+                   head_group: int | None) -> tuple[Staging, list[int]]:  # fmt: skip
+    """Staging and resident heads per layer of the hybrid tier (see :func:`_hybrid_staging`;
+    the streamed layout's where its slots do not fit)."""
+    for _ in range(2):  # twice: its slots may leave fewer heads resident
+        slots = _hybrid_staging(spec, arena, total_pages, resident, share, window, num_seqs,
+                                head_group)  # fmt: skip
+        if slots is None:
+            break
+        staging, resident = slots, _num_resident(spec, arena, slots, total_pages, "head")
+    offloaded = max(spec.num_kv_heads - n for n in resident)
+    if staging.group > offloaded:  # fewer heads resident than planned: smaller slots suffice
+        staging = replace(staging, group=offloaded)
+    return staging, resident
 
 
 def _num_resident(spec: KVSpec, arena: int, staging: Staging, total_pages: int,
@@ -171,8 +190,8 @@ def _offloaded_layers(head_map: HeadMap) -> int:
     return sum(1 for layer in range(head_map.num_layers) if head_map.offloaded_groups(layer))
 
 
-def _hybrid_faster(spec: KVSpec, resident: list[int], total_pages: int,
-                   hw: Hardware) -> bool:  # fmt: skip
+def _hybrid_faster(spec: KVSpec, resident: list[int], total_pages: int, hw: Hardware,
+                   cpu_share: float | None) -> bool:  # fmt: skip
     """Whether the hybrid tier is predicted to attend the offloaded entries' KV faster
     than streaming it all over PCIe (never without CPU attention on this machine)."""
     if hw.cpu_attention_bytes <= 0:
@@ -180,22 +199,25 @@ def _hybrid_faster(spec: KVSpec, resident: list[int], total_pages: int,
     offloaded = spec.num_entries - sum(resident)
     num_bytes = offloaded * total_pages * spec.entry_page_bytes
     layers = sum(1 for n in resident if n < spec.num_kv_heads)
-    hybrid_s = offloaded_seconds(num_bytes, layers, True, None, hw)
+    hybrid_s = offloaded_seconds(num_bytes, layers, True, cpu_share, hw)
     return hybrid_s < offloaded_seconds(num_bytes, layers, False, None, hw)
 
 
 def plan_batch(spec: KVSpec, arena: int, total_pages: int, *, offload: str = "auto",
                head_group: int | None = None, host_budget: int | None = None,
                what: str = "the batch", hw: Hardware | None = None,
-               cpu_share: float | None = None, gpu_window: int = 1024) -> Plan:  # fmt: skip
-    """Head map, pool sizes and staging for sequences that may reach ``total_pages`` pages in
-    all, within ``arena`` bytes of GPU memory for KV (see :func:`split_gpu_budget`).
+               cpu_share: float | None = None, gpu_window: int = 1024, num_seqs: int = 1,
+               auto_hybrid: bool = True) -> Plan:  # fmt: skip
+    """Head map, pool sizes and staging for ``num_seqs`` sequences that may reach
+    ``total_pages`` pages in all, within ``arena`` bytes of GPU memory for KV (see
+    :func:`split_gpu_budget`).
 
     All resident when the pages fit (one page more is the scratch page of padded graph
     rows); else as many entries resident as fit beside the staging, the rest offloaded to
     host pages (``host_budget`` bytes at most): streamed, or hybrid where asked or, with
-    ``auto``, where ``hw``'s rates predict it faster (with the hybrid tier's ``cpu_share``
-    and ``gpu_window``, which size its staging). Raises UserError with the numbers.
+    ``auto`` and ``auto_hybrid``, where ``hw``'s rates predict it faster (with the hybrid
+    tier's ``cpu_share`` and ``gpu_window``, which size its staging; the share used is in
+    the plan). Raises UserError with the numbers.
     """
     if offload not in OFFLOAD_MODES:
         raise UserError(f"offload must be one of {', '.join(OFFLOAD_MODES)}, got {offload!r}")
@@ -214,17 +236,13 @@ def plan_batch(spec: KVSpec, arena: int, total_pages: int, *, offload: str = "au
     resident = _num_resident(spec, arena, staging, total_pages, mode)
     hw = hw or Hardware()
     hybrid = offload == "hybrid" or (
-        offload == "auto" and _hybrid_faster(spec, resident, total_pages, hw)
-    )
-    share = hybrid_share(cpu_share, hw)
-    for _ in range(2 if hybrid else 0):  # twice: its slots may leave fewer heads resident
-        slots = _hybrid_staging(spec, arena, total_pages, resident, share, gpu_window,
-                                head_group)  # fmt: skip
-        if slots is None:
-            break
-        staging, resident = slots, _num_resident(spec, arena, slots, total_pages, mode)
-        if head_group or slots.group >= spec.num_kv_heads - min(resident):
-            break
+        offload == "auto" and auto_hybrid
+        and _hybrid_faster(spec, resident, total_pages, hw, cpu_share)
+    )  # fmt: skip
+    share = hybrid_share(cpu_share, hw) if hybrid else 0.0
+    if hybrid:
+        staging, resident = _hybrid_layout(spec, arena, total_pages, staging, resident, share,
+                                           gpu_window, num_seqs, head_group)  # fmt: skip
     head_map = _head_map(spec, resident, staging.group, "hybrid" if hybrid else "stream")
     num_resident = head_map.count("gpu")
     gpu_pages = (arena - staging.num_bytes) // (num_resident * epb) - 1 if num_resident else 0
@@ -234,7 +252,9 @@ def plan_batch(spec: KVSpec, arena: int, total_pages: int, *, offload: str = "au
             f"{what} needs {host_bytes / GiB:.2f} GiB of host memory for its KV pages, "
             f"more than the {host_budget / GiB:.2f} GiB host budget"
         )
-    return Plan(head_map, "hybrid" if hybrid else mode, gpu_pages, total_pages, staging, 0)
+    return Plan(
+        head_map, "hybrid" if hybrid else mode, gpu_pages, total_pages, staging, 0, cpu_share=share
+    )
 
 
 def step_seconds(config: ModelConfig, plan: Plan, tokens: int, dtype_bytes: int,
