@@ -1,0 +1,94 @@
+"""Prefill attention under per-head patterns, attention alone (one layer of Llama-3-8B's
+shape: 32 query heads over 8 kv heads, head dim 128, bf16): the last chunk of a long
+prompt, all heads full against half the heads sparse, on this GPU.
+
+    PYTHONPATH=src python bench/patterns.py [--contexts 32768 131072] [--chunk 8192]
+
+For each context and mix: milliseconds of the estimation, the block mask and FlexAttention
+(compiled) together, beside cuDNN SDPA over the same keys (the dense path the engine takes for
+a chunk today) and FlexAttention with every head full. Half the heads sparse: the first kv
+heads' query heads keep ``full``, the others take the pattern. Also the largest difference
+between FlexAttention with every head full and SDPA (both exact). Writes
+``patterns_attention_<gpu>_<date>.json`` (to $OUT when set).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from common import cuda_time, environment, write_result  # noqa: E402
+from headspace.attention import attend  # noqa: E402
+from headspace.attention.patterns import Pattern, estimate  # noqa: E402
+from headspace.attention.sparse_prefill import block_maps, sparse_prefill_attention  # noqa: E402
+
+HEADS, KV_HEADS, DIM = 32, 8, 128
+SPARSE = ("streaming(4,4096)", "vertical_slash(1000,6096)", "block_sparse(32)")
+
+
+def _inputs(context: int, chunk: int, seed: int = 0):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    q = torch.randn(HEADS, chunk, DIM, generator=gen, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(KV_HEADS, context, DIM, generator=gen, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn(KV_HEADS, context, DIM, generator=gen, device="cuda", dtype=torch.bfloat16)
+    return q, k, v
+
+
+def _run(q, k, v, patterns: list[Pattern]):
+    return sparse_prefill_attention(q, k, v, estimate(patterns, q, k))
+
+
+def measure(context: int, chunk: int) -> dict:
+    q, k, v = _inputs(context, chunk)
+    full = [Pattern()] * HEADS
+    row = {"sdpa_ms": 1000 * cuda_time(lambda: attend(q, k, v, causal=True), repeat=5),
+           "flex_full_ms": 1000 * cuda_time(lambda: _run(q, k, v, full), repeat=5)}  # fmt: skip
+    exact = attend(q, k, v, causal=True)[0].float()
+    row["flex_full_max_abs_diff_vs_sdpa"] = (
+        (_run(q, k, v, full)[0].float() - exact).abs().max().item()
+    )
+    for text in SPARSE:
+        pattern = Pattern.parse(text)
+        half = [Pattern()] * (HEADS // 2) + [pattern] * (HEADS // 2)
+        table = estimate(half, q, k)
+        touched, _ = block_maps(table)
+        causal_blocks = block_maps(estimate(full, q, k))[0].sum().item()
+        ms = 1000 * cuda_time(lambda half=half: _run(q, k, v, half), repeat=5)
+        estimate_ms = 1000 * cuda_time(lambda half=half: estimate(half, q, k), repeat=5)
+        row[text] = {"half_sparse_ms": ms, "estimate_ms": estimate_ms,
+                     "blocks_vs_full": touched.sum().item() / causal_blocks,
+                     "speedup_vs_sdpa": row["sdpa_ms"] / ms,
+                     "speedup_vs_flex_full": row["flex_full_ms"] / ms}  # fmt: skip
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--contexts", type=int, nargs="+", default=[32768, 131072])
+    parser.add_argument("--chunk", type=int, default=8192)
+    args = parser.parse_args()
+    env = environment()
+    result = {"env": env, "shape": {"heads": HEADS, "kv_heads": KV_HEADS, "head_dim": DIM},
+              "chunk": args.chunk, "contexts": {}}  # fmt: skip
+    for context in args.contexts:
+        result["contexts"][str(context)] = measure(context, args.chunk)
+        print(context, result["contexts"][str(context)], flush=True)
+        torch.cuda.empty_cache()
+    gpu = env["gpu"].replace("NVIDIA ", "").split()[0].lower()
+    write_result(f"patterns_attention_{gpu}_{env['date']}.json", result)
+    print(f"\n{'context':>8} {'mix (half the heads)':<28} {'ms':>8} {'SDPA ms':>8} {'flex full':>9} "
+          f"{'x SDPA':>7} {'blocks':>7}")  # fmt: skip
+    for context, row in result["contexts"].items():
+        for text in SPARSE:
+            cell = row[text]
+            print(f"{context:>8} {text:<28} {cell['half_sparse_ms']:>8.2f} {row['sdpa_ms']:>8.2f} "
+                  f"{row['flex_full_ms']:>9.2f} {cell['speedup_vs_sdpa']:>7.2f} "
+                  f"{cell['blocks_vs_full']:>7.2f}")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
