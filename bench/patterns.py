@@ -80,8 +80,8 @@ def main() -> None:
         torch.cuda.empty_cache()
     gpu = env["gpu"].replace("NVIDIA ", "").split()[0].lower()
     write_result(f"patterns_attention_{gpu}_{env['date']}.json", result)
-    print(f"\n{'context':>8} {'mix (half the heads)':<28} {'ms':>8} {'SDPA ms':>8} {'flex full':>9} "
-          f"{'x SDPA':>7} {'blocks':>7}")  # fmt: skip
+    print(f"\n{'context':>8} {'mix (half the heads)':<28} {'ms':>8} {'SDPA ms':>8} "
+          f"{'flex full':>9} {'x SDPA':>7} {'blocks':>7}")  # fmt: skip
     for context, row in result["contexts"].items():
         for text in SPARSE:
             cell = row[text]
