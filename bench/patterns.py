@@ -15,6 +15,7 @@ between FlexAttention with every head full and SDPA (both exact). Writes
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -75,7 +76,12 @@ def main() -> None:
     result = {"env": env, "shape": {"heads": HEADS, "kv_heads": KV_HEADS, "head_dim": DIM},
               "chunk": args.chunk, "contexts": {}}  # fmt: skip
     for context in args.contexts:
-        result["contexts"][str(context)] = measure(context, args.chunk)
+        try:
+            result["contexts"][str(context)] = measure(context, args.chunk)
+        except Exception as exc:  # keep the whole message for the record
+            out = Path(os.environ.get("OUT", "."))
+            (out / f"patterns_error_{context}.txt").write_text(f"{type(exc).__name__}: {exc}")
+            raise
         print(context, result["contexts"][str(context)], flush=True)
         torch.cuda.empty_cache()
     gpu = env["gpu"].replace("NVIDIA ", "").split()[0].lower()

@@ -76,9 +76,10 @@ class HeadPatterns:
     kind: torch.Tensor  # [heads] int: KIND_IDS
     sink: torch.Tensor  # [heads] int (streaming)
     window: torch.Tensor  # [heads] int (streaming)
-    vertical: torch.Tensor  # [heads, keys] bool: key columns kept (vertical_slash)
-    slash: torch.Tensor  # [heads, keys] bool: diagonals kept, by query minus key position
-    blocks: torch.Tensor  # [heads, query blocks, key blocks] bool (block_sparse)
+    # 0/1 int32 (compiled FlexAttention kernels index int tables):
+    vertical: torch.Tensor  # [heads, keys]: key columns kept (vertical_slash)
+    slash: torch.Tensor  # [heads, keys]: diagonals kept, by query minus key position
+    blocks: torch.Tensor  # [heads, query blocks, key blocks] (block_sparse)
 
     def mask_mod(self, b, h, q_idx, kv_idx):
         """FlexAttention's mask function: query ``q_idx`` of the chunk, key ``kv_idx``."""
@@ -88,9 +89,9 @@ class HeadPatterns:
         offset = (q_pos - kv_idx).clamp(0, self.num_keys - 1)
         column = kv_idx.clamp(0, self.num_keys - 1)
         streaming = (kv_idx < self.sink[h]) | (q_pos - kv_idx < self.window[h])
-        lines = self.vertical[h, column] | self.slash[h, offset]
+        lines = (self.vertical[h, column] + self.slash[h, offset]) > 0
         block = self.blocks[h, (q_idx // BLOCK).clamp(0, self.blocks.shape[1] - 1),
-                            column // BLOCK]  # fmt: skip
+                            column // BLOCK] > 0  # fmt: skip
         allowed = (kind == KIND_IDS["full"]) | ((kind == KIND_IDS["streaming"]) & streaming)
         allowed |= (kind == KIND_IDS["vertical_slash"]) & lines
         allowed |= (kind == KIND_IDS["block_sparse"]) & block
@@ -127,18 +128,20 @@ def estimate(
                           device=device),
         window=torch.tensor([p.params[1] if p.kind == "streaming" else 0 for p in patterns],
                             device=device),
-        vertical=torch.zeros(num_heads, num_keys, dtype=torch.bool, device=device),
-        slash=torch.zeros(num_heads, num_keys, dtype=torch.bool, device=device),
-        blocks=torch.zeros(num_heads, num_qb, num_kb, dtype=torch.bool, device=device),
+        vertical=torch.zeros(num_heads, num_keys, dtype=torch.int32, device=device),
+        slash=torch.zeros(num_heads, num_keys, dtype=torch.int32, device=device),
+        blocks=torch.zeros(num_heads, num_qb, num_kb, dtype=torch.int32, device=device),
     )  # fmt: skip
     group = num_heads // k.shape[0]
     for head, pattern in enumerate(patterns):
         keys = k[head // group]
         if pattern.kind == "vertical_slash":
             vertical, slash = _vertical_slash(q[head], keys, q_start, *pattern.params, scale)
-            table.vertical[head, vertical], table.slash[head, slash] = True, True
+            table.vertical[head, vertical], table.slash[head, slash] = 1, 1
         elif pattern.kind == "block_sparse":
-            table.blocks[head] = _block_sparse(q[head], keys, q_start, pattern.params[0], scale)
+            table.blocks[head] = _block_sparse(
+                q[head], keys, q_start, pattern.params[0], scale
+            ).int()
     return table
 
 

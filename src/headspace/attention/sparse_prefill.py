@@ -37,7 +37,7 @@ def block_maps(table: HeadPatterns) -> tuple[torch.Tensor, torch.Tensor]:
     columns = _count(table.vertical, k_lo.expand(-1, num_qb, -1), k_hi.expand(-1, num_qb, -1))
     diagonals = _count(table.slash, (q_lo - k_hi).clamp(min=0), (q_hi - k_lo).clamp(min=-1))
     lines_touched = causal_touched & ((columns > 0) | (diagonals > 0))
-    blocks = table.blocks
+    blocks = table.blocks > 0
     kind = table.kind[:, None, None]
     is_kind = {name: kind == KIND_IDS[name] for name in KIND_IDS}
     touched = (is_kind["full"] & causal_touched) | (is_kind["streaming"] & streaming_touched)
@@ -50,7 +50,7 @@ def block_maps(table: HeadPatterns) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _count(kept: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
     """Entries of ``kept [heads, n]`` between ``lo`` and ``hi`` inclusive, per block."""
-    prefix = torch.nn.functional.pad(kept.int().cumsum(1), (1, 0))  # prefix[i]: kept before i
+    prefix = torch.nn.functional.pad((kept > 0).int().cumsum(1), (1, 0))  # kept before i
     size = kept.shape[1]
     heads = torch.arange(kept.shape[0], device=kept.device)[:, None, None]
     high = prefix[heads, (hi + 1).clamp(0, size).expand(kept.shape[0], -1, -1)]
