@@ -93,8 +93,8 @@ class HeadPatterns:
         block = self.blocks[h, (q_idx // BLOCK).clamp(0, self.blocks.shape[1] - 1),
                             column // BLOCK] > 0  # fmt: skip
         allowed = (kind == KIND_IDS["full"]) | ((kind == KIND_IDS["streaming"]) & streaming)
-        allowed |= (kind == KIND_IDS["vertical_slash"]) & lines
-        allowed |= (kind == KIND_IDS["block_sparse"]) & block
+        allowed = allowed | ((kind == KIND_IDS["vertical_slash"]) & lines)  # out of place:
+        allowed = allowed | ((kind == KIND_IDS["block_sparse"]) & block)  # compiled kernels
         return causal & allowed
 
     def dense(self) -> torch.Tensor:
