@@ -68,6 +68,18 @@ def test_flex_attention_under_patterns_equals_the_dense_twin(num_q, num_keys):
     torch.testing.assert_close(lse, ref_lse, atol=2e-5, rtol=2e-5)
 
 
+@pytest.mark.parametrize("sparse", ["streaming(4,100)", "block_sparse(2)"])
+def test_full_kv_heads_take_the_fused_kernel_and_the_rest_flex(sparse):
+    """A kv head whose query heads are all full runs the fused causal kernel, the others
+    FlexAttention; together they equal the dense twin."""
+    q, k, v = _qkv(6, 2, 140, 500, seed=5)
+    table = estimate([Pattern()] * 3 + [Pattern.parse(sparse)] * 3, q, k)
+    out, lse = sparse_prefill_attention(q, k, v, table)
+    ref_out, ref_lse = sparse_prefill_attention(q, k, v, table, backend="reference")
+    torch.testing.assert_close(out, ref_out, atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(lse, ref_lse, atol=2e-5, rtol=2e-5)
+
+
 def test_full_everywhere_equals_causal_attention_exactly():
     q, k, v = _qkv(4, 2, 150, 420, seed=2)
     table = estimate([Pattern()] * 4, q, k)

@@ -97,6 +97,12 @@ class HeadPatterns:
         allowed = allowed | ((kind == KIND_IDS["block_sparse"]) & block)  # compiled kernels
         return causal & allowed
 
+    def select(self, heads: torch.Tensor) -> HeadPatterns:
+        """The tables of the query heads where ``heads [heads]`` (bool) is set."""
+        return HeadPatterns(self.q_start, self.num_queries, self.num_keys, self.kind[heads],
+                            self.sink[heads], self.window[heads], self.vertical[heads],
+                            self.slash[heads], self.blocks[heads])  # fmt: skip
+
     def dense(self) -> torch.Tensor:
         """The mask ``[heads, queries, keys]`` in full (the reference twin's)."""
         heads = torch.arange(self.kind.numel(), device=self.kind.device)[:, None, None]

@@ -15,6 +15,7 @@ import functools
 import torch
 from torch.nn.attention.flex_attention import AuxRequest, BlockMask, flex_attention
 
+from headspace.attention import attend
 from headspace.attention.patterns import BLOCK, KIND_IDS, HeadPatterns
 from headspace.attention.reference import reference_attention
 
@@ -99,9 +100,28 @@ def sparse_prefill_attention(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of the chunk under its heads' patterns: ``out [heads, queries, dim]`` in q's
     dtype and ``lse [heads, queries]`` fp32 (a row with no visible key: 0 and -inf).
-    ``backend="reference"`` is the dense fp32 twin (the mask evaluated in full)."""
+    ``backend="reference"`` is the dense fp32 twin (the mask evaluated in full). Where all
+    query heads of a kv head are ``full``, they take the fused causal kernel (cuDNN on a
+    GPU) and only the others FlexAttention."""
     if backend == "reference":
         return reference_attention(q, k, v, scale=scale, mask=table.dense())
+    group = q.shape[0] // k.shape[0]
+    full = (table.kind == KIND_IDS["full"]).view(k.shape[0], group)
+    if full.all() or (full.any() and (full.all(1) | ~full.any(1)).all()):
+        kv_full = full[:, 0]
+        heads = kv_full.repeat_interleave(group)
+        out = torch.empty_like(q)
+        lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
+        out[heads], lse[heads] = attend(q[heads], k[kv_full], v[kv_full], causal=True,
+                                        scale=scale)  # fmt: skip
+        if not kv_full.all():
+            out[~heads], lse[~heads] = _flex(q[~heads], k[~kv_full], v[~kv_full],
+                                             table.select(~heads), scale)  # fmt: skip
+        return out, lse
+    return _flex(q, k, v, table, scale)
+
+
+def _flex(q, k, v, table: HeadPatterns, scale: float | None):
     fn = _compiled_flex() if q.is_cuda else flex_attention
     options = KERNEL_OPTIONS if q.is_cuda else None
     out, aux = fn(q[None], k[None], v[None], block_mask=pattern_block_mask(table), scale=scale,
