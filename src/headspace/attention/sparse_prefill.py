@@ -115,13 +115,14 @@ def sparse_prefill_attention(
         out[heads], lse[heads] = attend(q[heads], k[kv_full], v[kv_full], causal=True,
                                         scale=scale)  # fmt: skip
         if not kv_full.all():
-            out[~heads], lse[~heads] = _flex(q[~heads], k[~kv_full], v[~kv_full],
+            out[~heads], lse[~heads] = flex_pattern_attention(q[~heads], k[~kv_full], v[~kv_full],
                                              table.select(~heads), scale)  # fmt: skip
         return out, lse
-    return _flex(q, k, v, table, scale)
+    return flex_pattern_attention(q, k, v, table, scale)
 
 
-def _flex(q, k, v, table: HeadPatterns, scale: float | None):
+def flex_pattern_attention(q, k, v, table: HeadPatterns, scale: float | None = None):
+    """Every head through FlexAttention under ``table`` (compiled on a GPU)."""
     fn = _compiled_flex() if q.is_cuda else flex_attention
     options = KERNEL_OPTIONS if q.is_cuda else None
     out, aux = fn(q[None], k[None], v[None], block_mask=pattern_block_mask(table), scale=scale,
