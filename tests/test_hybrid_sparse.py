@@ -30,6 +30,8 @@ def test_kept_positions_join_the_reevaluation_and_later_evictions():
     assert not state.ready
     state.reevaluate(0, range(2), torch.tensor([[0.5, 0, 0, 0, 0, 0, 0, 0.5]] * 2), 1.0)
     state.reevaluate(1, range(2), torch.full((2, 8), 1 / 8), 0.5)
+    assert not state.ready  # pending until applied
+    state.apply()
     assert state.ready
     maw = torch.zeros(2, 2, 4)
     maw[0, 1, 2] = 0.3  # layer 0, head 1, token 8 + 2: above 1 / 4
@@ -48,7 +50,38 @@ def test_reevaluation_reinstates_a_token_whose_weight_rises():
     assert state.kept(0, 0).tolist() == []
     risen = torch.tensor([[0.05, 0.05, 0.85, 0.05]])  # token 2 is now salient
     state.reevaluate(0, range(1), risen, 1.0)
+    state.apply()
     assert state.kept(0, 0).tolist() == [2]
+
+
+def test_each_append_is_reevaluated_and_taken_over_a_fixed_number_of_steps_later():
+    """A page leaving the window makes the next step dense and weighed; the selection it
+    starts replaces the old one exactly ``SELECTION_DELAY`` steps later."""
+    from headspace.engine.hybrid_sparse import SELECTION_DELAY
+
+    selector = _selector()
+    selector.begin([7], [20], [12])
+    assert selector.weigh == [0] and selector.dense == [0]  # the first CPU-side step
+    for layer in (0, 1):
+        selector.reevaluate(0, layer, (0, 2), torch.full((4, 12), 1 / 12), 12)
+    for step in range(1, SELECTION_DELAY):
+        selector.begin([7], [20 + step], [12])
+        assert selector.dense == [0] and selector.weigh == []  # waits for its selection
+    selector.begin([7], [20 + SELECTION_DELAY], [12])
+    assert selector.sparse == [0] and selector.weigh == []
+    state = selector.states[7]
+    assert state.kept(0, 0).tolist() == []  # 1/12 is not above 1/12
+    selector.begin([7], [28], [16])  # a page leaves the window: weighed again, densely
+    assert selector.weigh == [0] and selector.dense == [0]
+    weights = torch.zeros(4, 16)
+    weights[:, 5] = 1.0
+    for layer in (0, 1):
+        selector.reevaluate(0, layer, (0, 2), weights, 16)
+    for step in range(1, SELECTION_DELAY):
+        selector.begin([7], [28 + step], [16])
+        assert selector.sparse == [0] and state.kept(0, 0).tolist() == []  # the old one
+    selector.begin([7], [28 + SELECTION_DELAY], [16])
+    assert selector.sparse == [0] and state.kept(0, 0).tolist() == [5]
 
 
 def _selector(**options) -> SparseSelector:

@@ -7,13 +7,13 @@ window) its MAW is tracked on the device, ``maw <- (1 - alpha) maw + alpha w`` f
 weight on. When the window moves past a page, the page's tokens leave with their MAW and are
 kept for the CPU when ``maw > beta / n`` (``n``: the tokens on the GPU side then).
 
-After an append (a prompt), the CPU attends the whole history once, densely and exactly,
-writing every token's weight ``A_cpu``; a background thread then keeps, per (layer, kv
-head), the tokens with ``A_cpu > beta / n`` (``n``: the CPU-side tokens). The sequence's
-steps stay dense for ``SELECTION_DELAY`` more steps while it runs, then use it (waiting
-for it if it is late, so that results never depend on thread timing). Nothing is freed:
-a dropped token stays in its host page, so a later re-evaluation reinstates it when its
-weight rises.
+After each append (a prompt, then every page that leaves the window), the CPU attends the
+whole history once, densely and exactly, writing every token's weight ``A_cpu``; a background
+thread keeps, per (layer, kv head), the tokens with ``A_cpu > beta / n`` (``n``: the CPU-side
+tokens). The new selection takes over ``SELECTION_DELAY`` steps later (waiting for it if it
+is late, so that results never depend on thread timing); until the first one the steps are
+dense. Nothing is freed: a dropped token stays in its host page, so a later re-evaluation
+reinstates it when its weight rises.
 """
 
 from __future__ import annotations
@@ -40,8 +40,9 @@ class SparseState:
         self.base: dict[int, tuple[int, dict[int, torch.Tensor]]] = {}  # layer -> (end, heads)
         self.chunks: list[tuple[int, torch.Tensor]] = []  # (first position, keep [L, H, n])
         self.evicted_end = cpu_end  # tokens 0 .. evicted_end - 1 are on the CPU side
-        self.requested = False  # the dense pass that writes A_cpu has been run
-        self.sparse_from: int | None = None  # the selector's step from which it is used
+        self.pending: dict[int, tuple[int, dict[int, torch.Tensor]]] = {}  # being selected
+        self.apply_at: int | None = None  # the selector's step that takes ``pending`` over
+        self.stale = True  # appended to since the last re-evaluation was asked for
         self.version = 0
 
     @property
@@ -51,17 +52,23 @@ class SparseState:
 
     def reevaluate(self, layer: int, heads: range, weights: torch.Tensor, beta: float) -> None:
         """A new selection for ``layer`` from each kv head's weights ``[heads, n]`` of tokens
-        ``0 .. n - 1`` (normalised over them): replaces what was kept of those tokens."""
+        ``0 .. n - 1`` (normalised over them), pending until :meth:`apply`."""
         count = weights.shape[1]
         keep = salient(weights, beta, count)
-        kept = {h: keep[i].nonzero()[:, 0].int() for i, h in enumerate(heads)}
-        self.base[layer] = (count, kept)
+        self.pending[layer] = (count, {h: keep[i].nonzero()[:, 0].int()
+                                       for i, h in enumerate(heads)})  # fmt: skip
+
+    def apply(self) -> None:
+        """The pending selections replace what was kept of their tokens."""
+        self.base.update(self.pending)
+        self.pending, self.apply_at = {}, None
         self.version += 1
 
     def evict(self, start: int, maw: torch.Tensor, beta: float, num_gpu_tokens: int) -> None:
         """Tokens ``start ..`` (``maw [layers, kv heads, n]``) leave the GPU window."""
         self.chunks.append((start, salient(maw, beta, num_gpu_tokens)))
         self.evicted_end = start + maw.shape[-1]
+        self.stale = True
         self.version += 1
 
     def kept(self, layer: int, head: int) -> torch.Tensor:
@@ -112,13 +119,16 @@ class SparseSelector:
                 self._evict(seq_id, state, end, position + 1 - state.evicted_end)
         self.seq_ids, self.step = seq_ids, self.step + 1
         states = [self.states[s] for s in seq_ids]
-        due = [s.sparse_from is not None and self.step >= s.sparse_from for s in states]
-        if any(d and not s.ready for d, s in zip(due, states, strict=True)):
+        due = [s for s in states if s.apply_at is not None and self.step >= s.apply_at]
+        if due:
             self.drain()  # a selection that is late: wait, so timing never changes a result
-        self.dense = [i for i, state in enumerate(states) if not (due[i] and state.ready)]
-        self.sparse = [i for i, state in enumerate(states) if due[i] and state.ready]
-        # a history's first CPU-side step attends densely and writes the weights to select by
-        self.weigh = [i for i in self.dense if not states[i].requested and cpu_ends[i]]
+            for state in due:
+                state.apply()
+        # a step after an append attends densely and writes the weights to select by
+        self.weigh = [i for i, state in enumerate(states)
+                      if state.stale and state.apply_at is None and cpu_ends[i]]  # fmt: skip
+        self.dense = [i for i, state in enumerate(states) if not state.ready or i in self.weigh]
+        self.sparse = [i for i in range(len(states)) if i not in self.dense]
         rows = [self.rows[s] for s in seq_ids]
         self.row_index = torch.tensor(rows, device=self.maw.device)
 
@@ -179,8 +189,8 @@ class SparseSelector:
         """Select on the background thread from ``probs [heads, >= end]`` (row ``row`` of
         this step's dense pass, which attended tokens ``0 .. end - 1``)."""
         state, heads = self.states[self.seq_ids[row]], range(*kv_range)
-        if not state.requested:
-            state.requested, state.sparse_from = True, self.step + SELECTION_DELAY
+        if state.apply_at is None:  # the step's first layer
+            state.apply_at, state.stale = self.step + SELECTION_DELAY, False
 
         def select():
             group = probs.shape[0] // len(heads)
