@@ -9,8 +9,10 @@ kept for the CPU when ``maw > beta / n`` (``n``: the tokens on the GPU side then
 
 After each append (a prompt, then every page that leaves the window), the CPU attends the
 whole history once, densely and exactly, writing every token's weight ``A_cpu``; a background
-thread keeps, per (layer, kv head), the tokens with ``A_cpu > beta / n`` (``n``: the CPU-side
-tokens). The new selection takes over ``SELECTION_DELAY`` steps later (waiting for it if it
+thread folds it into the CPU side's own MAW (a token's first weight starts it) and keeps, per
+(layer, kv head), the tokens with ``maw > beta / n`` (``n``: the CPU-side tokens; the
+CPU side's MAW is kept in multiples of ``1 / n``, as ``n`` grows between re-evaluations).
+The new selection takes over ``SELECTION_DELAY`` steps later (waiting for it if it
 is late, so that results never depend on thread timing); until the first one the steps are
 dense. Nothing is freed: a dropped token stays in its host page, so a later re-evaluation
 reinstates it when its weight rises.
@@ -35,8 +37,8 @@ class SparseState:
     """One sequence's kept positions per (layer, kv head): the last re-evaluation's (``base``,
     over tokens ``0 .. end - 1``) and, after it, what each page leaving the window kept."""
 
-    def __init__(self, layers: list[int], cpu_end: int):
-        self.layers = layers  # the layers that have hybrid heads
+    def __init__(self, layers: list[int], cpu_end: int, alpha: float = 1.0):
+        self.layers, self.alpha = layers, alpha  # the layers that have hybrid heads
         self.base: dict[int, tuple[int, dict[int, torch.Tensor]]] = {}  # layer -> (end, heads)
         self.chunks: list[tuple[int, torch.Tensor]] = []  # (first position, keep [L, H, n])
         self.evicted_end = cpu_end  # tokens 0 .. evicted_end - 1 are on the CPU side
@@ -44,6 +46,7 @@ class SparseState:
         self.apply_at: int | None = None  # the selector's step that takes ``pending`` over
         self.stale = True  # appended to since the last re-evaluation was asked for
         self.version = 0
+        self.maw: dict[tuple[int, int], torch.Tensor] = {}  # (layer, first head) -> [heads, n]
 
     @property
     def ready(self) -> bool:
@@ -52,9 +55,16 @@ class SparseState:
 
     def reevaluate(self, layer: int, heads: range, weights: torch.Tensor, beta: float) -> None:
         """A new selection for ``layer`` from each kv head's weights ``[heads, n]`` of tokens
-        ``0 .. n - 1`` (normalised over them), pending until :meth:`apply`."""
+        ``0 .. n - 1`` (normalised over them), folded into their MAW, pending until
+        :meth:`apply`."""
         count = weights.shape[1]
-        keep = salient(weights, beta, count)
+        maw = weights.float() * count  # in multiples of the uniform weight, as n grows
+        prior = self.maw.get((layer, heads.start))  # [heads, tokens weighed before]
+        if prior is not None and prior.shape[0] == len(heads):
+            seen = min(prior.shape[1], count)
+            maw[:, :seen] = (1 - self.alpha) * prior[:, :seen] + self.alpha * maw[:, :seen]
+        self.maw[(layer, heads.start)] = maw
+        keep = salient(maw, beta, 1)
         self.pending[layer] = (count, {h: keep[i].nonzero()[:, 0].int()
                                        for i, h in enumerate(heads)})  # fmt: skip
 
@@ -136,7 +146,7 @@ class SparseSelector:
         row = min(set(range(self.maw.shape[0])) - set(self.rows.values()))
         self.rows[seq_id] = row
         self.maw[row] = -1.0
-        self.states[seq_id] = SparseState(list(self.kv_heads), cpu_end)
+        self.states[seq_id] = SparseState(list(self.kv_heads), cpu_end, self.alpha)
 
     def _evict(self, seq_id: int, state: SparseState, end: int, num_gpu_tokens: int) -> None:
         start = state.evicted_end
