@@ -182,7 +182,8 @@ def _non_default(f):
     values = {"device": ("cuda:1", "cuda:1"), "dtype": ("bfloat16", "bfloat16"),
               "attention_backend": ("reference", "reference"), "offload": ("head", "head"),
               "gpu_memory": ("3GiB", "3GiB"), "host_memory": ("5GiB", "5GiB"),
-              "cpu_share": ("0.25", 0.25)}  # fmt: skip
+              "cpu_share": ("0.25", 0.25), "kv_policy": ("ada_snapkv", "ada_snapkv"),
+              "profile": ("smol.json", "smol.json")}  # fmt: skip
     if f.name in values:
         return values[f.name]
     if f.type == "bool":

@@ -232,3 +232,36 @@ def test_transfer_kernels_read_and_write_page_locked_host_pages():
     torch.cuda.synchronize()
     write_tokens(twin[0], torch.tensor([0, 3]), slots, kv.cpu())
     assert torch.equal(host.data, twin)
+
+
+def test_entry_decode_on_gpu_matches_the_cpu_twin():
+    """Rows of per-head lengths through the Triton kernel (which stores the new K/V)."""
+    from headspace.attention.entry_decode import entry_decode
+
+    torch.manual_seed(7)
+    page, num_rows, dim = 128, 6, 128
+    plane = torch.randn(2, 40 * page, dim, device="cuda")
+    tables = torch.randperm(40)[:30].view(num_rows, 5).int().cuda()
+    lengths = torch.tensor([1, 129, 640, 300, 57, 513], dtype=torch.int32, device="cuda")
+    q = torch.randn(2, 12, dim, device="cuda")  # 2 sequences x 3 kv heads x group 4
+    new_kv = torch.randn(2, 2, 3, dim, device="cuda")
+    cpu_plane = plane.cpu()
+    out, lse = entry_decode(q, plane[0], plane[1], tables, lengths, page, new_kv=new_kv)
+    ref, ref_lse = entry_decode(q.cpu(), cpu_plane[0], cpu_plane[1], tables.cpu(), lengths.cpu(),
+                                page, new_kv=new_kv.cpu(), reference=True)  # fmt: skip
+    torch.testing.assert_close(plane.cpu(), cpu_plane)  # the same slots were written
+    torch.testing.assert_close(out.cpu(), ref, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(lse.cpu(), ref_lse, atol=1e-4, rtol=1e-4)
+
+
+def test_kv_budget_on_gpu():
+    """A budget covering the prompt equals the resident run; a quarter holds less."""
+    model = _tiny_model("cuda", torch.float32, layers=8)
+    generator = torch.Generator().manual_seed(9)
+    prompts = [torch.randint(0, 512, (n,), generator=generator) for n in (900, 300)]
+    expected = _greedy(_engine(model, dtype="float32"), prompts)
+    whole = _engine(model, dtype="float32", kv_budget=1.0, kv_policy="ada_snapkv")
+    assert _greedy(whole, prompts) == expected
+    quarter = _engine(model, dtype="float32", kv_budget=0.25)
+    outs = quarter.generate_batch([p.tolist() for p in prompts], [GREEDY] * 2)
+    assert all(o.stats.kv_held_fraction < 0.4 for o in outs)

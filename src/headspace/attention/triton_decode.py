@@ -49,7 +49,7 @@ def _partial_kernel(
         new_k = tl.load(NEW_K + seq * stride_nb + kv_head * stride_nh + offs_d)
         new_v = tl.load(NEW_V + seq * stride_nb + kv_head * stride_nh + offs_d)
         owner = (new_pos >= start) & (new_pos < end)
-        new_page = tl.load(table + new_pos // PAGE_SIZE, mask=owner, other=0)
+        new_page = tl.load(table + new_pos // PAGE_SIZE, mask=owner, other=0).to(tl.int64)
         new_slot = new_page * PAGE_SIZE + new_pos % PAGE_SIZE
         tl.store(k_base + new_slot * stride_kt + offs_d, new_k, mask=(offs_d < DIM) & owner)
         tl.store(v_base + new_slot * stride_vt + offs_d, new_v, mask=(offs_d < DIM) & owner)
@@ -59,7 +59,9 @@ def _partial_kernel(
         block_start = start + block_offset
         offs_n = block_start + tl.arange(0, BLOCK_N)
         n_ok = offs_n < end
+        # int64: one plane of entry pages (KV budgets) holds more than 2^31 elements
         page = tl.load(table + block_start // PAGE_SIZE, mask=block_start < end, other=0)
+        page = page.to(tl.int64)
         slots = page * PAGE_SIZE + offs_n % PAGE_SIZE
         k = tl.load(
             k_base + slots[:, None] * stride_kt + offs_d[None, :], mask=n_ok[:, None], other=0.0
@@ -158,6 +160,8 @@ def paged_decode_attention(
     group = num_heads // num_kv_heads
     assert k.stride(-1) == 1 and v.stride(-1) == 1 and q.stride(-1) == 1
     block_n = min(block_n, page_size)
+    if q.dtype == torch.float32:  # fp32 blocks of 128 keys overflow shared memory
+        block_n = min(block_n, 64)
     assert page_size % block_n == 0, "the page size must be a multiple of the key block"
     capacity = block_tables.shape[1] * page_size
     num_splits = num_splits or num_splits_for(capacity, num_seqs * num_kv_heads)

@@ -48,6 +48,7 @@ class _Request:
     num_gpu_heads: int = 0
     num_streamed_heads: int = 0
     num_hybrid_heads: int = 0
+    kv_held: tuple[int, float] | None = None  # (bytes, share of the full KV) at its end
 
 
 @dataclass
@@ -73,7 +74,8 @@ class BatchGenerator:
         arena = kv_arena_bytes(cfg, config, self.spec, weights, self.chunk, max_context)
         host = HostKVArena(self.spec, dtype, pin=config.on_gpu,
                            budget=host_budget(config.host_memory))  # fmt: skip
-        self.runner = PagedRunner(model, config, self.spec, arena, host, 2 * config.max_batch)
+        self.runner = PagedRunner(model, config, self.spec, arena, host, 2 * config.max_batch,
+                                  max_context)  # fmt: skip
         # the planner's rates (no CPU attention where the kernel does not build); with
         # ``offload="auto"`` the hybrid tier is considered only on a GPU machine
         self.hardware = Hardware() if kernel_isa() is not None else Hardware(cpu_attention_bytes=0)
@@ -87,8 +89,9 @@ class BatchGenerator:
         what = f"{len(seqs)} requests of {sum(s.max_tokens for s in seqs)} tokens"
         if len(seqs) == 1:
             what = f"a request of up to {seqs[0].max_tokens} tokens"
-        return plan_batch(self.spec, self.runner.store.num_bytes, total,
-                          offload=self.config.offload, head_group=self.config.head_group,
+        offload = "none" if self.config.kv_budget is not None else self.config.offload
+        return plan_batch(self.spec, self.runner.store.num_bytes, total, offload=offload,
+                          head_group=self.config.head_group,
                           host_budget=self.runner.host.budget, what=what,
                           hw=self.hardware, cpu_share=self.config.hybrid_cpu_share,
                           gpu_window=self.config.gpu_window, num_seqs=len(seqs),
@@ -131,7 +134,8 @@ class BatchGenerator:
         self.tiers = ((GPU,) if plan.head_map.count("gpu") else ()) + ((HOST,) if streams else ())
         if scheduler is not None:
             scheduler.tiers = self.tiers
-            scheduler.optimistic = not streams and self.config.offload != "none"
+            swaps = self.config.offload != "none" and self.config.kv_budget is None
+            scheduler.optimistic = not streams and swaps
             scheduler.host_room = self._host_room
 
     def _host_room(self, num_pages: int) -> bool:
@@ -276,6 +280,7 @@ class BatchGenerator:
             elif seq.num_tokens >= seq.max_tokens:
                 reason = "length"
         if reason:
+            request.kv_held = self.runner.kv_held(seq.seq_id)
             scheduler.finish(seq, reason)
             request.finished = time.perf_counter()
             piece += request.streamer.finish()
@@ -293,6 +298,8 @@ class BatchGenerator:
             num_hybrid_heads=request.num_hybrid_heads, num_swaps=seq.num_swaps,
             cpu_kept_fraction=self.runner.kept_summary(seq.seq_id),
         )  # fmt: skip
+        if request.kv_held is not None:
+            stats.kv_held_bytes, stats.kv_held_fraction = request.kv_held
         if self.config.on_gpu:
             stats.peak_gpu_bytes = torch.cuda.max_memory_allocated(self.config.device)
             stats.peak_reserved_bytes = torch.cuda.max_memory_reserved(self.config.device)

@@ -7,9 +7,11 @@ from dataclasses import dataclass, field, fields
 
 import torch
 
+from headspace.budgets import POLICIES, KVBudget
 from headspace.errors import UserError
 from headspace.planner.plan import OFFLOAD_MODES
 
+KV_POLICIES = tuple(POLICIES)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -83,6 +85,17 @@ class EngineConfig:
     host_memory: str | float | None = _option(
         None, "host memory budget for KV pages (default: 90% of the RAM available)"
     )
+    kv_budget: float | int | None = _option(
+        None, "KV kept per (layer, kv head) after the prompt, in per-head pages: a fraction "
+        "of the prompt in (0, 1] or a number of tokens (default: everything, exact; keeps "
+        "every head on the GPU)",
+    )  # fmt: skip
+    kv_policy: str = _option(
+        "snapkv", "with kv_budget: which tokens and how many per head (snapkv: the same "
+        "count, ada_snapkv: a layer's heads share by score, headkv: by a profile's scores)",
+        choices=KV_POLICIES,
+    )  # fmt: skip
+    profile: str | None = _option(None, "a profile from `headspace profile` (headkv's scores)")
 
     def __post_init__(self):
         if self.dtype is None:
@@ -101,6 +114,7 @@ class EngineConfig:
         if share is not None and (not _is_number(share) or not 0 <= share <= 1):
             raise UserError(f"cpu_share must be between 0 and 1, got {self.cpu_share}")
         self._check_sparsity()
+        self._check_budget()
         for name in ("page_size", "max_batch", "gpu_window"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise UserError(f"{name} must be a positive integer, got {getattr(self, name)}")
@@ -122,6 +136,23 @@ class EngineConfig:
         if beta is not None and self.cpu_share not in (None, 1):
             raise UserError(f"cpu_sparsity attends all before the GPU window on the CPU; "
                             f"cpu_share must be 1 or unset, got {self.cpu_share}")  # fmt: skip
+
+    def _check_budget(self) -> None:
+        value = self.kv_budget
+        if value is None:
+            return
+        if _is_number(value) and value > 1 and float(value).is_integer():
+            self.kv_budget = value = int(value)  # a token count given as a float (CLI)
+        try:
+            KVBudget(value, self.kv_policy)
+        except ValueError as error:
+            raise UserError(str(error)) from None
+        if self.offload not in ("none", "auto"):
+            raise UserError(f"kv_budget keeps every head on the GPU; offload must be 'none' "
+                            f"or 'auto', got {self.offload!r}")  # fmt: skip
+        if self.kv_policy == "headkv" and self.profile is None:
+            raise UserError("kv_policy headkv divides the budget by a profile's scores: "
+                            "give --profile (from `headspace profile`)")  # fmt: skip
 
     @property
     def hybrid_cpu_share(self) -> float | None:

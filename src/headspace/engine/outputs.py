@@ -19,6 +19,9 @@ class GenerationStats:
     num_swaps: int = 0  # times it was swapped out to host pages and back
     # sparse hybrid: (min, median, max) share of the CPU-side tokens kept per hybrid head
     cpu_kept_fraction: tuple[float, float, float] | None = None
+    # KV budgets: K/V bytes the request held at its end, and their share of its full KV
+    kv_held_bytes: int | None = None
+    kv_held_fraction: float | None = None
     peak_gpu_bytes: int | None = None  # allocated by tensors
     peak_reserved_bytes: int | None = None  # reserved by torch's caching allocator
 
@@ -42,6 +45,9 @@ class GenerationStats:
         if self.cpu_kept_fraction is not None:
             low, median, high = self.cpu_kept_fraction
             parts.append(f"CPU kept {median:.1%} median ({low:.1%}-{high:.1%})")
+        if self.kv_held_fraction is not None:
+            parts.append(f"KV held {self.kv_held_bytes / 2**20:.1f} MiB "
+                         f"({self.kv_held_fraction:.1%} of full)")  # fmt: skip
         if self.num_swaps:
             parts.append(f"swapped out {self.num_swaps}x")
         if self.peak_reserved_bytes is not None:

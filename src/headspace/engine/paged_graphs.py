@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from headspace.engine.budget import BudgetExecutor
 from headspace.engine.executors import (
     MIN_WIDTH,
     ResidentExecutor,
@@ -50,9 +51,10 @@ class DecodeGraphs:
         self.model, self.executors, self.tokens = model, list(executors), tokens
         self.resident = next((e for e in executors if isinstance(e, ResidentExecutor)), None)
         self.stream = next((e for e in executors if isinstance(e, StreamExecutor)), None)
+        self.budget = next((e for e in executors if isinstance(e, BudgetExecutor)), None)
         self.scratch_page, self.scratch_slot = scratch_page, tokens.numel() - 1
         self.host_scratch_slot, self.blocks_mode = host_scratch_slot, blocks_mode
-        self.page_size = (self.resident or self.stream).page_size
+        self.page_size = (self.resident or self.stream or self.budget).page_size
         self.device = tokens.device
         vocab = model.lm_head.weight.shape[0]
         self.logits = torch.empty(bucket(max_batch), vocab, device=self.device)
@@ -75,11 +77,16 @@ class DecodeGraphs:
     def _columns(self, key) -> tuple[int, int]:
         """(int64 values per row, values after the rows) of the inputs of ``key``."""
         batch, gpu_width, staging_width = key
+        if self.budget is not None:  # the entries' tables are on the device already
+            gpu_width = 0
         per_row = 2 + gpu_width + staging_width + (1 if self.stream else 0)
         return per_row, (1 + self.stream.piece_pages) if self.stream else 0
 
     def _views(self, inputs: torch.Tensor, key) -> dict[str, torch.Tensor]:
         batch, gpu_width, staging_width = key
+        self.budget_width = gpu_width
+        if self.budget is not None:
+            gpu_width = 0
         per_row, _ = self._columns(key)
         rows = inputs[: batch * per_row].view(batch, per_row)
         views = {"slots": rows[:, 0], "positions": rows[:, 1],
@@ -102,6 +109,9 @@ class DecodeGraphs:
         step = StepInputs(True, positions, [], {}, tables, positions + 1)
         if self.resident is not None:
             self.resident.begin(step)
+        if self.budget is not None:
+            self.budget.step = step
+            self.budget.begin_rows(views["slots"], self.budget_width)
         if self.stream is not None:
             self.stream.begin_static(step, views["pages"], views["count"], views["new_slots"])
         slots = views["slots"]
@@ -133,6 +143,8 @@ class DecodeGraphs:
     def _pack(self, slots: list[int], positions: list[int], pages: dict, key) -> list[int]:
         """The step's inputs as one flat list of int64 values (see ``_views``)."""
         batch, gpu_width, staging_width = key
+        if self.budget is not None:
+            gpu_width = 0
         size, values, host_pages, staged = self.page_size, [], [], 0
         for row, (slot, position) in enumerate(zip(slots, positions, strict=True)):
             values += [slot, position]
@@ -163,6 +175,8 @@ class DecodeGraphs:
         and the slots on the device; each row's greedy token is written into its slot."""
         num_seqs = len(slots)
         gpu_width = bucket(max(map(len, pages["gpu"])), MIN_WIDTH) if "gpu" in pages else 0
+        if self.budget is not None:  # the widest entry's pages
+            gpu_width = bucket(self.budget.widest, MIN_WIDTH)
         staging_width = 0
         if self.stream:
             widest = max(-(-(p + 1) // self.page_size) for p in positions)

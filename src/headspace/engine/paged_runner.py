@@ -13,6 +13,8 @@ import os
 
 import torch
 
+from headspace.budgets import KVBudget
+from headspace.engine.budget import BudgetExecutor
 from headspace.engine.config import EngineConfig
 from headspace.engine.executors import (
     MIN_WIDTH,
@@ -24,13 +26,16 @@ from headspace.engine.executors import (
 from headspace.engine.hybrid import CpuAttention
 from headspace.engine.hybrid_sparse import SparseSelector
 from headspace.engine.streaming import CpuSplit, StreamExecutor
+from headspace.errors import UserError
 from headspace.kv.block_table import GPU, HOST, BlockManager
+from headspace.kv.entry_table import EntryBlockManager
 from headspace.kv.host_store import HostKVArena
 from headspace.kv.paged_store import PagedKVStore
 from headspace.kv.transfer import as_heads, copy_pages
 from headspace.model.llama import LlamaModel
 from headspace.planner.memory import KVSpec
 from headspace.planner.plan import Plan
+from headspace.planner.profile import Profile
 
 
 def _layout_key(plan: Plan) -> tuple:
@@ -52,11 +57,17 @@ class PagedRunner:
     """Steps the model for sequences whose K/V live in the GPU pool and host pages."""
 
     def __init__(self, model: LlamaModel, config: EngineConfig, spec: KVSpec, arena_bytes: int,
-                 host: HostKVArena, max_slots: int):  # fmt: skip
+                 host: HostKVArena, max_slots: int, max_context: int):  # fmt: skip
         self.model, self.config, self.spec, self.host = model, config, spec, host
+        self.max_context = max_context
         self.device = torch.device(config.device)
         self.store = PagedKVStore(spec, arena_bytes, dtype=config.torch_dtype, device=self.device)
-        self.blocks = BlockManager(spec.page_size, 0)
+        self.budget = None
+        if config.kv_budget is not None:  # every (layer, kv head) in its own pages
+            self.budget = KVBudget(config.kv_budget, config.kv_policy)
+            self.blocks = EntryBlockManager(spec.page_size, 0, spec.num_entries)
+        else:
+            self.blocks = BlockManager(spec.page_size, 0)
         # the last sampled token of each running sequence (+1 scratch slot for graph padding)
         self.tokens = torch.zeros(max_slots + 1, dtype=torch.long, device=self.device)
         self._compiled = config.compile and self.device.type == "cuda"
@@ -81,6 +92,8 @@ class PagedRunner:
         key = _layout_key(plan)
         if key == self._layout:
             return
+        if self.budget is not None:
+            return self._apply_budget(plan, key)
         cfg = self.model.config
         ranges = [_ranges(plan, layer) for layer in range(cfg.num_layers)]
         staging = plan.staging
@@ -100,6 +113,28 @@ class PagedRunner:
                                                  [g for _, g in ranges], q_per_kv,
                                                  self.page_size, backend,
                                                  self._cpu_split(plan)))  # fmt: skip
+
+    def _apply_budget(self, plan: Plan, key: tuple) -> None:
+        """KV budgets: the arena is one plane of entry pages ``[2, slots, head_dim]``."""
+        if plan.head_map.num_offloaded:
+            raise UserError("kv_budget keeps every head on the GPU: the KV of the longest "
+                            "prompt must fit there before it is compressed")  # fmt: skip
+        spec, buffer = self.spec, self.store.buffer
+        num_pages = buffer.numel() // (2 * spec.page_size * spec.head_dim)
+        plane = buffer[: 2 * num_pages * spec.page_size * spec.head_dim]
+        self.blocks.reset(num_pages)
+        self.plan, self._layout = plan, key
+        self._layout_id = self._layout_ids.setdefault(key, len(self._layout_ids))
+        head_scores = None
+        if self.config.profile is not None:
+            profile = Profile.load(self.config.profile)
+            profile.check(spec.num_layers, spec.num_kv_heads)
+            head_scores = torch.tensor(profile.retrieval)
+        self.executors = [BudgetExecutor(plane.view(2, -1, spec.head_dim), self.blocks,
+                                         spec.num_kv_heads, self.model.config.num_queries_per_kv,
+                                         self.config.attention_backend, self.budget,
+                                         self.tokens.numel(), spec.pages_for(self.max_context),
+                                         head_scores)]  # fmt: skip
 
     def _cpu_split(self, plan: Plan) -> CpuSplit | None:
         """The hybrid tier's CPU side (one per runner: its worker thread is kept)."""
@@ -131,6 +166,16 @@ class PagedRunner:
             return None
         sparse.drain()
         return sparse.summary(seq_id)
+
+    def kv_held(self, seq_id: int) -> tuple[int, float] | None:
+        """KV budgets: (bytes of K/V ``seq_id`` holds, their share of its full KV); None in
+        other modes."""
+        if self.budget is None:
+            return None
+        lengths = self.blocks.entries[seq_id].lengths
+        num_tokens = self.blocks.table(seq_id).num_tokens
+        held = sum(lengths)
+        return held * self.spec.entry_token_bytes, held / max(len(lengths) * num_tokens, 1)
 
     @property
     def _graphs(self):
@@ -183,7 +228,7 @@ class PagedRunner:
         for start in range(seq.num_cached, len(seq.prompt_ids), chunk):
             end = min(start + chunk, len(seq.prompt_ids))
             positions = torch.arange(start, end, device=self.device)
-            step = StepInputs(False, positions, [], pages, start=start)
+            step = StepInputs(False, positions, [], pages, start=start, seq_ids=[seq.seq_id])
             for executor in self.executors:
                 executor.begin(step)
             mode = "eager"
@@ -195,6 +240,8 @@ class PagedRunner:
             if on_chunk:
                 on_chunk(end - start)
         self.blocks.cache_full_pages(seq.seq_id, seq.prompt_ids)
+        if self.budget is not None:
+            self.executors[0].compress(seq.seq_id, len(seq.prompt_ids))
         if all_logits:
             return torch.cat(rows)
         logits = self.model.logits(hidden[-1:])[0]
@@ -210,6 +257,8 @@ class PagedRunner:
         (pages already allocated). Returns fp32 logits ``[seqs, vocab]`` and the slots on
         the device; each greedy pick is written into its slot (sampled rows overwrite it)."""
         pages = self._pages(seq_ids)
+        if self.budget is not None:  # the entries' tables on the device
+            self.executors[0].sync(seq_ids, slots)
         graphs = self._graphs
         if graphs is not None and graphs.accepts(positions):
             return graphs.run(slots, positions, pages)

@@ -80,9 +80,7 @@ class Scheduler:
 
     def _future_pages(self) -> int:
         """Pages the running sequences may still allocate before they hit their limits."""
-        first = self.tiers[0]
-        held = (len(self.blocks.table(s.seq_id, first).pages) for s in self.running)
-        return sum(self.blocks.pages_for(s.max_tokens) for s in self.running) - sum(held)
+        return sum(self.blocks.future_pages(s.seq_id, s.max_tokens) for s in self.running)
 
     def _fits(self, seq: Sequence) -> bool:
         pools = self.blocks.pools
@@ -119,7 +117,7 @@ class Scheduler:
         (GPU page, host page) pairs the caller copies before anything reuses them)."""
         pairs, stepping, pools = [], list(batch), self.blocks.pools
         while True:
-            needed = sum(1 for s in stepping if self.blocks.needs_page(s.seq_id))
+            needed = sum(self.blocks.pages_needed(s.seq_id) for s in stepping)
             if all(needed <= pools[tier].num_free for tier in self.tiers):
                 break
             if not self.optimistic:

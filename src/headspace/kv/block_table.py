@@ -113,6 +113,15 @@ class BlockManager:
         self.tables[seq_id] = tables
         return num_hits * self.page_size
 
+    def future_pages(self, seq_id: int, max_tokens: int) -> int:
+        """Pages ``seq_id`` may still take before it reaches ``max_tokens`` tokens."""
+        table = next(iter(self.tables[seq_id].values()))
+        return self.pages_for(max_tokens) - len(table.pages)
+
+    def pages_needed(self, seq_id: int) -> int:
+        """New pages (per tier) one more token of ``seq_id`` takes."""
+        return int(self.needs_page(seq_id))
+
     def needs_page(self, seq_id: int) -> bool:
         """Whether one more token of ``seq_id`` starts a new page."""
         table = next(iter(self.tables[seq_id].values()))

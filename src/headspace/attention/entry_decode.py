@@ -1,0 +1,62 @@
+"""Decode attention over per-entry pages: every (sequence, kv head) is a row with its own
+block table and length, so heads under a KV budget attend only the tokens they keep.
+
+The rows are the paged decode kernels' sequences with one kv head each: ``q [seqs, heads,
+dim]`` is viewed ``[seqs x kv_heads, group, dim]`` and the pages are one plane ``[slots,
+dim]`` shared by every entry (the Triton split-K kernel on the GPU, the CPU kernel on the
+CPU; both read only the row's pages).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from headspace.attention.cpu_decode import cpu_paged_decode, cpu_paged_decode_reference
+
+
+def entry_rows(q: torch.Tensor, num_rows: int) -> torch.Tensor:
+    """``q [seqs, heads, dim]`` as ``[rows, group, dim]`` rows, one per (sequence, kv head)."""
+    num_seqs, num_heads, dim = q.shape
+    return q.reshape(num_rows, num_heads * num_seqs // num_rows, dim)
+
+
+def new_token_slots(tables: torch.Tensor, lengths: torch.Tensor, page_size: int) -> torch.Tensor:
+    """Plane slot of each row's last token (position ``length - 1``): ``[rows]`` int64."""
+    last = (lengths.long() - 1).clamp(min=0)
+    page = tables.gather(1, (last // page_size)[:, None])[:, 0].long()
+    return page * page_size + last % page_size
+
+
+def entry_decode(
+    q: torch.Tensor,  # [seqs, heads, dim]
+    k: torch.Tensor,  # [slots, dim]: the entry plane's keys
+    v: torch.Tensor,  # [slots, dim]
+    tables: torch.Tensor,  # [seqs * kv_heads, width] int32: each row's pages in order
+    lengths: torch.Tensor,  # [seqs * kv_heads] int32: tokens of each row (new one included)
+    page_size: int,
+    *,
+    new_kv: torch.Tensor | None = None,  # [2, seqs, kv_heads, dim]: stored at length - 1
+    reference: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One query token per sequence against each (sequence, kv head) row's own tokens.
+    Returns ``out [seqs, heads, dim]`` (q's dtype) and fp32 ``lse [seqs, heads]``; a row with
+    no token gives out 0 and lse -inf. ``reference`` runs the CPU twin."""
+    num_seqs, num_heads, dim = q.shape
+    num_rows = tables.shape[0]
+    rows_new = None if new_kv is None else new_kv.reshape(2, num_rows, 1, dim)
+    q_rows = entry_rows(q, num_rows).contiguous()
+    if q.is_cuda and not reference:
+        from headspace.attention.triton_decode import paged_decode_attention
+
+        out, lse = paged_decode_attention(q_rows, k[None], v[None], tables, lengths, page_size,
+                                          new_kv=rows_new)  # fmt: skip
+    else:
+        if rows_new is not None:
+            slots = new_token_slots(tables, lengths, page_size)
+            k[slots], v[slots] = rows_new[0, :, 0], rows_new[1, :, 0]
+        decode = cpu_paged_decode_reference if reference else cpu_paged_decode
+        out, lse = decode(q_rows, k[None], v[None], tables, lengths.int(), page_size)
+    return out.reshape(num_seqs, num_heads, dim).to(q.dtype), lse.reshape(num_seqs, num_heads)
+
+
+__all__ = ["entry_decode", "entry_rows", "new_token_slots"]

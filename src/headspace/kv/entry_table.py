@@ -1,0 +1,128 @@
+"""Per-entry page lists for KV budgets: every (layer, kv head) entry of a sequence owns its
+pages and its length, so a head that keeps fewer tokens holds fewer pages and the rest go
+back to the pool. Bookkeeping only, no tensors.
+
+Entry ``e = layer * num_kv_heads + kv_head``. A page of this pool holds ``page_size``
+tokens of one entry (K and V of one head), so a prompt of ``n`` tokens takes ``entries *
+ceil(n / page_size)`` pages until it is compressed; afterwards each entry holds
+``ceil(kept / page_size)`` pages and grows by one token per decode step. The sequence's GPU
+:class:`BlockTable` lists all its pages (the scheduler counts them); its ``num_tokens`` stays
+the sequence's logical length (positions), while each entry has its own length.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from headspace.kv.block_table import GPU, BlockManager, BlockTable
+from headspace.kv.page_pool import OutOfPages
+
+
+@dataclass
+class EntryLists:
+    """One sequence's pages and kept token count per entry."""
+
+    pages: list[list[int]]  # [entries][pages], in logical order
+    lengths: list[int]  # [entries] tokens held
+    compressed: bool = False
+
+
+class EntryBlockManager(BlockManager):
+    """A :class:`BlockManager` whose GPU pages belong to single (layer, kv head) entries.
+    No prefix reuse, no host tier: a compressed entry depends on its whole prompt."""
+
+    def __init__(self, page_size: int, num_gpu_pages: int, num_entries: int):
+        super().__init__(page_size, num_gpu_pages)
+        self.num_entries = num_entries
+        self.entries: dict[int, EntryLists] = {}
+
+    def pages_for(self, num_tokens: int) -> int:
+        """Pages of an uncompressed sequence of ``num_tokens`` (every entry holds them all)."""
+        return self.num_entries * super().pages_for(num_tokens)
+
+    def future_pages(self, seq_id: int, max_tokens: int) -> int:
+        """Pages ``seq_id`` may still take before it reaches ``max_tokens`` tokens."""
+        lists = self.entries[seq_id]
+        if not lists.compressed:
+            return super().future_pages(seq_id, max_tokens)
+        more = max_tokens - self.tables[seq_id][GPU].num_tokens
+        size = self.page_size
+        return sum(-(-(length + more) // size) - len(pages)
+                   for length, pages in zip(lists.lengths, lists.pages, strict=True))  # fmt: skip
+
+    def allocate_prompt(self, seq_id: int, token_ids: Sequence[int], tiers=(GPU,), *,
+                        reuse: bool = False) -> int:  # fmt: skip
+        """Pages for the whole prompt in every entry (nothing is reused: returns 0)."""
+        assert seq_id not in self.tables, f"sequence {seq_id} already has pages"
+        if tuple(tiers) != (GPU,):
+            raise ValueError("KV budgets keep every entry in the GPU pool")
+        per_entry = super().pages_for(len(token_ids))
+        pool = self.pools[GPU]
+        if per_entry * self.num_entries > pool.num_free:
+            raise OutOfPages(f"sequence {seq_id} needs {per_entry * self.num_entries} pages")
+        pages = [[pool.allocate() for _ in range(per_entry)] for _ in range(self.num_entries)]
+        self.entries[seq_id] = EntryLists(pages, [len(token_ids)] * self.num_entries)
+        self.tables[seq_id] = {GPU: BlockTable(_flat(pages), len(token_ids))}
+        return 0
+
+    def pages_needed(self, seq_id: int) -> int:
+        """New pages one more token of ``seq_id`` takes (one per full entry)."""
+        lists = self.entries[seq_id]
+        return sum(length == len(pages) * self.page_size
+                   for length, pages in zip(lists.lengths, lists.pages, strict=True))  # fmt: skip
+
+    def needs_page(self, seq_id: int) -> bool:
+        return self.pages_needed(seq_id) > 0
+
+    def append_token(self, seq_id: int) -> None:
+        """Room for one more token in every entry. Raises OutOfPages, changing nothing,
+        when the pool has too few pages."""
+        lists, pool = self.entries[seq_id], self.pools[GPU]
+        if self.pages_needed(seq_id) > pool.num_free:
+            raise OutOfPages(f"no free page for sequence {seq_id}")
+        for e, pages in enumerate(lists.pages):
+            if lists.lengths[e] == len(pages) * self.page_size:
+                pages.append(pool.allocate())
+            lists.lengths[e] += 1
+        table = self.tables[seq_id][GPU]
+        table.pages, table.num_tokens = _flat(lists.pages), table.num_tokens + 1
+
+    def compress(self, seq_id: int, kept: Sequence[int]) -> list[int]:
+        """Entry ``e`` now holds its first ``kept[e]`` tokens (the caller moved them to the
+        front); the pages past them return to the pool. Returns the freed pages."""
+        lists, pool = self.entries[seq_id], self.pools[GPU]
+        if len(kept) != self.num_entries:
+            raise ValueError(f"{len(kept)} kept counts for {self.num_entries} entries")
+        freed = []
+        for e, count in enumerate(kept):
+            if not 0 <= count <= lists.lengths[e]:
+                raise ValueError(f"entry {e} keeps {count} of {lists.lengths[e]} tokens")
+            num_pages = -(-count // self.page_size)
+            freed += reversed(lists.pages[e][num_pages:])
+            lists.pages[e], lists.lengths[e] = lists.pages[e][:num_pages], count
+        for page in freed:
+            pool.release(page)
+        lists.compressed = True
+        self.tables[seq_id][GPU].pages = _flat(lists.pages)
+        return freed
+
+    def has_pages_to_cache(self, seq_id: int, num_known_tokens: int) -> bool:
+        return False
+
+    def cache_full_pages(self, seq_id: int, token_ids: Sequence[int]) -> None:
+        pass
+
+    def _move(self, seq_id: int, source: str, target: str) -> list[tuple[int, int]]:
+        raise OutOfPages("sequences under a KV budget are not swapped")
+
+    def free(self, seq_id: int) -> None:
+        self.entries.pop(seq_id, None)
+        super().free(seq_id)
+
+
+def _flat(pages: list[list[int]]) -> list[int]:
+    return [page for entry in pages for page in entry]
+
+
+__all__ = ["EntryBlockManager", "EntryLists"]

@@ -1,0 +1,190 @@
+"""KV budgets in per-head pages: the entry page lists (every page returns), decode over rows
+of per-head lengths against the reference, compression keeping exactly the policy's tokens,
+and the engine end to end (a budget covering the prompt equals the exact run)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from headspace import SamplingParams, UserError
+from headspace.attention.entry_decode import entry_decode
+from headspace.attention.reference import reference_attention
+from headspace.budgets import POLICIES, KVBudget, kept_positions, observation_scores
+from headspace.engine.budget import BudgetExecutor
+from headspace.kv.entry_table import EntryBlockManager
+from headspace.kv.page_pool import OutOfPages
+from test_hybrid import decode_logits
+from test_offload import _prompts, make
+
+# -- entry page lists -----------------------------------------------------------------------
+
+actions = st.lists(st.tuples(st.sampled_from(["admit", "append", "compress", "free"]),
+                             st.integers(0, 3), st.integers(1, 40)), max_size=40)  # fmt: skip
+
+
+@settings(max_examples=60, deadline=None)
+@given(actions)
+def test_entry_pages_are_disjoint_sized_by_length_and_all_return(steps):
+    page_size, num_entries, num_pages = 4, 3, 60
+    blocks = EntryBlockManager(page_size, num_pages, num_entries)
+    live = set()
+    for action, seq_id, count in steps:
+        try:
+            if action == "admit" and seq_id not in live:
+                blocks.allocate_prompt(seq_id, list(range(count)))
+                live.add(seq_id)
+            elif action == "append" and seq_id in live:
+                blocks.append_token(seq_id)
+            elif action == "compress" and seq_id in live:
+                lengths = blocks.entries[seq_id].lengths
+                blocks.compress(seq_id, [min(count + e, n) for e, n in enumerate(lengths)])
+            elif action == "free" and seq_id in live:
+                blocks.free(seq_id)
+                live.remove(seq_id)
+        except OutOfPages:
+            pass
+        held = [p for s in live for entry in blocks.entries[s].pages for p in entry]
+        assert len(held) == len(set(held)) == num_pages - blocks.pool.num_free
+        for s in live:
+            lists = blocks.entries[s]
+            assert [len(p) for p in lists.pages] == [-(-n // page_size) for n in lists.lengths]
+    for seq_id in list(live):
+        blocks.free(seq_id)
+    assert blocks.pool.num_free == num_pages
+
+
+def test_a_token_that_fills_no_page_takes_none_and_out_of_pages_changes_nothing():
+    blocks = EntryBlockManager(4, 6, 2)
+    blocks.allocate_prompt(0, list(range(8)))  # 2 entries x 2 pages
+    assert blocks.pages_needed(0) == 2
+    blocks.compress(0, [3, 8])  # entry 0 frees a page, entry 1 keeps both
+    assert blocks.pool.num_free == 3 and blocks.pages_needed(0) == 1
+    blocks.append_token(0)
+    assert blocks.entries[0].lengths == [4, 9] and blocks.pool.num_free == 2
+    assert blocks.future_pages(0, 9 + 4) == 1 + 1  # entry 0: 8 tokens, entry 1: 13
+    blocks.allocate_prompt(1, list(range(4)))  # takes the last two pages
+    before = [list(p) for p in blocks.entries[0].pages]
+    with pytest.raises(OutOfPages):
+        blocks.append_token(0)
+    assert blocks.entries[0].pages == before and blocks.entries[0].lengths == [4, 9]
+
+
+# -- decode over rows of per-head lengths ---------------------------------------------------
+
+
+@pytest.mark.parametrize("num_kv_heads,group", [(1, 1), (2, 4), (4, 2)])
+@pytest.mark.parametrize("reference", [False, True])
+def test_entry_decode_equals_the_reference_over_each_rows_tokens(num_kv_heads, group, reference):
+    torch.manual_seed(num_kv_heads * 10 + group)
+    num_seqs, dim, page_size, num_pages = 3, 64, 8, 80
+    k, v = torch.randn(2, num_pages * page_size, dim).unbind(0)
+    num_rows = num_seqs * num_kv_heads
+    lengths = torch.randint(1, 5 * page_size, (num_rows,), dtype=torch.int32)
+    lengths[1] = 0  # a head that kept nothing
+    pages = torch.randperm(num_pages)[: num_rows * 5].view(num_rows, 5).int()
+    q = torch.randn(num_seqs, num_kv_heads * group, dim)
+    new_kv = torch.randn(2, num_seqs, num_kv_heads, dim)
+    grown = (lengths + 1).clamp(max=5 * page_size)
+    out, lse = entry_decode(q, k, v, pages, grown, page_size, new_kv=new_kv, reference=reference)
+    for row in range(num_rows):
+        seq, head = divmod(row, num_kv_heads)
+        positions = torch.arange(int(grown[row]))
+        slots = pages[row].long()[positions // page_size] * page_size + positions % page_size
+        assert torch.equal(k[slots[-1]], new_kv[0, seq, head])  # the new token was stored
+        heads = slice(head * group, (head + 1) * group)
+        want, want_lse = reference_attention(q[seq, heads][:, None], k[slots][None],
+                                             v[slots][None])  # fmt: skip
+        torch.testing.assert_close(out[seq, heads], want[:, 0], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(lse[seq, heads], want_lse[:, 0], atol=1e-5, rtol=1e-5)
+
+
+# -- compression ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("policy", sorted(POLICIES))
+def test_compression_moves_exactly_the_policys_tokens_to_the_front(policy):
+    torch.manual_seed(1)
+    num_layers, num_kv_heads, group, dim, page_size, prompt = 2, 2, 2, 16, 4, 37
+    blocks = EntryBlockManager(page_size, 200, num_layers * num_kv_heads)
+    blocks.allocate_prompt(7, list(range(prompt)))
+    plane = torch.randn(2, 200 * page_size, dim)
+    head_scores = torch.rand(num_layers, num_kv_heads)
+    budget = KVBudget(0.4, policy, window=8)
+    executor = BudgetExecutor(plane, blocks, num_kv_heads, group, "reference", budget, 2, 20,
+                              head_scores)  # fmt: skip
+    executor.window_q = {layer: torch.randn(budget.window, num_kv_heads * group, dim)
+                         for layer in range(num_layers)}  # fmt: skip
+    slots = executor._slots(7, torch.arange(prompt))  # [entries, prompt]
+    original = plane[:, slots].clone()  # [2, entries, prompt, dim]
+    keys = original[0].view(num_layers, num_kv_heads, prompt, dim)
+    scores = [observation_scores(executor.window_q[layer].transpose(0, 1), keys[layer])
+              for layer in range(num_layers)]  # fmt: skip
+    expected = [p for layer in kept_positions(budget, scores, prompt, head_scores) for p in layer]
+    counts = executor.compress(7, prompt)
+    assert counts == [len(p) for p in expected]
+    assert sum(counts) == pytest.approx(budget.tokens(prompt) * len(counts), abs=len(counts))
+    assert len(set(counts)) == 1 or policy != "snapkv"
+    for entry, positions in enumerate(expected):
+        front = blocks.entries[7].pages[entry]
+        assert len(front) == -(-len(positions) // page_size)
+        held = executor._slots(7, torch.arange(len(positions)))[entry]
+        torch.testing.assert_close(plane[:, held], original[:, entry, positions])
+    assert blocks.pool.num_free == 200 - sum(-(-n // page_size) for n in counts)
+
+
+# -- the engine -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("policy", ["snapkv", "ada_snapkv"])
+def test_a_budget_covering_the_prompt_equals_the_exact_run(tiny_llama, policy):
+    prompt = _prompts([150])[0]
+    exact = make(tiny_llama)
+    budgeted = make(tiny_llama, kv_budget=1.0, kv_policy=policy)
+    want = exact.generate(prompt, SamplingParams(max_new_tokens=30, ignore_eos=True))[0]
+    got = budgeted.generate(prompt, SamplingParams(max_new_tokens=30, ignore_eos=True))[0]
+    assert got.token_ids == want.token_ids
+    gap = decode_logits(budgeted, prompt, 20) - decode_logits(exact, prompt, 20)
+    assert gap.abs().max().item() < 1e-4
+
+
+def test_a_small_budget_holds_fewer_pages_and_batches_equal_one_at_a_time(tiny_llama):
+    prompts = _prompts([200, 90, 160], seed=3)
+    params = SamplingParams(max_new_tokens=24, ignore_eos=True)
+    llm = make(tiny_llama, kv_budget=0.25)
+    alone = [llm.generate(p, params)[0] for p in prompts]
+    together = llm.generate(prompts, params)
+    assert [o.token_ids for o in together] == [o.token_ids for o in alone]
+    exact = make(tiny_llama)
+    assert any(
+        o.token_ids != exact.generate(p, params)[0].token_ids
+        for o, p in zip(alone, prompts, strict=True)
+    )  # it is an approximation
+    stats = alone[0].stats
+    assert stats.kv_held_fraction is not None
+    assert 0.25 <= stats.kv_held_fraction < 0.45  # kept quarter + decoded tokens + rounding
+    assert "KV held" in stats.summary()
+
+
+def test_budget_options_fail_in_one_line(tiny_llama):
+    for options, message in [({"kv_budget": 0.0}, "kv_budget"), ({"kv_budget": 1.5}, r"\(0, 1\]"),
+                             ({"kv_budget": 0.5, "offload": "head"}, "offload"),
+                             ({"kv_budget": 0.5, "kv_policy": "headkv"}, "profile"),
+                             ({"kv_budget": 0.5, "kv_policy": "h2o"}, "kv_policy")]:  # fmt: skip
+        with pytest.raises(UserError, match=message):
+            make(tiny_llama, **options)
+
+
+def test_eval_compare_modes_name_a_policy_and_its_budget():
+    from headspace.cli.eval import _mode_options
+
+    base = {"offload": "auto", "cpu_sparsity": None, "kv_budget": None}
+    mode = _mode_options("ada_snapkv:0.25", base)
+    assert (mode["kv_policy"], mode["kv_budget"], mode["offload"]) == ("ada_snapkv", 0.25, "none")
+    assert _mode_options("snapkv:2048", base)["kv_budget"] == 2048
+    assert _mode_options("none", {**base, "kv_budget": 0.5})["kv_budget"] is None  # exact
+    for bad in ("snapkv:x", "none:1"):
+        with pytest.raises(UserError):
+            _mode_options(bad, base)
