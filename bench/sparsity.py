@@ -1,23 +1,30 @@
-"""KV budgets on the GPU (Llama-3.1-8B architecture, random bf16 weights: speed and memory
-only): decode after a long prompt with every head full against ``kv_budget=0.25`` in
-per-head pages, each engine built as a user builds it (the model's context, default
-options, plus the budget).
+"""KV budgets and streaming heads on the GPU (Llama-3.1-8B architecture, random bf16
+weights: speed and memory only): decode after a long prompt with every head full against
+``kv_budget=0.25`` in per-head pages and against half the heads ``streaming(4,1024)``
+(``retrieval_heads=0.5``), each engine built as a user builds it (the model's context, or
+``max_context`` beyond it, default options plus the mode's).
 
-    PYTHONPATH=src python bench/sparsity.py [--contexts 131072] [--new-tokens 64]
+    PYTHONPATH=src python bench/sparsity.py [--contexts 131072 524288] [--modes ...]
 
-Per context and mode: prefill seconds, decode ms per token, the K/V bytes the request holds
-at its end and their share of the full KV (``kv_fraction_held``), and the decode speedup
-over the full run measured in the same process (``decode_speedup_vs_full``). Also decode
-attention alone (one layer, every head's rows over its kept pages against the full paged
-kernel, each as a CUDA graph) and its floor: the K/V bytes over the HBM bandwidth measured
-here. Writes ``sparsity_llama3-8b_<gpu>_<date>.json`` (to $OUT when set).
+Per context and mode: prefill seconds, decode ms per token (the median step, so a CUDA graph
+captured during the run does not count), the K/V bytes the request holds at its end and
+their share of the full KV (``kv_fraction_held``), and the decode speedup over the full run
+measured in the same process (``decode_speedup_vs_full``). Also decode attention alone (one
+layer, every head's rows over its kept pages against the full paged kernel, each as a CUDA
+graph) and its floor: the K/V bytes over the HBM bandwidth measured here. The streaming
+mode's profile ranks heads by random scores: on random weights which heads stream does not
+change speed. Writes ``sparsity_llama3-8b_<gpu>_<date>.json`` (to $OUT when set) after
+every run.
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
+import statistics
 import sys
+import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -35,10 +42,38 @@ from common import (  # noqa: E402
 from headspace.attention.entry_decode import entry_decode  # noqa: E402
 from headspace.attention.triton_decode import paged_decode_attention  # noqa: E402
 from headspace.engine.sampling import SamplingParams  # noqa: E402
+from headspace.planner.profile import Profile  # noqa: E402
 
 MODES = {"full": {}, "snapkv 0.25": {"kv_budget": 0.25, "kv_policy": "snapkv"},
-         "ada_snapkv 0.25": {"kv_budget": 0.25, "kv_policy": "ada_snapkv"}}  # fmt: skip
-HEADS, KV_HEADS, DIM, PAGE = 32, 8, 128, 128
+         "ada_snapkv 0.25": {"kv_budget": 0.25, "kv_policy": "ada_snapkv"},
+         "streaming 0.5": {"retrieval_heads": 0.5}}  # fmt: skip
+HEADS, KV_HEADS, DIM, PAGE, LAYERS = 32, 8, 128, 128, 32
+SINK, WINDOW = 4, 1024  # the default sparse_pattern, streaming(4,1024)
+
+
+def random_profile() -> str:
+    """A profile of random retrieval scores for the model's shape (a temporary file)."""
+    scores = torch.rand(LAYERS, KV_HEADS, generator=torch.Generator().manual_seed(0))
+    path = Path(tempfile.mkdtemp()) / "profile.json"
+    Profile("random", LAYERS, KV_HEADS, scores.tolist()).save(path)
+    return str(path)
+
+
+def timed_decode(engine) -> list[float]:
+    """Seconds of each decode step the engine runs from now on (synchronised)."""
+    runner, times = engine.batch.runner, []
+    step = runner.decode
+
+    def timed(*args, **options):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        result = step(*args, **options)
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+        return result
+
+    runner.decode = timed
+    return times
 
 
 def _ids(n: int, seed: int) -> list[int]:
@@ -46,16 +81,22 @@ def _ids(n: int, seed: int) -> list[int]:
     return torch.randint(0, LLAMA31_8B["vocab_size"], (n,), generator=generator).tolist()
 
 
-def engine_run(model, context: int, new_tokens: int, options: dict) -> dict:
+def engine_run(model, context: int, new_tokens: int, options: dict, warmup: str) -> dict:
+    if context > LLAMA31_8B["max_position_embeddings"]:
+        options = {**options, "max_context": context}  # as a user asks for a longer one
     engine = make_engine(model, **options)
     params = [SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)]
     prompt = context - new_tokens  # the prompt and its new tokens fit the context
-    engine.generate_batch([_ids(prompt, 1)], params)  # warm-up: compiles, captures graphs
+    # the full prompt once (compiles, and builds cuDNN's plan per prefix length), or two
+    # chunks and a bit (compiles only: the first mode's prefill then builds the plans)
+    short = min(prompt, 2 * engine.batch.chunk + 1)
+    engine.generate_batch([_ids(prompt if warmup == "full" else short, 1)], params)
+    steps = timed_decode(engine)
     out = engine.generate_batch([_ids(prompt, 2)], params)[0]
     stats = out.stats
-    row = {"prefill_s": stats.prefill_seconds, "decode_ms": 1000 / stats.decode_tok_s,
-           "kv_held_bytes": stats.kv_held_bytes, "kv_fraction_held": stats.kv_held_fraction,
-           "summary": stats.summary(),
+    row = {"prefill_s": stats.prefill_seconds, "decode_ms": 1000 * statistics.median(steps),
+           "decode_ms_mean": 1000 / stats.decode_tok_s, "kv_held_bytes": stats.kv_held_bytes,
+           "kv_fraction_held": stats.kv_held_fraction, "summary": stats.summary(),
            "plan": engine.batch.runner.plan.head_map.summary()}  # fmt: skip
     del engine, out
     gc.collect()
@@ -76,9 +117,9 @@ def graphed(fn):
     return graph.replay
 
 
-def attention_alone(context: int, fraction: float) -> dict:
+def attention_alone(context: int, kept_tokens: list[int]) -> dict:
     """One layer's decode attention: every kv head over ``context`` tokens (paged kernel)
-    against per-head rows of ``fraction`` of them (entry kernel), ms and floor."""
+    against per-head rows of ``kept_tokens [kv heads]`` (entry kernel), ms and floors."""
     gen = torch.Generator(device="cuda").manual_seed(0)
     num_pages = context // PAGE
     kv = torch.randn(2, KV_HEADS, num_pages * PAGE, DIM, generator=gen, device="cuda",
@@ -88,59 +129,65 @@ def attention_alone(context: int, fraction: float) -> dict:
     lengths = torch.tensor([context], device="cuda", dtype=torch.int32)
     full = graphed(lambda: paged_decode_attention(q, kv[0], kv[1], table, lengths, PAGE))
     full_s = cuda_time(full, repeat=20)
-    kept_pages = int(num_pages * fraction)
     plane = kv.view(2, -1, DIM)  # one plane: entry h owns pages h * num_pages + i
+    width = -(-max(kept_tokens) // PAGE)
     rows = (torch.arange(KV_HEADS, device="cuda")[:, None] * num_pages
-            + torch.arange(kept_pages, device="cuda")).int()  # fmt: skip
-    row_lengths = torch.full((KV_HEADS,), kept_pages * PAGE, device="cuda", dtype=torch.int32)
+            + torch.arange(width, device="cuda")).int()  # fmt: skip
+    row_lengths = torch.tensor(kept_tokens, device="cuda", dtype=torch.int32)
     kept = graphed(lambda: entry_decode(q, plane[0], plane[1], rows, row_lengths, PAGE))
     kept_s = cuda_time(kept, repeat=20)
     hbm = measure_hbm_bandwidth()
-    full_bytes = kv.nbytes
+    full_bytes, fraction = kv.nbytes, sum(kept_tokens) / (KV_HEADS * context)
     return {"full_ms": 1000 * full_s, "kept_ms": 1000 * kept_s, "speedup": full_s / kept_s,
-            "full_floor_ms": 1000 * full_bytes / hbm,
+            "kept_fraction": fraction, "full_floor_ms": 1000 * full_bytes / hbm,
             "kept_floor_ms": 1000 * full_bytes * fraction / hbm, "hbm_gb_s": hbm / 1e9}  # fmt: skip
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--contexts", type=int, nargs="+", default=[131072])
+    parser.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
     parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--warmup", choices=("full", "short"), default="full",
+                        help="warm-up: the full prompt, or two chunks (long contexts)")  # fmt: skip
     args = parser.parse_args()
     model = random_model(LLAMA31_8B)
+    profile = random_profile()
     result = {"environment": environment(), "model": "Llama-3.1-8B architecture, random bf16",
-              "new_tokens": args.new_tokens, "runs": {}, "attention_alone": {}}  # fmt: skip
-    for context in args.contexts:
-        runs = {mode: engine_run(model, context, args.new_tokens, options)
-                for mode, options in MODES.items()}  # fmt: skip
-        full = runs["full"]
-        full_bytes = context * 32 * KV_HEADS * 2 * DIM * 2
-        for row in runs.values():
-            row["decode_speedup_vs_full"] = full["decode_ms"] / row["decode_ms"]
-            if row["kv_held_bytes"] is None:
-                row["kv_held_bytes"] = (context + args.new_tokens) * full_bytes // context
-                row["kv_fraction_held"] = 1.0
-        result["runs"][str(context)] = runs
-        result["attention_alone"][str(context)] = attention_alone(context, 0.25)
+              "new_tokens": args.new_tokens, "warmup": args.warmup, "runs": {},
+              "attention_alone": {}}  # fmt: skip
     env = result["environment"]
-    gpu = env["gpu"].replace("NVIDIA ", "").split()[0].lower()
-    path = write_result(f"sparsity_llama3-8b_{gpu}_{env['date']}.json", result)
-    print(
-        f"{'context':>8} {'mode':>16} {'prefill s':>9} {'decode ms':>9} {'KV held':>8} "
-        f"{'speedup':>7}"
-    )
+    name = f"sparsity_llama3-8b_{env['gpu'].replace('NVIDIA ', '').split()[0].lower()}"
+    path = Path(f"{name}_{env['date']}.json")
+    for context in args.contexts:
+        runs = result["runs"].setdefault(str(context), {})
+        for mode in ["full", *[m for m in args.modes if m != "full"]]:
+            options = {**MODES[mode], **({"profile": profile} if "streaming" in mode else {})}
+            runs[mode] = row = engine_run(model, context, args.new_tokens, options, args.warmup)
+            row["decode_speedup_vs_full"] = runs["full"]["decode_ms"] / row["decode_ms"]
+            if row["kv_held_bytes"] is None:
+                full_bytes = LAYERS * KV_HEADS * 2 * DIM * 2 * (context + args.new_tokens)
+                row["kv_held_bytes"], row["kv_fraction_held"] = full_bytes, 1.0
+            print(context, mode, {k: v for k, v in row.items() if k != "plan"}, flush=True)
+            path = write_result(path.name, result)
+        half = KV_HEADS // 2
+        result["attention_alone"][str(context)] = {
+            "budget 0.25": attention_alone(context, [context // 4] * KV_HEADS),
+            "streaming 0.5": attention_alone(context, [context] * half + [SINK + WINDOW] * half),
+        }  # fmt: skip
+        path = write_result(path.name, result)
+    print(f"{'context':>8} {'mode':>16} {'prefill s':>9} {'decode ms':>9} {'KV held':>8} "
+          f"{'speedup':>7}")  # fmt: skip
     for context, runs in result["runs"].items():
         for mode, row in runs.items():
-            print(
-                f"{context:>8} {mode:>16} {row['prefill_s']:>9.1f} {row['decode_ms']:>9.2f} "
-                f"{row['kv_fraction_held']:>8.3f} {row['decode_speedup_vs_full']:>7.2f}"
-            )
-    for context, row in result["attention_alone"].items():
-        print(
-            f"attention alone {context}: full {row['full_ms']:.3f} ms (floor "
-            f"{row['full_floor_ms']:.3f}), 0.25 kept {row['kept_ms']:.3f} ms (floor "
-            f"{row['kept_floor_ms']:.3f})"
-        )
+            held, speedup = row["kv_fraction_held"], row["decode_speedup_vs_full"]
+            print(f"{context:>8} {mode:>16} {row['prefill_s']:>9.1f} {row['decode_ms']:>9.2f} "
+                  f"{held:>8.3f} {speedup:>7.2f}")  # fmt: skip
+    for context, rows in result["attention_alone"].items():
+        for mode, row in rows.items():
+            print(f"attention alone {context} {mode}: full {row['full_ms']:.3f} ms (floor "
+                  f"{row['full_floor_ms']:.3f}), kept {row['kept_fraction']:.3f}: "
+                  f"{row['kept_ms']:.3f} ms (floor {row['kept_floor_ms']:.3f})")  # fmt: skip
     print(path)
 
 

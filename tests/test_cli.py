@@ -183,7 +183,8 @@ def _non_default(f):
               "attention_backend": ("reference", "reference"), "offload": ("head", "head"),
               "gpu_memory": ("3GiB", "3GiB"), "host_memory": ("5GiB", "5GiB"),
               "cpu_share": ("0.25", 0.25), "kv_policy": ("ada_snapkv", "ada_snapkv"),
-              "profile": ("smol.json", "smol.json")}  # fmt: skip
+              "profile": ("smol.json", "smol.json"), "retrieval_heads": ("0.5", 0.5),
+              "sparse_pattern": ("streaming(4,64)", "streaming(4,64)")}  # fmt: skip
     if f.name in values:
         return values[f.name]
     if f.type == "bool":

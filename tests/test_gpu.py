@@ -265,3 +265,50 @@ def test_kv_budget_on_gpu():
     quarter = _engine(model, dtype="float32", kv_budget=0.25)
     outs = quarter.generate_batch([p.tolist() for p in prompts], [GREEDY] * 2)
     assert all(o.stats.kv_held_fraction < 0.4 for o in outs)
+
+
+def test_streaming_heads_on_gpu_equal_the_cpu_run(tmp_path):
+    """Ring entries in CUDA graphs (each new token over the oldest window token), a batch
+    of two, against the same engine on the CPU."""
+    from headspace.planner.profile import Profile
+
+    cpu_model = _tiny_model("cpu", torch.float32, layers=8)
+    cfg = cpu_model.config
+    scores = torch.rand(
+        cfg.num_layers, cfg.num_kv_heads, generator=torch.Generator().manual_seed(3)
+    )
+    profile = tmp_path / "profile.json"
+    Profile("tiny", cfg.num_layers, cfg.num_kv_heads, scores.tolist()).save(profile)
+    options = {"dtype": "float32", "profile": str(profile), "retrieval_heads": 0.5,
+               "sparse_pattern": "streaming(4,100)"}  # fmt: skip
+    generator = torch.Generator().manual_seed(11)
+    prompts = [torch.randint(0, 512, (n,), generator=generator) for n in (900, 300)]
+    expected = _greedy(_engine(cpu_model, **options), prompts)
+    gpu = _engine(_tiny_model("cuda", torch.float32, layers=8), **options)
+    outs = gpu.generate_batch([p.tolist() for p in prompts], [GREEDY] * 2)
+    assert [o.token_ids for o in outs] == expected
+    assert all(0.5 < o.stats.kv_held_fraction < 0.7 for o in outs)
+
+
+def test_entry_decode_on_gpu_stores_ring_rows_at_their_index_and_empty_rows_nowhere():
+    from headspace.attention.entry_decode import entry_decode
+
+    torch.manual_seed(8)
+    page, dim = 64, 64
+    plane = torch.randn(2, 30 * page, dim, device="cuda")
+    tables = torch.randperm(30)[:12].view(4, 3).int().cuda()
+    lengths = torch.tensor([150, 0, 64, 100], dtype=torch.int32, device="cuda")
+    new_index = torch.tensor([7, 0, 63, 99], dtype=torch.int32, device="cuda")  # rings: 7, 63
+    q = torch.randn(2, 8, dim, device="cuda")  # 2 sequences x 2 kv heads x group 4
+    new_kv = torch.randn(2, 2, 2, dim, device="cuda")
+    cpu_plane = plane.cpu()
+    out, lse = entry_decode(q, plane[0], plane[1], tables, lengths, page, new_kv=new_kv,
+                            new_index=new_index)  # fmt: skip
+    ref, ref_lse = entry_decode(q.cpu(), cpu_plane[0], cpu_plane[1], tables.cpu(), lengths.cpu(),
+                                page, new_kv=new_kv.cpu(), new_index=new_index.cpu(),
+                                reference=True)  # fmt: skip
+    torch.testing.assert_close(plane.cpu(), cpu_plane)  # the same slots, none for the empty row
+    slot = int(tables[0, 0]) * page + 7
+    torch.testing.assert_close(plane[0, slot], new_kv[0, 0, 0])
+    torch.testing.assert_close(out.cpu(), ref, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(lse.cpu(), ref_lse, atol=1e-4, rtol=1e-4)

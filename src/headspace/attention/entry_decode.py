@@ -20,11 +20,11 @@ def entry_rows(q: torch.Tensor, num_rows: int) -> torch.Tensor:
     return q.reshape(num_rows, num_heads * num_seqs // num_rows, dim)
 
 
-def new_token_slots(tables: torch.Tensor, lengths: torch.Tensor, page_size: int) -> torch.Tensor:
-    """Plane slot of each row's last token (position ``length - 1``): ``[rows]`` int64."""
-    last = (lengths.long() - 1).clamp(min=0)
-    page = tables.gather(1, (last // page_size)[:, None])[:, 0].long()
-    return page * page_size + last % page_size
+def new_token_slots(tables: torch.Tensor, index: torch.Tensor, page_size: int) -> torch.Tensor:
+    """Plane slot ``[rows]`` int64 of each row's token at ``index [rows]`` of its pages."""
+    index = index.long().clamp(min=0)
+    page = tables.gather(1, (index // page_size)[:, None])[:, 0].long()
+    return page * page_size + index % page_size
 
 
 def entry_decode(
@@ -35,25 +35,30 @@ def entry_decode(
     lengths: torch.Tensor,  # [seqs * kv_heads] int32: tokens of each row (new one included)
     page_size: int,
     *,
-    new_kv: torch.Tensor | None = None,  # [2, seqs, kv_heads, dim]: stored at length - 1
+    new_kv: torch.Tensor | None = None,  # [2, seqs, kv_heads, dim]: the step's new token
+    new_index: torch.Tensor | None = None,  # [seqs * kv_heads]: where it goes (length - 1)
     reference: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One query token per sequence against each (sequence, kv head) row's own tokens.
-    Returns ``out [seqs, heads, dim]`` (q's dtype) and fp32 ``lse [seqs, heads]``; a row with
-    no token gives out 0 and lse -inf. ``reference`` runs the CPU twin."""
+    """One query token per sequence against each (sequence, kv head) row's own tokens,
+    ``new_kv`` stored first at ``new_index`` (a ring row's slot of its oldest window token;
+    default the row's last). Returns ``out [seqs, heads, dim]`` (q's dtype) and fp32 ``lse
+    [seqs, heads]``; a row with no token gives out 0 and lse -inf. ``reference`` runs the
+    CPU twin."""
     num_seqs, num_heads, dim = q.shape
     num_rows = tables.shape[0]
     rows_new = None if new_kv is None else new_kv.reshape(2, num_rows, 1, dim)
     q_rows = entry_rows(q, num_rows).contiguous()
-    if q.is_cuda and not reference:
+    if q.is_cuda and not reference:  # the kernel stores the new token (not in empty rows)
         from headspace.attention.triton_decode import paged_decode_attention
 
         out, lse = paged_decode_attention(q_rows, k[None], v[None], tables, lengths, page_size,
-                                          new_kv=rows_new)  # fmt: skip
+                                          new_kv=rows_new, new_index=new_index)  # fmt: skip
     else:
-        if rows_new is not None:
-            slots = new_token_slots(tables, lengths, page_size)
-            k[slots], v[slots] = rows_new[0, :, 0], rows_new[1, :, 0]
+        if rows_new is not None:  # not in empty rows
+            index = lengths - 1 if new_index is None else new_index
+            held = lengths > 0
+            slots = new_token_slots(tables, index, page_size)[held]
+            k[slots], v[slots] = rows_new[0, held, 0], rows_new[1, held, 0]
         decode = cpu_paged_decode_reference if reference else cpu_paged_decode
         out, lse = decode(q_rows, k[None], v[None], tables, lengths.int(), page_size)
     return out.reshape(num_seqs, num_heads, dim).to(q.dtype), lse.reshape(num_seqs, num_heads)

@@ -107,7 +107,7 @@ def sparse_prefill_attention(
         return reference_attention(q, k, v, scale=scale, mask=table.dense())
     group = q.shape[0] // k.shape[0]
     full = (table.kind == KIND_IDS["full"]).view(k.shape[0], group)
-    if full.all() or (full.any() and (full.all(1) | ~full.any(1)).all()):
+    if full.any() and (full.all(1) | ~full.any(1)).all():  # each kv head all full or none
         kv_full = full[:, 0]
         heads = kv_full.repeat_interleave(group)
         out = torch.empty_like(q)

@@ -18,12 +18,12 @@ LOG2E = 1.4426950408889634
 
 @triton.jit
 def _partial_kernel(
-    Q, K, V, TABLE, LENGTHS, NEW_K, NEW_V, OUT, LSE, scale_log2,
+    Q, K, V, TABLE, LENGTHS, NEW_K, NEW_V, NEW_INDEX, OUT, LSE, scale_log2,
     stride_qb, stride_qh, stride_kh, stride_kt, stride_vh, stride_vt, stride_tb,
     stride_nb, stride_nh, stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr, TOKENS_PER_SPLIT: tl.constexpr, APPEND: tl.constexpr,
-    PRECISION: tl.constexpr,
+    AT_INDEX: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
     kv_head = tl.program_id(0)
     split = tl.program_id(1)
@@ -44,6 +44,8 @@ def _partial_kernel(
     v_base = V + kv_head * stride_vh
     table = TABLE + seq * stride_tb
     new_pos = length - 1
+    if AT_INDEX:  # a ring row's new token goes over its oldest window token
+        new_pos = tl.load(NEW_INDEX + seq)
     if APPEND:  # the new token's K/V: stored by the slice that owns its position, used from
         # registers (not re-read from memory) by that slice's loop below
         new_k = tl.load(NEW_K + seq * stride_nb + kv_head * stride_nh + offs_d)
@@ -140,6 +142,7 @@ def paged_decode_attention(
     page_size: int,
     *,
     new_kv: torch.Tensor | None = None,  # [2, seqs, kv_heads, dim]: K/V of the query tokens
+    new_index: torch.Tensor | None = None,  # [seqs] int32: where new_kv goes (length - 1)
     scale: float | None = None,
     num_splits: int | None = None,
     block_n: int = 128,
@@ -150,10 +153,11 @@ def paged_decode_attention(
     """Decode attention of a batch of sequences over pages: ``out [seqs, heads, dim]``, ``lse``.
 
     Keys past each sequence's length are ignored. With ``new_kv`` the kernel also stores
-    each sequence's new K/V at position ``length - 1`` (its page must already be in the
-    table). ``num_splits`` key slices per (sequence, kv head) (default: about one program
-    per SM), ``block_n`` keys per inner step; the rest are Triton launch settings. ``out``
-    (e.g. a head range of a larger tensor) receives the result in place.
+    each sequence's new K/V at position ``length - 1``, or ``new_index`` (its page must
+    already be in the table; a sequence of length 0 stores nothing). ``num_splits`` key
+    slices per (sequence, kv head) (default: about one program per SM), ``block_n`` keys
+    per inner step; the rest are Triton launch settings. ``out`` (e.g. a head range of a
+    larger tensor) receives the result in place.
     """
     num_seqs, num_heads, dim = q.shape
     num_kv_heads = k.shape[0]
@@ -174,14 +178,16 @@ def paged_decode_attention(
     part_lse = torch.empty(num_seqs, num_heads, num_splits, device=q.device, dtype=torch.float32)
     new_k, new_v = (new_kv[0], new_kv[1]) if new_kv is not None else (q, q)
     _partial_kernel[(num_kv_heads, num_splits, num_seqs)](
-        q, k, v, block_tables, lengths, new_k, new_v, part_out, part_lse, scale * LOG2E,
+        q, k, v, block_tables, lengths, new_k, new_v,
+        new_index if new_index is not None else lengths, part_out, part_lse, scale * LOG2E,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         block_tables.stride(0), new_k.stride(0), new_k.stride(1),
         part_out.stride(0), part_out.stride(1), part_out.stride(2),
         part_lse.stride(0), part_lse.stride(1),
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
         DIM=dim, PAGE_SIZE=page_size, BLOCK_N=block_n, TOKENS_PER_SPLIT=tokens_per_split,
-        APPEND=new_kv is not None, num_warps=num_warps, num_stages=num_stages,
+        APPEND=new_kv is not None, AT_INDEX=new_kv is not None and new_index is not None,
+        num_warps=num_warps, num_stages=num_stages,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",  # float32 stays exact
     )  # fmt: skip
     if out is None:

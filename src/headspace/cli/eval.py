@@ -40,8 +40,9 @@ def add_eval_parser(subparsers, add_engine_options) -> None:
     p.add_argument(
         "--compare", nargs="+", default=None, metavar="OFFLOAD",
         help="one run per mode: an offload mode (none: all resident), hybrid-sparse[:BETA] "
-        "(hybrid with cpu_sparsity BETA, default --cpu-sparsity or 1), or POLICY:BUDGET (a KV "
-        "budget, e.g. ada_snapkv:0.25); flags differences",
+        "(hybrid with cpu_sparsity BETA, default --cpu-sparsity or 1), POLICY:BUDGET (a KV "
+        "budget, e.g. ada_snapkv:0.25) or streaming:SHARE (the --profile's SHARE of heads "
+        "keep every token, the others --sparse-pattern); flags differences",
     )  # fmt: skip
     add_engine_options(p)
     p.set_defaults(parse_tokens=parse_tokens)
@@ -70,30 +71,33 @@ def _rows(args, llm) -> tuple[list[dict], list[str], list[str]]:
 
 def _mode_options(mode: str, options: dict) -> dict:
     """Engine options of one ``--compare`` mode: an offload mode, ``hybrid-sparse[:BETA]``
-    (the hybrid tier with ``cpu_sparsity``) or ``POLICY:BUDGET`` (a KV budget, e.g.
-    ``ada_snapkv:0.25``); other modes run exact (no sparsity, no budget)."""
+    (the hybrid tier with ``cpu_sparsity``), ``POLICY:BUDGET`` (a KV budget, e.g.
+    ``ada_snapkv:0.25``) or ``streaming:SHARE`` (``retrieval_heads``); other modes run exact
+    (no sparsity, no budget, no streaming heads)."""
     from headspace.engine.config import KV_POLICIES
 
     name, _, value = mode.partition(":")
-    exact = {**options, "cpu_sparsity": None, "kv_budget": None}
+    exact = {**options, "cpu_sparsity": None, "kv_budget": None, "retrieval_heads": None}
     if name in KV_POLICIES:
         budget = _number(value, mode, "a budget")
         return {**exact, "offload": "none", "kv_policy": name, "kv_budget": budget}
+    if name == "streaming":
+        share = _number(value, mode, "the share of retrieval heads")
+        return {**exact, "offload": "none", "retrieval_heads": share}
     if name != "hybrid-sparse":
         if value:
-            raise UserError(f"only hybrid-sparse and the KV policies take a value after ':', "
-                            f"got {mode!r}")  # fmt: skip
+            raise UserError(f"only hybrid-sparse, streaming and the KV policies take a value "
+                            f"after ':', got {mode!r}")  # fmt: skip
         return {**exact, "offload": name}
     beta = _number(value, mode, "BETA") if value else (options.get("cpu_sparsity") or 1.0)
     return {**exact, "offload": "hybrid", "cpu_sparsity": beta, "cpu_share": None}
 
 
-def _number(text: str, mode: str, what: str) -> float | int:
+def _number(text: str, mode: str, what: str) -> float:
     try:
-        value = float(text)
+        return float(text)
     except ValueError:
         raise UserError(f"{mode!r}: {what} after ':' must be a number") from None
-    return int(value) if value > 1 and value.is_integer() else value
 
 
 def run_eval(args, options: dict) -> None:

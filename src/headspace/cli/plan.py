@@ -29,15 +29,10 @@ def add_plan_parser(subparsers) -> None:
     p.add_argument("--context", required=True, help="context length, e.g. 131072, 128K, 1M")
     # the engine's own flags for what a plan depends on (the GPU's memory unless given)
     planned = ("gpu_memory", "host_memory", "offload", "cpu_share", "gpu_window", "head_group",
-               "prefill_chunk", "page_size", "dtype")  # fmt: skip
-    add_engine_options(p, planned, {"dtype": "bfloat16"})
+               "prefill_chunk", "page_size", "dtype", "profile", "retrieval_heads",
+               "sparse_pattern")  # fmt: skip
+    add_engine_options(p, planned, {"dtype": "bfloat16", "retrieval_heads": 0.5})
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
-    p.add_argument("--profile", help="a profile from `headspace profile`: fills the patterns")
-    p.add_argument("--retrieval-heads", type=float, default=0.5,
-                   help="with --profile: share of (layer, kv head) entries, the highest "
-                   "retrieval scores, that keep full attention (default 0.5)")  # fmt: skip
-    p.add_argument("--sparse-pattern", default="streaming(4,1024)",
-                   help="with --profile: the pattern of the other entries")  # fmt: skip
 
 
 def _model_config(model: str | None):

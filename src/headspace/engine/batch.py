@@ -32,6 +32,7 @@ from headspace.kv.page_pool import OutOfPages
 from headspace.model.llama import LlamaModel
 from headspace.planner.memory import Hardware, KVSpec
 from headspace.planner.plan import Plan, plan_batch, step_seconds
+from headspace.planner.profile import with_patterns
 
 PROGRESS_MIN_TOKENS = 4096  # show a prefill progress bar from this prompt length on
 
@@ -89,13 +90,21 @@ class BatchGenerator:
         what = f"{len(seqs)} requests of {sum(s.max_tokens for s in seqs)} tokens"
         if len(seqs) == 1:
             what = f"a request of up to {seqs[0].max_tokens} tokens"
-        offload = "none" if self.config.kv_budget is not None else self.config.offload
-        return plan_batch(self.spec, self.runner.store.num_bytes, total, offload=offload,
-                          head_group=self.config.head_group,
-                          host_budget=self.runner.host.budget, what=what,
-                          hw=self.hardware, cpu_share=self.config.hybrid_cpu_share,
-                          gpu_window=self.config.gpu_window, num_seqs=len(seqs),
-                          auto_hybrid=self.config.on_gpu)  # fmt: skip
+        config = self.config
+        offload = "none" if config.per_head_pages else config.offload
+        plan = plan_batch(self.spec, self.runner.store.num_bytes, total, offload=offload,
+                          head_group=config.head_group, host_budget=self.runner.host.budget,
+                          what=what, hw=self.hardware, cpu_share=config.hybrid_cpu_share,
+                          gpu_window=config.gpu_window, num_seqs=len(seqs),
+                          auto_hybrid=config.on_gpu)  # fmt: skip
+        if config.retrieval_heads is not None:  # the profile's heads that retrieve keep all
+            plan.head_map = with_patterns(
+                plan.head_map,
+                self.runner.profile.retrieval,
+                config.retrieval_heads,
+                config.sparse_pattern,
+            )
+        return plan
 
     def _rate(self, plan: Plan, seqs: list[Sequence]) -> float:
         """Predicted sequences x tokens/s of a decode step over ``seqs`` (roofline)."""
@@ -134,7 +143,7 @@ class BatchGenerator:
         self.tiers = ((GPU,) if plan.head_map.count("gpu") else ()) + ((HOST,) if streams else ())
         if scheduler is not None:
             scheduler.tiers = self.tiers
-            swaps = self.config.offload != "none" and self.config.kv_budget is None
+            swaps = self.config.offload != "none" and not self.config.per_head_pages
             scheduler.optimistic = not streams and swaps
             scheduler.host_room = self._host_room
 

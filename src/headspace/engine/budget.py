@@ -6,6 +6,12 @@ the entry plane); the prompt's last queries are kept per layer. After the prompt
 observation window), lets the policy pick each entry's tokens, moves them to the front of
 the entry's pages and gives the rest back to the pool. Decode attends each (sequence, kv
 head) row over its own pages (``attention.entry_decode``), which also stores the new K/V.
+
+Heads whose pattern is ``streaming(sink, window)`` keep, after the prompt, only its first
+``sink`` tokens and last ``window`` ones, as ring entries: each new token then overwrites the
+oldest window token, so such a head holds ``sink + window`` tokens however long the sequence
+grows (DuoAttention's streaming heads; HeadInfer, App. D). The prompt itself is attended in
+full by every head.
 """
 
 from __future__ import annotations
@@ -15,28 +21,22 @@ import torch
 from headspace.attention import attend, merge_attention
 from headspace.attention.entry_decode import entry_decode
 from headspace.budgets import KVBudget, kept_positions, observation_scores
-from headspace.engine.executors import MIN_WIDTH, bucket
+from headspace.engine.executors import MIN_WIDTH, block_table, bucket
 from headspace.kv.entry_table import EntryBlockManager
-
-
-def _table(pages: list[list[int]], width: int | None = None) -> torch.Tensor:
-    """``[rows, width]`` int32 block table of page lists (padded with page 0)."""
-    width = max(width or 1, max((len(p) for p in pages), default=1))
-    table = torch.zeros(len(pages), width, dtype=torch.int32)
-    for row, row_pages in enumerate(pages):
-        table[row, : len(row_pages)] = torch.tensor(row_pages, dtype=torch.int32)
-    return table
 
 
 class BudgetExecutor:
     """Attention of every entry over per-entry pages of one plane ``[2, slots, dim]``."""
 
     def __init__(self, plane: torch.Tensor, blocks: EntryBlockManager, num_kv_heads: int,
-                 q_per_kv: int, backend: str, budget: KVBudget, max_slots: int, max_pages: int,
-                 head_scores: torch.Tensor | None = None):  # fmt: skip
+                 q_per_kv: int, backend: str, budget: KVBudget | None, max_slots: int,
+                 max_pages: int, head_scores: torch.Tensor | None = None,
+                 rings: dict[int, tuple[int, int]] | None = None):  # fmt: skip
+        """``budget``: what each entry keeps of the prompt (None: all); ``rings``: the
+        streaming entries' ``(sink, window)``, by entry index."""
         self.plane, self.blocks, self.budget = plane, blocks, budget
         self.num_kv_heads, self.q_per_kv, self.backend = num_kv_heads, q_per_kv, backend
-        self.head_scores = head_scores
+        self.head_scores, self.rings = head_scores, dict(rings or {})
         self.page_size = blocks.page_size
         self.window_q: dict[int, torch.Tensor] = {}  # layer -> [tokens <= window, heads, dim]
         self._results: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -47,11 +47,12 @@ class BudgetExecutor:
         self.entry_tables = torch.zeros(max_slots, num_entries, max_pages, dtype=torch.int32,
                                         device=device)  # fmt: skip
         self.entry_lengths = torch.zeros(max_slots, num_entries, dtype=torch.int32, device=device)
-        self._owners: dict[int, tuple[object, list[int]]] = {}  # slot -> (lists, pages held)
+        self.entry_newest = torch.zeros_like(self.entry_lengths)  # where each new token goes
+        self._owners: dict[int, object] = {}  # token slot -> the EntryLists its rows hold
 
     def _slots(self, seq_id: int, positions: torch.Tensor) -> torch.Tensor:
         """Plane slots ``[entries, tokens]`` of ``positions`` in each entry of ``seq_id``."""
-        table = _table(self.blocks.entries[seq_id].pages).to(self.plane.device).long()
+        table = block_table(self.blocks.entries[seq_id].pages).to(self.plane.device).long()
         pages = table[:, positions // self.page_size]
         return pages * self.page_size + positions % self.page_size
 
@@ -59,7 +60,6 @@ class BudgetExecutor:
         self.step, device = step, self.plane.device
         if not step.decode:
             (seq_id,) = step.seq_ids
-            self.seq_id = seq_id
             positions = torch.arange(step.start + len(step.positions), device=device)
             slots = self._slots(seq_id, positions)  # [entries, prefix + chunk]
             self.slots = slots.view(-1, self.num_kv_heads, slots.shape[-1])
@@ -70,28 +70,29 @@ class BudgetExecutor:
 
     def sync(self, seq_ids: list[int], slots: list[int]) -> None:
         """Bring the device tables of the step's token ``slots`` up to the entries of
-        ``seq_ids`` (whole rows for a slot's new owner, else only the pages added)."""
+        ``seq_ids``: whole rows for a slot's new owner, else the pages decode added."""
         device, widest = self.plane.device, 1
-        rows, columns, pages, lengths = [], [], [], []
+        added, lengths, newest = [], [], []  # (flat row, column, page); [entries] per sequence
         for seq_id, slot in zip(seq_ids, slots, strict=True):
             lists = self.blocks.entries[seq_id]
-            owner, known = self._owners.get(slot, (None, []))
-            if owner is not lists:  # the slot's rows belong to another sequence
-                known = [0] * len(lists.pages)
-            for e, entry_pages in enumerate(lists.pages):
-                for i in range(known[e], len(entry_pages)):
-                    rows.append(slot * len(known) + e)
-                    columns.append(i)
-                    pages.append(entry_pages[i])
-            self._owners[slot] = (lists, [len(p) for p in lists.pages])
-            widest = max(widest, max(self._owners[slot][1]))
+            if self._owners.get(slot) is not lists:  # the slot's rows were another's
+                table = block_table(lists.pages)
+                self.entry_tables[slot, :, : table.shape[1]] = table.to(device)
+                self._owners[slot] = lists
+            else:
+                added += [(slot * len(lists.pages) + e, i, page) for e, i, page in lists.added]
+            lists.added = []
+            widest = max(widest, max(map(len, lists.pages)))
             lengths.append(lists.lengths)
-        if pages:
-            flat = self.entry_tables.view(-1, self.entry_tables.shape[-1])
-            index = torch.tensor([rows, columns], device=device)
-            flat[index[0], index[1]] = torch.tensor(pages, dtype=torch.int32, device=device)
+            newest.append(lists.newest)
+        if added:
+            rows, columns, pages = torch.tensor(added, device=device).T
+            self.entry_tables.view(-1, self.entry_tables.shape[-1])[rows, columns] = pages.int()
         slot_index = torch.tensor(slots, device=device)
         self.entry_lengths[slot_index] = torch.tensor(lengths, dtype=torch.int32, device=device)
+        if self.rings:
+            self.entry_newest[slot_index] = torch.tensor(newest, dtype=torch.int32,
+                                                         device=device)  # fmt: skip
         self.step_slots, self.widest = slot_index, widest
 
     def begin_rows(self, slots: torch.Tensor, width: int) -> None:
@@ -103,13 +104,18 @@ class BudgetExecutor:
         self.tables = tables.reshape(layers, num_seqs * heads, width)
         lengths = self.entry_lengths.index_select(0, slots).view(num_seqs, layers, heads)
         self.lengths = lengths.transpose(0, 1).reshape(layers, num_seqs * heads)
+        self.newest = None  # the rows' last token (length - 1) unless there are rings
+        if self.rings:
+            newest = self.entry_newest.index_select(0, slots).view(num_seqs, layers, heads)
+            self.newest = newest.transpose(0, 1).reshape(layers, num_seqs * heads)
 
     def submit(self, layer: int, q: torch.Tensor, kv: torch.Tensor, out: torch.Tensor) -> None:
         """``q [tokens, heads, dim]``, ``kv [2, tokens, kv_heads, dim]`` of the whole layer."""
         if self.step.decode:
             k, v = self.plane[0], self.plane[1]
+            newest = None if self.newest is None else self.newest[layer]
             result, lse = entry_decode(q, k, v, self.tables[layer], self.lengths[layer],
-                                       self.page_size, new_kv=kv)  # fmt: skip
+                                       self.page_size, new_kv=kv, new_index=newest)  # fmt: skip
             out.copy_(result)
             self._results[layer] = (out, lse.transpose(0, 1))
             return
@@ -123,20 +129,42 @@ class BudgetExecutor:
             earlier = attend(q_first, prefix[0], prefix[1], backend=self.backend)
             out_part, lse = merge_attention([out_part, earlier[0]], [lse, earlier[1]])
         out.copy_(out_part.transpose(0, 1))
+        self._results[layer] = (out, lse)
+        if self.budget is None:
+            return
         kept = self.window_q.get(layer)
         recent = q if kept is None else torch.cat([kept, q])
         self.window_q[layer] = recent[-self.budget.window :].clone()
-        self._results[layer] = (out, lse)
 
     def collect(self, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         return self._results.pop(layer, None)
 
     @torch.inference_mode()
     def compress(self, seq_id: int, prompt_len: int) -> list[int]:
-        """Keep each entry's tokens by the budget (after the prompt of ``seq_id``, whose
-        K/V and last queries this executor holds); returns the kept count per entry."""
+        """Keep each entry's tokens by the budget and the rings (after the prompt of
+        ``seq_id``, whose K/V and last queries this executor holds); returns the kept count
+        per entry."""
         positions = torch.arange(prompt_len, device=self.plane.device)
         slots = self._slots(seq_id, positions)  # [entries, prompt]
+        kept = self._budget_positions(slots, prompt_len)
+        for e, (sink, window) in self.rings.items():
+            if prompt_len > sink + window:
+                kept[e] = torch.cat([torch.arange(sink),
+                                     torch.arange(prompt_len - window, prompt_len)])  # fmt: skip
+        moved = [e for e, p in enumerate(kept) if len(p) < prompt_len]
+        if moved:
+            src = torch.cat([slots[e][kept[e].to(slots.device)] for e in moved])
+            dst = torch.cat([slots[e][: len(kept[e])] for e in moved])
+            self.plane[:, dst] = self.plane[:, src]
+        counts = [len(p) for p in kept]
+        self.blocks.compress(seq_id, counts, self.rings)
+        self.window_q = {}
+        return counts
+
+    def _budget_positions(self, slots: torch.Tensor, prompt_len: int) -> list[torch.Tensor]:
+        """Positions each entry keeps by the budget's policy (all without a budget)."""
+        if self.budget is None:
+            return [torch.arange(prompt_len)] * slots.shape[0]
         per_layer = slots.view(-1, self.num_kv_heads, prompt_len)
         window = min(self.budget.window, prompt_len)
         scores = []
@@ -145,11 +173,4 @@ class BudgetExecutor:
             q_window = self.window_q[layer][-window:].transpose(0, 1)
             scores.append(observation_scores(q_window, keys).cpu())
         kept = kept_positions(self.budget, scores, prompt_len, self.head_scores)
-        flat = [positions for layer in kept for positions in layer]
-        src = torch.cat([row[p.to(row.device)] for row, p in zip(slots, flat, strict=True)])
-        dst = torch.cat([row[: len(p)] for row, p in zip(slots, flat, strict=True)])
-        self.plane[:, dst] = self.plane[:, src]
-        counts = [len(p) for p in flat]
-        self.blocks.compress(seq_id, counts)
-        self.window_q = {}
-        return counts
+        return [positions for layer in kept for positions in layer]

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field, fields
 
 import torch
 
+from headspace.attention.patterns import Pattern
 from headspace.budgets import POLICIES, KVBudget
 from headspace.errors import UserError
 from headspace.planner.plan import OFFLOAD_MODES
@@ -95,7 +96,17 @@ class EngineConfig:
         "count, ada_snapkv: a layer's heads share by score, headkv: by a profile's scores)",
         choices=KV_POLICIES,
     )  # fmt: skip
-    profile: str | None = _option(None, "a profile from `headspace profile` (headkv's scores)")
+    profile: str | None = _option(
+        None, "a profile from `headspace profile` (headkv's scores, retrieval heads)"
+    )
+    retrieval_heads: float | None = _option(
+        None, "with a profile: share of (layer, kv head) entries, by retrieval score, that "
+        "keep every token; the others take sparse_pattern (default: all keep every token)",
+    )  # fmt: skip
+    sparse_pattern: str = _option(
+        "streaming(4,1024)", "with retrieval_heads: the other entries' pattern; a "
+        "streaming(sink,window) head holds only its sink and window tokens at decode",
+    )  # fmt: skip
 
     def __post_init__(self):
         if self.dtype is None:
@@ -138,6 +149,7 @@ class EngineConfig:
                             f"cpu_share must be 1 or unset, got {self.cpu_share}")  # fmt: skip
 
     def _check_budget(self) -> None:
+        self._check_patterns()
         value = self.kv_budget
         if value is None:
             return
@@ -147,12 +159,32 @@ class EngineConfig:
             KVBudget(value, self.kv_policy)
         except ValueError as error:
             raise UserError(str(error)) from None
-        if self.offload not in ("none", "auto"):
-            raise UserError(f"kv_budget keeps every head on the GPU; offload must be 'none' "
-                            f"or 'auto', got {self.offload!r}")  # fmt: skip
         if self.kv_policy == "headkv" and self.profile is None:
             raise UserError("kv_policy headkv divides the budget by a profile's scores: "
                             "give --profile (from `headspace profile`)")  # fmt: skip
+
+    def _check_patterns(self) -> None:
+        share = self.retrieval_heads
+        if share is not None and (not _is_number(share) or not 0 <= share <= 1):
+            raise UserError(f"retrieval_heads must be a share in [0, 1], got {share}")
+        if share is not None and self.profile is None:
+            raise UserError("retrieval_heads ranks heads by a profile's retrieval scores: "
+                            "give --profile (from `headspace profile`)")  # fmt: skip
+        try:
+            pattern = Pattern.parse(self.sparse_pattern)
+        except ValueError as error:
+            raise UserError(f"sparse_pattern: {error}") from None
+        if pattern.kind != "streaming":
+            raise UserError(f"the engine runs streaming(sink,window) heads; {pattern.kind} is "
+                            f"a prefill pattern (see `headspace plan`), got {pattern}")  # fmt: skip
+        if self.per_head_pages and self.offload not in ("none", "auto"):
+            raise UserError(f"kv_budget and retrieval_heads keep every head on the GPU; offload "
+                            f"must be 'none' or 'auto', got {self.offload!r}")  # fmt: skip
+
+    @property
+    def per_head_pages(self) -> bool:
+        """Whether each (layer, kv head) entry has its own pages (budgets, streaming heads)."""
+        return self.kv_budget is not None or self.retrieval_heads is not None
 
     @property
     def hybrid_cpu_share(self) -> float | None:

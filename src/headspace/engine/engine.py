@@ -15,6 +15,7 @@ from headspace.errors import UserError
 from headspace.model.config import load_config
 from headspace.model.llama import LlamaModel
 from headspace.model.loader import load_model
+from headspace.planner.profile import Profile
 
 __all__ = ["Engine", "GenerationStats", "RequestOutput"]
 
@@ -51,6 +52,8 @@ class Engine:
         self.config, self.model, self.tokenizer = config, model, tokenizer
         model_cfg = model.config
         self.max_context = config.max_context or model_cfg.max_context
+        if config.profile is not None:  # refuse a profile of another model now, in one line
+            Profile.load(config.profile).check(model_cfg.num_layers, model_cfg.num_kv_heads)
         eos = set(model_cfg.eos_token_ids)
         if getattr(tokenizer, "eos_token_id", None) is not None:
             eos.add(tokenizer.eos_token_id)

@@ -15,11 +15,22 @@ import torch
 
 from headspace.attention import attend, merge_attention
 from headspace.attention.cpu_decode import cpu_paged_decode
+from headspace.attention.entry_decode import new_token_slots
 from headspace.attention.paged import flex_paged_attention, gather_pages, prefix_block_mask
 from headspace.kv.paged_store import PagedKVStore
 
 HeadRange = tuple[int, int]  # kv heads lo..hi-1 of a layer
 MIN_WIDTH = 8  # pages per block-table row, at least
+
+
+def block_table(rows: list[list[int]], width: int = 1) -> torch.Tensor:
+    """``[rows, max(width, longest row)]`` int32 block table of page lists (padded with
+    page 0, which a row's length never reaches)."""
+    width = max(width, max(map(len, rows), default=1))
+    table = torch.zeros(len(rows), width, dtype=torch.int32)
+    for row, pages in enumerate(rows):
+        table[row, : len(pages)] = torch.tensor(pages, dtype=torch.int32)
+    return table
 
 
 def bucket(n: int, floor: int = 1) -> int:
@@ -83,10 +94,8 @@ class ResidentExecutor:
             self.pages = torch.tensor(step.pages["gpu"][0], device=device)
             self.slots = self.store.slots(self.pages, step.positions)
         elif not self.on_gpu and "gpu" in step.tables:  # the CPU kernel's inputs, per step
-            table, positions = step.tables["gpu"], step.positions
             self.ends = step.lengths.to(torch.int32)
-            page_of = table.gather(1, (positions // self.page_size)[:, None])[:, 0]
-            self.slots = page_of.long() * self.page_size + positions % self.page_size
+            self.slots = new_token_slots(step.tables["gpu"], self.ends - 1, self.page_size)
 
     def submit(self, layer: int, q: torch.Tensor, kv: torch.Tensor, out: torch.Tensor) -> None:
         """``q [tokens, heads, dim]``, ``kv [2, tokens, kv_heads, dim]`` of the whole layer;

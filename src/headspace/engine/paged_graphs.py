@@ -74,19 +74,21 @@ class DecodeGraphs:
         streamed = num_pages * self.stream.num_heads * self.stream.entry_page_bytes
         return num_pages <= self.stream.piece_pages and streamed <= GRAPH_MAX_STREAMED_BYTES
 
+    def _packed_width(self, key) -> int:
+        """Block-table columns packed per row: none under KV budgets, whose per-entry tables
+        stay on the device (``key``'s width then sizes the rows the step gathers)."""
+        return 0 if self.budget is not None else key[1]
+
     def _columns(self, key) -> tuple[int, int]:
         """(int64 values per row, values after the rows) of the inputs of ``key``."""
-        batch, gpu_width, staging_width = key
-        if self.budget is not None:  # the entries' tables are on the device already
-            gpu_width = 0
+        batch, _, staging_width = key
+        gpu_width = self._packed_width(key)
         per_row = 2 + gpu_width + staging_width + (1 if self.stream else 0)
         return per_row, (1 + self.stream.piece_pages) if self.stream else 0
 
     def _views(self, inputs: torch.Tensor, key) -> dict[str, torch.Tensor]:
-        batch, gpu_width, staging_width = key
-        self.budget_width = gpu_width
-        if self.budget is not None:
-            gpu_width = 0
+        batch, _, staging_width = key
+        gpu_width = self._packed_width(key)
         per_row, _ = self._columns(key)
         rows = inputs[: batch * per_row].view(batch, per_row)
         views = {"slots": rows[:, 0], "positions": rows[:, 1],
@@ -103,7 +105,7 @@ class DecodeGraphs:
     def _attention(self, layer: int, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
         return attend_tiers(self.executors, layer, q, kv)
 
-    def _step(self, views: dict[str, torch.Tensor]) -> None:
+    def _step(self, views: dict[str, torch.Tensor], key) -> None:
         positions = views["positions"]
         tables = {tier: views[tier] for tier in ("gpu", "host") if views[tier].shape[1]}
         step = StepInputs(True, positions, [], {}, tables, positions + 1)
@@ -111,7 +113,7 @@ class DecodeGraphs:
             self.resident.begin(step)
         if self.budget is not None:
             self.budget.step = step
-            self.budget.begin_rows(views["slots"], self.budget_width)
+            self.budget.begin_rows(views["slots"], key[1])
         if self.stream is not None:
             self.stream.begin_static(step, views["pages"], views["count"], views["new_slots"])
         slots = views["slots"]
@@ -133,18 +135,17 @@ class DecodeGraphs:
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):  # warm-up (compiles)
             for _ in range(2):
-                self._step(views)
+                self._step(views, key)
         torch.cuda.current_stream(self.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool):
-            self._step(views)
+            self._step(views, key)
         return _Captured(graph, inputs, staging)
 
     def _pack(self, slots: list[int], positions: list[int], pages: dict, key) -> list[int]:
         """The step's inputs as one flat list of int64 values (see ``_views``)."""
-        batch, gpu_width, staging_width = key
-        if self.budget is not None:
-            gpu_width = 0
+        batch, _, staging_width = key
+        gpu_width = self._packed_width(key)
         size, values, host_pages, staged = self.page_size, [], [], 0
         for row, (slot, position) in enumerate(zip(slots, positions, strict=True)):
             values += [slot, position]

@@ -13,6 +13,7 @@ import os
 
 import torch
 
+from headspace.attention.patterns import Pattern
 from headspace.budgets import KVBudget
 from headspace.engine.budget import BudgetExecutor
 from headspace.engine.config import EngineConfig
@@ -21,6 +22,7 @@ from headspace.engine.executors import (
     ResidentExecutor,
     StepInputs,
     attend_tiers,
+    block_table,
     bucket,
 )
 from headspace.engine.hybrid import CpuAttention
@@ -62,9 +64,14 @@ class PagedRunner:
         self.max_context = max_context
         self.device = torch.device(config.device)
         self.store = PagedKVStore(spec, arena_bytes, dtype=config.torch_dtype, device=self.device)
-        self.budget = None
-        if config.kv_budget is not None:  # every (layer, kv head) in its own pages
-            self.budget = KVBudget(config.kv_budget, config.kv_policy)
+        self.budget = (
+            None if config.kv_budget is None else KVBudget(config.kv_budget, config.kv_policy)
+        )
+        self.profile = None
+        if config.profile is not None:
+            self.profile = Profile.load(config.profile)
+            self.profile.check(spec.num_layers, spec.num_kv_heads)
+        if config.per_head_pages:  # every (layer, kv head) in its own pages
             self.blocks = EntryBlockManager(spec.page_size, 0, spec.num_entries)
         else:
             self.blocks = BlockManager(spec.page_size, 0)
@@ -92,8 +99,8 @@ class PagedRunner:
         key = _layout_key(plan)
         if key == self._layout:
             return
-        if self.budget is not None:
-            return self._apply_budget(plan, key)
+        if self.config.per_head_pages:
+            return self._apply_entry_pages(plan, key)
         cfg = self.model.config
         ranges = [_ranges(plan, layer) for layer in range(cfg.num_layers)]
         staging = plan.staging
@@ -114,27 +121,31 @@ class PagedRunner:
                                                  self.page_size, backend,
                                                  self._cpu_split(plan)))  # fmt: skip
 
-    def _apply_budget(self, plan: Plan, key: tuple) -> None:
-        """KV budgets: the arena is one plane of entry pages ``[2, slots, head_dim]``."""
+    def _apply_entry_pages(self, plan: Plan, key: tuple) -> None:
+        """KV budgets and streaming heads: the arena is one plane of entry pages ``[2,
+        slots, head_dim]``; the head map's streaming entries become rings."""
         if plan.head_map.num_offloaded:
-            raise UserError("kv_budget keeps every head on the GPU: the KV of the longest "
-                            "prompt must fit there before it is compressed")  # fmt: skip
-        spec, buffer = self.spec, self.store.buffer
-        num_pages = buffer.numel() // (2 * spec.page_size * spec.head_dim)
-        plane = buffer[: 2 * num_pages * spec.page_size * spec.head_dim]
+            raise UserError(
+                "kv_budget and retrieval_heads keep every head on the GPU: the KV "
+                "of the longest prompt must fit there before it is compressed"
+            )
+        spec = self.spec
+        num_pages = self.store.num_bytes // spec.entry_page_bytes
+        plane = self.store.buffer[: 2 * num_pages * spec.page_size * spec.head_dim]
         self.blocks.reset(num_pages)
         self.plan, self._layout = plan, key
         self._layout_id = self._layout_ids.setdefault(key, len(self._layout_ids))
-        head_scores = None
-        if self.config.profile is not None:
-            profile = Profile.load(self.config.profile)
-            profile.check(spec.num_layers, spec.num_kv_heads)
-            head_scores = torch.tensor(profile.retrieval)
+        head_scores = None if self.profile is None else torch.tensor(self.profile.retrieval)
+        rings = {}
+        for entry in plan.head_map.entries:
+            pattern = Pattern.parse(entry.pattern)
+            if pattern.kind == "streaming":
+                rings[entry.layer * spec.num_kv_heads + entry.kv_head] = pattern.params
         self.executors = [BudgetExecutor(plane.view(2, -1, spec.head_dim), self.blocks,
                                          spec.num_kv_heads, self.model.config.num_queries_per_kv,
                                          self.config.attention_backend, self.budget,
                                          self.tokens.numel(), spec.pages_for(self.max_context),
-                                         head_scores)]  # fmt: skip
+                                         head_scores, rings)]  # fmt: skip
 
     def _cpu_split(self, plan: Plan) -> CpuSplit | None:
         """The hybrid tier's CPU side (one per runner: its worker thread is kept)."""
@@ -168,9 +179,9 @@ class PagedRunner:
         return sparse.summary(seq_id)
 
     def kv_held(self, seq_id: int) -> tuple[int, float] | None:
-        """KV budgets: (bytes of K/V ``seq_id`` holds, their share of its full KV); None in
-        other modes."""
-        if self.budget is None:
+        """Per-head pages: (bytes of K/V ``seq_id`` holds, their share of its full KV); None
+        in other modes."""
+        if not self.config.per_head_pages:
             return None
         lengths = self.blocks.entries[seq_id].lengths
         num_tokens = self.blocks.table(seq_id).num_tokens
@@ -240,7 +251,7 @@ class PagedRunner:
             if on_chunk:
                 on_chunk(end - start)
         self.blocks.cache_full_pages(seq.seq_id, seq.prompt_ids)
-        if self.budget is not None:
+        if self.config.per_head_pages:
             self.executors[0].compress(seq.seq_id, len(seq.prompt_ids))
         if all_logits:
             return torch.cat(rows)
@@ -257,7 +268,7 @@ class PagedRunner:
         (pages already allocated). Returns fp32 logits ``[seqs, vocab]`` and the slots on
         the device; each greedy pick is written into its slot (sampled rows overwrite it)."""
         pages = self._pages(seq_ids)
-        if self.budget is not None:  # the entries' tables on the device
+        if self.config.per_head_pages:  # the entries' tables on the device
             self.executors[0].sync(seq_ids, slots)
         graphs = self._graphs
         if graphs is not None and graphs.accepts(positions):
@@ -278,10 +289,7 @@ class PagedRunner:
         tables = {}
         for tier, rows in pages.items():
             width = bucket(max(map(len, rows)), MIN_WIDTH)
-            table = torch.zeros(len(rows), width, dtype=torch.int32)
-            for row, seq_pages in enumerate(rows):
-                table[row, : len(seq_pages)] = torch.tensor(seq_pages, dtype=torch.int32)
-            tables[tier] = table.to(self.device)
+            tables[tier] = block_table(rows, width).to(self.device)
         return StepInputs(True, pos, list(positions), pages, tables, pos + 1)
 
     # -- swapping ----------------------------------------------------------------------

@@ -5,7 +5,9 @@ back to the pool. Bookkeeping only, no tensors.
 Entry ``e = layer * num_kv_heads + kv_head``. A page of this pool holds ``page_size``
 tokens of one entry (K and V of one head), so a prompt of ``n`` tokens takes ``entries *
 ceil(n / page_size)`` pages until it is compressed; afterwards each entry holds
-``ceil(kept / page_size)`` pages and grows by one token per decode step. The sequence's GPU
+``ceil(kept / page_size)`` pages and grows by one token per decode step, except a ring
+entry (a ``streaming(sink, window)`` head), which stops at ``sink + window`` tokens and then
+writes each new token over its oldest window token. The sequence's GPU
 :class:`BlockTable` lists all its pages (the scheduler counts them); its ``num_tokens`` stays
 the sequence's logical length (positions), while each entry has its own length.
 """
@@ -13,7 +15,7 @@ the sequence's logical length (positions), while each entry has its own length.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from headspace.kv.block_table import GPU, BlockManager, BlockTable
 from headspace.kv.page_pool import OutOfPages
@@ -26,6 +28,21 @@ class EntryLists:
     pages: list[list[int]]  # [entries][pages], in logical order
     lengths: list[int]  # [entries] tokens held
     compressed: bool = False
+    added: list[tuple[int, int, int]] = field(default_factory=list)  # (entry, index, page)
+    rings: dict[int, tuple[int, int]] = field(default_factory=dict)  # entry -> (sink, window)
+    newest: list[int] = field(default_factory=list)  # [entries] index of the latest token
+
+    def __post_init__(self):
+        self.newest = self.newest or [n - 1 for n in self.lengths]
+
+    def capacity(self, entry: int) -> int | None:
+        """Most tokens ``entry`` holds (a ring's ``sink + window``; None: unbounded)."""
+        ring = self.rings.get(entry)
+        return None if ring is None else ring[0] + ring[1]
+
+    def _grows(self, entry: int) -> bool:
+        cap = self.capacity(entry)
+        return cap is None or self.lengths[entry] < cap
 
 
 class EntryBlockManager(BlockManager):
@@ -47,9 +64,11 @@ class EntryBlockManager(BlockManager):
         if not lists.compressed:
             return super().future_pages(seq_id, max_tokens)
         more = max_tokens - self.tables[seq_id][GPU].num_tokens
-        size = self.page_size
-        return sum(-(-(length + more) // size) - len(pages)
-                   for length, pages in zip(lists.lengths, lists.pages, strict=True))  # fmt: skip
+        size, total = self.page_size, 0
+        for e, (length, pages) in enumerate(zip(lists.lengths, lists.pages, strict=True)):
+            cap = lists.capacity(e)
+            total += -(-min(length + more, cap or length + more) // size) - len(pages)
+        return total
 
     def allocate_prompt(self, seq_id: int, token_ids: Sequence[int], tiers=(GPU,), *,
                         reuse: bool = False) -> int:  # fmt: skip
@@ -67,10 +86,11 @@ class EntryBlockManager(BlockManager):
         return 0
 
     def pages_needed(self, seq_id: int) -> int:
-        """New pages one more token of ``seq_id`` takes (one per full entry)."""
+        """New pages one more token of ``seq_id`` takes (one per full, growing entry)."""
         lists = self.entries[seq_id]
-        return sum(length == len(pages) * self.page_size
-                   for length, pages in zip(lists.lengths, lists.pages, strict=True))  # fmt: skip
+        return sum(length == len(pages) * self.page_size and lists._grows(e)
+                   for e, (length, pages) in enumerate(zip(lists.lengths, lists.pages,
+                                                           strict=True)))  # fmt: skip
 
     def needs_page(self, seq_id: int) -> bool:
         return self.pages_needed(seq_id) > 0
@@ -81,19 +101,32 @@ class EntryBlockManager(BlockManager):
         lists, pool = self.entries[seq_id], self.pools[GPU]
         if self.pages_needed(seq_id) > pool.num_free:
             raise OutOfPages(f"no free page for sequence {seq_id}")
+        table = self.tables[seq_id][GPU]  # its pages in no particular order after compress
         for e, pages in enumerate(lists.pages):
+            if not lists._grows(e):  # a full ring: over its oldest window token
+                sink, window = lists.rings[e]
+                lists.newest[e] = sink + (lists.newest[e] + 1 - sink) % window
+                continue
             if lists.lengths[e] == len(pages) * self.page_size:
-                pages.append(pool.allocate())
+                lists.added.append((e, len(pages), pool.allocate()))
+                pages.append(lists.added[-1][2])
+                table.pages.append(pages[-1])
+            lists.newest[e] = lists.lengths[e]
             lists.lengths[e] += 1
-        table = self.tables[seq_id][GPU]
-        table.pages, table.num_tokens = _flat(lists.pages), table.num_tokens + 1
+        table.num_tokens += 1
 
-    def compress(self, seq_id: int, kept: Sequence[int]) -> list[int]:
+    def compress(self, seq_id: int, kept: Sequence[int],
+                 rings: dict[int, tuple[int, int]] | None = None) -> list[int]:  # fmt: skip
         """Entry ``e`` now holds its first ``kept[e]`` tokens (the caller moved them to the
-        front); the pages past them return to the pool. Returns the freed pages."""
+        front, oldest first); the pages past them return to the pool. ``rings`` makes
+        entries rings of ``(sink, window)`` (at most ``sink + window`` kept). Returns the
+        freed pages."""
         lists, pool = self.entries[seq_id], self.pools[GPU]
         if len(kept) != self.num_entries:
             raise ValueError(f"{len(kept)} kept counts for {self.num_entries} entries")
+        for e, (sink, window) in (rings or {}).items():
+            if window < 1 or sink < 0 or kept[e] > sink + window:
+                raise ValueError(f"entry {e} keeps {kept[e]} tokens in a ring of {sink}+{window}")
         freed = []
         for e, count in enumerate(kept):
             if not 0 <= count <= lists.lengths[e]:
@@ -103,7 +136,8 @@ class EntryBlockManager(BlockManager):
             lists.pages[e], lists.lengths[e] = lists.pages[e][:num_pages], count
         for page in freed:
             pool.release(page)
-        lists.compressed = True
+        lists.compressed, lists.added, lists.rings = True, [], dict(rings or {})
+        lists.newest = [n - 1 for n in lists.lengths]
         self.tables[seq_id][GPU].pages = _flat(lists.pages)
         return freed
 
