@@ -32,7 +32,7 @@ from headspace.kv.page_pool import OutOfPages
 from headspace.model.llama import LlamaModel
 from headspace.planner.memory import Hardware, KVSpec
 from headspace.planner.plan import Plan, plan_batch, step_seconds
-from headspace.planner.profile import with_patterns
+from headspace.planner.profile import Profile, with_patterns
 
 PROGRESS_MIN_TOKENS = 4096  # show a prefill progress bar from this prompt length on
 
@@ -65,7 +65,8 @@ class BatchGenerator:
     """Generates for many prompts at once over the tiers of the current plan."""
 
     def __init__(self, model: LlamaModel, tokenizer, config: EngineConfig,
-                 eos_token_ids: set[int], max_context: int):  # fmt: skip
+                 eos_token_ids: set[int], max_context: int,
+                 profile: Profile | None = None):  # fmt: skip
         self.model, self.tokenizer, self.config = model, tokenizer, config
         self.eos_token_ids, self.max_context = eos_token_ids, max_context
         cfg, dtype = model.config, config.torch_dtype
@@ -76,7 +77,7 @@ class BatchGenerator:
         host = HostKVArena(self.spec, dtype, pin=config.on_gpu,
                            budget=host_budget(config.host_memory))  # fmt: skip
         self.runner = PagedRunner(model, config, self.spec, arena, host, 2 * config.max_batch,
-                                  max_context)  # fmt: skip
+                                  max_context, profile)  # fmt: skip
         # the planner's rates (no CPU attention where the kernel does not build); with
         # ``offload="auto"`` the hybrid tier is considered only on a GPU machine
         self.hardware = Hardware() if kernel_isa() is not None else Hardware(cpu_attention_bytes=0)

@@ -98,16 +98,17 @@ class BudgetExecutor:
     def begin_rows(self, slots: torch.Tensor, width: int) -> None:
         """The step's tables ``[layers, seqs x kv_heads, width]`` and lengths ``[layers,
         seqs x kv_heads]``, gathered on the device for token ``slots`` (graph-safe)."""
-        num_seqs, layers, heads = slots.shape[0], self.num_layers, self.num_kv_heads
-        tables = self.entry_tables.index_select(0, slots)[:, :, :width]
-        tables = tables.view(num_seqs, layers, heads, width).transpose(0, 1)
-        self.tables = tables.reshape(layers, num_seqs * heads, width)
-        lengths = self.entry_lengths.index_select(0, slots).view(num_seqs, layers, heads)
-        self.lengths = lengths.transpose(0, 1).reshape(layers, num_seqs * heads)
-        self.newest = None  # the rows' last token (length - 1) unless there are rings
-        if self.rings:
-            newest = self.entry_newest.index_select(0, slots).view(num_seqs, layers, heads)
-            self.newest = newest.transpose(0, 1).reshape(layers, num_seqs * heads)
+        self.tables = self._layer_rows(self.entry_tables[:, :, :width], slots)
+        self.lengths = self._layer_rows(self.entry_lengths, slots)
+        # where each row's new token goes: its last (length - 1) unless there are rings
+        self.newest = self._layer_rows(self.entry_newest, slots) if self.rings else None
+
+    def _layer_rows(self, per_slot: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        """``per_slot [slots, entries, ...]`` gathered for ``slots`` as ``[layers, seqs x
+        kv_heads, ...]`` (one copy, of only what ``per_slot`` views)."""
+        rows = per_slot[slots]
+        rows = rows.view(slots.shape[0], self.num_layers, self.num_kv_heads, *rows.shape[2:])
+        return rows.transpose(0, 1).flatten(1, 2)
 
     def submit(self, layer: int, q: torch.Tensor, kv: torch.Tensor, out: torch.Tensor) -> None:
         """``q [tokens, heads, dim]``, ``kv [2, tokens, kv_heads, dim]`` of the whole layer."""

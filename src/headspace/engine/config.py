@@ -125,6 +125,7 @@ class EngineConfig:
         if share is not None and (not _is_number(share) or not 0 <= share <= 1):
             raise UserError(f"cpu_share must be between 0 and 1, got {self.cpu_share}")
         self._check_sparsity()
+        self._check_patterns()
         self._check_budget()
         for name in ("page_size", "max_batch", "gpu_window"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
@@ -149,7 +150,6 @@ class EngineConfig:
                             f"cpu_share must be 1 or unset, got {self.cpu_share}")  # fmt: skip
 
     def _check_budget(self) -> None:
-        self._check_patterns()
         value = self.kv_budget
         if value is None:
             return

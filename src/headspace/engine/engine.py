@@ -52,8 +52,10 @@ class Engine:
         self.config, self.model, self.tokenizer = config, model, tokenizer
         model_cfg = model.config
         self.max_context = config.max_context or model_cfg.max_context
-        if config.profile is not None:  # refuse a profile of another model now, in one line
-            Profile.load(config.profile).check(model_cfg.num_layers, model_cfg.num_kv_heads)
+        self.profile = None  # read once; one of another model is refused now, in one line
+        if config.profile is not None:
+            self.profile = Profile.load(config.profile)
+            self.profile.check(model_cfg.num_layers, model_cfg.num_kv_heads)
         eos = set(model_cfg.eos_token_ids)
         if getattr(tokenizer, "eos_token_id", None) is not None:
             eos.add(tokenizer.eos_token_id)
@@ -64,7 +66,8 @@ class Engine:
     def batch(self) -> BatchGenerator:
         if self._batch is None:
             self._batch = BatchGenerator(self.model, self.tokenizer, self.config,
-                                         self.eos_token_ids, self.max_context)  # fmt: skip
+                                         self.eos_token_ids, self.max_context,
+                                         self.profile)  # fmt: skip
         return self._batch
 
     def encode(self, prompt: str, chat: bool = False) -> list[int]:

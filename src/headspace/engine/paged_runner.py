@@ -28,7 +28,6 @@ from headspace.engine.executors import (
 from headspace.engine.hybrid import CpuAttention
 from headspace.engine.hybrid_sparse import SparseSelector
 from headspace.engine.streaming import CpuSplit, StreamExecutor
-from headspace.errors import UserError
 from headspace.kv.block_table import GPU, HOST, BlockManager
 from headspace.kv.entry_table import EntryBlockManager
 from headspace.kv.host_store import HostKVArena
@@ -59,7 +58,8 @@ class PagedRunner:
     """Steps the model for sequences whose K/V live in the GPU pool and host pages."""
 
     def __init__(self, model: LlamaModel, config: EngineConfig, spec: KVSpec, arena_bytes: int,
-                 host: HostKVArena, max_slots: int, max_context: int):  # fmt: skip
+                 host: HostKVArena, max_slots: int, max_context: int,
+                 profile: Profile | None = None):  # fmt: skip
         self.model, self.config, self.spec, self.host = model, config, spec, host
         self.max_context = max_context
         self.device = torch.device(config.device)
@@ -67,10 +67,7 @@ class PagedRunner:
         self.budget = (
             None if config.kv_budget is None else KVBudget(config.kv_budget, config.kv_policy)
         )
-        self.profile = None
-        if config.profile is not None:
-            self.profile = Profile.load(config.profile)
-            self.profile.check(spec.num_layers, spec.num_kv_heads)
+        self.profile = profile  # the engine's, checked against the model
         if config.per_head_pages:  # every (layer, kv head) in its own pages
             self.blocks = EntryBlockManager(spec.page_size, 0, spec.num_entries)
         else:
@@ -124,11 +121,6 @@ class PagedRunner:
     def _apply_entry_pages(self, plan: Plan, key: tuple) -> None:
         """KV budgets and streaming heads: the arena is one plane of entry pages ``[2,
         slots, head_dim]``; the head map's streaming entries become rings."""
-        if plan.head_map.num_offloaded:
-            raise UserError(
-                "kv_budget and retrieval_heads keep every head on the GPU: the KV "
-                "of the longest prompt must fit there before it is compressed"
-            )
         spec = self.spec
         num_pages = self.store.num_bytes // spec.entry_page_bytes
         plane = self.store.buffer[: 2 * num_pages * spec.page_size * spec.head_dim]

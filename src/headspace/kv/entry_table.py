@@ -40,7 +40,8 @@ class EntryLists:
         ring = self.rings.get(entry)
         return None if ring is None else ring[0] + ring[1]
 
-    def _grows(self, entry: int) -> bool:
+    def grows(self, entry: int) -> bool:
+        """Whether one more token lengthens ``entry`` (a full ring does not)."""
         cap = self.capacity(entry)
         return cap is None or self.lengths[entry] < cap
 
@@ -88,7 +89,7 @@ class EntryBlockManager(BlockManager):
     def pages_needed(self, seq_id: int) -> int:
         """New pages one more token of ``seq_id`` takes (one per full, growing entry)."""
         lists = self.entries[seq_id]
-        return sum(length == len(pages) * self.page_size and lists._grows(e)
+        return sum(length == len(pages) * self.page_size and lists.grows(e)
                    for e, (length, pages) in enumerate(zip(lists.lengths, lists.pages,
                                                            strict=True)))  # fmt: skip
 
@@ -103,7 +104,7 @@ class EntryBlockManager(BlockManager):
             raise OutOfPages(f"no free page for sequence {seq_id}")
         table = self.tables[seq_id][GPU]  # its pages in no particular order after compress
         for e, pages in enumerate(lists.pages):
-            if not lists._grows(e):  # a full ring: over its oldest window token
+            if not lists.grows(e):  # a full ring: over its oldest window token
                 sink, window = lists.rings[e]
                 lists.newest[e] = sink + (lists.newest[e] + 1 - sink) % window
                 continue
