@@ -33,7 +33,7 @@ from headspace.attention.sparse_prefill import (  # noqa: E402
 )
 
 HEADS, KV_HEADS, DIM = 32, 8, 128
-SPARSE = ("streaming(4,4096)", "vertical_slash(1000,6096)", "block_sparse(32)")
+SPARSE = ("streaming(4,4096)", "vertical_slash(1000,6096)", "block_sparse(64)")
 
 
 def _inputs(context: int, chunk: int, seed: int = 0):

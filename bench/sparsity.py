@@ -1,20 +1,23 @@
-"""KV budgets and streaming heads on the GPU (Llama-3.1-8B architecture, random bf16
-weights: speed and memory only): decode after a long prompt with every head full against
-``kv_budget=0.25`` in per-head pages and against half the heads ``streaming(4,1024)``
-(``retrieval_heads=0.5``), each engine built as a user builds it (the model's context, or
-``max_context`` beyond it, default options plus the mode's).
+"""KV budgets and patterns on the GPU (Llama-3.1-8B architecture, random bf16 weights:
+speed and memory only): a long prompt and decode with every head full against
+``kv_budget=0.25`` in per-head pages and against half the heads ``streaming(4,1024)``,
+``block_sparse(64)`` or ``vertical_slash(1000,6096)`` (``retrieval_heads=0.5``: the pattern
+applies to the prompt; streaming heads also hold only sink and window), each engine built
+as a user builds it (the model's context, or ``max_context`` beyond it, default options
+plus the mode's).
 
     PYTHONPATH=src python bench/sparsity.py [--contexts 131072 524288] [--modes ...]
 
-Per context and mode: prefill seconds, decode ms per token (the median step, so a CUDA graph
+Per context and mode: prefill seconds and their speedup over full
+(``prefill_speedup_vs_full``), decode ms per token (the median step, so a CUDA graph
 captured during the run does not count), the K/V bytes the request holds at its end and
 their share of the full KV (``kv_fraction_held``), and the decode speedup over the full run
-measured in the same process (``decode_speedup_vs_full``). Also decode attention alone (one
-layer, every head's rows over its kept pages against the full paged kernel, each as a CUDA
-graph) and its floor: the K/V bytes over the HBM bandwidth measured here. The streaming
-mode's profile ranks heads by random scores: on random weights which heads stream does not
-change speed. Writes ``sparsity_llama3-8b_<gpu>_<date>.json`` (to $OUT when set) after
-every run.
+(``decode_speedup_vs_full``), each against the full run of the same process. Also decode
+attention alone (one layer, every head's rows over its kept pages against the full paged
+kernel, each as a CUDA graph) and its floor: the K/V bytes over the HBM bandwidth measured
+here. The patterned modes' profile ranks heads by random scores: on random weights which
+heads are sparse does not change speed. Writes ``sparsity_llama3-8b_<gpu>_<date>.json`` (to
+$OUT when set) after every run.
 """
 
 from __future__ import annotations
@@ -46,7 +49,10 @@ from headspace.planner.profile import Profile  # noqa: E402
 
 MODES = {"full": {}, "snapkv 0.25": {"kv_budget": 0.25, "kv_policy": "snapkv"},
          "ada_snapkv 0.25": {"kv_budget": 0.25, "kv_policy": "ada_snapkv"},
-         "streaming 0.5": {"retrieval_heads": 0.5}}  # fmt: skip
+         "streaming 0.5": {"retrieval_heads": 0.5},
+         "block_sparse 0.5": {"retrieval_heads": 0.5, "sparse_pattern": "block_sparse(64)"},
+         "vertical_slash 0.5": {"retrieval_heads": 0.5,
+                                "sparse_pattern": "vertical_slash(1000,6096)"}}  # fmt: skip
 HEADS, KV_HEADS, DIM, PAGE, LAYERS = 32, 8, 128, 128, 32
 SINK, WINDOW = 4, 1024  # the default sparse_pattern, streaming(4,1024)
 
@@ -162,9 +168,11 @@ def main() -> None:
     for context in args.contexts:
         runs = result["runs"].setdefault(str(context), {})
         for mode in ["full", *[m for m in args.modes if m != "full"]]:
-            options = {**MODES[mode], **({"profile": profile} if "streaming" in mode else {})}
+            patterned = "retrieval_heads" in MODES[mode]
+            options = {**MODES[mode], **({"profile": profile} if patterned else {})}
             runs[mode] = row = engine_run(model, context, args.new_tokens, options, args.warmup)
             row["decode_speedup_vs_full"] = runs["full"]["decode_ms"] / row["decode_ms"]
+            row["prefill_speedup_vs_full"] = runs["full"]["prefill_s"] / row["prefill_s"]
             if row["kv_held_bytes"] is None:
                 full_bytes = LAYERS * KV_HEADS * 2 * DIM * 2 * (context + args.new_tokens)
                 row["kv_held_bytes"], row["kv_fraction_held"] = full_bytes, 1.0
@@ -176,13 +184,14 @@ def main() -> None:
             "streaming 0.5": attention_alone(context, [context] * half + [SINK + WINDOW] * half),
         }  # fmt: skip
         path = write_result(path.name, result)
-    print(f"{'context':>8} {'mode':>16} {'prefill s':>9} {'decode ms':>9} {'KV held':>8} "
-          f"{'speedup':>7}")  # fmt: skip
+    print(f"{'context':>8} {'mode':>18} {'prefill s':>9} {'x full':>6} {'decode ms':>9} "
+          f"{'x full':>6} {'KV held':>8}")  # fmt: skip
     for context, runs in result["runs"].items():
         for mode, row in runs.items():
-            held, speedup = row["kv_fraction_held"], row["decode_speedup_vs_full"]
-            print(f"{context:>8} {mode:>16} {row['prefill_s']:>9.1f} {row['decode_ms']:>9.2f} "
-                  f"{held:>8.3f} {speedup:>7.2f}")  # fmt: skip
+            prefill, decode = row["prefill_speedup_vs_full"], row["decode_speedup_vs_full"]
+            held = row["kv_fraction_held"]
+            print(f"{context:>8} {mode:>18} {row['prefill_s']:>9.1f} {prefill:>6.2f} "
+                  f"{row['decode_ms']:>9.2f} {decode:>6.2f} {held:>8.3f}")  # fmt: skip
     for context, rows in result["attention_alone"].items():
         for mode, row in rows.items():
             print(f"attention alone {context} {mode}: full {row['full_ms']:.3f} ms (floor "

@@ -290,6 +290,28 @@ def test_streaming_heads_on_gpu_equal_the_cpu_run(tmp_path):
     assert all(0.5 < o.stats.kv_held_fraction < 0.7 for o in outs)
 
 
+@pytest.mark.parametrize("pattern", ["block_sparse(2)", "vertical_slash(16,200)"])
+def test_prefill_patterns_on_gpu_equal_the_cpu_run(tmp_path, pattern):
+    """Compiled FlexAttention over gathered keys (padded to a capacity), chunk by chunk,
+    against the same engine on the CPU (there equal to the masked dense model)."""
+    from headspace.planner.profile import Profile
+
+    cpu_model = _tiny_model("cpu", torch.float32, layers=8)
+    cfg = cpu_model.config
+    scores = torch.rand(cfg.num_layers, cfg.num_kv_heads,
+                        generator=torch.Generator().manual_seed(4))  # fmt: skip
+    profile = tmp_path / "profile.json"
+    Profile("tiny", cfg.num_layers, cfg.num_kv_heads, scores.tolist()).save(profile)
+    options = {"dtype": "float32", "profile": str(profile), "retrieval_heads": 0.5,
+               "sparse_pattern": pattern, "prefill_chunk": 256}  # fmt: skip
+    generator = torch.Generator().manual_seed(12)
+    prompts = [torch.randint(0, 512, (n,), generator=generator) for n in (900, 300)]
+    expected = _greedy(_engine(cpu_model, **options), prompts)
+    gpu = _engine(_tiny_model("cuda", torch.float32, layers=8), **options)
+    assert _greedy(gpu, prompts) == expected
+    assert expected != _greedy(_engine(cpu_model, dtype="float32"), prompts)
+
+
 def test_entry_decode_on_gpu_stores_ring_rows_at_their_index_and_empty_rows_nowhere():
     from headspace.attention.entry_decode import entry_decode
 

@@ -132,3 +132,24 @@ def test_block_sparse_keeps_the_first_the_diagonal_and_the_best_block():
     assert blocks[:, 0].all() and blocks[:, 2].all()  # the first and the planted block
     assert blocks[0, 3] and blocks[1, 4]  # each query block's diagonal
     assert blocks.sum(1).tolist() == [3, 3]
+
+
+@pytest.mark.parametrize("pattern", ["block_sparse(1)", "vertical_slash(1,1)", "streaming(0,1)"])
+@pytest.mark.parametrize("num_q,num_keys", [(64, 448), (200, 330), (128, 128), (1, 77)])
+def test_every_query_sees_its_own_key_under_the_sparsest_patterns(pattern, num_q, num_keys):
+    """Chunks that start inside a block included: no query row is left without keys."""
+    q, k, _ = _qkv(2, 1, num_q, num_keys, seed=7)
+    dense = estimate([Pattern.parse(pattern)] * 2, q, k).dense()  # [heads, q, keys]
+    own = torch.arange(num_q) + num_keys - num_q
+    assert dense[:, torch.arange(num_q), own].all()
+
+
+def test_tables_keep_one_shape_per_padded_chunk_and_capacity():
+    """A compiled kernel is specialised on the tables' shapes: chunks of different lengths
+    that pad to the same size share them."""
+    shapes = set()
+    for num_q, num_keys in [(300, 1836), (400, 1900), (260, 1800), (512, 2048)]:
+        q, k, _ = _qkv(2, 1, num_q, num_keys)
+        table = estimate([Pattern.parse("block_sparse(2)")] * 2, q, k, capacity=2048)
+        shapes.add((table.blocks.shape, table.vertical.shape))
+    assert len(shapes) == 1

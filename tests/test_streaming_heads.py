@@ -42,10 +42,10 @@ def _profile(path, llm, seed=0) -> str:
     return str(path)
 
 
-def _masked_logits(llm, tokens: list[int], prompt_len: int, rings: dict) -> torch.Tensor:
+def _masked_logits(llm, tokens: list[int], rings: dict) -> torch.Tensor:
     """fp32 logits ``[tokens, vocab]`` of the model over ``tokens`` in one pass: every head
-    attends causally, except that from position ``prompt_len`` on the heads of ``rings``
-    ``{(layer, kv_head): (sink, window)}`` see only keys ``< sink`` or within ``window``."""
+    attends causally, except that the heads of ``rings`` ``{(layer, kv_head): (sink,
+    window)}`` see only keys ``< sink`` or within ``window`` (prompt and decode alike)."""
     model = llm.engine.batch.runner.model
     positions = torch.arange(len(tokens))
     causal = positions[None, :] <= positions[:, None]  # [queries, keys]
@@ -57,8 +57,7 @@ def _masked_logits(llm, tokens: list[int], prompt_len: int, rings: dict) -> torc
         for (ring_layer, kv_head), (sink, window) in rings.items():
             if ring_layer == layer:
                 near = (positions[None, :] < sink) | (positions[:, None] - positions[None] < window)
-                decoding = (positions >= prompt_len)[:, None]
-                mask[kv_head * group : (kv_head + 1) * group] &= near | ~decoding
+                mask[kv_head * group : (kv_head + 1) * group] &= near
         k, v = (x.transpose(0, 1).repeat_interleave(group, 0).double() for x in kv)
         logits = q.transpose(0, 1).double() @ k.transpose(1, 2) * dim**-0.5
         weights = logits.masked_fill(~mask, float("-inf")).softmax(-1)
@@ -83,10 +82,10 @@ def test_streaming_decode_equals_a_dense_model_masked_to_sink_and_window(tiny_ll
         scores[e.layer][e.kv_head] for e in head_map.entries if e.pattern == "full"
     )
     got = decode_logits(llm, prompt, steps)
-    want = _masked_logits(llm, prompt + out.token_ids[:-1], len(prompt), rings)
+    want = _masked_logits(llm, prompt + out.token_ids[:-1], rings)
     torch.testing.assert_close(got, want[len(prompt) :], atol=1e-4, rtol=1e-4)
     # the ring wrapped (40 tokens past a 24-token window) and changed the output
-    full = _masked_logits(llm, prompt + out.token_ids[:-1], len(prompt), {})
+    full = _masked_logits(llm, prompt + out.token_ids[:-1], {})
     assert (full[len(prompt) :] - want[len(prompt) :]).abs().max() > 1e-2
     num_entries, total = len(head_map.entries), len(prompt) + steps - 1
     held = (num_entries // 2 * total + len(rings) * 28) / (num_entries * total)
@@ -112,7 +111,7 @@ def test_streaming_options_fail_in_one_line(tiny_llama, tmp_path):
     Profile("other", 7, 3, [[0.0] * 3] * 7).save(profile)
     for options, message in [({"retrieval_heads": 0.5}, "profile"),
                              ({"retrieval_heads": 1.5, "profile": profile}, r"\[0, 1\]"),
-                             ({"sparse_pattern": "block_sparse(4)"}, "prefill pattern"),
+                             ({"sparse_pattern": "full"}, "must be sparse"),
                              ({"sparse_pattern": "streaming(x)"}, "sparse_pattern"),
                              ({"retrieval_heads": 0.5, "profile": profile}, "7 layers"),
                              ({"retrieval_heads": 0.5, "profile": profile, "offload": "head"},
@@ -128,6 +127,10 @@ def test_eval_compare_streaming_names_the_share_of_retrieval_heads():
     mode = _mode_options("streaming:0.25", base)
     assert (mode["retrieval_heads"], mode["offload"], mode["kv_budget"]) == (0.25, "none", None)
     assert _mode_options("none", base)["retrieval_heads"] is None
+    mode = _mode_options("block_sparse:0.5", {**base, "sparse_pattern": "streaming(4,64)"})
+    assert (mode["sparse_pattern"], mode["offload"]) == ("block_sparse(64)", "auto")
+    mode = _mode_options("vertical_slash:0.5", {**base, "sparse_pattern": "vertical_slash(8,64)"})
+    assert (mode["sparse_pattern"], mode["retrieval_heads"]) == ("vertical_slash(8,64)", 0.5)
     with pytest.raises(UserError, match="number"):
         _mode_options("streaming:", base)
 

@@ -156,9 +156,12 @@ def gather_pages(
     pages: torch.Tensor,  # [pages] of one sequence, in logical order
     length: int,
     page_size: int,
+    start: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Dense K and V ``[kv_heads, length, dim]`` of a sequence's first ``length`` tokens."""
-    slots = token_slots(pages, torch.arange(length, device=store_kv.device), page_size)
+    """Dense K and V ``[kv_heads, length - start, dim]`` of a sequence's tokens ``start ..
+    length - 1``."""
+    positions = torch.arange(start, length, device=store_kv.device)
+    slots = token_slots(pages, positions, page_size)
     kv = store_kv.index_select(2, slots)
     return kv[0], kv[1]
 

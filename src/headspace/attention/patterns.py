@@ -11,7 +11,7 @@ a head attends during prefill.
 
 A :class:`Pattern` is the head map's spec; :func:`estimate` turns the specs of a layer's
 heads into :class:`HeadPatterns`, lookup tables for one chunk (a mask function indexes them,
-and ``blocks.py`` builds FlexAttention block masks from them).
+and ``sparse_prefill.py`` builds FlexAttention block masks from them).
 """
 
 from __future__ import annotations
@@ -28,6 +28,22 @@ FORCED_LOCAL = 64  # diagonals every vertical-slash head keeps (the local window
 KINDS = {"full": (), "streaming": ("sink", "window"), "vertical_slash": ("vertical", "slash"),
          "block_sparse": ("blocks",)}  # fmt: skip
 KIND_IDS = {kind: i for i, kind in enumerate(KINDS)}
+# each sparse kind's parameters when none are given (DuoAttention's and MInference's, for
+# prompts of 100K tokens and more)
+DEFAULT_PATTERNS = {"streaming": "streaming(4,1024)", "vertical_slash": "vertical_slash(1000,6096)",
+                    "block_sparse": "block_sparse(64)"}  # fmt: skip
+
+
+def padded_queries(num_queries: int) -> int:
+    """The query length a chunk is padded to for FlexAttention: a power of two, at least a
+    block (the block table's rows are sized to it, so its shape stays one per bucket)."""
+    return max(BLOCK, 1 << (num_queries - 1).bit_length())
+
+
+def key_capacity(num_keys: int) -> int:
+    """The key length a chunk's tables and gathered keys are padded to: a power of two (at
+    least a block), so one compiled kernel serves every chunk up to it."""
+    return 1 << (max(num_keys, BLOCK) - 1).bit_length()
 
 
 @dataclass(frozen=True)
@@ -68,7 +84,10 @@ class Pattern:
 @dataclass
 class HeadPatterns:
     """A layer's query heads' patterns for one chunk of ``num_queries`` queries at positions
-    ``q_start ..`` over ``num_keys`` keys (positions ``0 ..``), as lookup tables."""
+    ``q_start ..`` over ``num_keys`` keys (positions ``0 ..``), as lookup tables. The key
+    tables span ``capacity >= num_keys`` columns (a few bucket sizes: a compiled kernel then
+    serves many chunks); ``bounds`` holds ``(q_start, num_keys)`` as a tensor for the same
+    reason."""
 
     q_start: int
     num_queries: int
@@ -77,17 +96,23 @@ class HeadPatterns:
     sink: torch.Tensor  # [heads] int (streaming)
     window: torch.Tensor  # [heads] int (streaming)
     # 0/1 int32 (compiled FlexAttention kernels index int tables):
-    vertical: torch.Tensor  # [heads, keys]: key columns kept (vertical_slash)
-    slash: torch.Tensor  # [heads, keys]: diagonals kept, by query minus key position
-    blocks: torch.Tensor  # [heads, query blocks, key blocks] (block_sparse)
+    vertical: torch.Tensor  # [heads, capacity]: key columns kept (vertical_slash)
+    slash: torch.Tensor  # [heads, capacity]: diagonals kept, by query minus key position
+    blocks: torch.Tensor  # [heads, padded query blocks, capacity blocks] (block_sparse)
+    bounds: torch.Tensor  # [2] int: q_start, num_keys
+
+    @property
+    def capacity(self) -> int:
+        return self.vertical.shape[1]
 
     def mask_mod(self, b, h, q_idx, kv_idx):
         """FlexAttention's mask function: query ``q_idx`` of the chunk, key ``kv_idx``."""
-        q_pos = q_idx + self.q_start
-        causal = (kv_idx <= q_pos) & (kv_idx < self.num_keys)
+        q_pos = q_idx + self.bounds[0]
+        causal = (kv_idx <= q_pos) & (kv_idx < self.bounds[1])
         kind = self.kind[h]
-        offset = (q_pos - kv_idx).clamp(0, self.num_keys - 1)
-        column = kv_idx.clamp(0, self.num_keys - 1)
+        last = self.capacity - 1
+        offset = (q_pos - kv_idx).clamp(0, last)
+        column = kv_idx.clamp(0, last)
         streaming = (kv_idx < self.sink[h]) | (q_pos - kv_idx < self.window[h])
         lines = (self.vertical[h, column] + self.slash[h, offset]) > 0
         block = self.blocks[h, (q_idx // BLOCK).clamp(0, self.blocks.shape[1] - 1),
@@ -101,7 +126,7 @@ class HeadPatterns:
         """The tables of the query heads where ``heads [heads]`` (bool) is set."""
         return HeadPatterns(self.q_start, self.num_queries, self.num_keys, self.kind[heads],
                             self.sink[heads], self.window[heads], self.vertical[heads],
-                            self.slash[heads], self.blocks[heads])  # fmt: skip
+                            self.slash[heads], self.blocks[heads], self.bounds)  # fmt: skip
 
     def dense(self) -> torch.Tensor:
         """The mask ``[heads, queries, keys]`` in full (the reference twin's)."""
@@ -117,83 +142,109 @@ def estimate(
     k: torch.Tensor,  # [kv_heads, keys, dim]: every key up to the chunk's last, the chunk's too
     *,
     scale: float | None = None,
+    capacity: int | None = None,
 ) -> HeadPatterns:
-    """Each head's lookup tables for this chunk: vertical-slash and block-sparse heads are
-    estimated from the chunk's queries; the others read their parameters."""
+    """Each head's lookup tables for this chunk (key tables ``capacity`` wide, default the
+    keys): vertical-slash and block-sparse heads are estimated from the chunk's queries, the
+    heads of one kind and size together; the others read their parameters."""
     num_heads, num_q, dim = q.shape
     num_keys, device = k.shape[1], q.device
     if len(patterns) != num_heads:
         raise ValueError(f"{len(patterns)} patterns for {num_heads} query heads")
+    capacity = num_keys if capacity is None else capacity
     scale = dim**-0.5 if scale is None else scale
     q_start = num_keys - num_q
-    num_qb, num_kb = -(-num_q // BLOCK), -(-num_keys // BLOCK)
+
+    def per_head(kind: str, index: int) -> torch.Tensor:
+        values = [p.params[index] if p.kind == kind else 0 for p in patterns]
+        return torch.tensor(values, device=device)
+
     table = HeadPatterns(
         q_start, num_q, num_keys,
         kind=torch.tensor([KIND_IDS[p.kind] for p in patterns], device=device),
-        sink=torch.tensor([p.params[0] if p.kind == "streaming" else 0 for p in patterns],
-                          device=device),
-        window=torch.tensor([p.params[1] if p.kind == "streaming" else 0 for p in patterns],
-                            device=device),
-        vertical=torch.zeros(num_heads, num_keys, dtype=torch.int32, device=device),
-        slash=torch.zeros(num_heads, num_keys, dtype=torch.int32, device=device),
-        blocks=torch.zeros(num_heads, num_qb, num_kb, dtype=torch.int32, device=device),
+        sink=per_head("streaming", 0), window=per_head("streaming", 1),
+        vertical=torch.zeros(num_heads, capacity, dtype=torch.int32, device=device),
+        slash=torch.zeros(num_heads, capacity, dtype=torch.int32, device=device),
+        blocks=torch.zeros(num_heads, padded_queries(num_q) // BLOCK, -(-capacity // BLOCK),
+                           dtype=torch.int32, device=device),
+        bounds=torch.tensor([q_start, num_keys], device=device),
     )  # fmt: skip
-    group = num_heads // k.shape[0]
-    for head, pattern in enumerate(patterns):
-        keys = k[head // group]
+    group, key_means = num_heads // k.shape[0], None
+    for pattern in {p for p in patterns if p.kind in ("vertical_slash", "block_sparse")}:
+        heads = torch.tensor([h for h, p in enumerate(patterns) if p == pattern], device=device)
         if pattern.kind == "vertical_slash":
-            vertical, slash = _vertical_slash(q[head], keys, q_start, *pattern.params, scale)
-            table.vertical[head, vertical], table.slash[head, slash] = 1, 1
-        elif pattern.kind == "block_sparse":
-            table.blocks[head] = _block_sparse(
-                q[head], keys, q_start, pattern.params[0], scale
-            ).int()
+            _vertical_slash(table, heads, q, k, group, *pattern.params, scale)
+        else:
+            if key_means is None:
+                key_means = _block_means(k, -(-num_keys // BLOCK))  # [kv_heads, kb, dim]
+            keep = _block_sparse(q[heads], key_means[heads // group], q_start,
+                                 *pattern.params, scale)  # fmt: skip
+            table.blocks[heads, : keep.shape[1], : keep.shape[2]] = keep.int()
     return table
 
 
-def _vertical_slash(q, k, q_start: int, num_vertical: int, num_slash: int, scale: float):
-    """Key columns and diagonals most attended by the chunk's last queries (MInference),
-    with the first keys and the nearest diagonals always in."""
-    num_q, num_keys = q.shape[0], k.shape[0]
+def _vertical_slash(table: HeadPatterns, heads: torch.Tensor, q, k, group: int,
+                    num_vertical: int, num_slash: int, scale: float) -> None:  # fmt: skip
+    """Set the key columns and diagonals most attended by the chunk's last queries in the
+    rows ``heads`` of ``table`` (MInference), the first keys and the nearest diagonals
+    always in; the heads of one kv head at a time (weights ``[heads, last queries, keys]``)."""
+    num_q, num_keys = q.shape[1], k.shape[1]
     last = min(LAST_QUERIES, num_q)
-    positions = torch.arange(q_start + num_q - last, q_start + num_q, device=q.device)
-    logits = (q[-last:].float() @ k.float().T) * scale  # [last, keys]
+    q_end = table.q_start + num_q
+    positions = torch.arange(q_end - last, q_end, device=q.device)
     columns = torch.arange(num_keys, device=q.device)
-    logits = logits.masked_fill(columns[None, :] > positions[:, None], float("-inf"))
-    weights = torch.softmax(logits, dim=-1)
-    vertical = weights.sum(0)
-    vertical[: min(FORCED_SINK, num_keys)] = float("inf")
-    offsets = (positions[:, None] - columns[None, :]).clamp(min=0)  # [last, keys]
-    slash = torch.zeros(num_keys, device=q.device).scatter_add_(
-        0, offsets.flatten(), weights.flatten()
-    )
-    slash[: min(FORCED_LOCAL, num_keys)] = float("inf")
-    return (vertical.topk(min(num_vertical, num_keys)).indices,
-            slash.topk(min(num_slash, num_keys)).indices)  # fmt: skip
+    hidden = columns[None, :] > positions[:, None]  # [last, keys] beyond each query
+    offsets = (positions[:, None] - columns[None, :]).clamp(min=0).flatten()
+    for kv_head in (heads // group).unique().tolist():
+        part = heads[heads // group == kv_head]
+        queries = q[part, -last:].reshape(-1, q.shape[-1])  # [part x last, dim]
+        logits = (queries @ k[kv_head].T).float().view(len(part), last, num_keys) * scale
+        weights = torch.softmax(logits.masked_fill(hidden, float("-inf")), dim=-1)
+        vertical = weights.sum(1)  # [part, keys]
+        vertical[:, :FORCED_SINK] = float("inf")
+        slash = torch.zeros(len(part), num_keys, device=q.device)
+        slash.index_add_(1, offsets, weights.flatten(1))
+        slash[:, :FORCED_LOCAL] = float("inf")
+        rows = part[:, None]
+        table.vertical[rows, vertical.topk(min(num_vertical, num_keys), dim=1).indices] = 1
+        table.slash[rows, slash.topk(min(num_slash, num_keys), dim=1).indices] = 1
 
 
-def _block_sparse(q, k, q_start: int, num_blocks: int, scale: float) -> torch.Tensor:
-    """``[query blocks, key blocks]``: each query block's ``num_blocks`` key blocks with the
-    highest score between block-averaged query and key, the first and diagonal ones always."""
-    num_q, num_keys = q.shape[0], k.shape[0]
-    num_qb, num_kb = -(-num_q // BLOCK), -(-num_keys // BLOCK)
-    q_blocks = _block_means(q.float(), num_qb)  # [qb, dim]
-    k_blocks = _block_means(k.float(), num_kb)  # [kb, dim]
-    last_q = torch.clamp(torch.arange(1, num_qb + 1, device=q.device) * BLOCK, max=num_q)
+def _block_sparse(q, k_blocks, q_start: int, num_blocks: int, scale: float) -> torch.Tensor:
+    """``[heads, query blocks, key blocks]`` for ``q [heads, queries, dim]`` over the block
+    means of its keys ``k_blocks [heads, key blocks, dim]``: each query block's
+    ``num_blocks`` key blocks with the highest score between block-averaged query and key,
+    the first and diagonal ones (of its first and last query: a chunk may start inside a
+    block) always, even beyond ``num_blocks``."""
+    num_q, num_kb = q.shape[1], k_blocks.shape[1]
+    num_qb = -(-num_q // BLOCK)
+    q_blocks = _block_means(q, num_qb)  # [heads, qb, dim]
+    first_q = torch.arange(num_qb, device=q.device) * BLOCK
+    last_q = torch.clamp(first_q + BLOCK, max=num_q)
     reach = (q_start + last_q - 1) // BLOCK  # each query block's last visible key block
+    own = (q_start + first_q) // BLOCK  # ... and its first query's own key block
     key_block = torch.arange(num_kb, device=q.device)
-    visible = key_block[None, :] <= reach[:, None]
-    scores = (q_blocks @ k_blocks.T * scale).masked_fill(~visible, float("-inf"))
-    scores[:, 0] = float("inf")
-    scores[torch.arange(num_qb), reach] = float("inf")
-    top = scores.topk(min(num_blocks, num_kb), dim=1).indices
-    keep = torch.zeros(num_qb, num_kb, dtype=torch.bool, device=q.device)
-    return keep.scatter_(1, top, True) & visible
+    visible = key_block[None, :] <= reach[:, None]  # [qb, kb]
+    scores = torch.bmm(q_blocks, k_blocks.transpose(1, 2)) * scale
+    scores = scores.masked_fill(~visible, float("-inf"))
+    forced = torch.zeros(num_qb, num_kb, dtype=torch.bool, device=q.device)
+    rows = torch.arange(num_qb, device=q.device)
+    forced[:, 0] = forced[rows, own] = forced[rows, reach] = True  # the first block, its own
+    scores = scores.masked_fill(forced, float("inf"))
+    top = scores.topk(min(num_blocks, num_kb), dim=2).indices
+    keep = torch.zeros_like(scores, dtype=torch.bool).scatter_(2, top, True)
+    return (keep | forced) & visible
 
 
 def _block_means(x: torch.Tensor, num_blocks: int) -> torch.Tensor:
-    padded = torch.nn.functional.pad(x, (0, 0, 0, num_blocks * BLOCK - x.shape[0]))
-    sums = padded.view(num_blocks, BLOCK, -1).sum(1)
-    counts = torch.clamp(x.shape[0] - torch.arange(num_blocks, device=x.device) * BLOCK,
+    """``x [heads, tokens, dim]`` averaged per block of BLOCK tokens: fp32 ``[heads, blocks,
+    dim]`` (summed in place of a padded fp32 copy: the keys may be long)."""
+    num_tokens = x.shape[1]
+    num_full = num_tokens // BLOCK
+    sums = x[:, : num_full * BLOCK].unflatten(1, (num_full, BLOCK)).sum(2, dtype=torch.float32)
+    if num_blocks > num_full:
+        rest = x[:, num_full * BLOCK :].sum(1, keepdim=True, dtype=torch.float32)
+        sums = torch.cat([sums, rest], 1)
+    counts = torch.clamp(num_tokens - torch.arange(num_blocks, device=x.device) * BLOCK,
                          max=BLOCK)  # fmt: skip
     return sums / counts[:, None]

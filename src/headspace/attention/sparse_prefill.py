@@ -11,20 +11,31 @@ columns and diagonals that cross it.
 from __future__ import annotations
 
 import functools
+import warnings
 
 import torch
 from torch.nn.attention.flex_attention import AuxRequest, BlockMask, flex_attention
 
 from headspace.attention import attend
-from headspace.attention.patterns import BLOCK, KIND_IDS, HeadPatterns
+from headspace.attention.patterns import (
+    BLOCK,
+    KIND_IDS,
+    HeadPatterns,
+    Pattern,
+    estimate,
+)
 from headspace.attention.reference import reference_attention
 
 
-def block_maps(table: HeadPatterns) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(touched, full)``, each ``[heads, query blocks, key blocks]`` bool: blocks where the
-    mask allows some (query, key) pair, and blocks where it allows all of them."""
-    device, num_q, num_keys = table.kind.device, table.num_queries, table.num_keys
-    num_qb, num_kb = -(-num_q // BLOCK), -(-num_keys // BLOCK)
+def block_maps(
+    table: HeadPatterns, num_padded: int | None = None, skip: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(touched, full)``, each ``[heads, query blocks, key blocks]`` bool over the table's
+    capacity and ``num_padded`` queries (default: the chunk's): blocks where the mask allows
+    some (query, key) pair, and blocks where it allows all of them; none in padding rows or
+    in the heads where ``skip [heads]`` is set."""
+    device, num_q, num_keys = table.kind.device, table.num_queries, table.capacity
+    num_qb, num_kb = -(-(num_padded or num_q) // BLOCK), -(-num_keys // BLOCK)
     qb, kb = torch.arange(num_qb, device=device), torch.arange(num_kb, device=device)
     q_lo = (table.q_start + qb * BLOCK)[None, :, None]  # first and last query of a block
     q_hi = (table.q_start + torch.clamp((qb + 1) * BLOCK, max=num_q) - 1)[None, :, None]
@@ -38,7 +49,8 @@ def block_maps(table: HeadPatterns) -> tuple[torch.Tensor, torch.Tensor]:
     columns = _count(table.vertical, k_lo.expand(-1, num_qb, -1), k_hi.expand(-1, num_qb, -1))
     diagonals = _count(table.slash, (q_lo - k_hi).clamp(min=0), (q_hi - k_lo).clamp(min=-1))
     lines_touched = causal_touched & ((columns > 0) | (diagonals > 0))
-    blocks = table.blocks > 0
+    blocks = table.blocks[:, :num_qb] > 0  # [heads, query blocks, key blocks]
+    blocks = torch.nn.functional.pad(blocks, (0, 0, 0, num_qb - blocks.shape[1]))
     kind = table.kind[:, None, None]
     is_kind = {name: kind == KIND_IDS[name] for name in KIND_IDS}
     touched = (is_kind["full"] & causal_touched) | (is_kind["streaming"] & streaming_touched)
@@ -46,7 +58,10 @@ def block_maps(table: HeadPatterns) -> tuple[torch.Tensor, torch.Tensor]:
                                                              & causal_touched)  # fmt: skip
     full = (is_kind["full"] & causal_full) | (is_kind["streaming"] & streaming_full)
     full |= is_kind["block_sparse"] & blocks & causal_full
-    return touched, full
+    keep = (qb < -(-num_q // BLOCK))[None, :, None]  # query blocks of the chunk
+    if skip is not None:
+        keep = keep & ~skip[:, None, None]
+    return touched & keep, full & keep
 
 
 def _count(kept: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
@@ -67,14 +82,18 @@ def _indices(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return counts[None], order.to(torch.int32)[None]
 
 
-def pattern_block_mask(table: HeadPatterns) -> BlockMask:
-    """The chunk's BlockMask under ``table``'s patterns (batch 1, one row per query head)."""
-    touched, full = block_maps(table)
+def pattern_block_mask(
+    table: HeadPatterns, num_padded: int | None = None, skip: torch.Tensor | None = None
+) -> BlockMask:
+    """The chunk's BlockMask under ``table``'s patterns (batch 1, one row per query head)
+    for ``num_padded`` queries over the table's capacity; heads where ``skip`` is set see
+    nothing."""
+    touched, full = block_maps(table, num_padded, skip)
     counts, indices = _indices(touched & ~full)
     full_counts, full_indices = _indices(full)
     return BlockMask.from_kv_blocks(
         counts, indices, full_counts, full_indices, BLOCK_SIZE=(BLOCK, BLOCK),
-        mask_mod=table.mask_mod, seq_lengths=(table.num_queries, table.num_keys),
+        mask_mod=table.mask_mod, seq_lengths=(num_padded or table.num_queries, table.capacity),
     )  # fmt: skip
 
 
@@ -90,8 +109,8 @@ def _compiled_flex():
 
 
 def sparse_prefill_attention(
-    q: torch.Tensor,  # [heads, queries, dim]: a chunk at positions keys - queries ..
-    k: torch.Tensor,  # [kv_heads, keys, dim]: every key up to the chunk's last
+    q: torch.Tensor,  # [heads, queries, dim]: a chunk at positions num_keys - queries ..
+    k: torch.Tensor,  # [kv_heads, >= num_keys, dim]: every key up to the chunk's last (padded)
     v: torch.Tensor,
     table: HeadPatterns,
     *,
@@ -100,32 +119,60 @@ def sparse_prefill_attention(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of the chunk under its heads' patterns: ``out [heads, queries, dim]`` in q's
     dtype and ``lse [heads, queries]`` fp32 (a row with no visible key: 0 and -inf).
-    ``backend="reference"`` is the dense fp32 twin (the mask evaluated in full). Where all
-    query heads of a kv head are ``full``, they take the fused causal kernel (cuDNN on a
-    GPU) and only the others FlexAttention."""
+    ``backend="reference"`` is the dense fp32 twin (the mask evaluated in full). The kv
+    heads whose query heads are all ``full`` take the fused causal kernel (cuDNN on a GPU)
+    over the first ``table.num_keys`` keys; the others FlexAttention."""
+    num_keys = table.num_keys
     if backend == "reference":
-        return reference_attention(q, k, v, scale=scale, mask=table.dense())
+        return reference_attention(q, k[:, :num_keys], v[:, :num_keys], scale=scale,
+                                   mask=table.dense())  # fmt: skip
     group = q.shape[0] // k.shape[0]
-    full = (table.kind == KIND_IDS["full"]).view(k.shape[0], group)
-    if full.any() and (full.all(1) | ~full.any(1)).all():  # each kv head all full or none
-        kv_full = full[:, 0]
-        heads = kv_full.repeat_interleave(group)
-        out = torch.empty_like(q)
-        lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
-        out[heads], lse[heads] = attend(q[heads], k[kv_full], v[kv_full], causal=True,
-                                        scale=scale)  # fmt: skip
-        if not kv_full.all():
-            out[~heads], lse[~heads] = flex_pattern_attention(q[~heads], k[~kv_full], v[~kv_full],
-                                             table.select(~heads), scale)  # fmt: skip
-        return out, lse
-    return flex_pattern_attention(q, k, v, table, scale)
+    kv_full = (table.kind == KIND_IDS["full"]).view(k.shape[0], group).all(1)  # [kv_heads]
+    if not kv_full.any():
+        return flex_pattern_attention(q, k, v, table, scale)
+    heads = kv_full.repeat_interleave(group)
+    out = torch.empty_like(q)
+    lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
+    out[heads], lse[heads] = attend(q[heads], k[kv_full, :num_keys], v[kv_full, :num_keys],
+                                    causal=True, scale=scale)  # fmt: skip
+    if not kv_full.all():
+        flex_out, flex_lse = flex_pattern_attention(q, k, v, table, scale, skip=heads)
+        out[~heads], lse[~heads] = flex_out[~heads], flex_lse[~heads]
+    return out, lse
 
 
-def flex_pattern_attention(q, k, v, table: HeadPatterns, scale: float | None = None):
-    """Every head through FlexAttention under ``table`` (compiled on a GPU)."""
+def flex_pattern_attention(q, k, v, table: HeadPatterns, scale: float | None = None,
+                           skip: torch.Tensor | None = None):  # fmt: skip
+    """Every head through FlexAttention under ``table`` (compiled on a GPU), the queries
+    padded to a power of two (one compiled kernel per padded length and key capacity);
+    heads where ``skip [heads]`` is set compute nothing (their rows are not meaningful)."""
+    num_q = q.shape[1]
+    padded = max(BLOCK, 1 << (num_q - 1).bit_length())
+    q4 = torch.nn.functional.pad(q, (0, 0, 0, padded - num_q))[None]
     fn = _compiled_flex() if q.is_cuda else flex_attention
     options = KERNEL_OPTIONS if q.is_cuda else None
-    out, aux = fn(q[None], k[None], v[None], block_mask=pattern_block_mask(table), scale=scale,
-                  enable_gqa=True, return_aux=AuxRequest(lse=True),
-                  kernel_options=options)  # fmt: skip
-    return out[0], aux.lse[0]
+    mask = pattern_block_mask(table, padded, skip)
+    with warnings.catch_warnings():  # the CPU twin runs unfused on purpose
+        warnings.filterwarnings("ignore", "flex_attention called without torch.compile")
+        out, aux = fn(q4, k[None], v[None], block_mask=mask, scale=scale, enable_gqa=True,
+                      return_aux=AuxRequest(lse=True), kernel_options=options)  # fmt: skip
+    return out[0, :, :num_q], aux.lse[0, :, :num_q]
+
+
+def prefill_with_patterns(
+    q: torch.Tensor,  # [heads, queries, dim]: a chunk at positions num_keys - queries ..
+    k: torch.Tensor,  # [kv_heads, capacity, dim]: keys 0 .. num_keys - 1, then padding
+    v: torch.Tensor,
+    num_keys: int,
+    patterns: list[Pattern],  # one per query head
+    *,
+    backend: str = "sdpa",
+    scale: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A prefill chunk's attention with each head's pattern estimated from the chunk and
+    applied (the engine's backends: ``sdpa`` runs fused and FlexAttention kernels,
+    ``reference`` the dense fp32 twin). Returns ``out [heads, queries, dim]``, ``lse [heads,
+    queries]``."""
+    table = estimate(patterns, q, k[:, :num_keys], scale=scale, capacity=k.shape[1])
+    kernel = "reference" if backend == "reference" else "flex"
+    return sparse_prefill_attention(q, k, v, table, scale=scale, backend=kernel)

@@ -72,8 +72,10 @@ def _rows(args, llm) -> tuple[list[dict], list[str], list[str]]:
 def _mode_options(mode: str, options: dict) -> dict:
     """Engine options of one ``--compare`` mode: an offload mode, ``hybrid-sparse[:BETA]``
     (the hybrid tier with ``cpu_sparsity``), ``POLICY:BUDGET`` (a KV budget, e.g.
-    ``ada_snapkv:0.25``) or ``streaming:SHARE`` (``retrieval_heads``); other modes run exact
-    (no sparsity, no budget, no streaming heads)."""
+    ``ada_snapkv:0.25``) or ``PATTERN:SHARE`` (``retrieval_heads``, the others taking that
+    kind of pattern: ``--sparse-pattern`` if it is of the kind, else the kind's default);
+    other modes run exact (no sparsity, no budget, no patterns)."""
+    from headspace.attention.patterns import DEFAULT_PATTERNS, Pattern
     from headspace.engine.config import KV_POLICIES
 
     name, _, value = mode.partition(":")
@@ -81,13 +83,20 @@ def _mode_options(mode: str, options: dict) -> dict:
     if name in KV_POLICIES:
         budget = _number(value, mode, "a budget")
         return {**exact, "offload": "none", "kv_policy": name, "kv_budget": budget}
-    if name == "streaming":
+    if name in DEFAULT_PATTERNS:
         share = _number(value, mode, "the share of retrieval heads")
-        return {**exact, "offload": "none", "retrieval_heads": share}
+        given = options.get("sparse_pattern") or DEFAULT_PATTERNS[name]
+        try:
+            kind = Pattern.parse(given).kind
+        except ValueError as error:
+            raise UserError(f"--sparse-pattern: {error}") from None
+        pattern = given if kind == name else DEFAULT_PATTERNS[name]
+        offload = "none" if name == "streaming" else options["offload"]
+        return {**exact, "offload": offload, "retrieval_heads": share, "sparse_pattern": pattern}
     if name != "hybrid-sparse":
         if value:
-            raise UserError(f"only hybrid-sparse, streaming and the KV policies take a value "
-                            f"after ':', got {mode!r}")  # fmt: skip
+            raise UserError(f"only hybrid-sparse, the patterns and the KV policies take a "
+                            f"value after ':', got {mode!r}")  # fmt: skip
         return {**exact, "offload": name}
     beta = _number(value, mode, "BETA") if value else (options.get("cpu_sparsity") or 1.0)
     return {**exact, "offload": "hybrid", "cpu_sparsity": beta, "cpu_share": None}

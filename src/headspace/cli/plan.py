@@ -30,7 +30,7 @@ def add_plan_parser(subparsers) -> None:
     # the engine's own flags for what a plan depends on (the GPU's memory unless given)
     planned = ("gpu_memory", "host_memory", "offload", "cpu_share", "gpu_window", "head_group",
                "prefill_chunk", "page_size", "dtype", "profile", "retrieval_heads",
-               "sparse_pattern")  # fmt: skip
+               "sparse_pattern", "kv_budget", "kv_policy")  # fmt: skip
     add_engine_options(p, planned, {"dtype": "bfloat16", "retrieval_heads": 0.5})
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
 
@@ -58,6 +58,8 @@ def _budgets(args) -> tuple[int, int]:
 
 def run_plan(args) -> None:
     from headspace.planner import PlanRequest, make_plan
+    from headspace.planner.plan import predict
+    from headspace.planner.sparsity import with_budgets
 
     context = parse_tokens(args.context)
     config = _model_config(args.model)
@@ -67,16 +69,33 @@ def run_plan(args) -> None:
     dtype_bytes = 4 if args.dtype == "float32" else 2
     request = PlanRequest(context, gpu, host, dtype_bytes, args.offload, args.head_group,
                           args.prefill_chunk, args.page_size, args.cpu_share,
-                          args.gpu_window)  # fmt: skip
+                          args.gpu_window, _budget_tokens(args, context),
+                          args.profile is not None or args.kv_budget is not None)  # fmt: skip
     plan = make_plan(config, request)
     if args.profile:
         plan.head_map = _patterns(args, config, plan.head_map)
+        predict(plan, config, request)
+    plan.head_map = with_budgets(plan.head_map, request.budget_tokens)
     if args.json:
         header = {"model": config.architecture, "context": context, "gpu_memory": gpu,
                   "host_memory": host}  # fmt: skip
         print(json.dumps({**header, **plan.to_dict()}, indent=2))
         return
     print(format_plan(config, request, plan))
+
+
+def _budget_tokens(args, context: int) -> int | None:
+    """Tokens kept per entry after the prompt under ``--kv-budget`` (None: everything)."""
+    from headspace.budgets import KVBudget
+
+    if args.kv_budget is None:
+        return None
+    value = args.kv_budget
+    value = int(value) if value > 1 and float(value).is_integer() else value
+    try:
+        return KVBudget(value, args.kv_policy).tokens(context)
+    except ValueError as error:
+        raise UserError(str(error)) from None
 
 
 def _patterns(args, config, head_map):
@@ -111,11 +130,13 @@ def format_plan(config, request, plan) -> str:
         f"{'weights':<34}{m['weights'] / GiB:>10.2f}",
         f"{'KV pool (resident heads)':<34}{m['gpu_pool'] / GiB:>10.2f}",
         f"{'  of which this context':<34}{m['gpu_kv'] / GiB:>10.2f}",
+        f"{'  held after the prompt':<34}{m['kv_held'] / GiB:>10.2f}",
         f"{'KV pages on the host':<34}{'':>10}{m['host_kv'] / GiB:>10.2f}",
         f"{'staging (streamed groups)':<34}{m['staging'] / GiB:>10.2f}",
         f"{f'activations ({plan.prefill_chunk}-token chunk)':<34}{m['activations'] / GiB:>10.2f}",
         f"{'allocator slack':<34}{m['allocator_slack'] / GiB:>10.2f}",
         f"{'batched decode':<34}{m['decode'] / GiB:>10.2f}",
+        f"{'keys a layer gathers (patterns)':<34}{m['gathered'] / GiB:>10.2f}",
         f"{'total':<34}{m['total_gpu'] / GiB:>10.2f}{m['total_host'] / GiB:>10.2f}",
         "",
         f"head map: {plan.head_map.summary()}",

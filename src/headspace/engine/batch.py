@@ -33,6 +33,7 @@ from headspace.model.llama import LlamaModel
 from headspace.planner.memory import Hardware, KVSpec
 from headspace.planner.plan import Plan, plan_batch, step_seconds
 from headspace.planner.profile import Profile, with_patterns
+from headspace.planner.sparsity import with_budgets
 
 PROGRESS_MIN_TOKENS = 4096  # show a prefill progress bar from this prompt length on
 
@@ -105,6 +106,11 @@ class BatchGenerator:
                 config.retrieval_heads,
                 config.sparse_pattern,
             )
+        if config.per_head_pages:  # what each entry keeps of the longest prompt
+            budget = self.runner.budget
+            prompt = max(len(s.prompt_ids) for s in seqs)
+            kept = None if budget is None else budget.tokens(prompt)
+            plan.head_map = with_budgets(plan.head_map, kept)
         return plan
 
     def _rate(self, plan: Plan, seqs: list[Sequence]) -> float:

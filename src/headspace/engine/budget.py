@@ -10,8 +10,9 @@ head) row over its own pages (``attention.entry_decode``), which also stores the
 Heads whose pattern is ``streaming(sink, window)`` keep, after the prompt, only its first
 ``sink`` tokens and last ``window`` ones, as ring entries: each new token then overwrites the
 oldest window token, so such a head holds ``sink + window`` tokens however long the sequence
-grows (DuoAttention's streaming heads; HeadInfer, App. D). The prompt itself is attended in
-full by every head.
+grows (DuoAttention's streaming heads; HeadInfer, App. D). A layer with patterns attends its
+prompt chunks under each head's pattern (a streaming head sees its sink and window there
+too); the others attend the prompt in full.
 """
 
 from __future__ import annotations
@@ -20,8 +21,10 @@ import torch
 
 from headspace.attention import attend, merge_attention
 from headspace.attention.entry_decode import entry_decode
+from headspace.attention.patterns import Pattern
+from headspace.attention.sparse_prefill import prefill_with_patterns
 from headspace.budgets import KVBudget, kept_positions, observation_scores
-from headspace.engine.executors import MIN_WIDTH, block_table, bucket
+from headspace.engine.executors import MIN_WIDTH, block_table, bucket, gather_slots
 from headspace.kv.entry_table import EntryBlockManager
 
 
@@ -31,9 +34,11 @@ class BudgetExecutor:
     def __init__(self, plane: torch.Tensor, blocks: EntryBlockManager, num_kv_heads: int,
                  q_per_kv: int, backend: str, budget: KVBudget | None, max_slots: int,
                  max_pages: int, head_scores: torch.Tensor | None = None,
-                 rings: dict[int, tuple[int, int]] | None = None):  # fmt: skip
+                 rings: dict[int, tuple[int, int]] | None = None,
+                 patterns: list[list[Pattern] | None] | None = None):  # fmt: skip
         """``budget``: what each entry keeps of the prompt (None: all); ``rings``: the
-        streaming entries' ``(sink, window)``, by entry index."""
+        streaming entries' ``(sink, window)``, by entry index; ``patterns``: per layer, one
+        per query head at prefill (None: all full)."""
         self.plane, self.blocks, self.budget = plane, blocks, budget
         self.num_kv_heads, self.q_per_kv, self.backend = num_kv_heads, q_per_kv, backend
         self.head_scores, self.rings = head_scores, dict(rings or {})
@@ -44,6 +49,7 @@ class BudgetExecutor:
         # grow (a CUDA graph of the step gathers its rows): [slots, entries, pages]
         device, num_entries = plane.device, blocks.num_entries
         self.num_layers = num_entries // num_kv_heads
+        self.patterns = patterns or [None] * self.num_layers
         self.entry_tables = torch.zeros(max_slots, num_entries, max_pages, dtype=torch.int32,
                                         device=device)  # fmt: skip
         self.entry_lengths = torch.zeros(max_slots, num_entries, dtype=torch.int32, device=device)
@@ -63,6 +69,8 @@ class BudgetExecutor:
             positions = torch.arange(step.start + len(step.positions), device=device)
             slots = self._slots(seq_id, positions)  # [entries, prefix + chunk]
             self.slots = slots.view(-1, self.num_kv_heads, slots.shape[-1])
+            if any(self.patterns):  # columns of every key, padded to a capacity
+                self.key_columns = gather_slots(lambda p: p.to(device), slots.shape[-1])
             if step.start == 0:
                 self.window_q = {}
             return
@@ -120,15 +128,7 @@ class BudgetExecutor:
             out.copy_(result)
             self._results[layer] = (out, lse.transpose(0, 1))
             return
-        start, slots = self.step.start, self.slots[layer]  # [kv_heads, prefix + chunk]
-        self.plane[:, slots[:, start:]] = kv.transpose(1, 2)  # [2, kv_heads, tokens, dim]
-        q_first = q.transpose(0, 1)
-        out_part, lse = attend(q_first, kv[0].transpose(0, 1), kv[1].transpose(0, 1),
-                               causal=True, backend=self.backend)  # fmt: skip
-        if start > 0:
-            prefix = self.plane[:, slots[:, :start]]  # [2, kv_heads, prefix, dim]
-            earlier = attend(q_first, prefix[0], prefix[1], backend=self.backend)
-            out_part, lse = merge_attention([out_part, earlier[0]], [lse, earlier[1]])
+        out_part, lse = self._prefill(layer, q.transpose(0, 1), kv)
         out.copy_(out_part.transpose(0, 1))
         self._results[layer] = (out, lse)
         if self.budget is None:
@@ -139,6 +139,24 @@ class BudgetExecutor:
 
     def collect(self, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         return self._results.pop(layer, None)
+
+    def _prefill(self, layer: int, q: torch.Tensor, kv: torch.Tensor):
+        """Store the chunk's ``kv [2, tokens, kv_heads, dim]`` in its entries and attend
+        ``q [heads, tokens, dim]`` to the sequence so far: ``(out, lse)`` heads first."""
+        start, slots = self.step.start, self.slots[layer]  # [kv_heads, prefix + chunk]
+        self.plane[:, slots[:, start:]] = kv.transpose(1, 2)  # [2, kv_heads, tokens, dim]
+        patterns = self.patterns[layer]
+        if patterns is not None:
+            keys = self.plane[:, slots[:, self.key_columns]]  # [2, kv_heads, capacity, dim]
+            return prefill_with_patterns(q, keys[0], keys[1], slots.shape[1], patterns,
+                                         backend=self.backend)  # fmt: skip
+        out, lse = attend(q, kv[0].transpose(0, 1), kv[1].transpose(0, 1), causal=True,
+                          backend=self.backend)  # fmt: skip
+        if start > 0:
+            prefix = self.plane[:, slots[:, :start]]  # [2, kv_heads, prefix, dim]
+            earlier = attend(q, prefix[0], prefix[1], backend=self.backend)
+            out, lse = merge_attention([out, earlier[0]], [lse, earlier[1]])
+        return out, lse
 
     @torch.inference_mode()
     def compress(self, seq_id: int, prompt_len: int) -> list[int]:

@@ -104,8 +104,10 @@ class EngineConfig:
         "keep every token; the others take sparse_pattern (default: all keep every token)",
     )  # fmt: skip
     sparse_pattern: str = _option(
-        "streaming(4,1024)", "with retrieval_heads: the other entries' pattern; a "
-        "streaming(sink,window) head holds only its sink and window tokens at decode",
+        "streaming(4,1024)", "with retrieval_heads: the other entries' pattern, applied to "
+        "the prompt: streaming(sink,window) (such a head also holds only its sink and window "
+        "tokens at decode), vertical_slash(columns,diagonals) or block_sparse(blocks) (each "
+        "chunk's pattern estimated from its queries; decode attends every token)",
     )  # fmt: skip
 
     def __post_init__(self):
@@ -174,17 +176,19 @@ class EngineConfig:
             pattern = Pattern.parse(self.sparse_pattern)
         except ValueError as error:
             raise UserError(f"sparse_pattern: {error}") from None
-        if pattern.kind != "streaming":
-            raise UserError(f"the engine runs streaming(sink,window) heads; {pattern.kind} is "
-                            f"a prefill pattern (see `headspace plan`), got {pattern}")  # fmt: skip
+        if pattern.is_full:
+            raise UserError("sparse_pattern must be sparse: streaming(sink,window), "
+                            "vertical_slash(columns,slashes) or block_sparse(blocks)")  # fmt: skip
         if self.per_head_pages and self.offload not in ("none", "auto"):
-            raise UserError(f"kv_budget and retrieval_heads keep every head on the GPU; offload "
+            raise UserError(f"kv_budget and streaming heads keep every head on the GPU; offload "
                             f"must be 'none' or 'auto', got {self.offload!r}")  # fmt: skip
 
     @property
     def per_head_pages(self) -> bool:
-        """Whether each (layer, kv head) entry has its own pages (budgets, streaming heads)."""
-        return self.kv_budget is not None or self.retrieval_heads is not None
+        """Whether each (layer, kv head) entry has its own pages (budgets, streaming heads;
+        prefill-only patterns keep the shared pages)."""
+        streaming = Pattern.parse(self.sparse_pattern).kind == "streaming"
+        return self.kv_budget is not None or (self.retrieval_heads is not None and streaming)
 
     @property
     def hybrid_cpu_share(self) -> float | None:

@@ -16,11 +16,15 @@ import torch
 from headspace.attention import attend, merge_attention
 from headspace.attention.cpu_decode import cpu_paged_decode
 from headspace.attention.entry_decode import new_token_slots
-from headspace.attention.paged import flex_paged_attention, gather_pages, prefix_block_mask
+from headspace.attention.paged import gather_pages
+from headspace.attention.patterns import Pattern, key_capacity
+from headspace.attention.sparse_prefill import prefill_with_patterns
 from headspace.kv.paged_store import PagedKVStore
 
 HeadRange = tuple[int, int]  # kv heads lo..hi-1 of a layer
 MIN_WIDTH = 8  # pages per block-table row, at least
+PREFIX_PIECE = 32768  # prefix tokens gathered at a time, at least, for a chunk's attention
+PREFIX_CHUNKS = 4  # ... or this many chunks' worth
 
 
 def block_table(rows: list[list[int]], width: int = 1) -> torch.Tensor:
@@ -74,15 +78,24 @@ def attend_tiers(executors: list, layer: int, q: torch.Tensor, kv: torch.Tensor)
     return out
 
 
+def gather_slots(slots_of, num_keys: int) -> torch.Tensor:
+    """Slots of positions ``0 .. num_keys - 1`` padded to :func:`key_capacity` by repeating
+    the last one (padding keys are never seen): ``slots_of(positions)`` maps positions."""
+    positions = torch.arange(key_capacity(num_keys)).clamp(max=num_keys - 1)
+    return slots_of(positions)
+
+
 class ResidentExecutor:
-    """Entries resident in the GPU pool's pages: FlexAttention over pages at prefill, the
-    Triton split-K paged kernel (which also appends the new K/V) at decode. On the CPU,
-    prefill gathers pages for the reference backends and decode runs the CPU kernel over the
-    pages in place."""
+    """Entries resident in the GPU pool's pages: at prefill the fused causal kernel over the
+    chunk and over the prefix gathered from the pages in pieces; at decode the Triton
+    split-K paged kernel (which also appends the new K/V), or the CPU kernel over the pages
+    in place. A layer with ``patterns`` (one per query head of its range, None where
+    all are full) gathers its keys and attends each head by its pattern at prefill."""
 
     def __init__(self, store: PagedKVStore, ranges: list[HeadRange | None], q_per_kv: int,
-                 backend: str):  # fmt: skip
+                 backend: str, patterns: list[list[Pattern] | None] | None = None):  # fmt: skip
         self.store, self.ranges, self.q_per_kv, self.backend = store, ranges, q_per_kv, backend
+        self.patterns = patterns or [None] * len(ranges)
         self.on_gpu = store.buffer.is_cuda
         self.page_size = store.page_size
         self._results: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -93,6 +106,11 @@ class ResidentExecutor:
         if not step.decode:
             self.pages = torch.tensor(step.pages["gpu"][0], device=device)
             self.slots = self.store.slots(self.pages, step.positions)
+            if any(self.patterns):
+                self.num_keys = step.start + len(step.positions)
+                self.key_slots = gather_slots(
+                    lambda p: self.store.slots(self.pages, p.to(device)), self.num_keys
+                )
         elif not self.on_gpu and "gpu" in step.tables:  # the CPU kernel's inputs, per step
             self.ends = step.lengths.to(torch.int32)
             self.slots = new_token_slots(step.tables["gpu"], self.ends - 1, self.page_size)
@@ -118,6 +136,12 @@ class ResidentExecutor:
     def _prefill(self, layer: int, q, kv):
         self.store.write(layer, self.slots, kv)
         q_heads_first = q.transpose(0, 1)
+        patterns = self.patterns[layer]
+        if patterns is not None:  # [2, kv_heads, capacity, dim]
+            keys = self.store.kv[layer].index_select(2, self.key_slots)
+            out, lse = prefill_with_patterns(q_heads_first, keys[0], keys[1], self.num_keys,
+                                             patterns, backend=self.backend)  # fmt: skip
+            return out.transpose(0, 1), lse
         k, v = kv[0].transpose(0, 1), kv[1].transpose(0, 1)
         out, lse = attend(q_heads_first, k, v, causal=True, backend=self.backend)
         if self.step.start > 0:
@@ -127,18 +151,22 @@ class ResidentExecutor:
 
     def _prefix(self, layer: int, q: torch.Tensor, prefix: int):
         """Attention of chunk queries ``q [heads, tokens, dim]`` to the pool's first
-        ``prefix`` tokens of the sequence."""
+        ``prefix`` tokens of the sequence: the pages gathered in pieces of ``PREFIX_CHUNKS``
+        chunks, at least ``PREFIX_PIECE`` tokens (Llama-3-8B: 16 KiB of K/V per chunk token, against
+        ~100 KiB of the chunk's activations), attended by the fused kernel (cuDNN on a GPU:
+        about 1.8x FlexAttention over the pages at 128K) and merged by LSE into the running
+        result, so one piece and one result are held at a time."""
         store_kv, page_size = self.store.kv[layer], self.store.page_size
-        if not self.on_gpu:  # the CPU twin: gather the pages, dense attention
-            k, v = gather_pages(store_kv, self.pages, prefix, page_size)
-            return attend(q, k, v, backend=self.backend)
-        num_q = q.shape[1]
-        padded = max(128, 1 << (num_q - 1).bit_length())  # few compiled query shapes
-        num_slots = store_kv.shape[2]
-        mask = prefix_block_mask(self.pages, prefix, padded, num_slots, page_size)
-        q4 = torch.nn.functional.pad(q, (0, 0, 0, padded - num_q))[None]
-        out, lse = flex_paged_attention(q4, store_kv[0], store_kv[1], mask)
-        return out[0, :, :num_q], lse[0, :, :num_q]
+        size = max(PREFIX_PIECE, PREFIX_CHUNKS * q.shape[1])
+        result = None
+        for start in range(0, prefix, size):
+            k, v = gather_pages(store_kv, self.pages, min(prefix, start + size), page_size,
+                                start)  # fmt: skip
+            out, lse = attend(q, k, v, backend=self.backend)
+            if result is not None:
+                out, lse = merge_attention([result[0], out], [result[1], lse])
+            result = out, lse
+        return result
 
     def _decode(self, layer: int, q, kv, out):
         store_kv, step = self.store.kv[layer], self.step

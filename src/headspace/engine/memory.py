@@ -10,7 +10,8 @@ import torch
 
 from headspace.errors import UserError
 from headspace.model.config import ModelConfig
-from headspace.planner.memory import KVSpec, prefill_chunk, split_gpu_budget
+from headspace.planner.memory import GiB, KVSpec, prefill_chunk, split_gpu_budget
+from headspace.planner.sparsity import gathered_bytes
 
 CPU_PREFILL_CHUNK = 1024
 FREE_MEMORY_SHARE = 0.9  # of what is free on the GPU, without a budget
@@ -85,9 +86,10 @@ def prefill_chunk_size(config: ModelConfig, engine_config, weight_bytes: int,
 def kv_arena_bytes(config: ModelConfig, engine_config, spec: KVSpec, weight_bytes: int,
                    chunk: int, max_context: int) -> int:  # fmt: skip
     """Bytes of the KV arena: ``num_kv_pages`` all-resident pages (+1 scratch) when given;
-    else what the budget leaves after weights, a chunk's activations with allocator slack
-    and batched decode (UserError when nothing is left); on the CPU without a budget, room
-    for four full contexts."""
+    else what the budget leaves after weights, a chunk's activations with allocator slack,
+    batched decode, and with patterns or budgets the keys a layer's prefill gathers
+    (UserError when nothing is left); on the CPU without a budget, room for four full
+    contexts."""
     if engine_config.num_kv_pages:
         return (engine_config.num_kv_pages + 1) * spec.full_page_bytes
     budget = gpu_budget(engine_config, weight_bytes)
@@ -95,4 +97,14 @@ def kv_arena_bytes(config: ModelConfig, engine_config, spec: KVSpec, weight_byte
         return (4 * spec.pages_for(max_context) + 1) * spec.full_page_bytes
     split = split_gpu_budget(config, budget, weight_bytes, chunk, spec.dtype_bytes,
                              engine_config.max_batch)  # fmt: skip
+    if engine_config.per_head_pages or engine_config.retrieval_heads is not None:
+        gathered = gathered_bytes(spec.num_kv_heads, config.num_queries_per_kv, spec.head_dim,
+                                  spec.dtype_bytes, max_context)  # fmt: skip
+        if split.arena <= gathered:
+            raise UserError(
+                f"GPU budget too small: after weights, activations and decode it leaves "
+                f"{split.arena / GiB:.2f} GiB, less than the {gathered / GiB:.2f} GiB a layer's "
+                f"prefill gathers with patterns or KV budgets at {max_context} tokens"
+            )
+        return split.arena - gathered
     return split.arena

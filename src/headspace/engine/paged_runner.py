@@ -54,6 +54,15 @@ def _ranges(plan: Plan, layer: int) -> tuple[tuple[int, int] | None, list[tuple[
     return ((0, num_resident) if num_resident else None), groups
 
 
+def _patterns(plan: Plan, layer: int, kv_heads: range, q_per_kv: int) -> list[Pattern] | None:
+    """The prefill patterns of ``layer``'s ``kv_heads``, one per query head; None when all
+    are full."""
+    patterns = [Pattern.parse(plan.head_map.entry(layer, h).pattern) for h in kv_heads]
+    if all(p.is_full for p in patterns):
+        return None
+    return [p for p in patterns for _ in range(q_per_kv)]
+
+
 class PagedRunner:
     """Steps the model for sequences whose K/V live in the GPU pool and host pages."""
 
@@ -111,7 +120,10 @@ class PagedRunner:
         resident = [r for r, _ in ranges]
         self.executors = []
         if any(resident):
-            self.executors.append(ResidentExecutor(self.store, resident, q_per_kv, backend))
+            patterns = [r and _patterns(plan, layer, range(*r), q_per_kv)
+                        for layer, r in enumerate(resident)]  # fmt: skip
+            self.executors.append(ResidentExecutor(self.store, resident, q_per_kv, backend,
+                                                   patterns))  # fmt: skip
         if staging is not None:
             self.executors.append(StreamExecutor(self.host, self.store.staging,
                                                  [g for _, g in ranges], q_per_kv,
@@ -133,11 +145,13 @@ class PagedRunner:
             pattern = Pattern.parse(entry.pattern)
             if pattern.kind == "streaming":
                 rings[entry.layer * spec.num_kv_heads + entry.kv_head] = pattern.params
+        q_per_kv, kv_heads = self.model.config.num_queries_per_kv, range(spec.num_kv_heads)
+        patterns = [_patterns(plan, layer, kv_heads, q_per_kv) for layer in range(spec.num_layers)]
         self.executors = [BudgetExecutor(plane.view(2, -1, spec.head_dim), self.blocks,
-                                         spec.num_kv_heads, self.model.config.num_queries_per_kv,
+                                         spec.num_kv_heads, q_per_kv,
                                          self.config.attention_backend, self.budget,
                                          self.tokens.numel(), spec.pages_for(self.max_context),
-                                         head_scores, rings)]  # fmt: skip
+                                         head_scores, rings, patterns)]  # fmt: skip
 
     def _cpu_split(self, plan: Plan) -> CpuSplit | None:
         """The hybrid tier's CPU side (one per runner: its worker thread is kept)."""

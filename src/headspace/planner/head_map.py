@@ -92,8 +92,11 @@ class HeadMap:
             parts.append(f"group size {'/'.join(map(str, sorted(sizes)))}")
         patterns = Counter(e.pattern for e in self.entries)
         parts.append("pattern " + ", ".join(f"{p}={n}" for p, n in patterns.items()))
-        budgets = {e.budget for e in self.entries}
-        parts.append("budget " + ("all" if budgets == {None} else "per head"))
+        budgets = Counter("all" if e.budget is None else e.budget for e in self.entries)
+        if set(budgets) == {"all"}:
+            parts.append("budget all")
+        else:  # tokens kept: count of entries
+            parts.append("budget " + ", ".join(f"{b}={n}" for b, n in budgets.items()))
         ranks = sorted({r for e in self.entries for r in e.rank})
         parts.append(f"ranks {ranks}")
         return "; ".join(parts)

@@ -203,11 +203,13 @@ def split_gpu_budget(config: ModelConfig, budget: int, weights: int, chunk: int,
     return split
 
 
-def prefill_compute_seconds(config: ModelConfig, context: int, hw: Hardware) -> float:
-    """Seconds of a ``context``-token prefill if its layer GEMMs and causal attention ran at
-    ``hw``'s FLOP rates (the compute roofline)."""
+def prefill_compute_seconds(config: ModelConfig, context: int, hw: Hardware,
+                            attention_share: float = 1.0) -> float:  # fmt: skip
+    """Seconds of a ``context``-token prefill if its layer GEMMs and causal attention (of
+    which the heads' patterns compute ``attention_share``) ran at ``hw``'s FLOP rates (the
+    compute roofline)."""
     embeddings = config.vocab_size * config.hidden_size * (1 if config.tie_word_embeddings else 2)
     layer_params = weight_bytes(config, 1) - embeddings
     gemm_s = 2 * layer_params * context / hw.gemm_flops
     attention_flops = 2 * config.num_heads * config.head_dim * context**2 * config.num_layers
-    return gemm_s + attention_flops / hw.attention_flops
+    return gemm_s + attention_share * attention_flops / hw.attention_flops

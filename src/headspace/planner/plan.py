@@ -26,6 +26,7 @@ from headspace.planner.memory import (
     split_gpu_budget,
     weight_bytes,
 )
+from headspace.planner.sparsity import gathered_bytes, resident_shares
 
 OFFLOAD_MODES = ("auto", "none", "layer", "head", "hybrid")
 MIN_TRANSFER_BYTES = 16 * 2**20  # a streamed group moves at least this much per gather
@@ -258,17 +259,20 @@ def plan_batch(spec: KVSpec, arena: int, total_pages: int, *, offload: str = "au
 
 
 def step_seconds(config: ModelConfig, plan: Plan, tokens: int, dtype_bytes: int,
-                 hw: Hardware | None = None,
-                 cpu_share: float | None = None) -> tuple[float, float]:  # fmt: skip
+                 hw: Hardware | None = None, cpu_share: float | None = None,
+                 resident_tokens: int | None = None) -> tuple[float, float]:  # fmt: skip
     """Roofline of one decode step over ``tokens`` of KV in all: (seconds, PCIe floor
-    seconds). HBM reads weights and resident KV; PCIe carries the offloaded KV, or with the
-    hybrid tier its ``1 - cpu_share`` (default: the rates' balance) while CPU threads read
-    the rest (see :func:`offloaded_seconds`); the floor is that of streaming all of it."""
+    seconds). HBM reads weights and resident KV (``resident_tokens`` entry-tokens, default
+    every resident entry's ``tokens``); PCIe carries the offloaded KV, or with the hybrid
+    tier its ``1 - cpu_share`` (default: the rates' balance) while CPU threads read the
+    rest (see :func:`offloaded_seconds`); the floor is that of streaming all of it."""
     hw = hw or Hardware()
     per_entry = 2 * tokens * config.head_dim * dtype_bytes
+    if resident_tokens is None:
+        resident_tokens = plan.head_map.count("gpu") * tokens
     embeddings = config.vocab_size * config.hidden_size * dtype_bytes
     hbm_s = (weight_bytes(config, dtype_bytes) - embeddings
-             + plan.head_map.count("gpu") * per_entry) / hw.hbm_bytes  # fmt: skip
+             + resident_tokens * 2 * config.head_dim * dtype_bytes) / hw.hbm_bytes  # fmt: skip
     offloaded = plan.head_map.num_offloaded * per_entry
     hybrid = plan.head_map.count("hybrid") > 0
     layers = _offloaded_layers(plan.head_map)
@@ -290,6 +294,8 @@ class PlanRequest:
     page_size: int = 128
     cpu_share: float | None = None
     gpu_window: int = 1024
+    budget_tokens: int | None = None  # kept per entry after the prompt (a KV budget)
+    gathers: bool = False  # patterns or budgets: a layer's prefill gathers its keys
 
 
 def make_plan(config: ModelConfig, request: PlanRequest, hw: Hardware | None = None) -> Plan:
@@ -306,17 +312,22 @@ def make_plan(config: ModelConfig, request: PlanRequest, hw: Hardware | None = N
     split = split_gpu_budget(config, request.gpu_memory, weights, chunk, dtype_bytes)
     spec = KVSpec.of(config, request.page_size, dtype_bytes)
     pages = spec.pages_for(request.context)
-    plan = plan_batch(spec, split.arena, pages, offload=request.offload,
+    gathered = 0
+    if request.gathers:
+        gathered = gathered_bytes(spec.num_kv_heads, config.num_queries_per_kv, spec.head_dim,
+                                  dtype_bytes, request.context)  # fmt: skip
+    plan = plan_batch(spec, split.arena - gathered, pages, offload=request.offload,
                       head_group=request.head_group, host_budget=request.host_memory,
                       what=f"a context of {request.context} tokens", hw=hw,
                       cpu_share=request.cpu_share, gpu_window=request.gpu_window)  # fmt: skip
     plan.prefill_chunk = chunk
-    plan.memory = _memory_table(spec, split, plan, pages)
-    _predict(plan, config, request, hw)
+    plan.memory = _memory_table(spec, split, plan, pages, gathered)
+    predict(plan, config, request, hw)
     return plan
 
 
-def _memory_table(spec: KVSpec, split: GpuSplit, plan: Plan, pages: int) -> dict[str, int]:
+def _memory_table(spec: KVSpec, split: GpuSplit, plan: Plan, pages: int,
+                  gathered: int) -> dict[str, int]:  # fmt: skip
     resident_page = plan.head_map.count("gpu") * spec.entry_page_bytes
     staging = plan.staging.num_bytes if plan.staging else 0
     pool = (plan.num_gpu_pages + 1) * resident_page
@@ -325,15 +336,22 @@ def _memory_table(spec: KVSpec, split: GpuSplit, plan: Plan, pages: int) -> dict
         "weights": split.weights, "gpu_kv": pages * resident_page, "gpu_pool": pool,
         "staging": staging, "activations": split.activations,
         "allocator_slack": split.allocator_slack, "decode": split.decode,
-        "total_gpu": split.weights + pool + staging + split.activations + split.allocator_slack
-        + split.decode, "host_kv": host, "total_host": host,
+        "gathered": gathered, "total_gpu": split.weights + pool + staging + split.activations
+        + split.allocator_slack + split.decode + gathered, "host_kv": host, "total_host": host,
     }  # fmt: skip
 
 
-def _predict(plan: Plan, config: ModelConfig, request: PlanRequest, hw: Hardware) -> None:
-    """Roofline: prefill = max(compute, PCIe traffic); decode = max(HBM reads, PCIe reads)."""
+def predict(plan: Plan, config: ModelConfig, request: PlanRequest,
+            hw: Hardware | None = None) -> None:  # fmt: skip
+    """Roofline: prefill = max(compute, PCIe traffic); decode = max(HBM reads, PCIe reads).
+    The head map's patterns and the request's budget price in: prefill attention by each
+    entry's share of causal pairs, decode HBM reads and ``memory["kv_held"]`` by what the
+    resident entries hold after the prompt (call again after changing the head map)."""
+    hw = hw or Hardware()
     context, dtype_bytes, chunk = request.context, request.dtype_bytes, plan.prefill_chunk
-    compute_s = prefill_compute_seconds(config, context, hw)
+    held, share = resident_shares(plan.head_map, context, request.budget_tokens)
+    plan.memory["kv_held"] = held * 2 * config.head_dim * dtype_bytes
+    compute_s = prefill_compute_seconds(config, context, hw, share)
     streamed = plan.head_map.num_offloaded  # prefill streams the hybrid entries too
     num_chunks = -(-context // chunk)
     prefix_tokens = chunk * num_chunks * (num_chunks - 1) // 2  # prefixes re-read per chunk
@@ -341,5 +359,6 @@ def _predict(plan: Plan, config: ModelConfig, request: PlanRequest, hw: Hardware
     h2d_s = streamed * prefix_tokens * per_token / hw.h2d_bytes
     d2h_s = streamed * context * per_token / hw.d2h_bytes
     plan.prefill_tok_s = context / max(compute_s, h2d_s + d2h_s)
-    step_s, pcie_s = step_seconds(config, plan, context, dtype_bytes, hw, request.cpu_share)
+    step_s, pcie_s = step_seconds(config, plan, context, dtype_bytes, hw, request.cpu_share,
+                                  held)  # fmt: skip
     plan.decode_ms, plan.decode_pcie_floor_ms = 1000 * step_s, 1000 * pcie_s

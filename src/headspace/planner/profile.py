@@ -53,11 +53,12 @@ class Profile:
 def with_patterns(head_map: HeadMap, retrieval: list[list[float]], retrieval_heads: float,
                   sparse: str) -> HeadMap:  # fmt: skip
     """``head_map`` with its patterns: the ``retrieval_heads`` share of entries with the
-    highest scores keep ``full``, the rest take ``sparse`` (ties: earlier layers first)."""
+    highest scores keep ``full``, the rest take ``sparse`` (ties: earlier layers first),
+    except entries off the GPU: the streamed tiers attend exactly, so they stay ``full``."""
     if not 0 <= retrieval_heads <= 1:
         raise UserError(f"retrieval heads must be a share in [0, 1], got {retrieval_heads}")
     ranked = sorted(head_map.entries, key=lambda e: -retrieval[e.layer][e.kv_head])
     full = {(e.layer, e.kv_head) for e in ranked[: round(retrieval_heads * len(ranked))]}
-    entries = [replace(e, pattern="full" if (e.layer, e.kv_head) in full else sparse)
-               for e in head_map.entries]  # fmt: skip
+    entries = [replace(e, pattern="full" if (e.layer, e.kv_head) in full or e.tier != "gpu"
+                       else sparse) for e in head_map.entries]  # fmt: skip
     return HeadMap(head_map.num_layers, head_map.num_kv_heads, entries)

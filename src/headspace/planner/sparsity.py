@@ -1,0 +1,69 @@
+"""What patterns and KV budgets change in a plan, for its memory table and roofline: the
+tokens an entry holds after the prompt, and the share of full causal attention its prefill
+computes."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from headspace.attention.patterns import BLOCK, LAST_QUERIES, Pattern, key_capacity
+from headspace.planner.head_map import HeadMap
+
+
+def held_tokens(pattern: str, budget_tokens: int | None, context: int) -> int:
+    """Tokens one (layer, kv head) entry holds after a ``context``-token prompt: a streaming
+    head its sink and window, a budgeted one its budget (``budget_tokens``), else all."""
+    spec = Pattern.parse(pattern)
+    if spec.kind == "streaming":
+        return min(context, sum(spec.params))
+    return context if budget_tokens is None else min(context, budget_tokens)
+
+
+def attention_share(pattern: str, context: int) -> float:
+    """The share of a full causal prefill's (query, key) pairs that ``pattern``'s kernel
+    computes over a ``context``-token prompt, at most 1: each query sees at most ``keys``
+    keys (streaming: sink + window; block_sparse(k): k blocks of 128). vertical_slash counts
+    as full: its diagonals cross nearly every block, which the block mask then computes."""
+    spec = Pattern.parse(pattern)
+    if spec.kind in ("full", "vertical_slash"):
+        return 1.0
+    keys = spec.params[0] * BLOCK if spec.kind == "block_sparse" else sum(spec.params)
+    kept = min(keys, context)
+    pairs = kept * (kept + 1) / 2 + (context - kept) * kept  # sum over queries of min(p+1, K)
+    return pairs / (context * (context + 1) / 2)
+
+
+def resident_shares(head_map: HeadMap, context: int, budget_tokens: int | None) -> tuple:
+    """``(entry-tokens held by the resident entries after the prompt, mean attention share
+    over all entries)``; offloaded entries attend exactly and hold everything."""
+    held, shares = 0, []
+    for entry in head_map.entries:
+        resident = entry.tier == "gpu"
+        pattern = entry.pattern if resident else "full"
+        shares.append(attention_share(pattern, context))
+        if resident:
+            held += held_tokens(pattern, budget_tokens, context)
+    return held, sum(shares) / len(shares)
+
+
+def with_budgets(head_map: HeadMap, budget_tokens: int | None) -> HeadMap:
+    """``head_map`` with each entry's ``budget`` (tokens kept after the prompt): a streaming
+    entry its sink and window, the others ``budget_tokens`` (None: all)."""
+    entries = []
+    for entry in head_map.entries:
+        spec = Pattern.parse(entry.pattern)
+        budget = sum(spec.params) if spec.kind == "streaming" else budget_tokens
+        entries.append(replace(entry, budget=budget))
+    return HeadMap(head_map.num_layers, head_map.num_kv_heads, entries)
+
+
+def gathered_bytes(num_kv_heads: int, q_per_kv: int, head_dim: int, dtype_bytes: int,
+                   context: int) -> int:  # fmt: skip
+    """GPU bytes a prefill chunk of a layer with patterns or budgets gathers at most: the
+    layer's K and V padded to the key capacity, twice (the full kv heads' share is copied
+    again for the fused kernel), and vertical-slash estimation's scratch for one kv head's
+    query heads (four fp32 ``[heads, 64, keys]`` buffers and the int64 diagonal of each of
+    the 64 queries' keys)."""
+    capacity = key_capacity(context)
+    keys = 2 * num_kv_heads * capacity * head_dim * dtype_bytes
+    return 2 * keys + (4 * q_per_kv * 4 + 8) * LAST_QUERIES * capacity

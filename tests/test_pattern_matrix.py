@@ -1,0 +1,184 @@
+"""Patterns x budget policies x offload modes, end to end: every combination either runs and
+equals an independent chunked model whose heads are masked by the same estimated patterns,
+or is refused in one line.
+
+The oracle recomputes the prompt chunk by chunk with dense fp32 attention, each resident
+head masked by ``estimate()`` over that chunk's queries and keys (offloaded heads attend in
+full); decode tokens attend every key, or the sink and window for streaming heads."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from headspace import SamplingParams, UserError
+from headspace.attention.patterns import Pattern, estimate
+from headspace.attention.reference import reference_attention
+from headspace.model.config import load_config
+from headspace.planner.memory import KVSpec
+from headspace.planner.profile import Profile
+from headspace.planner.sparsity import gathered_bytes
+from test_offload import CHUNK, PAGE, _prompts, make
+
+PATTERNS = ["full", "streaming(4,40)", "vertical_slash(6,70)", "block_sparse(1)"]
+POLICIES = [None, "snapkv", "ada_snapkv", "headkv"]
+OFFLOADS = ["none", "head", "layer"]
+BUDGET = 120  # tokens kept per entry (on average) of a 420-token prompt
+PROMPT, STEPS = 420, 4
+
+
+def _profile(path, config) -> str:
+    scores = torch.rand(config.num_layers, config.num_kv_heads,
+                        generator=torch.Generator().manual_seed(3))  # fmt: skip
+    Profile("matrix", config.num_layers, config.num_kv_heads, scores.tolist()).save(path)
+    return str(path)
+
+
+def _oracle_logits(llm, tokens: list[int], prompt_len: int) -> torch.Tensor:
+    """fp32 logits ``[tokens - prompt_len + 1, vocab]``: the prompt's last token, then each
+    decoded one, through the chunked masked model described in the module doc."""
+    runner = llm.engine.batch.runner
+    model, head_map = runner.model, runner.plan.head_map
+    group = model.config.num_queries_per_kv
+    patterns = [
+        [Pattern.parse(e.pattern) for e in head_map.layer(layer) for _ in range(group)]
+        for layer in range(model.config.num_layers)
+    ]  # streamed entries: full
+    cache: dict[int, torch.Tensor] = {}  # layer -> [2, tokens so far, kv_heads, dim]
+
+    def attention(layer: int, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
+        keys = kv if layer not in cache else torch.cat([cache[layer], kv], 1)
+        cache[layer] = keys
+        q_first, (k, v) = q.transpose(0, 1), keys.transpose(1, 2)  # [heads, tokens, dim]
+        decoding = keys.shape[1] > prompt_len
+        layer_patterns = [p if (p.kind == "streaming" or not decoding) else Pattern()
+                          for p in patterns[layer]]  # fmt: skip
+        mask = estimate(layer_patterns, q_first, k).dense()
+        out, _ = reference_attention(q_first.double(), k.double(), v.double(), mask=mask)
+        return out.transpose(0, 1).to(q.dtype)
+
+    ends = [*range(CHUNK, prompt_len, CHUNK), prompt_len, *range(prompt_len + 1, len(tokens) + 1)]
+    rows, start = [], 0
+    with torch.inference_mode():
+        for end in ends:
+            hidden = model(torch.tensor(tokens[start:end]), torch.arange(start, end), attention)
+            rows.append(model.logits(hidden[-1:]))
+            start = end
+    return torch.cat(rows[len(ends) - (len(tokens) - prompt_len) - 1 :])
+
+
+def _engine_logits(llm, prompt: list[int]) -> tuple[torch.Tensor, list[int], object]:
+    """The engine's prefill logits then each decode step's: ``[STEPS, vocab]``, tokens, stats."""
+    runner, seen = llm.engine.batch.runner, []
+    prefill, decode = runner.prefill, runner.decode
+
+    def record_prefill(*args, **options):
+        logits = prefill(*args, **options)
+        seen.append(logits[None].clone())
+        return logits
+
+    def record_decode(*args, **options):
+        logits, slots = decode(*args, **options)
+        seen.append(logits.clone())
+        return logits, slots
+
+    runner.prefill, runner.decode = record_prefill, record_decode
+    out = llm.generate(prompt, SamplingParams(max_new_tokens=STEPS, ignore_eos=True))[0]
+    del runner.prefill, runner.decode
+    return torch.cat(seen), out.token_ids, out.stats
+
+
+def _options(pattern: str, policy: str | None, offload: str, profile: str,
+             page_bytes: int = 0) -> dict:  # fmt: skip
+    options = {"offload": offload}
+    if offload != "none":  # an arena of half the request's pages: some heads stream
+        options["arena"] = (PROMPT + STEPS) // 16 // 2 * page_bytes
+    if pattern != "full":
+        options |= {"profile": profile, "retrieval_heads": 0.5, "sparse_pattern": pattern}
+    if policy is not None:
+        options |= {"kv_budget": BUDGET, "kv_policy": policy, "profile": profile}
+    return options
+
+
+@pytest.mark.parametrize("offload", OFFLOADS)
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("pattern", PATTERNS)
+def test_pattern_policy_offload_matrix(tiny_llama, tmp_path, pattern, policy, offload):
+    exact = make(tiny_llama)
+    config = exact.engine.batch.runner.model.config
+    profile = _profile(tmp_path / "p.json", config)
+    page_bytes = KVSpec.of(load_config(tiny_llama), PAGE, 4).full_page_bytes  # fp32
+    options = _options(pattern, policy, offload, profile, page_bytes)
+    if "arena" in options and pattern != "full":  # the arena gives up what a layer gathers
+        options["arena"] += gathered_bytes(config.num_kv_heads, config.num_queries_per_kv,
+                                           config.head_dim, 4, config.max_context)  # fmt: skip
+    own_pages = policy is not None or pattern.startswith("streaming")
+    if own_pages and offload != "none":  # per-head pages keep every head on the GPU
+        with pytest.raises(UserError, match="offload"):
+            make(tiny_llama, **options)
+        return
+    llm = make(tiny_llama, **options)
+    prompt = _prompts([PROMPT], seed=11)[0]
+    got, tokens, stats = _engine_logits(llm, prompt)
+    head_map = llm.engine.batch.runner.plan.head_map
+    assert (offload == "none") == (head_map.num_offloaded == 0)
+    assert all(e.pattern == "full" for e in head_map.entries if e.tier != "gpu")
+    if policy is None:  # every step: the oracle over the same tokens
+        want = _oracle_logits(llm, prompt + tokens[:-1], len(prompt))
+        torch.testing.assert_close(got, want, atol=2e-4, rtol=2e-4)
+    else:  # compression follows the prompt: its logits are the oracle's
+        want = _oracle_logits(llm, prompt, len(prompt))
+        torch.testing.assert_close(got[:1], want, atol=2e-4, rtol=2e-4)
+        entries, total = len(head_map.entries), PROMPT + STEPS - 1
+        rings = sum(e.pattern.startswith("streaming") for e in head_map.entries)
+        budgets = {e.budget for e in head_map.entries}  # the head map's budget field
+        assert budgets == ({BUDGET, 44} if rings else {BUDGET})
+        held = (BUDGET + STEPS - 1) * (entries - rings) + 44 * rings
+        if rings == 0 or policy == "snapkv":  # the policy's total, the rings' sink + window
+            assert stats.kv_held_fraction == pytest.approx(held / (entries * total), abs=0.01)
+        else:  # a share policy may give the retrieval heads more of a ring's budget
+            most = held + BUDGET * rings
+            assert held / (entries * total) - 0.01 < stats.kv_held_fraction
+            assert stats.kv_held_fraction < most / (entries * total) + 0.01
+    if pattern == "full" and policy is None:  # exact: the oracle is the causal model
+        assert (
+            tokens
+            == exact.generate(prompt, SamplingParams(max_new_tokens=STEPS, ignore_eos=True))[
+                0
+            ].token_ids
+        )
+
+
+def test_prefill_patterns_change_the_prompt_logits(tiny_llama, tmp_path):
+    """The oracle would agree with an engine that ignored the patterns only if the masks
+    changed nothing: here they do."""
+    exact = make(tiny_llama)
+    profile = _profile(tmp_path / "p.json", exact.engine.batch.runner.model.config)
+    prompt = _prompts([PROMPT], seed=11)[0]
+    full = _engine_logits(exact, prompt)[0][0]
+    for pattern in PATTERNS[1:]:
+        llm = make(tiny_llama, profile=profile, retrieval_heads=0.5, sparse_pattern=pattern)
+        assert (_engine_logits(llm, prompt)[0][0] - full).abs().max() > 1e-3, pattern
+
+
+def test_embedded_model_with_block_sparse_heads_and_a_budget(embedded_dir, tmp_path):
+    exact = make(embedded_dir)
+    config = exact.engine.batch.runner.model.config
+    profile = _profile(tmp_path / "p.json", config)
+    options = _options("block_sparse(1)", "ada_snapkv", "none", profile)
+    llm = make(embedded_dir, **options)
+    prompt = _prompts([PROMPT], seed=12)[0]
+    got = _engine_logits(llm, prompt)[0]
+    want = _oracle_logits(llm, prompt, len(prompt))
+    torch.testing.assert_close(got[:1], want, atol=2e-4, rtol=2e-4)
+
+
+def test_the_prefix_in_pieces_merged_by_lse_equals_one_piece(tiny_llama, monkeypatch):
+    from headspace.engine import executors
+
+    prompt = _prompts([PROMPT], seed=13)[0]
+    whole = _engine_logits(make(tiny_llama), prompt)[0]
+    monkeypatch.setattr(executors, "PREFIX_PIECE", 48)  # 3 pages: pieces end mid-chunk
+    monkeypatch.setattr(executors, "PREFIX_CHUNKS", 0)
+    pieces = _engine_logits(make(tiny_llama), prompt)[0]
+    torch.testing.assert_close(pieces, whole, atol=1e-5, rtol=1e-5)
