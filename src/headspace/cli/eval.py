@@ -26,7 +26,12 @@ def add_eval_parser(subparsers, add_engine_options) -> None:
         "--text", default="alice29,plrabn12", help="texts for ppl: built-in names or files"
     )
     p.add_argument("--context", default="2k,8k", help="perplexity windows")
-    p.add_argument("--max-tokens", type=int, default=None, help="score at most this many tokens")
+    p.add_argument(
+        "--max-tokens",
+        type=int,
+        default=None,
+        help="ppl: read at most this many tokens of each text (then cut into windows)",
+    )
     p.add_argument(
         "--decode-tokens", type=int, default=0,
         help="ppl: score each window's last N tokens through decode steps (teacher forcing), "
