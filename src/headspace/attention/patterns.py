@@ -34,16 +34,10 @@ DEFAULT_PATTERNS = {"streaming": "streaming(4,1024)", "vertical_slash": "vertica
                     "block_sparse": "block_sparse(64)"}  # fmt: skip
 
 
-def padded_queries(num_queries: int) -> int:
-    """The query length a chunk is padded to for FlexAttention: a power of two, at least a
-    block (the block table's rows are sized to it, so its shape stays one per bucket)."""
-    return max(BLOCK, 1 << (num_queries - 1).bit_length())
-
-
-def key_capacity(num_keys: int) -> int:
-    """The key length a chunk's tables and gathered keys are padded to: a power of two (at
-    least a block), so one compiled kernel serves every chunk up to it."""
-    return 1 << (max(num_keys, BLOCK) - 1).bit_length()
+def padded_length(n: int) -> int:
+    """The length a chunk's queries, or its gathered keys and their tables, are padded to:
+    a power of two, at least a block, so one compiled kernel serves every chunk up to it."""
+    return 1 << (max(n, BLOCK) - 1).bit_length()
 
 
 @dataclass(frozen=True)
@@ -122,12 +116,6 @@ class HeadPatterns:
         allowed = allowed | ((kind == KIND_IDS["block_sparse"]) & block)  # compiled kernels
         return causal & allowed
 
-    def select(self, heads: torch.Tensor) -> HeadPatterns:
-        """The tables of the query heads where ``heads [heads]`` (bool) is set."""
-        return HeadPatterns(self.q_start, self.num_queries, self.num_keys, self.kind[heads],
-                            self.sink[heads], self.window[heads], self.vertical[heads],
-                            self.slash[heads], self.blocks[heads], self.bounds)  # fmt: skip
-
     def dense(self) -> torch.Tensor:
         """The mask ``[heads, queries, keys]`` in full (the reference twin's)."""
         heads = torch.arange(self.kind.numel(), device=self.kind.device)[:, None, None]
@@ -165,7 +153,7 @@ def estimate(
         sink=per_head("streaming", 0), window=per_head("streaming", 1),
         vertical=torch.zeros(num_heads, capacity, dtype=torch.int32, device=device),
         slash=torch.zeros(num_heads, capacity, dtype=torch.int32, device=device),
-        blocks=torch.zeros(num_heads, padded_queries(num_q) // BLOCK, -(-capacity // BLOCK),
+        blocks=torch.zeros(num_heads, padded_length(num_q) // BLOCK, -(-capacity // BLOCK),
                            dtype=torch.int32, device=device),
         bounds=torch.tensor([q_start, num_keys], device=device),
     )  # fmt: skip

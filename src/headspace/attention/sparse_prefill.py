@@ -23,6 +23,7 @@ from headspace.attention.patterns import (
     HeadPatterns,
     Pattern,
     estimate,
+    padded_length,
 )
 from headspace.attention.reference import reference_attention
 
@@ -147,7 +148,7 @@ def flex_pattern_attention(q, k, v, table: HeadPatterns, scale: float | None = N
     padded to a power of two (one compiled kernel per padded length and key capacity);
     heads where ``skip [heads]`` is set compute nothing (their rows are not meaningful)."""
     num_q = q.shape[1]
-    padded = max(BLOCK, 1 << (num_q - 1).bit_length())
+    padded = padded_length(num_q)
     q4 = torch.nn.functional.pad(q, (0, 0, 0, padded - num_q))[None]
     fn = _compiled_flex() if q.is_cuda else flex_attention
     options = KERNEL_OPTIONS if q.is_cuda else None

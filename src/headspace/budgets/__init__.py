@@ -38,6 +38,8 @@ class KVBudget:
         value = self.value
         if isinstance(value, bool) or not isinstance(value, int | float):
             raise ValueError(f"kv_budget must be a number, got {value!r}")
+        if isinstance(value, float) and value > 1 and value.is_integer():
+            object.__setattr__(self, "value", value := int(value))  # tokens, given as 4096.0
         if isinstance(value, float) and not 0 < value <= 1:
             raise ValueError(f"a fractional kv_budget must be in (0, 1], got {value}")
         if isinstance(value, int) and value < 1:

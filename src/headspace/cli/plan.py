@@ -90,10 +90,8 @@ def _budget_tokens(args, context: int) -> int | None:
 
     if args.kv_budget is None:
         return None
-    value = args.kv_budget
-    value = int(value) if value > 1 and float(value).is_integer() else value
     try:
-        return KVBudget(value, args.kv_policy).tokens(context)
+        return KVBudget(args.kv_budget, args.kv_policy).tokens(context)
     except ValueError as error:
         raise UserError(str(error)) from None
 

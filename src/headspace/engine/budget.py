@@ -24,7 +24,7 @@ from headspace.attention.entry_decode import entry_decode
 from headspace.attention.patterns import Pattern
 from headspace.attention.sparse_prefill import prefill_with_patterns
 from headspace.budgets import KVBudget, kept_positions, observation_scores
-from headspace.engine.executors import MIN_WIDTH, block_table, bucket, gather_slots
+from headspace.engine.executors import MIN_WIDTH, block_table, bucket, padded_positions
 from headspace.kv.entry_table import EntryBlockManager
 
 
@@ -70,7 +70,7 @@ class BudgetExecutor:
             slots = self._slots(seq_id, positions)  # [entries, prefix + chunk]
             self.slots = slots.view(-1, self.num_kv_heads, slots.shape[-1])
             if any(self.patterns):  # columns of every key, padded to a capacity
-                self.key_columns = gather_slots(lambda p: p.to(device), slots.shape[-1])
+                self.key_columns = padded_positions(slots.shape[-1], device)
             if step.start == 0:
                 self.window_q = {}
             return

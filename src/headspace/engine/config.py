@@ -155,10 +155,8 @@ class EngineConfig:
         value = self.kv_budget
         if value is None:
             return
-        if _is_number(value) and value > 1 and float(value).is_integer():
-            self.kv_budget = value = int(value)  # a token count given as a float (CLI)
-        try:
-            KVBudget(value, self.kv_policy)
+        try:  # a token count given as a float (CLI) becomes an int
+            self.kv_budget = KVBudget(value, self.kv_policy).value
         except ValueError as error:
             raise UserError(str(error)) from None
         if self.kv_policy == "headkv" and self.profile is None:
@@ -176,6 +174,7 @@ class EngineConfig:
             pattern = Pattern.parse(self.sparse_pattern)
         except ValueError as error:
             raise UserError(f"sparse_pattern: {error}") from None
+        self._streaming = pattern.kind == "streaming"  # read by per_head_pages, every step
         if pattern.is_full:
             raise UserError("sparse_pattern must be sparse: streaming(sink,window), "
                             "vertical_slash(columns,slashes) or block_sparse(blocks)")  # fmt: skip
@@ -187,8 +186,7 @@ class EngineConfig:
     def per_head_pages(self) -> bool:
         """Whether each (layer, kv head) entry has its own pages (budgets, streaming heads;
         prefill-only patterns keep the shared pages)."""
-        streaming = Pattern.parse(self.sparse_pattern).kind == "streaming"
-        return self.kv_budget is not None or (self.retrieval_heads is not None and streaming)
+        return self.kv_budget is not None or (self.retrieval_heads is not None and self._streaming)
 
     @property
     def hybrid_cpu_share(self) -> float | None:

@@ -17,7 +17,7 @@ from headspace.attention import attend, merge_attention
 from headspace.attention.cpu_decode import cpu_paged_decode
 from headspace.attention.entry_decode import new_token_slots
 from headspace.attention.paged import gather_pages
-from headspace.attention.patterns import Pattern, key_capacity
+from headspace.attention.patterns import Pattern, padded_length
 from headspace.attention.sparse_prefill import prefill_with_patterns
 from headspace.kv.paged_store import PagedKVStore
 
@@ -78,11 +78,10 @@ def attend_tiers(executors: list, layer: int, q: torch.Tensor, kv: torch.Tensor)
     return out
 
 
-def gather_slots(slots_of, num_keys: int) -> torch.Tensor:
-    """Slots of positions ``0 .. num_keys - 1`` padded to :func:`key_capacity` by repeating
-    the last one (padding keys are never seen): ``slots_of(positions)`` maps positions."""
-    positions = torch.arange(key_capacity(num_keys)).clamp(max=num_keys - 1)
-    return slots_of(positions)
+def padded_positions(num_keys: int, device) -> torch.Tensor:
+    """Positions ``0 .. num_keys - 1`` padded to :func:`padded_length` by repeating the last
+    one (a patterned prefill gathers its keys there; padding keys are never seen)."""
+    return torch.arange(padded_length(num_keys), device=device).clamp(max=num_keys - 1)
 
 
 class ResidentExecutor:
@@ -108,9 +107,8 @@ class ResidentExecutor:
             self.slots = self.store.slots(self.pages, step.positions)
             if any(self.patterns):
                 self.num_keys = step.start + len(step.positions)
-                self.key_slots = gather_slots(
-                    lambda p: self.store.slots(self.pages, p.to(device)), self.num_keys
-                )
+                positions = padded_positions(self.num_keys, device)
+                self.key_slots = self.store.slots(self.pages, positions)
         elif not self.on_gpu and "gpu" in step.tables:  # the CPU kernel's inputs, per step
             self.ends = step.lengths.to(torch.int32)
             self.slots = new_token_slots(step.tables["gpu"], self.ends - 1, self.page_size)

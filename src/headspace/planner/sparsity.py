@@ -6,17 +6,21 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from headspace.attention.patterns import BLOCK, LAST_QUERIES, Pattern, key_capacity
+from headspace.attention.patterns import BLOCK, LAST_QUERIES, Pattern, padded_length
 from headspace.planner.head_map import HeadMap
 
 
-def held_tokens(pattern: str, budget_tokens: int | None, context: int) -> int:
-    """Tokens one (layer, kv head) entry holds after a ``context``-token prompt: a streaming
-    head its sink and window, a budgeted one its budget (``budget_tokens``), else all."""
+def kept_tokens(pattern: str, budget_tokens: int | None) -> int | None:
+    """Tokens one (layer, kv head) entry keeps of a prompt: a streaming head its sink and
+    window, a budgeted one its budget (``budget_tokens``), else None (all)."""
     spec = Pattern.parse(pattern)
-    if spec.kind == "streaming":
-        return min(context, sum(spec.params))
-    return context if budget_tokens is None else min(context, budget_tokens)
+    return sum(spec.params) if spec.kind == "streaming" else budget_tokens
+
+
+def held_tokens(pattern: str, budget_tokens: int | None, context: int) -> int:
+    """Tokens one entry holds after a ``context``-token prompt (see :func:`kept_tokens`)."""
+    kept = kept_tokens(pattern, budget_tokens)
+    return context if kept is None else min(context, kept)
 
 
 def attention_share(pattern: str, context: int) -> float:
@@ -49,11 +53,7 @@ def resident_shares(head_map: HeadMap, context: int, budget_tokens: int | None) 
 def with_budgets(head_map: HeadMap, budget_tokens: int | None) -> HeadMap:
     """``head_map`` with each entry's ``budget`` (tokens kept after the prompt): a streaming
     entry its sink and window, the others ``budget_tokens`` (None: all)."""
-    entries = []
-    for entry in head_map.entries:
-        spec = Pattern.parse(entry.pattern)
-        budget = sum(spec.params) if spec.kind == "streaming" else budget_tokens
-        entries.append(replace(entry, budget=budget))
+    entries = [replace(e, budget=kept_tokens(e.pattern, budget_tokens)) for e in head_map.entries]
     return HeadMap(head_map.num_layers, head_map.num_kv_heads, entries)
 
 
@@ -64,6 +64,6 @@ def gathered_bytes(num_kv_heads: int, q_per_kv: int, head_dim: int, dtype_bytes:
     again for the fused kernel), and vertical-slash estimation's scratch for one kv head's
     query heads (four fp32 ``[heads, 64, keys]`` buffers and the int64 diagonal of each of
     the 64 queries' keys)."""
-    capacity = key_capacity(context)
+    capacity = padded_length(context)
     keys = 2 * num_kv_heads * capacity * head_dim * dtype_bytes
     return 2 * keys + (4 * q_per_kv * 4 + 8) * LAST_QUERIES * capacity
