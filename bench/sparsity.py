@@ -8,6 +8,13 @@ plus the mode's).
 
     PYTHONPATH=src python bench/sparsity.py [--contexts 131072 524288] [--modes ...]
 
+Head offload (HeadInfer, App. D): ``full head-offload`` streams every offloaded head's whole
+history each step (the shared host pages), ``snapkv 0.25 head-offload`` keeps a quarter per
+head and streams only the offloaded heads' kept tokens; both under the GPU budget a user of
+a smaller card gives (``OFFLOAD_GPU_MEMORY``), compared with each other, each with its
+streamed bytes per step and their floor at the pinned host-to-GPU bandwidth measured here.
+``--modes`` picks modes (a mode is compared with the full run of its kind when that ran).
+
 Per context and mode: prefill seconds and their speedup over full
 (``prefill_speedup_vs_full``), decode ms per token (the median step, so a CUDA graph
 captured during the run does not count), the K/V bytes the request holds at its end and
@@ -39,6 +46,7 @@ from common import (  # noqa: E402
     environment,
     make_engine,
     measure_hbm_bandwidth,
+    pinned_h2d_bandwidth,
     random_model,
     write_result,
 )
@@ -52,7 +60,13 @@ MODES = {"full": {}, "snapkv 0.25": {"kv_budget": 0.25, "kv_policy": "snapkv"},
          "streaming 0.5": {"retrieval_heads": 0.5},
          "block_sparse 0.5": {"retrieval_heads": 0.5, "sparse_pattern": "block_sparse(64)"},
          "vertical_slash 0.5": {"retrieval_heads": 0.5,
-                                "sparse_pattern": "vertical_slash(1000,6096)"}}  # fmt: skip
+                                "sparse_pattern": "vertical_slash(1000,6096)"},
+         "full head-offload": {"offload": "head"},
+         "snapkv 0.25 head-offload": {"kv_budget": 0.25, "kv_policy": "snapkv",
+                                      "offload": "head"}}  # fmt: skip
+# the GPU budget of the head-offload modes, as a user of a smaller card gives it: the full
+# KV does not fit beside the weights (16 GiB of KV at 128K, 64 GiB at 512K)
+OFFLOAD_GPU_MEMORY = {131072: "24GiB", 524288: "48GiB"}
 HEADS, KV_HEADS, DIM, PAGE, LAYERS = 32, 8, 128, 128, 32
 SINK, WINDOW = 4, 1024  # the default sparse_pattern, streaming(4,1024)
 
@@ -87,9 +101,21 @@ def _ids(n: int, seed: int) -> list[int]:
     return torch.randint(0, LLAMA31_8B["vocab_size"], (n,), generator=generator).tolist()
 
 
+def streamed_bytes(engine, context: int) -> int:
+    """K/V bytes the last decode step copied from host pages: the offloaded entries' kept
+    tokens (per-head pages), else every offloaded entry's whole history."""
+    runner = engine.batch.runner
+    staging = getattr(runner.executors[0], "staging", None)
+    if staging is not None:
+        return staging.streamed_bytes
+    return runner.plan.head_map.num_offloaded * context * 2 * DIM * 2
+
+
 def engine_run(model, context: int, new_tokens: int, options: dict, warmup: str) -> dict:
     if context > LLAMA31_8B["max_position_embeddings"]:
         options = {**options, "max_context": context}  # as a user asks for a longer one
+    if options.get("offload") == "head":
+        options = {**options, "gpu_memory": OFFLOAD_GPU_MEMORY.get(context, "24GiB")}
     engine = make_engine(model, **options)
     params = [SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)]
     prompt = context - new_tokens  # the prompt and its new tokens fit the context
@@ -103,7 +129,10 @@ def engine_run(model, context: int, new_tokens: int, options: dict, warmup: str)
     row = {"prefill_s": stats.prefill_seconds, "decode_ms": 1000 * statistics.median(steps),
            "decode_ms_mean": 1000 / stats.decode_tok_s, "kv_held_bytes": stats.kv_held_bytes,
            "kv_fraction_held": stats.kv_held_fraction, "summary": stats.summary(),
-           "plan": engine.batch.runner.plan.head_map.summary()}  # fmt: skip
+           "plan": engine.batch.runner.plan.head_map.summary(),
+           "offloaded_entries": engine.batch.runner.plan.head_map.num_offloaded,
+           "streamed_bytes_per_step": streamed_bytes(engine, context),
+           "gpu_memory": options.get("gpu_memory")}  # fmt: skip
     del engine, out
     gc.collect()
     torch.cuda.empty_cache()
@@ -163,16 +192,24 @@ def main() -> None:
               "new_tokens": args.new_tokens, "warmup": args.warmup, "runs": {},
               "attention_alone": {}}  # fmt: skip
     env = result["environment"]
+    result["pcie_gb_s"] = pinned_h2d_bandwidth() / 1e9
     name = f"sparsity_llama3-8b_{env['gpu'].replace('NVIDIA ', '').split()[0].lower()}"
     path = Path(f"{name}_{env['date']}.json")
     for context in args.contexts:
         runs = result["runs"].setdefault(str(context), {})
-        for mode in ["full", *[m for m in args.modes if m != "full"]]:
+        for mode in sorted(args.modes, key=lambda m: ("full" not in m, "offload" in m)):
             patterned = "retrieval_heads" in MODES[mode]
             options = {**MODES[mode], **({"profile": profile} if patterned else {})}
             runs[mode] = row = engine_run(model, context, args.new_tokens, options, args.warmup)
-            row["decode_speedup_vs_full"] = runs["full"]["decode_ms"] / row["decode_ms"]
-            row["prefill_speedup_vs_full"] = runs["full"]["prefill_s"] / row["prefill_s"]
+            # against the full run of the same kind (streaming everything, for offload)
+            base = runs.get("full head-offload" if "head-offload" in mode else "full", row)
+            row["decode_speedup_vs_full"] = base["decode_ms"] / row["decode_ms"]
+            row["prefill_speedup_vs_full"] = base["prefill_s"] / row["prefill_s"]
+            if row["offloaded_entries"]:  # the PCIe floor of its streamed bytes
+                row["pcie_gb_s"] = result["pcie_gb_s"]
+                row["pcie_floor_ms"] = (
+                    1000 * row["streamed_bytes_per_step"] / (result["pcie_gb_s"] * 1e9)
+                )
             if row["kv_held_bytes"] is None:
                 full_bytes = LAYERS * KV_HEADS * 2 * DIM * 2 * (context + args.new_tokens)
                 row["kv_held_bytes"], row["kv_fraction_held"] = full_bytes, 1.0

@@ -267,6 +267,32 @@ def test_kv_budget_on_gpu():
     assert all(o.stats.kv_held_fraction < 0.4 for o in outs)
 
 
+@pytest.mark.parametrize("policy", ["snapkv", "ada_snapkv"])
+def test_offloaded_budget_entries_on_gpu_equal_the_resident_budget(policy):
+    """Entries in page-locked host pages, staged per layer on the copy stream by their own
+    lengths, in a batch of two: the same tokens as every entry resident."""
+    from headspace.planner.sparsity import gathered_bytes
+
+    model = _tiny_model("cuda", torch.float32, layers=8)
+    generator = torch.Generator().manual_seed(13)
+    prompts = [torch.randint(0, 512, (n,), generator=generator) for n in (900, 300)]
+    options = {"dtype": "float32", "kv_budget": 0.25, "kv_policy": policy}
+    resident = _engine(model, **options)
+    expected = _greedy(resident, prompts)
+    spec, cfg = resident.batch.spec, model.config
+    pages = spec.pages_for(900 + 64)  # half the entries of the longer request, two slots
+    gathered = gathered_bytes(spec.num_kv_heads, cfg.num_queries_per_kv, spec.head_dim, 4,
+                              resident.batch.max_context)  # fmt: skip
+    plane = spec.num_entries // 2 * pages + 2 * spec.num_kv_heads * pages + 1
+    offloaded = _engine(model, gpu_memory=_arena_budget(model, plane * spec.entry_page_bytes
+                                                        + gathered), **options)  # fmt: skip
+    runner, plans = offloaded.batch.runner, []
+    apply = runner.apply
+    runner.apply = lambda plan: (plans.append(plan), apply(plan))[1]
+    assert _greedy(offloaded, prompts) == expected
+    assert max(p.head_map.count("stream") for p in plans) > 0 and runner.host.data.is_pinned()
+
+
 def test_streaming_heads_on_gpu_equal_the_cpu_run(tmp_path):
     """Ring entries in CUDA graphs (each new token over the oldest window token), a batch
     of two, against the same engine on the CPU."""

@@ -16,8 +16,10 @@ from headspace.budgets import POLICIES, KVBudget, kept_positions, observation_sc
 from headspace.engine.budget import BudgetExecutor
 from headspace.kv.entry_table import EntryBlockManager
 from headspace.kv.page_pool import OutOfPages
+from headspace.model.config import load_config
+from headspace.planner.memory import KVSpec
 from test_hybrid import decode_logits
-from test_offload import _prompts, make
+from test_offload import PAGE, _prompts, make
 
 # -- entry page lists -----------------------------------------------------------------------
 
@@ -26,10 +28,12 @@ actions = st.lists(st.tuples(st.sampled_from(["admit", "append", "compress", "fr
 
 
 @settings(max_examples=60, deadline=None)
-@given(actions)
-def test_entry_pages_are_disjoint_sized_by_length_and_all_return(steps):
-    page_size, num_entries, num_pages = 4, 3, 60
+@given(actions, st.sampled_from([(), (1,), (0, 2)]))
+def test_entry_pages_are_disjoint_sized_by_length_and_all_return(steps, offloaded):
+    page_size, num_entries, num_pages, num_host = 4, 3, 60, 30
     blocks = EntryBlockManager(page_size, num_pages, num_entries)
+    blocks.reset(num_pages, offloaded=offloaded)
+    blocks.grow_host(num_host)
     live = set()
     for action, seq_id, count in steps:
         try:
@@ -48,12 +52,18 @@ def test_entry_pages_are_disjoint_sized_by_length_and_all_return(steps):
             pass
         held = [p for s in live for entry in blocks.entries[s].pages for p in entry]
         assert len(held) == len(set(held)) == num_pages - blocks.pool.num_free
+        hosted = [p for s in live for p in blocks.host_pages(s)]
+        assert len(hosted) == len(set(hosted)) == num_host - blocks.pools["host"].num_free
         for s in live:
             lists = blocks.entries[s]
-            assert [len(p) for p in lists.pages] == [-(-n // page_size) for n in lists.lengths]
+            resident = [-(-n // page_size) if e not in offloaded else 0
+                        for e, n in enumerate(lists.lengths)]  # fmt: skip
+            assert [len(p) for p in lists.pages] == resident
+            longest = max((lists.lengths[e] for e in offloaded), default=0)
+            assert len(lists.host) == -(-longest // page_size)  # the longest offloaded entry
     for seq_id in list(live):
         blocks.free(seq_id)
-    assert blocks.pool.num_free == num_pages
+    assert blocks.pool.num_free == num_pages and blocks.pools["host"].num_free == num_host
 
 
 def test_a_token_that_fills_no_page_takes_none_and_out_of_pages_changes_nothing():
@@ -170,7 +180,7 @@ def test_a_small_budget_holds_fewer_pages_and_batches_equal_one_at_a_time(tiny_l
 
 def test_budget_options_fail_in_one_line(tiny_llama):
     for options, message in [({"kv_budget": 0.0}, "kv_budget"), ({"kv_budget": 1.5}, r"\(0, 1\]"),
-                             ({"kv_budget": 0.5, "offload": "head"}, "offload"),
+                             ({"kv_budget": 0.5, "offload": "layer"}, "offload"),
                              ({"kv_budget": 0.5, "kv_policy": "headkv"}, "profile"),
                              ({"kv_budget": 0.5, "kv_policy": "h2o"}, "kv_policy")]:  # fmt: skip
         with pytest.raises(UserError, match=message):
@@ -188,3 +198,54 @@ def test_eval_compare_modes_name_a_policy_and_its_budget():
     for bad in ("snapkv:x", "none:1"):
         with pytest.raises(UserError):
             _mode_options(bad, base)
+
+
+# -- offloaded entries (HeadInfer App. D) ---------------------------------------------------
+
+
+def _entry_arena(checkpoint, spec: KVSpec, pages: int, max_context: int = 512) -> int:
+    """The KV arena whose entry plane holds ``pages`` entry pages (beside the keys a
+    layer's prefill gathers)."""
+    from headspace.planner.sparsity import gathered_bytes
+
+    config = load_config(checkpoint)
+    gathered = gathered_bytes(spec.num_kv_heads, config.num_queries_per_kv, spec.head_dim, 4,
+                              max_context)  # fmt: skip
+    return pages * spec.entry_page_bytes + gathered
+
+
+@pytest.mark.parametrize("policy", ["snapkv", "ada_snapkv"])
+def test_offloaded_entries_equal_the_all_resident_budget(tiny_llama, policy):
+    """Entries in host pages keep, stream and extend exactly what resident ones would."""
+    spec = KVSpec.of(load_config(tiny_llama), PAGE, 4)
+    prompts = _prompts([200, 150, 60], seed=7)
+    params = SamplingParams(max_new_tokens=30, ignore_eos=True)
+    resident = make(tiny_llama, kv_budget=0.25, kv_policy=policy)
+    want = [resident.generate(p, params)[0].token_ids for p in prompts]
+    llm = make(tiny_llama, _entry_arena(tiny_llama, spec, 80), kv_budget=0.25, kv_policy=policy)
+    runner, plans, streamed = llm.engine.batch.runner, [], []
+    apply, decode = runner.apply, runner.decode
+    runner.apply = lambda plan: (plans.append(plan), apply(plan))[1]
+
+    def recording(seq_ids, *args):
+        result = decode(seq_ids, *args)
+        staging = runner.executors[0].staging
+        if staging is not None:
+            streamed.append(staging.streamed_bytes)
+            batched.append(len(seq_ids))
+        return result
+
+    batched = []
+
+    runner.decode = recording
+    outs = llm.generate(prompts, params)
+    assert [o.token_ids for o in outs] == want
+    offloaded = [p.head_map.count("stream") for p in plans]
+    assert max(offloaded) > 0
+    assert all(p.entry_staging > 0 for p in plans if p.head_map.count("stream"))
+    kept_bytes = 50 * spec.entry_token_bytes  # an entry's 0.25 of 200 tokens
+    assert kept_bytes <= max(streamed) < spec.num_entries * 230 * spec.entry_token_bytes
+    if policy == "snapkv":  # an even budget's staging is small: sequences share the steps
+        assert max(batched) >= 2
+    gap = decode_logits(llm, prompts[0], 12) - decode_logits(resident, prompts[0], 12)
+    assert gap.abs().max().item() < 1e-4

@@ -114,7 +114,7 @@ def test_streaming_options_fail_in_one_line(tiny_llama, tmp_path):
                              ({"sparse_pattern": "full"}, "must be sparse"),
                              ({"sparse_pattern": "streaming(x)"}, "sparse_pattern"),
                              ({"retrieval_heads": 0.5, "profile": profile}, "7 layers"),
-                             ({"retrieval_heads": 0.5, "profile": profile, "offload": "head"},
+                             ({"retrieval_heads": 0.5, "profile": profile, "offload": "layer"},
                               "offload")]:  # fmt: skip
         with pytest.raises(UserError, match=message):
             make(tiny_llama, **options)

@@ -64,6 +64,28 @@ def test_write_tokens_kernel_equals_the_twin(num_tokens):
     assert set(changed[0].tolist()) <= {0, 3} and set(changed[2].tolist()) <= set(slots.tolist())
 
 
+@pytest.mark.parametrize("kernel", [False, True])
+def test_paired_copy_and_write_move_one_head_per_pair(kernel):
+    """Ragged per-head sets (KV budgets): page pair i with head i, token t with head t."""
+    host, gpu = _tiers(5, 4, 16, 8, num_pages=9)
+    src_heads, src_pages = torch.tensor([2, 2, 0, 3]), torch.tensor([4, 1, 4, 8])
+    dst_heads, dst_pages = torch.tensor([0, 1, 1, 3]), torch.tensor([0, 0, 5, 2])
+    dst = as_heads(gpu.clone(), kv_first=True)
+    copy_pages(host, dst, src_pages, dst_pages, src_heads, dst_heads, 8, kernel=kernel,
+               paired=True)  # fmt: skip
+    expected = as_heads(gpu.clone(), kv_first=True)
+    for sh, sp, dh, dp in zip(src_heads, src_pages, dst_heads, dst_pages, strict=True):
+        expected[dh, :, dp * 8 : dp * 8 + 8] = host[sh, :, sp * 8 : sp * 8 + 8]
+    assert torch.equal(dst, expected)
+    kv = torch.randn(2, 5, 1, 16, generator=torch.Generator().manual_seed(6))
+    heads, slots = torch.tensor([1, 1, 3, 0, 2]), torch.tensor([3, 60, 3, 17, 71])
+    written, expected = host.clone(), host.clone()
+    write_tokens(written, heads, slots, kv, kernel=kernel, paired=True)
+    for t in range(5):
+        expected[heads[t], :, slots[t]] = kv[:, t, 0]
+    assert torch.equal(written, expected)
+
+
 @pytest.mark.parametrize("append", [False, True])
 def test_paged_decode_kernel_writes_a_head_range_and_equals_the_twin(append):
     from headspace.attention.triton_decode import paged_decode_attention

@@ -25,13 +25,15 @@ def observation_scores(
     num_kv_heads, num_tokens, _ = k.shape
     group = num_heads // num_kv_heads
     scale = dim**-0.5 if scale is None else scale
-    keys = k.float().repeat_interleave(group, dim=0)
-    logits = torch.matmul(q_window.float(), keys.transpose(1, 2)) * scale  # [heads, w, tokens]
     positions = torch.arange(num_tokens, device=k.device)
     q_positions = torch.arange(num_tokens - window, num_tokens, device=k.device)
-    logits = logits.masked_fill(positions[None, :] > q_positions[:, None], float("-inf"))
-    weights = torch.softmax(logits, dim=-1)[..., : num_tokens - window].sum(1)  # [heads, n]
-    scores = weights.view(num_kv_heads, group, -1).mean(1)
+    future = positions[None, :] > q_positions[:, None]  # [window, tokens]
+    scores = k.new_empty(num_kv_heads, num_tokens - window, dtype=torch.float32)
+    for h in range(num_kv_heads):  # one kv head at a time: fp32 [group, window, tokens]
+        q = q_window[h * group : (h + 1) * group].float()
+        logits = torch.matmul(q, k[h].float().T) * scale
+        weights = torch.softmax(logits.masked_fill_(future, float("-inf")), dim=-1)
+        scores[h] = weights[..., : num_tokens - window].sum(1).mean(0)
     if pool > 1 and scores.shape[-1]:
         scores = F.max_pool1d(scores[:, None], pool, stride=1, padding=pool // 2)[:, 0]
     return scores

@@ -30,6 +30,8 @@ from headspace.kv.block_table import GPU, HOST
 from headspace.kv.host_store import HostKVArena
 from headspace.kv.page_pool import OutOfPages
 from headspace.model.llama import LlamaModel
+from headspace.planner.entry_offload import entry_step_seconds, plan_entries
+from headspace.planner.head_map import HeadMap
 from headspace.planner.memory import Hardware, KVSpec
 from headspace.planner.plan import Plan, plan_batch, step_seconds
 from headspace.planner.profile import Profile, with_patterns
@@ -84,6 +86,7 @@ class BatchGenerator:
         self.hardware = Hardware() if kernel_isa() is not None else Hardware(cpu_attention_bytes=0)
         self._next_id = 0
         self.peak_pages = 0
+        self._planned: set[int] | None = None  # the sequences entry staging is sized for
 
     # -- planning ------------------------------------------------------------------------
     def plan(self, seqs: list[Sequence]) -> Plan:
@@ -93,25 +96,46 @@ class BatchGenerator:
         if len(seqs) == 1:
             what = f"a request of up to {seqs[0].max_tokens} tokens"
         config = self.config
-        offload = "none" if config.per_head_pages else config.offload
-        plan = plan_batch(self.spec, self.runner.store.num_bytes, total, offload=offload,
+        if config.per_head_pages:
+            return self._entry_plan(seqs, what)
+        plan = plan_batch(self.spec, self.runner.store.num_bytes, total, offload=config.offload,
                           head_group=config.head_group, host_budget=self.runner.host.budget,
                           what=what, hw=self.hardware, cpu_share=config.hybrid_cpu_share,
                           gpu_window=config.gpu_window, num_seqs=len(seqs),
                           auto_hybrid=config.on_gpu)  # fmt: skip
         if config.retrieval_heads is not None:  # the profile's heads that retrieve keep all
-            plan.head_map = with_patterns(
-                plan.head_map,
-                self.runner.profile.retrieval,
-                config.retrieval_heads,
-                config.sparse_pattern,
-            )
-        if config.per_head_pages:  # what each entry keeps of the longest prompt
-            budget = self.runner.budget
-            prompt = max(len(s.prompt_ids) for s in seqs)
-            kept = None if budget is None else budget.tokens(prompt)
-            plan.head_map = with_budgets(plan.head_map, kept)
+            plan.head_map = self._with_patterns(plan.head_map)
         return plan
+
+    def _with_patterns(self, head_map: HeadMap) -> HeadMap:
+        """The profile's retrieval heads keep every token; the others take the pattern."""
+        config = self.config
+        return with_patterns(head_map, self.runner.profile.retrieval, config.retrieval_heads,
+                             config.sparse_pattern)  # fmt: skip
+
+    def _entry_plan(self, seqs: list[Sequence], what: str) -> Plan:
+        """Per-entry pages (budgets, streaming heads): patterns and budgets first, then
+        which entries live in host pages if the batch does not fit (never a ring)."""
+        config, spec, budget = self.config, self.spec, self.runner.budget
+        head_map = HeadMap.all_gpu(spec.num_layers, spec.num_kv_heads)
+        if config.retrieval_heads is not None:
+            head_map = self._with_patterns(head_map)
+        if budget is not None:
+            head_map = with_budgets(head_map, max(budget.tokens(len(s.prompt_ids)) for s in seqs))
+        return plan_entries(spec, self.runner.store.num_bytes, head_map,
+                            [s.max_tokens for s in seqs], self._bounds(seqs),
+                            offload=config.offload, host_budget=self.runner.host.budget,
+                            what=what)  # fmt: skip
+
+    def _bounds(self, seqs: list[Sequence]) -> list[int]:
+        """Most tokens an offloaded entry of each sequence holds after its prompt: an even
+        budget's share and what it generates, else (a head may take more than its share,
+        or there is no budget) every token."""
+        budget = self.runner.budget
+        if budget is None or budget.policy != "snapkv":
+            return [s.max_tokens for s in seqs]
+        return [budget.tokens(len(s.prompt_ids)) + s.max_tokens - len(s.prompt_ids)
+                for s in seqs]  # fmt: skip
 
     def _rate(self, plan: Plan, seqs: list[Sequence]) -> float:
         """Predicted sequences x tokens/s of a decode step over ``seqs`` (roofline)."""
@@ -120,22 +144,31 @@ class BatchGenerator:
                                   self.hardware, self.config.hybrid_cpu_share)  # fmt: skip
         return len(seqs) / seconds
 
+    def _entry_rate(self, plan: Plan, seqs: list[Sequence]) -> float:
+        """Predicted sequences x tokens/s of a decode step over ``seqs`` with entries in host
+        pages (roofline over what each entry holds after the prompt)."""
+        weights = sum(p.nbytes for p in self.model.parameters())
+        seconds = entry_step_seconds(self.spec, plan, self._bounds(seqs), weights, self.hardware)
+        return len(seqs) / seconds
+
     def _replan(self, scheduler: Scheduler) -> None:
         """Lay out for the sequences next in line: all resident if the first fits, else the
         streaming plan for the first k that maximises the predicted throughput."""
         queue = list(scheduler.waiting)[: self.config.max_batch]
-        best, best_rate = self.plan(queue[:1]), 0.0
-        if best.staging is not None:
-            best_rate = self._rate(best, queue[:1])
+        best, best_rate, planned = self.plan(queue[:1]), 0.0, queue[:1]
+        rate = self._entry_rate if best.entry_staging else self._rate
+        if best.staging is not None or best.entry_staging:
+            best_rate = rate(best, planned)
             for k in range(2, len(queue) + 1):
                 try:
                     plan = self.plan(queue[:k])
                 except UserError:
                     break
-                rate = self._rate(plan, queue[:k])
-                if rate < best_rate:
+                if rate(plan, queue[:k]) < best_rate:
                     break
-                best, best_rate = plan, rate
+                best, best_rate, planned = plan, rate(plan, queue[:k]), queue[:k]
+        # entries in host pages: the staging slots hold what was planned, no more
+        self._planned = {s.seq_id for s in planned} if best.entry_staging else None
         self._apply(best, scheduler)
 
     def prepare(self, seqs: list[Sequence]) -> Plan:
@@ -148,6 +181,8 @@ class BatchGenerator:
         self.runner.apply(plan)
         streams = plan.staging is not None
         self.tiers = ((GPU,) if plan.head_map.count("gpu") else ()) + ((HOST,) if streams else ())
+        if self.config.per_head_pages:  # host pages are the entry table's, by entry
+            self.tiers = (GPU,)
         if scheduler is not None:
             scheduler.tiers = self.tiers
             swaps = self.config.offload != "none" and not self.config.per_head_pages
@@ -169,6 +204,8 @@ class BatchGenerator:
 
         def accept(seq: Sequence) -> bool:
             running = scheduler.running
+            if self._planned is not None:  # the staging slots hold what was planned
+                return seq.seq_id in self._planned
             if plan.staging is None or not running:
                 return True
             return self._rate(plan, running + [seq]) >= self._rate(plan, running)

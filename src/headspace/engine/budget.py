@@ -13,6 +13,11 @@ oldest window token, so such a head holds ``sink + window`` tokens however long 
 grows (DuoAttention's streaming heads; HeadInfer, App. D). A layer with patterns attends its
 prompt chunks under each head's pattern (a streaming head sees its sink and window there
 too); the others attend the prompt in full.
+
+Entries the plan puts in host pages (HeadInfer's App. D: retrieval heads offloaded, streaming
+heads resident) go through :class:`~headspace.engine.entry_staging.EntryStaging`: the same
+prefill and compression over K/V gathered from both tiers, and at decode only the tokens
+each keeps streamed into staging pages of the plane.
 """
 
 from __future__ import annotations
@@ -21,10 +26,17 @@ import torch
 
 from headspace.attention import attend, merge_attention
 from headspace.attention.entry_decode import entry_decode
-from headspace.attention.patterns import Pattern
+from headspace.attention.patterns import Pattern, padded_length
 from headspace.attention.sparse_prefill import prefill_with_patterns
 from headspace.budgets import KVBudget, kept_positions, observation_scores
-from headspace.engine.executors import MIN_WIDTH, block_table, bucket, padded_positions
+from headspace.engine.entry_staging import EntryStaging
+from headspace.engine.executors import (
+    MIN_WIDTH,
+    PREFIX_CHUNKS,
+    PREFIX_PIECE,
+    block_table,
+    bucket,
+)
 from headspace.kv.entry_table import EntryBlockManager
 
 
@@ -35,13 +47,15 @@ class BudgetExecutor:
                  q_per_kv: int, backend: str, budget: KVBudget | None, max_slots: int,
                  max_pages: int, head_scores: torch.Tensor | None = None,
                  rings: dict[int, tuple[int, int]] | None = None,
-                 patterns: list[list[Pattern] | None] | None = None):  # fmt: skip
+                 patterns: list[list[Pattern] | None] | None = None,
+                 staging: EntryStaging | None = None):  # fmt: skip
         """``budget``: what each entry keeps of the prompt (None: all); ``rings``: the
         streaming entries' ``(sink, window)``, by entry index; ``patterns``: per layer, one
-        per query head at prefill (None: all full)."""
+        per query head at prefill (None: all full); ``staging``: the offloaded entries."""
         self.plane, self.blocks, self.budget = plane, blocks, budget
         self.num_kv_heads, self.q_per_kv, self.backend = num_kv_heads, q_per_kv, backend
         self.head_scores, self.rings = head_scores, dict(rings or {})
+        self.staging = staging
         self.page_size = blocks.page_size
         self.window_q: dict[int, torch.Tensor] = {}  # layer -> [tokens <= window, heads, dim]
         self._results: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -58,7 +72,8 @@ class BudgetExecutor:
 
     def _slots(self, seq_id: int, positions: torch.Tensor) -> torch.Tensor:
         """Plane slots ``[entries, tokens]`` of ``positions`` in each entry of ``seq_id``."""
-        table = block_table(self.blocks.entries[seq_id].pages).to(self.plane.device).long()
+        width = -(-positions.numel() // self.page_size)  # 0 .. n - 1; offloaded rows: no pages
+        table = block_table(self.blocks.entries[seq_id].pages, width).to(self.plane.device).long()
         pages = table[:, positions // self.page_size]
         return pages * self.page_size + positions % self.page_size
 
@@ -69,12 +84,16 @@ class BudgetExecutor:
             positions = torch.arange(step.start + len(step.positions), device=device)
             slots = self._slots(seq_id, positions)  # [entries, prefix + chunk]
             self.slots = slots.view(-1, self.num_kv_heads, slots.shape[-1])
-            if any(self.patterns):  # columns of every key, padded to a capacity
-                self.key_columns = padded_positions(slots.shape[-1], device)
+            if self.staging is not None:  # the chunk's slots in the host pages
+                self.host_pages = self.blocks.host_pages(seq_id)
+                self.host_new = self.staging.host_slots(self.host_pages, step.positions)
             if step.start == 0:
                 self.window_q = {}
             return
         self.begin_rows(self.step_slots, bucket(self.widest, MIN_WIDTH))
+        if self.staging is not None:
+            self.tables = self.tables.clone()  # offloaded rows point at staging pages
+            self.staging.begin_decode(self.step_lengths, self.step_hosts, self.tables)
 
     def sync(self, seq_ids: list[int], slots: list[int]) -> None:
         """Bring the device tables of the step's token ``slots`` up to the entries of
@@ -90,7 +109,7 @@ class BudgetExecutor:
             else:
                 added += [(slot * len(lists.pages) + e, i, page) for e, i, page in lists.added]
             lists.added = []
-            widest = max(widest, max(map(len, lists.pages)))
+            widest = max(widest, max(map(len, lists.pages)), len(lists.host))
             lengths.append(lists.lengths)
             newest.append(lists.newest)
         if added:
@@ -102,6 +121,8 @@ class BudgetExecutor:
             self.entry_newest[slot_index] = torch.tensor(newest, dtype=torch.int32,
                                                          device=device)  # fmt: skip
         self.step_slots, self.widest = slot_index, widest
+        self.step_lengths = lengths  # the offloaded entries' staging reads them
+        self.step_hosts = [self.blocks.host_pages(s) for s in seq_ids]
 
     def begin_rows(self, slots: torch.Tensor, width: int) -> None:
         """The step's tables ``[layers, seqs x kv_heads, width]`` and lengths ``[layers,
@@ -123,8 +144,12 @@ class BudgetExecutor:
         if self.step.decode:
             k, v = self.plane[0], self.plane[1]
             newest = None if self.newest is None else self.newest[layer]
+            if self.staging is not None:
+                self.staging.wait(layer)
             result, lse = entry_decode(q, k, v, self.tables[layer], self.lengths[layer],
                                        self.page_size, new_kv=kv, new_index=newest)  # fmt: skip
+            if self.staging is not None:
+                self.staging.done(layer, kv)
             out.copy_(result)
             self._results[layer] = (out, lse.transpose(0, 1))
             return
@@ -144,19 +169,37 @@ class BudgetExecutor:
         """Store the chunk's ``kv [2, tokens, kv_heads, dim]`` in its entries and attend
         ``q [heads, tokens, dim]`` to the sequence so far: ``(out, lse)`` heads first."""
         start, slots = self.step.start, self.slots[layer]  # [kv_heads, prefix + chunk]
-        self.plane[:, slots[:, start:]] = kv.transpose(1, 2)  # [2, kv_heads, tokens, dim]
+        staged = self.staging is not None and self.staging.any(layer)
+        if staged:  # the offloaded heads' K/V to host pages, the others' to the plane
+            resident = self.staging.resident[layer]
+            self.staging.write(layer, self.host_new, kv)
+            self.plane[:, slots[resident, start:]] = kv.transpose(1, 2)[:, resident]
+        else:
+            self.plane[:, slots[:, start:]] = kv.transpose(1, 2)  # [2, kv_heads, tokens, dim]
         patterns = self.patterns[layer]
-        if patterns is not None:
-            keys = self.plane[:, slots[:, self.key_columns]]  # [2, kv_heads, capacity, dim]
-            return prefill_with_patterns(q, keys[0], keys[1], slots.shape[1], patterns,
+        num_keys = slots.shape[1]
+        if patterns is not None:  # every key, padded to a capacity: [2, kv_heads, cap, dim]
+            keys = self._keys(layer, slots, 0, num_keys, staged, padded_length(num_keys))
+            return prefill_with_patterns(q, keys[0], keys[1], num_keys, patterns,
                                          backend=self.backend)  # fmt: skip
         out, lse = attend(q, kv[0].transpose(0, 1), kv[1].transpose(0, 1), causal=True,
                           backend=self.backend)  # fmt: skip
-        if start > 0:
-            prefix = self.plane[:, slots[:, :start]]  # [2, kv_heads, prefix, dim]
-            earlier = attend(q, prefix[0], prefix[1], backend=self.backend)
+        size = max(PREFIX_PIECE, PREFIX_CHUNKS * q.shape[1])  # the prefix in pieces
+        for lo in range(0, start, size):  # [2, kv_heads, piece, dim]
+            piece = self._keys(layer, slots, lo, min(start, lo + size), staged)
+            earlier = attend(q, piece[0], piece[1], backend=self.backend)
             out, lse = merge_attention([out, earlier[0]], [lse, earlier[1]])
         return out, lse
+
+    def _keys(self, layer: int, slots: torch.Tensor, lo: int, hi: int, staged: bool,
+              width: int | None = None) -> torch.Tensor:  # fmt: skip
+        """K/V ``[2, kv_heads, width, dim]`` of ``layer``'s keys ``lo .. hi - 1`` (``slots
+        [kv_heads, positions]``; columns past ``hi - 1`` repeat it), from the plane and,
+        when ``staged``, host pages."""
+        if staged:
+            return self.staging.gather(layer, slots, lo, hi, self.host_pages, width)
+        columns = torch.arange(lo, lo + (width or hi - lo), device=slots.device)
+        return self.plane[:, slots[:, columns.clamp(max=hi - 1)]]
 
     @torch.inference_mode()
     def compress(self, seq_id: int, prompt_len: int) -> list[int]:
@@ -165,12 +208,20 @@ class BudgetExecutor:
         per entry."""
         positions = torch.arange(prompt_len, device=self.plane.device)
         slots = self._slots(seq_id, positions)  # [entries, prompt]
+        self.host_pages = self.blocks.host_pages(seq_id)
         kept = self._budget_positions(slots, prompt_len)
         for e, (sink, window) in self.rings.items():
             if prompt_len > sink + window:
                 kept[e] = torch.cat([torch.arange(sink),
                                      torch.arange(prompt_len - window, prompt_len)])  # fmt: skip
-        moved = [e for e, p in enumerate(kept) if len(p) < prompt_len]
+        offloaded = set(self.staging.entries) if self.staging is not None else set()
+        for layer in range(self.num_layers if offloaded else 0):
+            if self.staging.any(layer):  # the offloaded heads' kept tokens, in host pages
+                heads = slice(layer * self.num_kv_heads, (layer + 1) * self.num_kv_heads)
+                layer_slots = slots[heads]
+                keys = self._keys(layer, layer_slots, 0, prompt_len, True)
+                self.staging.compact(layer, keys, kept[heads], self.host_pages)
+        moved = [e for e, p in enumerate(kept) if len(p) < prompt_len and e not in offloaded]
         if moved:
             src = torch.cat([slots[e][kept[e].to(slots.device)] for e in moved])
             dst = torch.cat([slots[e][: len(kept[e])] for e in moved])
@@ -188,7 +239,10 @@ class BudgetExecutor:
         window = min(self.budget.window, prompt_len)
         scores = []
         for layer in range(per_layer.shape[0]):
-            keys = self.plane[0][per_layer[layer]]  # [kv_heads, prompt, dim]
+            if self.staging is not None and self.staging.any(layer):  # [kv_heads, prompt, dim]
+                keys = self._keys(layer, per_layer[layer], 0, prompt_len, True)[0]
+            else:
+                keys = self.plane[0][per_layer[layer]]
             q_window = self.window_q[layer][-window:].transpose(0, 1)
             scores.append(observation_scores(q_window, keys).cpu())
         kept = kept_positions(self.budget, scores, prompt_len, self.head_scores)

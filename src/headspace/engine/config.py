@@ -178,9 +178,9 @@ class EngineConfig:
         if pattern.is_full:
             raise UserError("sparse_pattern must be sparse: streaming(sink,window), "
                             "vertical_slash(columns,slashes) or block_sparse(blocks)")  # fmt: skip
-        if self.per_head_pages and self.offload not in ("none", "auto"):
-            raise UserError(f"kv_budget and streaming heads keep every head on the GPU; offload "
-                            f"must be 'none' or 'auto', got {self.offload!r}")  # fmt: skip
+        if self.per_head_pages and self.offload not in ("none", "auto", "head"):
+            raise UserError(f"kv_budget and streaming heads offload single kv heads; offload "
+                            f"must be 'none', 'auto' or 'head', got {self.offload!r}")  # fmt: skip
 
     @property
     def per_head_pages(self) -> bool:

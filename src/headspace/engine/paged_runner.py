@@ -17,6 +17,7 @@ from headspace.attention.patterns import Pattern
 from headspace.budgets import KVBudget
 from headspace.engine.budget import BudgetExecutor
 from headspace.engine.config import EngineConfig
+from headspace.engine.entry_staging import EntryStaging
 from headspace.engine.executors import (
     MIN_WIDTH,
     ResidentExecutor,
@@ -43,7 +44,7 @@ def _layout_key(plan: Plan) -> tuple:
     """What the arena's layout and executors depend on: each entry's tier and group, the GPU
     page count, the staging slots and the mode (the same key gives the same tensors)."""
     tiers = tuple((e.tier, e.group) for e in plan.head_map.entries)
-    return tiers, plan.num_gpu_pages, plan.staging, plan.offload
+    return tiers, plan.num_gpu_pages, plan.staging, plan.offload, plan.entry_staging
 
 
 def _ranges(plan: Plan, layer: int) -> tuple[tuple[int, int] | None, list[tuple[int, int]]]:
@@ -136,7 +137,15 @@ class PagedRunner:
         spec = self.spec
         num_pages = self.store.num_bytes // spec.entry_page_bytes
         plane = self.store.buffer[: 2 * num_pages * spec.page_size * spec.head_dim]
-        self.blocks.reset(num_pages)
+        plane = plane.view(2, -1, spec.head_dim)
+        offloaded = [[e.kv_head for e in plan.head_map.layer(layer) if e.tier != "gpu"]
+                     for layer in range(spec.num_layers)]  # fmt: skip
+        entries = [layer * spec.num_kv_heads + h for layer, hs in enumerate(offloaded) for h in hs]
+        self.blocks.reset(plan.num_gpu_pages, offloaded=entries)
+        staging = None
+        if plan.entry_staging:  # two slots after the pool's pages
+            staging = EntryStaging(plane, self.host, offloaded, spec.num_kv_heads, spec.page_size,
+                                   plan.num_gpu_pages, plan.entry_staging)  # fmt: skip
         self.plan, self._layout = plan, key
         self._layout_id = self._layout_ids.setdefault(key, len(self._layout_ids))
         head_scores = None if self.profile is None else torch.tensor(self.profile.retrieval)
@@ -147,11 +156,10 @@ class PagedRunner:
                 rings[entry.layer * spec.num_kv_heads + entry.kv_head] = pattern.params
         q_per_kv, kv_heads = self.model.config.num_queries_per_kv, range(spec.num_kv_heads)
         patterns = [_patterns(plan, layer, kv_heads, q_per_kv) for layer in range(spec.num_layers)]
-        self.executors = [BudgetExecutor(plane.view(2, -1, spec.head_dim), self.blocks,
-                                         spec.num_kv_heads, q_per_kv,
+        self.executors = [BudgetExecutor(plane, self.blocks, spec.num_kv_heads, q_per_kv,
                                          self.config.attention_backend, self.budget,
                                          self.tokens.numel(), spec.pages_for(self.max_context),
-                                         head_scores, rings, patterns)]  # fmt: skip
+                                         head_scores, rings, patterns, staging)]  # fmt: skip
 
     def _cpu_split(self, plan: Plan) -> CpuSplit | None:
         """The hybrid tier's CPU side (one per runner: its worker thread is kept)."""
@@ -199,6 +207,8 @@ class PagedRunner:
         """The CUDA graphs of this layout's decode step, None without CUDA graphs (kept per
         layout while the host pages they address stay where they are)."""
         if self.device.type != "cuda" or not self.config.cuda_graph or self.plan is None:
+            return None
+        if self.plan.entry_staging:  # offloaded entries stage by their lengths, step by step
             return None
         generation = self.host.generation if self.plan.staging else 0  # graphs address host
         cached = self._graph_cache.get(self._layout_id)

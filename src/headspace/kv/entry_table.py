@@ -10,6 +10,12 @@ entry (a ``streaming(sink, window)`` head), which stops at ``sink + window`` tok
 writes each new token over its oldest window token. The sequence's GPU
 :class:`BlockTable` lists all its pages (the scheduler counts them); its ``num_tokens`` stays
 the sequence's logical length (positions), while each entry has its own length.
+
+Offloaded entries (the head map's ``stream`` tier) hold no GPU pages: their tokens lie in
+the sequence's host pages, one list shared by all of them (a host page holds a span of
+slots for every entry, ``kv.host_store``), each entry's kept tokens at the front. The list
+spans the longest offloaded entry, so compression gives host pages back too, and decode
+streams each entry's own length only. Ring entries are never offloaded.
 """
 
 from __future__ import annotations
@@ -17,7 +23,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from headspace.kv.block_table import GPU, BlockManager, BlockTable
+from headspace.kv.block_table import GPU, HOST, BlockManager, BlockTable
 from headspace.kv.page_pool import OutOfPages
 
 
@@ -31,6 +37,7 @@ class EntryLists:
     added: list[tuple[int, int, int]] = field(default_factory=list)  # (entry, index, page)
     rings: dict[int, tuple[int, int]] = field(default_factory=dict)  # entry -> (sink, window)
     newest: list[int] = field(default_factory=list)  # [entries] index of the latest token
+    host: list[int] = field(default_factory=list)  # host pages of the offloaded entries
 
     def __post_init__(self):
         self.newest = self.newest or [n - 1 for n in self.lengths]
@@ -48,16 +55,30 @@ class EntryLists:
 
 class EntryBlockManager(BlockManager):
     """A :class:`BlockManager` whose GPU pages belong to single (layer, kv head) entries.
-    No prefix reuse, no host tier: a compressed entry depends on its whole prompt."""
+    No prefix reuse, no swapping: a compressed entry depends on its whole prompt."""
 
     def __init__(self, page_size: int, num_gpu_pages: int, num_entries: int):
         super().__init__(page_size, num_gpu_pages)
         self.num_entries = num_entries
         self.entries: dict[int, EntryLists] = {}
+        self.offloaded: frozenset[int] = frozenset()
+
+    def reset(self, num_gpu_pages: int, *, offloaded=(), drop_host_cache: bool = True) -> None:
+        """A new GPU pool; ``offloaded``: the entries kept in host pages from now on."""
+        super().reset(num_gpu_pages, drop_host_cache=drop_host_cache)
+        self.offloaded = frozenset(offloaded)
+
+    def _resident(self, entry: int) -> bool:
+        return entry not in self.offloaded
 
     def pages_for(self, num_tokens: int) -> int:
-        """Pages of an uncompressed sequence of ``num_tokens`` (every entry holds them all)."""
-        return self.num_entries * super().pages_for(num_tokens)
+        """GPU pages of an uncompressed sequence of ``num_tokens`` (every resident entry
+        holds them all)."""
+        return (self.num_entries - len(self.offloaded)) * super().pages_for(num_tokens)
+
+    def host_pages(self, seq_id: int) -> list[int]:
+        """The host pages of ``seq_id``'s offloaded entries, in logical order."""
+        return self.entries[seq_id].host
 
     def future_pages(self, seq_id: int, max_tokens: int) -> int:
         """Pages ``seq_id`` may still take before it reaches ``max_tokens`` tokens."""
@@ -68,28 +89,35 @@ class EntryBlockManager(BlockManager):
         size, total = self.page_size, 0
         for e, (length, pages) in enumerate(zip(lists.lengths, lists.pages, strict=True)):
             cap = lists.capacity(e)
-            total += -(-min(length + more, cap or length + more) // size) - len(pages)
+            if self._resident(e):
+                total += -(-min(length + more, cap or length + more) // size) - len(pages)
         return total
 
     def allocate_prompt(self, seq_id: int, token_ids: Sequence[int], tiers=(GPU,), *,
                         reuse: bool = False) -> int:  # fmt: skip
-        """Pages for the whole prompt in every entry (nothing is reused: returns 0)."""
+        """Pages for the whole prompt in every entry: GPU pages for each resident one, host
+        pages shared by the offloaded ones (nothing is reused: returns 0)."""
         assert seq_id not in self.tables, f"sequence {seq_id} already has pages"
         if tuple(tiers) != (GPU,):
-            raise ValueError("KV budgets keep every entry in the GPU pool")
+            raise ValueError("per-entry pages are planned by entry, not by tier")
         per_entry = super().pages_for(len(token_ids))
-        pool = self.pools[GPU]
-        if per_entry * self.num_entries > pool.num_free:
-            raise OutOfPages(f"sequence {seq_id} needs {per_entry * self.num_entries} pages")
-        pages = [[pool.allocate() for _ in range(per_entry)] for _ in range(self.num_entries)]
-        self.entries[seq_id] = EntryLists(pages, [len(token_ids)] * self.num_entries)
+        pool, host = self.pools[GPU], self.pools[HOST]
+        if self.pages_for(len(token_ids)) > pool.num_free:
+            raise OutOfPages(f"sequence {seq_id} needs {self.pages_for(len(token_ids))} pages")
+        if self.offloaded and per_entry > host.num_free:
+            raise OutOfPages(f"sequence {seq_id} needs {per_entry} host pages")
+        pages = [[pool.allocate() for _ in range(per_entry)] if self._resident(e) else []
+                 for e in range(self.num_entries)]  # fmt: skip
+        hosted = sorted(host.allocate() for _ in range(per_entry)) if self.offloaded else []
+        self.entries[seq_id] = EntryLists(pages, [len(token_ids)] * self.num_entries, host=hosted)
         self.tables[seq_id] = {GPU: BlockTable(_flat(pages), len(token_ids))}
         return 0
 
     def pages_needed(self, seq_id: int) -> int:
-        """New pages one more token of ``seq_id`` takes (one per full, growing entry)."""
+        """New GPU pages one more token of ``seq_id`` takes (one per full, growing resident
+        entry)."""
         lists = self.entries[seq_id]
-        return sum(length == len(pages) * self.page_size and lists.grows(e)
+        return sum(length == len(pages) * self.page_size and lists.grows(e) and self._resident(e)
                    for e, (length, pages) in enumerate(zip(lists.lengths, lists.pages,
                                                            strict=True)))  # fmt: skip
 
@@ -102,8 +130,18 @@ class EntryBlockManager(BlockManager):
         lists, pool = self.entries[seq_id], self.pools[GPU]
         if self.pages_needed(seq_id) > pool.num_free:
             raise OutOfPages(f"no free page for sequence {seq_id}")
+        longest = max((lists.lengths[e] for e in self.offloaded), default=0)
+        host_page = longest == len(lists.host) * self.page_size and self.offloaded
+        if host_page and self.pools[HOST].num_free == 0:
+            raise OutOfPages(f"no free host page for sequence {seq_id}")
+        if host_page:
+            lists.host.append(self.pools[HOST].allocate())
         table = self.tables[seq_id][GPU]  # its pages in no particular order after compress
         for e, pages in enumerate(lists.pages):
+            if not self._resident(e):  # in the host pages
+                lists.newest[e] = lists.lengths[e]
+                lists.lengths[e] += 1
+                continue
             if not lists.grows(e):  # a full ring: over its oldest window token
                 sink, window = lists.rings[e]
                 lists.newest[e] = sink + (lists.newest[e] + 1 - sink) % window
@@ -126,8 +164,9 @@ class EntryBlockManager(BlockManager):
         if len(kept) != self.num_entries:
             raise ValueError(f"{len(kept)} kept counts for {self.num_entries} entries")
         for e, (sink, window) in (rings or {}).items():
-            if window < 1 or sink < 0 or kept[e] > sink + window:
-                raise ValueError(f"entry {e} keeps {kept[e]} tokens in a ring of {sink}+{window}")
+            if window < 1 or sink < 0 or kept[e] > sink + window or not self._resident(e):
+                raise ValueError(f"entry {e} keeps {kept[e]} tokens in a ring of {sink}+{window}"
+                                 " (rings stay resident)")  # fmt: skip
         freed = []
         for e, count in enumerate(kept):
             if not 0 <= count <= lists.lengths[e]:
@@ -137,6 +176,11 @@ class EntryBlockManager(BlockManager):
             lists.pages[e], lists.lengths[e] = lists.pages[e][:num_pages], count
         for page in freed:
             pool.release(page)
+        longest = max((kept[e] for e in self.offloaded), default=0)
+        num_host = -(-longest // self.page_size)
+        for page in reversed(lists.host[num_host:]):
+            self.pools[HOST].release(page)
+        lists.host = lists.host[:num_host]
         lists.compressed, lists.added, lists.rings = True, [], dict(rings or {})
         lists.newest = [n - 1 for n in lists.lengths]
         self.tables[seq_id][GPU].pages = _flat(lists.pages)
@@ -152,7 +196,9 @@ class EntryBlockManager(BlockManager):
         raise OutOfPages("sequences under a KV budget are not swapped")
 
     def free(self, seq_id: int) -> None:
-        self.entries.pop(seq_id, None)
+        lists = self.entries.pop(seq_id, None)
+        for page in reversed(lists.host if lists else []):
+            self.pools[HOST].release(page)
         super().free(seq_id)
 
 

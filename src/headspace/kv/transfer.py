@@ -34,8 +34,10 @@ def _use_kernel(*tensors: torch.Tensor) -> bool:
 def copy_pages(src: torch.Tensor, dst: torch.Tensor, src_pages: torch.Tensor,
                dst_pages: torch.Tensor, src_heads: torch.Tensor, dst_heads: torch.Tensor,
                page_size: int, *, kernel: bool | None = None,
-               count: torch.Tensor | None = None) -> None:  # fmt: skip
-    """``dst[dst_heads[j], :, page dst_pages[i]] = src[src_heads[j], :, page src_pages[i]]``.
+               count: torch.Tensor | None = None, paired: bool = False) -> None:  # fmt: skip
+    """``dst[dst_heads[j], :, page dst_pages[i]] = src[src_heads[j], :, page src_pages[i]]``
+    for every page pair ``i`` and head ``j``; ``paired``: one head per page pair instead
+    (``j = i``: each (head, page) of a ragged set, as per-head budgets keep them).
 
     ``src``, ``dst``: ``[heads, 2, slots, dim]`` views whose slots are contiguous rows;
     page and head index tensors live where the work runs (the GPU when either side is).
@@ -44,22 +46,31 @@ def copy_pages(src: torch.Tensor, dst: torch.Tensor, src_pages: torch.Tensor,
     """
     if kernel if kernel is not None else _use_kernel(src, dst):
         return _copy_pages_kernel(src, dst, src_pages, dst_pages, src_heads, dst_heads,
-                                  page_size, count)  # fmt: skip
+                                  page_size, count, paired)  # fmt: skip
     assert count is None, "a page count is for the kernel"
     src_p, dst_p = src.unflatten(2, (-1, page_size)), dst.unflatten(2, (-1, page_size))
-    src_h, dst_h = src_heads.long()[:, None], dst_heads.long()[:, None]
-    dst_p[dst_h, :, dst_pages.long()[None, :]] = src_p[src_h, :, src_pages.long()[None, :]]
+    src_h, dst_h = src_heads.long(), dst_heads.long()
+    src_i, dst_i = src_pages.long(), dst_pages.long()
+    if not paired:  # every head with every page
+        src_h, dst_h, src_i, dst_i = src_h[:, None], dst_h[:, None], src_i[None], dst_i[None]
+    dst_p[dst_h, :, dst_i] = src_p[src_h, :, src_i]
 
 
 def write_tokens(dst: torch.Tensor, dst_heads: torch.Tensor, slots: torch.Tensor,
-                 kv: torch.Tensor, *, kernel: bool | None = None) -> None:  # fmt: skip
-    """Store new tokens: ``dst[dst_heads[j], :, slots[t]] = kv[:, t, j]``.
+                 kv: torch.Tensor, *, kernel: bool | None = None,
+                 paired: bool = False) -> None:  # fmt: skip
+    """Store new tokens: ``dst[dst_heads[j], :, slots[t]] = kv[:, t, j]``; ``paired``: one
+    head per token instead, ``dst[dst_heads[t], :, slots[t]] = kv[:, t, 0]``.
 
     ``dst``: ``[heads, 2, slots, dim]``; ``kv``: ``[2, tokens, len(dst_heads), dim]``
-    (token-major, as the model makes them); ``slots``: ``[tokens]`` (any stride).
+    (token-major, as the model makes them; ``[2, tokens, 1, dim]`` paired); ``slots``:
+    ``[tokens]`` (any stride).
     """
     if kernel if kernel is not None else _use_kernel(dst, kv):
-        return _write_tokens_kernel(dst, dst_heads, slots, kv)
+        return _write_tokens_kernel(dst, dst_heads, slots, kv, paired)
+    if paired:
+        dst[dst_heads.long(), :, slots.long()] = kv[:, :, 0].transpose(0, 1).to(dst.dtype)
+        return
     index_h, index_t = dst_heads.long()[:, None], slots.long()[None, :]
     dst[index_h, :, index_t] = kv.permute(2, 1, 0, 3).to(dst.dtype)
 
@@ -71,8 +82,11 @@ if triton is not None:
         SRC, DST, SRC_PAGES, DST_PAGES, SRC_HEADS, DST_HEADS, COUNT,
         src_stride_h, src_stride_c, dst_stride_h, dst_stride_c,
         PAGE_ELEMS: tl.constexpr, BLOCK: tl.constexpr, HAS_COUNT: tl.constexpr,
+        PAIRED: tl.constexpr,
     ):  # fmt: skip
         i, j, c = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        if PAIRED:  # one head per page pair
+            j = i
         ok = i < tl.load(COUNT) if HAS_COUNT else i >= 0
         src_page = tl.load(SRC_PAGES + i, mask=ok, other=0).to(tl.int64)
         dst_page = tl.load(DST_PAGES + i, mask=ok, other=0).to(tl.int64)
@@ -88,14 +102,17 @@ if triton is not None:
     def _tokens_kernel(
         DST, DST_HEADS, SLOTS, KV, num_tokens, slots_stride,
         dst_stride_h, dst_stride_c, kv_stride_c, kv_stride_t, kv_stride_h,
-        DIM: tl.constexpr, BLOCK_T: tl.constexpr,
+        DIM: tl.constexpr, BLOCK_T: tl.constexpr, PAIRED: tl.constexpr,
     ):  # fmt: skip
         block, j, c = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         offs_t = block * BLOCK_T + tl.arange(0, BLOCK_T)
         offs_d = tl.arange(0, DIM)
         ok = offs_t < num_tokens
         slot = tl.load(SLOTS + offs_t * slots_stride, mask=ok, other=0).to(tl.int64)
-        head = tl.load(DST_HEADS + j).to(tl.int64)
+        if PAIRED:  # one head per token
+            head = tl.load(DST_HEADS + offs_t, mask=ok, other=0).to(tl.int64)[:, None]
+        else:
+            head = tl.load(DST_HEADS + j).to(tl.int64)
         src = KV + c * kv_stride_c + offs_t[:, None].to(tl.int64) * kv_stride_t + j * kv_stride_h
         x = tl.load(src + offs_d[None, :], mask=ok[:, None])
         dst = DST + head * dst_stride_h + c * dst_stride_c + slot[:, None] * DIM
@@ -108,10 +125,10 @@ def _check_rows(view: torch.Tensor) -> None:
 
 
 def _copy_pages_kernel(src, dst, src_pages, dst_pages, src_heads, dst_heads, page_size,
-                       count=None):  # fmt: skip
+                       count=None, paired=False):  # fmt: skip
     _check_rows(src)
     _check_rows(dst)
-    num_pages, num_heads = src_pages.numel(), src_heads.numel()
+    num_pages, num_heads = src_pages.numel(), 1 if paired else src_heads.numel()
     if num_pages == 0 or num_heads == 0:
         return
     page_elems = page_size * src.shape[-1]
@@ -120,14 +137,16 @@ def _copy_pages_kernel(src, dst, src_pages, dst_pages, src_heads, dst_heads, pag
         src, dst, src_pages, dst_pages, src_heads, dst_heads,
         count if count is not None else src_pages,
         src.stride(0), src.stride(1), dst.stride(0), dst.stride(1),
-        PAGE_ELEMS=page_elems, BLOCK=block, HAS_COUNT=count is not None, num_warps=8,
+        PAGE_ELEMS=page_elems, BLOCK=block, HAS_COUNT=count is not None, PAIRED=paired,
+        num_warps=8,
     )  # fmt: skip
 
 
-def _write_tokens_kernel(dst, dst_heads, slots, kv):
+def _write_tokens_kernel(dst, dst_heads, slots, kv, paired=False):
     _check_rows(dst)
     assert kv.stride(-1) == 1
     num_tokens, num_heads = kv.shape[1], kv.shape[2]
+    assert not paired or num_heads == 1, "paired: kv holds one head per token"
     assert kv.shape[-1] & (kv.shape[-1] - 1) == 0, "head_dim must be a power of two"
     if num_tokens == 0 or num_heads == 0:
         return
@@ -135,5 +154,5 @@ def _write_tokens_kernel(dst, dst_heads, slots, kv):
     _tokens_kernel[(triton.cdiv(num_tokens, block_t), num_heads, 2)](
         dst, dst_heads, slots, kv, num_tokens, slots.stride(0),
         dst.stride(0), dst.stride(1), kv.stride(0), kv.stride(1), kv.stride(2),
-        DIM=kv.shape[-1], BLOCK_T=block_t, num_warps=4,
+        DIM=kv.shape[-1], BLOCK_T=block_t, PAIRED=paired, num_warps=4,
     )  # fmt: skip

@@ -65,6 +65,7 @@ class Plan:
     decode_ms: float = 0.0
     decode_pcie_floor_ms: float = 0.0
     cpu_share: float = 0.0  # hybrid: share of each history before the window on the CPU
+    entry_staging: int = 0  # per-entry pages: entry pages of one staging slot
 
     @property
     def head_group(self) -> int:
@@ -81,6 +82,7 @@ class Plan:
             "prefill_chunk": self.prefill_chunk, "memory_bytes": self.memory,
             "prefill_tok_s": self.prefill_tok_s, "decode_ms": self.decode_ms,
             "decode_pcie_floor_ms": self.decode_pcie_floor_ms,
+            "entry_staging_pages": self.entry_staging,
             "head_map_summary": self.head_map.summary(), "head_map": self.head_map.to_dict(),
         }  # fmt: skip
 

@@ -1,0 +1,201 @@
+"""Offloaded per-head-page entries: (layer, kv head) entries under a KV budget whose tokens
+lie in the sequence's host pages (``kv.entry_table``), each entry's kept tokens at the front.
+
+At prefill a chunk's K/V of these entries goes to host pages, and a layer's keys are
+gathered from both tiers into one device tensor. After the prompt the kept tokens are moved
+to the front of each entry's host rows. At decode each entry streams only the pages of its
+own length into a staging slot of the GPU plane (two slots: the next layer's copy runs on a
+copy stream while this one attends), and its rows of the step's block tables point there,
+so one decode launch per layer still covers every entry; the new token is written back to
+host pages. On the CPU the same code runs synchronously.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from headspace.kv.host_store import HostKVArena
+from headspace.kv.transfer import as_heads, copy_pages, write_tokens
+from headspace.planner.entry_offload import STAGING_DEPTH
+
+
+class EntryStaging:
+    """The host tier of an entry plane ``[2, slots, dim]``: ``offloaded[layer]`` its kv
+    heads in host pages; staging slot ``i`` is ``slot_pages`` plane pages from page
+    ``first_page + i * slot_pages``."""
+
+    def __init__(self, plane: torch.Tensor, host: HostKVArena, offloaded: list[list[int]],
+                 num_kv_heads: int, page_size: int, first_page: int,
+                 slot_pages: int):  # fmt: skip
+        self.plane, self.host, self.page_size = plane, host, page_size
+        self.num_kv_heads, self.first_page, self.slot_pages = num_kv_heads, first_page, slot_pages
+        device = plane.device
+        self.heads = [torch.tensor(h, device=device, dtype=torch.long) for h in offloaded]
+        self.resident = [
+            torch.tensor(
+                [h for h in range(num_kv_heads) if h not in set(heads)],
+                device=device,
+                dtype=torch.long,
+            )
+            for heads in offloaded
+        ]
+        self.entries = [layer * num_kv_heads + h for layer, hs in enumerate(offloaded) for h in hs]
+        on_gpu = device.type == "cuda"
+        self.copy_stream = torch.cuda.Stream(device, priority=-1) if on_gpu else None
+        self.streamed_bytes = 0  # what the last decode step copied from host pages
+
+    def any(self, layer: int) -> bool:
+        return self.heads[layer].numel() > 0
+
+    def host_slots(self, pages: list[int], positions: torch.Tensor) -> torch.Tensor:
+        """Host slots ``[tokens]`` of ``positions`` in a sequence's host ``pages``."""
+        table = torch.tensor(pages, device=positions.device, dtype=torch.long)
+        return table[positions // self.page_size] * self.page_size + positions % self.page_size
+
+    # -- prefill -------------------------------------------------------------------------
+    def write(self, layer: int, slots: torch.Tensor, kv: torch.Tensor) -> None:
+        """``kv [2, tokens, kv_heads, dim]``'s offloaded heads into host ``slots [tokens]``."""
+        heads = self.heads[layer]
+        write_tokens(self.host.layer(layer), heads, slots, kv[:, :, heads].contiguous())
+
+    def gather(self, layer: int, plane_slots: torch.Tensor, lo: int, hi: int,
+               host_pages: list[int], width: int | None = None) -> torch.Tensor:  # fmt: skip
+        """K/V ``[2, kv_heads, width, dim]`` of a layer's keys ``lo .. hi - 1`` (``width``
+        columns, default ``hi - lo``; columns past ``hi - 1`` repeat it): resident heads from
+        the plane (``plane_slots [kv_heads, positions]``), offloaded ones from host pages."""
+        size, device = self.page_size, self.plane.device
+        width = width or hi - lo
+        first, last = lo // size, -(-hi // size)
+        skip = lo - first * size  # keys copied from the page before ``lo``
+        span = max(skip + width, (last - first) * size)
+        keys = self.plane.new_empty(2, self.num_kv_heads, span, self.plane.shape[-1])
+        resident, heads = self.resident[layer], self.heads[layer]
+        columns = torch.arange(lo, lo + width, device=device).clamp(max=hi - 1)
+        keys[:, resident, skip : skip + width] = self.plane[:, plane_slots[resident][:, columns]]
+        pages = torch.tensor(host_pages[first:last], device=device)
+        copy_pages(self.host.layer(layer), as_heads(keys, kv_first=True), pages,
+                   torch.arange(last - first, device=device), heads, heads, size)  # fmt: skip
+        end = skip + hi - lo
+        if width > hi - lo:  # padding columns repeat the last key, as the plane's do
+            keys[:, heads, end : skip + width] = keys[:, heads, end - 1 : end]
+        return keys[:, :, skip : skip + width]
+
+    def compact(self, layer: int, keys: torch.Tensor, kept: list[torch.Tensor],
+                host_pages: list[int]) -> None:  # fmt: skip
+        """Move each offloaded head's ``kept[h]`` positions to the front of its host rows;
+        ``keys [2, kv_heads, prompt, dim]`` is the layer's K/V gathered before."""
+        heads = self.heads[layer].tolist()
+        if not heads:
+            return
+        device = keys.device
+        rows = [keys[:, h, kept[h].to(device)] for h in heads]  # [2, kept, dim] each
+        counts = [len(kept[h]) for h in heads]
+        index = torch.cat([torch.arange(n, device=device) for n in counts])
+        slots = self.host_slots(host_pages, index)
+        owners = torch.tensor(heads, device=device)
+        owners = owners.repeat_interleave(torch.tensor(counts, device=device))
+        write_tokens(self.host.layer(layer), owners, slots, torch.cat(rows, 1)[:, :, None],
+                     paired=True)  # fmt: skip
+
+    # -- decode --------------------------------------------------------------------------
+    def begin_decode(self, lengths: list[list[int]], host_pages: list[list[int]],
+                     tables: torch.Tensor) -> None:  # fmt: skip
+        """Point the offloaded rows of ``tables [layers, seqs x kv_heads, width]`` at their
+        staging pages and plan each layer's copies; ``lengths[s][e]`` tokens of entry ``e``
+        of sequence ``s`` (the new one included), ``host_pages[s]`` its host pages."""
+        size, heads, device = self.page_size, self.num_kv_heads, tables.device
+        num_seqs, entries = len(lengths), torch.tensor(self.entries, dtype=torch.long)
+        held = torch.tensor(lengths, dtype=torch.long)[:, entries].T  # [offloaded, seqs]
+        pages = (held + size - 1) // size  # each (entry, seq) row's pages, new token's included
+        layer_of = entries // heads
+        # staging pages of each row: consecutive within its layer's slot
+        flat = pages.flatten()
+        starts = torch.cumsum(flat, 0) - flat
+        layer_rows = layer_of.repeat_interleave(num_seqs)
+        layer_first = torch.zeros(len(self.heads), dtype=torch.long)
+        used = torch.zeros(len(self.heads), dtype=torch.long).index_add_(0, layer_rows, flat)
+        layer_first[1:] = torch.cumsum(used, 0)[:-1]
+        assert int(used.max()) <= self.slot_pages, "staging slot smaller than planned"
+        slot_first = self.first_page + (layer_rows % STAGING_DEPTH) * self.slot_pages
+        first = slot_first + starts - layer_first[layer_rows]  # [rows]
+        width = tables.shape[-1]
+        columns = torch.arange(width)
+        staged = (first[:, None] + columns).clamp(max=torch.iinfo(torch.int32).max)
+        staged = torch.where(columns < flat[:, None], staged, 0).int()
+        rows = (torch.arange(num_seqs) * heads).repeat(len(entries))
+        rows += (entries % heads).repeat_interleave(num_seqs)  # seq x kv_heads + kv head
+        tables[layer_rows.to(device), rows.to(device)] = staged.to(device)
+        # the copies: (host head, host page, plane page) per staged page, layer by layer
+        pair_row = torch.arange(flat.numel()).repeat_interleave(flat)
+        index = torch.arange(pair_row.numel()) - starts[pair_row]
+        seq_of = pair_row % num_seqs
+        host_table = torch.zeros(num_seqs, max(map(len, host_pages), default=1) or 1,
+                                 dtype=torch.long)  # fmt: skip
+        for s, row in enumerate(host_pages):
+            host_table[s, : len(row)] = torch.tensor(row, dtype=torch.long)
+        pairs = torch.stack([(entries % heads)[pair_row // num_seqs], host_table[seq_of, index],
+                             first[pair_row] + index]).to(device)  # fmt: skip
+        bounds = torch.cumsum(used, 0).tolist()
+        self.pairs = [pairs[:, b - n : b] for b, n in zip(bounds, used.tolist(), strict=True)]
+        # where each row's new token goes in host pages
+        new = held - 1  # [offloaded, seqs]
+        self.new_slots = host_table[torch.arange(num_seqs), new // size] * size + new % size
+        self.new_slots = self.new_slots.to(device)
+        self.streamed_bytes = int(flat.sum()) * size * 2 * self.plane.shape[-1] * \
+            self.plane.element_size()  # fmt: skip
+        self._layer_entries = [torch.nonzero(layer_of == layer)[:, 0].to(device)
+                               for layer in range(len(self.heads))]  # fmt: skip
+        self._arrived, self._released = {}, [None] * STAGING_DEPTH
+        if self.copy_stream is not None:  # host pages written by earlier steps are complete
+            self.copy_stream.wait_stream(torch.cuda.current_stream(device))
+        self._next = 0
+        self._issue_ahead(0)
+
+    def _copy(self, layer: int) -> None:
+        src, page, dst = self.pairs[layer]
+        plane = self.plane.view(2, 1, -1, self.plane.shape[-1])
+        copy_pages(self.host.layer(layer), as_heads(plane, kv_first=True), page, dst, src,
+                   torch.zeros_like(src), self.page_size, paired=True)  # fmt: skip
+
+    def _issue_ahead(self, layer: int) -> None:
+        """Start the copies of the layers up to ``layer + depth - 1`` that have work."""
+        last = min(layer + STAGING_DEPTH, len(self.heads))
+        while self._next < last:
+            target, self._next = self._next, self._next + 1
+            if self.pairs[target].shape[1] == 0 or self.copy_stream is None:
+                continue
+            released = self._released[target % STAGING_DEPTH]
+            with torch.cuda.stream(self.copy_stream):
+                if released is not None:
+                    self.copy_stream.wait_event(released)
+                self._copy(target)
+                self._arrived[target] = torch.cuda.Event()
+                self._arrived[target].record(self.copy_stream)
+
+    def wait(self, layer: int) -> None:
+        """Before ``layer``'s decode: its staged pages are in place."""
+        if self.copy_stream is None:
+            if self.pairs[layer].shape[1]:
+                self._copy(layer)
+            return
+        self._issue_ahead(layer)
+        event = self._arrived.pop(layer, None)
+        if event is not None:
+            torch.cuda.current_stream(self.plane.device).wait_event(event)
+
+    def done(self, layer: int, kv: torch.Tensor) -> None:
+        """After ``layer``'s decode: free its slot and write its offloaded rows' new tokens
+        ``kv [2, seqs, kv_heads, dim]`` to host pages."""
+        if self.copy_stream is not None:
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(self.plane.device))
+            self._released[layer % STAGING_DEPTH] = event
+        rows = self._layer_entries[layer]
+        if rows.numel() == 0:
+            return
+        heads = self.heads[layer]  # rows in entry order, then sequence
+        new_kv = kv[:, :, heads].transpose(1, 2).flatten(1, 2)  # [2, heads x seqs, dim]
+        owners = heads.repeat_interleave(kv.shape[1])
+        write_tokens(self.host.layer(layer), owners, self.new_slots[rows].flatten(),
+                     new_kv[:, :, None].contiguous(), paired=True)  # fmt: skip
+        self._issue_ahead(layer + 1)

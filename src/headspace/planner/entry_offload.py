@@ -1,0 +1,110 @@
+"""Which per-head-page entries (KV budgets, streaming heads) live in host pages when a batch
+does not fit the GPU: HeadInfer's App. D layout, streaming heads resident and retrieval heads
+offloaded. An offloaded entry streams only the tokens it keeps into one of two staging
+slots of the GPU plane, one layer at a time (the next layer's copy runs while this one
+attends).
+
+Pure arithmetic in entry pages (``page_size`` tokens of one (layer, kv head)); no tensors.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from headspace.errors import UserError
+from headspace.planner.head_map import HeadMap
+from headspace.planner.memory import GiB, Hardware, KVSpec
+from headspace.planner.plan import Plan
+
+STAGING_DEPTH = 2  # a layer's slot is attended while the next one's fills
+
+
+def staging_pages(spec: KVSpec, per_layer: int, bounds: list[int]) -> int:
+    """Entry pages of one staging slot: ``per_layer`` offloaded entries of each sequence,
+    each holding at most ``bounds[s]`` tokens (its kept tokens and what it generates)."""
+    return per_layer * sum(spec.pages_for(bound) for bound in bounds)
+
+
+def _free_heads(head_map: HeadMap, layer: int) -> list[int]:
+    """kv heads of ``layer`` that may go to host pages: not rings (a ``streaming`` entry
+    holds little and stays resident)."""
+    return [e.kv_head for e in head_map.layer(layer) if not e.pattern.startswith("streaming")]
+
+
+def _spread(num_offloaded: int, caps: list[int]) -> list[int] | None:
+    """``num_offloaded`` entries over the layers, as evenly as ``caps`` allow (None: no
+    room)."""
+    if num_offloaded > sum(caps):
+        return None
+    counts = [0] * len(caps)
+    while num_offloaded > 0:
+        for layer in sorted(range(len(caps)), key=lambda i: counts[i]):
+            if counts[layer] < caps[layer]:
+                counts[layer] += 1
+                num_offloaded -= 1
+                break
+    return counts
+
+
+def plan_entries(spec: KVSpec, arena: int, head_map: HeadMap, max_tokens: list[int],
+                 bounds: list[int], *, offload: str = "auto", host_budget: int | None = None,
+                 what: str = "the batch") -> Plan:  # fmt: skip
+    """The plan of per-entry pages for sequences that may reach ``max_tokens`` each, within
+    ``arena`` bytes of GPU plane: all resident when every entry fits uncompressed (a
+    sequence is compressed only after its prompt), else as few entries as possible in host
+    pages, spread evenly over the layers, beside :data:`STAGING_DEPTH` staging slots of
+    :func:`staging_pages` (an offloaded entry holds at most ``bounds[s]`` tokens after the
+    prompt). ``head_map`` brings the patterns; the plan's ``entry_staging`` is the pages
+    of one slot. Raises UserError with the numbers."""
+    plane = arena // spec.entry_page_bytes
+    per_entry = sum(spec.pages_for(n) for n in max_tokens)  # one entry, every sequence
+    if spec.num_entries * per_entry + 1 <= plane:
+        return Plan(head_map, "none", plane - 1, 0, None, 0)
+    if offload not in ("auto", "head"):
+        raise UserError(
+            f"{what} needs {spec.num_entries * per_entry * spec.entry_page_bytes / GiB:.2f} GiB "
+            f"of KV before its prompt is compressed, but the GPU budget leaves "
+            f"{arena / GiB:.2f} GiB; allow offload (auto or head) or raise the budget"
+        )
+    layers, heads = spec.num_layers, spec.num_kv_heads
+    free = [_free_heads(head_map, layer) for layer in range(layers)]
+    counts = None
+    for per_layer in range(1, heads + 1):  # the fewest offloaded per layer that fit
+        staging = staging_pages(spec, per_layer, bounds)
+        num_resident = (plane - 1 - STAGING_DEPTH * staging) // per_entry
+        if num_resident < 0:
+            break
+        caps = [min(per_layer, len(f)) for f in free]
+        counts = _spread(max(spec.num_entries - num_resident, 1), caps)
+        if counts is not None:
+            break
+    if counts is None:
+        raise UserError(
+            f"GPU budget too small: {what} needs more kv heads in host pages than it can "
+            f"stage, or than keep every token (streaming heads stay on the GPU), within the "
+            f"{arena / GiB:.2f} GiB left for KV; raise the GPU budget"
+        )
+    offloaded = {
+        (layer, h) for layer, n in enumerate(counts) for h in free[layer][len(free[layer]) - n :]
+    }
+    entries = [replace(e, tier="stream") if (e.layer, e.kv_head) in offloaded else e
+               for e in head_map.entries]  # fmt: skip
+    host_pages = per_entry
+    if host_budget is not None and host_pages * spec.full_page_bytes > host_budget:
+        raise UserError(
+            f"{what} needs {host_pages * spec.full_page_bytes / GiB:.2f} GiB of host memory "
+            f"for its KV pages, more than the {host_budget / GiB:.2f} GiB host budget"
+        )
+    num_pool = plane - 1 - STAGING_DEPTH * staging
+    plan = Plan(HeadMap(layers, heads, entries), "head", num_pool, host_pages, None, 0)
+    plan.entry_staging = staging
+    return plan
+
+
+def entry_step_seconds(spec: KVSpec, plan: Plan, bounds: list[int], weight_bytes: int,
+                       hw: Hardware) -> float:  # fmt: skip
+    """Roofline of a decode step whose entries hold at most ``bounds[s]`` tokens each:
+    HBM reads the weights and the resident entries, PCIe the offloaded ones."""
+    held = sum(bounds) * spec.entry_token_bytes  # one entry, every sequence
+    hbm_s = (weight_bytes + plan.head_map.count("gpu") * held) / hw.hbm_bytes
+    return max(hbm_s, plan.head_map.num_offloaded * held / hw.h2d_bytes)
