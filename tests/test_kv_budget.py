@@ -249,3 +249,29 @@ def test_offloaded_entries_equal_the_all_resident_budget(tiny_llama, policy):
         assert max(batched) >= 2
     gap = decode_logits(llm, prompts[0], 12) - decode_logits(resident, prompts[0], 12)
     assert gap.abs().max().item() < 1e-4
+
+
+@pytest.mark.parametrize(
+    "page,lo,hi,width", [(16, 0, 100, 128), (48, 0, 40, 128), (16, 37, 90, None)]
+)
+def test_keys_gathered_from_both_tiers_are_each_positions_keys(page, lo, hi, width):
+    """Resident heads from the plane, offloaded ones from shuffled host pages; columns past
+    ``hi - 1`` repeat it (a padded capacity), whatever the page size."""
+    from types import SimpleNamespace
+
+    from headspace.engine.entry_staging import EntryStaging
+
+    generator = torch.Generator().manual_seed(page + lo)
+    heads, dim, num_pages = 3, 8, 8
+    host_pages = torch.randperm(num_pages, generator=generator)[: -(-hi // page)].tolist()
+    host = torch.randn(heads, 2, num_pages * page, dim, generator=generator)  # one layer
+    plane = torch.randn(2, heads * num_pages * page, dim, generator=generator)
+    plane_slots = torch.randperm(plane.shape[1], generator=generator)[: heads * hi].view(heads, hi)
+    arena = SimpleNamespace(layer=lambda layer: host)
+    staging = EntryStaging(plane, arena, [[1]], heads, page, 0, 0)
+    keys = staging.gather(0, plane_slots, lo, hi, host_pages, width)
+    columns = torch.arange(lo, lo + (width or hi - lo)).clamp(max=hi - 1)
+    host_slots = torch.tensor(host_pages)[columns // page] * page + columns % page
+    for h in range(heads):
+        want = host[h][:, host_slots] if h == 1 else plane[:, plane_slots[h, columns]]
+        assert torch.equal(keys[:, h], want)

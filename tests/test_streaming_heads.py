@@ -77,6 +77,8 @@ def test_streaming_decode_equals_a_dense_model_masked_to_sink_and_window(tiny_ll
     head_map = llm.engine.batch.runner.plan.head_map
     rings = {(e.layer, e.kv_head): (4, 24) for e in head_map.entries if e.pattern != "full"}
     assert len(rings) == len(head_map.entries) // 2
+    assert {e.budget for e in head_map.entries if e.pattern != "full"} == {28}  # sink + window
+    assert {e.budget for e in head_map.entries if e.pattern == "full"} == {None}
     scores = Profile.load(profile).retrieval
     assert min(scores[layer][head] for layer, head in rings) < max(
         scores[e.layer][e.kv_head] for e in head_map.entries if e.pattern == "full"

@@ -120,8 +120,8 @@ class BatchGenerator:
         head_map = HeadMap.all_gpu(spec.num_layers, spec.num_kv_heads)
         if config.retrieval_heads is not None:
             head_map = self._with_patterns(head_map)
-        if budget is not None:
-            head_map = with_budgets(head_map, max(budget.tokens(len(s.prompt_ids)) for s in seqs))
+        kept = None if budget is None else max(budget.tokens(len(s.prompt_ids)) for s in seqs)
+        head_map = with_budgets(head_map, kept)  # rings keep their sink and window
         return plan_entries(spec, self.runner.store.num_bytes, head_map,
                             [s.max_tokens for s in seqs], self._bounds(seqs),
                             offload=config.offload, host_budget=self.runner.host.budget,

@@ -221,6 +221,7 @@ class BudgetExecutor:
                 layer_slots = slots[heads]
                 keys = self._keys(layer, layer_slots, 0, prompt_len, True)
                 self.staging.compact(layer, keys, kept[heads], self.host_pages)
+                del keys  # one layer's prompt K/V at a time
         moved = [e for e, p in enumerate(kept) if len(p) < prompt_len and e not in offloaded]
         if moved:
             src = torch.cat([slots[e][kept[e].to(slots.device)] for e in moved])
@@ -245,5 +246,6 @@ class BudgetExecutor:
                 keys = self.plane[0][per_layer[layer]]
             q_window = self.window_q[layer][-window:].transpose(0, 1)
             scores.append(observation_scores(q_window, keys).cpu())
+            del keys  # one layer's prompt keys at a time
         kept = kept_positions(self.budget, scores, prompt_len, self.head_scores)
         return [positions for layer in kept for positions in layer]

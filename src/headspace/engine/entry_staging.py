@@ -67,7 +67,7 @@ class EntryStaging:
         width = width or hi - lo
         first, last = lo // size, -(-hi // size)
         skip = lo - first * size  # keys copied from the page before ``lo``
-        span = max(skip + width, (last - first) * size)
+        span = -(-max(skip + width, (last - first) * size) // size) * size  # whole pages
         keys = self.plane.new_empty(2, self.num_kv_heads, span, self.plane.shape[-1])
         resident, heads = self.resident[layer], self.heads[layer]
         columns = torch.arange(lo, lo + width, device=device).clamp(max=hi - 1)

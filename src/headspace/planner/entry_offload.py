@@ -90,7 +90,7 @@ def plan_entries(spec: KVSpec, arena: int, head_map: HeadMap, max_tokens: list[i
     entries = [replace(e, tier="stream") if (e.layer, e.kv_head) in offloaded else e
                for e in head_map.entries]  # fmt: skip
     host_pages = per_entry
-    if host_budget is not None and host_pages * spec.full_page_bytes > host_budget:
+    if host_budget is not None and (host_pages + 1) * spec.full_page_bytes > host_budget:
         raise UserError(
             f"{what} needs {host_pages * spec.full_page_bytes / GiB:.2f} GiB of host memory "
             f"for its KV pages, more than the {host_budget / GiB:.2f} GiB host budget"
