@@ -52,6 +52,14 @@ class KVBudget:
         kept = round(self.value * prompt_len) if isinstance(self.value, float) else self.value
         return min(prompt_len, max(kept, min(self.window, prompt_len)))
 
+    def most_held(self, prompt_len: int, max_tokens: int) -> int:
+        """Most tokens one head can hold by ``max_tokens`` after a ``prompt_len`` prompt:
+        snapkv's even share and the new tokens; a policy whose heads share a total may give
+        one head everything."""
+        if self.policy != "snapkv":
+            return max_tokens
+        return self.tokens(prompt_len) + max_tokens - prompt_len
+
 
 def kept_positions(
     budget: KVBudget,

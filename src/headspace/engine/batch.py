@@ -74,7 +74,7 @@ class BatchGenerator:
         self.eos_token_ids, self.max_context = eos_token_ids, max_context
         cfg, dtype = model.config, config.torch_dtype
         self.spec = KVSpec.of(cfg, config.page_size, dtype.itemsize)
-        weights = sum(p.nbytes for p in model.parameters())
+        self.weight_bytes = weights = sum(p.nbytes for p in model.parameters())
         self.chunk = prefill_chunk_size(cfg, config, weights, max_context)
         arena = kv_arena_bytes(cfg, config, self.spec, weights, self.chunk, max_context)
         host = HostKVArena(self.spec, dtype, pin=config.on_gpu,
@@ -128,27 +128,22 @@ class BatchGenerator:
                             what=what)  # fmt: skip
 
     def _bounds(self, seqs: list[Sequence]) -> list[int]:
-        """Most tokens an offloaded entry of each sequence holds after its prompt: an even
-        budget's share and what it generates, else (a head may take more than its share,
-        or there is no budget) every token."""
+        """Most tokens one entry of each sequence holds after its prompt."""
         budget = self.runner.budget
-        if budget is None or budget.policy != "snapkv":
+        if budget is None:
             return [s.max_tokens for s in seqs]
-        return [budget.tokens(len(s.prompt_ids)) + s.max_tokens - len(s.prompt_ids)
-                for s in seqs]  # fmt: skip
+        return [budget.most_held(len(s.prompt_ids), s.max_tokens) for s in seqs]
 
     def _rate(self, plan: Plan, seqs: list[Sequence]) -> float:
-        """Predicted sequences x tokens/s of a decode step over ``seqs`` (roofline)."""
-        tokens = sum(s.max_tokens for s in seqs)
-        seconds, _ = step_seconds(self.model.config, plan, tokens, self.spec.dtype_bytes,
-                                  self.hardware, self.config.hybrid_cpu_share)  # fmt: skip
-        return len(seqs) / seconds
-
-    def _entry_rate(self, plan: Plan, seqs: list[Sequence]) -> float:
-        """Predicted sequences x tokens/s of a decode step over ``seqs`` with entries in host
-        pages (roofline over what each entry holds after the prompt)."""
-        weights = sum(p.nbytes for p in self.model.parameters())
-        seconds = entry_step_seconds(self.spec, plan, self._bounds(seqs), weights, self.hardware)
+        """Predicted sequences x tokens/s of a decode step over ``seqs`` (roofline; with
+        entries in host pages, over what each holds after its prompt)."""
+        if plan.entry_staging:
+            seconds = entry_step_seconds(self.spec, plan, self._bounds(seqs), self.weight_bytes,
+                                         self.hardware)  # fmt: skip
+        else:
+            seconds, _ = step_seconds(self.model.config, plan, sum(s.max_tokens for s in seqs),
+                                      self.spec.dtype_bytes, self.hardware,
+                                      self.config.hybrid_cpu_share)  # fmt: skip
         return len(seqs) / seconds
 
     def _replan(self, scheduler: Scheduler) -> None:
@@ -156,17 +151,16 @@ class BatchGenerator:
         streaming plan for the first k that maximises the predicted throughput."""
         queue = list(scheduler.waiting)[: self.config.max_batch]
         best, best_rate, planned = self.plan(queue[:1]), 0.0, queue[:1]
-        rate = self._entry_rate if best.entry_staging else self._rate
         if best.staging is not None or best.entry_staging:
-            best_rate = rate(best, planned)
+            best_rate = self._rate(best, planned)
             for k in range(2, len(queue) + 1):
                 try:
                     plan = self.plan(queue[:k])
                 except UserError:
                     break
-                if rate(plan, queue[:k]) < best_rate:
+                if (k_rate := self._rate(plan, queue[:k])) < best_rate:
                     break
-                best, best_rate, planned = plan, rate(plan, queue[:k]), queue[:k]
+                best, best_rate, planned = plan, k_rate, queue[:k]
         # entries in host pages: the staging slots hold what was planned, no more
         self._planned = {s.seq_id for s in planned} if best.entry_staging else None
         self._apply(best, scheduler)

@@ -215,13 +215,11 @@ class BudgetExecutor:
                 kept[e] = torch.cat([torch.arange(sink),
                                      torch.arange(prompt_len - window, prompt_len)])  # fmt: skip
         offloaded = set(self.staging.entries) if self.staging is not None else set()
-        for layer in range(self.num_layers if offloaded else 0):
-            if self.staging.any(layer):  # the offloaded heads' kept tokens, in host pages
-                heads = slice(layer * self.num_kv_heads, (layer + 1) * self.num_kv_heads)
-                layer_slots = slots[heads]
-                keys = self._keys(layer, layer_slots, 0, prompt_len, True)
-                self.staging.compact(layer, keys, kept[heads], self.host_pages)
-                del keys  # one layer's prompt K/V at a time
+        for layer in sorted({e // self.num_kv_heads for e in offloaded}):  # in host pages
+            heads = slice(layer * self.num_kv_heads, (layer + 1) * self.num_kv_heads)
+            keys = self._keys(layer, slots[heads], 0, prompt_len, True)
+            self.staging.compact(layer, keys, kept[heads], self.host_pages)
+            del keys  # one layer's prompt K/V at a time
         moved = [e for e, p in enumerate(kept) if len(p) < prompt_len and e not in offloaded]
         if moved:
             src = torch.cat([slots[e][kept[e].to(slots.device)] for e in moved])

@@ -14,7 +14,10 @@ from __future__ import annotations
 
 import torch
 
+from headspace.attention.entry_decode import new_token_slots
+from headspace.engine.executors import block_table
 from headspace.kv.host_store import HostKVArena
+from headspace.kv.paged_store import token_slots
 from headspace.kv.transfer import as_heads, copy_pages, write_tokens
 from headspace.planner.entry_offload import STAGING_DEPTH
 
@@ -30,16 +33,15 @@ class EntryStaging:
         self.plane, self.host, self.page_size = plane, host, page_size
         self.num_kv_heads, self.first_page, self.slot_pages = num_kv_heads, first_page, slot_pages
         device = plane.device
+        self.offloaded = offloaded
         self.heads = [torch.tensor(h, device=device, dtype=torch.long) for h in offloaded]
-        self.resident = [
-            torch.tensor(
-                [h for h in range(num_kv_heads) if h not in set(heads)],
-                device=device,
-                dtype=torch.long,
-            )
-            for heads in offloaded
-        ]
+        self.resident = [torch.tensor(sorted(set(range(num_kv_heads)) - set(h)), device=device,
+                                      dtype=torch.long) for h in offloaded]  # fmt: skip
         self.entries = [layer * num_kv_heads + h for layer, hs in enumerate(offloaded) for h in hs]
+        entries = torch.tensor(self.entries, dtype=torch.long)  # layer-major
+        self._layer_of, self._head_of = entries // num_kv_heads, entries % num_kv_heads
+        self._layer_entries = [torch.nonzero(self._layer_of == layer)[:, 0].to(device)
+                               for layer in range(len(offloaded))]  # fmt: skip
         on_gpu = device.type == "cuda"
         self.copy_stream = torch.cuda.Stream(device, priority=-1) if on_gpu else None
         self.streamed_bytes = 0  # what the last decode step copied from host pages
@@ -49,8 +51,7 @@ class EntryStaging:
 
     def host_slots(self, pages: list[int], positions: torch.Tensor) -> torch.Tensor:
         """Host slots ``[tokens]`` of ``positions`` in a sequence's host ``pages``."""
-        table = torch.tensor(pages, device=positions.device, dtype=torch.long)
-        return table[positions // self.page_size] * self.page_size + positions % self.page_size
+        return token_slots(torch.tensor(pages, device=positions.device), positions, self.page_size)
 
     # -- prefill -------------------------------------------------------------------------
     def write(self, layer: int, slots: torch.Tensor, kv: torch.Tensor) -> None:
@@ -84,7 +85,7 @@ class EntryStaging:
                 host_pages: list[int]) -> None:  # fmt: skip
         """Move each offloaded head's ``kept[h]`` positions to the front of its host rows;
         ``keys [2, kv_heads, prompt, dim]`` is the layer's K/V gathered before."""
-        heads = self.heads[layer].tolist()
+        heads = self.offloaded[layer]
         if not heads:
             return
         device = keys.device
@@ -104,47 +105,36 @@ class EntryStaging:
         staging pages and plan each layer's copies; ``lengths[s][e]`` tokens of entry ``e``
         of sequence ``s`` (the new one included), ``host_pages[s]`` its host pages."""
         size, heads, device = self.page_size, self.num_kv_heads, tables.device
-        num_seqs, entries = len(lengths), torch.tensor(self.entries, dtype=torch.long)
-        held = torch.tensor(lengths, dtype=torch.long)[:, entries].T  # [offloaded, seqs]
-        pages = (held + size - 1) // size  # each (entry, seq) row's pages, new token's included
-        layer_of = entries // heads
-        # staging pages of each row: consecutive within its layer's slot
-        flat = pages.flatten()
+        num_seqs, layer_of, head_of = len(lengths), self._layer_of, self._head_of
+        held = torch.tensor(lengths, dtype=torch.long)[:, self.entries].T  # [offloaded, seqs]
+        # each (entry, seq) row's pages (the new token's included), consecutive within the
+        # slot of its layer
+        flat = ((held + size - 1) // size).flatten()
         starts = torch.cumsum(flat, 0) - flat
         layer_rows = layer_of.repeat_interleave(num_seqs)
-        layer_first = torch.zeros(len(self.heads), dtype=torch.long)
         used = torch.zeros(len(self.heads), dtype=torch.long).index_add_(0, layer_rows, flat)
-        layer_first[1:] = torch.cumsum(used, 0)[:-1]
         assert int(used.max()) <= self.slot_pages, "staging slot smaller than planned"
+        layer_first = torch.cumsum(used, 0) - used
         slot_first = self.first_page + (layer_rows % STAGING_DEPTH) * self.slot_pages
         first = slot_first + starts - layer_first[layer_rows]  # [rows]
-        width = tables.shape[-1]
-        columns = torch.arange(width)
-        staged = (first[:, None] + columns).clamp(max=torch.iinfo(torch.int32).max)
-        staged = torch.where(columns < flat[:, None], staged, 0).int()
-        rows = (torch.arange(num_seqs) * heads).repeat(len(entries))
-        rows += (entries % heads).repeat_interleave(num_seqs)  # seq x kv_heads + kv head
+        columns = torch.arange(tables.shape[-1])
+        staged = torch.where(columns < flat[:, None], first[:, None] + columns, 0).int()
+        rows = (torch.arange(num_seqs) * heads).repeat(len(self.entries))
+        rows += head_of.repeat_interleave(num_seqs)  # seq x kv_heads + kv head
         tables[layer_rows.to(device), rows.to(device)] = staged.to(device)
         # the copies: (host head, host page, plane page) per staged page, layer by layer
         pair_row = torch.arange(flat.numel()).repeat_interleave(flat)
         index = torch.arange(pair_row.numel()) - starts[pair_row]
-        seq_of = pair_row % num_seqs
-        host_table = torch.zeros(num_seqs, max(map(len, host_pages), default=1) or 1,
-                                 dtype=torch.long)  # fmt: skip
-        for s, row in enumerate(host_pages):
-            host_table[s, : len(row)] = torch.tensor(row, dtype=torch.long)
-        pairs = torch.stack([(entries % heads)[pair_row // num_seqs], host_table[seq_of, index],
+        host_table = block_table(host_pages).long()  # [seqs, pages]
+        pairs = torch.stack([head_of[pair_row // num_seqs],
+                             host_table[pair_row % num_seqs, index],
                              first[pair_row] + index]).to(device)  # fmt: skip
-        bounds = torch.cumsum(used, 0).tolist()
-        self.pairs = [pairs[:, b - n : b] for b, n in zip(bounds, used.tolist(), strict=True)]
-        # where each row's new token goes in host pages
-        new = held - 1  # [offloaded, seqs]
-        self.new_slots = host_table[torch.arange(num_seqs), new // size] * size + new % size
-        self.new_slots = self.new_slots.to(device)
-        self.streamed_bytes = int(flat.sum()) * size * 2 * self.plane.shape[-1] * \
-            self.plane.element_size()  # fmt: skip
-        self._layer_entries = [torch.nonzero(layer_of == layer)[:, 0].to(device)
-                               for layer in range(len(self.heads))]  # fmt: skip
+        self.pairs = list(pairs.split(used.tolist(), dim=1))
+        # where each row's new token goes in host pages: [offloaded, seqs]
+        new = new_token_slots(host_table.repeat(len(self.entries), 1), held.flatten() - 1, size)
+        self.new_slots = new.view_as(held).to(device)
+        page_bytes = size * 2 * self.plane.shape[-1] * self.plane.element_size()
+        self.streamed_bytes = int(flat.sum()) * page_bytes
         self._arrived, self._released = {}, [None] * STAGING_DEPTH
         if self.copy_stream is not None:  # host pages written by earlier steps are complete
             self.copy_stream.wait_stream(torch.cuda.current_stream(device))

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from headspace.attention.patterns import Pattern
 from headspace.errors import UserError
 from headspace.planner.head_map import HeadMap
 from headspace.planner.memory import GiB, Hardware, KVSpec
@@ -28,7 +29,9 @@ def staging_pages(spec: KVSpec, per_layer: int, bounds: list[int]) -> int:
 def _free_heads(head_map: HeadMap, layer: int) -> list[int]:
     """kv heads of ``layer`` that may go to host pages: not rings (a ``streaming`` entry
     holds little and stays resident)."""
-    return [e.kv_head for e in head_map.layer(layer) if not e.pattern.startswith("streaming")]
+    return [
+        e.kv_head for e in head_map.layer(layer) if Pattern.parse(e.pattern).kind != "streaming"
+    ]
 
 
 def _spread(num_offloaded: int, caps: list[int]) -> list[int] | None:
@@ -37,12 +40,9 @@ def _spread(num_offloaded: int, caps: list[int]) -> list[int] | None:
     if num_offloaded > sum(caps):
         return None
     counts = [0] * len(caps)
-    while num_offloaded > 0:
-        for layer in sorted(range(len(caps)), key=lambda i: counts[i]):
-            if counts[layer] < caps[layer]:
-                counts[layer] += 1
-                num_offloaded -= 1
-                break
+    for _ in range(num_offloaded):  # one more to the emptiest layer with room
+        _, layer = min((n, i) for i, n in enumerate(counts) if n < caps[i])
+        counts[layer] += 1
     return counts
 
 
@@ -96,9 +96,15 @@ def plan_entries(spec: KVSpec, arena: int, head_map: HeadMap, max_tokens: list[i
             f"for its KV pages, more than the {host_budget / GiB:.2f} GiB host budget"
         )
     num_pool = plane - 1 - STAGING_DEPTH * staging
-    plan = Plan(HeadMap(layers, heads, entries), "head", num_pool, host_pages, None, 0)
-    plan.entry_staging = staging
-    return plan
+    return Plan(
+        HeadMap(layers, heads, entries),
+        "head",
+        num_pool,
+        host_pages,
+        None,
+        0,
+        entry_staging=staging,
+    )
 
 
 def entry_step_seconds(spec: KVSpec, plan: Plan, bounds: list[int], weight_bytes: int,
