@@ -108,8 +108,8 @@ def test_the_planner_prices_the_split():
     """Decode roofline with the hybrid tier: PCIe carries 1 - share of the offloaded bytes
     while the CPU reads the rest; at the rates' balance both take the same time."""
     from headspace.model.config import config_from_dict
+    from headspace.planner import PlanRequest, make_plan
     from headspace.planner.memory import GiB, Hardware
-    from headspace.planner.plan import PlanRequest, make_plan
 
     config = config_from_dict({
         "architectures": ["LlamaForCausalLM"], "hidden_size": 4096, "intermediate_size": 14336,

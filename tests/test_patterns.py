@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from headspace.attention.patterns import BLOCK, Pattern, estimate
 from headspace.attention.reference import reference_attention
@@ -100,24 +101,25 @@ def test_a_streaming_head_over_a_short_context_is_full():
 
 
 def test_vertical_slash_finds_a_planted_column_and_diagonal():
-    """Queries aligned with one key (a column) and keys aligned with the query 200 positions
-    later (a diagonal): both are in the estimate, beyond the forced sink and local band."""
-    num_keys, dim = 600, 32
+    """Queries aligned with key 300 (a column, key block 2) and keys aligned with the query
+    512 positions later (a diagonal: the last queries, in query block 9, meet it in key
+    block 5, block diagonal 4): both are kept, beside the forced first block and the two
+    nearest diagonals. The column's mass also marks its own diagonal (9 - 2 = 7)."""
+    num_keys, dim = 1280, 32
     gen = torch.Generator().manual_seed(3)
     k = torch.randn(1, num_keys, dim, generator=gen) * 0.1
     q = torch.randn(1, num_keys, dim, generator=gen) * 0.1
-    column = torch.zeros(dim)
-    column[0] = 1.0
-    k[0, 250] = column * 12
-    q[0, :, 0] += 1.0  # every query looks at key 250
-    direction = torch.zeros(dim)
-    direction[1] = 1.0
-    q[0, 200:, 1] += 3.0 * torch.sign(torch.randn(400, generator=gen))
-    k[0, :400, 1] = 3.0 * torch.sign(q[0, 200:, 1])  # key j matches query j + 200
-    table = estimate([Pattern("vertical_slash", (8, 72))], q, k)
-    assert table.vertical[0, 250] and table.vertical[0, :4].all()
-    assert table.slash[0, 200] and table.slash[0, :64].all()
-    assert table.vertical.sum() == 8 and table.slash.sum() == 72
+    k[0, 300, 0] = 45.0
+    q[0, :, 0] += 1.0  # every query looks at key 300
+    codes = F.normalize(torch.randn(num_keys - 512, dim - 1, generator=gen), dim=1) * 6.5
+    k[0, : num_keys - 512, 1:] = codes
+    q[0, 512:, 1:] += codes  # key j matches query j + 512
+    table = estimate([Pattern("vertical_slash", (1, 200))], q, k)
+    assert table.vertical[0].nonzero().flatten().tolist() == [0, 2]
+    assert table.slash[0].nonzero().flatten().tolist() == [0, 1, 4, 7]
+    last = table.dense()[0, -1].view(-1, BLOCK)  # the last query sees whole key blocks:
+    assert last.all(1).nonzero().flatten().tolist() == [0, 2, 5, 8, 9]  # columns, diagonals
+    assert last.sum() == 5 * BLOCK
 
 
 def test_block_sparse_keeps_the_first_the_diagonal_and_the_best_block():

@@ -14,7 +14,7 @@ from headspace.attention.patterns import Pattern, estimate
 from headspace.cli.main import main
 from headspace.model.config import config_from_dict
 from headspace.planner import PlanRequest, make_plan
-from headspace.planner.plan import predict
+from headspace.planner.context import predict
 from headspace.planner.profile import Profile, with_patterns
 from headspace.planner.sparsity import attention_share, held_tokens
 from test_planner import LLAMA3_8B
@@ -37,7 +37,18 @@ def test_shares_are_one_for_full_and_shrink_with_fewer_keys():
     assert attention_share("block_sparse(64)", 4096) == 1.0  # 64 blocks cover the prompt
     shares = [attention_share(f"block_sparse({k})", 2**19) for k in (8, 64, 512)]
     assert shares == sorted(shares) and shares[0] < 0.01 < shares[-1] < 0.5
-    assert attention_share("vertical_slash(1000,6096)", 2**17) == 1.0  # its blocks: nearly all
+    # 8 + 1 key blocks and 48 + 2 block diagonals: 7552 keys of each query
+    assert 0.11 < attention_share("vertical_slash(1000,6096)", 2**17) < 0.116
+
+
+@pytest.mark.parametrize("context", [700, 1024, 1500])
+def test_a_vertical_slash_share_bounds_the_pairs_its_mask_allows(context):
+    """Its blocks may overlap (a kept key block on a kept diagonal), never exceed."""
+    q, k = torch.randn(2, context, 8), torch.randn(2, context, 8)
+    pattern = "vertical_slash(100,200)"
+    allowed = estimate([Pattern.parse(pattern)] * 2, q, k).dense().sum().item() / 2
+    share = attention_share(pattern, context)
+    assert 0.5 * share < allowed / (context * (context + 1) / 2) <= share
 
 
 def test_held_tokens_by_pattern_and_budget():
@@ -83,6 +94,30 @@ def test_plan_cli_prints_what_is_held_after_the_prompt(capsys, tmp_path):
     assert "budget 131072=128, 1028=128" in capsys.readouterr().out
     assert main([*base, "--kv-budget", "0"]) == 2
     assert "kv_budget" in capsys.readouterr().err
+
+
+def test_a_budget_that_does_not_fit_plans_entries_in_host_pages_priced_by_what_they_keep():
+    """As the engine lays out budgets: the fewest entries of their own pages go to host
+    pages (never a streaming head's ring), and decode streams only their kept tokens."""
+    from headspace.planner.memory import Hardware
+
+    config, hw = config_from_dict(LLAMA3_8B), Hardware()
+    full = make_plan(config, PlanRequest(2**17, 24 * GiB, 400 * GiB, offload="head"), hw)
+    request = PlanRequest(2**17, 24 * GiB, 400 * GiB, budget_tokens=2**15, entry_bound=2**15)
+    budget = make_plan(config, request, hw)
+    assert budget.offload == "head" and budget.staging is None and budget.entry_staging > 0
+    assert budget.memory["total_gpu"] <= 24 * GiB
+    assert budget.memory["staging"] == 2 * budget.entry_staging * 128 * 512
+    offloaded = budget.head_map.num_offloaded
+    assert 0 < offloaded < 256 and offloaded >= full.head_map.num_offloaded  # prompts first
+    floor_ms = 1000 * offloaded * 2**15 * 512 / hw.h2d_bytes  # kept tokens, K and V
+    assert budget.decode_pcie_floor_ms == pytest.approx(floor_ms)
+    assert budget.decode_ms < 0.4 * full.decode_ms
+    scores = tuple(tuple(random.Random(layer).random() for _ in range(8)) for layer in range(32))
+    rings = make_plan(config, PlanRequest(2**18, 48 * GiB, 400 * GiB, retrieval=scores), hw)
+    tiers = {(e.tier, e.pattern) for e in rings.head_map.entries}
+    assert ("stream", "full") in tiers and ("gpu", "streaming(4,1024)") in tiers
+    assert ("stream", "streaming(4,1024)") not in tiers
 
 
 def test_the_keys_a_patterned_prefill_gathers_come_out_of_the_kv_arena(tmp_path):

@@ -4,8 +4,11 @@ a head attends during prefill.
 - ``full``: every earlier key (causal).
 - ``streaming(sink, window)`` (A-shape): the first ``sink`` keys and the ``window`` most
   recent ones.
-- ``vertical_slash(v, s)``: ``v`` key columns and ``s`` diagonals (query position minus key
-  position), chosen per head and chunk from the chunk's last queries (MInference).
+- ``vertical_slash(v, s)``: the key blocks holding the ``v`` most attended key columns and
+  the block diagonals holding the ``s`` most attended diagonals, chosen per head and chunk
+  from the chunk's last queries (MInference's estimate in the block form FlexPrefill runs):
+  ``ceil(v / 128)`` key blocks and ``ceil(s / 128)`` block diagonals (query block minus key
+  block), each computed whole, so a block mask skips every other block.
 - ``block_sparse(k)``: ``k`` key blocks of 128 tokens per query block, chosen per head and
   chunk from block-averaged queries and keys, with the first block and the diagonal.
 
@@ -23,8 +26,8 @@ import torch
 
 BLOCK = 128  # tokens per query and key block of the block masks
 LAST_QUERIES = 64  # queries of a chunk that estimate vertical-slash (MInference's last_q)
-FORCED_SINK = 4  # key columns every vertical-slash head keeps (attention sinks)
-FORCED_LOCAL = 64  # diagonals every vertical-slash head keeps (the local window)
+FORCED_SINK = 1  # key blocks every vertical-slash head keeps (the first: attention sinks)
+FORCED_LOCAL = 2  # block diagonals every vertical-slash head keeps (its own and the previous)
 KINDS = {"full": (), "streaming": ("sink", "window"), "vertical_slash": ("vertical", "slash"),
          "block_sparse": ("blocks",)}  # fmt: skip
 KIND_IDS = {kind: i for i, kind in enumerate(KINDS)}
@@ -86,31 +89,30 @@ class HeadPatterns:
     q_start: int
     num_queries: int
     num_keys: int
+    capacity: int  # key columns the tables and the kernel's keys span
+    kinds: tuple[str, ...]  # each head's kind, on the host (read without a device sync)
     kind: torch.Tensor  # [heads] int: KIND_IDS
     sink: torch.Tensor  # [heads] int (streaming)
     window: torch.Tensor  # [heads] int (streaming)
     # 0/1 int32 (compiled FlexAttention kernels index int tables):
-    vertical: torch.Tensor  # [heads, capacity]: key columns kept (vertical_slash)
-    slash: torch.Tensor  # [heads, capacity]: diagonals kept, by query minus key position
+    vertical: torch.Tensor  # [heads, capacity blocks]: key blocks kept (vertical_slash)
+    slash: torch.Tensor  # [heads, capacity blocks]: block diagonals kept, by query block
+    # (of the query's position) minus key block (vertical_slash)
     blocks: torch.Tensor  # [heads, padded query blocks, capacity blocks] (block_sparse)
     bounds: torch.Tensor  # [2] int: q_start, num_keys
-
-    @property
-    def capacity(self) -> int:
-        return self.vertical.shape[1]
 
     def mask_mod(self, b, h, q_idx, kv_idx):
         """FlexAttention's mask function: query ``q_idx`` of the chunk, key ``kv_idx``."""
         q_pos = q_idx + self.bounds[0]
         causal = (kv_idx <= q_pos) & (kv_idx < self.bounds[1])
         kind = self.kind[h]
-        last = self.capacity - 1
-        offset = (q_pos - kv_idx).clamp(0, last)
-        column = kv_idx.clamp(0, last)
+        last_block = self.vertical.shape[1] - 1
+        key_block = (kv_idx // BLOCK).clamp(0, last_block)
+        diagonal = (q_pos // BLOCK - key_block).clamp(0, last_block)
         streaming = (kv_idx < self.sink[h]) | (q_pos - kv_idx < self.window[h])
-        lines = (self.vertical[h, column] + self.slash[h, offset]) > 0
+        lines = (self.vertical[h, key_block] + self.slash[h, diagonal]) > 0
         block = self.blocks[h, (q_idx // BLOCK).clamp(0, self.blocks.shape[1] - 1),
-                            column // BLOCK] > 0  # fmt: skip
+                            key_block] > 0  # fmt: skip
         allowed = (kind == KIND_IDS["full"]) | ((kind == KIND_IDS["streaming"]) & streaming)
         allowed = allowed | ((kind == KIND_IDS["vertical_slash"]) & lines)  # out of place:
         allowed = allowed | ((kind == KIND_IDS["block_sparse"]) & block)  # compiled kernels
@@ -144,58 +146,79 @@ def estimate(
     q_start = num_keys - num_q
 
     def per_head(kind: str, index: int) -> torch.Tensor:
-        values = [p.params[index] if p.kind == kind else 0 for p in patterns]
-        return torch.tensor(values, device=device)
+        return device_ints([p.params[index] if p.kind == kind else 0 for p in patterns], device)
 
+    num_kb = -(-capacity // BLOCK)
     table = HeadPatterns(
-        q_start, num_q, num_keys,
-        kind=torch.tensor([KIND_IDS[p.kind] for p in patterns], device=device),
+        q_start, num_q, num_keys, capacity, tuple(p.kind for p in patterns),
+        kind=device_ints([KIND_IDS[p.kind] for p in patterns], device),
         sink=per_head("streaming", 0), window=per_head("streaming", 1),
-        vertical=torch.zeros(num_heads, capacity, dtype=torch.int32, device=device),
-        slash=torch.zeros(num_heads, capacity, dtype=torch.int32, device=device),
-        blocks=torch.zeros(num_heads, padded_length(num_q) // BLOCK, -(-capacity // BLOCK),
+        vertical=torch.zeros(num_heads, num_kb, dtype=torch.int32, device=device),
+        slash=torch.zeros(num_heads, num_kb, dtype=torch.int32, device=device),
+        blocks=torch.zeros(num_heads, padded_length(num_q) // BLOCK, num_kb,
                            dtype=torch.int32, device=device),
-        bounds=torch.tensor([q_start, num_keys], device=device),
+        bounds=device_ints([q_start, num_keys], device),
     )  # fmt: skip
     group, key_means = num_heads // k.shape[0], None
     for pattern in {p for p in patterns if p.kind in ("vertical_slash", "block_sparse")}:
-        heads = torch.tensor([h for h, p in enumerate(patterns) if p == pattern], device=device)
+        heads = [h for h, p in enumerate(patterns) if p == pattern]
         if pattern.kind == "vertical_slash":
             _vertical_slash(table, heads, q, k, group, *pattern.params, scale)
         else:
             if key_means is None:
                 key_means = _block_means(k, -(-num_keys // BLOCK))  # [kv_heads, kb, dim]
-            keep = _block_sparse(q[heads], key_means[heads // group], q_start,
+            rows = device_ints(heads, device)
+            keep = _block_sparse(q[rows], key_means[rows // group], q_start,
                                  *pattern.params, scale)  # fmt: skip
-            table.blocks[heads, : keep.shape[1], : keep.shape[2]] = keep.int()
+            table.blocks[rows, : keep.shape[1], : keep.shape[2]] = keep.int()
     return table
 
 
-def _vertical_slash(table: HeadPatterns, heads: torch.Tensor, q, k, group: int,
+def device_ints(values: list[int], device: torch.device) -> torch.Tensor:
+    """A small int64 table on ``device`` without waiting for the device (a blocking copy
+    would drain the stream at every layer's chunk)."""
+    return torch.tensor(values).to(device, non_blocking=True)
+
+
+def _vertical_slash(table: HeadPatterns, heads: list[int], q, k, group: int,
                     num_vertical: int, num_slash: int, scale: float) -> None:  # fmt: skip
-    """Set the key columns and diagonals most attended by the chunk's last queries in the
-    rows ``heads`` of ``table`` (MInference), the first keys and the nearest diagonals
-    always in; the heads of one kv head at a time (weights ``[heads, last queries, keys]``)."""
-    num_q, num_keys = q.shape[1], k.shape[1]
+    """Set the key blocks and block diagonals most attended by the chunk's last queries in
+    the rows ``heads`` of ``table`` (MInference's estimate, summed per block as FlexPrefill
+    does): ``ceil(num_vertical / BLOCK)`` key blocks and ``ceil(num_slash / BLOCK)`` block
+    diagonals, besides the first key block and the two nearest diagonals, always in; the
+    heads of one kv head at a time (weights ``[heads, last queries, keys]``)."""
+    num_q, num_keys, device = q.shape[1], k.shape[1], q.device
+    num_kb = -(-num_keys // BLOCK)
     last = min(LAST_QUERIES, num_q)
-    q_end = table.q_start + num_q
-    positions = torch.arange(q_end - last, q_end, device=q.device)
-    columns = torch.arange(num_keys, device=q.device)
-    hidden = columns[None, :] > positions[:, None]  # [last, keys] beyond each query
-    offsets = (positions[:, None] - columns[None, :]).clamp(min=0).flatten()
-    for kv_head in (heads // group).unique().tolist():
-        part = heads[heads // group == kv_head]
+    first = table.q_start + num_q - last  # the first of the last queries
+    positions = torch.arange(first, first + last, device=device)
+    hidden = torch.arange(num_keys, device=device)[None, :] > positions[:, None]
+    num_v = min(-(-num_vertical // BLOCK) + FORCED_SINK, num_kb)
+    num_s = min(-(-num_slash // BLOCK) + FORCED_LOCAL, num_kb)
+    for kv_head in sorted({h // group for h in heads}):
+        part = device_ints([h for h in heads if h // group == kv_head], device)
         queries = q[part, -last:].reshape(-1, q.shape[-1])  # [part x last, dim]
         logits = (queries @ k[kv_head].T).float().view(len(part), last, num_keys) * scale
         weights = torch.softmax(logits.masked_fill(hidden, float("-inf")), dim=-1)
-        vertical = weights.sum(1)  # [part, keys]
+        sums = _block_sums(weights, num_kb)  # [part, last, key blocks]
+        vertical = sums.sum(1)
         vertical[:, :FORCED_SINK] = float("inf")
-        slash = torch.zeros(len(part), num_keys, device=q.device)
-        slash.index_add_(1, offsets, weights.flatten(1))
+        slash = torch.zeros_like(vertical)  # by query block minus key block
+        for block in range(first // BLOCK, (first + last - 1) // BLOCK + 1):
+            lo, hi = max(block * BLOCK, first) - first, min((block + 1) * BLOCK - first, last)
+            slash[:, : block + 1] += sums[:, lo:hi, : block + 1].sum(1).flip(1)
         slash[:, :FORCED_LOCAL] = float("inf")
-        rows = part[:, None]
-        table.vertical[rows, vertical.topk(min(num_vertical, num_keys), dim=1).indices] = 1
-        table.slash[rows, slash.topk(min(num_slash, num_keys), dim=1).indices] = 1
+        table.vertical[part[:, None], vertical.topk(num_v, dim=1).indices] = 1
+        table.slash[part[:, None], slash.topk(num_s, dim=1).indices] = 1
+
+
+def _block_sums(x: torch.Tensor, num_blocks: int) -> torch.Tensor:
+    """``x [..., tokens]`` summed per block of BLOCK tokens: ``[..., num_blocks]``."""
+    num_full = x.shape[-1] // BLOCK
+    sums = x[..., : num_full * BLOCK].unflatten(-1, (num_full, BLOCK)).sum(-1)
+    if num_blocks > num_full:
+        sums = torch.cat([sums, x[..., num_full * BLOCK :].sum(-1, keepdim=True)], -1)
+    return sums
 
 
 def _block_sparse(q, k_blocks, q_start: int, num_blocks: int, scale: float) -> torch.Tensor:

@@ -4,8 +4,8 @@ indices (no dense mask is evaluated, so it is cheap at any length), and its dens
 Blocks are 128 queries by 128 keys. A block where some query of a head may see some key is
 computed with the pattern's mask function (``partial``); a block where every query sees every
 key skips it (``full``); the rest are skipped. Which blocks a pattern touches follows from its
-tables: prefix sums over a head's kept columns and diagonals count, for each block, the
-columns and diagonals that cross it.
+tables: prefix sums over a head's kept block diagonals count, for each block, those that
+cross it.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from headspace.attention.patterns import (
     KIND_IDS,
     HeadPatterns,
     Pattern,
+    device_ints,
     estimate,
     padded_length,
 )
@@ -46,10 +47,12 @@ def block_maps(
     sink, window = table.sink[:, None, None], table.window[:, None, None]
     streaming_touched = causal_touched & ((k_lo < sink) | (k_hi > q_lo - window))
     streaming_full = causal_full & ((k_hi < sink) | (k_lo > q_hi - window))
-    # columns and diagonals crossing a block: key columns k_lo..k_hi, offsets q_lo-k_hi..q_hi-k_lo
-    columns = _count(table.vertical, k_lo.expand(-1, num_qb, -1), k_hi.expand(-1, num_qb, -1))
-    diagonals = _count(table.slash, (q_lo - k_hi).clamp(min=0), (q_hi - k_lo).clamp(min=-1))
-    lines_touched = causal_touched & ((columns > 0) | (diagonals > 0))
+    # vertical-slash: a kept key block, or the block diagonals its queries' blocks cross
+    columns = table.vertical[:, None, :] > 0  # [heads, 1, key blocks]
+    lo, hi = q_lo // BLOCK - kb[None, None, :], q_hi // BLOCK - kb[None, None, :]
+    diagonals = _count(table.slash, lo.clamp(min=0), hi)  # kept diagonals from lo to hi
+    lines_touched = causal_touched & (columns | (diagonals > 0))
+    lines_full = causal_full & (columns | ((lo >= 0) & (diagonals == hi - lo + 1)))
     blocks = table.blocks[:, :num_qb] > 0  # [heads, query blocks, key blocks]
     blocks = torch.nn.functional.pad(blocks, (0, 0, 0, num_qb - blocks.shape[1]))
     kind = table.kind[:, None, None]
@@ -58,7 +61,8 @@ def block_maps(
     touched |= (is_kind["vertical_slash"] & lines_touched) | (is_kind["block_sparse"] & blocks
                                                              & causal_touched)  # fmt: skip
     full = (is_kind["full"] & causal_full) | (is_kind["streaming"] & streaming_full)
-    full |= is_kind["block_sparse"] & blocks & causal_full
+    full |= (is_kind["vertical_slash"] & lines_full) | (is_kind["block_sparse"] & blocks
+                                                       & causal_full)  # fmt: skip
     keep = (qb < -(-num_q // BLOCK))[None, :, None]  # query blocks of the chunk
     if skip is not None:
         keep = keep & ~skip[:, None, None]
@@ -128,17 +132,25 @@ def sparse_prefill_attention(
         return reference_attention(q, k[:, :num_keys], v[:, :num_keys], scale=scale,
                                    mask=table.dense())  # fmt: skip
     group = q.shape[0] // k.shape[0]
-    kv_full = (table.kind == KIND_IDS["full"]).view(k.shape[0], group).all(1)  # [kv_heads]
-    if not kv_full.any():
+    kv_full = [all(kind == "full" for kind in table.kinds[h * group : (h + 1) * group])
+               for h in range(k.shape[0])]  # fmt: skip
+    full = [kv_full[h // group] for h in range(q.shape[0])]  # on the host: no device sync
+    if not any(full):
         return flex_pattern_attention(q, k, v, table, scale)
-    heads = kv_full.repeat_interleave(group)
+    rows = device_ints([h for h, f in enumerate(full) if f], q.device)
+    kv_rows = device_ints([h for h, f in enumerate(kv_full) if f], q.device)
+    keys = (x[:, :num_keys].index_select(0, kv_rows) for x in (k, v))
     out = torch.empty_like(q)
     lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
-    out[heads], lse[heads] = attend(q[heads], k[kv_full, :num_keys], v[kv_full, :num_keys],
-                                    causal=True, scale=scale)  # fmt: skip
-    if not kv_full.all():
-        flex_out, flex_lse = flex_pattern_attention(q, k, v, table, scale, skip=heads)
-        out[~heads], lse[~heads] = flex_out[~heads], flex_lse[~heads]
+    full_out, full_lse = attend(q.index_select(0, rows), *keys, causal=True, scale=scale)
+    out.index_copy_(0, rows, full_out)
+    lse.index_copy_(0, rows, full_lse)
+    if not all(full):
+        skip = torch.tensor(full).to(q.device, non_blocking=True)
+        flex_out, flex_lse = flex_pattern_attention(q, k, v, table, scale, skip=skip)
+        sparse = device_ints([h for h, f in enumerate(full) if not f], q.device)
+        out.index_copy_(0, sparse, flex_out.index_select(0, sparse))
+        lse.index_copy_(0, sparse, flex_lse.index_select(0, sparse))
     return out, lse
 
 

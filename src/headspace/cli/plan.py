@@ -58,8 +58,6 @@ def _budgets(args) -> tuple[int, int]:
 
 def run_plan(args) -> None:
     from headspace.planner import PlanRequest, make_plan
-    from headspace.planner.plan import predict
-    from headspace.planner.sparsity import with_budgets
 
     context = parse_tokens(args.context)
     config = _model_config(args.model)
@@ -67,15 +65,12 @@ def run_plan(args) -> None:
         raise UserError(f"{args.model} is not a config.json")
     gpu, host = _budgets(args)
     dtype_bytes = 4 if args.dtype == "float32" else 2
+    budget_tokens, entry_bound = _budget_tokens(args, context)
     request = PlanRequest(context, gpu, host, dtype_bytes, args.offload, args.head_group,
                           args.prefill_chunk, args.page_size, args.cpu_share,
-                          args.gpu_window, _budget_tokens(args, context),
-                          args.profile is not None or args.kv_budget is not None)  # fmt: skip
+                          args.gpu_window, budget_tokens, entry_bound,
+                          **_patterns(args, config))  # fmt: skip
     plan = make_plan(config, request)
-    if args.profile:
-        plan.head_map = _patterns(args, config, plan.head_map)
-        predict(plan, config, request)
-    plan.head_map = with_budgets(plan.head_map, request.budget_tokens)
     if args.json:
         header = {"model": config.architecture, "context": context, "gpu_memory": gpu,
                   "host_memory": host}  # fmt: skip
@@ -84,29 +79,36 @@ def run_plan(args) -> None:
     print(format_plan(config, request, plan))
 
 
-def _budget_tokens(args, context: int) -> int | None:
-    """Tokens kept per entry after the prompt under ``--kv-budget`` (None: everything)."""
+def _budget_tokens(args, context: int) -> tuple[int | None, int | None]:
+    """Tokens kept per entry after the prompt under ``--kv-budget`` and the most one entry
+    may hold (a policy that shares a total may give one entry everything); None: all."""
     from headspace.budgets import KVBudget
 
     if args.kv_budget is None:
-        return None
+        return None, None
     try:
-        return KVBudget(args.kv_budget, args.kv_policy).tokens(context)
+        budget = KVBudget(args.kv_budget, args.kv_policy)
     except ValueError as error:
         raise UserError(str(error)) from None
+    return budget.tokens(context), budget.most_held(context, context)
 
 
-def _patterns(args, config, head_map):
+def _patterns(args, config) -> dict:
+    """The request's pattern fields from ``--profile`` (none without one)."""
     from headspace.attention.patterns import Pattern
-    from headspace.planner.profile import Profile, with_patterns
+    from headspace.planner.profile import Profile
 
+    if not args.profile:
+        return {}
     try:
         sparse = str(Pattern.parse(args.sparse_pattern))
     except ValueError as exc:
         raise UserError(f"--sparse-pattern: {exc}") from None
     profile = Profile.load(args.profile)
     profile.check(config.num_layers, config.num_kv_heads)
-    return with_patterns(head_map, profile.retrieval, args.retrieval_heads, sparse)
+    retrieval = tuple(tuple(row) for row in profile.retrieval)
+    return {"retrieval": retrieval, "retrieval_heads": args.retrieval_heads,
+            "sparse_pattern": sparse}  # fmt: skip
 
 
 def format_plan(config, request, plan) -> str:
@@ -116,6 +118,11 @@ def format_plan(config, request, plan) -> str:
     if staging:
         groups = (f", {staging.group} head(s) per streamed group, {staging.depth} staging "
                   f"slots of {staging.piece_pages} pages")  # fmt: skip
+    elif plan.entry_staging:  # entries of their own pages: one slot per layer's copy
+        groups = (
+            f", {plan.head_map.num_offloaded} entries in host pages, each streaming "
+            f"what it keeps through 2 staging slots of {plan.entry_staging} entry pages"
+        )
     lines = [
         f"model {config.architecture}: {config.num_layers} layers, {config.num_heads}/"
         f"{config.num_kv_heads} heads, head dim {config.head_dim}; "

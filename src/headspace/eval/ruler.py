@@ -78,9 +78,10 @@ def _variable_tracking(rng: random.Random, filler: str, num_words: int) -> Ruler
 
 def _word_counts(task: str, rng: random.Random, num_words: int) -> RulerCase:
     vocab = [_word(rng, 5) for _ in range(max(num_words // 8, 40))]
-    if task == "common_words":
-        common, rare = vocab[:10], vocab[10:]
-        counts = {w: 30 for w in common} | {w: 3 for w in rare}
+    if task == "common_words":  # common words 4-30 times (fewer in short lists), rare ones
+        common, rare = vocab[:10], vocab[10:]  # at most a third as often
+        repeats = min(max(num_words // 25, 4), 30)
+        counts = {w: repeats for w in common} | {w: max(1, repeats // 10) for w in rare}
         top, label = common, "10 most common words"
     else:  # frequent_words: Zipf-like frequencies, the three most frequent asked
         counts = {w: max(1, int(60 / (rank + 1))) for rank, w in enumerate(vocab)}

@@ -14,7 +14,7 @@ from headspace.eval.niah import Needle, build_case, score
 from headspace.eval.ppl import sliding_window_nll
 from headspace.eval.ruler import make_case
 
-WORDS_PER_TOKEN = 0.7  # English prose, roughly; RULER lengths are then checked in tokens
+WORDS_PER_TOKEN = 0.7  # English prose, roughly: a RULER case's first try (then fitted in tokens)
 
 
 def _encoder(llm, chat: bool):
@@ -42,15 +42,29 @@ def run_ruler(llm, lengths: list[int], tasks: list[str], seed: int = 0, samples:
               chat: bool = True, max_new_tokens: int = 48) -> list[dict]:  # fmt: skip
     """One row per (task, length, sample) with its score."""
     filler = haystack_text()
-    cases = [(task, n, s, make_case(task, int(n * WORDS_PER_TOKEN), seed + s, filler))
-             for task in tasks for n in lengths for s in range(samples)]  # fmt: skip
-    prompts = [llm.engine.encode(case.text, chat=chat) for *_, case in cases]
+    fitted = [(task, n, s, *_fitted_case(llm, task, n, seed + s, filler, chat))
+              for task in tasks for n in lengths for s in range(samples)]  # fmt: skip
+    prompts = [prompt for *_, prompt in fitted]
     outputs = _generate(llm, prompts, SamplingParams(max_new_tokens=max_new_tokens))
     return [
         {"task": task, "length": n, "sample": s, "prompt_tokens": len(p),
          "score": case.score(o.text), "generation": o.text.strip()}
-        for (task, n, s, case), p, o in zip(cases, prompts, outputs, strict=True)
+        for (task, n, s, case, p), o in zip(fitted, outputs, strict=True)
     ]  # fmt: skip
+
+
+def _fitted_case(llm, task: str, length: int, seed: int, filler: str, chat: bool):
+    """``(case, prompt ids)`` of at most ``length`` tokens: words per token differ by task
+    (a numbered word list takes several tokens a word), so the word count is scaled by the
+    tokens the last try took (as RULER sizes its haystacks to the tokenizer)."""
+    num_words = int(length * WORDS_PER_TOKEN)
+    for _ in range(4):
+        case = make_case(task, num_words, seed, filler)
+        prompt = llm.engine.encode(case.text, chat=chat)
+        if len(prompt) <= length:
+            break
+        num_words = int(num_words * 0.98 * length / len(prompt))
+    return case, prompt
 
 
 def _generate(llm, prompts: list[list[int]], params: SamplingParams):

@@ -2,8 +2,9 @@
 the GPU and which stream from host pages, in what groups and staging, and what that costs.
 
 Pure arithmetic on the model config and the budgets: no tensors, no CUDA. The engine calls
-:func:`plan_batch` each time it forms a batch; ``headspace plan`` calls :func:`make_plan`,
-the same arithmetic for one sequence of a given context, before anything runs.
+:func:`plan_batch` each time it forms a batch (``entry_offload.plan_entries`` where each
+entry has its own pages); ``headspace plan`` runs the same arithmetic for one sequence of a
+given context, before anything runs (``context.make_plan``).
 """
 
 from __future__ import annotations
@@ -16,17 +17,12 @@ from headspace.model.config import ModelConfig
 from headspace.planner.head_map import HeadEntry, HeadMap
 from headspace.planner.memory import (
     GiB,
-    GpuSplit,
     Hardware,
     KVSpec,
     hybrid_share,
     offloaded_seconds,
-    prefill_chunk,
-    prefill_compute_seconds,
-    split_gpu_budget,
     weight_bytes,
 )
-from headspace.planner.sparsity import gathered_bytes, resident_shares
 
 OFFLOAD_MODES = ("auto", "none", "layer", "head", "hybrid")
 MIN_TRANSFER_BYTES = 16 * 2**20  # a streamed group moves at least this much per gather
@@ -280,87 +276,3 @@ def step_seconds(config: ModelConfig, plan: Plan, tokens: int, dtype_bytes: int,
     layers = _offloaded_layers(plan.head_map)
     offloaded_s = offloaded_seconds(offloaded, layers, hybrid, cpu_share, hw)
     return max(hbm_s, offloaded_s), offloaded / hw.h2d_bytes
-
-
-@dataclass(frozen=True)
-class PlanRequest:
-    """What ``headspace plan`` plans for: context in tokens, budgets in bytes."""
-
-    context: int
-    gpu_memory: int
-    host_memory: int
-    dtype_bytes: int = 2
-    offload: str = "auto"
-    head_group: int | None = None
-    prefill_chunk: int | None = None
-    page_size: int = 128
-    cpu_share: float | None = None
-    gpu_window: int = 1024
-    budget_tokens: int | None = None  # kept per entry after the prompt (a KV budget)
-    gathers: bool = False  # patterns or budgets: a layer's prefill gathers its keys
-
-
-def make_plan(config: ModelConfig, request: PlanRequest, hw: Hardware | None = None) -> Plan:
-    """The engine's plan for one sequence of ``request.context`` tokens, with its memory
-    table and roofline prediction; raises UserError with the numbers when it cannot run."""
-    hw = hw or Hardware()
-    if request.context < 1:
-        raise UserError(f"context must be a positive number of tokens, got {request.context}")
-    dtype_bytes = request.dtype_bytes
-    weights = weight_bytes(config, dtype_bytes)
-    chunk = request.prefill_chunk or prefill_chunk(
-        config, request.gpu_memory - weights, request.context, dtype_bytes, hw
-    )
-    split = split_gpu_budget(config, request.gpu_memory, weights, chunk, dtype_bytes)
-    spec = KVSpec.of(config, request.page_size, dtype_bytes)
-    pages = spec.pages_for(request.context)
-    gathered = 0
-    if request.gathers:
-        gathered = gathered_bytes(spec.num_kv_heads, config.num_queries_per_kv, spec.head_dim,
-                                  dtype_bytes, request.context)  # fmt: skip
-    plan = plan_batch(spec, split.arena - gathered, pages, offload=request.offload,
-                      head_group=request.head_group, host_budget=request.host_memory,
-                      what=f"a context of {request.context} tokens", hw=hw,
-                      cpu_share=request.cpu_share, gpu_window=request.gpu_window)  # fmt: skip
-    plan.prefill_chunk = chunk
-    plan.memory = _memory_table(spec, split, plan, pages, gathered)
-    predict(plan, config, request, hw)
-    return plan
-
-
-def _memory_table(spec: KVSpec, split: GpuSplit, plan: Plan, pages: int,
-                  gathered: int) -> dict[str, int]:  # fmt: skip
-    resident_page = plan.head_map.count("gpu") * spec.entry_page_bytes
-    staging = plan.staging.num_bytes if plan.staging else 0
-    pool = (plan.num_gpu_pages + 1) * resident_page
-    host = plan.num_host_pages * spec.full_page_bytes
-    return {
-        "weights": split.weights, "gpu_kv": pages * resident_page, "gpu_pool": pool,
-        "staging": staging, "activations": split.activations,
-        "allocator_slack": split.allocator_slack, "decode": split.decode,
-        "gathered": gathered, "total_gpu": split.weights + pool + staging + split.activations
-        + split.allocator_slack + split.decode + gathered, "host_kv": host, "total_host": host,
-    }  # fmt: skip
-
-
-def predict(plan: Plan, config: ModelConfig, request: PlanRequest,
-            hw: Hardware | None = None) -> None:  # fmt: skip
-    """Roofline: prefill = max(compute, PCIe traffic); decode = max(HBM reads, PCIe reads).
-    The head map's patterns and the request's budget price in: prefill attention by each
-    entry's share of causal pairs, decode HBM reads and ``memory["kv_held"]`` by what the
-    resident entries hold after the prompt (call again after changing the head map)."""
-    hw = hw or Hardware()
-    context, dtype_bytes, chunk = request.context, request.dtype_bytes, plan.prefill_chunk
-    held, share = resident_shares(plan.head_map, context, request.budget_tokens)
-    plan.memory["kv_held"] = held * 2 * config.head_dim * dtype_bytes
-    compute_s = prefill_compute_seconds(config, context, hw, share)
-    streamed = plan.head_map.num_offloaded  # prefill streams the hybrid entries too
-    num_chunks = -(-context // chunk)
-    prefix_tokens = chunk * num_chunks * (num_chunks - 1) // 2  # prefixes re-read per chunk
-    per_token = 2 * config.head_dim * dtype_bytes
-    h2d_s = streamed * prefix_tokens * per_token / hw.h2d_bytes
-    d2h_s = streamed * context * per_token / hw.d2h_bytes
-    plan.prefill_tok_s = context / max(compute_s, h2d_s + d2h_s)
-    step_s, pcie_s = step_seconds(config, plan, context, dtype_bytes, hw, request.cpu_share,
-                                  held)  # fmt: skip
-    plan.decode_ms, plan.decode_pcie_floor_ms = 1000 * step_s, 1000 * pcie_s

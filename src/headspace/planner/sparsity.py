@@ -6,7 +6,14 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from headspace.attention.patterns import BLOCK, LAST_QUERIES, Pattern, padded_length
+from headspace.attention.patterns import (
+    BLOCK,
+    FORCED_LOCAL,
+    FORCED_SINK,
+    LAST_QUERIES,
+    Pattern,
+    padded_length,
+)
 from headspace.planner.head_map import HeadMap
 
 
@@ -26,12 +33,17 @@ def held_tokens(pattern: str, budget_tokens: int | None, context: int) -> int:
 def attention_share(pattern: str, context: int) -> float:
     """The share of a full causal prefill's (query, key) pairs that ``pattern``'s kernel
     computes over a ``context``-token prompt, at most 1: each query sees at most ``keys``
-    keys (streaming: sink + window; block_sparse(k): k blocks of 128). vertical_slash counts
-    as full: its diagonals cross nearly every block, which the block mask then computes."""
+    keys (streaming: sink + window; block_sparse(k): k blocks of 128; vertical_slash(v, s):
+    its key blocks and block diagonals, the forced ones included)."""
     spec = Pattern.parse(pattern)
-    if spec.kind in ("full", "vertical_slash"):
+    if spec.kind == "full":
         return 1.0
-    keys = spec.params[0] * BLOCK if spec.kind == "block_sparse" else sum(spec.params)
+    keys = sum(spec.params)
+    if spec.kind == "block_sparse":
+        keys = spec.params[0] * BLOCK
+    elif spec.kind == "vertical_slash":
+        vertical, slash = (-(-n // BLOCK) for n in spec.params)
+        keys = (vertical + FORCED_SINK + slash + FORCED_LOCAL) * BLOCK
     kept = min(keys, context)
     pairs = kept * (kept + 1) / 2 + (context - kept) * kept  # sum over queries of min(p+1, K)
     return pairs / (context * (context + 1) / 2)

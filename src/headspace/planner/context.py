@@ -1,0 +1,158 @@
+"""The plan ``headspace plan`` prints: the engine's arithmetic for one sequence of a given
+context, before anything runs, with its memory table and roofline prediction.
+
+The same functions the engine calls when it forms a batch: :func:`plan_batch` for shared
+pages, :func:`plan_entries` where each (layer, kv head) entry has its own pages (KV budgets,
+streaming heads). Pure arithmetic; no tensors.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from headspace.attention.patterns import Pattern
+from headspace.errors import UserError
+from headspace.model.config import ModelConfig
+from headspace.planner.entry_offload import STAGING_DEPTH, plan_entries
+from headspace.planner.head_map import HeadMap
+from headspace.planner.memory import (
+    GpuSplit,
+    Hardware,
+    KVSpec,
+    prefill_chunk,
+    prefill_compute_seconds,
+    split_gpu_budget,
+    weight_bytes,
+)
+from headspace.planner.plan import Plan, plan_batch, step_seconds
+from headspace.planner.profile import with_patterns
+from headspace.planner.sparsity import gathered_bytes, resident_shares, with_budgets
+
+
+@dataclass(frozen=True)
+class PlanRequest:
+    """What ``headspace plan`` plans for: context in tokens, budgets in bytes, and the
+    patterns (a profile's ``retrieval`` scores ``[layers][kv heads]``) and KV budget."""
+
+    context: int
+    gpu_memory: int
+    host_memory: int
+    dtype_bytes: int = 2
+    offload: str = "auto"
+    head_group: int | None = None
+    prefill_chunk: int | None = None
+    page_size: int = 128
+    cpu_share: float | None = None
+    gpu_window: int = 1024
+    budget_tokens: int | None = None  # kept per entry after the prompt (a KV budget)
+    entry_bound: int | None = None  # most one entry holds after the prompt (default: budget)
+    retrieval: tuple[tuple[float, ...], ...] | None = None  # a profile's head scores
+    retrieval_heads: float = 0.5  # share of entries that keep ``full``
+    sparse_pattern: str = "streaming(4,1024)"  # the others' pattern
+
+    @property
+    def gathers(self) -> bool:
+        """Patterns or budgets: a layer's prefill gathers its keys."""
+        return self.retrieval is not None or self.budget_tokens is not None
+
+    @property
+    def per_head_pages(self) -> bool:
+        """Budgets or streaming heads: each entry has its own pages (as in the engine)."""
+        streaming = Pattern.parse(self.sparse_pattern).kind == "streaming"
+        return self.budget_tokens is not None or (self.retrieval is not None and streaming)
+
+    def with_patterns(self, head_map: HeadMap) -> HeadMap:
+        """``head_map`` with the profile's patterns (unchanged without a profile)."""
+        if self.retrieval is None:
+            return head_map
+        retrieval = [list(row) for row in self.retrieval]
+        return with_patterns(head_map, retrieval, self.retrieval_heads, self.sparse_pattern)
+
+
+def make_plan(config: ModelConfig, request: PlanRequest, hw: Hardware | None = None) -> Plan:
+    """The engine's plan for one sequence of ``request.context`` tokens, with its memory
+    table and roofline prediction; raises UserError with the numbers when it cannot run."""
+    hw = hw or Hardware()
+    if request.context < 1:
+        raise UserError(f"context must be a positive number of tokens, got {request.context}")
+    context, dtype_bytes = request.context, request.dtype_bytes
+    weights = weight_bytes(config, dtype_bytes)
+    chunk = request.prefill_chunk or prefill_chunk(
+        config, request.gpu_memory - weights, context, dtype_bytes, hw
+    )
+    split = split_gpu_budget(config, request.gpu_memory, weights, chunk, dtype_bytes)
+    spec = KVSpec.of(config, request.page_size, dtype_bytes)
+    gathered = 0
+    if request.gathers:
+        gathered = gathered_bytes(spec.num_kv_heads, config.num_queries_per_kv, spec.head_dim,
+                                  dtype_bytes, context)  # fmt: skip
+    what = f"a context of {context} tokens"
+    if request.per_head_pages:  # patterns and budgets first, then which entries go to host
+        head_map = request.with_patterns(HeadMap.all_gpu(spec.num_layers, spec.num_kv_heads))
+        head_map = with_budgets(head_map, request.budget_tokens)
+        bound = request.entry_bound or request.budget_tokens or context
+        plan = plan_entries(spec, split.arena - gathered, head_map, [context], [bound],
+                            offload=request.offload, host_budget=request.host_memory,
+                            what=what)  # fmt: skip
+    else:
+        plan = plan_batch(spec, split.arena - gathered, spec.pages_for(context),
+                          offload=request.offload, head_group=request.head_group,
+                          host_budget=request.host_memory, what=what, hw=hw,
+                          cpu_share=request.cpu_share, gpu_window=request.gpu_window)  # fmt: skip
+        plan.head_map = request.with_patterns(plan.head_map)
+    plan.prefill_chunk = chunk
+    plan.memory = _memory_table(spec, split, plan, context, gathered, request.per_head_pages)
+    predict(plan, config, request, hw)
+    return plan
+
+
+def _memory_table(spec: KVSpec, split: GpuSplit, plan: Plan, context: int, gathered: int,
+                  per_head_pages: bool) -> dict[str, int]:  # fmt: skip
+    """Bytes by use. The GPU pool is in full pages of the resident entries, or with
+    ``per_head_pages`` in pages of one entry (the plane) beside the entry staging slots."""
+    epb = spec.entry_page_bytes
+    resident_page = plan.head_map.count("gpu") * epb
+    if per_head_pages:
+        pool = (plan.num_gpu_pages + 1) * epb
+        staging = STAGING_DEPTH * plan.entry_staging * epb
+    else:
+        pool = (plan.num_gpu_pages + 1) * resident_page
+        staging = plan.staging.num_bytes if plan.staging else 0
+    host = plan.num_host_pages * spec.full_page_bytes
+    working = split.activations + split.allocator_slack + split.decode
+    return {
+        "weights": split.weights, "gpu_kv": spec.pages_for(context) * resident_page,
+        "gpu_pool": pool, "staging": staging, "activations": split.activations,
+        "allocator_slack": split.allocator_slack, "decode": split.decode,
+        "gathered": gathered, "total_gpu": split.weights + pool + staging + working + gathered,
+        "host_kv": host, "total_host": host,
+    }  # fmt: skip
+
+
+def predict(plan: Plan, config: ModelConfig, request: PlanRequest,
+            hw: Hardware | None = None) -> None:  # fmt: skip
+    """Roofline: prefill = max(compute, PCIe traffic); decode = max(HBM reads, PCIe reads).
+    The head map's patterns and the request's budget price in: prefill attention by each
+    entry's share of causal pairs, decode HBM reads and ``memory["kv_held"]`` by what the
+    resident entries hold after the prompt, and an offloaded entry of its own pages streams
+    only what it keeps (compressing the prompt reads it back once). Call again after
+    changing the head map."""
+    hw = hw or Hardware()
+    context, dtype_bytes, chunk = request.context, request.dtype_bytes, plan.prefill_chunk
+    held, share = resident_shares(plan.head_map, context, request.budget_tokens)
+    per_token = 2 * config.head_dim * dtype_bytes
+    plan.memory["kv_held"] = held * per_token
+    compute_s = prefill_compute_seconds(config, context, hw, share)
+    streamed = plan.head_map.num_offloaded  # prefill streams the hybrid entries too
+    num_chunks = -(-context // chunk)
+    prefix_tokens = chunk * num_chunks * (num_chunks - 1) // 2  # prefixes re-read per chunk
+    streamed_tokens = context  # what an offloaded entry holds at decode
+    if plan.entry_staging and request.budget_tokens is not None:
+        prefix_tokens += context  # compression gathers the whole prompt once more
+        streamed_tokens = min(context, request.budget_tokens)
+    h2d_s = streamed * prefix_tokens * per_token / hw.h2d_bytes
+    d2h_s = streamed * context * per_token / hw.d2h_bytes
+    plan.prefill_tok_s = context / max(compute_s, h2d_s + d2h_s)
+    step_s, pcie_s = step_seconds(config, plan, streamed_tokens, dtype_bytes, hw,
+                                  request.cpu_share, held)  # fmt: skip
+    plan.decode_ms, plan.decode_pcie_floor_ms = 1000 * step_s, 1000 * pcie_s
