@@ -123,9 +123,9 @@ def test_ruler_accuracy_is_averaged_per_task_and_length():
 def test_ruler_end_to_end_on_the_embedded_model(llm):
     from headspace.eval.run import run_ruler
 
-    tasks = ["niah_single", "variable_tracking", "common_words"]
+    tasks = ["niah_single", "variable_tracking", "common_words", "frequent_words"]
     rows = run_ruler(llm, [768], tasks, seed=1, max_new_tokens=8)
     assert [r["task"] for r in rows] == tasks
     for row in rows:  # fitted in tokens: a word list takes several tokens a word
         assert 0.0 <= row["score"] <= 1.0
-        assert 0.85 * 768 <= row["prompt_tokens"] <= 768
+        assert 0.9 * 768 <= row["prompt_tokens"] <= 768

@@ -11,6 +11,8 @@ from headspace.attention.patterns import BLOCK, Pattern, estimate
 from headspace.attention.reference import reference_attention
 from headspace.attention.sparse_prefill import (
     block_maps,
+    blockwise_pattern_attention,
+    flex_pattern_attention,
     pattern_block_mask,
     sparse_prefill_attention,
 )
@@ -37,11 +39,14 @@ def test_patterns_parse_and_print():
 
 
 @pytest.mark.parametrize(
-    "num_q,num_keys", [(300, 300), (128, 1000), (77, 613), (513, 900), (1, 450)]
-)
-def test_block_maps_cover_the_dense_mask_and_full_blocks_are_full(num_q, num_keys):
+    "num_q,num_keys,capacity",
+    [(300, 300, None), (128, 1000, None), (77, 613, None), (513, 900, None), (1, 450, None),
+     (77, 613, 1024), (200, 1700, 2048)],
+)  # fmt: skip
+def test_block_maps_cover_the_dense_mask_and_full_blocks_are_full(num_q, num_keys, capacity):
+    """Chunks starting inside a block, ragged keys, and key tables wider than the keys."""
     q, k, _ = _qkv(6, 2, num_q, num_keys)
-    table = estimate([Pattern.parse(p) for p in MIX], q, k)
+    table = estimate([Pattern.parse(p) for p in MIX], q, k, capacity=capacity)
     dense = table.dense()  # [heads, q, keys]
     touched, full = block_maps(table)
     num_qb, num_kb = touched.shape[1:]
@@ -61,15 +66,17 @@ def test_block_maps_cover_the_dense_mask_and_full_blocks_are_full(num_q, num_key
 
 @pytest.mark.parametrize("num_q,num_keys", [(200, 200), (130, 700), (64, 389)])
 def test_flex_attention_under_patterns_equals_the_dense_twin(num_q, num_keys):
+    """FlexAttention (the GPU's path) and the CPU's blockwise path equal the dense twin."""
     q, k, v = _qkv(6, 2, num_q, num_keys, seed=1)
     table = estimate([Pattern.parse(p) for p in MIX], q, k)
-    out, lse = sparse_prefill_attention(q, k, v, table)
     ref_out, ref_lse = sparse_prefill_attention(q, k, v, table, backend="reference")
-    torch.testing.assert_close(out, ref_out, atol=2e-5, rtol=2e-5)
-    torch.testing.assert_close(lse, ref_lse, atol=2e-5, rtol=2e-5)
+    for out, lse in (flex_pattern_attention(q, k, v, table),
+                     blockwise_pattern_attention(q, k, v, table)):  # fmt: skip
+        torch.testing.assert_close(out, ref_out, atol=2e-5, rtol=2e-5)
+        torch.testing.assert_close(lse, ref_lse, atol=2e-5, rtol=2e-5)
 
 
-@pytest.mark.parametrize("sparse", ["streaming(4,100)", "block_sparse(2)"])
+@pytest.mark.parametrize("sparse", ["streaming(4,100)", "block_sparse(2)", "vertical_slash(9,99)"])
 def test_full_kv_heads_take_the_fused_kernel_and_the_rest_flex(sparse):
     """A kv head whose query heads are all full runs the fused causal kernel, the others
     FlexAttention; together they equal the dense twin."""

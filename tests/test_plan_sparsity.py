@@ -133,9 +133,21 @@ def test_the_keys_a_patterned_prefill_gathers_come_out_of_the_kv_arena(tmp_path)
     patterned = EngineConfig(gpu_memory="40GiB", dtype="bfloat16", profile=str(tmp_path),
                              retrieval_heads=0.5, sparse_pattern="block_sparse(8)")  # fmt: skip
     gathered = gathered_bytes(8, 4, 128, 2, 2**19)
-    assert gathered == 2 * (2 * 8 * 2**19 * 128 * 2) + (4 * 4 * 4 + 8) * 64 * 2**19  # 4 + 2.25 GiB
+    assert gathered == 2 * (2 * 8 * 2**19 * 128 * 2) + (4 * 4 * 4 + 1) * 64 * 2**19  # 4 + 2.03 GiB
     arenas = [kv_arena_bytes(config, c, spec, weights, 8192, 2**19) for c in (exact, patterned)]
     assert arenas[0] - arenas[1] == gathered
     small = EngineConfig(gpu_memory="19GiB", dtype="bfloat16", kv_budget=0.25)
     with pytest.raises(UserError, match="gathers with patterns or KV budgets"):
         kv_arena_bytes(config, small, spec, weights, 8192, 2**19)
+    with pytest.raises(UserError, match="gathers with patterns or KV budgets"):  # plan too
+        make_plan(config, PlanRequest(2**19, 19 * GiB, 400 * GiB, budget_tokens=2**17))
+
+
+def test_plan_refuses_what_the_engine_refuses_for_per_entry_pages(capsys, tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(LLAMA3_8B))
+    base = ["plan", "--model", str(tmp_path), "--context", "128K", "--gpu-memory", "24GiB"]
+    assert main([*base, "--kv-budget", "0.25", "--offload", "hybrid"]) == 2
+    assert "offload single kv heads" in capsys.readouterr().err
+    assert main([*base, "--kv-budget", "0.25", "--kv-policy", "ada_snapkv"]) == 0
+    out = capsys.readouterr().out  # a share policy may give one entry the whole prompt:
+    assert "2 staging slots of 6144 entry pages" in out  # its slot sized for that

@@ -4,11 +4,10 @@ a head attends during prefill.
 - ``full``: every earlier key (causal).
 - ``streaming(sink, window)`` (A-shape): the first ``sink`` keys and the ``window`` most
   recent ones.
-- ``vertical_slash(v, s)``: the key blocks holding the ``v`` most attended key columns and
-  the block diagonals holding the ``s`` most attended diagonals, chosen per head and chunk
-  from the chunk's last queries (MInference's estimate in the block form FlexPrefill runs):
-  ``ceil(v / 128)`` key blocks and ``ceil(s / 128)`` block diagonals (query block minus key
-  block), each computed whole, so a block mask skips every other block.
+- ``vertical_slash(v, s)``: the ``ceil(v / 128)`` key blocks and ``ceil(s / 128)`` block
+  diagonals (query block minus key block) with the most attention weight from the chunk's
+  last queries, per head and chunk (MInference's estimate in the block form FlexPrefill
+  runs), each computed whole, so a block mask skips every other block.
 - ``block_sparse(k)``: ``k`` key blocks of 128 tokens per query block, chosen per head and
   chunk from block-averaged queries and keys, with the first block and the diagonal.
 
@@ -176,8 +175,12 @@ def estimate(
 
 def device_ints(values: list[int], device: torch.device) -> torch.Tensor:
     """A small int64 table on ``device`` without waiting for the device (a blocking copy
-    would drain the stream at every layer's chunk)."""
-    return torch.tensor(values).to(device, non_blocking=True)
+    would drain the stream at every layer's chunk): through page-locked memory on a GPU,
+    which the caching host allocator keeps until the copy has run."""
+    table = torch.tensor(values)
+    if torch.device(device).type == "cuda":
+        table = table.pin_memory()
+    return table.to(device, non_blocking=True)
 
 
 def _vertical_slash(table: HeadPatterns, heads: list[int], q, k, group: int,

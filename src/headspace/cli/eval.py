@@ -125,10 +125,10 @@ def run_eval(args, options: dict) -> None:
         if args.compare and mode == "none":  # the all-resident reference ignores the budget
             mode_options["gpu_memory"] = None
         llm = LLM(args.model, **mode_options)
-        results[mode], keys, values = _rows(args, llm)
-    out = Path(args.output)
-    for mode, rows in results.items():
-        suffix = f"_{mode.replace(':', '-')}" if args.compare else ""
+        rows, keys, values = _rows(args, llm)
+        results[mode] = rows
+        suffix = f"_{mode.replace(':', '-')}" if args.compare else ""  # each mode as it ends
+        out = Path(args.output)
         run.write_csv(rows, out / f"{args.suite}{suffix}.csv")
         if args.suite == "niah":
             run.niah_heatmap(rows, out / f"niah{suffix}.png", f"needle in a haystack ({mode})")

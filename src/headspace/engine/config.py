@@ -10,6 +10,7 @@ import torch
 from headspace.attention.patterns import Pattern
 from headspace.budgets import POLICIES, KVBudget
 from headspace.errors import UserError
+from headspace.planner.entry_offload import check_offload
 from headspace.planner.plan import OFFLOAD_MODES
 
 KV_POLICIES = tuple(POLICIES)
@@ -178,9 +179,8 @@ class EngineConfig:
         if pattern.is_full:
             raise UserError("sparse_pattern must be sparse: streaming(sink,window), "
                             "vertical_slash(columns,slashes) or block_sparse(blocks)")  # fmt: skip
-        if self.per_head_pages and self.offload not in ("none", "auto", "head"):
-            raise UserError(f"kv_budget and streaming heads offload single kv heads; offload "
-                            f"must be 'none', 'auto' or 'head', got {self.offload!r}")  # fmt: skip
+        if self.per_head_pages:
+            check_offload(self.offload)
 
     @property
     def per_head_pages(self) -> bool:

@@ -10,8 +10,8 @@ import torch
 
 from headspace.errors import UserError
 from headspace.model.config import ModelConfig
-from headspace.planner.memory import GiB, KVSpec, prefill_chunk, split_gpu_budget
-from headspace.planner.sparsity import gathered_bytes
+from headspace.planner.memory import KVSpec, prefill_chunk, split_gpu_budget
+from headspace.planner.sparsity import arena_after_gathers, gathered_bytes
 
 CPU_PREFILL_CHUNK = 1024
 FREE_MEMORY_SHARE = 0.9  # of what is free on the GPU, without a budget
@@ -100,11 +100,5 @@ def kv_arena_bytes(config: ModelConfig, engine_config, spec: KVSpec, weight_byte
     if engine_config.per_head_pages or engine_config.retrieval_heads is not None:
         gathered = gathered_bytes(spec.num_kv_heads, config.num_queries_per_kv, spec.head_dim,
                                   spec.dtype_bytes, max_context)  # fmt: skip
-        if split.arena <= gathered:
-            raise UserError(
-                f"GPU budget too small: after weights, activations and decode it leaves "
-                f"{split.arena / GiB:.2f} GiB, less than the {gathered / GiB:.2f} GiB a layer's "
-                f"prefill gathers with patterns or KV budgets at {max_context} tokens"
-            )
-        return split.arena - gathered
+        return arena_after_gathers(split.arena, gathered, max_context)
     return split.arena

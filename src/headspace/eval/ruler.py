@@ -83,8 +83,10 @@ def _word_counts(task: str, rng: random.Random, num_words: int) -> RulerCase:
         repeats = min(max(num_words // 25, 4), 30)
         counts = {w: repeats for w in common} | {w: max(1, repeats // 10) for w in rare}
         top, label = common, "10 most common words"
-    else:  # frequent_words: Zipf-like frequencies, the three most frequent asked
-        counts = {w: max(1, int(60 / (rank + 1))) for rank, w in enumerate(vocab)}
+    else:  # frequent_words: Zipf-like frequencies (the first 12-60 times, fewer in short
+        # lists), the three most frequent asked
+        first = min(max(num_words // 12, 12), 60)
+        counts = {w: max(1, int(first / (rank + 1))) for rank, w in enumerate(vocab)}
         top, label = vocab[:3], "3 most frequently appearing words"
     words = [w for w, n in counts.items() for _ in range(n)]
     rng.shuffle(words)

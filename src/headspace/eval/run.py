@@ -9,6 +9,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from headspace.engine.sampling import SamplingParams
+from headspace.errors import UserError
 from headspace.eval.data import builtin_text, haystack_text
 from headspace.eval.niah import Needle, build_case, score
 from headspace.eval.ppl import sliding_window_nll
@@ -54,17 +55,22 @@ def run_ruler(llm, lengths: list[int], tasks: list[str], seed: int = 0, samples:
 
 
 def _fitted_case(llm, task: str, length: int, seed: int, filler: str, chat: bool):
-    """``(case, prompt ids)`` of at most ``length`` tokens: words per token differ by task
-    (a numbered word list takes several tokens a word), so the word count is scaled by the
-    tokens the last try took (as RULER sizes its haystacks to the tokenizer)."""
-    num_words = int(length * WORDS_PER_TOKEN)
-    for _ in range(4):
+    """``(case, prompt ids)`` of at most ``length`` tokens and, where a few tries reach it,
+    at least 95% of it: words per token differ by task (a numbered word list takes several
+    tokens a word), so the word count is scaled by the tokens each try took (as RULER sizes
+    its haystacks to the tokenizer). UserError when no try fits."""
+    num_words, best = int(length * WORDS_PER_TOKEN), None
+    for _ in range(6):
         case = make_case(task, num_words, seed, filler)
         prompt = llm.engine.encode(case.text, chat=chat)
-        if len(prompt) <= length:
+        if len(prompt) <= length and (best is None or len(prompt) > len(best[1])):
+            best = case, prompt
+        if 0.95 * length <= len(prompt) <= length:
             break
-        num_words = int(num_words * 0.98 * length / len(prompt))
-    return case, prompt
+        num_words = max(1, int(num_words * 0.98 * length / len(prompt)))
+    if best is None:
+        raise UserError(f"a {task} case does not fit {length} tokens; use a longer length")
+    return best
 
 
 def _generate(llm, prompts: list[list[int]], params: SamplingParams):

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from headspace.attention.patterns import Pattern
 from headspace.errors import UserError
 from headspace.model.config import ModelConfig
-from headspace.planner.entry_offload import STAGING_DEPTH, plan_entries
+from headspace.planner.entry_offload import STAGING_DEPTH, check_offload, plan_entries
 from headspace.planner.head_map import HeadMap
 from headspace.planner.memory import (
     GpuSplit,
@@ -26,7 +26,12 @@ from headspace.planner.memory import (
 )
 from headspace.planner.plan import Plan, plan_batch, step_seconds
 from headspace.planner.profile import with_patterns
-from headspace.planner.sparsity import gathered_bytes, resident_shares, with_budgets
+from headspace.planner.sparsity import (
+    arena_after_gathers,
+    gathered_bytes,
+    resident_shares,
+    with_budgets,
+)
 
 
 @dataclass(frozen=True)
@@ -82,20 +87,22 @@ def make_plan(config: ModelConfig, request: PlanRequest, hw: Hardware | None = N
     )
     split = split_gpu_budget(config, request.gpu_memory, weights, chunk, dtype_bytes)
     spec = KVSpec.of(config, request.page_size, dtype_bytes)
-    gathered = 0
+    gathered, arena = 0, split.arena
     if request.gathers:
         gathered = gathered_bytes(spec.num_kv_heads, config.num_queries_per_kv, spec.head_dim,
                                   dtype_bytes, context)  # fmt: skip
+        arena = arena_after_gathers(split.arena, gathered, context)
     what = f"a context of {context} tokens"
     if request.per_head_pages:  # patterns and budgets first, then which entries go to host
+        check_offload(request.offload)
         head_map = request.with_patterns(HeadMap.all_gpu(spec.num_layers, spec.num_kv_heads))
         head_map = with_budgets(head_map, request.budget_tokens)
         bound = request.entry_bound or request.budget_tokens or context
-        plan = plan_entries(spec, split.arena - gathered, head_map, [context], [bound],
+        plan = plan_entries(spec, arena, head_map, [context], [bound],
                             offload=request.offload, host_budget=request.host_memory,
                             what=what)  # fmt: skip
     else:
-        plan = plan_batch(spec, split.arena - gathered, spec.pages_for(context),
+        plan = plan_batch(spec, arena, spec.pages_for(context),
                           offload=request.offload, head_group=request.head_group,
                           host_budget=request.host_memory, what=what, hw=hw,
                           cpu_share=request.cpu_share, gpu_window=request.gpu_window)  # fmt: skip
@@ -135,8 +142,9 @@ def predict(plan: Plan, config: ModelConfig, request: PlanRequest,
     The head map's patterns and the request's budget price in: prefill attention by each
     entry's share of causal pairs, decode HBM reads and ``memory["kv_held"]`` by what the
     resident entries hold after the prompt, and an offloaded entry of its own pages streams
-    only what it keeps (compressing the prompt reads it back once). Call again after
-    changing the head map."""
+    only what it keeps, on average the budget (compressing the prompt reads it back once;
+    the engine's choice of batch size prices the most one entry may hold instead). Call
+    again after changing the head map."""
     hw = hw or Hardware()
     context, dtype_bytes, chunk = request.context, request.dtype_bytes, plan.prefill_chunk
     held, share = resident_shares(plan.head_map, context, request.budget_tokens)

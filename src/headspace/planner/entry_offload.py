@@ -20,6 +20,14 @@ from headspace.planner.plan import Plan
 STAGING_DEPTH = 2  # a layer's slot is attended while the next one's fills
 
 
+def check_offload(offload: str) -> None:
+    """UserError unless ``offload`` suits per-entry pages (budgets, streaming heads): they
+    offload single kv heads, never whole layers or the hybrid tier."""
+    if offload not in ("none", "auto", "head"):
+        raise UserError(f"kv_budget and streaming heads offload single kv heads; offload "
+                        f"must be 'none', 'auto' or 'head', got {offload!r}")  # fmt: skip
+
+
 def staging_pages(spec: KVSpec, per_layer: int, bounds: list[int]) -> int:
     """Entry pages of one staging slot: ``per_layer`` offloaded entries of each sequence,
     each holding at most ``bounds[s]`` tokens (its kept tokens and what it generates)."""

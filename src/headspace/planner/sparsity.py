@@ -14,7 +14,9 @@ from headspace.attention.patterns import (
     Pattern,
     padded_length,
 )
+from headspace.errors import UserError
 from headspace.planner.head_map import HeadMap
+from headspace.planner.memory import GiB
 
 
 def kept_tokens(pattern: str, budget_tokens: int | None) -> int | None:
@@ -74,8 +76,20 @@ def gathered_bytes(num_kv_heads: int, q_per_kv: int, head_dim: int, dtype_bytes:
     """GPU bytes a prefill chunk of a layer with patterns or budgets gathers at most: the
     layer's K and V padded to the key capacity, twice (the full kv heads' share is copied
     again for the fused kernel), and vertical-slash estimation's scratch for one kv head's
-    query heads (four fp32 ``[heads, 64, keys]`` buffers and the int64 diagonal of each of
-    the 64 queries' keys)."""
+    query heads (four fp32 ``[heads, 64, keys]`` buffers and the bool mask of the 64
+    queries' future keys)."""
     capacity = padded_length(context)
     keys = 2 * num_kv_heads * capacity * head_dim * dtype_bytes
-    return 2 * keys + (4 * q_per_kv * 4 + 8) * LAST_QUERIES * capacity
+    return 2 * keys + (4 * q_per_kv * 4 + 1) * LAST_QUERIES * capacity
+
+
+def arena_after_gathers(arena: int, gathered: int, context: int) -> int:
+    """The KV arena left once a layer's prefill gathers ``gathered`` bytes (patterns or
+    budgets at ``context`` tokens); UserError with the numbers when nothing is left."""
+    if arena <= gathered:
+        raise UserError(
+            f"GPU budget too small: after weights, activations and decode it leaves "
+            f"{arena / GiB:.2f} GiB, less than the {gathered / GiB:.2f} GiB a layer's "
+            f"prefill gathers with patterns or KV budgets at {context} tokens"
+        )
+    return arena - gathered
