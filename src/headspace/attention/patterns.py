@@ -144,14 +144,14 @@ def estimate(
     scale = dim**-0.5 if scale is None else scale
     q_start = num_keys - num_q
 
-    def per_head(kind: str, index: int) -> torch.Tensor:
-        return device_ints([p.params[index] if p.kind == kind else 0 for p in patterns], device)
-
+    sinks, windows = ([p.params[i] if p.kind == "streaming" else 0 for p in patterns]
+                      for i in (0, 1))  # fmt: skip
+    kinds = [KIND_IDS[p.kind] for p in patterns]
+    kind, sink, window = device_ints([kinds, sinks, windows], device)  # one copy: [3, heads]
     num_kb = -(-capacity // BLOCK)
     table = HeadPatterns(
         q_start, num_q, num_keys, capacity, tuple(p.kind for p in patterns),
-        kind=device_ints([KIND_IDS[p.kind] for p in patterns], device),
-        sink=per_head("streaming", 0), window=per_head("streaming", 1),
+        kind=kind, sink=sink, window=window,
         vertical=torch.zeros(num_heads, num_kb, dtype=torch.int32, device=device),
         slash=torch.zeros(num_heads, num_kb, dtype=torch.int32, device=device),
         blocks=torch.zeros(num_heads, padded_length(num_q) // BLOCK, num_kb,
@@ -173,7 +173,7 @@ def estimate(
     return table
 
 
-def device_ints(values: list[int], device: torch.device) -> torch.Tensor:
+def device_ints(values: list, device: torch.device) -> torch.Tensor:
     """A small int64 table on ``device`` without waiting for the device (a blocking copy
     would drain the stream at every layer's chunk): through page-locked memory on a GPU,
     which the caching host allocator keeps until the copy has run."""
