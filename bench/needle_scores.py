@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 import headspace.engine.budget as budget_executor  # noqa: E402
 from common import write_result  # noqa: E402
 from headspace.api import LLM  # noqa: E402
-from headspace.budgets import WINDOW  # noqa: E402
+from headspace.budgets import POOL, WINDOW  # noqa: E402
 from headspace.engine.sampling import SamplingParams  # noqa: E402
 from headspace.eval.data import haystack_text  # noqa: E402
 from headspace.eval.niah import Needle, build_case, score  # noqa: E402
@@ -81,11 +81,13 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--length", type=int, default=4096)
     parser.add_argument("--depths", type=float, nargs="+", default=[10, 50, 90])
+    parser.add_argument("--kv-pool", type=int, default=POOL, help="the scores' pooling width")
     args = parser.parse_args()
     budget_executor.kept_positions = _record(budget_executor.kept_positions)
-    llm = LLM(kv_budget=0.25, kv_policy="ada_snapkv")
+    llm = LLM(kv_budget=0.25, kv_policy="ada_snapkv", kv_pool=args.kv_pool)
     rows = [measure(llm, args.length, depth) for depth in args.depths]
-    write_result("needle_scores_smollm2-135m_cpu.json", {"policy": "ada_snapkv 0.25", "rows": rows})
+    name = "needle_scores_smollm2-135m_cpu.json"
+    write_result(name, {"policy": "ada_snapkv 0.25", "kv_pool": args.kv_pool, "rows": rows})
     print(
         f"{'depth':>6} {'found':>6} {'answer rank (median)':>21} {'heads keeping it':>17} "
         f"{'needle best rank':>17} {'heads keeping some':>19}  of {rows[0]['scored_tokens']}"

@@ -124,7 +124,10 @@ def engine_run(model, context: int, new_tokens: int, options: dict, warmup: str)
     short = min(prompt, 2 * engine.batch.chunk + 1)
     engine.generate_batch([_ids(prompt if warmup == "full" else short, 1)], params)
     steps = timed_decode(engine)
+    torch.cuda.reset_peak_memory_stats()
     out = engine.generate_batch([_ids(prompt, 2)], params)[0]
+    peak = {"peak_allocated_gib": torch.cuda.max_memory_allocated() / 2**30,
+            "peak_reserved_gib": torch.cuda.max_memory_reserved() / 2**30}  # fmt: skip
     stats = out.stats
     row = {"prefill_s": stats.prefill_seconds, "decode_ms": 1000 * statistics.median(steps),
            "decode_ms_mean": 1000 / stats.decode_tok_s, "kv_held_bytes": stats.kv_held_bytes,
@@ -132,7 +135,7 @@ def engine_run(model, context: int, new_tokens: int, options: dict, warmup: str)
            "plan": engine.batch.runner.plan.head_map.summary(),
            "offloaded_entries": engine.batch.runner.plan.head_map.num_offloaded,
            "streamed_bytes_per_step": streamed_bytes(engine, context),
-           "gpu_memory": options.get("gpu_memory")}  # fmt: skip
+           "gpu_memory": options.get("gpu_memory"), **peak}  # fmt: skip
     del engine, out
     gc.collect()
     torch.cuda.empty_cache()

@@ -106,6 +106,9 @@ def test_budget_values_are_checked_and_converted():
             KVBudget(bad)
     with pytest.raises(ValueError, match="kv_policy"):
         KVBudget(0.5, "h2o")
+    for bad_pool in (0, 4, 7.0):  # an even width would shift the scores by half a token
+        with pytest.raises(ValueError, match="kv_pool"):
+            KVBudget(0.5, pool=bad_pool)
 
 
 def test_observation_scores_equal_a_direct_computation():
@@ -121,6 +124,9 @@ def test_observation_scores_equal_a_direct_computation():
             weights = torch.softmax(logits, dim=0)
             expected[head // 2] += weights[:32] / 2  # mean over the 2 query heads
     torch.testing.assert_close(scores, expected, atol=1e-5, rtol=1e-5)
-    pooled = observation_scores(q, k)  # a max over 7 neighbours, never below the raw score
+    pooled = observation_scores(q, k, pool=7)  # a max over 7 neighbours, never below the raw
     assert (pooled >= scores - 1e-6).all()
     assert torch.allclose(pooled[:, 10], scores[:, 7:14].max(1).values)
+    pooled = observation_scores(q, k)  # the default: 15 neighbours, 7 either side
+    assert torch.allclose(pooled[:, 10], scores[:, 3:18].max(1).values)
+    assert torch.allclose(pooled[:, 0], scores[:, :8].max(1).values)  # clipped at the edge

@@ -182,7 +182,8 @@ def test_budget_options_fail_in_one_line(tiny_llama):
     for options, message in [({"kv_budget": 0.0}, "kv_budget"), ({"kv_budget": 1.5}, r"\(0, 1\]"),
                              ({"kv_budget": 0.5, "offload": "layer"}, "offload"),
                              ({"kv_budget": 0.5, "kv_policy": "headkv"}, "profile"),
-                             ({"kv_budget": 0.5, "kv_policy": "h2o"}, "kv_policy")]:  # fmt: skip
+                             ({"kv_budget": 0.5, "kv_policy": "h2o"}, "kv_policy"),
+                             ({"kv_budget": 0.5, "kv_pool": 8}, "kv_pool")]:  # fmt: skip
         with pytest.raises(UserError, match=message):
             make(tiny_llama, **options)
 

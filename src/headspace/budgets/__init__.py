@@ -33,6 +33,7 @@ class KVBudget:
     value: float | int  # float in (0, 1]: fraction of the prompt; int >= 1: tokens per head
     policy: str = "snapkv"
     window: int = WINDOW
+    pool: int = POOL  # odd max-pool width of the scores over neighbouring tokens
 
     def __post_init__(self):
         value = self.value
@@ -46,6 +47,8 @@ class KVBudget:
             raise ValueError(f"a kv_budget in tokens must be at least 1, got {value}")
         if self.policy not in POLICIES:
             raise ValueError(f"kv_policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
+        if type(self.pool) is not int or self.pool < 1 or self.pool % 2 == 0:
+            raise ValueError(f"kv_pool must be an odd positive integer, got {self.pool!r}")
 
     def tokens(self, prompt_len: int) -> int:
         """Average tokens kept per head for a prompt of ``prompt_len`` (window included)."""

@@ -7,7 +7,10 @@ import torch
 import torch.nn.functional as F
 
 WINDOW = 32  # observation window: the prompt's last queries, always kept
-POOL = 7  # max-pool width over neighbouring tokens (SnapKV keeps clusters, not lone tokens)
+# max-pool width over neighbouring tokens: SnapKV keeps clusters, not lone tokens. 15, not
+# SnapKV's 7: an answer sits some tokens after the words the question matches (NIAH and RULER
+# on the embedded model, bench/NOTES.md "Pooling width")
+POOL = 15
 
 
 def observation_scores(

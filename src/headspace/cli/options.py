@@ -1,4 +1,5 @@
-"""Command-line flags derived from the documented fields of :class:`EngineConfig`."""
+"""Command-line flags derived from the documented fields of :class:`EngineConfig` and
+:class:`ParallelConfig`."""
 
 from __future__ import annotations
 
@@ -11,8 +12,21 @@ from headspace.engine.config import EngineConfig
 def add_engine_options(p, names: tuple[str, ...] | None = None, defaults: dict | None = None):
     """One flag per :class:`EngineConfig` field (``names``: only these), its documentation
     the help text; ``defaults`` overrides the command line's default of some."""
+    add_config_options(p, EngineConfig, names, defaults)
+
+
+def add_parallel_options(p) -> None:
+    """One flag per :class:`ParallelConfig` field."""
+    from headspace.parallel.config import ParallelConfig
+
+    add_config_options(p, ParallelConfig)
+
+
+def add_config_options(p, config_class, names: tuple[str, ...] | None = None,
+                       defaults: dict | None = None) -> None:  # fmt: skip
+    """One flag per documented field of the dataclass ``config_class``."""
     defaults = defaults or {}
-    for f in fields(EngineConfig):
+    for f in fields(config_class):
         if names is not None and f.name not in names:
             continue
         flag = "--" + f.name.replace("_", "-")
@@ -32,3 +46,10 @@ def add_engine_options(p, names: tuple[str, ...] | None = None, defaults: dict |
 def engine_options(args) -> dict:
     """LLM keyword arguments: every EngineConfig field, as parsed."""
     return {f.name: getattr(args, f.name) for f in fields(EngineConfig)}
+
+
+def parallel_config(args):
+    """The :class:`ParallelConfig` of the parsed flags (UserError on a bad value)."""
+    from headspace.parallel.config import ParallelConfig
+
+    return ParallelConfig(**{f.name: getattr(args, f.name) for f in fields(ParallelConfig)})

@@ -6,7 +6,8 @@ import json
 import re
 from pathlib import Path
 
-from headspace.cli.options import add_engine_options
+from headspace.cli.balance import format_balance, plan_balance
+from headspace.cli.options import add_engine_options, add_parallel_options, parallel_config
 from headspace.errors import UserError
 
 GiB = 2**30
@@ -32,6 +33,7 @@ def add_plan_parser(subparsers) -> None:
                "prefill_chunk", "page_size", "dtype", "profile", "retrieval_heads",
                "sparse_pattern", "kv_budget", "kv_policy")  # fmt: skip
     add_engine_options(p, planned, {"dtype": "bfloat16", "retrieval_heads": 0.5})
+    add_parallel_options(p)
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
 
 
@@ -57,12 +59,16 @@ def _budgets(args) -> tuple[int, int]:
 
 
 def run_plan(args) -> None:
+    from dataclasses import replace
+
     from headspace.planner import PlanRequest, make_plan
+    from headspace.planner.profile import Profile
 
     context = parse_tokens(args.context)
     config = _model_config(args.model)
     if config is None:
         raise UserError(f"{args.model} is not a config.json")
+    parallel = parallel_config(args)
     gpu, host = _budgets(args)
     dtype_bytes = 4 if args.dtype == "float32" else 2
     budget_tokens, entry_bound = _budget_tokens(args, context)
@@ -71,12 +77,22 @@ def run_plan(args) -> None:
                           args.gpu_window, budget_tokens, entry_bound,
                           **_patterns(args, config))  # fmt: skip
     plan = make_plan(config, request)
+    profile = Profile.load(args.profile) if args.profile else None
+    chosen, uniform = plan_balance(config, request, plan, parallel, profile)
+    if chosen is not None:
+        plan = replace(plan, head_map=chosen.head_map)
     if args.json:
         header = {"model": config.architecture, "context": context, "gpu_memory": gpu,
                   "host_memory": host}  # fmt: skip
-        print(json.dumps({**header, **plan.to_dict()}, indent=2))
+        loads = {}
+        if chosen is not None:
+            loads["balance"] = {"solver": parallel.balance, "phase": chosen.phase,
+                                "loads": chosen.loads, "uniform": uniform.loads}  # fmt: skip
+        print(json.dumps({**header, **plan.to_dict(), **loads}, indent=2))
         return
     print(format_plan(config, request, plan))
+    if chosen is not None:
+        print("\n" + format_balance(config, request, parallel, chosen, uniform))
 
 
 def _budget_tokens(args, context: int) -> tuple[int | None, int | None]:

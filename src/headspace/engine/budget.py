@@ -243,7 +243,7 @@ class BudgetExecutor:
             else:
                 keys = self.plane[0][per_layer[layer]]
             q_window = self.window_q[layer][-window:].transpose(0, 1)
-            scores.append(observation_scores(q_window, keys).cpu())
+            scores.append(observation_scores(q_window, keys, pool=self.budget.pool).cpu())
             del keys  # one layer's prompt keys at a time
         kept = kept_positions(self.budget, scores, prompt_len, self.head_scores)
         return [positions for layer in kept for positions in layer]

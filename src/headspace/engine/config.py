@@ -8,7 +8,7 @@ from dataclasses import dataclass, field, fields
 import torch
 
 from headspace.attention.patterns import Pattern
-from headspace.budgets import POLICIES, KVBudget
+from headspace.budgets import POLICIES, POOL, KVBudget
 from headspace.errors import UserError
 from headspace.planner.entry_offload import check_offload
 from headspace.planner.plan import OFFLOAD_MODES
@@ -97,6 +97,11 @@ class EngineConfig:
         "count, ada_snapkv: a layer's heads share by score, headkv: by a profile's scores)",
         choices=KV_POLICIES,
     )  # fmt: skip
+    kv_pool: int = _option(
+        POOL, "with kv_budget: odd width of the max-pool that spreads each token's score to "
+        "its neighbours, so a head keeps the tokens around what the prompt's last queries "
+        "attend",
+    )  # fmt: skip
     profile: str | None = _option(
         None, "a profile from `headspace profile` (headkv's scores, retrieval heads)"
     )
@@ -154,12 +159,13 @@ class EngineConfig:
 
     def _check_budget(self) -> None:
         value = self.kv_budget
-        if value is None:
-            return
-        try:  # a token count given as a float (CLI) becomes an int
-            self.kv_budget = KVBudget(value, self.kv_policy).value
+        try:  # a token count given as a float (CLI) becomes an int; the pool checked always
+            budget = KVBudget(1.0 if value is None else value, self.kv_policy, pool=self.kv_pool)
         except ValueError as error:
             raise UserError(str(error)) from None
+        if value is None:
+            return
+        self.kv_budget = budget.value
         if self.kv_policy == "headkv" and self.profile is None:
             raise UserError("kv_policy headkv divides the budget by a profile's scores: "
                             "give --profile (from `headspace profile`)")  # fmt: skip

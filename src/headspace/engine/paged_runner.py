@@ -74,9 +74,9 @@ class PagedRunner:
         self.max_context = max_context
         self.device = torch.device(config.device)
         self.store = PagedKVStore(spec, arena_bytes, dtype=config.torch_dtype, device=self.device)
-        self.budget = (
-            None if config.kv_budget is None else KVBudget(config.kv_budget, config.kv_policy)
-        )
+        self.budget = None
+        if config.kv_budget is not None:
+            self.budget = KVBudget(config.kv_budget, config.kv_policy, pool=config.kv_pool)
         self.profile = profile  # the engine's, checked against the model
         if config.per_head_pages:  # every (layer, kv head) in its own pages
             self.blocks = EntryBlockManager(spec.page_size, 0, spec.num_entries)

@@ -46,9 +46,10 @@ def qkv_block(
     q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
     qkv = F.linear(rms_norm(x, norm_weight, eps), qkv_weight, qkv_bias)
     q, k, v = qkv.split((q_size, kv_size, kv_size), dim=-1)
-    q = apply_rope(q.view(-1, num_heads, head_dim), cos, sin)
-    k = apply_rope(k.view(-1, num_kv_heads, head_dim), cos, sin)
-    return q, torch.stack((k, v.view(-1, num_kv_heads, head_dim)))
+    num_tokens = x.shape[0]  # explicit: a rank may hold no head of a layer (parallel.shard)
+    q = apply_rope(q.view(num_tokens, num_heads, head_dim), cos, sin)
+    k = apply_rope(k.view(num_tokens, num_kv_heads, head_dim), cos, sin)
+    return q, torch.stack((k, v.view(num_tokens, num_kv_heads, head_dim)))
 
 
 def output_mlp_block(
@@ -67,6 +68,27 @@ def output_mlp_block(
     x = x + F.linear(attn.reshape(x.shape[0], -1), o_weight, o_bias)
     gate, up = F.linear(rms_norm(x, norm_weight, eps), gate_up_weight, gate_up_bias).chunk(2, -1)
     return x + F.linear(F.silu(gate) * up, down_weight, down_bias)
+
+
+def output_mlp_reduced(
+    x: torch.Tensor,  # [tokens, hidden], the residual stream
+    attn: torch.Tensor,  # [tokens, heads held here, head_dim]
+    layer: DecoderLayer,
+    reduce: Callable[[torch.Tensor], torch.Tensor],
+) -> torch.Tensor:
+    """:func:`output_mlp_block` for a layer holding part of the heads and of the MLP: the
+    partial o_proj and down_proj outputs are summed by ``reduce`` before each residual."""
+    o, post, gate_up, down = (
+        layer.o_proj,
+        layer.post_attention_norm,
+        layer.gate_up_proj,
+        layer.down_proj,
+    )
+    x = x + reduce(F.linear(attn.reshape(x.shape[0], -1), o.weight, o.bias))
+    gate, up = F.linear(rms_norm(x, post.weight, post.eps), gate_up.weight, gate_up.bias).chunk(
+        2, -1
+    )
+    return x + reduce(F.linear(F.silu(gate) * up, down.weight, down.bias))
 
 
 class Blocks:
@@ -115,6 +137,8 @@ class DecoderLayer(nn.Module):
         inter = config.intermediate_size
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * inter, bias=config.mlp_bias)
         self.down_proj = nn.Linear(inter, config.hidden_size, bias=config.mlp_bias)
+        # with part of the heads and MLP (parallel.shard): sums partial outputs over ranks
+        self.reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def forward(
         self,
@@ -128,6 +152,8 @@ class DecoderLayer(nn.Module):
         norm, qkv = self.input_norm, self.qkv_proj
         q, kv = blocks.qkv(x, norm.weight, norm.eps, qkv.weight, qkv.bias, cos, sin, self.shape)
         attn = attention(layer_idx, q, kv)  # [tokens, heads, head_dim]
+        if self.reduce is not None:
+            return output_mlp_reduced(x, attn, self, self.reduce)
         post, o, gate_up, down = (
             self.post_attention_norm,
             self.o_proj,

@@ -25,10 +25,14 @@ class HeadEntry:
     pattern: str = "full"
     budget: int | None = None  # KV tokens kept (None: all)
     rank: tuple[int, ...] = (0,)  # GPU rank(s) computing this head
+    shares: tuple[float, ...] = ()  # with several ranks: each copy's share of its attention
     group: int = 0  # head group inside the layer (moved and computed together)
 
     def __post_init__(self):
         assert self.tier in TIERS, f"unknown tier {self.tier}"
+        assert not self.shares or (
+            len(self.shares) == len(self.rank) > 1 and abs(sum(self.shares) - 1) < 1e-6
+        ), f"shares {self.shares} must be one per rank of {self.rank} and sum to 1"
 
 
 @dataclass
@@ -99,6 +103,9 @@ class HeadMap:
             parts.append("budget " + ", ".join(f"{b}={n}" for b, n in budgets.items()))
         ranks = sorted({r for e in self.entries for r in e.rank})
         parts.append(f"ranks {ranks}")
+        copied = sum(len(e.rank) > 1 for e in self.entries)
+        if copied:
+            parts.append(f"{copied} entries copied on several ranks")
         return "; ".join(parts)
 
     def grid(self) -> str:
@@ -117,10 +124,15 @@ class HeadMap:
         return {
             "num_layers": self.num_layers,
             "num_kv_heads": self.num_kv_heads,
-            "entries": [{**asdict(e), "rank": list(e.rank)} for e in self.entries],
+            "entries": [
+                {**asdict(e), "rank": list(e.rank), "shares": list(e.shares)} for e in self.entries
+            ],
         }
 
     @classmethod
     def from_dict(cls, data: dict) -> HeadMap:
-        entries = [HeadEntry(**{**e, "rank": tuple(e["rank"])}) for e in data["entries"]]
+        entries = [
+            HeadEntry(**{**e, "rank": tuple(e["rank"]), "shares": tuple(e.get("shares", ()))})
+            for e in data["entries"]
+        ]
         return cls(data["num_layers"], data["num_kv_heads"], entries)

@@ -32,21 +32,29 @@ def held_tokens(pattern: str, budget_tokens: int | None, context: int) -> int:
     return context if kept is None else min(context, kept)
 
 
-def attention_share(pattern: str, context: int) -> float:
-    """The share of a full causal prefill's (query, key) pairs that ``pattern``'s kernel
-    computes over a ``context``-token prompt, at most 1: each query sees at most ``keys``
-    keys (streaming: sink + window; block_sparse(k): k blocks of 128; vertical_slash(v, s):
-    its key blocks and block diagonals, the forced ones included)."""
+def attended_keys(pattern: str, context: int) -> int:
+    """Keys one query late in a ``context``-token prompt attends under ``pattern``, at most
+    ``context`` (streaming: sink + window; block_sparse(k): k blocks of 128; vertical_slash(v,
+    s): its key blocks and block diagonals, the forced ones included)."""
     spec = Pattern.parse(pattern)
     if spec.kind == "full":
-        return 1.0
+        return context
     keys = sum(spec.params)
     if spec.kind == "block_sparse":
         keys = spec.params[0] * BLOCK
     elif spec.kind == "vertical_slash":
         vertical, slash = (-(-n // BLOCK) for n in spec.params)
         keys = (vertical + FORCED_SINK + slash + FORCED_LOCAL) * BLOCK
-    kept = min(keys, context)
+    return min(keys, context)
+
+
+def attention_share(pattern: str, context: int) -> float:
+    """The share of a full causal prefill's (query, key) pairs that ``pattern``'s kernel
+    computes over a ``context``-token prompt, at most 1: each query sees at most
+    :func:`attended_keys` keys."""
+    kept = attended_keys(pattern, context)
+    if kept >= context:  # every key (full, or a pattern wider than the prompt)
+        return 1.0
     pairs = kept * (kept + 1) / 2 + (context - kept) * kept  # sum over queries of min(p+1, K)
     return pairs / (context * (context + 1) / 2)
 

@@ -1,0 +1,54 @@
+"""``headspace plan --gpus N``: the head map's ranks, each rank's load and KV, the imbalance
+and the predicted step time of the chosen solver, beside uniform's."""
+
+from __future__ import annotations
+
+from headspace.planner.memory import GiB
+
+
+def plan_balance(config, request, plan, parallel, profile=None):
+    """The :class:`Balance` of ``plan``'s head map over ``parallel.gpus`` ranks, and uniform's
+    for comparison (None when one GPU)."""
+    from dataclasses import replace
+
+    from headspace.parallel.balance import balance_heads
+    from headspace.planner.head_cost import CostShape
+
+    if parallel.gpus == 1:
+        return None, None
+    shape = CostShape.of(config, request.dtype_bytes)
+    options = {"context": request.context, "chunk": plan.prefill_chunk, "profile": profile}
+    chosen = balance_heads(plan.head_map, shape, parallel, **options)
+    uniform = balance_heads(plan.head_map, shape, replace(parallel, balance="uniform"), **options)
+    return chosen, uniform
+
+
+def format_balance(config, request, parallel, chosen, uniform) -> str:
+    """Per-rank table (heads, KV held, load per phase) and the imbalance and step time of the
+    chosen solver against uniform."""
+    from headspace.planner.sparsity import held_tokens
+
+    gpus, head_bytes = parallel.gpus, 2 * config.head_dim * request.dtype_bytes
+    heads, kv = [0.0] * gpus, [0.0] * gpus
+    for entry in chosen.head_map.entries:
+        held = held_tokens(entry.pattern, entry.budget, request.context) * head_bytes
+        for rank, share in zip(entry.rank, entry.shares or (1.0,), strict=True):
+            heads[rank] += 1 / config.num_layers
+            kv[rank] += share * held
+    lines = [f"balance {parallel.balance} over {gpus} GPUs ({parallel.replicas} extra copies "
+             f"a layer allowed, {chosen.loads['decode']['extra_copies']} made); balanced: "
+             f"{chosen.phase} costs (roofline at the planner's rates, batch 1)",  # fmt: skip
+             f"{'rank':>4}{'kv heads/layer':>16}{'KV GiB':>9}{'prefill chunk ms':>18}"
+             f"{'decode ms':>11}"]  # fmt: skip
+    prefill, decode = (chosen.loads[p]["rank_seconds"] for p in ("prefill", "decode"))
+    for rank in range(gpus):
+        lines.append(f"{rank:>4}{heads[rank]:>16.2f}{kv[rank] / GiB:>9.2f}"
+                     f"{1e3 * prefill[rank]:>18.2f}{1e3 * decode[rank]:>11.3f}")  # fmt: skip
+    for phase in ("prefill", "decode"):
+        mine, theirs = chosen.loads[phase], uniform.loads[phase]
+        lines.append(
+            f"{phase}: imbalance (max/mean) {mine['imbalance_max_over_mean']:.3f} (uniform "
+            f"{theirs['imbalance_max_over_mean']:.3f}); attention step "
+            f"{1e3 * mine['step_seconds']:.2f} ms (uniform {1e3 * theirs['step_seconds']:.2f})"
+        )
+    return "\n".join(lines)

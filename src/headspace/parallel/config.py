@@ -1,0 +1,48 @@
+"""Head-parallel options: one documented dataclass; ``plan`` derives its flags from it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from headspace.errors import UserError
+from headspace.parallel.solvers import SOLVERS
+
+PHASES = ("auto", "prefill", "decode")
+
+
+def _option(default, help: str, *, choices=None):
+    meta = {"help": help, "choices": choices}
+    return field(default=default, metadata={k: v for k, v in meta.items() if v is not None})
+
+
+@dataclass
+class ParallelConfig:
+    """How kv heads are spread over ranks (each field is also a command-line flag)."""
+
+    gpus: int = _option(1, "GPUs the heads are spread over (under torchrun: the world size)")
+    balance: str = _option(
+        "fairkv", "head-to-GPU solver: uniform (tensor-parallel blocks), random, greedy "
+        "(longest first, then moves), ga (genetic search), fairkv (greedy, then fair-copying "
+        "within --replicas), exact (branch and bound, small layers)", choices=tuple(SOLVERS),
+    )  # fmt: skip
+    replicas: int = _option(
+        2, "fairkv: extra copies of heavy heads a layer may make; the copies divide the head's "
+        "attention (token ranges merged by log-sum-exp)",
+    )  # fmt: skip
+    balance_phase: str = _option(
+        "auto", "which step's costs to balance: prefill (a chunk's attention, which patterns "
+        "change), decode (the KV each head reads, which budgets change), or auto (decode "
+        "with a KV budget or streaming heads, prefill with other patterns, else decode)",
+        choices=PHASES,
+    )  # fmt: skip
+    seed: int = _option(0, "seed of the random and genetic solvers")
+
+    def __post_init__(self):
+        for name in ("gpus", "replicas", "seed"):
+            value, least = getattr(self, name), 1 if name == "gpus" else 0
+            if type(value) is not int or value < least:
+                raise UserError(f"{name} must be an integer >= {least}, got {value!r}")
+        for name, choices in (("balance", SOLVERS), ("balance_phase", PHASES)):
+            if getattr(self, name) not in choices:
+                raise UserError(f"{name} must be one of {', '.join(choices)}, "
+                                f"got {getattr(self, name)!r}")  # fmt: skip

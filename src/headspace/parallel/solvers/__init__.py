@@ -1,0 +1,35 @@
+"""Solvers that assign a layer's kv heads to ranks (one file each), and their registry.
+
+Every solver is ``solve(costs, num_ranks, *, replicas=0, seed=0) -> LayerAssignment`` over
+the layer's ``HeadCost`` list; only fairkv uses ``replicas`` (extra copies a layer may make);
+uniform, and greedy, ga and exact where uniform's assignment is better, copy heads only when
+the ranks outnumber them (``copy_budget``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from headspace.parallel.assignment import HeadCost, LayerAssignment
+from headspace.parallel.solvers import exact, fairkv, genetic, greedy, random_assign, uniform
+
+SOLVERS = {"uniform": uniform.solve, "random": random_assign.solve, "greedy": greedy.solve,
+           "ga": genetic.solve, "fairkv": fairkv.solve, "exact": exact.solve}  # fmt: skip
+
+
+def solve(name: str, costs: Sequence[HeadCost], num_ranks: int, *, replicas: int = 0,
+          seed: int = 0) -> LayerAssignment:  # fmt: skip
+    """One layer's assignment by solver ``name``."""
+    if name not in SOLVERS:
+        raise ValueError(f"balance must be one of {', '.join(SOLVERS)}, got {name!r}")
+    if num_ranks < 1:
+        raise ValueError(f"the number of ranks must be at least 1, got {num_ranks}")
+    return SOLVERS[name](costs, num_ranks, replicas=replicas, seed=seed)
+
+
+def solve_layers(name: str, costs: Sequence[Sequence[HeadCost]], num_ranks: int, *,
+                 replicas: int = 0, seed: int = 0) -> list[LayerAssignment]:  # fmt: skip
+    """Each layer's assignment (``costs[layer][kv_head]``), solved layer by layer: each layer
+    ends with an all-reduce, so the step waits for each layer's most loaded rank."""
+    return [solve(name, layer_costs, num_ranks, replicas=replicas, seed=seed + layer)
+            for layer, layer_costs in enumerate(costs)]  # fmt: skip

@@ -1,0 +1,14 @@
+"""Random: each kv head on a rank drawn uniformly (seeded); a baseline for the searches."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+
+from headspace.parallel.assignment import HeadCost, LayerAssignment, single
+
+
+def solve(costs: Sequence[HeadCost], num_ranks: int, *, replicas: int = 0,
+          seed: int = 0) -> LayerAssignment:  # fmt: skip
+    draw = random.Random(seed)
+    return single([draw.randrange(num_ranks) for _ in costs])

@@ -1,0 +1,155 @@
+"""Head-to-rank solvers: every assignment valid; greedy, GA and FairKV never worse than
+uniform; exact search optimal against brute force, GA within 2% of it; fair-copying's shares
+level their ranks (a parametrised matrix over all solvers, property tests over random costs)."""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from headspace.parallel import SOLVERS, HeadCost, check_assignment, rank_loads, solve, solve_layers
+from headspace.parallel.assignment import balance_summary, fill_shares, makespan, single
+
+costs_strategy = st.lists(
+    st.builds(HeadCost, st.floats(0, 10, allow_nan=False), st.floats(0, 1, allow_nan=False)),
+    min_size=0, max_size=10,
+)  # fmt: skip
+
+
+def _random_costs(num_heads: int, seed: int) -> list[HeadCost]:
+    draw = random.Random(seed)
+    return [HeadCost(draw.lognormvariate(0, 1), draw.uniform(0, 0.2)) for _ in range(num_heads)]
+
+
+def _brute_force(costs: list[HeadCost], num_ranks: int) -> float:
+    return min(makespan(costs, single(ranks), num_ranks)
+               for ranks in itertools.product(range(num_ranks), repeat=len(costs)))  # fmt: skip
+
+
+@pytest.mark.parametrize("name", sorted(SOLVERS))
+@settings(max_examples=25, deadline=None)
+@given(costs=costs_strategy, num_ranks=st.integers(1, 5), replicas=st.integers(0, 3))
+def test_every_solver_assigns_each_head_within_the_replication_budget(name, costs, num_ranks,
+                                                                      replicas):  # fmt: skip
+    assignment = solve(name, costs, num_ranks, replicas=replicas)
+    check_assignment(assignment, len(costs), num_ranks, replicas)
+    loads = rank_loads(costs, assignment, num_ranks)
+    split = sum(c.split for c in costs)  # every head's divisible work done exactly once
+    fixed = sum(c.fixed * len(copies) for c, copies in zip(costs, assignment, strict=True))
+    assert sum(loads) == pytest.approx(split + fixed, rel=1e-9, abs=1e-9)
+
+
+@pytest.mark.parametrize("name", ["greedy", "ga", "fairkv", "exact"])
+@settings(max_examples=30, deadline=None)
+@given(costs=costs_strategy, num_ranks=st.integers(1, 5), replicas=st.integers(0, 2))
+def test_searches_are_never_worse_than_uniform(name, costs, num_ranks, replicas):
+    uniform = makespan(costs, solve("uniform", costs, num_ranks), num_ranks)
+    found = makespan(costs, solve(name, costs, num_ranks, replicas=replicas), num_ranks)
+    assert found <= uniform * (1 + 1e-12)
+
+
+def test_greedy_can_beat_lpt_and_uniform_is_kept_when_better():
+    # LPT's classic bad case: 3, 3, 2, 2, 2 on two ranks gives 7 where 6 is possible
+    costs = [HeadCost(c) for c in (3, 3, 2, 2, 2)]
+    assert makespan(costs, solve("greedy", costs, 2), 2) == 6
+    assert makespan(costs, solve("exact", costs, 2), 2) == 6
+    assert makespan(costs, solve("uniform", costs, 2), 2) == 8  # blocks of heads: 3+3+2
+
+
+@settings(max_examples=40, deadline=None)
+@given(costs=st.lists(st.builds(HeadCost, st.floats(0, 10, allow_nan=False)), min_size=0,
+                      max_size=7), num_ranks=st.integers(1, 4))  # fmt: skip
+def test_exact_equals_brute_force(costs, num_ranks):
+    found = makespan(costs, solve("exact", costs, num_ranks), num_ranks)
+    optimum = _brute_force(costs, num_ranks) if costs else 0.0
+    assert found <= optimum * (1 + 1e-12)  # uniform's copies may beat every single copy
+
+
+def test_ga_is_within_two_percent_of_exact_where_greedy_is_not():
+    hard = []  # layers where greedy's local optimum is more than 2% off: the GA's work
+    for seed in range(120):
+        draw = random.Random(seed)
+        num_heads, num_ranks = draw.randint(6, 9), draw.randint(2, 4)
+        costs = [HeadCost(round(draw.uniform(1, 10), 1)) for _ in range(num_heads)]
+        optimum = makespan(costs, solve("exact", costs, num_ranks), num_ranks)
+        if makespan(costs, solve("greedy", costs, num_ranks), num_ranks) > 1.02 * optimum:
+            hard.append((costs, num_ranks, optimum, seed))
+    assert len(hard) >= 3
+    for costs, num_ranks, optimum, seed in hard:
+        found = makespan(costs, solve("ga", costs, num_ranks, seed=seed), num_ranks)
+        assert optimum <= found <= 1.02 * optimum
+
+
+def test_exact_refuses_layers_too_large_to_search():
+    with pytest.raises(ValueError, match="at most"):
+        solve("exact", _random_costs(17, 0), 4)
+
+
+def test_fair_copying_splits_a_dominant_head_and_levels_its_ranks():
+    # one head carries most of the layer: without copies its rank waits for it alone
+    costs = [HeadCost(10.0, 0.1)] + [HeadCost(1.0, 0.1) for _ in range(7)]
+    greedy = makespan(costs, solve("greedy", costs, 4), 4)
+    assert greedy == pytest.approx(10.1)
+    assignment = solve("fairkv", costs, 4, replicas=3)
+    check_assignment(assignment, 8, 4, 3)
+    loads = rank_loads(costs, assignment, 4)
+    assert max(loads) < 0.5 * greedy
+    # the ranks holding a copy of the heavy head end level: the copies' shares fill them
+    holders = [rank for rank, _ in assignment[0]]
+    assert len(holders) >= 2
+    assert max(loads[r] for r in holders) - min(loads[r] for r in holders) < 1e-9
+    more = makespan(costs, solve("fairkv", costs, 4, replicas=6), 4)
+    assert more <= max(loads) + 1e-12  # a larger budget never hurts
+
+
+def test_fair_copying_undoes_ties_one_copy_at_a_time():
+    # six equal heads on four ranks: two ranks tie at two heads; one copy alone cannot lower
+    # the busiest load, two can (each tied rank shares a head with an idle one)
+    costs = [HeadCost(1.0) for _ in range(6)]
+    assert makespan(costs, solve("fairkv", costs, 4, replicas=0), 4) == pytest.approx(2.0)
+    assert makespan(costs, solve("fairkv", costs, 4, replicas=2), 4) == pytest.approx(1.5)
+
+
+def test_fill_shares_water_fills_between_unequal_ranks():
+    # rank 0 already holds 4 s, rank 1 nothing: a 6 s head copied on both ends at 5 s each
+    costs = [HeadCost(4.0), HeadCost(6.0)]
+    assignment = fill_shares(costs, (((0, 1.0),), ((0, 0.5), (1, 0.5))), 2)
+    assert rank_loads(costs, assignment, 2) == pytest.approx([5.0, 5.0])
+    assert dict(assignment[1]) == pytest.approx({0: 1 / 6, 1: 5 / 6})
+    # a copy with nothing to do is dropped
+    costs = [HeadCost(9.0), HeadCost(1.0)]
+    assignment = fill_shares(costs, (((0, 1.0),), ((0, 0.5), (1, 0.5))), 2)
+    assert assignment[1] == ((1, 1.0),)
+
+
+def test_uniform_is_tensor_parallel_blocks_and_copies_when_ranks_outnumber_heads():
+    costs = _random_costs(8, 0)
+    assert [copies[0][0] for copies in solve("uniform", costs, 4)] == [0, 0, 1, 1, 2, 2, 3, 3]
+    assert solve("uniform", costs[:2], 4) == (((0, 0.5), (1, 0.5)), ((2, 0.5), (3, 0.5)))
+
+
+def test_assignment_checks_name_what_is_wrong():
+    for bad, message in [((((0, 1.0),),), "heads assigned"), ((((0, 0.5), (0, 0.5)), ((1, 1.0),)),
+                         "two copies"), ((((2, 1.0),), ((0, 1.0),)), "outside"),
+                         ((((0, 0.7),), ((1, 1.0),)), "sum to 1"),
+                         ((((0, 0.5), (1, 0.5)), ((1, 1.0),)), "extra copies")]:  # fmt: skip
+        with pytest.raises(ValueError, match=message):
+            check_assignment(bad, 2, 2, 0)
+    with pytest.raises(ValueError, match="balance must be one of"):
+        solve("round_robin", _random_costs(2, 0), 2)
+
+
+def test_summary_sums_each_layers_slowest_rank():
+    costs = [[HeadCost(3.0), HeadCost(1.0)], [HeadCost(1.0), HeadCost(3.0)]]
+    summary = balance_summary(costs, solve_layers("uniform", costs, 2), 2)
+    assert summary["rank_seconds"] == [4.0, 4.0]  # balanced over the model ...
+    assert summary["step_seconds"] == 6.0  # ... but each layer waits for its 3 s rank
+    assert summary["imbalance_max_over_mean"] == pytest.approx(1.5)
+    balanced = balance_summary(costs, solve_layers("greedy", costs, 2), 2)
+    assert balanced["imbalance_max_over_mean"] == pytest.approx(1.5)  # one head each: no better
+    copied = balance_summary(costs, solve_layers("fairkv", costs, 2, replicas=1), 2)
+    assert copied["step_seconds"] == pytest.approx(4.0) and copied["extra_copies"] == 2
