@@ -129,3 +129,25 @@ def test_plan_prints_each_ranks_load_and_the_imbalance_against_uniform(capsys, t
     assert {r for e in data["head_map"]["entries"] for r in e["rank"]} == {0, 1, 2, 3}
     assert main([*base, "--gpus", "0"]) == 2
     assert "gpus must be" in capsys.readouterr().err
+
+
+def test_plan_balances_the_measured_budget_shares_of_a_profile(capsys, tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(LLAMA3_8B))
+    shares = [[3.0, 2.2, 0.5, 0.4, 0.3, 0.6, 0.5, 0.5] for _ in range(32)]  # mean 1 a layer
+    Profile("m", 32, 8, [[0.0] * 8] * 32, budget_shares={"ada_snapkv 0.25": shares}).save(
+        tmp_path / "profile.json"
+    )
+    base = ["plan", "--model", str(tmp_path), "--context", "128K", "--gpu-memory", "139GiB",
+            "--kv-budget", "0.25", "--gpus", "4", "--json"]  # fmt: skip
+    assert main([*base, "--kv-policy", "ada_snapkv"]) == 0  # no profile: even budgets
+    even = json.loads(capsys.readouterr().out)["balance"]
+    assert even["uniform"]["decode"]["imbalance_max_over_mean"] == pytest.approx(1.0)
+    profiled = [*base, "--kv-policy", "ada_snapkv", "--profile", str(tmp_path / "profile.json")]
+    assert main(profiled) == 0
+    data = json.loads(capsys.readouterr().out)
+    uniform, chosen = data["balance"]["uniform"]["decode"], data["balance"]["loads"]["decode"]
+    assert uniform["imbalance_max_over_mean"] > 1.5  # both heavy heads on rank 0
+    assert chosen["imbalance_max_over_mean"] < 1.15
+    heavy = [e for e in data["head_map"]["entries"] if e["kv_head"] == 0]
+    assert {e["budget"] for e in heavy if e["pattern"] == "full"} == {round(0.25 * 131072 * 3)}
+    assert {e["budget"] for e in heavy if e["pattern"] != "full"} <= {1028}  # rings stay

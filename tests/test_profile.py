@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from headspace.cli.main import main
 from headspace.errors import UserError
@@ -55,6 +56,10 @@ def test_profile_and_plan_from_the_command_line(tmp_path, capsys, embedded_dir):
     scores = sorted(x for row in profile.retrieval for x in row)
     assert scores[-1] > 0.3 and scores[len(scores) // 2] < 0.05  # few heads retrieve
     assert len(profile.cases) == 2 and set(profile.pattern_ms) >= {"full", "streaming(4,1024)"}
+    shares = profile.budget_shares["ada_snapkv 0.25"]  # Ada-SnapKV's uneven heads, measured
+    assert len(shares) == 30 and all(len(row) == 3 for row in shares)
+    assert all(abs(sum(row) / 3 - 1) < 1e-3 for row in shares)
+    assert max(max(row) for row in shares) > 1.3 and "budget shares (ada_snapkv 0.25" in text
     assert "retrieval scores of 90" in text and "block_sparse(8)" in text
     code = main(["plan", "--context", "4K", "--gpu-memory", "2GiB", "--profile", str(out),
                  "--retrieval-heads", "0.1",
@@ -66,3 +71,41 @@ def test_profile_and_plan_from_the_command_line(tmp_path, capsys, embedded_dir):
     code = main(["plan", "--context", "4K", "--gpu-memory", "2GiB", "--profile", str(out),
                  "--sparse-pattern", "dense(3)"])  # fmt: skip
     assert code == 2 and "sparse-pattern" in capsys.readouterr().err
+
+
+def test_budget_shares_are_multiples_of_an_even_share():
+    from headspace.budgets import KVBudget
+    from headspace.eval.profile import budget_shares
+    from headspace.model.config import config_from_dict
+    from headspace.model.llama import LlamaModel
+
+    config = {"architectures": ["LlamaForCausalLM"], "vocab_size": 97, "hidden_size": 64,
+              "intermediate_size": 90, "num_hidden_layers": 3, "num_attention_heads": 8,
+              "num_key_value_heads": 4, "head_dim": 16}  # fmt: skip
+    torch.manual_seed(0)
+    model = LlamaModel(config_from_dict(config)).float().eval()
+    for param in model.parameters():
+        torch.nn.init.normal_(param, std=0.3)
+    gen = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, 97, (n,), generator=gen).tolist() for n in (200, 260)]
+    shares = budget_shares(model, prompts, KVBudget(0.25, "ada_snapkv", window=16))
+    assert shares.shape == (3, 4) and (shares >= 0).all()
+    # a layer's heads share its total: their mean is one even share, their spread is not 0
+    torch.testing.assert_close(shares.mean(1), torch.ones(3))
+    assert shares.std() > 0.05
+    even = budget_shares(model, prompts, KVBudget(0.25, "snapkv", window=16))
+    assert torch.equal(even, torch.ones(3, 4))
+    everything = budget_shares(model, prompts, KVBudget(1.0, "ada_snapkv"))
+    assert torch.equal(everything, torch.ones(3, 4))  # the budget keeps every token
+
+
+def test_measured_shares_scale_each_budgeted_entry():
+    from headspace.planner.head_map import HeadEntry, HeadMap
+    from headspace.planner.profile import with_budget_shares
+
+    head_map = HeadMap(1, 4, [HeadEntry(0, 0, budget=100), HeadEntry(0, 1, budget=100),
+                              HeadEntry(0, 2), HeadEntry(0, 3, pattern="streaming(4,60)",
+                                                         budget=64)])  # fmt: skip
+    scaled = with_budget_shares(head_map, [[2.5, 0.004, 1.0, 3.0]])
+    # at least one token kept; a streaming entry keeps its sink and window
+    assert [e.budget for e in scaled.entries] == [250, 1, None, 64]

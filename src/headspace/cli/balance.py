@@ -6,20 +6,25 @@ from __future__ import annotations
 from headspace.planner.memory import GiB
 
 
-def plan_balance(config, request, plan, parallel, profile=None):
+def plan_balance(config, request, plan, parallel, profile=None, share_key: str | None = None):
     """The :class:`Balance` of ``plan``'s head map over ``parallel.gpus`` ranks, and uniform's
-    for comparison (None when one GPU)."""
+    for comparison (None when one GPU). With the profile's measured budget shares under
+    ``share_key`` ("POLICY BUDGET"), each budgeted entry's cost is its share of the budget."""
     from dataclasses import replace
 
     from headspace.parallel.balance import balance_heads
     from headspace.planner.head_cost import CostShape
+    from headspace.planner.profile import with_budget_shares
 
     if parallel.gpus == 1:
         return None, None
+    head_map = plan.head_map
+    if profile is not None and share_key in profile.budget_shares:
+        head_map = with_budget_shares(head_map, profile.budget_shares[share_key])
     shape = CostShape.of(config, request.dtype_bytes)
     options = {"context": request.context, "chunk": plan.prefill_chunk, "profile": profile}
-    chosen = balance_heads(plan.head_map, shape, parallel, **options)
-    uniform = balance_heads(plan.head_map, shape, replace(parallel, balance="uniform"), **options)
+    chosen = balance_heads(head_map, shape, parallel, **options)
+    uniform = balance_heads(head_map, shape, replace(parallel, balance="uniform"), **options)
     return chosen, uniform
 
 

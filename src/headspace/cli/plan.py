@@ -78,7 +78,8 @@ def run_plan(args) -> None:
                           **_patterns(args, config))  # fmt: skip
     plan = make_plan(config, request)
     profile = Profile.load(args.profile) if args.profile else None
-    chosen, uniform = plan_balance(config, request, plan, parallel, profile)
+    share_key = f"{args.kv_policy} {args.kv_budget}" if args.kv_budget is not None else None
+    chosen, uniform = plan_balance(config, request, plan, parallel, profile, share_key)
     if chosen is not None:
         plan = replace(plan, head_map=chosen.head_map)
     if args.json:

@@ -7,6 +7,9 @@ from pathlib import Path
 
 from headspace.errors import UserError
 
+# the budget whose per-head shares the profile records (FairKV's profile of Ada-SnapKV)
+SHARE_POLICY, SHARE_BUDGET = "ada_snapkv", 0.25
+
 
 def add_profile_parser(subparsers, add_engine_options) -> None:
     p = subparsers.add_parser("profile", help="per-head retrieval scores and pattern costs")
@@ -22,10 +25,11 @@ def add_profile_parser(subparsers, add_engine_options) -> None:
 def run_profile(args) -> None:
     import torch
 
+    from headspace.budgets import KVBudget
     from headspace.cli.plan import parse_tokens
     from headspace.engine.config import EngineConfig
     from headspace.engine.engine import Engine
-    from headspace.eval.profile import pattern_costs, retrieval_scores
+    from headspace.eval.profile import budget_shares, pattern_costs, retrieval_scores
     from headspace.model.source import resolve_model_dir
     from headspace.planner.profile import Profile
 
@@ -42,14 +46,18 @@ def run_profile(args) -> None:
     def encode(text: str) -> list[int]:
         return engine.encode(text, chat=engine.tokenizer.chat_template is not None)
 
-    scores, cases = retrieval_scores(engine.model, engine.tokenizer, encode, lengths, depths)
+    scores, cases, prompts = retrieval_scores(engine.model, engine.tokenizer, encode, lengths,
+                                              depths)  # fmt: skip
+    shares = {f"{SHARE_POLICY} {SHARE_BUDGET}": budget_shares(
+        engine.model, prompts, KVBudget(SHARE_BUDGET, SHARE_POLICY)).tolist()}  # fmt: skip
     group = model_config.num_heads // model_config.num_kv_heads
     costs = pattern_costs(group, model_config.head_dim, contexts, args.chunk, args.device)
     profile = Profile(model=str(model_dir), num_layers=model_config.num_layers,
                       num_kv_heads=model_config.num_kv_heads,
                       retrieval=[[round(x, 5) for x in row] for row in scores.tolist()],
                       device=_device_name(args.device, torch), chunk=args.chunk,
-                      pattern_ms=costs, cases=cases)  # fmt: skip
+                      pattern_ms=costs, cases=cases,
+                      budget_shares=_rounded(shares))  # fmt: skip
     output = Path(args.output)
     output.parent.mkdir(parents=True, exist_ok=True)
     profile.save(output)
@@ -62,6 +70,10 @@ def _device_name(device: str, torch) -> str:
     return torch.cuda.get_device_name(device) if device.startswith("cuda") else "cpu"
 
 
+def _rounded(shares: dict) -> dict:
+    return {key: [[round(x, 4) for x in row] for row in rows] for key, rows in shares.items()}
+
+
 def _report(profile, scores) -> str:
     flat = sorted(((v, layer, head) for layer, row in enumerate(scores.tolist())
                    for head, v in enumerate(row)), reverse=True)  # fmt: skip
@@ -70,6 +82,10 @@ def _report(profile, scores) -> str:
     lines += [f"  layer {layer:>3} kv head {head}: {value:.3f}" for value, layer, head in flat[:5]]
     median = flat[len(flat) // 2][0]
     lines.append(f"  median {median:.3f}, lowest {flat[-1][0]:.3f}")
+    for key, rows in profile.budget_shares.items():
+        values = [x for row in rows for x in row]
+        lines.append(f"budget shares ({key}, of an even share): lowest {min(values):.2f}, "
+                     f"highest {max(values):.2f}")  # fmt: skip
     contexts = sorted({c for costs in profile.pattern_ms.values() for c in costs}, key=int)
     lines.append(f"\n{'pattern (ms, one kv head)':<28}" + "".join(f"{c:>10}" for c in contexts))
     for pattern, costs in profile.pattern_ms.items():

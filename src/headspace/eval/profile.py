@@ -9,6 +9,9 @@ reads to fill the head map's patterns.
   Heads that retrieve need the whole context; the others can be made sparse.
 - Runtime costs (the runtime profile): milliseconds of one kv head's attention (its query
   heads, one prefill chunk at the end of the context) under each pattern and context length.
+- Budget shares (FairKV's statistical profile): the tokens Ada-SnapKV gives each (layer, kv
+  head) over the same prompts, as a multiple of an even share; what the head-parallel cost
+  model reads for the heads' uneven loads.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import torch
 from headspace.attention import attend
 from headspace.attention.patterns import Pattern, estimate
 from headspace.attention.sparse_prefill import sparse_prefill_attention
+from headspace.budgets import POLICIES, KVBudget, observation_scores
 from headspace.errors import UserError
 
 PATTERNS = ("full", "streaming(4,1024)", "vertical_slash(1000,2048)", "block_sparse(8)")
@@ -55,20 +59,21 @@ def _find(haystack: list[int], piece: list[int]) -> int:
 
 @torch.inference_mode()
 def retrieval_scores(model, tokenizer, encode, lengths: list[int], depths: list[float],
-                     needle=None) -> tuple[torch.Tensor, list[dict]]:  # fmt: skip
+                     needle=None) -> tuple[torch.Tensor, list[dict], list[list[int]]]:  # fmt: skip
     """``[layers, kv heads]`` retrieval scores averaged over needle cases of ``lengths`` x
-    ``depths``, and one record per case."""
+    ``depths``, one record per case, and the cases' prompts."""
     from headspace.eval.data import haystack_text
     from headspace.eval.niah import Needle, build_case
 
     needle = needle or Needle()
     haystack = tokenizer(haystack_text(), add_special_tokens=False)["input_ids"]
     config, device = model.config, next(model.parameters()).device
-    total, cases = torch.zeros(config.num_layers, config.num_heads), []
+    total, cases, prompts = torch.zeros(config.num_layers, config.num_heads), [], []
     for length in lengths:
         for depth in depths:
             case = build_case(tokenizer, encode, haystack, length, depth, needle)
             prompt = case.prompt_ids
+            prompts.append(prompt)
             answer = tokenizer(" " + needle.answer, add_special_tokens=False)["input_ids"]
             source = _find(prompt, answer)
             if source < 0:
@@ -87,7 +92,44 @@ def retrieval_scores(model, tokenizer, encode, lengths: list[int], depths: list[
                           "answer_tokens": len(answer)})  # fmt: skip
     per_query_head = total / len(cases)
     group = config.num_heads // config.num_kv_heads
-    return per_query_head.view(config.num_layers, config.num_kv_heads, group).amax(2), cases
+    scores = per_query_head.view(config.num_layers, config.num_kv_heads, group).amax(2)
+    return scores, cases, prompts
+
+
+class _WindowRecorder:
+    """A dense attention callback keeping each layer's last ``window`` queries and its keys."""
+
+    def __init__(self, window: int):
+        self.window, self.queries, self.keys = window, {}, {}
+
+    def __call__(self, layer: int, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
+        q_first, k = q.transpose(0, 1), kv[0].transpose(0, 1)  # [heads, tokens, dim]
+        self.queries[layer], self.keys[layer] = q_first[:, -self.window :], k
+        out, _ = attend(q_first, k, kv[1].transpose(0, 1), causal=True)
+        return out.transpose(0, 1)
+
+
+@torch.inference_mode()
+def budget_shares(model, prompts: list[list[int]], budget: KVBudget) -> torch.Tensor:
+    """``[layers, kv heads]`` tokens ``budget``'s policy keeps per entry over ``prompts``, each
+    a multiple of the even share (1.0: what snapkv keeps), averaged over the prompts."""
+    config, device = model.config, next(model.parameters()).device
+    total = torch.zeros(config.num_layers, config.num_kv_heads)
+    for prompt in prompts:
+        window = min(budget.window, len(prompt))
+        selectable = budget.tokens(len(prompt)) - window
+        if selectable <= 0 or budget.tokens(len(prompt)) >= len(prompt):
+            total += 1.0  # the budget keeps everything, or only the window: even
+            continue
+        recorder = _WindowRecorder(window)
+        model(torch.tensor(prompt, device=device), torch.arange(len(prompt), device=device),
+              recorder)  # fmt: skip
+        scores = [observation_scores(recorder.queries[layer], recorder.keys[layer],
+                                     pool=budget.pool).cpu()
+                  for layer in range(config.num_layers)]  # fmt: skip
+        counts = POLICIES[budget.policy](scores, selectable)
+        total += torch.stack([c.float() for c in counts]) / selectable
+    return total / len(prompts)
 
 
 def pattern_costs(num_heads: int, head_dim: int, contexts: list[int], chunk: int, device: str,

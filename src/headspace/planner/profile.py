@@ -15,7 +15,8 @@ from headspace.planner.head_map import HeadMap
 class Profile:
     """Per-head retrieval scores ``retrieval [layers][kv heads]`` in [0, 1] measured on a
     model, and pattern costs measured on a device: ``pattern_ms[pattern][context]`` for one
-    kv head's query heads over one prefill chunk of ``chunk`` queries."""
+    kv head's query heads over one prefill chunk of ``chunk`` queries; ``budget_shares`` of a
+    budget policy measured on the model."""
 
     model: str
     num_layers: int
@@ -25,6 +26,9 @@ class Profile:
     chunk: int = 0
     pattern_ms: dict[str, dict[str, float]] = field(default_factory=dict)
     cases: list[dict] = field(default_factory=list)
+    # "POLICY BUDGET" -> [layers][kv heads]: the tokens the policy gave each entry over the
+    # profile's prompts, as a multiple of an even share
+    budget_shares: dict[str, list[list[float]]] = field(default_factory=dict)
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(asdict(self), indent=1) + "\n")
@@ -61,4 +65,14 @@ def with_patterns(head_map: HeadMap, retrieval: list[list[float]], retrieval_hea
     full = {(e.layer, e.kv_head) for e in ranked[: round(retrieval_heads * len(ranked))]}
     entries = [replace(e, pattern="full" if (e.layer, e.kv_head) in full or e.tier != "gpu"
                        else sparse) for e in head_map.entries]  # fmt: skip
+    return HeadMap(head_map.num_layers, head_map.num_kv_heads, entries)
+
+
+def with_budget_shares(head_map: HeadMap, shares: list[list[float]]) -> HeadMap:
+    """``head_map`` whose budgeted entries keep their budget times their measured share
+    (``shares[layer][kv_head]``, 1.0 = even): the uneven loads a share policy leaves. A
+    streaming entry keeps its sink and window."""
+    entries = [e if e.budget is None or e.pattern.startswith("streaming") else
+               replace(e, budget=max(1, round(e.budget * shares[e.layer][e.kv_head])))
+               for e in head_map.entries]  # fmt: skip
     return HeadMap(head_map.num_layers, head_map.num_kv_heads, entries)
