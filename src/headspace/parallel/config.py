@@ -19,7 +19,7 @@ def _option(default, help: str, *, choices=None):
 class ParallelConfig:
     """How kv heads are spread over ranks (each field is also a command-line flag)."""
 
-    gpus: int = _option(1, "GPUs the heads are spread over (under torchrun: the world size)")
+    gpus: int = _option(1, "GPUs the kv heads are spread over (plan prints each one's load)")
     balance: str = _option(
         "fairkv", "head-to-GPU solver: uniform (tensor-parallel blocks), random, greedy "
         "(longest first, then moves), ga (genetic search), fairkv (greedy, then fair-copying "
