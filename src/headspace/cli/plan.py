@@ -62,23 +62,23 @@ def run_plan(args) -> None:
     from dataclasses import replace
 
     from headspace.planner import PlanRequest, make_plan
-    from headspace.planner.profile import Profile
+    from headspace.planner.profile import Profile, budget_key
 
     context = parse_tokens(args.context)
     config = _model_config(args.model)
     if config is None:
         raise UserError(f"{args.model} is not a config.json")
     parallel = parallel_config(args)
+    profile = Profile.load(args.profile) if args.profile else None
     gpu, host = _budgets(args)
     dtype_bytes = 4 if args.dtype == "float32" else 2
     budget_tokens, entry_bound = _budget_tokens(args, context)
     request = PlanRequest(context, gpu, host, dtype_bytes, args.offload, args.head_group,
                           args.prefill_chunk, args.page_size, args.cpu_share,
                           args.gpu_window, budget_tokens, entry_bound,
-                          **_patterns(args, config))  # fmt: skip
+                          **_patterns(args, config, profile))  # fmt: skip
     plan = make_plan(config, request)
-    profile = Profile.load(args.profile) if args.profile else None
-    share_key = f"{args.kv_policy} {args.kv_budget}" if args.kv_budget is not None else None
+    share_key = None if args.kv_budget is None else budget_key(args.kv_policy, args.kv_budget)
     chosen, uniform = plan_balance(config, request, plan, parallel, profile, share_key)
     if chosen is not None:
         plan = replace(plan, head_map=chosen.head_map)
@@ -110,18 +110,16 @@ def _budget_tokens(args, context: int) -> tuple[int | None, int | None]:
     return budget.tokens(context), budget.most_held(context, context)
 
 
-def _patterns(args, config) -> dict:
-    """The request's pattern fields from ``--profile`` (none without one)."""
+def _patterns(args, config, profile) -> dict:
+    """The request's pattern fields from the ``--profile`` (none without one)."""
     from headspace.attention.patterns import Pattern
-    from headspace.planner.profile import Profile
 
-    if not args.profile:
+    if profile is None:
         return {}
     try:
         sparse = str(Pattern.parse(args.sparse_pattern))
     except ValueError as exc:
         raise UserError(f"--sparse-pattern: {exc}") from None
-    profile = Profile.load(args.profile)
     profile.check(config.num_layers, config.num_kv_heads)
     retrieval = tuple(tuple(row) for row in profile.retrieval)
     return {"retrieval": retrieval, "retrieval_heads": args.retrieval_heads,

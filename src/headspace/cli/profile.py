@@ -31,7 +31,7 @@ def run_profile(args) -> None:
     from headspace.engine.engine import Engine
     from headspace.eval.profile import budget_shares, pattern_costs, retrieval_scores
     from headspace.model.source import resolve_model_dir
-    from headspace.planner.profile import Profile
+    from headspace.planner.profile import Profile, budget_key
 
     if args.chunk < 1:
         raise UserError(f"--chunk must be a positive number of queries, got {args.chunk}")
@@ -48,7 +48,7 @@ def run_profile(args) -> None:
 
     scores, cases, prompts = retrieval_scores(engine.model, engine.tokenizer, encode, lengths,
                                               depths)  # fmt: skip
-    shares = {f"{SHARE_POLICY} {SHARE_BUDGET}": budget_shares(
+    shares = {budget_key(SHARE_POLICY, SHARE_BUDGET): budget_shares(
         engine.model, prompts, KVBudget(SHARE_BUDGET, SHARE_POLICY)).tolist()}  # fmt: skip
     group = model_config.num_heads // model_config.num_kv_heads
     costs = pattern_costs(group, model_config.head_dim, contexts, args.chunk, args.device)

@@ -30,24 +30,27 @@ PATTERNS = ("full", "streaming(4,1024)", "vertical_slash(1000,2048)", "block_spa
 
 
 class _Recorder:
-    """A dense attention callback for the lean model that keeps, for the last ``rows``
-    queries, each head's weights ``[heads, rows, keys]`` per layer."""
+    """A dense attention callback for the lean model that keeps, per layer, the last
+    ``rows`` queries ``[heads, rows, dim]`` and every key ``[kv heads, keys, dim]``."""
 
     def __init__(self, rows: int):
-        self.rows, self.weights = rows, {}
+        self.rows, self.queries, self.keys = rows, {}, {}
 
     def __call__(self, layer: int, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
-        q_first = q.transpose(0, 1)  # [heads, tokens, dim]
-        k, v = kv[0].transpose(0, 1), kv[1].transpose(0, 1)
-        out, _ = attend(q_first, k, v, causal=True)
-        group, num_keys = q.shape[1] // k.shape[0], k.shape[1]
-        last = q_first[:, -self.rows :].float()
-        logits = last @ k.float().repeat_interleave(group, 0).transpose(1, 2) * q.shape[-1] ** -0.5
+        q_first, k = q.transpose(0, 1), kv[0].transpose(0, 1)  # [heads, tokens, dim]
+        self.queries[layer], self.keys[layer] = q_first[:, -self.rows :], k
+        out, _ = attend(q_first, k, kv[1].transpose(0, 1), causal=True)
+        return out.transpose(0, 1)
+
+    def weights(self, layer: int) -> torch.Tensor:
+        """Each head's softmax weights of the last queries ``[heads, rows, keys]`` (causal)."""
+        q, k = self.queries[layer].float(), self.keys[layer].float()
+        group, num_keys = q.shape[0] // k.shape[0], k.shape[1]
+        logits = q @ k.repeat_interleave(group, 0).transpose(1, 2) * q.shape[-1] ** -0.5
         rows = torch.arange(num_keys - self.rows, num_keys, device=q.device)
         logits = logits.masked_fill(torch.arange(num_keys, device=q.device) > rows[:, None],
                                     float("-inf"))  # fmt: skip
-        self.weights[layer] = torch.softmax(logits, dim=-1)
-        return out.transpose(0, 1)
+        return torch.softmax(logits, dim=-1)
 
 
 def _find(haystack: list[int], piece: list[int]) -> int:
@@ -85,7 +88,7 @@ def retrieval_scores(model, tokenizer, encode, lengths: list[int], depths: list[
             # the query before answer token i predicts it; its source is source + i
             columns = torch.arange(source, source + len(answer), device=device)
             rows = torch.arange(len(answer), device=device)
-            per_layer = torch.stack([recorder.weights[layer][:, rows, columns].mean(1).cpu()
+            per_layer = torch.stack([recorder.weights(layer)[:, rows, columns].mean(1).cpu()
                                      for layer in range(config.num_layers)])  # fmt: skip
             total += per_layer
             cases.append({"length": len(prompt), "depth": depth, "source": source,
@@ -94,19 +97,6 @@ def retrieval_scores(model, tokenizer, encode, lengths: list[int], depths: list[
     group = config.num_heads // config.num_kv_heads
     scores = per_query_head.view(config.num_layers, config.num_kv_heads, group).amax(2)
     return scores, cases, prompts
-
-
-class _WindowRecorder:
-    """A dense attention callback keeping each layer's last ``window`` queries and its keys."""
-
-    def __init__(self, window: int):
-        self.window, self.queries, self.keys = window, {}, {}
-
-    def __call__(self, layer: int, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
-        q_first, k = q.transpose(0, 1), kv[0].transpose(0, 1)  # [heads, tokens, dim]
-        self.queries[layer], self.keys[layer] = q_first[:, -self.window :], k
-        out, _ = attend(q_first, k, kv[1].transpose(0, 1), causal=True)
-        return out.transpose(0, 1)
 
 
 @torch.inference_mode()
@@ -121,7 +111,7 @@ def budget_shares(model, prompts: list[list[int]], budget: KVBudget) -> torch.Te
         if selectable <= 0 or budget.tokens(len(prompt)) >= len(prompt):
             total += 1.0  # the budget keeps everything, or only the window: even
             continue
-        recorder = _WindowRecorder(window)
+        recorder = _Recorder(window)
         model(torch.tensor(prompt, device=device), torch.arange(len(prompt), device=device),
               recorder)  # fmt: skip
         scores = [observation_scores(recorder.queries[layer], recorder.keys[layer],

@@ -63,32 +63,16 @@ def output_mlp_block(
     gate_up_bias: torch.Tensor | None,
     down_weight: torch.Tensor,
     down_bias: torch.Tensor | None,
+    reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> torch.Tensor:
-    """Output projection + residual, then norm, SwiGLU MLP + residual: ``[tokens, hidden]``."""
-    x = x + F.linear(attn.reshape(x.shape[0], -1), o_weight, o_bias)
+    """Output projection + residual, then norm, SwiGLU MLP + residual: ``[tokens, hidden]``.
+    ``reduce`` (a layer holding part of the heads and of the MLP) sums the partial o_proj and
+    down_proj outputs before each residual."""
+    out = F.linear(attn.reshape(x.shape[0], -1), o_weight, o_bias)
+    x = x + (out if reduce is None else reduce(out))
     gate, up = F.linear(rms_norm(x, norm_weight, eps), gate_up_weight, gate_up_bias).chunk(2, -1)
-    return x + F.linear(F.silu(gate) * up, down_weight, down_bias)
-
-
-def output_mlp_reduced(
-    x: torch.Tensor,  # [tokens, hidden], the residual stream
-    attn: torch.Tensor,  # [tokens, heads held here, head_dim]
-    layer: DecoderLayer,
-    reduce: Callable[[torch.Tensor], torch.Tensor],
-) -> torch.Tensor:
-    """:func:`output_mlp_block` for a layer holding part of the heads and of the MLP: the
-    partial o_proj and down_proj outputs are summed by ``reduce`` before each residual."""
-    o, post, gate_up, down = (
-        layer.o_proj,
-        layer.post_attention_norm,
-        layer.gate_up_proj,
-        layer.down_proj,
-    )
-    x = x + reduce(F.linear(attn.reshape(x.shape[0], -1), o.weight, o.bias))
-    gate, up = F.linear(rms_norm(x, post.weight, post.eps), gate_up.weight, gate_up.bias).chunk(
-        2, -1
-    )
-    return x + reduce(F.linear(F.silu(gate) * up, down.weight, down.bias))
+    out = F.linear(F.silu(gate) * up, down_weight, down_bias)
+    return x + (out if reduce is None else reduce(out))
 
 
 class Blocks:
@@ -152,26 +136,17 @@ class DecoderLayer(nn.Module):
         norm, qkv = self.input_norm, self.qkv_proj
         q, kv = blocks.qkv(x, norm.weight, norm.eps, qkv.weight, qkv.bias, cos, sin, self.shape)
         attn = attention(layer_idx, q, kv)  # [tokens, heads, head_dim]
-        if self.reduce is not None:
-            return output_mlp_reduced(x, attn, self, self.reduce)
         post, o, gate_up, down = (
             self.post_attention_norm,
             self.o_proj,
             self.gate_up_proj,
             self.down_proj,
         )
-        return blocks.output_mlp(
-            x,
-            attn,
-            o.weight,
-            o.bias,
-            post.weight,
-            post.eps,
-            gate_up.weight,
-            gate_up.bias,
-            down.weight,
-            down.bias,
-        )
+        weights = (o.weight, o.bias, post.weight, post.eps, gate_up.weight, gate_up.bias,
+                   down.weight, down.bias)  # fmt: skip
+        if self.reduce is not None:  # a sharded layer: eager, its sums are collectives
+            return output_mlp_block(x, attn, *weights, reduce=self.reduce)
+        return blocks.output_mlp(x, attn, *weights)
 
 
 class LlamaModel(nn.Module):

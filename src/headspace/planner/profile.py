@@ -68,6 +68,11 @@ def with_patterns(head_map: HeadMap, retrieval: list[list[float]], retrieval_hea
     return HeadMap(head_map.num_layers, head_map.num_kv_heads, entries)
 
 
+def budget_key(policy: str, budget: float | int) -> str:
+    """The key of a profile's ``budget_shares`` measured under ``policy`` at ``budget``."""
+    return f"{policy} {budget}"
+
+
 def with_budget_shares(head_map: HeadMap, shares: list[list[float]]) -> HeadMap:
     """``head_map`` whose budgeted entries keep their budget times their measured share
     (``shares[layer][kv_head]``, 1.0 = even): the uneven loads a share policy leaves. A

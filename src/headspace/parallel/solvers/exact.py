@@ -21,7 +21,7 @@ def solve(costs: Sequence[HeadCost], num_ranks: int, *, replicas: int = 0,
     order = sorted(range(len(costs)), key=lambda h: -costs[h].total)
     work = [costs[h].total for h in order]
     best_ranks = greedy.improve(costs, greedy.lpt_ranks(costs, num_ranks), num_ranks)
-    best = _makespan(costs, best_ranks, num_ranks)
+    best = makespan(costs, single(best_ranks), num_ranks)
     lower = max(max(work, default=0.0), sum(work) / num_ranks)
     loads, counts, chosen = [0.0] * num_ranks, [0] * num_ranks, [0] * len(order)
 
@@ -52,10 +52,3 @@ def solve(costs: Sequence[HeadCost], num_ranks: int, *, replicas: int = 0,
     if makespan(costs, contiguous, num_ranks) < best:
         return contiguous
     return single(best_ranks)
-
-
-def _makespan(costs: Sequence[HeadCost], ranks: list[int], num_ranks: int) -> float:
-    loads = [0.0] * num_ranks
-    for cost, rank in zip(costs, ranks, strict=True):
-        loads[rank] += cost.total
-    return max(loads)
