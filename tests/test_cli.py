@@ -184,7 +184,8 @@ def _non_default(f):
               "gpu_memory": ("3GiB", "3GiB"), "host_memory": ("5GiB", "5GiB"),
               "cpu_share": ("0.25", 0.25), "kv_policy": ("ada_snapkv", "ada_snapkv"),
               "profile": ("smol.json", "smol.json"), "retrieval_heads": ("0.5", 0.5),
-              "sparse_pattern": ("streaming(4,64)", "streaming(4,64)")}  # fmt: skip
+              "sparse_pattern": ("streaming(4,64)", "streaming(4,64)"),
+              "balance": ("greedy", "greedy"), "balance_phase": ("decode", "decode")}  # fmt: skip
     if f.name in values:
         return values[f.name]
     if f.type == "bool":
@@ -192,17 +193,22 @@ def _non_default(f):
     return "7", 7
 
 
-@pytest.mark.parametrize("command", ["generate", "eval"])
-@pytest.mark.parametrize(
-    "field", [f.name for f in __import__("dataclasses").fields(__import__(
-        "headspace.engine.config", fromlist=["EngineConfig"]).EngineConfig)]
-)  # fmt: skip
-def test_every_engine_flag_reaches_the_engine(monkeypatch, capsys, field, command):
+def _engine_flags() -> dict:
+    """Every flag a command running the engine derives from a config field: the
+    EngineConfig fields with help text, and the head-parallel ones (ParallelConfig's)."""
     from dataclasses import fields
 
     from headspace.engine.config import EngineConfig
+    from headspace.parallel.config import ENGINE_FIELDS, ParallelConfig
 
-    f = next(f for f in fields(EngineConfig) if f.name == field)
+    flags = {f.name: f for f in fields(EngineConfig) if "help" in f.metadata}
+    return flags | {f.name: f for f in fields(ParallelConfig) if f.name in ENGINE_FIELDS}
+
+
+@pytest.mark.parametrize("command", ["generate", "eval"])
+@pytest.mark.parametrize("field", list(_engine_flags()))
+def test_every_engine_flag_reaches_the_engine(monkeypatch, capsys, field, command):
+    f = _engine_flags()[field]
     argument, expected = _non_default(f)
     flag = "--" + field.replace("_", "-")
     if argument is None:  # a boolean: --flag or --no-flag
@@ -221,7 +227,7 @@ def test_every_engine_flag_reaches_the_engine(monkeypatch, capsys, field, comman
     else:
         code = main(["eval", "niah", "--lengths", "1k", *args])
     assert code == 130 and seen[field] == expected
-    assert set(seen) == {f.name for f in fields(EngineConfig)}
+    assert set(seen) == set(_engine_flags())
 
 
 def test_generate_with_a_budget_below_the_weights_exits_with_the_numbers(capsys):

@@ -10,9 +10,12 @@ from tqdm import tqdm
 
 from headspace.engine.config import EngineConfig
 from headspace.engine.engine import Engine, RequestOutput
+from headspace.engine.ranks import join
 from headspace.engine.sampling import SamplingParams
 from headspace.errors import UserError
 from headspace.model.source import resolve_model_dir
+from headspace.parallel.config import ENGINE_FIELDS, ParallelConfig
+from headspace.parallel.dist import rank_zero_first
 
 
 class LLM:
@@ -21,7 +24,10 @@ class LLM:
     ``model``: a checkpoint directory (config.json + safetensors + tokenizer), a ``.gguf``
     file, or None for the embedded SmolLM2-135M-Instruct. ``device``: "cpu" or "cuda[:N]".
     ``dtype``: "float32", "bfloat16" or "float16" (default: float32 on CPU, bfloat16 on GPU).
-    Other keyword options are fields of :class:`headspace.engine.config.EngineConfig`.
+    Other keyword options are fields of :class:`headspace.engine.config.EngineConfig`, or
+    of :class:`headspace.parallel.config.ParallelConfig` (``balance``, ``replicas``,
+    ``balance_phase``: how kv heads are spread over the ranks when the script runs under
+    ``torchrun``, which sets their number).
     """
 
     def __init__(
@@ -31,11 +37,17 @@ class LLM:
         dtype: str | None = None,
         **engine_options,
     ):
-        unknown = set(engine_options) - set(EngineConfig.__dataclass_fields__)
+        parallel_names = set(ENGINE_FIELDS)
+        unknown = set(engine_options) - set(EngineConfig.__dataclass_fields__) - parallel_names
         if unknown:
             raise UserError(f"unknown engine option(s): {', '.join(sorted(unknown))}")
-        self.config = EngineConfig(device=device, dtype=dtype, **engine_options)
-        self.model_dir = resolve_model_dir(model, self.config.dtype)
+        parallel = {k: engine_options.pop(k) for k in parallel_names & set(engine_options)}
+        if parallel:
+            engine_options["parallel"] = ParallelConfig(**parallel)
+        # under torchrun: the process group and this rank's GPU; rank 0 converts a model
+        # (the embedded one for a new dtype, a .gguf) before the others look for it
+        self.config = join(EngineConfig(device=device, dtype=dtype, **engine_options))
+        self.model_dir = rank_zero_first(lambda: resolve_model_dir(model, self.config.dtype))
         self.engine = Engine(self.model_dir, self.config)
         self.last_output: RequestOutput | None = None
 

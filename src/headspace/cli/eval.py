@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from headspace.cli.options import add_engine_parallel_options
 from headspace.errors import UserError
 
 
@@ -50,6 +51,7 @@ def add_eval_parser(subparsers, add_engine_options) -> None:
         "keep every token, the others --sparse-pattern); flags differences",
     )  # fmt: skip
     add_engine_options(p)
+    add_engine_parallel_options(p)
     p.set_defaults(parse_tokens=parse_tokens)
 
 
@@ -117,6 +119,7 @@ def _number(text: str, mode: str, what: str) -> float:
 def run_eval(args, options: dict) -> None:
     from headspace.api import LLM
     from headspace.eval import run
+    from headspace.parallel.dist import is_first_rank
 
     modes = args.compare or [options["offload"]]
     results = {}
@@ -129,6 +132,8 @@ def run_eval(args, options: dict) -> None:
         results[mode] = rows
         suffix = f"_{mode.replace(':', '-')}" if args.compare else ""  # each mode as it ends
         out = Path(args.output)
+        if not is_first_rank():  # under torchrun, rank 0 writes the files
+            continue
         run.write_csv(rows, out / f"{args.suite}{suffix}.csv")
         if args.suite == "niah":
             run.niah_heatmap(rows, out / f"niah{suffix}.png", f"needle in a haystack ({mode})")

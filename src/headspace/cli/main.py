@@ -7,7 +7,7 @@ import os
 import sys
 
 from headspace.cli.eval import add_eval_parser, run_eval
-from headspace.cli.options import add_engine_options, engine_options
+from headspace.cli.options import add_engine_options, add_engine_parallel_options, engine_options
 from headspace.cli.plan import add_plan_parser, run_plan
 from headspace.cli.profile import add_profile_parser, run_profile
 from headspace.errors import UserError
@@ -31,6 +31,7 @@ def _add_generate(subparsers) -> None:
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--chat", action="store_true", help="apply the tokenizer's chat template")
     add_engine_options(p)
+    add_engine_parallel_options(p)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -81,8 +82,20 @@ def _generate(args) -> None:
     print(llm.last_output.stats.summary(), file=sys.stderr)
 
 
+def _quiet_other_ranks() -> bool:
+    """Under torchrun only rank 0 writes (the output, progress bars, one-line errors); the
+    others keep stderr for tracebacks only. Returns whether this rank is quiet."""
+    from headspace.parallel.dist import is_first_rank
+
+    if is_first_rank():
+        return False
+    sys.stdout = sys.stderr = open(os.devnull, "w")  # noqa: SIM115 (kept for the process)
+    return True
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
+    quiet = _quiet_other_ranks()
     try:
         args = parser.parse_args(argv)
         if args.command is None:
@@ -102,6 +115,10 @@ def main(argv: list[str] | None = None) -> int:
     except MemoryError:
         print("error: out of memory: lower --prefill-chunk or the context", file=sys.stderr)
         return 2
+    except BaseException:
+        if quiet:  # a bug on another rank: its traceback still shows
+            sys.stderr = sys.__stderr__
+        raise
     return 0
 
 

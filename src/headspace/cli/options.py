@@ -27,8 +27,8 @@ def add_config_options(p, config_class, names: tuple[str, ...] | None = None,
     """One flag per documented field of the dataclass ``config_class``."""
     defaults = defaults or {}
     for f in fields(config_class):
-        if names is not None and f.name not in names:
-            continue
+        if (names is not None and f.name not in names) or "help" not in f.metadata:
+            continue  # a field without help (a nested config) has its own flags
         flag = "--" + f.name.replace("_", "-")
         default = defaults.get(f.name, f.metadata.get("cli_default", f.default))
         help_text = f.metadata["help"].replace("%", "%%")
@@ -43,9 +43,21 @@ def add_config_options(p, config_class, names: tuple[str, ...] | None = None,
                        help=help_text)  # fmt: skip
 
 
+def add_engine_parallel_options(p) -> None:
+    """The :class:`ParallelConfig` flags a command running the engine under torchrun takes."""
+    from headspace.parallel.config import ENGINE_FIELDS, ParallelConfig
+
+    add_config_options(p, ParallelConfig, ENGINE_FIELDS)
+
+
 def engine_options(args) -> dict:
-    """LLM keyword arguments: every EngineConfig field, as parsed."""
-    return {f.name: getattr(args, f.name) for f in fields(EngineConfig)}
+    """LLM keyword arguments: every EngineConfig flag, as parsed, and the head-parallel
+    ones where the command has them."""
+    options = {f.name: getattr(args, f.name) for f in fields(EngineConfig) if "help" in f.metadata}
+    from headspace.parallel.config import ENGINE_FIELDS
+
+    options.update({name: getattr(args, name) for name in ENGINE_FIELDS if hasattr(args, name)})
+    return options
 
 
 def parallel_config(args):

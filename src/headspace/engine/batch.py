@@ -23,6 +23,7 @@ from headspace.engine.detokenize import StopStringStreamer
 from headspace.engine.memory import host_budget, kv_arena_bytes, prefill_chunk_size
 from headspace.engine.outputs import GenerationStats, RequestOutput
 from headspace.engine.paged_runner import PagedRunner
+from headspace.engine.ranks import Ranks
 from headspace.engine.sampling import SamplingParams, make_generator, sample
 from headspace.engine.scheduler import Scheduler, Sequence
 from headspace.errors import UserError
@@ -30,6 +31,7 @@ from headspace.kv.block_table import GPU, HOST
 from headspace.kv.host_store import HostKVArena
 from headspace.kv.page_pool import OutOfPages
 from headspace.model.llama import LlamaModel
+from headspace.parallel.dist import all_reduce_min, broadcast_
 from headspace.planner.entry_offload import entry_step_seconds, plan_entries
 from headspace.planner.head_map import HeadMap
 from headspace.planner.memory import Hardware, KVSpec
@@ -68,19 +70,24 @@ class BatchGenerator:
     """Generates for many prompts at once over the tiers of the current plan."""
 
     def __init__(self, model: LlamaModel, tokenizer, config: EngineConfig,
-                 eos_token_ids: set[int], max_context: int,
-                 profile: Profile | None = None):  # fmt: skip
+                 eos_token_ids: set[int], max_context: int, profile: Profile | None = None,
+                 ranks: Ranks | None = None):  # fmt: skip
         self.model, self.tokenizer, self.config = model, tokenizer, config
-        self.eos_token_ids, self.max_context = eos_token_ids, max_context
+        self.eos_token_ids, self.max_context, self.ranks = eos_token_ids, max_context, ranks
         cfg, dtype = model.config, config.torch_dtype
         self.spec = KVSpec.of(cfg, config.page_size, dtype.itemsize)
         self.weight_bytes = weights = sum(p.nbytes for p in model.parameters())
         self.chunk = prefill_chunk_size(cfg, config, weights, max_context)
+        if ranks is not None:  # the same chunks on every rank (their collectives pair up)
+            self.chunk = all_reduce_min(self.chunk, config.device)
         arena = kv_arena_bytes(cfg, config, self.spec, weights, self.chunk, max_context)
+        if ranks is not None:  # the same pages on every rank
+            self.spec, arena = ranks.pages(self.spec, arena, config.device)
         host = HostKVArena(self.spec, dtype, pin=config.on_gpu,
                            budget=host_budget(config.host_memory))  # fmt: skip
         self.runner = PagedRunner(model, config, self.spec, arena, host, 2 * config.max_batch,
-                                  max_context, profile)  # fmt: skip
+                                  max_context, profile,
+                                  ranks.layout if ranks else None)  # fmt: skip
         # the planner's rates (no CPU attention where the kernel does not build); with
         # ``offload="auto"`` the hybrid tier is considered only on a GPU machine
         self.hardware = Hardware() if kernel_isa() is not None else Hardware(cpu_attention_bytes=0)
@@ -98,6 +105,8 @@ class BatchGenerator:
         config = self.config
         if config.per_head_pages:
             return self._entry_plan(seqs, what)
+        if self.ranks is not None:
+            return self.ranks.plan(self.spec, self.runner.store.num_bytes, total, what)
         plan = plan_batch(self.spec, self.runner.store.num_bytes, total, offload=config.offload,
                           head_group=config.head_group, host_budget=self.runner.host.budget,
                           what=what, hw=self.hardware, cpu_share=config.hybrid_cpu_share,
@@ -180,6 +189,7 @@ class BatchGenerator:
         if scheduler is not None:
             scheduler.tiers = self.tiers
             swaps = self.config.offload != "none" and not self.config.per_head_pages
+            swaps = swaps and self.ranks is None  # under torchrun: no host tier yet
             scheduler.optimistic = not streams and swaps
             scheduler.host_room = self._host_room
 
@@ -281,12 +291,16 @@ class BatchGenerator:
             return self.runner.prefill(seq, self.chunk, on_chunk=bar.update, slot=seq.slot)
 
     def _sample(self, batch: list[Sequence], logits: torch.Tensor) -> None:
-        """Sampled rows overwrite the greedy pick in their slot (on the device, no sync)."""
+        """Sampled rows overwrite the greedy pick in their slot (on the device, no sync);
+        under torchrun every rank takes rank 0's tokens."""
+        sampled = False
         for row, seq in enumerate(batch):
-            request = self._by_id[seq.seq_id]
-            if request.params.temperature > 0:
-                token = sample(logits[row], request.params, request.generator)
-                self.runner.tokens[seq.slot] = token
+            params, generator = self._by_id[seq.seq_id].params, self._by_id[seq.seq_id].generator
+            if params.temperature > 0:
+                self.runner.tokens[seq.slot] = sample(logits[row], params, generator)
+                sampled = True
+        if sampled and self.ranks is not None:
+            broadcast_(self.runner.tokens)
 
     def _read(self, batch: list[Sequence], tokens: torch.Tensor) -> _Read:
         """Start copying ``tokens`` (a fresh tensor) of ``batch`` to the host; until they

@@ -10,6 +10,7 @@ import torch
 from headspace.attention.patterns import Pattern
 from headspace.budgets import POLICIES, POOL, KVBudget
 from headspace.errors import UserError
+from headspace.parallel.config import ParallelConfig
 from headspace.planner.entry_offload import check_offload
 from headspace.planner.plan import OFFLOAD_MODES
 
@@ -115,8 +116,12 @@ class EngineConfig:
         "tokens at decode), vertical_slash(columns,diagonals) or block_sparse(blocks) (each "
         "chunk's pattern estimated from its queries; decode attends every token)",
     )  # fmt: skip
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)  # under torchrun: how
+    # kv heads are spread over the ranks (its own flags; ``gpus`` is the world size)
 
     def __post_init__(self):
+        if not isinstance(self.parallel, ParallelConfig):
+            raise UserError(f"parallel must be a ParallelConfig, got {self.parallel!r}")
         if self.dtype is None:
             self.dtype = "bfloat16" if self.device.startswith("cuda") else "float32"
         if self.dtype not in DTYPES:

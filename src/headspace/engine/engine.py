@@ -10,6 +10,7 @@ import torch
 from headspace.engine.batch import BatchGenerator
 from headspace.engine.config import EngineConfig
 from headspace.engine.outputs import GenerationStats, RequestOutput
+from headspace.engine.ranks import join, setup_ranks
 from headspace.engine.sampling import SamplingParams
 from headspace.errors import UserError
 from headspace.model.config import load_config
@@ -37,6 +38,7 @@ class Engine:
 
     def __init__(self, model_dir: Path, config: EngineConfig):
         load_config(model_dir)  # refuse a bad directory before the slower loads
+        config = join(config)  # under torchrun: the process group, this rank's GPU
         tokenizer = _load_tokenizer(model_dir)
         self._setup(load_model(model_dir, config.device, config.torch_dtype), tokenizer, config)
 
@@ -56,6 +58,8 @@ class Engine:
         if config.profile is not None:
             self.profile = Profile.load(config.profile)
             self.profile.check(model_cfg.num_layers, model_cfg.num_kv_heads)
+        # under torchrun: the heads balanced over the ranks, the model sharded for this one
+        self.ranks = setup_ranks(model, config, self.profile, self.max_context)
         eos = set(model_cfg.eos_token_ids)
         if getattr(tokenizer, "eos_token_id", None) is not None:
             eos.add(tokenizer.eos_token_id)
@@ -67,7 +71,7 @@ class Engine:
         if self._batch is None:
             self._batch = BatchGenerator(self.model, self.tokenizer, self.config,
                                          self.eos_token_ids, self.max_context,
-                                         self.profile)  # fmt: skip
+                                         self.profile, self.ranks)  # fmt: skip
         return self._batch
 
     def encode(self, prompt: str, chat: bool = False) -> list[int]:

@@ -78,6 +78,13 @@ def attend_tiers(executors: list, layer: int, q: torch.Tensor, kv: torch.Tensor)
     return out
 
 
+def chunk_slots(store: PagedKVStore, step: StepInputs) -> tuple[torch.Tensor, torch.Tensor]:
+    """A prefill chunk's sequence pages ``[pages]`` on the device and its tokens' slots
+    ``[tokens]`` in them."""
+    pages = torch.tensor(step.pages["gpu"][0], device=store.buffer.device)
+    return pages, store.slots(pages, step.positions)
+
+
 def padded_positions(num_keys: int, device) -> torch.Tensor:
     """Positions ``0 .. num_keys - 1`` padded to :func:`padded_length` by repeating the last
     one (a patterned prefill gathers its keys there; padding keys are never seen)."""
@@ -103,8 +110,7 @@ class ResidentExecutor:
         self.step = step
         device = self.store.buffer.device
         if not step.decode:
-            self.pages = torch.tensor(step.pages["gpu"][0], device=device)
-            self.slots = self.store.slots(self.pages, step.positions)
+            self.pages, self.slots = chunk_slots(self.store, step)
             if any(self.patterns):
                 self.num_keys = step.start + len(step.positions)
                 positions = padded_positions(self.num_keys, device)

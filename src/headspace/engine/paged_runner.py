@@ -17,6 +17,7 @@ from headspace.attention.patterns import Pattern
 from headspace.budgets import KVBudget
 from headspace.engine.budget import BudgetExecutor
 from headspace.engine.config import EngineConfig
+from headspace.engine.copies import CopyExecutor
 from headspace.engine.entry_staging import EntryStaging
 from headspace.engine.executors import (
     MIN_WIDTH,
@@ -35,6 +36,8 @@ from headspace.kv.host_store import HostKVArena
 from headspace.kv.paged_store import PagedKVStore
 from headspace.kv.transfer import as_heads, copy_pages
 from headspace.model.llama import LlamaModel
+from headspace.parallel.dist import all_gather_stack
+from headspace.parallel.placement import RankLayout
 from headspace.planner.memory import KVSpec
 from headspace.planner.plan import Plan
 from headspace.planner.profile import Profile
@@ -55,7 +58,7 @@ def _ranges(plan: Plan, layer: int) -> tuple[tuple[int, int] | None, list[tuple[
     return ((0, num_resident) if num_resident else None), groups
 
 
-def _patterns(plan: Plan, layer: int, kv_heads: range, q_per_kv: int) -> list[Pattern] | None:
+def _patterns(plan: Plan, layer: int, kv_heads, q_per_kv: int) -> list[Pattern] | None:
     """The prefill patterns of ``layer``'s ``kv_heads``, one per query head; None when all
     are full."""
     patterns = [Pattern.parse(plan.head_map.entry(layer, h).pattern) for h in kv_heads]
@@ -69,8 +72,10 @@ class PagedRunner:
 
     def __init__(self, model: LlamaModel, config: EngineConfig, spec: KVSpec, arena_bytes: int,
                  host: HostKVArena, max_slots: int, max_context: int,
-                 profile: Profile | None = None):  # fmt: skip
+                 profile: Profile | None = None,
+                 layout: RankLayout | None = None):  # fmt: skip
         self.model, self.config, self.spec, self.host = model, config, spec, host
+        self.layout = layout  # one rank's heads under torch.distributed (None: all heads)
         self.max_context = max_context
         self.device = torch.device(config.device)
         self.store = PagedKVStore(spec, arena_bytes, dtype=config.torch_dtype, device=self.device)
@@ -108,6 +113,8 @@ class PagedRunner:
             return
         if self.config.per_head_pages:
             return self._apply_entry_pages(plan, key)
+        if self.layout is not None:
+            return self._apply_rank(plan, key)
         cfg = self.model.config
         ranges = [_ranges(plan, layer) for layer in range(cfg.num_layers)]
         staging = plan.staging
@@ -130,6 +137,25 @@ class PagedRunner:
                                                  [g for _, g in ranges], q_per_kv,
                                                  self.page_size, backend,
                                                  self._cpu_split(plan)))  # fmt: skip
+
+    def _apply_rank(self, plan: Plan, key: tuple) -> None:
+        """One rank's heads, all resident: its own heads' pages (layers ``0..L-1`` of the
+        arena) and its copies' (layers ``L..2L-1``); ``plan.head_map`` is the whole map."""
+        layout, q_per_kv = self.layout, self.model.config.num_queries_per_kv
+        backend = self.config.attention_backend
+        own, copies = [len(h) for h in layout.own], [len(c) for c in layout.copies]
+        self.store.layout(own + copies, plan.num_gpu_pages)
+        self.blocks.reset(plan.num_gpu_pages, drop_host_cache=self._layout is None)
+        self.plan, self._layout = plan, key
+        self._layout_id = self._layout_ids.setdefault(key, len(self._layout_ids))
+        own_patterns = [_patterns(plan, layer, heads, q_per_kv) if heads else None
+                        for layer, heads in enumerate(layout.own)]  # fmt: skip
+        copy_patterns = [[Pattern.parse(plan.head_map.entry(layer, c.kv_head).pattern)
+                          for c in cs] for layer, cs in enumerate(layout.copies)]  # fmt: skip
+        ranges = [(0, n) if n else None for n in own]
+        self.executors = [ResidentExecutor(self.store, ranges, q_per_kv, backend, own_patterns),
+                          CopyExecutor(self.store, layout, q_per_kv, backend, copy_patterns,
+                                       all_gather_stack)]  # fmt: skip
 
     def _apply_entry_pages(self, plan: Plan, key: tuple) -> None:
         """KV budgets and streaming heads: the arena is one plane of entry pages ``[2,
@@ -207,6 +233,8 @@ class PagedRunner:
         """The CUDA graphs of this layout's decode step, None without CUDA graphs (kept per
         layout while the host pages they address stay where they are)."""
         if self.device.type != "cuda" or not self.config.cuda_graph or self.plan is None:
+            return None
+        if self.layout is not None:  # copies build their key ranges on the host each step
             return None
         if self.plan.entry_staging:  # offloaded entries stage by their lengths, step by step
             return None

@@ -8,6 +8,9 @@ from headspace.errors import UserError
 from headspace.parallel.solvers import SOLVERS
 
 PHASES = ("auto", "prefill", "decode")
+# the fields the engine takes as options under torchrun (``gpus`` is the world size there,
+# and ``seed`` would read as sampling's)
+ENGINE_FIELDS = ("balance", "replicas", "balance_phase")
 
 
 def _option(default, help: str, *, choices=None):

@@ -3,6 +3,7 @@ on the CPU) and the sum over ranks that a sharded layer's ``reduce`` calls."""
 
 from __future__ import annotations
 
+import atexit
 import os
 
 import torch
@@ -20,10 +21,62 @@ def init_from_env(device: str = "cpu") -> tuple[int, int]:
         if backend == "nccl":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
         dist.init_process_group(backend)
+        atexit.register(_leave)
     return dist.get_rank(), dist.get_world_size()
+
+
+def _leave() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def all_reduce_sum(partial: torch.Tensor) -> torch.Tensor:
     """The sum of every rank's ``partial`` (same shape everywhere), in place."""
     dist.all_reduce(partial, op=dist.ReduceOp.SUM)
     return partial
+
+
+def rank_zero_first(work):
+    """``work()`` on rank 0, then on the others (e.g. a conversion the others then find
+    done); just ``work()`` outside a process group."""
+    if not dist.is_initialized():
+        return work()
+    if dist.get_rank() == 0:
+        result = work()
+        dist.barrier()
+        return result
+    dist.barrier()
+    return work()
+
+
+def all_gather_stack(part: torch.Tensor) -> torch.Tensor:
+    """Every rank's ``part`` (same shape everywhere), stacked: ``[world, *part.shape]``."""
+    parts = [torch.empty_like(part) for _ in range(dist.get_world_size())]
+    dist.all_gather(parts, part.contiguous())
+    return torch.stack(parts)
+
+
+def all_reduce_min(value: int, device: str = "cpu") -> int:
+    """The smallest of every rank's ``value``."""
+    tensor = torch.tensor([value], dtype=torch.long, device=device)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MIN)
+    return int(tensor.item())
+
+
+def broadcast_object(obj, src: int = 0):
+    """Rank ``src``'s ``obj`` (picklable), on every rank."""
+    box = [obj]
+    dist.broadcast_object_list(box, src=src)
+    return box[0]
+
+
+def broadcast_(tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
+    """Rank ``src``'s ``tensor`` copied into every rank's, in place."""
+    dist.broadcast(tensor, src=src)
+    return tensor
+
+
+def is_first_rank() -> bool:
+    """Whether this process is rank 0 of torchrun's (or the only process): the one that
+    writes output."""
+    return int(os.environ.get("RANK", "0")) == 0

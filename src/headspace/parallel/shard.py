@@ -75,13 +75,16 @@ def _first_rank(bias: torch.Tensor | None, rank: int) -> torch.Tensor | None:
 
 
 def shard_model(model: nn.Module, head_map: HeadMap, rank: int, world: int,
-                reduce: Callable[[torch.Tensor], torch.Tensor]) -> list[list[int]]:  # fmt: skip
+                reduce: Callable[[torch.Tensor], torch.Tensor],
+                heads: list[list[int]] | None = None) -> list[list[int]]:  # fmt: skip
     """Shard every decoder layer of ``model`` for ``rank`` of ``world`` by ``head_map``'s
-    ranks; returns the kv heads it keeps per layer. A head copied on several ranks keeps its
+    ranks; returns the kv heads it keeps per layer, in ``heads``' order when given (e.g. a
+    :class:`~headspace.parallel.placement.RankLayout`'s: own heads, then copies), else
+    ascending. A head copied on several ranks keeps its
     whole weights on each; the attention callback must then attend only the copy's token
     range and scale its part by the copy's share of the log-sum-exp merge (its ``shares``),
     or the all-reduce counts the head once per copy."""
-    heads = rank_heads(head_map, rank)
+    heads = heads if heads is not None else rank_heads(head_map, rank)
     for layer, kv_heads in zip(model.layers, heads, strict=True):
         shard_layer(layer, kv_heads, rank, world, reduce)
     return heads

@@ -1,0 +1,163 @@
+"""The copies one rank computes of kv heads shared with other ranks (fair-copying).
+
+Every copy stores its head's whole K/V, in its own pages beside the rank's own heads
+(``store.kv[num_layers + layer]``), and divides the head's attention with the other copies:
+at prefill each copy attends every key for its share of the chunk's query rows and leaves
+the other rows zero; at decode each attends its page-aligned range of each sequence's keys,
+and the copies' log-sum-exps are exchanged across ranks so that each scales its part by its
+weight in the merge. Either way the all-reduce after o_proj sums the copies into the head's
+exact attention.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from headspace.attention import attend
+from headspace.attention.cpu_decode import cpu_paged_decode
+from headspace.attention.entry_decode import new_token_slots
+from headspace.attention.paged import gather_pages
+from headspace.attention.patterns import Pattern
+from headspace.attention.sparse_prefill import prefill_with_patterns
+from headspace.engine.executors import (
+    StepInputs,
+    block_table,
+    bucket,
+    chunk_slots,
+    padded_positions,
+)
+from headspace.kv.paged_store import PagedKVStore
+from headspace.parallel.placement import Copy, RankLayout, copy_keys, copy_rows
+
+
+class CopyExecutor:
+    """Attends this rank's copies of shared heads; ``exchange(lse)`` returns every rank's
+    ``lse`` stacked ``[world, ...]`` (an all-gather). A layer with a copy on any rank calls
+    it at decode on every rank, with ``-inf`` where this rank holds no copy."""
+
+    def __init__(self, store: PagedKVStore, layout: RankLayout, q_per_kv: int, backend: str,
+                 patterns: list[list[Pattern]],
+                 exchange: Callable[[torch.Tensor], torch.Tensor]):  # fmt: skip
+        self.store, self.layout, self.q_per_kv, self.backend = store, layout, q_per_kv, backend
+        self.patterns, self.exchange = patterns, exchange  # patterns: [layer][copy]
+        self.page_size = store.page_size
+        # layer -> (each copy's lse [seqs, q_per_kv], the copies' heads of the output)
+        self._parts: dict[int, tuple[list[torch.Tensor], torch.Tensor]] = {}
+
+    def _store_kv(self, layer: int) -> torch.Tensor:
+        """This rank's copies of ``layer`` in the arena: ``[2, copies, slots, dim]``."""
+        return self.store.kv[self.layout.num_layers + layer]  # [2, copies, slots, dim]
+
+    def begin(self, step: StepInputs) -> None:
+        """A new forward pass: the chunk's slots (prefill) or the new tokens' (decode)."""
+        self.step = step
+        if not step.decode:
+            self.pages, self.slots = chunk_slots(self.store, step)
+            self.num_keys = step.start + len(step.positions)
+            return
+        self.new_slots = new_token_slots(step.tables["gpu"], step.lengths - 1, self.page_size)
+        self._ranges: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def submit(self, layer: int, q: torch.Tensor, kv: torch.Tensor, out: torch.Tensor) -> None:
+        """``q [tokens, heads, dim]``, ``kv [2, tokens, kv_heads, dim]`` of this rank's heads of
+        the layer (its own first); each copy's result goes into its heads of ``out``."""
+        copies = self.layout.copies[layer]
+        if not copies:
+            return
+        first = len(self.layout.own[layer])
+        heads = slice(first * self.q_per_kv, None)
+        q_part, kv_part, out_part = q[:, heads], kv[:, :, first:], out[:, heads]
+        store_kv = self._store_kv(layer)
+        if self.step.decode:
+            store_kv[:, :, self.new_slots] = kv_part.transpose(1, 2)  # [2, copies, seqs, dim]
+            self._parts[layer] = self._decode(store_kv, copies, q_part, out_part), out_part
+        else:
+            store_kv.index_copy_(2, self.slots, kv_part.transpose(1, 2))
+            for j, copy in enumerate(copies):
+                cols = slice(j * self.q_per_kv, (j + 1) * self.q_per_kv)
+                out_part[:, cols] = self._prefill(layer, j, copy, store_kv, q_part[:, cols])
+
+    def collect(self, layer: int) -> None:
+        """At decode, the layer's log-sum-exp exchange (every rank, when any copies it) and
+        each copy's part scaled by its weight in the merge."""
+        if not self.step.decode or not self.layout.num_copied[layer]:
+            return
+        lse, out = self._parts.pop(layer, (None, None))
+        num_seqs = len(self.step.positions_list)
+        mine = torch.full((num_seqs, self.layout.num_copied[layer], self.q_per_kv), -torch.inf,
+                          device=self.store.buffer.device)  # fmt: skip
+        copies = self.layout.copies[layer]
+        for j, copy in enumerate(copies):
+            mine[:, copy.slot] = lse[j]
+        total = torch.logsumexp(self.exchange(mine), dim=0)  # [seqs, copied, q_per_kv]
+        if not copies:
+            return
+        for j, copy in enumerate(copies):
+            weight = torch.exp(mine[:, copy.slot] - total[:, copy.slot])[..., None]
+            cols = slice(j * self.q_per_kv, (j + 1) * self.q_per_kv)
+            out[:, cols] = (out[:, cols].float().nan_to_num(0.0) * weight).to(out.dtype)
+
+    def _prefill(self, layer: int, j: int, copy: Copy, store_kv: torch.Tensor,
+                 q: torch.Tensor) -> torch.Tensor:  # fmt: skip
+        """Copy ``j``'s rows of the chunk, ``q [tokens, q_per_kv, dim]`` -> the same shape,
+        zero outside its rows."""
+        start, num_rows = self.step.start, q.shape[0]
+        lo, hi = copy_rows(start, num_rows, copy.shares, copy.index)
+        result = torch.zeros_like(q)
+        if hi == lo:
+            return result
+        head_kv = store_kv[:, j : j + 1]  # [2, 1, slots, dim]
+        pattern = self.patterns[layer][j]
+        if not pattern.is_full:  # every row, then keep its own
+            slots = self.store.slots(self.pages, padded_positions(self.num_keys, q.device))
+            keys = head_kv.index_select(2, slots)
+            patterns = [pattern] * self.q_per_kv
+            out, _ = prefill_with_patterns(q.transpose(0, 1), keys[0], keys[1], self.num_keys,
+                                           patterns, backend=self.backend)  # fmt: skip
+            result[lo:hi] = out.transpose(0, 1)[lo:hi]
+            return result
+        k, v = gather_pages(head_kv, self.pages, start + hi, self.page_size)
+        out, _ = attend(q[lo:hi].transpose(0, 1), k, v, causal=True, backend=self.backend)
+        result[lo:hi] = out.transpose(0, 1)
+        return result
+
+    def _decode(self, store_kv: torch.Tensor, copies: tuple[Copy, ...], q: torch.Tensor,
+                out: torch.Tensor) -> list[torch.Tensor]:  # fmt: skip
+        """Each copy over its key range of every sequence, into ``out``; returns each copy's
+        lse ``[seqs, q_per_kv]``."""
+        lses = []
+        for j, copy in enumerate(copies):
+            table, lengths = self._key_range(copy)
+            cols = slice(j * self.q_per_kv, (j + 1) * self.q_per_kv)
+            k, v = store_kv[0, j : j + 1], store_kv[1, j : j + 1]
+            if q.is_cuda:
+                from headspace.attention.triton_decode import paged_decode_attention
+
+                part, lse = paged_decode_attention(q[:, cols].contiguous(), k, v, table, lengths,
+                                                   self.page_size)  # fmt: skip
+                empty = (lengths == 0)[:, None]  # a copy with no key of a sequence
+                lse = lse.masked_fill(empty, -torch.inf)
+            else:
+                part, lse = cpu_paged_decode(q[:, cols], k, v, table, lengths.to(torch.int32),
+                                             self.page_size)  # fmt: skip
+            out[:, cols] = part.to(out.dtype)
+            lses.append(lse.float())
+        return lses
+
+    def _key_range(self, copy: Copy) -> tuple[torch.Tensor, torch.Tensor]:
+        """The block table of each sequence's pages from the copy's first key on, and the
+        number of its keys: ``([seqs, width] int32, [seqs])`` on the device."""
+        key = (copy.shares, copy.index)
+        if key not in self._ranges:
+            rows, lengths = [], []
+            for pages, position in zip(self.step.pages["gpu"], self.step.positions_list,
+                                       strict=True):  # fmt: skip
+                lo, hi = copy_keys(position + 1, copy.shares, copy.index, self.page_size)
+                rows.append(pages[lo // self.page_size :] if hi > lo else [])
+                lengths.append(hi - lo)
+            device = self.store.buffer.device
+            table = block_table(rows, bucket(max(map(len, rows), default=1), 8)).to(device)
+            self._ranges[key] = table, torch.tensor(lengths, device=device)
+        return self._ranges[key]

@@ -1,0 +1,198 @@
+"""Head parallelism in the engine, launched as users do (torchrun, gloo on the CPU): every
+rank's logits and tokens equal the single process's, for uniform and uneven head maps and
+copied heads, on tiny configs and the embedded model; and the pure arithmetic of what a rank
+computes (its heads, each copy's rows and keys)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from headspace.api import LLM
+from headspace.engine.sampling import SamplingParams
+from headspace.parallel.placement import copy_keys, copy_rows, rank_layout
+from headspace.planner.head_map import HeadEntry, HeadMap
+from headspace.planner.profile import Profile
+
+WORKER = Path(__file__).parent / "workers" / "parallel_engine.py"
+GREEDY = {"max_new_tokens": 10, "ignore_eos": True}
+SAMPLED = {"max_new_tokens": 10, "ignore_eos": True, "temperature": 0.9, "seed": 3}
+
+
+def torchrun(world: int, *args: str, timeout: int = 600) -> subprocess.CompletedProcess:
+    """``torchrun --standalone --nproc-per-node world ARGS`` on the CPU (gloo)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               f"--nproc-per-node={world}", *args]  # fmt: skip
+    return subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def run_cases(world: int, cases: list[dict], tmp_path: Path) -> list[dict]:
+    """Each case's results from ``world`` ranks under torchrun."""
+    spec, out = tmp_path / f"cases{world}.json", tmp_path / f"out{world}.pt"
+    spec.write_text(json.dumps(cases))
+    done = torchrun(world, str(WORKER), str(spec), str(out))
+    assert done.returncode == 0, done.stderr[-4000:]
+    return torch.load(out)
+
+
+def single(case: dict) -> tuple[torch.Tensor, list[list[int]]]:
+    llm = LLM(case["model"], **case["options"])
+    logits = llm.logits(case["prompt"], decode_tokens=case["decode_tokens"])
+    ids = case["prompt"]
+    outputs = llm.generate([ids, ids[: len(ids) // 2]], SamplingParams(**case["params"]))
+    return logits, [o.token_ids for o in outputs]
+
+
+def _case(model, prompt, options=None, params=GREEDY, decode_tokens=12) -> dict:
+    return {"model": str(model), "prompt": prompt, "decode_tokens": decode_tokens,
+            "options": {"prefill_chunk": 64, "page_size": 16, **(options or {})},
+            "params": params}  # fmt: skip
+
+
+def _random_profile(path: Path, num_layers: int, num_kv_heads: int) -> str:
+    generator = torch.Generator().manual_seed(7)
+    scores = torch.rand(num_layers, num_kv_heads, generator=generator).tolist()
+    Profile("tiny", num_layers, num_kv_heads, scores).save(path)
+    return str(path)
+
+
+def _check(results: list[dict], cases: list[dict], relative: bool = False) -> list[dict]:
+    """Each case's ranks' logits within 1e-5 of one process's (fp32; ``relative``: of its
+    largest logit), the same tokens."""
+    for got, case in zip(results, cases, strict=True):
+        logits, tokens = single(case)
+        tolerance = 1e-5 * (logits.abs().max().item() if relative else 1.0)
+        assert (got["logits"] - logits).abs().max().item() <= tolerance, case["options"]
+        assert got["tokens"] == tokens, case["options"]
+    return results
+
+
+def _uneven(heads: list[list[int]]) -> bool:
+    """Whether ranks hold different numbers of kv heads in some layer."""
+    return any(len({rank[layer] for rank in heads}) > 1 for layer in range(len(heads[0])))
+
+
+def test_two_ranks_equal_one_process(tiny_llama, wide_llama, prompt, tmp_path):
+    """GQA 8:2 split one head a rank; 8 layers x 4 kv heads with half the heads patterned
+    (uneven prefill costs: uneven maps), greedy and fairkv; sampled tokens from rank 0."""
+    profile = _random_profile(tmp_path / "profile.json", 8, 4)
+    patterned = {
+        "profile": profile,
+        "retrieval_heads": 0.5,
+        "max_context": 4096,
+        "sparse_pattern": "vertical_slash(16,16)",
+    }  # costs at 4K: full heads dearer
+    cases = [
+        _case(tiny_llama, prompt, {"balance": "uniform"}),
+        _case(tiny_llama, prompt, {"balance": "uniform"}, params=SAMPLED),
+        _case(wide_llama, prompt, {**patterned, "balance": "greedy", "replicas": 0}),
+        _case(wide_llama, prompt, {**patterned, "balance": "fairkv"}),
+        # the two prompts overflow the pool: the second waits (no swap under torchrun)
+        _case(tiny_llama, prompt, {"num_kv_pages": 12, "balance": "uniform"}),
+        # the chunk from each rank's budget: the smallest on every rank
+        _case(wide_llama, prompt, {**patterned, "prefill_chunk": None, "gpu_memory": 61_200_000}),
+    ]
+    results = _check(run_cases(2, cases, tmp_path), cases)
+    assert results[0]["heads"] == [[1, 1, 1], [1, 1, 1]]
+    assert _uneven(results[2]["heads"])  # full heads cost more than patterned ones
+
+
+def test_four_ranks_equal_one_process(tiny_llama, wide_llama, prompt, tmp_path):
+    """Four ranks over 2 kv heads: every head copied (each copy a share of the chunk's rows
+    at prefill and of the keys at decode, merged by log-sum-exp); over 4 kv heads, uneven."""
+    profile = _random_profile(tmp_path / "profile.json", 8, 4)
+    cases = [
+        _case(tiny_llama, prompt, {"balance": "fairkv"}),
+        _case(wide_llama, prompt, {"profile": profile, "retrieval_heads": 0.25,
+                                   "sparse_pattern": "block_sparse(2)", "balance": "fairkv",
+                                   "max_context": 4096}),
+    ]  # fmt: skip
+    results = _check(run_cases(4, cases, tmp_path), cases)
+    assert "ranks [0, 1, 2, 3]" in results[0]["summary"]
+    assert "6 entries copied" in results[0]["summary"]
+    assert _uneven(results[1]["heads"])
+
+
+def test_embedded_model_two_ranks(embedded_dir, tmp_path):
+    """The real model (3 kv heads a layer) over two ranks: one head of each layer copied.
+    Its logits reach 36; summing 30 layers' partial outputs in another order moves them by
+    up to 8e-5 (2e-6 of the largest, with or without copies), so the bound is relative."""
+    ids = LLM(embedded_dir).engine.encode("The lighthouse keeper wrote in the log that " * 12)
+    cases = [_case(embedded_dir, ids, {"prefill_chunk": 128, "page_size": 32})]
+    results = _check(run_cases(2, cases, tmp_path), cases, relative=True)
+    assert "30 entries copied" in results[0]["summary"]
+
+
+def test_cli_generate_under_torchrun(tiny_llama):
+    """``torchrun -m headspace.cli generate`` prints the single process's text, once; a bad
+    option is one line and exit code 2."""
+    args = ["--model", str(tiny_llama), "--prompt", "The light at Calder Point",
+            "--max-new-tokens", "12", "--no-progress"]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    one = subprocess.run([sys.executable, "-m", "headspace.cli", "generate", *args], env=env,
+                         capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert one.returncode == 0, one.stderr
+    two = torchrun(2, "-m", "headspace.cli", "generate", *args, "--balance", "fairkv")
+    assert two.returncode == 0, two.stderr[-4000:]
+    assert two.stdout == one.stdout and one.stdout.strip()
+    bad = torchrun(2, "-m", "headspace.cli", "generate", *args, "--kv-budget", "0.5")
+    assert bad.returncode != 0
+    errors = [line for line in bad.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "not supported yet" in errors[0]
+
+
+def _map(num_layers: int, ranks: list[list[tuple[int, ...]]]) -> HeadMap:
+    entries = []
+    for layer in range(num_layers):
+        for head, rank in enumerate(ranks[layer]):
+            shares = tuple(1 / len(rank) for _ in rank) if len(rank) > 1 else ()
+            entries.append(HeadEntry(layer, head, rank=rank, shares=shares))
+    return HeadMap(num_layers, len(ranks[0]), entries)
+
+
+def test_rank_layout_covers_every_head_once():
+    head_map = _map(2, [[(0,), (1,), (0, 1), (2,)], [(2,), (0, 1, 2), (1,), (1,)]])
+    layouts = [rank_layout(head_map, rank, 3) for rank in range(3)]
+    assert layouts[0].heads(0) == [0, 2] and layouts[1].heads(1) == [2, 3, 1]
+    assert [lay.num_copied for lay in layouts] == [(1, 1)] * 3
+    for layer in range(2):  # each head once as an own head, or once per copy
+        seen = [h for lay in layouts for h in lay.heads(layer)]
+        for entry in head_map.layer(layer):
+            assert seen.count(entry.kv_head) == len(entry.rank)
+    assert [c.index for lay in layouts for c in lay.copies[1]] == [0, 1, 2]
+    assert max(lay.most_heads for lay in layouts) == 3
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(0, 5000), st.integers(1, 600),
+       st.lists(st.floats(0.05, 1.0), min_size=2, max_size=4))  # fmt: skip
+def test_copy_rows_tile_the_chunk_by_causal_work(start, num_rows, weights):
+    shares = tuple(w / sum(weights) for w in weights)
+    cuts = [copy_rows(start, num_rows, shares, i) for i in range(len(shares))]
+    assert cuts[0][0] == 0 and cuts[-1][1] == num_rows
+    assert all(a[1] == b[0] and a[0] <= a[1] for a, b in zip(cuts, cuts[1:], strict=False))
+    total = num_rows * start + num_rows * (num_rows + 1) / 2
+    for (lo, hi), share in zip(cuts, shares, strict=True):  # within one row's work of share
+        work = sum(start + t + 1 for t in range(lo, hi))
+        assert abs(work - share * total) <= 2 * (start + num_rows) + 1
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(1, 100_000), st.sampled_from([16, 128]),
+       st.lists(st.floats(0.05, 1.0), min_size=2, max_size=4))  # fmt: skip
+def test_copy_keys_tile_the_sequence_at_pages(length, page_size, weights):
+    shares = tuple(w / sum(weights) for w in weights)
+    cuts = [copy_keys(length, shares, i, page_size) for i in range(len(shares))]
+    assert cuts[0][0] == 0 and cuts[-1][1] == length
+    assert all(a[1] == b[0] and a[0] <= a[1] for a, b in zip(cuts, cuts[1:], strict=False))
+    assert all(lo % page_size == 0 for lo, hi in cuts if hi > lo)  # empty ones: at the end
+    for (lo, hi), share in zip(cuts[:-1], shares[:-1], strict=True):  # the last: the tail
+        assert abs((hi - lo) - share * length) <= page_size

@@ -1,0 +1,41 @@
+"""Run under torchrun by tests/test_parallel_engine.py: each case of a JSON file through
+``LLM`` (logits with decode steps, then a batch of generations); rank 0 saves the results
+and each case's head map summary."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+from headspace.api import LLM
+from headspace.engine.sampling import SamplingParams
+from headspace.parallel.dist import is_first_rank
+from headspace.parallel.placement import rank_layout
+
+
+def run_case(case: dict) -> dict:
+    llm = LLM(case["model"], **case["options"])
+    ids = case["prompt"]
+    logits = llm.logits(ids, decode_tokens=case["decode_tokens"])
+    params = SamplingParams(**case["params"])
+    outputs = llm.generate([ids, ids[: len(ids) // 2]], params)
+    ranks = llm.engine.ranks
+    world = ranks.layout.world
+    layouts = [rank_layout(ranks.head_map, rank, world) for rank in range(world)]
+    heads = [[len(lay.heads(layer)) for layer in range(lay.num_layers)] for lay in layouts]
+    return {"logits": logits, "tokens": [o.token_ids for o in outputs],
+            "summary": ranks.head_map.summary(), "heads": heads}  # fmt: skip
+
+
+def main(cases_path: str, out_path: str) -> None:
+    cases = json.loads(Path(cases_path).read_text())
+    results = [run_case(case) for case in cases]
+    if is_first_rank():
+        torch.save(results, out_path)
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])

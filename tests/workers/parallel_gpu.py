@@ -1,0 +1,78 @@
+"""Run under torchrun by tests/test_gpu.py: every rank on the one GPU (gloo moves the
+partial sums), a random Llama-shaped model built alike on each rank; rank 0 saves the fp32
+logits (prefill and decode steps) and the greedy tokens."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+from headspace.engine.config import EngineConfig
+from headspace.engine.engine import Engine
+from headspace.engine.sampling import SamplingParams
+from headspace.model.config import config_from_dict
+from headspace.model.loader import build_model
+from headspace.parallel.config import ParallelConfig
+
+CONFIG = {"architectures": ["LlamaForCausalLM"], "vocab_size": 512, "hidden_size": 256,
+          "intermediate_size": 512, "num_hidden_layers": 4, "num_attention_heads": 8,
+          "num_key_value_heads": 2, "head_dim": 64, "max_position_embeddings": 4096,
+          "rms_norm_eps": 1e-5}  # fmt: skip
+
+
+class NoText:
+    def decode(self, ids, **_):
+        return ""
+
+
+def build(device: str):
+    """The same random model in every process (weights from a fixed seed)."""
+    generator = torch.Generator().manual_seed(0)
+    config = config_from_dict(CONFIG)
+    shapes = {}
+
+    def weight(name: str) -> torch.Tensor:
+        if name not in shapes:
+            shapes[name] = torch.randn(_shape(name), generator=generator) * 0.05
+            if "norm" in name:
+                shapes[name] = 1 + shapes[name]
+        return shapes[name]
+
+    return build_model(config, weight, device, torch.float32)
+
+
+def _shape(name: str) -> tuple[int, ...]:
+    hidden, inter, heads, kv, dim = 256, 512, 8, 2, 64
+    table = {"embed_tokens": (512, hidden), "lm_head": (512, hidden), "norm": (hidden,),
+             "q_proj": (heads * dim, hidden), "k_proj": (kv * dim, hidden),
+             "v_proj": (kv * dim, hidden), "o_proj": (hidden, heads * dim),
+             "gate_proj": (inter, hidden), "up_proj": (inter, hidden),
+             "down_proj": (hidden, inter)}  # fmt: skip
+    return next(shape for key, shape in table.items() if key in name)
+
+
+def run(engine: Engine, prompt: list[int]) -> dict:
+    logits = engine.logits(prompt, decode_tokens=16)
+    params = SamplingParams(max_new_tokens=24, ignore_eos=True)
+    outputs = engine.generate_batch([prompt, prompt[:300]], [params, params])
+    return {"logits": logits, "tokens": [o.token_ids for o in outputs]}
+
+
+def main(out_path: str, balance: str) -> None:
+    if "RANK" in os.environ:
+        dist.init_process_group("gloo")  # several ranks on one GPU: NCCL refuses that
+    config = EngineConfig(device="cuda:0", dtype="float32", page_size=64, prefill_chunk=256,
+                          gpu_memory="2GiB",  # ranks share the GPU
+                          parallel=ParallelConfig(balance=balance))  # fmt: skip
+    engine = Engine.from_model(build("cuda:0"), NoText(), config)
+    prompt = torch.randint(0, 512, (700,), generator=torch.Generator().manual_seed(1)).tolist()
+    result = run(engine, prompt)
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        torch.save(result, out_path)
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])
