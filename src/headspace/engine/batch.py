@@ -189,7 +189,7 @@ class BatchGenerator:
         if scheduler is not None:
             scheduler.tiers = self.tiers
             swaps = self.config.offload != "none" and not self.config.per_head_pages
-            swaps = swaps and self.ranks is None  # under torchrun: no host tier yet
+            swaps = swaps and self.ranks is None  # no host tier under torchrun yet
             scheduler.optimistic = not streams and swaps
             scheduler.host_room = self._host_room
 
@@ -295,10 +295,10 @@ class BatchGenerator:
         under torchrun every rank takes rank 0's tokens."""
         sampled = False
         for row, seq in enumerate(batch):
-            params, generator = self._by_id[seq.seq_id].params, self._by_id[seq.seq_id].generator
-            if params.temperature > 0:
-                self.runner.tokens[seq.slot] = sample(logits[row], params, generator)
-                sampled = True
+            request = self._by_id[seq.seq_id]
+            if request.params.temperature > 0:
+                token = sample(logits[row], request.params, request.generator)
+                self.runner.tokens[seq.slot], sampled = token, True
         if sampled and self.ranks is not None:
             broadcast_(self.runner.tokens)
 

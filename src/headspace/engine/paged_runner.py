@@ -10,6 +10,7 @@ graphs survive a detour through streaming.
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable
 
 import torch
 
@@ -58,7 +59,8 @@ def _ranges(plan: Plan, layer: int) -> tuple[tuple[int, int] | None, list[tuple[
     return ((0, num_resident) if num_resident else None), groups
 
 
-def _patterns(plan: Plan, layer: int, kv_heads, q_per_kv: int) -> list[Pattern] | None:
+def _patterns(plan: Plan, layer: int, kv_heads: Iterable[int],
+              q_per_kv: int) -> list[Pattern] | None:  # fmt: skip
     """The prefill patterns of ``layer``'s ``kv_heads``, one per query head; None when all
     are full."""
     patterns = [Pattern.parse(plan.head_map.entry(layer, h).pattern) for h in kv_heads]
