@@ -362,11 +362,14 @@ def test_entry_decode_on_gpu_stores_ring_rows_at_their_index_and_empty_rows_nowh
     torch.testing.assert_close(lse.cpu(), ref_lse, atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("world,balance", [(2, "uniform"), (4, "fairkv")])
-def test_ranks_on_gpu_equal_one_process(tmp_path, world, balance):
+@pytest.mark.parametrize(
+    "world,balance,kv_budget", [(2, "uniform", ""), (4, "fairkv", ""), (4, "fairkv", "0.5")]
+)
+def test_ranks_on_gpu_equal_one_process(tmp_path, world, balance, kv_budget):
     """Head-parallel ranks sharing the GPU (gloo) give the single process's fp32 logits and
     greedy tokens: the Triton decode kernel over each copy's key range (fairkv on 4 ranks
-    copies both kv heads), the fused prefill over each copy's rows."""
+    copies both kv heads), the fused prefill over each copy's rows; under Ada-SnapKV, the
+    per-entry kernel over each copy's range of the kept tokens."""
     import os
     import subprocess
     import sys
@@ -375,11 +378,12 @@ def test_ranks_on_gpu_equal_one_process(tmp_path, world, balance):
     worker = Path(__file__).parent / "workers" / "parallel_gpu.py"
     one, many = tmp_path / "one.pt", tmp_path / "many.pt"
     env = {**os.environ, "OMP_NUM_THREADS": "2"}
-    done = subprocess.run([sys.executable, str(worker), str(one), balance], env=env,
-                          capture_output=True, text=True, timeout=600)  # fmt: skip
+    done = subprocess.run([sys.executable, str(worker), str(one), balance, kv_budget],
+                          env=env, capture_output=True, text=True, timeout=600)  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                           f"--nproc-per-node={world}", str(worker), str(many), balance],
+                           f"--nproc-per-node={world}", str(worker), str(many), balance,
+                           kv_budget],
                           env=env, capture_output=True, text=True, timeout=600)  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     ref, got = torch.load(one), torch.load(many)

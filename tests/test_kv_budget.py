@@ -165,6 +165,8 @@ def test_a_small_budget_holds_fewer_pages_and_batches_equal_one_at_a_time(tiny_l
     params = SamplingParams(max_new_tokens=24, ignore_eos=True)
     llm = make(tiny_llama, kv_budget=0.25)
     alone = [llm.generate(p, params)[0] for p in prompts]
+    kept = {e.budget for e in llm.engine.batch.runner.plan.head_map.entries}
+    assert kept == {KVBudget(0.25).tokens(len(prompts[-1]))}  # the last request's, not the first
     together = llm.generate(prompts, params)
     assert [o.token_ids for o in together] == [o.token_ids for o in alone]
     exact = make(tiny_llama)
@@ -176,6 +178,19 @@ def test_a_small_budget_holds_fewer_pages_and_batches_equal_one_at_a_time(tiny_l
     assert stats.kv_held_fraction is not None
     assert 0.25 <= stats.kv_held_fraction < 0.45  # kept quarter + decoded tokens + rounding
     assert "KV held" in stats.summary()
+
+
+def test_one_kv_head_a_layer_batches_equal_one_at_a_time(tmp_path, embedded_dir):
+    """A model with one kv head a layer (multi-query): each layer's rows of a batch are
+    strided in the per-slot tables, and still read right."""
+    from conftest import make_tiny_checkpoint
+
+    make_tiny_checkpoint("llama3", tmp_path, embedded_dir, num_key_value_heads=1)
+    prompts = _prompts([120, 70], seed=4)
+    params = SamplingParams(max_new_tokens=12, ignore_eos=True)
+    llm = make(tmp_path, kv_budget=0.5)
+    alone = [llm.generate(p, params)[0].token_ids for p in prompts]
+    assert [o.token_ids for o in llm.generate(prompts, params)] == alone
 
 
 def test_budget_options_fail_in_one_line(tiny_llama):

@@ -20,6 +20,7 @@ from headspace.engine.sampling import SamplingParams
 from headspace.parallel.placement import copy_keys, copy_rows, rank_layout
 from headspace.planner.head_map import HeadEntry, HeadMap
 from headspace.planner.profile import Profile
+from workers.parallel_engine import batch
 
 WORKER = Path(__file__).parent / "workers" / "parallel_engine.py"
 GREEDY = {"max_new_tokens": 10, "ignore_eos": True}
@@ -44,10 +45,9 @@ def run_cases(world: int, cases: list[dict], tmp_path: Path) -> list[dict]:
 
 
 def single(case: dict) -> tuple[torch.Tensor, list[list[int]]]:
-    llm = LLM(case["model"], **case["options"])
+    llm = LLM(case["model"], **{**case["options"], **case.get("single", {})})
     logits = llm.logits(case["prompt"], decode_tokens=case["decode_tokens"])
-    ids = case["prompt"]
-    outputs = llm.generate([ids, ids[: len(ids) // 2]], SamplingParams(**case["params"]))
+    outputs = llm.generate(batch(case), SamplingParams(**case["params"]))
     return logits, [o.token_ids for o in outputs]
 
 
@@ -121,6 +121,55 @@ def test_four_ranks_equal_one_process(tiny_llama, wide_llama, prompt, tmp_path):
     assert _uneven(results[1]["heads"])
 
 
+def test_budgets_and_streaming_heads_two_ranks(tiny_llama, wide_llama, prompt, tmp_path):
+    """Per-entry pages under torchrun: each rank's heads in their own pages; Ada-SnapKV's
+    heads compete for the layer's budget across ranks (scores gathered); streaming heads as
+    rings; a full head copied beside a rank's own streaming heads, by uneven shares; and two
+    prompts that fit one rank's pool together but not the other's: the second waits on both
+    (every rank agrees)."""
+    profile = _random_profile(tmp_path / "profile.json", 8, 4)
+    streaming = {"profile": profile, "retrieval_heads": 0.5, "sparse_pattern": "streaming(4,16)"}
+    heavy = {
+        **streaming,
+        "retrieval_heads": 0.25,
+        "kv_budget": 0.9,
+        "balance": "fairkv",
+        "max_context": 4096,
+    }
+    cases = [
+        _case(tiny_llama, prompt, {"kv_budget": 0.5, "kv_policy": "snapkv", "balance": "uniform"}),
+        _case(wide_llama, prompt, {"kv_budget": 0.4, "kv_policy": "ada_snapkv", "replicas": 0}),
+        _case(wide_llama, prompt, {**streaming, "balance": "greedy", "replicas": 0}),
+        _case(wide_llama, prompt, {**streaming, "kv_budget": 64, "kv_policy": "ada_snapkv",
+                                   "balance": "fairkv"}, params=SAMPLED),
+        _case(wide_llama, prompt, heavy),
+        # rank 0 holds 14 entries, rank 1 20, in 223 entry pages: beside the short prompt
+        # (43 and 55 pages), the long one's 140 fit on rank 0, its 200 not on rank 1; one
+        # process holds 32 entries (more pages)
+        {**_case(wide_llama, prompt, {**heavy, "num_kv_pages": 6}), "batch": [75, 150],
+         "single": {"num_kv_pages": 12}},
+    ]  # fmt: skip
+    results = _check(run_cases(2, cases, tmp_path), cases)
+    assert results[0]["heads"] == [[1, 1, 1], [1, 1, 1]]
+    assert _uneven(results[2]["heads"])  # streaming heads hold less: uneven counts
+    assert "2 entries copied" in results[4]["summary"]
+    assert results[4]["heads"] == [[2, 2, 2, 2, 1, 2, 1, 2], [2, 2, 2, 2, 4, 2, 4, 2]]
+
+
+def test_budget_copies_four_ranks(tiny_llama, prompt, tmp_path):
+    """Every head of a GQA 8:2 model copied over four ranks under Ada-SnapKV: each copy keeps
+    the head's tokens, takes its rows at prefill and its range of the kept tokens at decode
+    (a ring's too), merged by log-sum-exp."""
+    profile = _random_profile(tmp_path / "profile.json", 3, 2)
+    cases = [
+        _case(tiny_llama, prompt, {"kv_budget": 0.5, "kv_policy": "ada_snapkv"}),
+        _case(tiny_llama, prompt, {"profile": profile, "retrieval_heads": 0.5,
+                                   "sparse_pattern": "streaming(4,24)", "kv_budget": 0.6}),
+    ]  # fmt: skip
+    results = _check(run_cases(4, cases, tmp_path), cases)
+    assert all("6 entries copied" in r["summary"] for r in results)
+
+
 def test_embedded_model_two_ranks(embedded_dir, tmp_path):
     """The real model (3 kv heads a layer) over two ranks: one head of each layer copied.
     Its logits reach 36; summing 30 layers' partial outputs in another order moves them by
@@ -143,10 +192,10 @@ def test_cli_generate_under_torchrun(tiny_llama):
     two = torchrun(2, "-m", "headspace.cli", "generate", *args, "--balance", "fairkv")
     assert two.returncode == 0, two.stderr[-4000:]
     assert two.stdout == one.stdout and one.stdout.strip()
-    bad = torchrun(2, "-m", "headspace.cli", "generate", *args, "--kv-budget", "0.5")
+    bad = torchrun(2, "-m", "headspace.cli", "generate", *args, "--offload", "layer")
     assert bad.returncode != 0
     errors = [line for line in bad.stderr.splitlines() if line.startswith("error:")]
-    assert len(errors) == 1 and "not supported yet" in errors[0]
+    assert len(errors) == 1 and "offload must be auto or none" in errors[0]
 
 
 def _map(num_layers: int, ranks: list[list[tuple[int, ...]]]) -> HeadMap:

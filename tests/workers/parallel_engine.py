@@ -21,13 +21,20 @@ def run_case(case: dict) -> dict:
     ids = case["prompt"]
     logits = llm.logits(ids, decode_tokens=case["decode_tokens"])
     params = SamplingParams(**case["params"])
-    outputs = llm.generate([ids, ids[: len(ids) // 2]], params)
+    outputs = llm.generate(batch(case), params)
     ranks = llm.engine.ranks
     world = ranks.layout.world
     layouts = [rank_layout(ranks.head_map, rank, world) for rank in range(world)]
     heads = [[len(lay.heads(layer)) for layer in range(lay.num_layers)] for lay in layouts]
     return {"logits": logits, "tokens": [o.token_ids for o in outputs],
             "summary": ranks.head_map.summary(), "heads": heads}  # fmt: skip
+
+
+def batch(case: dict) -> list[list[int]]:
+    """The prompts generated together: the case's prompt and its first half, or the first
+    tokens of it in the case's ``batch`` lengths."""
+    ids = case["prompt"]
+    return [ids[:n] for n in case.get("batch", [len(ids), len(ids) // 2])]
 
 
 def main(cases_path: str, out_path: str) -> None:

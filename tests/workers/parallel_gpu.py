@@ -61,12 +61,13 @@ def run(engine: Engine, prompt: list[int]) -> dict:
     return {"logits": logits, "tokens": [o.token_ids for o in outputs]}
 
 
-def main(out_path: str, balance: str) -> None:
+def main(out_path: str, balance: str, kv_budget: str = "") -> None:
     if "RANK" in os.environ:
         dist.init_process_group("gloo")  # several ranks on one GPU: NCCL refuses that
+    budget = {"kv_budget": float(kv_budget), "kv_policy": "ada_snapkv"} if kv_budget else {}
     config = EngineConfig(device="cuda:0", dtype="float32", page_size=64, prefill_chunk=256,
                           gpu_memory="2GiB",  # ranks share the GPU
-                          parallel=ParallelConfig(balance=balance))  # fmt: skip
+                          parallel=ParallelConfig(balance=balance), **budget)  # fmt: skip
     engine = Engine.from_model(build("cuda:0"), NoText(), config)
     prompt = torch.randint(0, 512, (700,), generator=torch.Generator().manual_seed(1)).tolist()
     result = run(engine, prompt)

@@ -46,6 +46,7 @@ def entry_decode(
     CPU twin."""
     num_seqs, num_heads, dim = q.shape
     num_rows = tables.shape[0]
+    tables, lengths = tables.contiguous(), lengths.contiguous()  # rows sliced from others
     rows_new = None if new_kv is None else new_kv.reshape(2, num_rows, 1, dim)
     q_rows = entry_rows(q, num_rows).contiguous()
     if q.is_cuda and not reference:  # the kernel stores the new token (not in empty rows)

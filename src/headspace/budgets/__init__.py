@@ -69,20 +69,23 @@ def kept_positions(
     scores: list[torch.Tensor],  # per layer [kv_heads, prompt_len - window]
     prompt_len: int,
     head_scores: torch.Tensor | None = None,  # [layers, kv_heads] (headkv)
+    heads: list[list[int]] | None = None,  # per layer, the kv heads to return (None: all)
 ) -> list[list[torch.Tensor]]:
     """Positions each (layer, kv head) keeps, ascending int64, the observation window's
-    last tokens included; everything when the budget covers the prompt."""
+    last tokens included; everything when the budget covers the prompt. The policy divides
+    the budget over every head of ``scores``; ``heads`` picks whose positions to return."""
+    heads = heads or [range(layer.shape[0]) for layer in scores]
     if budget.tokens(prompt_len) >= prompt_len:  # the budget covers the prompt: exact
-        return [[torch.arange(prompt_len) for _ in layer] for layer in scores]
+        return [[torch.arange(prompt_len) for _ in layer] for layer in heads]
     window = min(budget.window, prompt_len)
     selectable = budget.tokens(prompt_len) - window
     window_positions = torch.arange(prompt_len - window, prompt_len)
     counts = POLICIES[budget.policy](scores, selectable, head_scores=head_scores)
     kept = []
-    for layer_scores, layer_counts in zip(scores, counts, strict=True):
-        heads = []
-        for head_scores_row, count in zip(layer_scores, layer_counts.tolist(), strict=True):
-            top = head_scores_row.topk(count).indices.sort().values.cpu()
-            heads.append(torch.cat([top, window_positions]))
-        kept.append(heads)
+    for layer_scores, layer_counts, layer_heads in zip(scores, counts, heads, strict=True):
+        rows = []
+        for h in layer_heads:
+            top = layer_scores[h].topk(int(layer_counts[h])).indices.sort().values.cpu()
+            rows.append(torch.cat([top, window_positions]))
+        kept.append(rows)
     return kept

@@ -31,7 +31,7 @@ from headspace.kv.block_table import GPU, HOST
 from headspace.kv.host_store import HostKVArena
 from headspace.kv.page_pool import OutOfPages
 from headspace.model.llama import LlamaModel
-from headspace.parallel.dist import all_reduce_min, broadcast_
+from headspace.parallel.dist import all_agree, all_reduce_min, broadcast_
 from headspace.planner.entry_offload import entry_step_seconds, plan_entries
 from headspace.planner.head_map import HeadMap
 from headspace.planner.memory import Hardware, KVSpec
@@ -130,6 +130,10 @@ class BatchGenerator:
         if config.retrieval_heads is not None:
             head_map = self._with_patterns(head_map)
         kept = None if budget is None else max(budget.tokens(len(s.prompt_ids)) for s in seqs)
+        if self.ranks is not None:  # the whole map, with its ranks
+            return self.ranks.entry_plan(spec, self.runner.store.num_bytes,
+                                         with_budgets(self.ranks.head_map, kept),
+                                         [s.max_tokens for s in seqs], what)  # fmt: skip
         head_map = with_budgets(head_map, kept)  # rings keep their sink and window
         return plan_entries(spec, self.runner.store.num_bytes, head_map,
                             [s.max_tokens for s in seqs], self._bounds(seqs),
@@ -241,8 +245,10 @@ class BatchGenerator:
 
     def _steps(self, prompts, params) -> Iterator[tuple[_Request, str]]:
         """Run the batch to the end; yield (request, new text) after every token."""
+        own_pools = self.ranks is not None and self.config.per_head_pages  # pages per rank
         scheduler = Scheduler(self.runner.blocks, self.config.max_batch,
-                              2 * self.config.max_batch, self.config.prefix_caching)  # fmt: skip
+                              2 * self.config.max_batch, self.config.prefix_caching,
+                              all_agree if own_pools else bool)  # fmt: skip
         requests = [self._submit(scheduler, ids, p) for ids, p in zip(prompts, params, strict=True)]
         self._requests, self._by_id = requests, {r.seq.seq_id: r for r in requests}
         reads: deque[_Read] = deque()

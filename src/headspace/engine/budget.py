@@ -43,17 +43,24 @@ from headspace.kv.entry_table import EntryBlockManager
 class BudgetExecutor:
     """Attention of every entry over per-entry pages of one plane ``[2, slots, dim]``."""
 
-    def __init__(self, plane: torch.Tensor, blocks: EntryBlockManager, num_kv_heads: int,
-                 q_per_kv: int, backend: str, budget: KVBudget | None, max_slots: int,
-                 max_pages: int, head_scores: torch.Tensor | None = None,
+    def __init__(self, plane: torch.Tensor, blocks: EntryBlockManager,
+                 num_kv_heads: int | list[int], q_per_kv: int, backend: str,
+                 budget: KVBudget | None, max_slots: int, max_pages: int,
+                 head_scores: torch.Tensor | None = None,
                  rings: dict[int, tuple[int, int]] | None = None,
                  patterns: list[list[Pattern] | None] | None = None,
                  staging: EntryStaging | None = None):  # fmt: skip
-        """``budget``: what each entry keeps of the prompt (None: all); ``rings``: the
+        """``num_kv_heads``: the entries of every layer, or of each layer (one rank's
+        heads); ``budget``: what each entry keeps of the prompt (None: all); ``rings``: the
         streaming entries' ``(sink, window)``, by entry index; ``patterns``: per layer, one
         per query head at prefill (None: all full); ``staging``: the offloaded entries."""
         self.plane, self.blocks, self.budget = plane, blocks, budget
-        self.num_kv_heads, self.q_per_kv, self.backend = num_kv_heads, q_per_kv, backend
+        self.q_per_kv, self.backend = q_per_kv, backend
+        if isinstance(num_kv_heads, int):
+            num_kv_heads = [num_kv_heads] * (blocks.num_entries // num_kv_heads)
+        self.layer_heads = num_kv_heads  # [layers] entries of each layer
+        self.first = [sum(num_kv_heads[:layer]) for layer in range(len(num_kv_heads) + 1)]
+        self.num_kv_heads = num_kv_heads[0] if len(set(num_kv_heads)) == 1 else None
         self.head_scores, self.rings = head_scores, dict(rings or {})
         self.staging = staging
         self.page_size = blocks.page_size
@@ -62,7 +69,7 @@ class BudgetExecutor:
         # decode reads block tables kept on the device per token slot, updated as entries
         # grow (a CUDA graph of the step gathers its rows): [slots, entries, pages]
         device, num_entries = plane.device, blocks.num_entries
-        self.num_layers = num_entries // num_kv_heads
+        self.num_layers = len(self.layer_heads)
         self.patterns = patterns or [None] * self.num_layers
         self.entry_tables = torch.zeros(max_slots, num_entries, max_pages, dtype=torch.int32,
                                         device=device)  # fmt: skip
@@ -83,7 +90,7 @@ class BudgetExecutor:
             (seq_id,) = step.seq_ids
             positions = torch.arange(step.start + len(step.positions), device=device)
             slots = self._slots(seq_id, positions)  # [entries, prefix + chunk]
-            self.slots = slots.view(-1, self.num_kv_heads, slots.shape[-1])
+            self.slots = self._by_layer(slots)  # [layer] -> [kv_heads, prefix + chunk]
             if self.staging is not None:  # the chunk's slots in the host pages
                 self.host_pages = self.blocks.host_pages(seq_id)
                 self.host_new = self.staging.host_slots(self.host_pages, step.positions)
@@ -134,10 +141,21 @@ class BudgetExecutor:
 
     def _layer_rows(self, per_slot: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
         """``per_slot [slots, entries, ...]`` gathered for ``slots`` as ``[layers, seqs x
-        kv_heads, ...]`` (one copy, of only what ``per_slot`` views)."""
+        kv_heads, ...]`` (one copy, of only what ``per_slot`` views; a list of layers when
+        their entries differ in number)."""
         rows = per_slot[slots]
+        if self.num_kv_heads is None:
+            bounds = zip(self.first, self.first[1:], strict=False)
+            return [rows[:, a:b].flatten(0, 1).contiguous() for a, b in bounds]
         rows = rows.view(slots.shape[0], self.num_layers, self.num_kv_heads, *rows.shape[2:])
-        return rows.transpose(0, 1).flatten(1, 2)
+        return rows.transpose(0, 1).flatten(1, 2).contiguous()  # (a view with one kv head)
+
+    def _by_layer(self, per_entry: torch.Tensor):
+        """``per_entry [entries, ...]`` as ``[layers, kv_heads, ...]`` (a list of layers when
+        their entries differ in number)."""
+        if self.num_kv_heads is None:
+            return [per_entry[a:b] for a, b in zip(self.first, self.first[1:], strict=False)]
+        return per_entry.view(self.num_layers, self.num_kv_heads, *per_entry.shape[1:])
 
     def submit(self, layer: int, q: torch.Tensor, kv: torch.Tensor, out: torch.Tensor) -> None:
         """``q [tokens, heads, dim]``, ``kv [2, tokens, kv_heads, dim]`` of the whole layer."""
@@ -168,6 +186,12 @@ class BudgetExecutor:
     def _prefill(self, layer: int, q: torch.Tensor, kv: torch.Tensor):
         """Store the chunk's ``kv [2, tokens, kv_heads, dim]`` in its entries and attend
         ``q [heads, tokens, dim]`` to the sequence so far: ``(out, lse)`` heads first."""
+        staged = self._store_chunk(layer, kv)
+        return self._attend_chunk(layer, q, kv, self.slots[layer], staged, self.patterns[layer])
+
+    def _store_chunk(self, layer: int, kv: torch.Tensor) -> bool:
+        """The chunk's ``kv [2, tokens, kv_heads, dim]`` into its entries' pages; returns
+        whether some of the layer's entries are in host pages."""
         start, slots = self.step.start, self.slots[layer]  # [kv_heads, prefix + chunk]
         staged = self.staging is not None and self.staging.any(layer)
         if staged:  # the offloaded heads' K/V to host pages, the others' to the plane
@@ -176,9 +200,17 @@ class BudgetExecutor:
             self.plane[:, slots[resident, start:]] = kv.transpose(1, 2)[:, resident]
         else:
             self.plane[:, slots[:, start:]] = kv.transpose(1, 2)  # [2, kv_heads, tokens, dim]
-        patterns = self.patterns[layer]
-        num_keys = slots.shape[1]
+        return staged
+
+    def _attend_chunk(self, layer: int, q: torch.Tensor, kv: torch.Tensor, slots: torch.Tensor,
+                      staged: bool, patterns):  # fmt: skip
+        """``q [heads, rows, dim]``, the chunk's last rows up to its key ``kv [2, rows',
+        kv_heads, dim]`` (``rows' >= rows``), over the prefix (``slots [kv_heads, positions]``
+        of those heads) and the chunk's keys, causal at the key end; ``patterns``: one per
+        query head over every key (then ``q`` and ``kv`` are the whole chunk's)."""
+        start = self.step.start
         if patterns is not None:  # every key, padded to a capacity: [2, kv_heads, cap, dim]
+            num_keys = slots.shape[1]
             keys = self._keys(layer, slots, 0, num_keys, staged, padded_length(num_keys))
             return prefill_with_patterns(q, keys[0], keys[1], num_keys, patterns,
                                          backend=self.backend)  # fmt: skip
@@ -216,7 +248,7 @@ class BudgetExecutor:
                                      torch.arange(prompt_len - window, prompt_len)])  # fmt: skip
         offloaded = set(self.staging.entries) if self.staging is not None else set()
         for layer in sorted({e // self.num_kv_heads for e in offloaded}):  # in host pages
-            heads = slice(layer * self.num_kv_heads, (layer + 1) * self.num_kv_heads)
+            heads = slice(self.first[layer], self.first[layer + 1])
             keys = self._keys(layer, slots[heads], 0, prompt_len, True)
             self.staging.compact(layer, keys, kept[heads], self.host_pages)
             del keys  # one layer's prompt K/V at a time
@@ -232,18 +264,35 @@ class BudgetExecutor:
 
     def _budget_positions(self, slots: torch.Tensor, prompt_len: int) -> list[torch.Tensor]:
         """Positions each entry keeps by the budget's policy (all without a budget)."""
-        if self.budget is None:
+        if self.budget is None or self.budget.tokens(prompt_len) >= prompt_len:
             return [torch.arange(prompt_len)] * slots.shape[0]
-        per_layer = slots.view(-1, self.num_kv_heads, prompt_len)
+        per_layer = self._by_layer(slots)
         window = min(self.budget.window, prompt_len)
         scores = []
-        for layer in range(per_layer.shape[0]):
+        for layer in range(self.num_layers):
+            if not self.layer_heads[layer]:  # a rank with none of the layer's heads
+                empty = torch.empty(0, prompt_len - window, device=self.plane.device)
+                scores.append(self._ranked_scores(layer, empty))
+                continue
             if self.staging is not None and self.staging.any(layer):  # [kv_heads, prompt, dim]
                 keys = self._keys(layer, per_layer[layer], 0, prompt_len, True)[0]
             else:
                 keys = self.plane[0][per_layer[layer]]
             q_window = self.window_q[layer][-window:].transpose(0, 1)
-            scores.append(observation_scores(q_window, keys, pool=self.budget.pool).cpu())
+            scores.append(
+                self._ranked_scores(
+                    layer, observation_scores(q_window, keys, pool=self.budget.pool)
+                )
+            )
             del keys  # one layer's prompt keys at a time
-        kept = kept_positions(self.budget, scores, prompt_len, self.head_scores)
+        kept = kept_positions(self.budget, scores, prompt_len, self.head_scores, self._heads())
         return [positions for layer in kept for positions in layer]
+
+    def _ranked_scores(self, layer: int, scores: torch.Tensor) -> torch.Tensor:
+        """The scores the policy ranks ``layer``'s heads by, from this executor's ``scores
+        [kv_heads, prompt - window]`` (on the device): the same, on the CPU."""
+        return scores.cpu()
+
+    def _heads(self) -> list[list[int]] | None:
+        """Per layer, the heads of the ranked scores this executor holds (None: all)."""
+        return None

@@ -82,22 +82,11 @@ class CopyExecutor:
     def collect(self, layer: int) -> None:
         """At decode, the layer's log-sum-exp exchange (every rank, when any copies it) and
         each copy's part scaled by its weight in the merge."""
-        if not self.step.decode or not self.layout.num_copied[layer]:
-            return
-        lse, out = self._parts.pop(layer, (None, None))
-        num_seqs = len(self.step.positions_list)
-        mine = torch.full((num_seqs, self.layout.num_copied[layer], self.q_per_kv), -torch.inf,
-                          device=self.store.buffer.device)  # fmt: skip
-        copies = self.layout.copies[layer]
-        for j, copy in enumerate(copies):
-            mine[:, copy.slot] = lse[j]
-        total = torch.logsumexp(self.exchange(mine), dim=0)  # [seqs, copied, q_per_kv]
-        if not copies:
-            return
-        for j, copy in enumerate(copies):
-            weight = torch.exp(mine[:, copy.slot] - total[:, copy.slot])[..., None]
-            cols = slice(j * self.q_per_kv, (j + 1) * self.q_per_kv)
-            out[:, cols] = (out[:, cols].float().nan_to_num(0.0) * weight).to(out.dtype)
+        if self.step.decode and self.layout.num_copied[layer]:
+            lse, out = self._parts.pop(layer, (None, None))
+            merge_copies(self.layout, layer, lse, out, self.exchange,
+                         len(self.step.positions_list), self.q_per_kv,
+                         self.store.buffer.device)  # fmt: skip
 
     def _prefill(self, layer: int, j: int, copy: Copy, store_kv: torch.Tensor,
                  q: torch.Tensor) -> torch.Tensor:  # fmt: skip
@@ -161,3 +150,22 @@ class CopyExecutor:
             table = block_table(rows, bucket(max(map(len, rows), default=1), 8)).to(device)
             self._ranges[key] = table, torch.tensor(lengths, device=device)
         return self._ranges[key]
+
+
+def merge_copies(layout: RankLayout, layer: int, lses: list[torch.Tensor] | None,
+                 out: torch.Tensor | None, exchange: Callable[[torch.Tensor], torch.Tensor],
+                 num_seqs: int, q_per_kv: int, device: torch.device) -> None:  # fmt: skip
+    """Scale this rank's decode parts of ``layer``'s copied heads by their weights in the
+    merge with the other copies: ``lses`` one ``[seqs, q_per_kv]`` per copy of the rank,
+    ``out [seqs, copies x q_per_kv, dim]`` their parts (both None where the rank holds no
+    copy of the layer; every rank calls it where any does, for the lse all-gather)."""
+    copies = layout.copies[layer]
+    mine = torch.full((num_seqs, layout.num_copied[layer], q_per_kv), -torch.inf,
+                      device=device)  # fmt: skip
+    for j, copy in enumerate(copies):
+        mine[:, copy.slot] = lses[j]
+    total = torch.logsumexp(exchange(mine), dim=0)  # [seqs, copied, q_per_kv]
+    for j, copy in enumerate(copies):
+        weight = torch.exp(mine[:, copy.slot] - total[:, copy.slot])[..., None]
+        cols = slice(j * q_per_kv, (j + 1) * q_per_kv)
+        out[:, cols] = (out[:, cols].float().nan_to_num(0.0) * weight).to(out.dtype)

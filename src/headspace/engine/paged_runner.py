@@ -17,6 +17,7 @@ import torch
 from headspace.attention.patterns import Pattern
 from headspace.budgets import KVBudget
 from headspace.engine.budget import BudgetExecutor
+from headspace.engine.budget_ranks import RankBudgetExecutor
 from headspace.engine.config import EngineConfig
 from headspace.engine.copies import CopyExecutor
 from headspace.engine.entry_staging import EntryStaging
@@ -85,8 +86,9 @@ class PagedRunner:
         if config.kv_budget is not None:
             self.budget = KVBudget(config.kv_budget, config.kv_policy, pool=config.kv_pool)
         self.profile = profile  # the engine's, checked against the model
-        if config.per_head_pages:  # every (layer, kv head) in its own pages
-            self.blocks = EntryBlockManager(spec.page_size, 0, spec.num_entries)
+        if config.per_head_pages:  # every (layer, kv head) in its own pages (of this rank)
+            num_entries = spec.num_entries if layout is None else sum(layout.layer_heads)
+            self.blocks = EntryBlockManager(spec.page_size, 0, num_entries)
         else:
             self.blocks = BlockManager(spec.page_size, 0)
         # the last sampled token of each running sequence (+1 scratch slot for graph padding)
@@ -111,7 +113,8 @@ class PagedRunner:
         """Lay the arena and executors out for ``plan`` (no sequence may hold pages)."""
         self.ensure_host_pages(plan.num_host_pages)
         key = _layout_key(plan)
-        if key == self._layout:
+        if key == self._layout:  # the same tensors; the map's budgets may be this batch's
+            self.plan.head_map = plan.head_map
             return
         if self.config.per_head_pages:
             return self._apply_entry_pages(plan, key)
@@ -161,33 +164,42 @@ class PagedRunner:
 
     def _apply_entry_pages(self, plan: Plan, key: tuple) -> None:
         """KV budgets and streaming heads: the arena is one plane of entry pages ``[2,
-        slots, head_dim]``; the head map's streaming entries become rings."""
-        spec = self.spec
+        slots, head_dim]``; the head map's streaming entries become rings. Under torchrun
+        the entries are this rank's heads, layer by layer (its own, then its copies)."""
+        spec, layout = self.spec, self.layout
         num_pages = self.store.num_bytes // spec.entry_page_bytes
         plane = self.store.buffer[: 2 * num_pages * spec.page_size * spec.head_dim]
         plane = plane.view(2, -1, spec.head_dim)
-        offloaded = [[e.kv_head for e in plan.head_map.layer(layer) if e.tier != "gpu"]
-                     for layer in range(spec.num_layers)]  # fmt: skip
-        entries = [layer * spec.num_kv_heads + h for layer, hs in enumerate(offloaded) for h in hs]
-        self.blocks.reset(plan.num_gpu_pages, offloaded=entries)
+        heads = [range(spec.num_kv_heads) if layout is None else layout.heads(layer)
+                 for layer in range(spec.num_layers)]  # fmt: skip
+        entries = [(layer, h) for layer, hs in enumerate(heads) for h in hs]  # [entry]
+        offloaded = [[h for h in hs if plan.head_map.entry(layer, h).tier != "gpu"]
+                     for layer, hs in enumerate(heads)]  # fmt: skip
+        self.blocks.reset(plan.num_gpu_pages, offloaded=[e for e, (layer, h) in enumerate(entries)
+                                                         if h in offloaded[layer]])  # fmt: skip
         staging = None
-        if plan.entry_staging:  # two slots after the pool's pages
+        if plan.entry_staging:  # two slots after the pool's pages (one process only)
             staging = EntryStaging(plane, self.host, offloaded, spec.num_kv_heads, spec.page_size,
                                    plan.num_gpu_pages, plan.entry_staging)  # fmt: skip
         self.plan, self._layout = plan, key
         self._layout_id = self._layout_ids.setdefault(key, len(self._layout_ids))
         head_scores = None if self.profile is None else torch.tensor(self.profile.retrieval)
         rings = {}
-        for entry in plan.head_map.entries:
-            pattern = Pattern.parse(entry.pattern)
+        for e, (layer, h) in enumerate(entries):
+            pattern = Pattern.parse(plan.head_map.entry(layer, h).pattern)
             if pattern.kind == "streaming":
-                rings[entry.layer * spec.num_kv_heads + entry.kv_head] = pattern.params
-        q_per_kv, kv_heads = self.model.config.num_queries_per_kv, range(spec.num_kv_heads)
-        patterns = [_patterns(plan, layer, kv_heads, q_per_kv) for layer in range(spec.num_layers)]
-        self.executors = [BudgetExecutor(plane, self.blocks, spec.num_kv_heads, q_per_kv,
-                                         self.config.attention_backend, self.budget,
-                                         self.tokens.numel(), spec.pages_for(self.max_context),
-                                         head_scores, rings, patterns, staging)]  # fmt: skip
+                rings[e] = pattern.params
+        q_per_kv = self.model.config.num_queries_per_kv
+        patterns = [_patterns(plan, layer, hs, q_per_kv) for layer, hs in enumerate(heads)]
+        args = (plane, self.blocks, [len(hs) for hs in heads], q_per_kv,
+                self.config.attention_backend, self.budget, self.tokens.numel(),
+                spec.pages_for(self.max_context), head_scores, rings, patterns,
+                staging)  # fmt: skip
+        if layout is None:
+            self.executors = [BudgetExecutor(*args)]
+        else:
+            self.executors = [RankBudgetExecutor(*args, layout=layout, head_map=plan.head_map,
+                                                 exchange=all_gather_stack)]  # fmt: skip
 
     def _cpu_split(self, plan: Plan) -> CpuSplit | None:
         """The hybrid tier's CPU side (one per runner: its worker thread is kept)."""

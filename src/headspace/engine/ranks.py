@@ -12,22 +12,26 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from headspace.budgets import KVBudget
 from headspace.errors import UserError
 from headspace.model.llama import LlamaModel
 from headspace.parallel.balance import balance_heads
 from headspace.parallel.dist import (
+    all_agree,
     all_reduce_min,
     all_reduce_sum,
     broadcast_object,
+    host_min,
     init_from_env,
 )
 from headspace.parallel.placement import RankLayout, rank_layout
 from headspace.parallel.shard import shard_model
 from headspace.planner.head_cost import CostShape
 from headspace.planner.head_map import HeadMap
-from headspace.planner.memory import KVSpec
+from headspace.planner.memory import GiB, KVSpec
 from headspace.planner.plan import Plan, plan_batch
-from headspace.planner.profile import Profile, with_patterns
+from headspace.planner.profile import Profile, budget_key, with_budget_shares, with_patterns
+from headspace.planner.sparsity import with_budgets
 
 
 @dataclass(frozen=True)
@@ -43,6 +47,22 @@ class Ranks:
         makes the same choices): pages as wide as the widest rank's layer, and the smallest
         rank's arena."""
         return replace(spec, num_kv_heads=self.most_heads), all_reduce_min(arena, device)
+
+    def entry_plan(self, spec: KVSpec, arena: int, head_map: HeadMap, max_tokens: list[int],
+                   what: str) -> Plan:  # fmt: skip
+        """Per-entry pages (budgets, streaming heads): every rank's entries resident (no
+        offload yet under torchrun), checked on every rank; ``head_map`` is the whole map."""
+        plane = arena // spec.entry_page_bytes
+        per_entry = sum(spec.pages_for(n) for n in max_tokens)  # one entry, every sequence
+        needed = sum(self.layout.layer_heads) * per_entry + 1
+        most = -host_min(-needed)  # the fullest rank's pages
+        if not all_agree(needed <= plane):
+            raise UserError(
+                f"{what} needs up to {most * spec.entry_page_bytes / GiB:.2f} GiB of KV on "
+                f"a GPU before its prompt is compressed, more than the GPU budget leaves there "
+                f"(no offload under torchrun yet); raise the GPU budget or use more GPUs"
+            )
+        return Plan(head_map, "none", plane - 1, 0, None, 0)
 
     def plan(self, spec: KVSpec, arena: int, num_pages: int, what: str) -> Plan:
         """Every rank's heads resident (no offload yet under torchrun); the plan's head map
@@ -67,13 +87,27 @@ def join(config):
 
 
 def _check(config) -> None:
-    if config.per_head_pages:
-        raise UserError("under torchrun, KV budgets and streaming heads are not supported yet: "
-                        "drop kv_budget, or use a prefill pattern (vertical_slash, "
-                        "block_sparse) as sparse_pattern")  # fmt: skip
     if config.offload not in ("auto", "none"):
         raise UserError(f"under torchrun every rank keeps its heads' KV on its GPU: offload "
                         f"must be auto or none, got {config.offload!r}")  # fmt: skip
+
+
+def costed_map(cfg, config, profile: Profile | None, max_context: int) -> HeadMap:
+    """The head map whose costs the solver balances: the profile's patterns, and with
+    per-entry pages what each entry keeps at ``max_context`` tokens (budgeted entries by the
+    profile's measured shares of the policy, where it has them)."""
+    head_map = HeadMap.all_gpu(cfg.num_layers, cfg.num_kv_heads)
+    if config.retrieval_heads is not None:
+        head_map = with_patterns(head_map, profile.retrieval, config.retrieval_heads,
+                                 config.sparse_pattern)  # fmt: skip
+    if not config.per_head_pages:
+        return head_map
+    if config.kv_budget is None:
+        return with_budgets(head_map, None)  # rings keep their sink and window
+    budget = KVBudget(config.kv_budget, config.kv_policy, pool=config.kv_pool)
+    head_map = with_budgets(head_map, budget.tokens(max_context))
+    shares = profile and profile.budget_shares.get(budget_key(budget.policy, budget.value))
+    return with_budget_shares(head_map, shares) if shares else head_map
 
 
 def setup_ranks(model: LlamaModel, config, profile: Profile | None,
@@ -85,10 +119,7 @@ def setup_ranks(model: LlamaModel, config, profile: Profile | None,
         return None
     _check(config)
     cfg = model.config
-    head_map = HeadMap.all_gpu(cfg.num_layers, cfg.num_kv_heads)
-    if config.retrieval_heads is not None:
-        head_map = with_patterns(head_map, profile.retrieval, config.retrieval_heads,
-                                 config.sparse_pattern)  # fmt: skip
+    head_map = costed_map(cfg, config, profile, max_context)
     if rank == 0:
         parallel = replace(config.parallel, gpus=world)
         shape = CostShape.of(cfg, config.torch_dtype.itemsize)

@@ -56,8 +56,10 @@ class Scheduler:
     """
 
     def __init__(self, blocks: BlockManager, max_batch: int, num_slots: int,
-                 prefix_caching: bool = True):  # fmt: skip
+                 prefix_caching: bool = True,
+                 agree: Callable[[bool], bool] = bool):  # fmt: skip
         self.blocks, self.max_batch, self.prefix_caching = blocks, max_batch, prefix_caching
+        self.agree = agree  # whether a page check holds everywhere (ranks with own pools)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.swapped: deque[Sequence] = deque()
@@ -89,8 +91,9 @@ class Scheduler:
             fits_alone = self.blocks.pages_for(seq.max_tokens) <= pools[GPU].num_pages
             return fits_alone and needed <= pools[GPU].num_free
         needed = self.blocks.pages_for(seq.max_tokens) + self._future_pages()
-        return all(needed <= pools[tier].num_free or (tier == HOST and self.host_room(needed))
-                   for tier in self.tiers)  # fmt: skip
+        return self.agree(all(needed <= pools[tier].num_free or
+                              (tier == HOST and self.host_room(needed))
+                              for tier in self.tiers))  # fmt: skip
 
     def admit(self, accept: Callable[[Sequence], bool] = lambda s: True) -> Sequence | None:
         """Move the next waiting sequence into the batch if it fits (and ``accept`` agrees);
@@ -118,7 +121,7 @@ class Scheduler:
         pairs, stepping, pools = [], list(batch), self.blocks.pools
         while True:
             needed = sum(self.blocks.pages_needed(s.seq_id) for s in stepping)
-            if all(needed <= pools[tier].num_free for tier in self.tiers):
+            if self.agree(all(needed <= pools[tier].num_free for tier in self.tiers)):
                 break
             if not self.optimistic:
                 raise OutOfPages(f"{needed} pages needed, fewer free")

@@ -63,6 +63,25 @@ def all_reduce_min(value: int, device: str = "cpu") -> int:
     return int(tensor.item())
 
 
+_CPU_GROUP = None
+
+
+def host_min(value: int) -> int:
+    """The smallest of every rank's ``value``, over a gloo group of the host (no GPU work
+    waits on it)."""
+    global _CPU_GROUP
+    if _CPU_GROUP is None:
+        _CPU_GROUP = dist.new_group(backend="gloo")
+    tensor = torch.tensor([value], dtype=torch.long)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MIN, group=_CPU_GROUP)
+    return int(tensor.item())
+
+
+def all_agree(ok: bool) -> bool:
+    """Whether ``ok`` holds on every rank (see :func:`host_min`)."""
+    return bool(host_min(int(ok)))
+
+
 def broadcast_object(obj, src: int = 0):
     """Rank ``src``'s ``obj`` (picklable), on every rank."""
     box = [obj]

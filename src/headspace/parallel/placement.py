@@ -47,9 +47,14 @@ class RankLayout:
         return list(self.own[layer]) + [c.kv_head for c in self.copies[layer]]
 
     @property
+    def layer_heads(self) -> list[int]:
+        """``[layers]`` the kv heads this rank holds in each layer (own and copies)."""
+        return [len(own) + len(copies) for own, copies in zip(self.own, self.copies, strict=True)]
+
+    @property
     def most_heads(self) -> int:
         """The most kv heads this rank holds in one layer."""
-        return max(len(self.own[layer]) + len(self.copies[layer]) for layer in range(len(self.own)))
+        return max(self.layer_heads)
 
 
 def rank_layout(head_map: HeadMap, rank: int, world: int) -> RankLayout:

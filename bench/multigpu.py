@@ -1,0 +1,358 @@
+"""Head-parallel balance over several GPUs (Llama-3.1-8B architecture, random bf16 weights):
+per solver, each rank's attention time and their imbalance, prefill and decode throughput
+against uniform's, scaling over GPU counts, and the cost model's predicted attention step
+against the measured one.
+
+    PYTHONPATH=src python bench/multigpu.py [--gpus 1 2 4] [--context 131072]
+        [--solvers uniform greedy ga fairkv] [--scenario duo|ada_snapkv|patterns]
+
+The driver first measures the heads' uneven loads on this model (``--scenario``):
+
+- ``duo`` (the default): DuoAttention's split, half the heads ``streaming(4,1024)`` (sink
+  and window only) and the others under Ada-SnapKV at ``kv_budget=0.25``.
+- ``ada_snapkv``: every head under Ada-SnapKV at ``kv_budget=0.25``.
+- ``patterns``: half the heads ``vertical_slash(1000,2048)`` at prefill.
+
+Budgets come with FairKV's statistical profile: the tokens the policy gives each (layer, kv
+head) over a prompt of the context's length (another seed than the benchmark's), written as
+the profile's budget shares, which the solvers price; at run time the engine compresses by
+the same policy. Patterns come with the profile's pattern milliseconds measured on this GPU.
+Which heads take a pattern is a ranking by random scores: on random weights no head
+retrieves, so the split, not the choice, is what the run shows.
+
+Then one ``torchrun --nproc-per-node N`` per GPU count runs every solver in turn, each on a
+fresh model (the engine shards it in place), built as a user builds it under torchrun: the
+model's context, default options plus the scenario's and ``balance``. Each rank times its
+attention (CUDA events around every layer's executors' submits; the copies' log-sum-exp
+exchange excluded) through one prompt of ``--context`` tokens and ``--decode`` tokens, after
+an untimed request that compiles the kernels. Writes
+``multigpu_llama3-8b-<scenario>_<gpu>x<N>_<date>.json`` (N the most GPUs run) and a PNG of
+each rank's attention per solver to bench/results ($OUT when set).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from common import (  # noqa: E402
+    LLAMA31_8B,
+    NoText,
+    environment,
+    measure_hbm_bandwidth,
+    random_model,
+    write_result,
+)
+
+SCENARIOS = {
+    "duo": {"kv_budget": 0.25, "kv_policy": "ada_snapkv", "retrieval_heads": 0.5,
+            "sparse_pattern": "streaming(4,1024)"},
+    "ada_snapkv": {"kv_budget": 0.25, "kv_policy": "ada_snapkv"},
+    "patterns": {"retrieval_heads": 0.5, "sparse_pattern": "vertical_slash(1000,2048)"},
+}  # fmt: skip
+SOLVERS = ("uniform", "greedy", "ga", "fairkv")
+WARMUP_TOKENS = 16384  # a first, untimed request of this many tokens
+
+
+# -- the profile (one GPU) -------------------------------------------------------------------
+def make_profile(scenario: str, context: int, path: Path) -> dict:
+    """The scenario's measured loads as a profile at ``path``; returns a summary."""
+    from headspace.budgets import KVBudget
+    from headspace.eval.profile import PATTERNS, budget_shares, pattern_costs
+    from headspace.planner.profile import Profile, budget_key
+
+    cfg = LLAMA31_8B
+    layers, kv_heads = cfg["num_hidden_layers"], cfg["num_key_value_heads"]
+    scores = torch.rand(layers, kv_heads, generator=torch.Generator().manual_seed(1)).tolist()
+    profile = Profile("llama3-8b random", layers, kv_heads, scores, device="cuda")
+    summary, options = {}, SCENARIOS[scenario]
+    if "kv_budget" in options:
+        budget = KVBudget(options["kv_budget"], options["kv_policy"])
+        model = random_model(cfg)
+        shares = budget_shares(model, [_prompt(context, seed=2)], budget)
+        profile.budget_shares[budget_key(budget.policy, budget.value)] = shares.tolist()
+        summary = {"budget_shares": {"min": shares.min().item(), "max": shares.max().item(),
+                                     "std": shares.std().item()}}  # fmt: skip
+        del model
+    if "sparse_pattern" in options:
+        chunk = 8192
+        heads = cfg["num_attention_heads"] // kv_heads
+        ms = pattern_costs(heads, cfg["head_dim"], [context // 4, context], chunk, "cuda",
+                           list(PATTERNS))  # fmt: skip
+        profile.chunk, profile.pattern_ms = chunk, ms
+        summary["pattern_ms"] = ms
+    profile.save(path)
+    torch.cuda.empty_cache()
+    return summary
+
+
+def _prompt(length: int, seed: int) -> list[int]:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(0, LLAMA31_8B["vocab_size"], (length,), generator=generator).tolist()
+
+
+# -- a worker (one rank under torchrun) ------------------------------------------------------
+class AttentionTimer:
+    """Wraps a runner's attention: CUDA events around every layer's submits, per phase."""
+
+    def __init__(self, runner):
+        self.runner, self.events = runner, {"prefill": [], "decode": []}
+        runner._attention = self
+
+    def __call__(self, layer: int, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
+        executors = self.runner.executors
+        out = torch.empty_like(q)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for executor in executors:
+            executor.submit(layer, q, kv, out)
+        end.record()
+        for executor in executors:
+            executor.collect(layer)
+        phase = "decode" if executors[0].step.decode else "prefill"
+        self.events[phase].append((start, end))
+        return out
+
+    def close(self) -> None:
+        """The runner's own attention back (the two held each other: nothing was freed)."""
+        del self.runner._attention
+        self.runner = None
+
+    def seconds(self, num_layers: int) -> dict[str, float]:
+        """Attention seconds: each phase's total, the prompt's last chunk (what the cost
+        model prices for prefill) and the mean decode step."""
+        torch.cuda.synchronize()
+        ms = {phase: [s.elapsed_time(e) for s, e in pairs] for phase, pairs in self.events.items()}
+        num_steps = max(len(ms["decode"]) // num_layers, 1)
+        return {"prefill": sum(ms["prefill"]) / 1000, "decode": sum(ms["decode"]) / 1000,
+                "prefill_last_chunk": sum(ms["prefill"][-num_layers:]) / 1000,
+                "decode_step": sum(ms["decode"]) / 1000 / num_steps}  # fmt: skip
+
+
+def run_solver(solver: str, args, profile: str) -> dict | None:
+    """One solver's run on this rank; rank 0 returns what every rank measured."""
+    import torch.distributed as dist
+
+    from headspace.engine.config import EngineConfig
+    from headspace.engine.engine import Engine
+    from headspace.engine.ranks import costed_map, join
+    from headspace.engine.sampling import SamplingParams
+    from headspace.parallel.balance import balance_heads
+    from headspace.parallel.config import ParallelConfig
+    from headspace.planner.head_cost import CostShape
+
+    options = SCENARIOS[args.scenario]
+    config = join(EngineConfig(device="cuda", profile=profile, **options,
+                               parallel=ParallelConfig(balance=solver)))  # fmt: skip
+    model = random_model(LLAMA31_8B, device=config.device)
+    engine = Engine.from_model(model, NoText(), config)
+    params = SamplingParams(max_new_tokens=args.decode, ignore_eos=True)
+    engine.generate_batch([_prompt(WARMUP_TOKENS, seed=4)], [params])  # kernels compiled
+    timer = AttentionTimer(engine.batch.runner)
+    ids = _prompt(args.context - args.decode, seed=3)
+    (output,) = engine.generate_batch([ids], [params])
+    stats = output.stats
+    weight_bytes = sum(p.nbytes for p in engine.model.parameters())
+    hbm = measure_hbm_bandwidth()
+    measured = timer.seconds(model.config.num_layers)
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    per_rank = [measured]
+    if world > 1:
+        per_rank = [None] * world
+        dist.all_gather_object(per_rank, measured)
+    result = {
+        "solver": solver,
+        "prefill_tok_s": len(ids) / stats.prefill_seconds,
+        "decode_tok_s": (args.decode - 1) / stats.decode_seconds,
+        "attention_seconds": {key: [r[key] for r in per_rank] for key in measured},
+        "peak_gpu_gib": stats.peak_gpu_bytes / 2**30,
+        "kv_held_fraction": stats.kv_held_fraction,
+        "head_map": engine.batch.runner.plan.head_map.summary(),
+        # rank 0's decode floor: its weights and the KV it holds at the end, read once a token
+        "decode_floor_tok_s": hbm / (weight_bytes + stats.kv_held_bytes),
+        "hbm_bytes_per_s": hbm,
+    }
+    if engine.ranks is not None and dist.get_rank() == 0:
+        cfg = engine.model.config
+        head_map = costed_map(cfg, config, engine.profile, engine.max_context)
+        balance = balance_heads(head_map, CostShape.of(cfg), replace_gpus(config, world),
+                                context=engine.max_context, chunk=config.prefill_chunk or 8192,
+                                profile=engine.profile)  # fmt: skip
+        result["predicted"] = {p: balance.loads[p] for p in ("prefill", "decode")}
+        result["balanced_phase"] = balance.phase
+    timer.close()
+    del engine, model, timer, output
+    gc.collect()
+    torch.cuda.empty_cache()  # the next solver's model and arena size from what is free
+    return result
+
+
+def replace_gpus(config, world: int):
+    from dataclasses import replace
+
+    return replace(config.parallel, gpus=world)
+
+
+def worker(args) -> None:
+    import torch.distributed as dist
+
+    solvers = args.solvers if int(os.environ.get("WORLD_SIZE", 1)) > 1 else ["single"]
+    results = []
+    for solver in solvers:
+        results.append(run_solver("uniform" if solver == "single" else solver, args,
+                                  args.profile))  # fmt: skip
+        results[-1]["solver"] = solver
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        Path(args.out).write_text(json.dumps(results, indent=1))
+
+
+# -- the driver --------------------------------------------------------------------------------
+def launch(num_gpus: int, args, profile: Path, out: Path) -> list[dict]:
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               f"--nproc-per-node={num_gpus}", __file__, "--worker", "--out", str(out),
+               "--profile", str(profile), "--context", str(args.context),
+               "--decode", str(args.decode), "--scenario", args.scenario,
+               "--solvers", *args.solvers]  # fmt: skip
+    subprocess.run(command, check=True, env={**os.environ, "OMP_NUM_THREADS": "4"})
+    return json.loads(out.read_text())
+
+
+def imbalance(seconds: list[float]) -> float | None:
+    """Max over mean (None where nothing was timed: decode steps replayed as CUDA graphs on
+    one GPU do not call the timed attention)."""
+    return max(seconds) / (sum(seconds) / len(seconds)) if sum(seconds) else None
+
+
+def summarise(runs: dict[int, list[dict]], solvers: list[str]) -> dict:
+    """The issue's keys from every GPU count's runs."""
+    most = max(runs)
+    at_most = {r["solver"]: r for r in runs[most]}
+    phase = {}
+    for r in runs[most]:
+        phase[r["solver"]] = r.get("balanced_phase", "decode")
+    summary = {
+        "gpus": sorted(runs),
+        "imbalance_max_over_mean": {
+            s: {p: imbalance(at_most[s]["attention_seconds"][p]) for p in ("prefill", "decode")}
+            for s in at_most
+        },
+        "throughput_vs_uniform": {
+            s: {
+                p: at_most[s][f"{p}_tok_s"] / at_most["uniform"][f"{p}_tok_s"]
+                for p in ("prefill", "decode")
+            }
+            for s in at_most
+            if "uniform" in at_most
+        },  # fmt: skip
+        "scaling": {
+            n: {r["solver"]: {key: r[key] for key in ("prefill_tok_s", "decode_tok_s")} for r in rs}
+            for n, rs in sorted(runs.items())
+        },  # fmt: skip
+        "cost_model": {s: _cost_model(r) for s, r in at_most.items() if "predicted" in r},
+        "balanced_phase": phase,
+    }
+    return summary
+
+
+def _cost_model(run: dict) -> dict:
+    """Predicted (roofline at the planner's rates) against measured attention seconds per
+    rank: the prompt's last chunk, and one decode step at the context."""
+    measured = run["attention_seconds"]
+    out = {}
+    for phase, key in (("prefill", "prefill_last_chunk"), ("decode", "decode_step")):
+        predicted = run["predicted"][phase]["rank_seconds"]
+        out[phase] = {"predicted_rank_seconds": predicted, "measured_rank_seconds": measured[key],
+                      "predicted_step_seconds": max(predicted),
+                      "measured_step_seconds": max(measured[key])}  # fmt: skip
+    return out
+
+
+def plot(runs: list[dict], path: Path) -> None:
+    """Each rank's attention seconds per solver, prefill and decode side by side."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
+    for ax, phase in zip(axes, ("prefill", "decode"), strict=True):
+        for i, run in enumerate(runs):
+            seconds = run["attention_seconds"][phase]
+            width = 0.8 / len(seconds)
+            for rank, value in enumerate(seconds):
+                ax.bar(i + (rank - (len(seconds) - 1) / 2) * width, value, width,
+                       color=f"C{rank}", label=f"rank {rank}" if i == 0 else None)  # fmt: skip
+        ax.set_xticks(range(len(runs)), [r["solver"] for r in runs])
+        ax.set_title(f"{phase} attention per rank")
+        ax.set_ylabel("seconds")
+    axes[0].legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--gpus", type=int, nargs="+", default=[1, 2, 4])
+    parser.add_argument("--context", type=int, default=131072)
+    parser.add_argument("--decode", type=int, default=32)
+    parser.add_argument("--solvers", nargs="+", default=list(SOLVERS), choices=SOLVERS)
+    parser.add_argument("--scenario", default="duo", choices=tuple(SCENARIOS))
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--out", help=argparse.SUPPRESS)
+    parser.add_argument("--profile", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        return worker(args)
+    available = torch.cuda.device_count()
+    gpus = [n for n in args.gpus if n <= available]
+    if gpus != args.gpus:
+        print(f"this machine has {available} GPUs: running {gpus}")
+    work = Path(tempfile.mkdtemp())
+    profile = work / "profile.json"
+    measured = make_profile(args.scenario, args.context, profile)
+    runs = {}
+    for n in gpus:  # each GPU count's runs written as they finish
+        runs[n] = launch(n, args, profile, work / f"runs{n}.json")
+        write_result(f"multigpu_partial_{n}.json", runs[n])
+    env = environment()
+    gpu = env["gpu"].split()[-1].lower()
+    most = max(gpus)
+    name = f"multigpu_llama3-8b-{args.scenario}_{gpu}x{most}_{env['date']}"
+    result = {
+        "environment": env,
+        "config": {"model": "Llama-3.1-8B architecture, random bf16 weights",
+                   "context": args.context, "decode_tokens": args.decode,
+                   "scenario": args.scenario, "options": SCENARIOS[args.scenario]},
+        "profile": measured,
+        **summarise(runs, args.solvers),
+        "runs": {str(n): rs for n, rs in runs.items()},
+    }  # fmt: skip
+    path = write_result(name + ".json", result)
+    plot(runs[most], path.with_suffix(".png"))
+    print_table(result, runs)
+
+
+def print_table(result: dict, runs: dict[int, list[dict]]) -> None:
+    print(f"{'gpus':>4} {'solver':>8} {'prefill tok/s':>14} {'decode tok/s':>13} "
+          f"{'floor tok/s':>12} {'imb prefill':>12} {'imb decode':>11}")  # fmt: skip
+    for n, rs in sorted(runs.items()):
+        for r in rs:
+            att = r["attention_seconds"]
+            imb = [imbalance(att[p]) for p in ("prefill", "decode")]
+            imb = [f"{x:.3f}" if x is not None else "-" for x in imb]
+            print(f"{n:>4} {r['solver']:>8} {r['prefill_tok_s']:>14.0f} "
+                  f"{r['decode_tok_s']:>13.1f} {r['decode_floor_tok_s']:>12.1f} {imb[0]:>12} "
+                  f"{imb[1]:>11}")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,164 @@
+"""One rank's KV-budget entries under torchrun: per layer its own kv heads, then its copies
+of heads shared with other ranks (the order of its sharded weights), each in its own pages.
+
+What differs from one process (:class:`~headspace.engine.budget.BudgetExecutor`):
+
+- **Which tokens each head keeps** is the same on every rank: each rank scores its heads, the
+  scores are all-gathered layer by layer, and every rank lets the policy divide the budget
+  over all of the layer's heads (Ada-SnapKV's heads compete across ranks) and picks its
+  heads' tokens from the same scores (a copied head's from its first copy's), so every copy
+  of a head keeps the same tokens.
+- **A copied head** keeps its whole K/V on each copy. At prefill each copy attends only its
+  share of the chunk's rows (a patterned copy every row, keeping its own); at decode every
+  copy stores the new token, attends its page-aligned range of the head's kept tokens, and
+  the copies merge by log-sum-exp (:func:`~headspace.engine.copies.merge_copies`) before o_proj's
+  all-reduce sums them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from headspace.attention.entry_decode import entry_decode, new_token_slots
+from headspace.engine.budget import BudgetExecutor
+from headspace.engine.copies import merge_copies
+from headspace.engine.executors import MIN_WIDTH, block_table, bucket
+from headspace.parallel.placement import RankLayout, copy_keys, copy_rows, rank_layout
+from headspace.planner.head_map import HeadMap
+
+
+class RankBudgetExecutor(BudgetExecutor):
+    """A :class:`BudgetExecutor` over one rank's entries of ``head_map`` (its ``layout``);
+    ``exchange(t)`` returns every rank's ``t`` stacked ``[world, ...]`` (an all-gather)."""
+
+    def __init__(self, *args, layout: RankLayout, head_map: HeadMap,
+                 exchange: Callable[[torch.Tensor], torch.Tensor], **kwargs):  # fmt: skip
+        super().__init__(*args, **kwargs)
+        self.layout, self.exchange = layout, exchange
+        layouts = [rank_layout(head_map, r, layout.world) for r in range(layout.world)]
+        self.width = max(lay.most_heads for lay in layouts)  # rows a rank sends per layer
+        # [layer][kv head] -> (rank, row) of the scores every rank ranks that head's tokens by
+        self.sources = [[(e.rank[0], layouts[e.rank[0]].heads(layer).index(e.kv_head))
+                         for e in head_map.layer(layer)]
+                        for layer in range(head_map.num_layers)]  # fmt: skip
+        self._parts: dict[int, tuple[list[torch.Tensor], torch.Tensor]] = {}
+
+    def begin(self, step) -> None:
+        super().begin(step)
+        if step.decode:  # each copy's key range of every sequence, this step
+            copied = [layer for layer, copies in enumerate(self.layout.copies) if copies]
+            self._ranges = {layer: self._key_ranges(layer, step.seq_ids) for layer in copied}
+
+    def submit(self, layer: int, q: torch.Tensor, kv: torch.Tensor, out: torch.Tensor) -> None:
+        """``q [tokens, heads, dim]``, ``kv [2, tokens, kv_heads, dim]`` of this rank's heads
+        of the layer (its own first, then its copies)."""
+        if not self.layer_heads[layer]:
+            return
+        if not self.layout.copies[layer]:
+            return super().submit(layer, q, kv, out)
+        if not self.step.decode:
+            return super().submit(layer, q, kv, out)  # copies: _prefill below
+        self._decode_with_copies(layer, q, kv, out)
+
+    def collect(self, layer: int):
+        """At decode, the layer's log-sum-exp exchange (every rank, when any copies it)."""
+        if self.step.decode and self.layout.num_copied[layer]:
+            lses, out = self._parts.pop(layer, (None, None))
+            merge_copies(self.layout, layer, lses, out, self.exchange, len(self.step.positions),
+                         self.q_per_kv, self.plane.device)  # fmt: skip
+        return super().collect(layer)
+
+    def _prefill(self, layer: int, q: torch.Tensor, kv: torch.Tensor):
+        """``q [heads, tokens, dim]``: own heads over every row; each copy over its rows only
+        (a full-attention copy attends the chunk's keys up to its last row; a patterned one
+        every row, keeping its own), zero elsewhere."""
+        copies = self.layout.copies[layer]
+        if not copies:
+            return super()._prefill(layer, q, kv)
+        staged = self._store_chunk(layer, kv)
+        slots, patterns, q_per_kv = self.slots[layer], self.patterns[layer], self.q_per_kv
+        num_own, num_rows = len(self.layout.own[layer]), q.shape[1]
+        out = torch.zeros_like(q)
+        lse = torch.full(q.shape[:2], -torch.inf, device=q.device)
+        split = num_own * q_per_kv
+        if num_own:
+            mine = None if patterns is None else patterns[:split]
+            mine = None if mine is None or all(p.is_full for p in mine) else mine
+            own = self._attend_chunk(layer, q[:split], kv[:, :, :num_own], slots[:num_own],
+                                     staged, mine)  # fmt: skip
+            out[:split], lse[:split] = own
+        for j, copy in enumerate(copies):
+            h = num_own + j
+            cols, heads = slice(h * q_per_kv, (h + 1) * q_per_kv), slice(h, h + 1)
+            lo, hi = copy_rows(self.step.start, num_rows, copy.shares, copy.index)
+            pattern = None if patterns is None else patterns[h * q_per_kv]
+            if hi == lo:
+                continue
+            if pattern is None or pattern.is_full:
+                part = self._attend_chunk(layer, q[cols, lo:hi], kv[:, :hi, heads], slots[heads],
+                                          staged, None)  # fmt: skip
+                out[cols, lo:hi], lse[cols, lo:hi] = part
+            else:  # every row under the pattern, then its own
+                part = self._attend_chunk(layer, q[cols], kv[:, :, heads], slots[heads], staged,
+                                          [pattern] * q_per_kv)  # fmt: skip
+                out[cols, lo:hi], lse[cols, lo:hi] = part[0][:, lo:hi], part[1][:, lo:hi]
+        return out, lse
+
+    def _decode_with_copies(self, layer: int, q: torch.Tensor, kv: torch.Tensor,
+                            out: torch.Tensor) -> None:  # fmt: skip
+        """Own rows as in one process; every copy stores the new token, then attends its key
+        range (its part and lse kept for the merge)."""
+        num_own, num_seqs = len(self.layout.own[layer]), q.shape[0]
+        num_heads = self.layer_heads[layer]
+        tables = self.tables[layer].view(num_seqs, num_heads, -1)
+        lengths = self.lengths[layer].view(num_seqs, num_heads)
+        newest = None if self.newest is None else self.newest[layer].view(num_seqs, num_heads)
+        k, v = self.plane[0], self.plane[1]
+        split = num_own * self.q_per_kv
+        if num_own:
+            index = None if newest is None else newest[:, :num_own].flatten()
+            result, _ = entry_decode(q[:, :split], k, v, tables[:, :num_own].flatten(0, 1),
+                                     lengths[:, :num_own].flatten(), self.page_size,
+                                     new_kv=kv[:, :, :num_own], new_index=index)  # fmt: skip
+            out[:, :split] = result
+        index = lengths[:, num_own:] - 1 if newest is None else newest[:, num_own:]
+        slots = new_token_slots(tables[:, num_own:].flatten(0, 1), index.flatten(),
+                                self.page_size)  # fmt: skip
+        self.plane[:, slots] = kv[:, :, num_own:].flatten(1, 2)  # [2, seqs x copies, dim]
+        table, range_lengths = self._ranges[layer]
+        part, lse = entry_decode(q[:, split:], k, v, table, range_lengths, self.page_size)
+        empty = (range_lengths == 0).view(num_seqs, -1).repeat_interleave(self.q_per_kv, 1)
+        lse = lse.float().masked_fill(empty, -torch.inf)  # a copy with no key of a sequence
+        out[:, split:] = part
+        q_per_kv = self.q_per_kv
+        lses = [lse[:, j * q_per_kv : (j + 1) * q_per_kv] for j in range(num_heads - num_own)]
+        self._parts[layer] = lses, out[:, split:]
+
+    def _key_ranges(self, layer: int, seq_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each (sequence, copy) row's pages from its first key on and its number of keys:
+        ``([seqs x copies, width] int32, [seqs x copies] int32)`` on the device."""
+        first = self.first[layer] + len(self.layout.own[layer])
+        rows, lengths = [], []
+        for seq_id in seq_ids:
+            lists = self.blocks.entries[seq_id]
+            for j, copy in enumerate(self.layout.copies[layer]):
+                entry = first + j
+                lo, hi = copy_keys(lists.lengths[entry], copy.shares, copy.index, self.page_size)
+                rows.append(lists.pages[entry][lo // self.page_size :] if hi > lo else [])
+                lengths.append(hi - lo)
+        device = self.plane.device
+        table = block_table(rows, bucket(max(map(len, rows), default=1), MIN_WIDTH)).to(device)
+        return table, torch.tensor(lengths, dtype=torch.int32, device=device)
+
+    def _ranked_scores(self, layer: int, scores: torch.Tensor) -> torch.Tensor:
+        """Every rank's scores of ``layer`` gathered: ``[kv heads of the model, prompt -
+        window]`` on the CPU, each head's from its first copy's rank."""
+        padded = scores.new_zeros(self.width, scores.shape[-1])
+        padded[: scores.shape[0]] = scores
+        gathered = self.exchange(padded)  # [world, width, prompt - window]
+        return torch.stack([gathered[r, i] for r, i in self.sources[layer]]).cpu()
+
+    def _heads(self) -> list[list[int]]:
+        return [self.layout.heads(layer) for layer in range(self.num_layers)]
