@@ -25,7 +25,7 @@ fresh model (the engine shards it in place), built as a user builds it under tor
 model's context, default options plus the scenario's and ``balance``. Each rank times its
 attention (CUDA events around every layer's executors' submits; the copies' log-sum-exp
 exchange excluded) through one prompt of ``--context`` tokens and ``--decode`` tokens, after
-an untimed request that compiles the kernels. Writes
+an untimed request of the same length that compiles and tunes the kernels for its shapes. Writes
 ``multigpu_llama3-8b-<scenario>_<gpu>x<N>_<date>.json`` (N the most GPUs run) and a PNG of
 each rank's attention per solver to bench/results ($OUT when set).
 """
@@ -60,7 +60,6 @@ SCENARIOS = {
     "patterns": {"retrieval_heads": 0.5, "sparse_pattern": "vertical_slash(1000,2048)"},
 }  # fmt: skip
 SOLVERS = ("uniform", "greedy", "ga", "fairkv")
-WARMUP_TOKENS = 16384  # a first, untimed request of this many tokens
 
 
 # -- the profile (one GPU) -------------------------------------------------------------------
@@ -156,7 +155,9 @@ def run_solver(solver: str, args, profile: str) -> dict | None:
     model = random_model(LLAMA31_8B, device=config.device)
     engine = Engine.from_model(model, NoText(), config)
     params = SamplingParams(max_new_tokens=args.decode, ignore_eos=True)
-    engine.generate_batch([_prompt(WARMUP_TOKENS, seed=4)], [params])  # kernels compiled
+    # kernels compiled and tuned for this context's shapes (FlexAttention compiles per key
+    # capacity, cuDNN plans per shape): an untimed request as long as the timed one
+    engine.generate_batch([_prompt(args.context - args.decode, seed=4)], [params])
     timer = AttentionTimer(engine.batch.runner)
     ids = _prompt(args.context - args.decode, seed=3)
     (output,) = engine.generate_batch([ids], [params])

@@ -362,14 +362,9 @@ def test_entry_decode_on_gpu_stores_ring_rows_at_their_index_and_empty_rows_nowh
     torch.testing.assert_close(lse.cpu(), ref_lse, atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize(
-    "world,balance,kv_budget", [(2, "uniform", ""), (4, "fairkv", ""), (4, "fairkv", "0.5")]
-)
-def test_ranks_on_gpu_equal_one_process(tmp_path, world, balance, kv_budget):
-    """Head-parallel ranks sharing the GPU (gloo) give the single process's fp32 logits and
-    greedy tokens: the Triton decode kernel over each copy's key range (fairkv on 4 ranks
-    copies both kv heads), the fused prefill over each copy's rows; under Ada-SnapKV, the
-    per-entry kernel over each copy's range of the kept tokens."""
+def _one_and_ranks(tmp_path, world: int, *args: str) -> tuple[dict, dict]:
+    """``tests/workers/parallel_gpu.py ARGS`` in one process, then under torchrun with
+    ``world`` ranks: (the single process's results, rank 0's)."""
     import os
     import subprocess
     import sys
@@ -378,14 +373,36 @@ def test_ranks_on_gpu_equal_one_process(tmp_path, world, balance, kv_budget):
     worker = Path(__file__).parent / "workers" / "parallel_gpu.py"
     one, many = tmp_path / "one.pt", tmp_path / "many.pt"
     env = {**os.environ, "OMP_NUM_THREADS": "2"}
-    done = subprocess.run([sys.executable, str(worker), str(one), balance, kv_budget],
-                          env=env, capture_output=True, text=True, timeout=600)  # fmt: skip
+    done = subprocess.run([sys.executable, str(worker), str(one), *args[:2]], env=env,
+                          capture_output=True, text=True, timeout=600)  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                           f"--nproc-per-node={world}", str(worker), str(many), balance,
-                           kv_budget],
+                           f"--nproc-per-node={world}", str(worker), str(many), *args],
                           env=env, capture_output=True, text=True, timeout=600)  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
-    ref, got = torch.load(one), torch.load(many)
+    return torch.load(one), torch.load(many)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+@pytest.mark.parametrize("balance,kv_budget", [("greedy", ""), ("fairkv", ""), ("fairkv", "0.5")])
+def test_ranks_over_two_gpus_equal_one_process(tmp_path, balance, kv_budget):
+    """Two GPUs through NCCL, as torchrun launches them: fp32 logits and greedy tokens of one
+    process; decode steps run as CUDA graphs with the all-reduces (and, under Ada-SnapKV, the
+    copies' key ranges and log-sum-exp all-gathers) captured."""
+    ref, got = _one_and_ranks(tmp_path, 2, balance, kv_budget, "nccl")
+    assert got["graphs"] or (balance == "fairkv" and not kv_budget)  # shared-page copies
+    assert (got["logits"] - ref["logits"]).abs().max().item() <= 1e-4
+    assert got["tokens"] == ref["tokens"]
+
+
+@pytest.mark.parametrize(
+    "world,balance,kv_budget", [(2, "uniform", ""), (4, "fairkv", ""), (4, "fairkv", "0.5")]
+)
+def test_ranks_on_gpu_equal_one_process(tmp_path, world, balance, kv_budget):
+    """Head-parallel ranks sharing the GPU (gloo) give the single process's fp32 logits and
+    greedy tokens: the Triton decode kernel over each copy's key range (fairkv on 4 ranks
+    copies both kv heads), the fused prefill over each copy's rows; under Ada-SnapKV, the
+    per-entry kernel over each copy's range of the kept tokens."""
+    ref, got = _one_and_ranks(tmp_path, world, balance, kv_budget)
     assert (got["logits"] - ref["logits"]).abs().max().item() <= 1e-4
     assert got["tokens"] == ref["tokens"]

@@ -16,6 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from headspace.api import LLM
+from headspace.engine.budget_ranks import copy_key_bounds
 from headspace.engine.sampling import SamplingParams
 from headspace.parallel.placement import copy_keys, copy_rows, rank_layout
 from headspace.planner.head_map import HeadEntry, HeadMap
@@ -119,6 +120,20 @@ def test_four_ranks_equal_one_process(tiny_llama, wide_llama, prompt, tmp_path):
     assert "ranks [0, 1, 2, 3]" in results[0]["summary"]
     assert "6 entries copied" in results[0]["summary"]
     assert _uneven(results[1]["heads"])
+
+
+def test_eight_ranks_equal_one_process(wide_llama, prompt, tmp_path):
+    """Eight ranks over 4 kv heads (FairKV's eight-way setting): every head copied on two
+    ranks, dense and under Ada-SnapKV."""
+    cases = [
+        _case(wide_llama, prompt, {"balance": "fairkv"}),
+        _case(wide_llama, prompt, {"balance": "fairkv", "kv_budget": 0.5,
+                                   "kv_policy": "ada_snapkv"}),
+    ]  # fmt: skip
+    results = _check(run_cases(8, cases, tmp_path), cases)
+    for result in results:
+        assert "32 entries copied" in result["summary"]
+        assert all(sum(rank[layer] for rank in result["heads"]) == 8 for layer in range(8))
 
 
 def test_budgets_and_streaming_heads_two_ranks(tiny_llama, wide_llama, prompt, tmp_path):
@@ -245,3 +260,17 @@ def test_copy_keys_tile_the_sequence_at_pages(length, page_size, weights):
     assert all(lo % page_size == 0 for lo, hi in cuts if hi > lo)  # empty ones: at the end
     for (lo, hi), share in zip(cuts[:-1], shares[:-1], strict=True):  # the last: the tail
         assert abs((hi - lo) - share * length) <= page_size
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.integers(0, 100_000), min_size=1, max_size=8), st.sampled_from([16, 128]),
+       st.lists(st.floats(0.05, 1.0), min_size=2, max_size=4))  # fmt: skip
+def test_copy_key_bounds_on_the_device_cut_as_the_host_does(lengths, page_size, weights):
+    """The per-entry copies find their key ranges on the device (a CUDA graph replays them):
+    the same cuts as :func:`copy_keys`, every length at once."""
+    shares = tuple(w / sum(weights) for w in weights)
+    for index in range(len(shares)):
+        lo, hi = copy_key_bounds(torch.tensor(lengths, dtype=torch.int32), shares, index,
+                                 page_size)  # fmt: skip
+        want = [copy_keys(n, shares, index, page_size) for n in lengths]
+        assert list(zip(lo.tolist(), hi.tolist(), strict=True)) == want

@@ -12,6 +12,7 @@ import torch.distributed as dist
 
 from headspace.engine.config import EngineConfig
 from headspace.engine.engine import Engine
+from headspace.engine.ranks import join
 from headspace.engine.sampling import SamplingParams
 from headspace.model.config import config_from_dict
 from headspace.model.loader import build_model
@@ -58,17 +59,24 @@ def run(engine: Engine, prompt: list[int]) -> dict:
     logits = engine.logits(prompt, decode_tokens=16)
     params = SamplingParams(max_new_tokens=24, ignore_eos=True)
     outputs = engine.generate_batch([prompt, prompt[:300]], [params, params])
-    return {"logits": logits, "tokens": [o.token_ids for o in outputs]}
+    graphs = bool(engine.batch.runner._graph_cache)  # decode steps replayed as CUDA graphs
+    return {"logits": logits, "tokens": [o.token_ids for o in outputs], "graphs": graphs}
 
 
-def main(out_path: str, balance: str, kv_budget: str = "") -> None:
-    if "RANK" in os.environ:
-        dist.init_process_group("gloo")  # several ranks on one GPU: NCCL refuses that
+def main(out_path: str, balance: str, kv_budget: str = "", backend: str = "gloo") -> None:
+    """``backend``: gloo, every rank on GPU 0 (NCCL refuses two ranks on one GPU); nccl, a
+    GPU each (decode steps as CUDA graphs, their collectives captured)."""
+    device = "cuda:0"
+    if "RANK" in os.environ and backend == "gloo":
+        dist.init_process_group("gloo")
+    elif "RANK" in os.environ:
+        device = f"cuda:{os.environ['LOCAL_RANK']}"
     budget = {"kv_budget": float(kv_budget), "kv_policy": "ada_snapkv"} if kv_budget else {}
-    config = EngineConfig(device="cuda:0", dtype="float32", page_size=64, prefill_chunk=256,
-                          gpu_memory="2GiB",  # ranks share the GPU
+    config = EngineConfig(device=device, dtype="float32", page_size=64, prefill_chunk=256,
+                          gpu_memory="2GiB",  # ranks may share the GPU
                           parallel=ParallelConfig(balance=balance), **budget)  # fmt: skip
-    engine = Engine.from_model(build("cuda:0"), NoText(), config)
+    config = join(config)  # under torchrun: the process group (NCCL), this rank's GPU
+    engine = Engine.from_model(build(config.device), NoText(), config)
     prompt = torch.randint(0, 512, (700,), generator=torch.Generator().manual_seed(1)).tolist()
     result = run(engine, prompt)
     if not dist.is_initialized() or dist.get_rank() == 0:

@@ -24,8 +24,7 @@ import torch
 from headspace.attention.entry_decode import entry_decode, new_token_slots
 from headspace.engine.budget import BudgetExecutor
 from headspace.engine.copies import merge_copies
-from headspace.engine.executors import MIN_WIDTH, block_table, bucket
-from headspace.parallel.placement import RankLayout, copy_keys, copy_rows, rank_layout
+from headspace.parallel.placement import RankLayout, copy_rows, cumulative_shares, rank_layout
 from headspace.planner.head_map import HeadMap
 
 
@@ -44,12 +43,6 @@ class RankBudgetExecutor(BudgetExecutor):
                          for e in head_map.layer(layer)]
                         for layer in range(head_map.num_layers)]  # fmt: skip
         self._parts: dict[int, tuple[list[torch.Tensor], torch.Tensor]] = {}
-
-    def begin(self, step) -> None:
-        super().begin(step)
-        if step.decode:  # each copy's key range of every sequence, this step
-            copied = [layer for layer, copies in enumerate(self.layout.copies) if copies]
-            self._ranges = {layer: self._key_ranges(layer, step.seq_ids) for layer in copied}
 
     def submit(self, layer: int, q: torch.Tensor, kv: torch.Tensor, out: torch.Tensor) -> None:
         """``q [tokens, heads, dim]``, ``kv [2, tokens, kv_heads, dim]`` of this rank's heads
@@ -127,7 +120,7 @@ class RankBudgetExecutor(BudgetExecutor):
         slots = new_token_slots(tables[:, num_own:].flatten(0, 1), index.flatten(),
                                 self.page_size)  # fmt: skip
         self.plane[:, slots] = kv[:, :, num_own:].flatten(1, 2)  # [2, seqs x copies, dim]
-        table, range_lengths = self._ranges[layer]
+        table, range_lengths = self._key_ranges(layer, tables[:, num_own:], lengths[:, num_own:])
         part, lse = entry_decode(q[:, split:], k, v, table, range_lengths, self.page_size)
         empty = (range_lengths == 0).view(num_seqs, -1).repeat_interleave(self.q_per_kv, 1)
         lse = lse.float().masked_fill(empty, -torch.inf)  # a copy with no key of a sequence
@@ -136,21 +129,19 @@ class RankBudgetExecutor(BudgetExecutor):
         lses = [lse[:, j * q_per_kv : (j + 1) * q_per_kv] for j in range(num_heads - num_own)]
         self._parts[layer] = lses, out[:, split:]
 
-    def _key_ranges(self, layer: int, seq_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Each (sequence, copy) row's pages from its first key on and its number of keys:
-        ``([seqs x copies, width] int32, [seqs x copies] int32)`` on the device."""
-        first = self.first[layer] + len(self.layout.own[layer])
-        rows, lengths = [], []
-        for seq_id in seq_ids:
-            lists = self.blocks.entries[seq_id]
-            for j, copy in enumerate(self.layout.copies[layer]):
-                entry = first + j
-                lo, hi = copy_keys(lists.lengths[entry], copy.shares, copy.index, self.page_size)
-                rows.append(lists.pages[entry][lo // self.page_size :] if hi > lo else [])
-                lengths.append(hi - lo)
-        device = self.plane.device
-        table = block_table(rows, bucket(max(map(len, rows), default=1), MIN_WIDTH)).to(device)
-        return table, torch.tensor(lengths, dtype=torch.int32, device=device)
+    def _key_ranges(self, layer: int, tables: torch.Tensor,
+                    lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        """Each (sequence, copy) row's pages from its first key on and its number of keys,
+        from the copies' ``tables [seqs, copies, width]`` and ``lengths [seqs, copies]``: ``([seqs
+        x copies, width], [seqs x copies] int32)``, on the device (a CUDA graph replays it)."""
+        copies = self.layout.copies[layer]
+        lo, hi = zip(*(copy_key_bounds(lengths[:, j], c.shares, c.index, self.page_size)
+                       for j, c in enumerate(copies)), strict=True)  # fmt: skip
+        lo, hi = torch.stack(lo, 1), torch.stack(hi, 1)  # [seqs, copies]
+        width = tables.shape[-1]
+        columns = torch.arange(width, device=tables.device) + (lo // self.page_size)[..., None]
+        shifted = tables.gather(2, columns.clamp(max=width - 1).long())
+        return shifted.flatten(0, 1), (hi - lo).flatten().int()
 
     def _ranked_scores(self, layer: int, scores: torch.Tensor) -> torch.Tensor:
         """Every rank's scores of ``layer`` gathered: ``[kv heads of the model, prompt -
@@ -162,3 +153,19 @@ class RankBudgetExecutor(BudgetExecutor):
 
     def _heads(self) -> list[list[int]]:
         return [self.layout.heads(layer) for layer in range(self.num_layers)]
+
+
+def copy_key_bounds(lengths: torch.Tensor, shares: tuple[float, ...], index: int,
+                    page_size: int) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """:func:`~headspace.parallel.placement.copy_keys` of each of ``lengths [rows]`` on the
+    device: the keys ``[lo, hi)`` copy ``index`` attends (int64, the same cuts)."""
+    lengths = lengths.long()
+
+    def cut(fraction: float) -> torch.Tensor:
+        if fraction >= 1.0:
+            return lengths
+        pages = torch.round(fraction * lengths.double() / page_size).long()
+        return torch.minimum(lengths, pages * page_size)
+
+    before, through = cumulative_shares(shares, index)
+    return cut(before), cut(through)

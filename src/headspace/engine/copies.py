@@ -82,7 +82,7 @@ class CopyExecutor:
     def collect(self, layer: int) -> None:
         """At decode, the layer's log-sum-exp exchange (every rank, when any copies it) and
         each copy's part scaled by its weight in the merge."""
-        if self.step.decode and self.layout.num_copied[layer]:
+        if self.layout.num_copied[layer] and self.step.decode:  # (no step in a graph)
             lse, out = self._parts.pop(layer, (None, None))
             merge_copies(self.layout, layer, lse, out, self.exchange,
                          len(self.step.positions_list), self.q_per_kv,

@@ -248,7 +248,7 @@ class PagedRunner:
         layout while the host pages they address stay where they are)."""
         if self.device.type != "cuda" or not self.config.cuda_graph or self.plan is None:
             return None
-        if self.layout is not None:  # copies build their key ranges on the host each step
+        if self.layout is not None and not self._graphs_under_ranks():
             return None
         if self.plan.entry_staging:  # offloaded entries stage by their lengths, step by step
             return None
@@ -260,12 +260,22 @@ class PagedRunner:
 
         if self._graph_pool is None:
             self._graph_pool = torch.cuda.graph_pool_handle()
-        mode = "static" if self._compiled else "eager"
+        mode = "static" if self._compiled and self.layout is None else "eager"
         graphs = DecodeGraphs(self.model, self.executors, self.tokens, self.store.num_pages,
                               self.host.scratch_slot, self.config.max_batch, mode,
                               self._graph_pool)  # fmt: skip
         self._graph_cache[self._layout_id] = (generation, graphs)
         return graphs
+
+    def _graphs_under_ranks(self) -> bool:
+        """Whether this rank's decode step can be a CUDA graph: its collectives are NCCL's
+        (captured; gloo's are not), and its copies find their key ranges on the device (the
+        per-entry executor's do; the shared-page copies' are built on the host)."""
+        import torch.distributed as dist
+
+        if dist.get_backend() != "nccl":
+            return False
+        return self.config.per_head_pages or not any(self.layout.num_copied)
 
     def ensure_host_pages(self, num_pages: int) -> None:
         """Host pages for at least ``num_pages`` (grows the arena when needed; graphs that

@@ -69,7 +69,7 @@ def rank_layout(head_map: HeadMap, rank: int, world: int) -> RankLayout:
     return RankLayout(rank, world, tuple(own), tuple(copies), tuple(num_copied))
 
 
-def _cumulative(shares: tuple[float, ...], index: int) -> tuple[float, float]:
+def cumulative_shares(shares: tuple[float, ...], index: int) -> tuple[float, float]:
     """The share of the work before copy ``index`` and through it (1.0 exactly at the end)."""
     before = math.fsum(shares[:index])
     return before, (1.0 if index == len(shares) - 1 else math.fsum(shares[: index + 1]))
@@ -89,7 +89,7 @@ def copy_rows(start: int, num_rows: int, shares: tuple[float, ...],
         t = -b + math.sqrt(b * b + 2 * fraction * total)
         return min(num_rows, max(0, round(t)))
 
-    before, through = _cumulative(shares, index)
+    before, through = cumulative_shares(shares, index)
     return cut(before), cut(through)
 
 
@@ -104,5 +104,5 @@ def copy_keys(length: int, shares: tuple[float, ...], index: int,
             return length
         return min(length, round(fraction * length / page_size) * page_size)
 
-    before, through = _cumulative(shares, index)
+    before, through = cumulative_shares(shares, index)
     return cut(before), cut(through)
