@@ -203,3 +203,27 @@ def test_gloo_processes_with_their_heads_equal_the_whole_model(world, tmp_path):
     for rank in range(world):
         hidden = torch.load(tmp_path / f"hidden.{rank}")
         torch.testing.assert_close(hidden, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_layers_sharded_as_they_load_equal_the_model_sharded_after(embedded_dir):
+    """Loading with ``keep`` (each layer sharded in host memory as it loads, then moved)
+    gives the weights of the whole model loaded and sharded afterwards, layer by layer."""
+    from headspace.model.loader import load_model
+    from headspace.parallel.shard import shard_layer
+
+    heads = [[2, 0], [1], [0, 1, 2]]  # any order, any count: the rank's weight order
+
+    def keep(index: int, layer) -> None:
+        seen.append(index)
+        shard_layer(layer, heads[index % 3], 1, 2, lambda t: t)
+
+    seen: list[int] = []
+    loaded = load_model(embedded_dir, keep=keep)
+    whole = load_model(embedded_dir)
+    for index, layer in enumerate(whole.layers):
+        shard_layer(layer, heads[index % 3], 1, 2, lambda t: t)
+    assert seen == list(range(whole.config.num_layers))
+    mine, theirs = dict(loaded.named_parameters()), dict(whole.named_parameters())
+    assert mine.keys() == theirs.keys()
+    assert all(torch.equal(mine[name], theirs[name]) for name in mine)
+    assert loaded.layers[1].qkv_proj.weight.shape[0] < whole.config.hidden_size

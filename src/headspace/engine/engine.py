@@ -10,7 +10,7 @@ import torch
 from headspace.engine.batch import BatchGenerator
 from headspace.engine.config import EngineConfig
 from headspace.engine.outputs import GenerationStats, RequestOutput
-from headspace.engine.ranks import join, setup_ranks
+from headspace.engine.ranks import join, plan_ranks, setup_ranks
 from headspace.engine.sampling import SamplingParams
 from headspace.errors import UserError
 from headspace.model.config import load_config
@@ -37,29 +37,43 @@ class Engine:
     """A model, its tokenizer and the batch generator over the KV tiers."""
 
     def __init__(self, model_dir: Path, config: EngineConfig):
-        load_config(model_dir)  # refuse a bad directory before the slower loads
+        model_cfg = load_config(model_dir)  # refuse a bad directory before the slower loads
         config = join(config)  # under torchrun: the process group, this rank's GPU
         tokenizer = _load_tokenizer(model_dir)
-        self._setup(load_model(model_dir, config.device, config.torch_dtype), tokenizer, config)
+        self._read_profile(model_cfg, config)
+        # under torchrun: the heads balanced over the ranks; each layer sharded for this
+        # one as it loads (the whole model never sits on its GPU)
+        ranks = plan_ranks(model_cfg, config, self.profile, self._max_context(model_cfg, config))
+        model = load_model(model_dir, config.device, config.torch_dtype,
+                           None if ranks is None else ranks.keep_heads)  # fmt: skip
+        self._setup(model, tokenizer, config, ranks)
 
     @classmethod
     def from_model(cls, model: LlamaModel, tokenizer, config: EngineConfig) -> Engine:
         """An engine over a model built in memory (benchmarks with random weights); the
-        tokenizer needs only ``decode`` when prompts are token ids."""
+        tokenizer needs only ``decode`` when prompts are token ids. Under torchrun the model
+        is sharded in place."""
         engine = cls.__new__(cls)
-        engine._setup(model, tokenizer, config)
+        engine._read_profile(model.config, config)
+        max_context = cls._max_context(model.config, config)
+        engine._setup(model, tokenizer, config,
+                      setup_ranks(model, config, engine.profile, max_context))  # fmt: skip
         return engine
 
-    def _setup(self, model: LlamaModel, tokenizer, config: EngineConfig) -> None:
-        self.config, self.model, self.tokenizer = config, model, tokenizer
-        model_cfg = model.config
-        self.max_context = config.max_context or model_cfg.max_context
+    def _read_profile(self, model_cfg, config: EngineConfig) -> None:
         self.profile = None  # read once; one of another model is refused now, in one line
         if config.profile is not None:
             self.profile = Profile.load(config.profile)
             self.profile.check(model_cfg.num_layers, model_cfg.num_kv_heads)
-        # under torchrun: the heads balanced over the ranks, the model sharded for this one
-        self.ranks = setup_ranks(model, config, self.profile, self.max_context)
+
+    @staticmethod
+    def _max_context(model_cfg, config: EngineConfig) -> int:
+        return config.max_context or model_cfg.max_context
+
+    def _setup(self, model: LlamaModel, tokenizer, config: EngineConfig, ranks) -> None:
+        self.config, self.model, self.tokenizer, self.ranks = config, model, tokenizer, ranks
+        model_cfg = model.config
+        self.max_context = self._max_context(model_cfg, config)
         eos = set(model_cfg.eos_token_ids)
         if getattr(tokenizer, "eos_token_id", None) is not None:
             eos.add(tokenizer.eos_token_id)

@@ -25,7 +25,7 @@ from headspace.parallel.dist import (
     init_from_env,
 )
 from headspace.parallel.placement import RankLayout, rank_layout
-from headspace.parallel.shard import shard_model
+from headspace.parallel.shard import shard_layer
 from headspace.planner.head_cost import CostShape
 from headspace.planner.head_map import HeadMap
 from headspace.planner.memory import GiB, KVSpec
@@ -47,6 +47,12 @@ class Ranks:
         makes the same choices): pages as wide as the widest rank's layer, and the smallest
         rank's arena."""
         return replace(spec, num_kv_heads=self.most_heads), all_reduce_min(arena, device)
+
+    def keep_heads(self, index: int, layer) -> None:
+        """Shard decoder layer ``index`` for this rank: its heads' weights (own, then copies)
+        and its slice of the MLP, the partial outputs summed by an all-reduce."""
+        layout = self.layout
+        shard_layer(layer, layout.heads(index), layout.rank, layout.world, all_reduce_sum)
 
     def entry_plan(self, spec: KVSpec, arena: int, head_map: HeadMap, max_tokens: list[int],
                    what: str) -> Plan:  # fmt: skip
@@ -110,15 +116,14 @@ def costed_map(cfg, config, profile: Profile | None, max_context: int) -> HeadMa
     return with_budget_shares(head_map, shares) if shares else head_map
 
 
-def setup_ranks(model: LlamaModel, config, profile: Profile | None,
-                max_context: int) -> Ranks | None:  # fmt: skip
-    """Under torchrun with several ranks: the balanced head map (solved on rank 0, the same
-    everywhere) and ``model`` sharded in place for this rank; None in one process."""
+def plan_ranks(cfg, config, profile: Profile | None, max_context: int) -> Ranks | None:
+    """Under torchrun with several ranks: the balanced head map (solved on rank 0 on the
+    model config ``cfg``'s costs, the same everywhere) and this rank's part of it; None in
+    one process."""
     rank, world = init_from_env(config.device)
     if world == 1:
         return None
     _check(config)
-    cfg = model.config
     head_map = costed_map(cfg, config, profile, max_context)
     if rank == 0:
         parallel = replace(config.parallel, gpus=world)
@@ -133,9 +138,17 @@ def setup_ranks(model: LlamaModel, config, profile: Profile | None,
         ).head_map
     head_map = broadcast_object(head_map)
     layouts = [rank_layout(head_map, r, world) for r in range(world)]
-    layout = layouts[rank]
-    heads = [layout.heads(layer) for layer in range(cfg.num_layers)]
-    shard_model(model, head_map, rank, world, all_reduce_sum, heads=heads)
-    if config.on_gpu:
-        torch.cuda.empty_cache()  # the other ranks' weights, freed
-    return Ranks(layout, head_map, max(lay.most_heads for lay in layouts))
+    return Ranks(layouts[rank], head_map, max(lay.most_heads for lay in layouts))
+
+
+def setup_ranks(model: LlamaModel, config, profile: Profile | None,
+                max_context: int) -> Ranks | None:  # fmt: skip
+    """:func:`plan_ranks` for a model already in memory (e.g. random weights), sharded in
+    place for this rank."""
+    ranks = plan_ranks(model.config, config, profile, max_context)
+    if ranks is not None:
+        for index, layer in enumerate(model.layers):
+            ranks.keep_heads(index, layer)
+        if config.on_gpu:
+            torch.cuda.empty_cache()  # the other ranks' weights, freed
+    return ranks

@@ -52,14 +52,29 @@ def checkpoint_layout(config: ModelConfig) -> dict[str, list[str]]:
 
 
 def build_model(
-    config: ModelConfig, get_tensor: GetTensor, device: str | torch.device, dtype: torch.dtype
+    config: ModelConfig,
+    get_tensor: GetTensor,
+    device: str | torch.device,
+    dtype: torch.dtype,
+    keep: Callable[[int, torch.nn.Module], None] | None = None,
 ) -> LlamaModel:
-    """Build a LlamaModel on ``device``/``dtype`` from HF-named tensors given by ``get_tensor``."""
+    """Build a LlamaModel on ``device``/``dtype`` from HF-named tensors given by ``get_tensor``.
+
+    ``keep(i, layer)`` is called on each decoder layer once its weights are in place in host
+    memory, before they move to ``device``: a rank that keeps only its part of each layer
+    never holds the whole model on its GPU (nor more than one whole layer on the host)."""
     with torch.device("meta"):
         model = LlamaModel(config)
     params = dict(model.named_parameters())
+    layer_of = {name: int(name.split(".")[1]) for name in params if name.startswith("layers.")}
+    pending = None  # the layer whose weights are in host memory, waiting for ``keep``
     for name, sources in checkpoint_layout(config).items():
-        parts = [get_tensor(src).to(device=device, dtype=dtype) for src in sources]
+        index = layer_of.get(name)
+        if pending is not None and index != pending:
+            _keep(model, pending, keep, device)
+            pending = None
+        target = "cpu" if keep is not None and index is not None else device
+        parts = [get_tensor(src).to(device=target, dtype=dtype) for src in sources]
         value = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
         if value.shape != params[name].shape:
             raise UserError(
@@ -68,11 +83,21 @@ def build_model(
             )
         module_name, _, attr = name.rpartition(".")
         setattr(model.get_submodule(module_name), attr, torch.nn.Parameter(value, False))
+        if keep is not None and index is not None:
+            pending = index
+    if pending is not None:
+        _keep(model, pending, keep, device)
     if config.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
     inv_freq = inverse_frequencies(config.rope, config.head_dim).to(device)
     model.register_buffer("inv_freq", inv_freq, persistent=False)
     return model.eval()
+
+
+def _keep(model: LlamaModel, index: int, keep, device) -> None:
+    layer = model.layers[index]
+    keep(index, layer)
+    layer.to(device)
 
 
 def _safetensors_reader(files: Iterable[Path]) -> GetTensor:
@@ -97,11 +122,15 @@ def _safetensors_reader(files: Iterable[Path]) -> GetTensor:
 
 
 def load_model(
-    model_dir: Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32
+    model_dir: Path,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype = torch.float32,
+    keep: Callable[[int, torch.nn.Module], None] | None = None,
 ) -> LlamaModel:
-    """Load a Llama-family checkpoint directory (config.json + *.safetensors)."""
+    """Load a Llama-family checkpoint directory (config.json + *.safetensors); ``keep``: see
+    :func:`build_model`."""
     config = load_config(model_dir)
     files = sorted(Path(model_dir).glob("*.safetensors"))
     if not files:
         raise UserError(f"model directory {model_dir} has no .safetensors weights")
-    return build_model(config, _safetensors_reader(files), device, dtype)
+    return build_model(config, _safetensors_reader(files), device, dtype, keep)
