@@ -65,7 +65,7 @@ def auto_choice(generator, lengths: list[int]) -> str:
 
     pages = sum(generator.spec.pages_for(n + NEW_TOKENS) for n in lengths)
     return plan_batch(generator.spec, generator.runner.store.num_bytes, pages, offload="auto",
-                      hw=generator.hardware, num_seqs=len(lengths)).offload  # fmt: skip
+                      hw=generator.planner.hardware, num_seqs=len(lengths)).offload  # fmt: skip
 
 
 def run_mode(model, mode: str, lengths: list[int], h2d: float) -> dict:

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 from tqdm import tqdm
 
-from headspace.attention.cpu_decode import kernel_isa
+from headspace.engine.batch_plan import BatchPlanner
 from headspace.engine.config import EngineConfig
 from headspace.engine.detokenize import StopStringStreamer
 from headspace.engine.memory import host_budget, kv_arena_bytes, prefill_chunk_size
@@ -32,12 +32,9 @@ from headspace.kv.host_store import HostKVArena
 from headspace.kv.page_pool import OutOfPages
 from headspace.model.llama import LlamaModel
 from headspace.parallel.dist import all_agree, all_reduce_min, broadcast_
-from headspace.planner.entry_offload import entry_step_seconds, plan_entries
-from headspace.planner.head_map import HeadMap
-from headspace.planner.memory import Hardware, KVSpec
-from headspace.planner.plan import Plan, plan_batch, step_seconds
-from headspace.planner.profile import Profile, with_patterns
-from headspace.planner.sparsity import with_budgets
+from headspace.planner.memory import KVSpec
+from headspace.planner.plan import Plan
+from headspace.planner.profile import Profile
 
 PROGRESS_MIN_TOKENS = 4096  # show a prefill progress bar from this prompt length on
 
@@ -88,9 +85,7 @@ class BatchGenerator:
         self.runner = PagedRunner(model, config, self.spec, arena, host, 2 * config.max_batch,
                                   max_context, profile,
                                   ranks.layout if ranks else None)  # fmt: skip
-        # the planner's rates (no CPU attention where the kernel does not build); with
-        # ``offload="auto"`` the hybrid tier is considered only on a GPU machine
-        self.hardware = Hardware() if kernel_isa() is not None else Hardware(cpu_attention_bytes=0)
+        self.planner = BatchPlanner(model.config, config, self.spec, self.runner, weights, ranks)
         self._next_id = 0
         self.peak_pages = 0
         self._planned: set[int] | None = None  # the sequences entry staging is sized for
@@ -98,66 +93,7 @@ class BatchGenerator:
     # -- planning ------------------------------------------------------------------------
     def plan(self, seqs: list[Sequence]) -> Plan:
         """The plan for ``seqs`` running together (UserError with the numbers if none)."""
-        total = sum(self.spec.pages_for(s.max_tokens) for s in seqs)
-        what = f"{len(seqs)} requests of {sum(s.max_tokens for s in seqs)} tokens"
-        if len(seqs) == 1:
-            what = f"a request of up to {seqs[0].max_tokens} tokens"
-        config = self.config
-        if config.per_head_pages:
-            return self._entry_plan(seqs, what)
-        if self.ranks is not None:
-            return self.ranks.plan(self.spec, self.runner.store.num_bytes, total, what)
-        plan = plan_batch(self.spec, self.runner.store.num_bytes, total, offload=config.offload,
-                          head_group=config.head_group, host_budget=self.runner.host.budget,
-                          what=what, hw=self.hardware, cpu_share=config.hybrid_cpu_share,
-                          gpu_window=config.gpu_window, num_seqs=len(seqs),
-                          auto_hybrid=config.on_gpu)  # fmt: skip
-        if config.retrieval_heads is not None:  # the profile's heads that retrieve keep all
-            plan.head_map = self._with_patterns(plan.head_map)
-        return plan
-
-    def _with_patterns(self, head_map: HeadMap) -> HeadMap:
-        """The profile's retrieval heads keep every token; the others take the pattern."""
-        config = self.config
-        return with_patterns(head_map, self.runner.profile.retrieval, config.retrieval_heads,
-                             config.sparse_pattern)  # fmt: skip
-
-    def _entry_plan(self, seqs: list[Sequence], what: str) -> Plan:
-        """Per-entry pages (budgets, streaming heads): patterns and budgets first, then
-        which entries live in host pages if the batch does not fit (never a ring)."""
-        config, spec, budget = self.config, self.spec, self.runner.budget
-        head_map = HeadMap.all_gpu(spec.num_layers, spec.num_kv_heads)
-        if config.retrieval_heads is not None:
-            head_map = self._with_patterns(head_map)
-        kept = None if budget is None else max(budget.tokens(len(s.prompt_ids)) for s in seqs)
-        if self.ranks is not None:  # the whole map, with its ranks
-            return self.ranks.entry_plan(spec, self.runner.store.num_bytes,
-                                         with_budgets(self.ranks.head_map, kept),
-                                         [s.max_tokens for s in seqs], what)  # fmt: skip
-        head_map = with_budgets(head_map, kept)  # rings keep their sink and window
-        return plan_entries(spec, self.runner.store.num_bytes, head_map,
-                            [s.max_tokens for s in seqs], self._bounds(seqs),
-                            offload=config.offload, host_budget=self.runner.host.budget,
-                            what=what)  # fmt: skip
-
-    def _bounds(self, seqs: list[Sequence]) -> list[int]:
-        """Most tokens one entry of each sequence holds after its prompt."""
-        budget = self.runner.budget
-        if budget is None:
-            return [s.max_tokens for s in seqs]
-        return [budget.most_held(len(s.prompt_ids), s.max_tokens) for s in seqs]
-
-    def _rate(self, plan: Plan, seqs: list[Sequence]) -> float:
-        """Predicted sequences x tokens/s of a decode step over ``seqs`` (roofline; with
-        entries in host pages, over what each holds after its prompt)."""
-        if plan.entry_staging:
-            seconds = entry_step_seconds(self.spec, plan, self._bounds(seqs), self.weight_bytes,
-                                         self.hardware)  # fmt: skip
-        else:
-            seconds, _ = step_seconds(self.model.config, plan, sum(s.max_tokens for s in seqs),
-                                      self.spec.dtype_bytes, self.hardware,
-                                      self.config.hybrid_cpu_share)  # fmt: skip
-        return len(seqs) / seconds
+        return self.planner.plan(seqs)
 
     def _replan(self, scheduler: Scheduler) -> None:
         """Lay out for the sequences next in line: all resident if the first fits, else the
@@ -165,13 +101,13 @@ class BatchGenerator:
         queue = list(scheduler.waiting)[: self.config.max_batch]
         best, best_rate, planned = self.plan(queue[:1]), 0.0, queue[:1]
         if best.staging is not None or best.entry_staging:
-            best_rate = self._rate(best, planned)
+            best_rate = self.planner.rate(best, planned)
             for k in range(2, len(queue) + 1):
                 try:
                     plan = self.plan(queue[:k])
                 except UserError:
                     break
-                if (k_rate := self._rate(plan, queue[:k])) < best_rate:
+                if (k_rate := self.planner.rate(plan, queue[:k])) < best_rate:
                     break
                 best, best_rate, planned = plan, k_rate, queue[:k]
         # entries in host pages: the staging slots hold what was planned, no more
@@ -216,7 +152,7 @@ class BatchGenerator:
                 return seq.seq_id in self._planned
             if plan.staging is None or not running:
                 return True
-            return self._rate(plan, running + [seq]) >= self._rate(plan, running)
+            return self.planner.rate(plan, running + [seq]) >= self.planner.rate(plan, running)
 
         return accept
 

@@ -1,0 +1,92 @@
+"""What a batch's KV layout should be: the planner's plan for the sequences that would run
+together (resident, heads streamed, per-entry pages; one rank's part under torchrun), and
+the predicted decode rate the batch generator weighs when it sizes a streaming batch."""
+
+from __future__ import annotations
+
+from headspace.attention.cpu_decode import kernel_isa
+from headspace.engine.config import EngineConfig
+from headspace.engine.ranks import Ranks
+from headspace.engine.scheduler import Sequence
+from headspace.planner.entry_offload import entry_step_seconds, plan_entries
+from headspace.planner.head_map import HeadMap
+from headspace.planner.memory import Hardware, KVSpec
+from headspace.planner.plan import Plan, plan_batch, step_seconds
+from headspace.planner.profile import with_patterns
+from headspace.planner.sparsity import with_budgets
+
+
+class BatchPlanner:
+    """Plans for a batch generator's arena (``runner``: its store, host pages, budget and
+    profile)."""
+
+    def __init__(self, model_config, config: EngineConfig, spec: KVSpec, runner,
+                 weight_bytes: int, ranks: Ranks | None = None):  # fmt: skip
+        self.model_config, self.config, self.spec = model_config, config, spec
+        self.runner, self.weight_bytes, self.ranks = runner, weight_bytes, ranks
+        # the planner's rates (no CPU attention where the kernel does not build); with
+        # ``offload="auto"`` the hybrid tier is considered only on a GPU machine
+        self.hardware = Hardware() if kernel_isa() is not None else Hardware(cpu_attention_bytes=0)
+
+    def plan(self, seqs: list[Sequence]) -> Plan:
+        """The plan for ``seqs`` running together (UserError with the numbers if none)."""
+        total = sum(self.spec.pages_for(s.max_tokens) for s in seqs)
+        what = f"{len(seqs)} requests of {sum(s.max_tokens for s in seqs)} tokens"
+        if len(seqs) == 1:
+            what = f"a request of up to {seqs[0].max_tokens} tokens"
+        config = self.config
+        if config.per_head_pages:
+            return self._entry_plan(seqs, what)
+        if self.ranks is not None:
+            return self.ranks.plan(self.spec, self.runner.store.num_bytes, total, what)
+        plan = plan_batch(self.spec, self.runner.store.num_bytes, total, offload=config.offload,
+                          head_group=config.head_group, host_budget=self.runner.host.budget,
+                          what=what, hw=self.hardware, cpu_share=config.hybrid_cpu_share,
+                          gpu_window=config.gpu_window, num_seqs=len(seqs),
+                          auto_hybrid=config.on_gpu)  # fmt: skip
+        if config.retrieval_heads is not None:  # the profile's heads that retrieve keep all
+            plan.head_map = self._with_patterns(plan.head_map)
+        return plan
+
+    def _with_patterns(self, head_map: HeadMap) -> HeadMap:
+        """The profile's retrieval heads keep every token; the others take the pattern."""
+        config = self.config
+        return with_patterns(head_map, self.runner.profile.retrieval, config.retrieval_heads,
+                             config.sparse_pattern)  # fmt: skip
+
+    def _entry_plan(self, seqs: list[Sequence], what: str) -> Plan:
+        """Per-entry pages (budgets, streaming heads): patterns and budgets first, then
+        which entries live in host pages if the batch does not fit (never a ring)."""
+        config, spec, budget = self.config, self.spec, self.runner.budget
+        head_map = HeadMap.all_gpu(spec.num_layers, spec.num_kv_heads)
+        if config.retrieval_heads is not None:
+            head_map = self._with_patterns(head_map)
+        kept = None if budget is None else max(budget.tokens(len(s.prompt_ids)) for s in seqs)
+        if self.ranks is not None:  # the whole map, with its ranks
+            return self.ranks.entry_plan(spec, self.runner.store.num_bytes,
+                                         with_budgets(self.ranks.head_map, kept),
+                                         [s.max_tokens for s in seqs], what)  # fmt: skip
+        head_map = with_budgets(head_map, kept)  # rings keep their sink and window
+        return plan_entries(spec, self.runner.store.num_bytes, head_map,
+                            [s.max_tokens for s in seqs], self.bounds(seqs),
+                            offload=config.offload, host_budget=self.runner.host.budget,
+                            what=what)  # fmt: skip
+
+    def bounds(self, seqs: list[Sequence]) -> list[int]:
+        """Most tokens one entry of each sequence holds after its prompt."""
+        budget = self.runner.budget
+        if budget is None:
+            return [s.max_tokens for s in seqs]
+        return [budget.most_held(len(s.prompt_ids), s.max_tokens) for s in seqs]
+
+    def rate(self, plan: Plan, seqs: list[Sequence]) -> float:
+        """Predicted sequences x tokens/s of a decode step over ``seqs`` (roofline; with
+        entries in host pages, over what each holds after its prompt)."""
+        if plan.entry_staging:
+            seconds = entry_step_seconds(self.spec, plan, self.bounds(seqs), self.weight_bytes,
+                                         self.hardware)  # fmt: skip
+        else:
+            seconds, _ = step_seconds(self.model_config, plan, sum(s.max_tokens for s in seqs),
+                                      self.spec.dtype_bytes, self.hardware,
+                                      self.config.hybrid_cpu_share)  # fmt: skip
+        return len(seqs) / seconds
