@@ -154,6 +154,7 @@ def test_budgets_and_streaming_heads_two_ranks(tiny_llama, wide_llama, prompt, t
     cases = [
         _case(tiny_llama, prompt, {"kv_budget": 0.5, "kv_policy": "snapkv", "balance": "uniform"}),
         _case(wide_llama, prompt, {"kv_budget": 0.4, "kv_policy": "ada_snapkv", "replicas": 0}),
+        _case(wide_llama, prompt, {"kv_budget": 0.7, "kv_policy": "ada_snapkv", "replicas": 0}),
         _case(wide_llama, prompt, {**streaming, "balance": "greedy", "replicas": 0}),
         _case(wide_llama, prompt, {**streaming, "kv_budget": 64, "kv_policy": "ada_snapkv",
                                    "balance": "fairkv"}, params=SAMPLED),
@@ -166,9 +167,11 @@ def test_budgets_and_streaming_heads_two_ranks(tiny_llama, wide_llama, prompt, t
     ]  # fmt: skip
     results = _check(run_cases(2, cases, tmp_path), cases)
     assert results[0]["heads"] == [[1, 1, 1], [1, 1, 1]]
-    assert _uneven(results[2]["heads"])  # streaming heads hold less: uneven counts
-    assert "2 entries copied" in results[4]["summary"]
-    assert results[4]["heads"] == [[2, 2, 2, 2, 1, 2, 1, 2], [2, 2, 2, 2, 4, 2, 4, 2]]
+    assert _uneven(results[3]["heads"])  # streaming heads hold less: uneven counts
+    assert "2 entries copied" in results[5]["summary"]
+    assert results[5]["heads"] == [[2, 2, 2, 2, 1, 2, 1, 2], [2, 2, 2, 2, 4, 2, 4, 2]]
+    for result in results:  # each step's tables as wide on both ranks (a CUDA graph's key)
+        assert result["widths"][0] and result["widths"][0] == result["widths"][1]
 
 
 def test_budget_copies_four_ranks(tiny_llama, prompt, tmp_path):
@@ -274,3 +277,23 @@ def test_copy_key_bounds_on_the_device_cut_as_the_host_does(lengths, page_size, 
                                  page_size)  # fmt: skip
         want = [copy_keys(n, shares, index, page_size) for n in lengths]
         assert list(zip(lo.tolist(), hi.tolist(), strict=True)) == want
+
+
+def test_merge_of_a_row_no_copy_attends_is_zero_not_nan():
+    """A CUDA graph's padding row has no key on any copy (every lse -inf): its merged part is
+    0, and a real row's copies weigh by their share of the log-sum-exp."""
+    from headspace.engine.copies import merge_copies
+
+    head_map = _map(1, [[(0, 1)]])  # one kv head, copied on ranks 0 and 1
+    layout = rank_layout(head_map, 0, 2)
+    lse = torch.tensor([[0.5, 1.0], [-torch.inf, -torch.inf]])  # [seqs, q_per_kv] on rank 0
+    theirs = torch.tensor([[0.5, 0.0], [-torch.inf, -torch.inf]])  # rank 1's
+    out = torch.ones(2, 2, 3)  # [seqs, q_per_kv, dim]
+
+    def exchange(mine: torch.Tensor) -> torch.Tensor:
+        return torch.stack([mine, theirs[:, None]])
+
+    merge_copies(layout, 0, [lse], out, exchange, 2, 2, torch.device("cpu"))
+    assert not out.isnan().any() and (out[1] == 0).all()
+    weight = torch.sigmoid(lse[0] - theirs[0])  # e^a / (e^a + e^b)
+    torch.testing.assert_close(out[0], weight[:, None].expand(2, 3))

@@ -9,14 +9,30 @@ import sys
 from pathlib import Path
 
 import torch
+import torch.distributed
 
 from headspace.api import LLM
+from headspace.engine.budget_ranks import RankBudgetExecutor
 from headspace.engine.sampling import SamplingParams
 from headspace.parallel.dist import is_first_rank
 from headspace.parallel.placement import rank_layout
 
+WIDTHS: list[int] = []  # the table width of every per-entry decode step on this rank
+
+
+def _recording_sync(sync):
+    def recorded(self, seq_ids, slots):
+        sync(self, seq_ids, slots)
+        WIDTHS.append(self.widest)
+
+    return recorded
+
+
+RankBudgetExecutor.sync = _recording_sync(RankBudgetExecutor.sync)
+
 
 def run_case(case: dict) -> dict:
+    WIDTHS.clear()
     llm = LLM(case["model"], **case["options"])
     ids = case["prompt"]
     logits = llm.logits(ids, decode_tokens=case["decode_tokens"])
@@ -26,8 +42,10 @@ def run_case(case: dict) -> dict:
     world = ranks.layout.world
     layouts = [rank_layout(ranks.head_map, rank, world) for rank in range(world)]
     heads = [[len(lay.heads(layer)) for layer in range(lay.num_layers)] for lay in layouts]
+    widths = [None] * world  # every rank's step widths (a graph's key: they must agree)
+    torch.distributed.all_gather_object(widths, list(WIDTHS))
     return {"logits": logits, "tokens": [o.token_ids for o in outputs],
-            "summary": ranks.head_map.summary(), "heads": heads}  # fmt: skip
+            "summary": ranks.head_map.summary(), "heads": heads, "widths": widths}  # fmt: skip
 
 
 def batch(case: dict) -> list[list[int]]:

@@ -24,6 +24,8 @@ import torch
 from headspace.attention.entry_decode import entry_decode, new_token_slots
 from headspace.engine.budget import BudgetExecutor
 from headspace.engine.copies import merge_copies
+from headspace.kv.block_table import GPU
+from headspace.parallel.dist import host_min
 from headspace.parallel.placement import RankLayout, copy_rows, cumulative_shares, rank_layout
 from headspace.planner.head_map import HeadMap
 
@@ -43,6 +45,13 @@ class RankBudgetExecutor(BudgetExecutor):
                          for e in head_map.layer(layer)]
                         for layer in range(head_map.num_layers)]  # fmt: skip
         self._parts: dict[int, tuple[list[torch.Tensor], torch.Tensor]] = {}
+
+    def sync(self, seq_ids: list[int], slots: list[int]) -> None:
+        """The step's device tables, read as wide on every rank (the widest rank's): a
+        CUDA graph is keyed by that width, and every rank must capture at the same step,
+        or their collectives do not pair up."""
+        super().sync(seq_ids, slots)
+        self.widest = -host_min(-self.widest)
 
     def submit(self, layer: int, q: torch.Tensor, kv: torch.Tensor, out: torch.Tensor) -> None:
         """``q [tokens, heads, dim]``, ``kv [2, tokens, kv_heads, dim]`` of this rank's heads
@@ -119,6 +128,9 @@ class RankBudgetExecutor(BudgetExecutor):
         index = lengths[:, num_own:] - 1 if newest is None else newest[:, num_own:]
         slots = new_token_slots(tables[:, num_own:].flatten(0, 1), index.flatten(),
                                 self.page_size)  # fmt: skip
+        # a graph's padding rows hold no token: their write goes to the page past the pool's
+        scratch = self.blocks.pools[GPU].num_pages * self.page_size
+        slots = torch.where(lengths[:, num_own:].flatten() > 0, slots, scratch)
         self.plane[:, slots] = kv[:, :, num_own:].flatten(1, 2)  # [2, seqs x copies, dim]
         table, range_lengths = self._key_ranges(layer, tables[:, num_own:], lengths[:, num_own:])
         part, lse = entry_decode(q[:, split:], k, v, table, range_lengths, self.page_size)

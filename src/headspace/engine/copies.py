@@ -166,6 +166,7 @@ def merge_copies(layout: RankLayout, layer: int, lses: list[torch.Tensor] | None
         mine[:, copy.slot] = lses[j]
     total = torch.logsumexp(exchange(mine), dim=0)  # [seqs, copied, q_per_kv]
     for j, copy in enumerate(copies):
-        weight = torch.exp(mine[:, copy.slot] - total[:, copy.slot])[..., None]
+        # a row no copy attends (a graph's padding) has total -inf: weight 0, not NaN
+        weight = torch.exp(mine[:, copy.slot] - total[:, copy.slot]).nan_to_num(0.0)[..., None]
         cols = slice(j * q_per_kv, (j + 1) * q_per_kv)
         out[:, cols] = (out[:, cols].float().nan_to_num(0.0) * weight).to(out.dtype)
