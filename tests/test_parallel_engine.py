@@ -164,12 +164,15 @@ def test_budgets_and_streaming_heads_two_ranks(tiny_llama, wide_llama, prompt, t
         # process holds 32 entries (more pages)
         {**_case(wide_llama, prompt, {**heavy, "num_kv_pages": 6}), "batch": [75, 150],
          "single": {"num_kv_pages": 12}},
+        # decode as the CUDA graphs run it (their CPU twin): three prompts, a padding row
+        {**_case(wide_llama, prompt, heavy), "batch": [150, 75, 100], "graph_twin": True},
     ]  # fmt: skip
     results = _check(run_cases(2, cases, tmp_path), cases)
     assert results[0]["heads"] == [[1, 1, 1], [1, 1, 1]]
     assert _uneven(results[3]["heads"])  # streaming heads hold less: uneven counts
     assert "2 entries copied" in results[5]["summary"]
     assert results[5]["heads"] == [[2, 2, 2, 2, 1, 2, 1, 2], [2, 2, 2, 2, 4, 2, 4, 2]]
+    assert results[-1]["graphs"] and not results[5]["graphs"]
     for result in results:  # each step's tables as wide on both ranks (a CUDA graph's key)
         assert result["widths"][0] and result["widths"][0] == result["widths"][1]
 

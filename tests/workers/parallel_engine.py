@@ -13,6 +13,8 @@ import torch.distributed
 
 from headspace.api import LLM
 from headspace.engine.budget_ranks import RankBudgetExecutor
+from headspace.engine.paged_graphs import EagerGraphTwin
+from headspace.engine.paged_runner import PagedRunner
 from headspace.engine.sampling import SamplingParams
 from headspace.parallel.dist import is_first_rank
 from headspace.parallel.placement import rank_layout
@@ -33,6 +35,8 @@ RankBudgetExecutor.sync = _recording_sync(RankBudgetExecutor.sync)
 
 def run_case(case: dict) -> dict:
     WIDTHS.clear()
+    # decode steps through the graphs' CPU twin (padded rows, warm-ups) when the case asks
+    PagedRunner.graph_twin = EagerGraphTwin if case.get("graph_twin") else None
     llm = LLM(case["model"], **case["options"])
     ids = case["prompt"]
     logits = llm.logits(ids, decode_tokens=case["decode_tokens"])
@@ -45,7 +49,8 @@ def run_case(case: dict) -> dict:
     widths = [None] * world  # every rank's step widths (a graph's key: they must agree)
     torch.distributed.all_gather_object(widths, list(WIDTHS))
     return {"logits": logits, "tokens": [o.token_ids for o in outputs],
-            "summary": ranks.head_map.summary(), "heads": heads, "widths": widths}  # fmt: skip
+            "summary": ranks.head_map.summary(), "heads": heads, "widths": widths,
+            "graphs": bool(llm.engine.batch.runner._graph_cache)}  # fmt: skip
 
 
 def batch(case: dict) -> list[list[int]]:

@@ -169,12 +169,8 @@ class DecodeGraphs:
             values += [0] * (self.stream.piece_pages - len(host_pages))
         return values
 
-    @torch.inference_mode()
-    def run(self, slots: list[int], positions: list[int],
-            pages: dict[str, list[list[int]]]) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-        """Logits ``[len(slots), vocab]`` of one decode step (overwritten by the next call)
-        and the slots on the device; each row's greedy token is written into its slot."""
-        num_seqs = len(slots)
+    def _key(self, positions: list[int], pages: dict[str, list[list[int]]]) -> tuple:
+        """The graph of a step: (batch bucket, block-table width, staging width)."""
         gpu_width = bucket(max(map(len, pages["gpu"])), MIN_WIDTH) if "gpu" in pages else 0
         if self.budget is not None:  # the widest entry's pages
             gpu_width = bucket(self.budget.widest, MIN_WIDTH)
@@ -182,7 +178,14 @@ class DecodeGraphs:
         if self.stream:
             widest = max(-(-(p + 1) // self.page_size) for p in positions)
             staging_width = bucket(widest, MIN_WIDTH)
-        key = (bucket(num_seqs), gpu_width, staging_width)
+        return bucket(len(positions)), gpu_width, staging_width
+
+    @torch.inference_mode()
+    def run(self, slots: list[int], positions: list[int],
+            pages: dict[str, list[list[int]]]) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        """Logits ``[len(slots), vocab]`` of one decode step (overwritten by the next call)
+        and the slots on the device; each row's greedy token is written into its slot."""
+        num_seqs, key = len(slots), self._key(positions, pages)
         if key not in self._graphs:
             self._graphs[key] = self._capture(key)
         captured = self._graphs[key]
@@ -198,3 +201,29 @@ class DecodeGraphs:
         captured.graph.replay()
         per_row, _ = self._columns(key)
         return self.logits[:num_seqs], captured.inputs[: num_seqs * per_row : per_row]
+
+
+class EagerGraphTwin(DecodeGraphs):
+    """The CPU twin of :class:`DecodeGraphs` for tests: the same keys, padded rows, packed
+    inputs and two warm-up steps of all-padding rows when a key is new, each "replay" the
+    captured step run eagerly over those inputs (what a graph replays, bugs included)."""
+
+    def _capture(self, key) -> _Captured:
+        inputs = torch.tensor(self._pack([], [], {}, key), dtype=torch.long, device=self.device)
+        views = self._views(inputs, key)
+        for _ in range(2):  # the warm-up steps a capture runs, every row padding
+            self._step(views, key)
+        return _Captured(None, inputs, [])
+
+    @torch.inference_mode()
+    def run(self, slots: list[int], positions: list[int],
+            pages: dict[str, list[list[int]]]) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        num_seqs, key = len(slots), self._key(positions, pages)
+        if key not in self._graphs:
+            self._graphs[key] = self._capture(key)
+        captured = self._graphs[key]
+        captured.inputs.copy_(torch.tensor(self._pack(slots, positions, pages, key)))
+        self._step(self._views(captured.inputs, key), key)
+        per_row, _ = self._columns(key)
+        # a copy: on the CPU nothing else would copy the shared buffer before the next step
+        return self.logits[:num_seqs].clone(), captured.inputs[: num_seqs * per_row : per_row]

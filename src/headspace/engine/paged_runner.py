@@ -242,11 +242,16 @@ class PagedRunner:
         held = sum(lengths)
         return held * self.spec.entry_token_bytes, held / max(len(lengths) * num_tokens, 1)
 
+    # tests: a class that stands in for DecodeGraphs off the GPU (``paged_graphs``'s eager
+    # twin: the same padded steps, warm-ups and inputs, run without capture)
+    graph_twin = None
+
     @property
     def _graphs(self):
         """The CUDA graphs of this layout's decode step, None without CUDA graphs (kept per
         layout while the host pages they address stay where they are)."""
-        if self.device.type != "cuda" or not self.config.cuda_graph or self.plan is None:
+        on_gpu = self.device.type == "cuda" and self.graph_twin is None
+        if not (on_gpu or self.graph_twin) or not self.config.cuda_graph or self.plan is None:
             return None
         if self.layout is not None and not self._graphs_under_ranks():
             return None
@@ -258,12 +263,13 @@ class PagedRunner:
             return cached[1]
         from headspace.engine.paged_graphs import DecodeGraphs
 
-        if self._graph_pool is None:
+        if self._graph_pool is None and on_gpu:
             self._graph_pool = torch.cuda.graph_pool_handle()
         mode = "static" if self._compiled and self.layout is None else "eager"
-        graphs = DecodeGraphs(self.model, self.executors, self.tokens, self.store.num_pages,
-                              self.host.scratch_slot, self.config.max_batch, mode,
-                              self._graph_pool)  # fmt: skip
+        graphs = (self.graph_twin or DecodeGraphs)(
+            self.model, self.executors, self.tokens, self.store.num_pages,
+            self.host.scratch_slot, self.config.max_batch, mode, self._graph_pool,
+        )  # fmt: skip
         self._graph_cache[self._layout_id] = (generation, graphs)
         return graphs
 
@@ -273,7 +279,7 @@ class PagedRunner:
         per-entry executor's do; the shared-page copies' are built on the host)."""
         import torch.distributed as dist
 
-        if dist.get_backend() != "nccl":
+        if dist.get_backend() != "nccl" and self.graph_twin is None:
             return False
         return self.config.per_head_pages or not any(self.layout.num_copied)
 
