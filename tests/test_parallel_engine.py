@@ -16,7 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from headspace.api import LLM
-from headspace.engine.budget_ranks import copy_key_bounds
+from headspace.engine.copies import copy_key_bounds
 from headspace.engine.sampling import SamplingParams
 from headspace.parallel.placement import copy_keys, copy_rows, rank_layout
 from headspace.planner.head_map import HeadEntry, HeadMap
@@ -115,11 +115,15 @@ def test_four_ranks_equal_one_process(tiny_llama, wide_llama, prompt, tmp_path):
         _case(wide_llama, prompt, {"profile": profile, "retrieval_heads": 0.25,
                                    "sparse_pattern": "block_sparse(2)", "balance": "fairkv",
                                    "max_context": 4096}),
+        # decode as the CUDA graphs run it (their CPU twin): three prompts, a padding row
+        {**_case(tiny_llama, prompt, {"balance": "fairkv"}), "batch": [150, 75, 100],
+         "graph_twin": True},
     ]  # fmt: skip
     results = _check(run_cases(4, cases, tmp_path), cases)
     assert "ranks [0, 1, 2, 3]" in results[0]["summary"]
     assert "6 entries copied" in results[0]["summary"]
     assert _uneven(results[1]["heads"])
+    assert results[2]["graphs"] and "6 entries copied" in results[2]["summary"]
 
 
 def test_eight_ranks_equal_one_process(wide_llama, prompt, tmp_path):

@@ -23,10 +23,10 @@ import torch
 
 from headspace.attention.entry_decode import entry_decode, new_token_slots
 from headspace.engine.budget import BudgetExecutor
-from headspace.engine.copies import merge_copies
+from headspace.engine.copies import copy_key_bounds, merge_copies
 from headspace.kv.block_table import GPU
 from headspace.parallel.dist import host_min
-from headspace.parallel.placement import RankLayout, copy_rows, cumulative_shares, rank_layout
+from headspace.parallel.placement import RankLayout, copy_rows, rank_layout
 from headspace.planner.head_map import HeadMap
 
 
@@ -165,19 +165,3 @@ class RankBudgetExecutor(BudgetExecutor):
 
     def _heads(self) -> list[list[int]]:
         return [self.layout.heads(layer) for layer in range(self.num_layers)]
-
-
-def copy_key_bounds(lengths: torch.Tensor, shares: tuple[float, ...], index: int,
-                    page_size: int) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    """:func:`~headspace.parallel.placement.copy_keys` of each of ``lengths [rows]`` on the
-    device: the keys ``[lo, hi)`` copy ``index`` attends (int64, the same cuts)."""
-    lengths = lengths.long()
-
-    def cut(fraction: float) -> torch.Tensor:
-        if fraction >= 1.0:
-            return lengths
-        pages = torch.round(fraction * lengths.double() / page_size).long()
-        return torch.minimum(lengths, pages * page_size)
-
-    before, through = cumulative_shares(shares, index)
-    return cut(before), cut(through)

@@ -23,13 +23,11 @@ from headspace.attention.patterns import Pattern
 from headspace.attention.sparse_prefill import prefill_with_patterns
 from headspace.engine.executors import (
     StepInputs,
-    block_table,
-    bucket,
     chunk_slots,
     padded_positions,
 )
 from headspace.kv.paged_store import PagedKVStore
-from headspace.parallel.placement import Copy, RankLayout, copy_keys, copy_rows
+from headspace.parallel.placement import Copy, RankLayout, copy_rows, cumulative_shares
 
 
 class CopyExecutor:
@@ -85,7 +83,7 @@ class CopyExecutor:
         if self.layout.num_copied[layer] and self.step.decode:  # (no step in a graph)
             lse, out = self._parts.pop(layer, (None, None))
             merge_copies(self.layout, layer, lse, out, self.exchange,
-                         len(self.step.positions_list), self.q_per_kv,
+                         len(self.step.positions), self.q_per_kv,
                          self.store.buffer.device)  # fmt: skip
 
     def _prefill(self, layer: int, j: int, copy: Copy, store_kv: torch.Tensor,
@@ -137,18 +135,16 @@ class CopyExecutor:
 
     def _key_range(self, copy: Copy) -> tuple[torch.Tensor, torch.Tensor]:
         """The block table of each sequence's pages from the copy's first key on, and the
-        number of its keys: ``([seqs, width] int32, [seqs])`` on the device."""
+        number of its keys: ``([seqs, width], [seqs])``, found on the device from the step's
+        tables and lengths (a CUDA graph replays it)."""
         key = (copy.shares, copy.index)
         if key not in self._ranges:
-            rows, lengths = [], []
-            for pages, position in zip(self.step.pages["gpu"], self.step.positions_list,
-                                       strict=True):  # fmt: skip
-                lo, hi = copy_keys(position + 1, copy.shares, copy.index, self.page_size)
-                rows.append(pages[lo // self.page_size :] if hi > lo else [])
-                lengths.append(hi - lo)
-            device = self.store.buffer.device
-            table = block_table(rows, bucket(max(map(len, rows), default=1), 8)).to(device)
-            self._ranges[key] = table, torch.tensor(lengths, device=device)
+            tables = self.step.tables["gpu"]  # [seqs, width]
+            lo, hi = copy_key_bounds(self.step.lengths, copy.shares, copy.index, self.page_size)
+            width = tables.shape[-1]
+            columns = torch.arange(width, device=tables.device) + (lo // self.page_size)[:, None]
+            shifted = tables.gather(1, columns.clamp(max=width - 1)).int()  # (graphs: int64)
+            self._ranges[key] = shifted, hi - lo
         return self._ranges[key]
 
 
@@ -170,3 +166,19 @@ def merge_copies(layout: RankLayout, layer: int, lses: list[torch.Tensor] | None
         weight = torch.exp(mine[:, copy.slot] - total[:, copy.slot]).nan_to_num(0.0)[..., None]
         cols = slice(j * q_per_kv, (j + 1) * q_per_kv)
         out[:, cols] = (out[:, cols].float().nan_to_num(0.0) * weight).to(out.dtype)
+
+
+def copy_key_bounds(lengths: torch.Tensor, shares: tuple[float, ...], index: int,
+                    page_size: int) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """:func:`~headspace.parallel.placement.copy_keys` of each of ``lengths [rows]`` on the
+    device: the keys ``[lo, hi)`` copy ``index`` attends (int64, the same cuts)."""
+    lengths = lengths.long()
+
+    def cut(fraction: float) -> torch.Tensor:
+        if fraction >= 1.0:
+            return lengths
+        pages = torch.round(fraction * lengths.double() / page_size).long()
+        return torch.minimum(lengths, pages * page_size)
+
+    before, through = cumulative_shares(shares, index)
+    return cut(before), cut(through)

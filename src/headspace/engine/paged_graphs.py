@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from headspace.engine.budget import BudgetExecutor
+from headspace.engine.copies import CopyExecutor
 from headspace.engine.executors import (
     MIN_WIDTH,
     ResidentExecutor,
@@ -52,6 +53,7 @@ class DecodeGraphs:
         self.resident = next((e for e in executors if isinstance(e, ResidentExecutor)), None)
         self.stream = next((e for e in executors if isinstance(e, StreamExecutor)), None)
         self.budget = next((e for e in executors if isinstance(e, BudgetExecutor)), None)
+        self.copies = next((e for e in executors if isinstance(e, CopyExecutor)), None)
         self.scratch_page, self.scratch_slot = scratch_page, tokens.numel() - 1
         self.host_scratch_slot, self.blocks_mode = host_scratch_slot, blocks_mode
         self.page_size = (self.resident or self.stream or self.budget).page_size
@@ -111,6 +113,8 @@ class DecodeGraphs:
         step = StepInputs(True, positions, [], {}, tables, positions + 1)
         if self.resident is not None:
             self.resident.begin(step)
+        if self.copies is not None:  # one rank's copies: their key ranges, on the device
+            self.copies.begin(step)
         if self.budget is not None:
             self.budget.step = step
             self.budget.begin_rows(views["slots"], key[1])

@@ -274,14 +274,11 @@ class PagedRunner:
         return graphs
 
     def _graphs_under_ranks(self) -> bool:
-        """Whether this rank's decode step can be a CUDA graph: its collectives are NCCL's
-        (captured; gloo's are not), and its copies find their key ranges on the device (the
-        per-entry executor's do; the shared-page copies' are built on the host)."""
+        """Whether this rank's decode step can be a CUDA graph: when its collectives are
+        NCCL's (captured; gloo's are not). Copies find their key ranges on the device."""
         import torch.distributed as dist
 
-        if dist.get_backend() != "nccl" and self.graph_twin is None:
-            return False
-        return self.config.per_head_pages or not any(self.layout.num_copied)
+        return dist.get_backend() == "nccl" or self.graph_twin is not None
 
     def ensure_host_pages(self, num_pages: int) -> None:
         """Host pages for at least ``num_pages`` (grows the arena when needed; graphs that
