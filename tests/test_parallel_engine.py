@@ -245,14 +245,19 @@ def test_rank_layout_covers_every_head_once():
     assert max(lay.most_heads for lay in layouts) == 3
 
 
+def _assert_tiles(cuts: list[tuple[int, int]], end: int) -> None:
+    """The copies' ``[lo, hi)`` cuts cover ``0 .. end`` in order, without gap or overlap."""
+    assert cuts[0][0] == 0 and cuts[-1][1] == end
+    assert all(a[1] == b[0] and a[0] <= a[1] for a, b in zip(cuts, cuts[1:], strict=False))
+
+
 @settings(max_examples=200, deadline=None)
 @given(st.integers(0, 5000), st.integers(1, 600),
        st.lists(st.floats(0.05, 1.0), min_size=2, max_size=4))  # fmt: skip
 def test_copy_rows_tile_the_chunk_by_causal_work(start, num_rows, weights):
     shares = tuple(w / sum(weights) for w in weights)
     cuts = [copy_rows(start, num_rows, shares, i) for i in range(len(shares))]
-    assert cuts[0][0] == 0 and cuts[-1][1] == num_rows
-    assert all(a[1] == b[0] and a[0] <= a[1] for a, b in zip(cuts, cuts[1:], strict=False))
+    _assert_tiles(cuts, num_rows)
     total = num_rows * start + num_rows * (num_rows + 1) / 2
     for (lo, hi), share in zip(cuts, shares, strict=True):  # within one row's work of share
         work = sum(start + t + 1 for t in range(lo, hi))
@@ -265,8 +270,7 @@ def test_copy_rows_tile_the_chunk_by_causal_work(start, num_rows, weights):
 def test_copy_keys_tile_the_sequence_at_pages(length, page_size, weights):
     shares = tuple(w / sum(weights) for w in weights)
     cuts = [copy_keys(length, shares, i, page_size) for i in range(len(shares))]
-    assert cuts[0][0] == 0 and cuts[-1][1] == length
-    assert all(a[1] == b[0] and a[0] <= a[1] for a, b in zip(cuts, cuts[1:], strict=False))
+    _assert_tiles(cuts, length)
     assert all(lo % page_size == 0 for lo, hi in cuts if hi > lo)  # empty ones: at the end
     for (lo, hi), share in zip(cuts[:-1], shares[:-1], strict=True):  # the last: the tail
         assert abs((hi - lo) - share * length) <= page_size

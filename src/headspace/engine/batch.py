@@ -31,7 +31,7 @@ from headspace.kv.block_table import GPU, HOST
 from headspace.kv.host_store import HostKVArena
 from headspace.kv.page_pool import OutOfPages
 from headspace.model.llama import LlamaModel
-from headspace.parallel.dist import all_agree, all_reduce_min, broadcast_
+from headspace.parallel.dist import all_agree, broadcast_, host_min
 from headspace.planner.memory import KVSpec
 from headspace.planner.plan import Plan
 from headspace.planner.profile import Profile
@@ -76,10 +76,10 @@ class BatchGenerator:
         self.weight_bytes = weights = sum(p.nbytes for p in model.parameters())
         self.chunk = prefill_chunk_size(cfg, config, weights, max_context)
         if ranks is not None:  # the same chunks on every rank (their collectives pair up)
-            self.chunk = all_reduce_min(self.chunk, config.device)
+            self.chunk = host_min(self.chunk)
         arena = kv_arena_bytes(cfg, config, self.spec, weights, self.chunk, max_context)
         if ranks is not None:  # the same pages on every rank
-            self.spec, arena = ranks.pages(self.spec, arena, config.device)
+            self.spec, arena = ranks.pages(self.spec, arena)
         host = HostKVArena(self.spec, dtype, pin=config.on_gpu,
                            budget=host_budget(config.host_memory))  # fmt: skip
         self.runner = PagedRunner(model, config, self.spec, arena, host, 2 * config.max_batch,

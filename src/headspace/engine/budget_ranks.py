@@ -23,7 +23,7 @@ import torch
 
 from headspace.attention.entry_decode import entry_decode, new_token_slots
 from headspace.engine.budget import BudgetExecutor
-from headspace.engine.copies import copy_key_bounds, merge_copies
+from headspace.engine.copies import copy_key_range, merge_copies
 from headspace.kv.block_table import GPU
 from headspace.parallel.dist import host_min
 from headspace.parallel.placement import RankLayout, copy_rows, rank_layout
@@ -146,14 +146,10 @@ class RankBudgetExecutor(BudgetExecutor):
         """Each (sequence, copy) row's pages from its first key on and its number of keys,
         from the copies' ``tables [seqs, copies, width]`` and ``lengths [seqs, copies]``: ``([seqs
         x copies, width], [seqs x copies] int32)``, on the device (a CUDA graph replays it)."""
-        copies = self.layout.copies[layer]
-        lo, hi = zip(*(copy_key_bounds(lengths[:, j], c.shares, c.index, self.page_size)
-                       for j, c in enumerate(copies)), strict=True)  # fmt: skip
-        lo, hi = torch.stack(lo, 1), torch.stack(hi, 1)  # [seqs, copies]
-        width = tables.shape[-1]
-        columns = torch.arange(width, device=tables.device) + (lo // self.page_size)[..., None]
-        shifted = tables.gather(2, columns.clamp(max=width - 1).long())
-        return shifted.flatten(0, 1), (hi - lo).flatten().int()
+        ranges = [copy_key_range(tables[:, j], lengths[:, j], copy, self.page_size)
+                  for j, copy in enumerate(self.layout.copies[layer])]  # fmt: skip
+        shifted, counts = (torch.stack(parts, 1) for parts in zip(*ranges, strict=True))
+        return shifted.flatten(0, 1), counts.flatten()  # rows: sequence-major, then copy
 
     def _ranked_scores(self, layer: int, scores: torch.Tensor) -> torch.Tensor:
         """Every rank's scores of ``layer`` gathered: ``[kv heads of the model, prompt -

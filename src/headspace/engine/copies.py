@@ -127,7 +127,7 @@ class CopyExecutor:
                 empty = (lengths == 0)[:, None]  # a copy with no key of a sequence
                 lse = lse.masked_fill(empty, -torch.inf)
             else:
-                part, lse = cpu_paged_decode(q[:, cols], k, v, table, lengths.to(torch.int32),
+                part, lse = cpu_paged_decode(q[:, cols], k, v, table, lengths,
                                              self.page_size)  # fmt: skip
             out[:, cols] = part.to(out.dtype)
             lses.append(lse.float())
@@ -139,12 +139,8 @@ class CopyExecutor:
         tables and lengths (a CUDA graph replays it)."""
         key = (copy.shares, copy.index)
         if key not in self._ranges:
-            tables = self.step.tables["gpu"]  # [seqs, width]
-            lo, hi = copy_key_bounds(self.step.lengths, copy.shares, copy.index, self.page_size)
-            width = tables.shape[-1]
-            columns = torch.arange(width, device=tables.device) + (lo // self.page_size)[:, None]
-            shifted = tables.gather(1, columns.clamp(max=width - 1)).int()  # (graphs: int64)
-            self._ranges[key] = shifted, hi - lo
+            self._ranges[key] = copy_key_range(self.step.tables["gpu"], self.step.lengths, copy,
+                                               self.page_size)  # fmt: skip
         return self._ranges[key]
 
 
@@ -182,3 +178,14 @@ def copy_key_bounds(lengths: torch.Tensor, shares: tuple[float, ...], index: int
 
     before, through = cumulative_shares(shares, index)
     return cut(before), cut(through)
+
+
+def copy_key_range(tables: torch.Tensor, lengths: torch.Tensor, copy: Copy,
+                   page_size: int) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """What ``copy`` attends of each row at decode, on the device (a CUDA graph replays it):
+    ``tables [rows, width]`` shifted to start at its first key's page (int32), and its number
+    of keys ``[rows]`` (int32), from each row's ``lengths [rows]``."""
+    lo, hi = copy_key_bounds(lengths, copy.shares, copy.index, page_size)
+    width = tables.shape[-1]
+    columns = torch.arange(width, device=tables.device) + (lo // page_size)[:, None]
+    return tables.gather(1, columns.clamp(max=width - 1)).int(), (hi - lo).int()

@@ -250,8 +250,10 @@ class PagedRunner:
     def _graphs(self):
         """The CUDA graphs of this layout's decode step, None without CUDA graphs (kept per
         layout while the host pages they address stay where they are)."""
-        on_gpu = self.device.type == "cuda" and self.graph_twin is None
-        if not (on_gpu or self.graph_twin) or not self.config.cuda_graph or self.plan is None:
+        twin = self.graph_twin  # a CPU stand-in in tests; None: real graphs, on a GPU only
+        if (twin is None and self.device.type != "cuda") or not self.config.cuda_graph:
+            return None
+        if self.plan is None:
             return None
         if self.layout is not None and not self._graphs_under_ranks():
             return None
@@ -263,10 +265,10 @@ class PagedRunner:
             return cached[1]
         from headspace.engine.paged_graphs import DecodeGraphs
 
-        if self._graph_pool is None and on_gpu:
+        if self._graph_pool is None and twin is None:
             self._graph_pool = torch.cuda.graph_pool_handle()
         mode = "static" if self._compiled and self.layout is None else "eager"
-        graphs = (self.graph_twin or DecodeGraphs)(
+        graphs = (twin or DecodeGraphs)(
             self.model, self.executors, self.tokens, self.store.num_pages,
             self.host.scratch_slot, self.config.max_batch, mode, self._graph_pool,
         )  # fmt: skip

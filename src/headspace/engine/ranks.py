@@ -18,14 +18,13 @@ from headspace.model.llama import LlamaModel
 from headspace.parallel.balance import balance_heads
 from headspace.parallel.dist import (
     all_agree,
-    all_reduce_min,
     all_reduce_sum,
     broadcast_object,
     host_min,
     init_from_env,
 )
 from headspace.parallel.placement import RankLayout, rank_layout
-from headspace.parallel.shard import shard_layer
+from headspace.parallel.shard import shard_layer, shard_model
 from headspace.planner.head_cost import CostShape
 from headspace.planner.head_map import HeadMap
 from headspace.planner.memory import GiB, KVSpec
@@ -42,11 +41,11 @@ class Ranks:
     head_map: HeadMap  # every entry, with its ranks and shares
     most_heads: int  # the most kv heads any rank holds in one layer (its pages' width)
 
-    def pages(self, spec: KVSpec, arena: int, device: str) -> tuple[KVSpec, int]:
+    def pages(self, spec: KVSpec, arena: int) -> tuple[KVSpec, int]:
         """The planner's page shape and arena, the same on every rank (so every scheduler
         makes the same choices): pages as wide as the widest rank's layer, and the smallest
         rank's arena."""
-        return replace(spec, num_kv_heads=self.most_heads), all_reduce_min(arena, device)
+        return replace(spec, num_kv_heads=self.most_heads), host_min(arena)
 
     def keep_heads(self, index: int, layer) -> None:
         """Shard decoder layer ``index`` for this rank: its heads' weights (own, then copies)
@@ -147,8 +146,9 @@ def setup_ranks(model: LlamaModel, config, profile: Profile | None,
     place for this rank."""
     ranks = plan_ranks(model.config, config, profile, max_context)
     if ranks is not None:
-        for index, layer in enumerate(model.layers):
-            ranks.keep_heads(index, layer)
+        layout = ranks.layout
+        shard_model(model, ranks.head_map, layout.rank, layout.world, all_reduce_sum,
+                    heads=[layout.heads(index) for index in range(layout.num_layers)])  # fmt: skip
         if config.on_gpu:
             torch.cuda.empty_cache()  # the other ranks' weights, freed
     return ranks

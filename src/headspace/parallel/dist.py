@@ -56,13 +56,6 @@ def all_gather_stack(part: torch.Tensor) -> torch.Tensor:
     return torch.stack(parts)
 
 
-def all_reduce_min(value: int, device: str = "cpu") -> int:
-    """The smallest of every rank's ``value``."""
-    tensor = torch.tensor([value], dtype=torch.long, device=device)
-    dist.all_reduce(tensor, op=dist.ReduceOp.MIN)
-    return int(tensor.item())
-
-
 _CPU_GROUP = None
 
 
