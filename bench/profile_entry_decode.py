@@ -20,6 +20,17 @@ from common import LLAMA31_8B, make_engine, random_model  # noqa: E402
 from headspace.engine.sampling import SamplingParams  # noqa: E402
 from sparsity import MODES, _ids, random_profile, timed_decode  # noqa: E402
 
+# the sparsity benchmark's modes, and DuoAttention's split (bench/multigpu.py's default)
+PROFILED = {
+    **MODES,
+    "duo": {
+        "kv_budget": 0.25,
+        "kv_policy": "ada_snapkv",
+        "retrieval_heads": 0.5,
+        "sparse_pattern": "streaming(4,1024)",
+    },
+}
+
 
 def kernel_table(engine, prompt: list[int], steps: int) -> tuple[list[tuple[str, float]], float]:
     """(the top kernels as (name, us per step), median step ms) over decode steps 2 to
@@ -48,12 +59,18 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--context", type=int, default=32768)
     parser.add_argument("--steps", type=int, default=16)
+    parser.add_argument("--modes", nargs="+", default=["full", "snapkv 0.25", "streaming 0.5"],
+                        choices=tuple(PROFILED), help="modes profiled, in order")  # fmt: skip
+    parser.add_argument("--eager", action="store_true",
+                        help="decode without CUDA graphs (the profiler sees kernels in graphs "
+                        "only on some drivers)")  # fmt: skip
     args = parser.parse_args()
     model, profile_path = random_model(LLAMA31_8B), random_profile()
     prompt = _ids(args.context - args.steps, 2)
-    for mode in ("full", "snapkv 0.25", "streaming 0.5"):
-        options = {**MODES[mode], **({"profile": profile_path} if "streaming" in mode else {})}
-        engine = make_engine(model, **options)
+    for mode in args.modes:
+        options = PROFILED[mode]
+        options = {**options, **({"profile": profile_path} if "retrieval_heads" in options else {})}
+        engine = make_engine(model, **options, **({"cuda_graph": False} if args.eager else {}))
         warm = [SamplingParams(max_new_tokens=args.steps, ignore_eos=True)]
         engine.generate_batch([_ids(args.context - args.steps, 1)], warm)
         rows, decode_ms = kernel_table(engine, prompt, args.steps)

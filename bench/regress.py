@@ -1,6 +1,7 @@
 """Re-measure the headline figure of every landed result and print it beside the committed one.
 
-    PYTHONPATH=src python bench/regress.py        # one GPU, under ten minutes
+    PYTHONPATH=src python bench/regress.py        # one GPU, about ten minutes
+    PYTHONPATH=src python bench/regress.py --kinds offload hybrid    # some of them
 
 Flags any drop of more than 10% (a figure measured on another GPU kind than the committed
 one is shown but not judged). Run it before resolving any change to ``engine/``,
@@ -9,6 +10,7 @@ one is shown but not judged). Run it before resolving any change to ``engine/``,
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 import time
@@ -95,6 +97,17 @@ def hybrid(model) -> dict:
     return {"hybrid decode 128K ms": row["decode_ms"]}
 
 
+def weight_stream(model) -> dict:
+    """Layers streamed under a 12 GiB budget at 32K (bench/weight_stream.py); last: the
+    model's layers move to host memory."""
+    from weight_stream import BUDGET, measure
+
+    engine = make_engine(model, prefix_caching=False, gpu_memory=BUDGET)
+    row = measure(engine, 32 * K, 16, 1024)
+    return {"streamed prefill 32K tok/s": row["prefill_tok_s"],
+            "streamed decode 32K ms": row["decode_ms"]}  # fmt: skip
+
+
 def reference(kind: str, data: dict | None, name: str) -> float | None:
     """The committed value of figure ``name`` (older files keep other keys)."""
     if data is None:
@@ -110,17 +123,31 @@ def reference(kind: str, data: dict | None, name: str) -> float | None:
         return data["batch_tok_s"]
     if kind == "hybrid":
         return data["128K"]["hybrid_split"]["decode_ms"]
+    if kind == "weight_stream":
+        return data["rows"]["streamed"]["prefill_tok_s" if "prefill" in name else "decode_ms"]
     return data["decode_ms"][str(128 * K)]
 
 
+KINDS = {
+    "foundation": foundation,
+    "paged": paged,
+    "offload": offload,
+    "hybrid": hybrid,
+    "weight_stream": weight_stream,
+}  # fmt: skip (weight_stream last: it moves layers)
+
+
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--kinds", nargs="+", choices=tuple(KINDS), default=list(KINDS),
+                        help="which results to re-measure (default: all)")  # fmt: skip
+    args = parser.parse_args()
     env = environment()
     gpu = env["gpu"].replace("NVIDIA ", "").split()[0].lower()
     model = random_model(LLAMA31_8B)
     rows = []
-    kinds = (("foundation", foundation), ("paged", paged), ("offload", offload),
-             ("hybrid", hybrid))  # fmt: skip
-    for kind, fn in kinds:
+    for kind in [k for k in KINDS if k in args.kinds]:
+        fn = KINDS[kind]
         data, name = committed(kind, gpu)
         for figure, value in fn(model).items():
             ref = reference(kind, data, figure)

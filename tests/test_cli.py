@@ -185,7 +185,8 @@ def _non_default(f):
               "cpu_share": ("0.25", 0.25), "kv_policy": ("ada_snapkv", "ada_snapkv"),
               "profile": ("smol.json", "smol.json"), "retrieval_heads": ("0.5", 0.5),
               "sparse_pattern": ("streaming(4,64)", "streaming(4,64)"),
-              "balance": ("greedy", "greedy"), "balance_phase": ("decode", "decode")}  # fmt: skip
+              "balance": ("greedy", "greedy"), "balance_phase": ("decode", "decode"),
+              "weights": ("stream", "stream")}  # fmt: skip
     if f.name in values:
         return values[f.name]
     if f.type == "bool":

@@ -406,3 +406,57 @@ def test_ranks_on_gpu_equal_one_process(tmp_path, world, balance, kv_budget):
     ref, got = _one_and_ranks(tmp_path, world, balance, kv_budget)
     assert (got["logits"] - ref["logits"]).abs().max().item() <= 1e-4
     assert got["tokens"] == ref["tokens"]
+
+
+def test_streamed_weights_on_the_gpu_equal_resident_ones():
+    """Layers copied on a side stream while the one before computes (compiled blocks,
+    eager decode): the same logits and tokens as resident weights, an odd layer count so
+    the slots wrap; the auto mode streams when a budget cannot hold the weights."""
+    from headspace.engine.weight_stream import WeightStream, streamed_weight_bytes
+
+    generator = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(0, 512, (n,), generator=generator) for n in (700, 90, 300)]
+    resident = _engine(_tiny_model("cuda", torch.bfloat16, layers=5))
+    logits, tokens = resident.logits(prompts[0].tolist(), 8), _greedy(resident, prompts)
+    streamed = _engine(_tiny_model("cuda", torch.bfloat16, layers=5), weights="stream")
+    stream = streamed.model.layer_source
+    assert isinstance(stream, WeightStream) and stream.copy_stream is not None
+    assert all(p.device.type == "cpu" and p.is_pinned() for p in streamed.model.layers.parameters())
+    assert torch.equal(streamed.logits(prompts[0].tolist(), 8), logits)
+    assert _greedy(streamed, prompts) == tokens
+    model = _tiny_model("cuda", torch.bfloat16, layers=5)
+    weights = sum(p.nbytes for p in model.parameters())
+    auto = _engine(model, gpu_memory=_arena_budget(model, 0) - weights // 2)
+    assert streamed_weight_bytes(auto.model) > 0  # its KV tiers differ: bf16 sums too
+    auto_logits = auto.logits(prompts[0].tolist(), 8)
+    assert (auto_logits - logits).abs().max().item() <= 2e-2 * logits.abs().max().item()
+
+
+@pytest.mark.parametrize("late", ["copies", "layers"])
+def test_streamed_weights_wait_for_their_copies_and_for_the_layers_before(monkeypatch, late):
+    """Each copy delayed on the copy stream (a layer that did not wait for its copy would
+    compute on the slot's previous layer), or each layer delayed on the compute stream (a
+    copy that did not wait for the slot's last layer would overwrite it mid-use): the
+    logits still equal the resident ones."""
+    from headspace.engine.weight_stream import WeightStream
+
+    prompt = torch.randint(0, 512, (300,), generator=torch.Generator().manual_seed(6)).tolist()
+    logits = _engine(_tiny_model("cuda", torch.bfloat16, layers=5)).logits(prompt, 4)
+    fetch, layers = WeightStream._fetch, WeightStream.__iter__
+
+    def late_fetch(self, index):
+        with torch.cuda.stream(self.copy_stream):
+            torch.cuda._sleep(2_000_000)  # ~1 ms: far longer than a tiny layer's work
+        fetch(self, index)
+
+    def late_layers(self):
+        for layer in layers(self):
+            torch.cuda._sleep(2_000_000)
+            yield layer
+
+    if late == "copies":
+        monkeypatch.setattr(WeightStream, "_fetch", late_fetch)
+    else:
+        monkeypatch.setattr(WeightStream, "__iter__", late_layers)
+    streamed = _engine(_tiny_model("cuda", torch.bfloat16, layers=5), weights="stream")
+    assert torch.equal(streamed.logits(prompt, 4), logits)

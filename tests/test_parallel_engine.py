@@ -83,7 +83,8 @@ def _uneven(heads: list[list[int]]) -> bool:
 
 def test_two_ranks_equal_one_process(tiny_llama, wide_llama, prompt, tmp_path):
     """GQA 8:2 split one head a rank; 8 layers x 4 kv heads with half the heads patterned
-    (uneven prefill costs: uneven maps), greedy and fairkv; sampled tokens from rank 0."""
+    (uneven prefill costs: uneven maps), greedy and fairkv, resident and streamed layers;
+    sampled tokens from rank 0."""
     profile = _random_profile(tmp_path / "profile.json", 8, 4)
     patterned = {
         "profile": profile,
@@ -100,10 +101,15 @@ def test_two_ranks_equal_one_process(tiny_llama, wide_llama, prompt, tmp_path):
         _case(tiny_llama, prompt, {"num_kv_pages": 12, "balance": "uniform"}),
         # the chunk from each rank's budget: the smallest on every rank
         _case(wide_llama, prompt, {**patterned, "prefill_chunk": None, "gpu_memory": 61_200_000}),
-    ]
+        # each rank's part of each layer streamed from host memory (one process: resident)
+        {**_case(wide_llama, prompt, {**patterned, "balance": "greedy", "replicas": 0,
+                                      "weights": "stream"}), "single": {"weights": "gpu"}},
+    ]  # fmt: skip
     results = _check(run_cases(2, cases, tmp_path), cases)
     assert results[0]["heads"] == [[1, 1, 1], [1, 1, 1]]
     assert _uneven(results[2]["heads"])  # full heads cost more than patterned ones
+    assert results[-1]["streamed"] and not results[2]["streamed"]
+    assert results[-1]["heads"] == results[2]["heads"]
 
 
 def test_four_ranks_equal_one_process(tiny_llama, wide_llama, prompt, tmp_path):

@@ -96,7 +96,8 @@ def test_a_long_history_is_staged_in_pieces_when_slots_would_crowd_out_the_pool(
     "kwargs,message",
     [
         ({"context": 2**22, "host_memory": 100 * GiB}, "needs 512.00 GiB of host memory"),
-        ({"gpu_memory": int(14.99 * GiB)}, "GPU budget too small"),
+        ({"gpu_memory": int(14.99 * GiB), "weights": "gpu"}, "GPU budget too small"),
+        ({"gpu_memory": 2 * GiB}, r"holds the weights \(14.96 GiB\)"),  # streamed too
         ({"offload": "none"}, "allow offload"),
         ({"offload": "sideways"}, "offload must be one of"),
     ],

@@ -50,7 +50,8 @@ def run_case(case: dict) -> dict:
     torch.distributed.all_gather_object(widths, list(WIDTHS))
     return {"logits": logits, "tokens": [o.token_ids for o in outputs],
             "summary": ranks.head_map.summary(), "heads": heads, "widths": widths,
-            "graphs": bool(llm.engine.batch.runner._graph_cache)}  # fmt: skip
+            "graphs": bool(llm.engine.batch.runner._graph_cache),
+            "streamed": llm.engine.model.layer_source is not None}  # fmt: skip
 
 
 def batch(case: dict) -> list[list[int]]:

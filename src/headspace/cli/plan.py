@@ -31,7 +31,7 @@ def add_plan_parser(subparsers) -> None:
     # the engine's own flags for what a plan depends on (the GPU's memory unless given)
     planned = ("gpu_memory", "host_memory", "offload", "cpu_share", "gpu_window", "head_group",
                "prefill_chunk", "page_size", "dtype", "profile", "retrieval_heads",
-               "sparse_pattern", "kv_budget", "kv_policy")  # fmt: skip
+               "sparse_pattern", "kv_budget", "kv_policy", "weights")  # fmt: skip
     add_engine_options(p, planned, {"dtype": "bfloat16", "retrieval_heads": 0.5})
     add_parallel_options(p)
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
@@ -72,11 +72,13 @@ def run_plan(args) -> None:
     profile = Profile.load(args.profile) if args.profile else None
     gpu, host = _budgets(args)
     dtype_bytes = 4 if args.dtype == "float32" else 2
+    if args.host_memory is None:  # what is available now, less the streamed layers
+        host = _host_after_weights(config, args, gpu, host, dtype_bytes)
     budget_tokens, entry_bound = _budget_tokens(args, context)
     request = PlanRequest(context, gpu, host, dtype_bytes, args.offload, args.head_group,
                           args.prefill_chunk, args.page_size, args.cpu_share,
                           args.gpu_window, budget_tokens, entry_bound,
-                          **_patterns(args, config, profile))  # fmt: skip
+                          weights=args.weights, **_patterns(args, config, profile))  # fmt: skip
     plan = make_plan(config, request)
     share_key = None if args.kv_budget is None else budget_key(args.kv_policy, args.kv_budget)
     chosen, uniform = plan_balance(config, request, plan, parallel, profile, share_key)
@@ -94,6 +96,19 @@ def run_plan(args) -> None:
     print(format_plan(config, request, plan))
     if chosen is not None:
         print("\n" + format_balance(config, request, parallel, chosen, uniform))
+
+
+def _host_after_weights(config, args, gpu: int, host: int, dtype_bytes: int) -> int:
+    """Host bytes left for KV pages beside the decoder layers when they stream (decided as
+    ``make_plan`` decides)."""
+    from headspace.planner.memory import WeightSpec, streams_weights
+
+    streamed = streams_weights(args.weights, config, gpu, dtype_bytes, chunk=args.prefill_chunk)
+    weights = WeightSpec.of(config, dtype_bytes, streamed).host_bytes
+    if weights >= host:
+        raise UserError(f"host memory too small: the streamed layers need {weights / GiB:.2f} "
+                        f"GiB of the {host / GiB:.2f} GiB available")  # fmt: skip
+    return host - weights
 
 
 def _budget_tokens(args, context: int) -> tuple[int | None, int | None]:
@@ -126,6 +141,16 @@ def _patterns(args, config, profile) -> dict:
             "sparse_pattern": sparse}  # fmt: skip
 
 
+def _weights_line(config, request, memory) -> str:
+    if not memory["weights_host"]:
+        return f"resident on the GPU (asked: {request.weights})"
+    layer = memory["weights_host"] / config.num_layers
+    return (
+        f"decoder layers streamed from pinned host memory, each copied to the GPU while "
+        f"the one before computes ({layer / GiB:.2f} GiB a layer; asked: {request.weights})"
+    )
+
+
 def format_plan(config, request, plan) -> str:
     """The human-readable plan: model line, memory table, head map, prediction."""
     m, staging = plan.memory, plan.staging
@@ -145,9 +170,10 @@ def format_plan(config, request, plan) -> str:
         f"context {request.context:,} tokens; GPU budget {request.gpu_memory / GiB:.2f} GiB, "
         f"host budget {request.host_memory / GiB:.2f} GiB; offload {plan.offload} "
         f"(asked: {request.offload}){groups}",
+        f"weights: {_weights_line(config, request, m)}",
         "",
         f"{'memory':<34}{'GPU GiB':>10}{'host GiB':>10}",
-        f"{'weights':<34}{m['weights'] / GiB:>10.2f}",
+        f"{'weights':<34}{m['weights'] / GiB:>10.2f}{m['weights_host'] / GiB:>10.2f}",
         f"{'KV pool (resident heads)':<34}{m['gpu_pool'] / GiB:>10.2f}",
         f"{'  of which this context':<34}{m['gpu_kv'] / GiB:>10.2f}",
         f"{'  held after the prompt':<34}{m['kv_held'] / GiB:>10.2f}",

@@ -26,6 +26,7 @@ from headspace.engine.paged_runner import PagedRunner
 from headspace.engine.ranks import Ranks
 from headspace.engine.sampling import SamplingParams, make_generator, sample
 from headspace.engine.scheduler import Scheduler, Sequence
+from headspace.engine.weight_stream import device_weight_bytes, streamed_weight_bytes
 from headspace.errors import UserError
 from headspace.kv.block_table import GPU, HOST
 from headspace.kv.host_store import HostKVArena
@@ -73,8 +74,9 @@ class BatchGenerator:
         self.eos_token_ids, self.max_context, self.ranks = eos_token_ids, max_context, ranks
         cfg, dtype = model.config, config.torch_dtype
         self.spec = KVSpec.of(cfg, config.page_size, dtype.itemsize)
-        self.weight_bytes = weights = sum(p.nbytes for p in model.parameters())
-        self.chunk = prefill_chunk_size(cfg, config, weights, max_context)
+        self.weight_bytes = weights = device_weight_bytes(model)  # on the device
+        streamed = streamed_weight_bytes(model)
+        self.chunk = prefill_chunk_size(cfg, config, weights, max_context, streamed > 0)
         if ranks is not None:  # the same chunks on every rank (their collectives pair up)
             self.chunk = host_min(self.chunk)
         arena = kv_arena_bytes(cfg, config, self.spec, weights, self.chunk, max_context)
@@ -85,7 +87,8 @@ class BatchGenerator:
         self.runner = PagedRunner(model, config, self.spec, arena, host, 2 * config.max_batch,
                                   max_context, profile,
                                   ranks.layout if ranks else None)  # fmt: skip
-        self.planner = BatchPlanner(model.config, config, self.spec, self.runner, weights, ranks)
+        self.planner = BatchPlanner(model.config, config, self.spec, self.runner, weights,
+                                    streamed, ranks)  # fmt: skip
         self._next_id = 0
         self.peak_pages = 0
         self._planned: set[int] | None = None  # the sequences entry staging is sized for

@@ -21,9 +21,11 @@ class BatchPlanner:
     profile)."""
 
     def __init__(self, model_config, config: EngineConfig, spec: KVSpec, runner,
-                 weight_bytes: int, ranks: Ranks | None = None):  # fmt: skip
+                 weight_bytes: int, streamed_bytes: int = 0,
+                 ranks: Ranks | None = None):  # fmt: skip
         self.model_config, self.config, self.spec = model_config, config, spec
         self.runner, self.weight_bytes, self.ranks = runner, weight_bytes, ranks
+        self.streamed_bytes = streamed_bytes  # weights copied from the host per step
         # the planner's rates (no CPU attention where the kernel does not build); with
         # ``offload="auto"`` the hybrid tier is considered only on a GPU machine
         self.hardware = Hardware() if kernel_isa() is not None else Hardware(cpu_attention_bytes=0)
@@ -84,9 +86,10 @@ class BatchPlanner:
         entries in host pages, over what each holds after its prompt)."""
         if plan.entry_staging:
             seconds = entry_step_seconds(self.spec, plan, self.bounds(seqs), self.weight_bytes,
-                                         self.hardware)  # fmt: skip
+                                         self.hardware, self.streamed_bytes)  # fmt: skip
         else:
             seconds, _ = step_seconds(self.model_config, plan, sum(s.max_tokens for s in seqs),
                                       self.spec.dtype_bytes, self.hardware,
-                                      self.config.hybrid_cpu_share)  # fmt: skip
+                                      self.config.hybrid_cpu_share,
+                                      streamed_weights=self.streamed_bytes)  # fmt: skip
         return len(seqs) / seconds

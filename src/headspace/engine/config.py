@@ -12,6 +12,7 @@ from headspace.budgets import POLICIES, POOL, KVBudget
 from headspace.errors import UserError
 from headspace.parallel.config import ParallelConfig
 from headspace.planner.entry_offload import check_offload
+from headspace.planner.memory import WEIGHT_MODES
 from headspace.planner.plan import OFFLOAD_MODES
 
 KV_POLICIES = tuple(POLICIES)
@@ -50,6 +51,12 @@ class EngineConfig:
     )  # fmt: skip
     cuda_graph: bool = _option(True, "capture the decode step in CUDA graphs (GPU)")
     compile: bool = _option(True, "fuse each layer's elementwise work with torch.compile (GPU)")
+    weights: str = _option(
+        "auto", "where decoder layers' weights live: gpu (resident), stream (pinned host "
+        "memory, each layer copied to the GPU while the one before computes; no CUDA graphs), "
+        "auto (stream only when resident weights leave no room for KV in the GPU budget)",
+        choices=WEIGHT_MODES,
+    )  # fmt: skip
     progress: bool = _option(False, "progress bars on long prefills", cli_default=True)
     gpu_memory: str | float | None = _option(
         None, "GPU memory budget, e.g. 24GiB, 500MB or a fraction such as 0.8 (default: most "

@@ -12,6 +12,7 @@ from headspace.engine.config import EngineConfig
 from headspace.engine.outputs import GenerationStats, RequestOutput
 from headspace.engine.ranks import join, plan_ranks, setup_ranks
 from headspace.engine.sampling import SamplingParams
+from headspace.engine.weight_stream import WeightStream, weights_streamed
 from headspace.errors import UserError
 from headspace.model.config import load_config
 from headspace.model.llama import LlamaModel
@@ -44,20 +45,27 @@ class Engine:
         # under torchrun: the heads balanced over the ranks; each layer sharded for this
         # one as it loads (the whole model never sits on its GPU)
         ranks = plan_ranks(model_cfg, config, self.profile, self._max_context(model_cfg, config))
+        streamed = weights_streamed(model_cfg, config, ranks)  # then layers stay on the host
         model = load_model(model_dir, config.device, config.torch_dtype,
-                           None if ranks is None else ranks.keep_heads)  # fmt: skip
+                           None if ranks is None else ranks.keep_heads,
+                           "cpu" if streamed else None)  # fmt: skip
+        if streamed:
+            WeightStream(model, config.device)
         self._setup(model, tokenizer, config, ranks)
 
     @classmethod
     def from_model(cls, model: LlamaModel, tokenizer, config: EngineConfig) -> Engine:
         """An engine over a model built in memory (benchmarks with random weights); the
         tokenizer needs only ``decode`` when prompts are token ids. Under torchrun the model
-        is sharded in place."""
+        is sharded in place; its layers move to pinned host memory if they stream."""
         engine = cls.__new__(cls)
         engine._read_profile(model.config, config)
         max_context = cls._max_context(model.config, config)
-        engine._setup(model, tokenizer, config,
-                      setup_ranks(model, config, engine.profile, max_context))  # fmt: skip
+        ranks = setup_ranks(model, config, engine.profile, max_context)
+        on_device = sum(p.nbytes for p in model.parameters() if p.device.type != "cpu")
+        if weights_streamed(model.config, config, ranks, on_device):
+            WeightStream(model, config.device)
+        engine._setup(model, tokenizer, config, ranks)
         return engine
 
     def _read_profile(self, model_cfg, config: EngineConfig) -> None:

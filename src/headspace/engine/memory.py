@@ -71,16 +71,17 @@ def gpu_budget(engine_config, weight_bytes: int) -> int | None:
 
 
 def prefill_chunk_size(config: ModelConfig, engine_config, weight_bytes: int,
-                       max_context: int) -> int:  # fmt: skip
+                       max_context: int, streamed: bool = False) -> int:  # fmt: skip
     """Prompt tokens per prefill step: the user's choice, else what fits the budget (on a
-    GPU, or on the CPU with a budget; 1024 on the CPU without one)."""
+    GPU, or on the CPU with a budget; 1024 on the CPU without one); ``weight_bytes`` on the
+    device, the layers ``streamed`` from the host or not."""
     if engine_config.prefill_chunk:
         return engine_config.prefill_chunk
     budget = gpu_budget(engine_config, weight_bytes)
     if budget is None:
         return CPU_PREFILL_CHUNK
     return prefill_chunk(config, budget - weight_bytes, max_context,
-                         engine_config.torch_dtype.itemsize)  # fmt: skip
+                         engine_config.torch_dtype.itemsize, streamed=streamed)  # fmt: skip
 
 
 def kv_arena_bytes(config: ModelConfig, engine_config, spec: KVSpec, weight_bytes: int,

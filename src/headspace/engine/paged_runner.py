@@ -253,7 +253,7 @@ class PagedRunner:
         twin = self.graph_twin  # a CPU stand-in in tests; None: real graphs, on a GPU only
         if (twin is None and self.device.type != "cuda") or not self.config.cuda_graph:
             return None
-        if self.plan is None:
+        if self.plan is None or self.model.layer_source is not None:  # streamed weights
             return None
         if self.layout is not None and not self._graphs_under_ranks():
             return None

@@ -63,9 +63,8 @@ class HostKVArena:
             if self.pin:  # copies queued on the GPU may still read or write the old pages
                 torch.cuda.synchronize()
             data[..., : self.data.shape[3], :].copy_(self.data)
-        if self.pin and data.numel() > 0:  # unregistered when the buffer is collected
-            _register(data)
-            weakref.finalize(data, _unregister, data.data_ptr())
+        if self.pin and data.numel() > 0:
+            page_lock(data, "KV pages", "lower --host-memory, the context, or")
         self.data, self.num_pages = data, grown
         self.generation += 1
         return True
@@ -75,16 +74,18 @@ class HostKVArena:
         return self.data[layer]
 
 
-def _register(buffer: torch.Tensor) -> None:
-    """Page-lock ``buffer`` so copies and kernels reach it at full PCIe speed."""
+def page_lock(buffer: torch.Tensor, what: str, remedy: str) -> None:
+    """Page-lock ``buffer`` (exactly its bytes) so copies reach it at full PCIe speed; it is
+    unlocked when collected. ``what`` and ``remedy`` word the error: "cannot page-lock N
+    GiB of host memory for {what}; {remedy} raise the locked-memory limit"."""
     num_bytes = buffer.nbytes
     status = torch.cuda.cudart().cudaHostRegister(buffer.data_ptr(), num_bytes, 0)
     if int(status) != 0:
         raise UserError(
-            f"cannot page-lock {num_bytes / GiB:.2f} GiB of host memory for KV pages "
-            f"(CUDA error {int(status)}); lower --host-memory, the context, or raise the "
-            "locked-memory limit"
+            f"cannot page-lock {num_bytes / GiB:.2f} GiB of host memory for {what} "
+            f"(CUDA error {int(status)}); {remedy} raise the locked-memory limit"
         )
+    weakref.finalize(buffer, _unregister, buffer.data_ptr())
 
 
 def _unregister(pointer: int) -> None:

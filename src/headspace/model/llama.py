@@ -7,7 +7,7 @@ returns the attention output. Hidden states are ``[tokens, hidden]`` (no batch a
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import torch
 import torch.nn.functional as F
@@ -164,6 +164,9 @@ class LlamaModel(nn.Module):
         inv_freq = inverse_frequencies(config.rope, config.head_dim)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         self._blocks: dict[str, Blocks] = {"eager": EAGER_BLOCKS}
+        # what forward iterates for its decoder layers: ``layers``, or an iterable that
+        # yields each one ready on the device (the engine's weights streamed from the host)
+        self.layer_source: Iterable[DecoderLayer] | None = None
 
     def forward(
         self,
@@ -182,7 +185,8 @@ class LlamaModel(nn.Module):
         blocks = self._blocks[blocks_mode]
         x = self.embed_tokens(input_ids)
         cos, sin = rope_cos_sin(self.inv_freq, positions, x.dtype)
-        for layer_idx, layer in enumerate(self.layers):
+        layers = self.layers if self.layer_source is None else self.layer_source
+        for layer_idx, layer in enumerate(layers):
             x = layer(layer_idx, x, cos, sin, attention, blocks)
         return self.norm(x)
 

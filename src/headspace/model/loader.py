@@ -57,12 +57,15 @@ def build_model(
     device: str | torch.device,
     dtype: torch.dtype,
     keep: Callable[[int, torch.nn.Module], None] | None = None,
+    layer_device: str | torch.device | None = None,
 ) -> LlamaModel:
-    """Build a LlamaModel on ``device``/``dtype`` from HF-named tensors given by ``get_tensor``.
+    """Build a LlamaModel on ``device``/``dtype`` from HF-named tensors given by ``get_tensor``;
+    its decoder layers on ``layer_device`` (default ``device``; "cpu" to stream them).
 
     ``keep(i, layer)`` is called on each decoder layer once its weights are in place in host
-    memory, before they move to ``device``: a rank that keeps only its part of each layer
-    never holds the whole model on its GPU (nor more than one whole layer on the host)."""
+    memory, before they move to ``layer_device``: a rank that keeps only its part of each
+    layer never holds the whole model on its GPU (nor more than one whole layer on the host)."""
+    layer_device = device if layer_device is None else layer_device
     with torch.device("meta"):
         model = LlamaModel(config)
     params = dict(model.named_parameters())
@@ -71,9 +74,9 @@ def build_model(
     for name, sources in checkpoint_layout(config).items():
         index = layer_of.get(name)
         if pending is not None and index != pending:
-            _keep(model, pending, keep, device)
+            _finish_layer(model.layers[pending], pending, keep, layer_device)
             pending = None
-        target = "cpu" if keep is not None and index is not None else device
+        target = device if index is None else "cpu" if keep is not None else layer_device
         parts = [get_tensor(src).to(device=target, dtype=dtype) for src in sources]
         value = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
         if value.shape != params[name].shape:
@@ -83,10 +86,9 @@ def build_model(
             )
         module_name, _, attr = name.rpartition(".")
         setattr(model.get_submodule(module_name), attr, torch.nn.Parameter(value, False))
-        if keep is not None and index is not None:
-            pending = index
+        pending = index
     if pending is not None:
-        _keep(model, pending, keep, device)
+        _finish_layer(model.layers[pending], pending, keep, layer_device)
     if config.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
     inv_freq = inverse_frequencies(config.rope, config.head_dim).to(device)
@@ -94,9 +96,9 @@ def build_model(
     return model.eval()
 
 
-def _keep(model: LlamaModel, index: int, keep, device) -> None:
-    layer = model.layers[index]
-    keep(index, layer)
+def _finish_layer(layer: torch.nn.Module, index: int, keep, device) -> None:
+    if keep is not None:
+        keep(index, layer)
     layer.to(device)
 
 
@@ -126,11 +128,12 @@ def load_model(
     device: str | torch.device = "cpu",
     dtype: torch.dtype = torch.float32,
     keep: Callable[[int, torch.nn.Module], None] | None = None,
+    layer_device: str | torch.device | None = None,
 ) -> LlamaModel:
-    """Load a Llama-family checkpoint directory (config.json + *.safetensors); ``keep``: see
-    :func:`build_model`."""
+    """Load a Llama-family checkpoint directory (config.json + *.safetensors); ``keep`` and
+    ``layer_device``: see :func:`build_model`."""
     config = load_config(model_dir)
     files = sorted(Path(model_dir).glob("*.safetensors"))
     if not files:
         raise UserError(f"model directory {model_dir} has no .safetensors weights")
-    return build_model(config, _safetensors_reader(files), device, dtype, keep)
+    return build_model(config, _safetensors_reader(files), device, dtype, keep, layer_device)

@@ -19,10 +19,11 @@ from headspace.planner.memory import (
     GpuSplit,
     Hardware,
     KVSpec,
+    WeightSpec,
     prefill_chunk,
     prefill_compute_seconds,
     split_gpu_budget,
-    weight_bytes,
+    streams_weights,
 )
 from headspace.planner.plan import Plan, plan_batch, step_seconds
 from headspace.planner.profile import with_patterns
@@ -54,6 +55,7 @@ class PlanRequest:
     retrieval: tuple[tuple[float, ...], ...] | None = None  # a profile's head scores
     retrieval_heads: float = 0.5  # share of entries that keep ``full``
     sparse_pattern: str = "streaming(4,1024)"  # the others' pattern
+    weights: str = "auto"  # decoder layers resident ("gpu"), streamed, or as they fit
 
     @property
     def gathers(self) -> bool:
@@ -81,9 +83,12 @@ def make_plan(config: ModelConfig, request: PlanRequest, hw: Hardware | None = N
     if request.context < 1:
         raise UserError(f"context must be a positive number of tokens, got {request.context}")
     context, dtype_bytes = request.context, request.dtype_bytes
-    weights = weight_bytes(config, dtype_bytes)
+    streamed = streams_weights(request.weights, config, request.gpu_memory, dtype_bytes,
+                               chunk=request.prefill_chunk)  # fmt: skip
+    weight_spec = WeightSpec.of(config, dtype_bytes, streamed)
+    weights = weight_spec.gpu_bytes
     chunk = request.prefill_chunk or prefill_chunk(
-        config, request.gpu_memory - weights, context, dtype_bytes, hw
+        config, request.gpu_memory - weights, context, dtype_bytes, hw, streamed
     )
     split = split_gpu_budget(config, request.gpu_memory, weights, chunk, dtype_bytes)
     spec = KVSpec.of(config, request.page_size, dtype_bytes)
@@ -109,6 +114,8 @@ def make_plan(config: ModelConfig, request: PlanRequest, hw: Hardware | None = N
         plan.head_map = request.with_patterns(plan.head_map)
     plan.prefill_chunk = chunk
     plan.memory = _memory_table(spec, split, plan, context, gathered, request.per_head_pages)
+    plan.memory["weights_host"] = weight_spec.host_bytes  # streamed once per forward pass
+    plan.memory["total_host"] += weight_spec.host_bytes
     predict(plan, config, request, hw)
     return plan
 
@@ -158,9 +165,10 @@ def predict(plan: Plan, config: ModelConfig, request: PlanRequest,
     if plan.entry_staging and request.budget_tokens is not None:
         prefix_tokens += context  # compression gathers the whole prompt once more
         streamed_tokens = min(context, request.budget_tokens)
-    h2d_s = streamed * prefix_tokens * per_token / hw.h2d_bytes
+    weights_pass = plan.memory.get("weights_host", 0)  # streamed layers, every chunk
+    h2d_s = (streamed * prefix_tokens * per_token + num_chunks * weights_pass) / hw.h2d_bytes
     d2h_s = streamed * context * per_token / hw.d2h_bytes
     plan.prefill_tok_s = context / max(compute_s, h2d_s + d2h_s)
     step_s, pcie_s = step_seconds(config, plan, streamed_tokens, dtype_bytes, hw,
-                                  request.cpu_share, held)  # fmt: skip
+                                  request.cpu_share, held, weights_pass)  # fmt: skip
     plan.decode_ms, plan.decode_pcie_floor_ms = 1000 * step_s, 1000 * pcie_s

@@ -116,9 +116,11 @@ def plan_entries(spec: KVSpec, arena: int, head_map: HeadMap, max_tokens: list[i
 
 
 def entry_step_seconds(spec: KVSpec, plan: Plan, bounds: list[int], weight_bytes: int,
-                       hw: Hardware) -> float:  # fmt: skip
+                       hw: Hardware, streamed_weights: int = 0) -> float:  # fmt: skip
     """Roofline of a decode step whose entries hold at most ``bounds[s]`` tokens each:
-    HBM reads the weights and the resident entries, PCIe the offloaded ones."""
+    HBM reads the weights and the resident entries, PCIe the offloaded ones and the
+    ``streamed_weights`` bytes of layers streamed from the host."""
     held = sum(bounds) * spec.entry_token_bytes  # one entry, every sequence
     hbm_s = (weight_bytes + plan.head_map.count("gpu") * held) / hw.hbm_bytes
-    return max(hbm_s, plan.head_map.num_offloaded * held / hw.h2d_bytes)
+    pcie_bytes = plan.head_map.num_offloaded * held + streamed_weights
+    return max(hbm_s, pcie_bytes / hw.h2d_bytes)

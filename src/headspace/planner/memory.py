@@ -108,14 +108,95 @@ class KVSpec:
         return -(-num_tokens // self.page_size)
 
 
-def weight_bytes(config: ModelConfig, dtype_bytes: int) -> int:
-    """Bytes of all parameters (embeddings counted once when tied)."""
-    hidden, inter = config.hidden_size, config.intermediate_size
-    q_size, kv_size = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+def layer_weight_bytes(config: ModelConfig, dtype_bytes: int, kv_heads: int | None = None,
+                       world: int = 1) -> int:  # fmt: skip
+    """Bytes of one decoder layer's parameters (norms, q/k/v, o_proj, the MLP); of a rank's
+    part with ``kv_heads`` kv heads (and their query heads) and a ``1/world`` MLP slice
+    rounded up (``parallel.shard``)."""
+    kv_heads = config.num_kv_heads if kv_heads is None else kv_heads
+    hidden, inter = config.hidden_size, -(-config.intermediate_size // world)
+    q_size = kv_heads * config.num_queries_per_kv * config.head_dim
+    kv_size = kv_heads * config.head_dim
     per_layer = hidden * (q_size + 2 * kv_size) + q_size * hidden + 3 * hidden * inter
     per_layer += 2 * hidden + (q_size + 2 * kv_size if config.qkv_bias else 0)
-    embeddings = config.vocab_size * hidden * (1 if config.tie_word_embeddings else 2)
-    return dtype_bytes * (config.num_layers * per_layer + embeddings + hidden)
+    return dtype_bytes * per_layer
+
+
+def weight_bytes(config: ModelConfig, dtype_bytes: int) -> int:
+    """Bytes of all parameters (embeddings counted once when tied)."""
+    embeddings = config.vocab_size * config.hidden_size * (1 if config.tie_word_embeddings else 2)
+    layers = config.num_layers * layer_weight_bytes(config, dtype_bytes)
+    return layers + dtype_bytes * (embeddings + config.hidden_size)
+
+
+WEIGHT_MODES = ("auto", "gpu", "stream")
+STREAM_DEPTH = 2  # GPU slots of streamed layers: one computes while the next arrives
+
+
+@dataclass(frozen=True)
+class WeightSpec:
+    """Where the weights live and their bytes. Decoder layers are resident on the GPU, or
+    ``streamed``: held in pinned host memory and copied, layer by layer, into ``depth`` GPU
+    slots while the layer before computes (FlexAttn's CPIP). Embeddings, the final norm and
+    the LM head stay resident either way."""
+
+    num_layers: int
+    layer_bytes: int  # one decoder layer (this rank's part under torch.distributed)
+    other_bytes: int  # embeddings, final norm, LM head
+    streamed: bool = False
+    depth: int = STREAM_DEPTH
+
+    @classmethod
+    def of(cls, config: ModelConfig, dtype_bytes: int, streamed: bool = False,
+           world: int = 1, kv_heads: int | None = None) -> WeightSpec:  # fmt: skip
+        """The model's weights; with ``world`` ranks, the largest rank's part of a layer: at
+        most ``kv_heads`` kv heads (default: a ``1/world`` share rounded up) and its MLP
+        slice."""
+        other = weight_bytes(config, dtype_bytes) - config.num_layers * layer_weight_bytes(
+            config, dtype_bytes
+        )
+        if kv_heads is None:
+            kv_heads = -(-config.num_kv_heads // world)
+        layer = layer_weight_bytes(config, dtype_bytes, kv_heads, world)
+        return cls(config.num_layers, layer, other, streamed)
+
+    @property
+    def gpu_bytes(self) -> int:
+        """Bytes the weights take on the GPU."""
+        layers = min(self.depth, self.num_layers) if self.streamed else self.num_layers
+        return self.other_bytes + layers * self.layer_bytes
+
+    @property
+    def host_bytes(self) -> int:
+        """Pinned host bytes of the streamed layers (0 when resident)."""
+        return self.num_layers * self.layer_bytes if self.streamed else 0
+
+    @property
+    def pass_bytes(self) -> int:
+        """Bytes copied over PCIe per forward pass (a prefill chunk, a decode step)."""
+        return self.host_bytes
+
+
+def streams_weights(mode: str, config: ModelConfig, budget: int | None, dtype_bytes: int,
+                    max_batch: int = 1, chunk: int | None = None, world: int = 1,
+                    kv_heads: int | None = None) -> bool:  # fmt: skip
+    """Whether decoder layers stream from host memory: as asked ("gpu", "stream"), or with
+    "auto" when resident weights leave no room for KV in ``budget`` bytes beside a prefill
+    chunk (the one given, else the smallest) and batched decode, and streamed ones do
+    (never without a budget; where neither fits, the resident weights are refused with the
+    numbers). ``world``, ``kv_heads``: a rank's part (:meth:`WeightSpec.of`)."""
+    if mode != "auto":
+        return mode == "stream"
+    if budget is None:
+        return False
+    working = working_bytes(config, chunk or MIN_PREFILL_CHUNK, dtype_bytes)
+    working += decode_bytes(config, max_batch, dtype_bytes)
+
+    def fits(streamed: bool) -> bool:
+        weights = WeightSpec.of(config, dtype_bytes, streamed, world, kv_heads)
+        return weights.gpu_bytes + working < budget
+
+    return not fits(False) and fits(True)
 
 
 def head_bytes(config: ModelConfig, tokens: int, dtype_bytes: int) -> int:
@@ -147,24 +228,30 @@ def working_bytes(config: ModelConfig, chunk: int, dtype_bytes: int) -> int:
     return 2 * activation_bytes(config, chunk, dtype_bytes)
 
 
-def balanced_chunk(config: ModelConfig, dtype_bytes: int, hw: Hardware | None = None) -> int:
-    """The smallest power-of-two chunk whose attention FLOPs hide re-reading streamed history
-    over PCIe: each history byte serves ``chunk * 2 * queries_per_kv / dtype_bytes`` FLOPs."""
+def balanced_chunk(config: ModelConfig, dtype_bytes: int, hw: Hardware | None = None,
+                   streamed: bool = False) -> int:  # fmt: skip
+    """The smallest power-of-two chunk whose FLOPs hide what it re-reads over PCIe: streamed
+    history (each byte serves ``chunk * 2 * queries_per_kv / dtype_bytes`` attention FLOPs)
+    and, with ``streamed`` weights, each layer's weights (each weight serves ``2 * chunk``
+    GEMM FLOPs)."""
     hw = hw or Hardware()
     balance = hw.attention_flops / hw.h2d_bytes * dtype_bytes / (2 * config.num_queries_per_kv)
+    if streamed:
+        balance = max(balance, hw.gemm_flops / hw.h2d_bytes * dtype_bytes / 2)
     return 1 << max(int(balance) - 1, 1).bit_length()
 
 
 def prefill_chunk(config: ModelConfig, room: int, context: int, dtype_bytes: int,
-                  hw: Hardware | None = None) -> int:  # fmt: skip
+                  hw: Hardware | None = None, streamed: bool = False) -> int:  # fmt: skip
     """Prompt tokens per prefill chunk: a power of two in [128, 32768] whose activations take
     a fifth of ``room`` (bytes left after weights), at most the context rounded up. Raised
-    to the :func:`balanced_chunk` (streamed heads re-read their history once per chunk) when
-    its working memory takes at most three quarters of the room."""
+    to the :func:`balanced_chunk` (streamed heads re-read their history once per chunk,
+    ``streamed`` weights come once per chunk) when its working memory takes at most three
+    quarters of the room."""
     per_token = activation_bytes_per_token(config, dtype_bytes)
     fit = max(room, 0) // 5 // per_token
     chunk = 1 << max(int(fit), 1).bit_length() - 1
-    balanced = balanced_chunk(config, dtype_bytes, hw)
+    balanced = min(balanced_chunk(config, dtype_bytes, hw, streamed), MAX_PREFILL_CHUNK)
     if chunk < balanced and working_bytes(config, balanced, dtype_bytes) <= 3 * room // 4:
         chunk = balanced
     return max(MIN_PREFILL_CHUNK, min(chunk, MAX_PREFILL_CHUNK, 1 << (context - 1).bit_length()))

@@ -258,12 +258,14 @@ def plan_batch(spec: KVSpec, arena: int, total_pages: int, *, offload: str = "au
 
 def step_seconds(config: ModelConfig, plan: Plan, tokens: int, dtype_bytes: int,
                  hw: Hardware | None = None, cpu_share: float | None = None,
-                 resident_tokens: int | None = None) -> tuple[float, float]:  # fmt: skip
+                 resident_tokens: int | None = None,
+                 streamed_weights: int = 0) -> tuple[float, float]:  # fmt: skip
     """Roofline of one decode step over ``tokens`` of KV in all: (seconds, PCIe floor
     seconds). HBM reads weights and resident KV (``resident_tokens`` entry-tokens, default
     every resident entry's ``tokens``); PCIe carries the offloaded KV, or with the hybrid
     tier its ``1 - cpu_share`` (default: the rates' balance) while CPU threads read the
-    rest (see :func:`offloaded_seconds`); the floor is that of streaming all of it."""
+    rest (see :func:`offloaded_seconds`), and ``streamed_weights`` bytes of layers streamed
+    from the host; the floor is that of streaming all of it."""
     hw = hw or Hardware()
     per_entry = 2 * tokens * config.head_dim * dtype_bytes
     if resident_tokens is None:
@@ -275,4 +277,5 @@ def step_seconds(config: ModelConfig, plan: Plan, tokens: int, dtype_bytes: int,
     hybrid = plan.head_map.count("hybrid") > 0
     layers = _offloaded_layers(plan.head_map)
     offloaded_s = offloaded_seconds(offloaded, layers, hybrid, cpu_share, hw)
-    return max(hbm_s, offloaded_s), offloaded / hw.h2d_bytes
+    weights_s = streamed_weights / hw.h2d_bytes  # the same link as the offloaded KV
+    return max(hbm_s, offloaded_s + weights_s), offloaded / hw.h2d_bytes + weights_s
