@@ -153,14 +153,13 @@ def test_a_bad_weights_option_is_one_line_with_exit_code_2(capsys):
 def test_weight_spec_counts_the_layers_once_and_the_slots_on_the_gpu():
     config = config_from_dict(LLAMA3_8B)
     resident, streamed = WeightSpec.of(config, 2), WeightSpec.of(config, 2, streamed=True)
-    assert resident.gpu_bytes == weight_bytes(config, 2) and resident.pass_bytes == 0
+    assert resident.gpu_bytes == weight_bytes(config, 2) and resident.host_bytes == 0
     assert (
         streamed.host_bytes
         == 32 * streamed.layer_bytes
         == weight_bytes(config, 2) - (streamed.other_bytes)
     )
     assert streamed.gpu_bytes == streamed.other_bytes + 2 * streamed.layer_bytes
-    assert streamed.pass_bytes == streamed.host_bytes
     halves = WeightSpec.of(config, 2, streamed=True, world=2)
     norms = 2 * 4096 * 2  # both norms whole on every rank; the rest halved
     assert halves.layer_bytes == (streamed.layer_bytes - norms) // 2 + norms
@@ -198,10 +197,10 @@ def test_plan_prices_streamed_weights_on_pcie_per_step_and_per_chunk():
     streamed = WeightSpec.of(config, 2, streamed=True)
     assert plan.memory["weights"] == streamed.gpu_bytes
     assert plan.memory["weights_host"] == streamed.host_bytes
-    floor_ms = 1000 * streamed.pass_bytes / hw.h2d_bytes
+    floor_ms = 1000 * streamed.host_bytes / hw.h2d_bytes
     assert plan.decode_ms >= floor_ms and plan.decode_pcie_floor_ms >= floor_ms
     chunks = 32768 // plan.prefill_chunk
-    assert plan.prefill_tok_s <= 32768 / (chunks * streamed.pass_bytes / hw.h2d_bytes)
+    assert plan.prefill_tok_s <= 32768 / (chunks * streamed.host_bytes / hw.h2d_bytes)
     roomy = make_plan(config, PlanRequest(32768, 60 * GiB, 64 * GiB, weights="stream"))
     resident = make_plan(config, PlanRequest(32768, 60 * GiB, 64 * GiB))
     assert roomy.memory["weights_host"] > 0 == resident.memory["weights_host"]

@@ -113,17 +113,17 @@ def make_plan(config: ModelConfig, request: PlanRequest, hw: Hardware | None = N
                           cpu_share=request.cpu_share, gpu_window=request.gpu_window)  # fmt: skip
         plan.head_map = request.with_patterns(plan.head_map)
     plan.prefill_chunk = chunk
-    plan.memory = _memory_table(spec, split, plan, context, gathered, request.per_head_pages)
-    plan.memory["weights_host"] = weight_spec.host_bytes  # streamed once per forward pass
-    plan.memory["total_host"] += weight_spec.host_bytes
+    plan.memory = _memory_table(spec, split, plan, context, gathered, request.per_head_pages,
+                                weight_spec.host_bytes)  # fmt: skip
     predict(plan, config, request, hw)
     return plan
 
 
 def _memory_table(spec: KVSpec, split: GpuSplit, plan: Plan, context: int, gathered: int,
-                  per_head_pages: bool) -> dict[str, int]:  # fmt: skip
+                  per_head_pages: bool, weights_host: int) -> dict[str, int]:  # fmt: skip
     """Bytes by use. The GPU pool is in full pages of the resident entries, or with
-    ``per_head_pages`` in pages of one entry (the plane) beside the entry staging slots."""
+    ``per_head_pages`` in pages of one entry (the plane) beside the entry staging slots;
+    ``weights_host``: streamed layers in host memory (copied once per forward pass)."""
     epb = spec.entry_page_bytes
     resident_page = plan.head_map.count("gpu") * epb
     if per_head_pages:
@@ -139,7 +139,7 @@ def _memory_table(spec: KVSpec, split: GpuSplit, plan: Plan, context: int, gathe
         "gpu_pool": pool, "staging": staging, "activations": split.activations,
         "allocator_slack": split.allocator_slack, "decode": split.decode,
         "gathered": gathered, "total_gpu": split.weights + pool + staging + working + gathered,
-        "host_kv": host, "total_host": host,
+        "weights_host": weights_host, "host_kv": host, "total_host": host + weights_host,
     }  # fmt: skip
 
 
@@ -165,7 +165,7 @@ def predict(plan: Plan, config: ModelConfig, request: PlanRequest,
     if plan.entry_staging and request.budget_tokens is not None:
         prefix_tokens += context  # compression gathers the whole prompt once more
         streamed_tokens = min(context, request.budget_tokens)
-    weights_pass = plan.memory.get("weights_host", 0)  # streamed layers, every chunk
+    weights_pass = plan.memory["weights_host"]  # streamed layers, every chunk
     h2d_s = (streamed * prefix_tokens * per_token + num_chunks * weights_pass) / hw.h2d_bytes
     d2h_s = streamed * context * per_token / hw.d2h_bytes
     plan.prefill_tok_s = context / max(compute_s, h2d_s + d2h_s)

@@ -168,13 +168,9 @@ class WeightSpec:
 
     @property
     def host_bytes(self) -> int:
-        """Pinned host bytes of the streamed layers (0 when resident)."""
+        """Pinned host bytes of the streamed layers (0 when resident): what each forward
+        pass (a prefill chunk, a decode step) copies over PCIe."""
         return self.num_layers * self.layer_bytes if self.streamed else 0
-
-    @property
-    def pass_bytes(self) -> int:
-        """Bytes copied over PCIe per forward pass (a prefill chunk, a decode step)."""
-        return self.host_bytes
 
 
 def streams_weights(mode: str, config: ModelConfig, budget: int | None, dtype_bytes: int,
