@@ -53,6 +53,11 @@ def environment() -> dict:
     }
 
 
+def gpu_tag(env: dict) -> str:
+    """The GPU's short name in result file names (``h100``, ``h200``)."""
+    return env["gpu"].replace("NVIDIA ", "").split()[0].lower()
+
+
 def cuda_time(fn, *, warmup: int = 1, repeat: int = 3) -> float:
     """Median seconds of ``fn()`` over ``repeat`` runs after ``warmup``, timed with CUDA events."""
     for _ in range(warmup):
@@ -67,6 +72,16 @@ def cuda_time(fn, *, warmup: int = 1, repeat: int = 3) -> float:
         torch.cuda.synchronize()
         times.append(start.elapsed_time(end) / 1000)
     return statistics.median(times)
+
+
+def graph_seconds(fn) -> float:
+    """Seconds per call of ``fn`` replayed as one CUDA graph (captured after one eager call)."""
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return cuda_time(graph.replay, warmup=3, repeat=20)
 
 
 def measure_hbm_bandwidth(num_bytes: int = 4 * 2**30) -> float:

@@ -15,20 +15,10 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import cuda_time  # noqa: E402
+from common import graph_seconds  # noqa: E402
 from headspace.attention.triton_decode import triton_decode_attention  # noqa: E402
 
 HEADS, KV_HEADS, DIM, LAYERS = 32, 8, 128, 32
-
-
-def graph_seconds(fn) -> float:
-    """Seconds per call of ``fn`` (32 layers) replayed as one CUDA graph."""
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return cuda_time(graph.replay, warmup=3, repeat=20)
 
 
 def sweep(context: int) -> None:

@@ -30,9 +30,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from batch_offload import _decode_window  # noqa: E402
-from common import (  # noqa: E402  # noqa: E402
+from common import (  # noqa: E402
     LLAMA31_8B,
     environment,
+    gpu_tag,
     make_engine,
     pinned_h2d_bandwidth,
     random_model,
@@ -169,7 +170,7 @@ def main() -> None:
               "new_tokens": NEW_TOKENS, "h2d_bytes_per_s": pinned_h2d_bandwidth(),
               "cpu_kernel": cpu_kernel_figures(128 * K)}  # fmt: skip
     print(result["cpu_kernel"], flush=True)
-    gpu = env["gpu"].replace("NVIDIA ", "").split()[0].lower()
+    gpu = gpu_tag(env)
     name = f"hybrid_llama3-8b_{gpu}_{env['date']}.json"
     model = random_model(LLAMA31_8B)
     length = 128 * K - 4 * NEW_TOKENS  # within the model's 128K context with its new tokens

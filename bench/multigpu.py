@@ -48,6 +48,7 @@ from common import (  # noqa: E402
     LLAMA31_8B,
     NoText,
     environment,
+    gpu_tag,
     measure_hbm_bandwidth,
     random_model,
     write_result,
@@ -101,24 +102,63 @@ def _prompt(length: int, seed: int) -> list[int]:
 
 # -- a worker (one rank under torchrun) ------------------------------------------------------
 class AttentionTimer:
-    """Wraps a runner's attention: CUDA events around every layer's submits, per phase."""
+    """Wraps a runner's attention: CUDA events around every layer's submits, per phase.
+
+    Installed before the warm-up request, so the decode graphs captured then hold its events
+    (external ones, recorded again at every replay; about 64 event nodes a step).
+    ``follow(graphs)`` then notes which graph each step replays (and skips the padding steps
+    a new capture warms up with): after the timed request, the graph replayed last times
+    its last decode step. Eager steps are timed each."""
 
     def __init__(self, runner):
         self.runner, self.events = runner, {"prefill": [], "decode": []}
+        self.captured: list[list[tuple]] = []  # per decode graph: its layers' events
+        self.keys: list = []  # the graph key of each captured list
+        self.last_key, self.warming = None, False
         runner._attention = self
+
+    def follow(self, graphs) -> None:
+        """Note the key of every capture (those so far in capture order) and replay."""
+        if graphs is None:
+            return
+        self.keys = list(graphs._graphs)  # a dict: keys in the order they were captured
+        capture, run = graphs._capture, graphs.run
+
+        def capturing(key):
+            self.keys.append(key)
+            self.warming = True  # its eager warm-up steps are padding, not timed
+            try:
+                return capture(key)
+            finally:
+                self.warming = False
+
+        def replaying(slots, positions, pages):
+            self.last_key = graphs._key(positions, pages)
+            return run(slots, positions, pages)
+
+        graphs._capture, graphs.run = capturing, replaying
+
+    def restart(self) -> None:
+        """Forget the steps timed so far (the graphs' events stay theirs)."""
+        self.events = {"prefill": [], "decode": []}
 
     def __call__(self, layer: int, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
         executors = self.runner.executors
         out = torch.empty_like(q)
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        capturing = torch.cuda.is_current_stream_capturing()
+        start, end = (torch.cuda.Event(enable_timing=True, external=capturing) for _ in "se")
         start.record()
         for executor in executors:
             executor.submit(layer, q, kv, out)
         end.record()
         for executor in executors:
             executor.collect(layer)
-        phase = "decode" if executors[0].step.decode else "prefill"
-        self.events[phase].append((start, end))
+        if capturing:
+            if layer == 0:
+                self.captured.append([])
+            self.captured[-1].append((start, end))
+        elif not self.warming:
+            self.events["decode" if executors[0].step.decode else "prefill"].append((start, end))
         return out
 
     def close(self) -> None:
@@ -127,14 +167,20 @@ class AttentionTimer:
         self.runner = None
 
     def seconds(self, num_layers: int) -> dict[str, float]:
-        """Attention seconds: each phase's total, the prompt's last chunk (what the cost
-        model prices for prefill) and the mean decode step."""
+        """Attention seconds: the prompt's chunks in all, its last chunk (what the cost model
+        prices for prefill) and one decode step (the mean eager one, else the last graph's)."""
         torch.cuda.synchronize()
         ms = {phase: [s.elapsed_time(e) for s, e in pairs] for phase, pairs in self.events.items()}
-        num_steps = max(len(ms["decode"]) // num_layers, 1)
-        return {"prefill": sum(ms["prefill"]) / 1000, "decode": sum(ms["decode"]) / 1000,
+        if ms["decode"]:
+            step = sum(ms["decode"]) / max(len(ms["decode"]) // num_layers, 1)
+        elif self.last_key in self.keys:
+            replayed = self.captured[self.keys.index(self.last_key)]
+            step = sum(s.elapsed_time(e) for s, e in replayed)
+        else:
+            step = 0.0
+        return {"prefill": sum(ms["prefill"]) / 1000,
                 "prefill_last_chunk": sum(ms["prefill"][-num_layers:]) / 1000,
-                "decode_step": sum(ms["decode"]) / 1000 / num_steps}  # fmt: skip
+                "decode_step": step / 1000}  # fmt: skip
 
 
 def run_solver(solver: str, args, profile: str) -> dict | None:
@@ -156,9 +202,12 @@ def run_solver(solver: str, args, profile: str) -> dict | None:
     engine = Engine.from_model(model, NoText(), config)
     params = SamplingParams(max_new_tokens=args.decode, ignore_eos=True)
     # kernels compiled and tuned for this context's shapes (FlexAttention compiles per key
-    # capacity, cuDNN plans per shape): an untimed request as long as the timed one
-    engine.generate_batch([_prompt(args.context - args.decode, seed=4)], [params])
+    # capacity, cuDNN plans per shape) and decode graphs captured: an untimed request as long
+    # as the timed one
     timer = AttentionTimer(engine.batch.runner)
+    engine.generate_batch([_prompt(args.context - args.decode, seed=4)], [params])
+    timer.restart()
+    timer.follow(engine.batch.runner._graphs)
     ids = _prompt(args.context - args.decode, seed=3)
     (output,) = engine.generate_batch([ids], [params])
     stats = output.stats
@@ -228,9 +277,11 @@ def launch(num_gpus: int, args, profile: Path, out: Path) -> list[dict]:
 
 
 def imbalance(seconds: list[float]) -> float | None:
-    """Max over mean (None where nothing was timed: decode steps replayed as CUDA graphs on
-    one GPU do not call the timed attention)."""
+    """Max over mean (None where nothing was timed)."""
     return max(seconds) / (sum(seconds) / len(seconds)) if sum(seconds) else None
+
+
+PHASE_KEYS = (("prefill", "prefill"), ("decode", "decode_step"))  # attention_seconds' keys
 
 
 def summarise(runs: dict[int, list[dict]], solvers: list[str]) -> dict:
@@ -243,7 +294,7 @@ def summarise(runs: dict[int, list[dict]], solvers: list[str]) -> dict:
     summary = {
         "gpus": sorted(runs),
         "imbalance_max_over_mean": {
-            s: {p: imbalance(at_most[s]["attention_seconds"][p]) for p in ("prefill", "decode")}
+            s: {p: imbalance(at_most[s]["attention_seconds"][key]) for p, key in PHASE_KEYS}
             for s in at_most
         },
         "throughput_vs_uniform": {
@@ -269,7 +320,7 @@ def _cost_model(run: dict) -> dict:
     rank: the prompt's last chunk, and one decode step at the context."""
     measured = run["attention_seconds"]
     out = {}
-    for phase, key in (("prefill", "prefill_last_chunk"), ("decode", "decode_step")):
+    for phase, key in (("prefill", "prefill_last_chunk"), PHASE_KEYS[1]):
         predicted = run["predicted"][phase]["rank_seconds"]
         out[phase] = {"predicted_rank_seconds": predicted, "measured_rank_seconds": measured[key],
                       "predicted_step_seconds": max(predicted),
@@ -285,15 +336,15 @@ def plot(runs: list[dict], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
-    for ax, phase in zip(axes, ("prefill", "decode"), strict=True):
+    for ax, (phase, key) in zip(axes, PHASE_KEYS, strict=True):
         for i, run in enumerate(runs):
-            seconds = run["attention_seconds"][phase]
+            seconds = run["attention_seconds"][key]
             width = 0.8 / len(seconds)
             for rank, value in enumerate(seconds):
                 ax.bar(i + (rank - (len(seconds) - 1) / 2) * width, value, width,
                        color=f"C{rank}", label=f"rank {rank}" if i == 0 else None)  # fmt: skip
         ax.set_xticks(range(len(runs)), [r["solver"] for r in runs])
-        ax.set_title(f"{phase} attention per rank")
+        ax.set_title(f"{phase} attention per rank" + (" (one step)" if phase == "decode" else ""))
         ax.set_ylabel("seconds")
     axes[0].legend()
     fig.tight_layout()
@@ -325,7 +376,7 @@ def main() -> None:
         runs[n] = launch(n, args, profile, work / f"runs{n}.json")
         write_result(f"multigpu_partial_{n}.json", runs[n])
     env = environment()
-    gpu = env["gpu"].split()[-1].lower()
+    gpu = gpu_tag(env)
     most = max(gpus)
     name = f"multigpu_llama3-8b-{args.scenario}_{gpu}x{most}_{env['date']}"
     result = {
@@ -348,7 +399,7 @@ def print_table(result: dict, runs: dict[int, list[dict]]) -> None:
     for n, rs in sorted(runs.items()):
         for r in rs:
             att = r["attention_seconds"]
-            imb = [imbalance(att[p]) for p in ("prefill", "decode")]
+            imb = [imbalance(att[key]) for _, key in PHASE_KEYS]
             imb = [f"{x:.3f}" if x is not None else "-" for x in imb]
             print(f"{n:>4} {r['solver']:>8} {r['prefill_tok_s']:>14.0f} "
                   f"{r['decode_tok_s']:>13.1f} {r['decode_floor_tok_s']:>12.1f} {imb[0]:>12} "

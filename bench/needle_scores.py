@@ -31,9 +31,10 @@ SCORES: list[torch.Tensor] = []  # per layer [kv_heads, scored tokens] of the la
 
 
 def _record(kept_positions):
-    def record(budget, scores, prompt_len, head_scores=None):
-        SCORES[:] = [s.clone() for s in scores]
-        return kept_positions(budget, scores, prompt_len, head_scores)
+    def record(budget, scores, prompt_len, head_scores=None, heads=None):
+        # the engine ranks a layer-local policy's layers one call each, in order
+        SCORES.extend(s.cpu().clone() for s in scores)
+        return kept_positions(budget, scores, prompt_len, head_scores, heads)
 
     return record
 
@@ -63,6 +64,7 @@ def measure(llm: LLM, length: int, depth: float) -> dict:
     answer = _find(ids, tokenizer(" " + needle.answer, add_special_tokens=False)["input_ids"])
     sentence = tokenizer(needle.text, add_special_tokens=False)["input_ids"]
     first = _find(ids, sentence)
+    SCORES.clear()
     output = llm.generate([ids], SamplingParams(max_new_tokens=32))[0].text
     scored = SCORES[0].shape[1]
     keep = int(0.25 * len(ids)) - WINDOW

@@ -8,12 +8,14 @@ of a few decode steps by total time, from torch.profiler, and the step's wall ti
 from __future__ import annotations
 
 import argparse
+import cProfile
 import gc
+import pstats
 import sys
 from pathlib import Path
 
 import torch
-from torch.profiler import ProfilerActivity, profile
+from torch.profiler import ProfilerActivity, profile, schedule
 
 sys.path.insert(0, str(Path(__file__).parent))
 from common import LLAMA31_8B, make_engine, random_model  # noqa: E402
@@ -32,27 +34,35 @@ PROFILED = {
 }
 
 
-def kernel_table(engine, prompt: list[int], steps: int) -> tuple[list[tuple[str, float]], float]:
-    """(the top kernels as (name, us per step), median step ms) over decode steps 2 to
-    ``steps`` (the profiler runs only while they do)."""
+def kernel_table(
+    engine, prompt: list[int], steps: int, host: cProfile.Profile | None = None
+) -> tuple[list[tuple[str, float]], float, float]:
+    """(the top kernels as (name, us per step), median step ms, all kernels' us per step)
+    over the decode steps after the first three (the profiler records only those: its
+    schedule advances once per step); ``host`` profiles the Python of the same steps."""
     params = [SamplingParams(max_new_tokens=steps + 1, ignore_eos=True)]
     times = timed_decode(engine)
     runner = engine.batch.runner
-    step, prof = runner.decode, profile(activities=[ProfilerActivity.CUDA])
+    step, active = runner.decode, steps - 4
+    plan = schedule(wait=2, warmup=1, active=active, repeat=1)
+    with profile(activities=[ProfilerActivity.CUDA], schedule=plan) as prof:
 
-    def profiled(*args, **options):
-        if len(times) == 1:
-            prof.start()
-        result = step(*args, **options)
-        if len(times) == steps:
-            prof.stop()
-        return result
+        def profiled(*args, **options):
+            if host is not None and 3 <= len(times) < steps:
+                host.enable()
+            result = step(*args, **options)
+            if host is not None:
+                host.disable()
+            prof.step()
+            return result
 
-    runner.decode = profiled
-    engine.generate_batch([prompt], params)
+        runner.decode = profiled
+        engine.generate_batch([prompt], params)
     decode = sorted(times)[len(times) // 2] * 1000
-    rows = [(e.key[:70], e.device_time_total / (steps - 1)) for e in prof.key_averages()]
-    return sorted(rows, key=lambda r: -r[1])[:8], decode
+    kernels = [e for e in prof.key_averages() if e.device_time_total > 0]
+    rows = [(e.key[:70], e.device_time_total / active) for e in kernels]
+    busy = sum(e.self_device_time_total for e in kernels) / active
+    return sorted(rows, key=lambda r: -r[1])[:12], decode, busy
 
 
 def main() -> None:
@@ -64,6 +74,8 @@ def main() -> None:
     parser.add_argument("--eager", action="store_true",
                         help="decode without CUDA graphs (the profiler sees kernels in graphs "
                         "only on some drivers)")  # fmt: skip
+    parser.add_argument("--host", action="store_true",
+                        help="also the step's Python functions by own time (cProfile)")  # fmt: skip
     args = parser.parse_args()
     model, profile_path = random_model(LLAMA31_8B), random_profile()
     prompt = _ids(args.context - args.steps, 2)
@@ -73,10 +85,16 @@ def main() -> None:
         engine = make_engine(model, **options, **({"cuda_graph": False} if args.eager else {}))
         warm = [SamplingParams(max_new_tokens=args.steps, ignore_eos=True)]
         engine.generate_batch([_ids(args.context - args.steps, 1)], warm)
-        rows, decode_ms = kernel_table(engine, prompt, args.steps)
-        print(f"{mode}: median step {decode_ms:.2f} ms; kernels (us per step):")
+        host = cProfile.Profile() if args.host else None
+        rows, decode_ms, busy_us = kernel_table(engine, prompt, args.steps, host)
+        print(
+            f"{mode}: median step {decode_ms:.2f} ms, kernels {busy_us / 1000:.2f} ms; "
+            f"top kernels (us per step):"
+        )
         for name, us in rows:
             print(f"  {us:9.1f}  {name}")
+        if host is not None:
+            pstats.Stats(host).sort_stats("tottime").print_stats(14)
         del engine
         gc.collect()  # the timing wrappers hold the runner in a cycle
         torch.cuda.empty_cache()

@@ -22,6 +22,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from common import (  # noqa: E402
     LLAMA31_8B,
     environment,
+    gpu_tag,
     make_engine,
     random_model,
     write_result,
@@ -143,7 +144,7 @@ def main() -> None:
                         help="which results to re-measure (default: all)")  # fmt: skip
     args = parser.parse_args()
     env = environment()
-    gpu = env["gpu"].replace("NVIDIA ", "").split()[0].lower()
+    gpu = gpu_tag(env)
     model = random_model(LLAMA31_8B)
     rows = []
     for kind in [k for k in KINDS if k in args.kinds]:

@@ -25,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from common import (  # noqa: E402
     LLAMA31_8B,
     environment,
+    gpu_tag,
     make_engine,
     pinned_h2d_bandwidth,
     random_model,
@@ -143,7 +144,7 @@ def main() -> None:
     parser.add_argument("--batch-length", type=int, default=1024)
     args = parser.parse_args()
     result = run(args)
-    gpu = result["env"]["gpu"].replace("NVIDIA ", "").split()[0].lower()  # as regress.py
+    gpu = gpu_tag(result["env"])
     path = write_result(f"weight_stream_llama3-8b_{gpu}_{result['env']['date']}.json", result)
     print(f"wrote {path}")
     print(table(result))

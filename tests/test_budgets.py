@@ -8,7 +8,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from headspace.budgets import POLICIES, KVBudget, kept_positions, observation_scores
+from headspace.budgets import LAYER_LOCAL, POLICIES, KVBudget, kept_positions, observation_scores
 
 HEAD_SCORES = torch.tensor([[1.0, 3.0], [0.0, 4.0]])  # [layers, kv heads], for headkv
 
@@ -82,6 +82,25 @@ def test_every_policy_keeps_a_valid_set(policy, value):
             assert sum(map(len, layer)) <= 2 * budget.tokens(prompt)
     if value == 1.0:  # everything
         assert all(len(p) == prompt for layer in kept for p in layer)
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.sampled_from(sorted(POLICIES)), st.integers(1, 4), st.integers(20, 120),
+       st.sampled_from([0.1, 0.3, 0.7]), st.integers(0, 2**16))  # fmt: skip
+def test_a_layer_local_policy_ranks_each_layer_alone(policy, heads, prompt, value, seed):
+    """The engine ranks a layer-local policy's layers one at a time, as they are scored: the
+    same positions as ranking them all at once (the one policy that is not, headkv, differs
+    when a layer is ranked alone)."""
+    gen = torch.Generator().manual_seed(seed)
+    budget = KVBudget(value, policy, window=8)
+    scores = [torch.rand(heads, prompt - 8, generator=gen) for _ in range(3)]
+    head_scores = torch.rand(3, heads, generator=gen) + 0.1
+    together = kept_positions(budget, scores, prompt, head_scores)
+    alone = [kept_positions(budget, [s], prompt, head_scores[i : i + 1])[0]
+             for i, s in enumerate(scores)]  # fmt: skip
+    same = all(torch.equal(a, b) for la, lb in zip(together, alone, strict=True)
+               for a, b in zip(la, lb, strict=True))  # fmt: skip
+    assert same or policy not in LAYER_LOCAL
 
 
 @settings(max_examples=40, deadline=None)

@@ -73,17 +73,24 @@ def test_profile_and_plan_from_the_command_line(tmp_path, capsys, embedded_dir):
     assert code == 2 and "sparse-pattern" in capsys.readouterr().err
 
 
-def test_budget_shares_are_multiples_of_an_even_share():
-    from headspace.budgets import KVBudget
-    from headspace.eval.profile import budget_shares
+def _random_model(num_layers: int, num_kv_heads: int):
+    """A lean Llama of 8 query heads of 16 dims over a vocabulary of 97, seeded."""
     from headspace.model.config import config_from_dict
     from headspace.model.llama import LlamaModel
 
     config = {"architectures": ["LlamaForCausalLM"], "vocab_size": 97, "hidden_size": 64,
-              "intermediate_size": 90, "num_hidden_layers": 3, "num_attention_heads": 8,
-              "num_key_value_heads": 4, "head_dim": 16}  # fmt: skip
+              "intermediate_size": 90, "num_hidden_layers": num_layers,
+              "num_attention_heads": 8, "num_key_value_heads": num_kv_heads,
+              "head_dim": 16}  # fmt: skip
     torch.manual_seed(0)
-    model = LlamaModel(config_from_dict(config)).float().eval()
+    return LlamaModel(config_from_dict(config)).eval()
+
+
+def test_budget_shares_are_multiples_of_an_even_share():
+    from headspace.budgets import KVBudget
+    from headspace.eval.profile import budget_shares
+
+    model = _random_model(num_layers=3, num_kv_heads=4).float()
     for param in model.parameters():
         torch.nn.init.normal_(param, std=0.3)
     gen = torch.Generator().manual_seed(1)
@@ -97,6 +104,23 @@ def test_budget_shares_are_multiples_of_an_even_share():
     assert torch.equal(even, torch.ones(3, 4))
     everything = budget_shares(model, prompts, KVBudget(1.0, "ada_snapkv"))
     assert torch.equal(everything, torch.ones(3, 4))  # the budget keeps every token
+    # recorded in chunks (a long prompt on a small GPU), the queries of the window span two
+    # chunks: the same shares as one forward
+    chunked = budget_shares(model, prompts, KVBudget(0.25, "ada_snapkv", window=16), chunk=37)
+    torch.testing.assert_close(chunked, shares)
+
+
+def test_recording_in_chunks_equals_one_forward():
+    from headspace.eval.profile import _record
+
+    model = _random_model(num_layers=2, num_kv_heads=2).double()
+    ids = torch.randint(0, 97, (150,), generator=torch.Generator().manual_seed(2)).tolist()
+    whole, chunked = _record(model, ids, 20, chunk=150), _record(model, ids, 20, chunk=70)
+    for layer in range(2):
+        assert chunked.keys[layer].shape == (2, 150, 16)
+        assert chunked.queries[layer].shape == (8, 20, 16)  # 20 rows over chunks 2 and 3
+        torch.testing.assert_close(chunked.keys[layer], whole.keys[layer])
+        torch.testing.assert_close(chunked.weights(layer), whole.weights(layer))
 
 
 def test_measured_shares_scale_each_budgeted_entry():

@@ -22,8 +22,10 @@ from headspace.budgets.scores import POOL, WINDOW, observation_scores
 
 POLICIES = {"snapkv": snapkv.allocate, "ada_snapkv": ada_snapkv.allocate,
             "headkv": headkv.allocate}  # fmt: skip
+LAYER_LOCAL = {"snapkv", "ada_snapkv"}  # a layer's counts follow from its own scores alone
 
-__all__ = ["POLICIES", "KVBudget", "kept_positions", "observation_scores", "POOL", "WINDOW"]
+__all__ = ["LAYER_LOCAL", "POLICIES", "KVBudget", "kept_positions", "observation_scores",
+           "POOL", "WINDOW"]  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -71,21 +73,24 @@ def kept_positions(
     head_scores: torch.Tensor | None = None,  # [layers, kv_heads] (headkv)
     heads: list[list[int]] | None = None,  # per layer, the kv heads to return (None: all)
 ) -> list[list[torch.Tensor]]:
-    """Positions each (layer, kv head) keeps, ascending int64, the observation window's
+    """Positions each (layer, kv head) keeps, ascending int64 on the scores' device (a GPU
+    ranks 128K scores per head in milliseconds, a CPU in seconds), the observation window's
     last tokens included; everything when the budget covers the prompt. The policy divides
     the budget over every head of ``scores``; ``heads`` picks whose positions to return."""
     heads = heads or [range(layer.shape[0]) for layer in scores]
+    device = scores[0].device if scores else None
     if budget.tokens(prompt_len) >= prompt_len:  # the budget covers the prompt: exact
-        return [[torch.arange(prompt_len) for _ in layer] for layer in heads]
+        return [[torch.arange(prompt_len, device=device) for _ in layer] for layer in heads]
     window = min(budget.window, prompt_len)
     selectable = budget.tokens(prompt_len) - window
-    window_positions = torch.arange(prompt_len - window, prompt_len)
+    window_positions = torch.arange(prompt_len - window, prompt_len, device=device)
     counts = POLICIES[budget.policy](scores, selectable, head_scores=head_scores)
     kept = []
     for layer_scores, layer_counts, layer_heads in zip(scores, counts, heads, strict=True):
+        num_kept = layer_counts.tolist()  # one read per layer
         rows = []
         for h in layer_heads:
-            top = layer_scores[h].topk(int(layer_counts[h])).indices.sort().values.cpu()
+            top = layer_scores[h].topk(num_kept[h]).indices.sort().values
             rows.append(torch.cat([top, window_positions]))
         kept.append(rows)
     return kept

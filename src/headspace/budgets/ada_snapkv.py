@@ -10,9 +10,9 @@ FLOOR = 0.2  # share of an even split each head keeps whatever its scores (Ada-K
 
 def allocate(scores: list[torch.Tensor], selectable: int, *, floor: float = FLOOR,
              **_) -> list[torch.Tensor]:  # fmt: skip
-    """Tokens each kv head selects ``[kv_heads]`` per layer: a layer selects ``kv_heads x
-    selectable`` in all; each head first its top ``floor x selectable``, then the layer's
-    highest remaining scores, whichever head they belong to."""
+    """Tokens each kv head selects ``[kv_heads]`` per layer (on the scores' device): a layer
+    selects ``kv_heads x selectable`` in all; each head first its top ``floor x
+    selectable``, then the layer's highest remaining scores, whichever head they belong to."""
     counts = []
     for layer_scores in scores:
         num_heads, num_tokens = layer_scores.shape
@@ -22,7 +22,7 @@ def allocate(scores: list[torch.Tensor], selectable: int, *, floor: float = FLOO
         rest = layer_scores.gather(1, order[:, base:])  # each head's scores after its floor
         extra = min(total - num_heads * base, rest.numel())
         chosen = rest.flatten().topk(extra).indices // max(rest.shape[1], 1)
-        count = torch.full((num_heads,), base, dtype=torch.long)
+        count = torch.full((num_heads,), base, dtype=torch.long, device=layer_scores.device)
         count += torch.bincount(chosen, minlength=num_heads)
         counts.append(count)
     return counts

@@ -28,7 +28,7 @@ from headspace.attention import attend, merge_attention
 from headspace.attention.entry_decode import entry_decode
 from headspace.attention.patterns import Pattern, padded_length
 from headspace.attention.sparse_prefill import prefill_with_patterns
-from headspace.budgets import KVBudget, kept_positions, observation_scores
+from headspace.budgets import LAYER_LOCAL, KVBudget, kept_positions, observation_scores
 from headspace.engine.entry_staging import EntryStaging
 from headspace.engine.executors import (
     MIN_WIDTH,
@@ -263,35 +263,45 @@ class BudgetExecutor:
         return counts
 
     def _budget_positions(self, slots: torch.Tensor, prompt_len: int) -> list[torch.Tensor]:
-        """Positions each entry keeps by the budget's policy (all without a budget)."""
+        """Positions each entry keeps by the budget's policy (all without a budget), on the
+        CPU. A layer-local policy ranks each layer's scores where they are as soon as they
+        are scored (on a GPU: milliseconds, not the CPU's seconds at 128K); headkv, whose
+        counts span layers, ranks every layer's scores at the end, on the CPU."""
         if self.budget is None or self.budget.tokens(prompt_len) >= prompt_len:
             return [torch.arange(prompt_len)] * slots.shape[0]
-        per_layer = self._by_layer(slots)
-        window = min(self.budget.window, prompt_len)
-        scores = []
+        per_layer, heads = self._by_layer(slots), self._heads()
+        local = self.budget.policy in LAYER_LOCAL
+        scores, kept = [], []
         for layer in range(self.num_layers):
-            if not self.layer_heads[layer]:  # a rank with none of the layer's heads
-                empty = torch.empty(0, prompt_len - window, device=self.plane.device)
-                scores.append(self._ranked_scores(layer, empty))
+            ranked = self._ranked_scores(layer, self._layer_scores(layer, per_layer, prompt_len))
+            if not local:
+                scores.append(ranked.cpu())
                 continue
-            if self.staging is not None and self.staging.any(layer):  # [kv_heads, prompt, dim]
-                keys = self._keys(layer, per_layer[layer], 0, prompt_len, True)[0]
-            else:
-                keys = self.plane[0][per_layer[layer]]
-            q_window = self.window_q[layer][-window:].transpose(0, 1)
-            scores.append(
-                self._ranked_scores(
-                    layer, observation_scores(q_window, keys, pool=self.budget.pool)
-                )
-            )
-            del keys  # one layer's prompt keys at a time
-        kept = kept_positions(self.budget, scores, prompt_len, self.head_scores, self._heads())
-        return [positions for layer in kept for positions in layer]
+            layer_heads = None if heads is None else heads[layer : layer + 1]
+            (rows,) = kept_positions(self.budget, [ranked], prompt_len, heads=layer_heads)
+            kept += torch.cat(rows).cpu().split([len(r) for r in rows]) if rows else []
+        if not local:
+            kept_layers = kept_positions(self.budget, scores, prompt_len, self.head_scores, heads)
+            kept = [positions for layer in kept_layers for positions in layer]
+        return kept
+
+    def _layer_scores(self, layer: int, per_layer, prompt_len: int) -> torch.Tensor:
+        """This executor's observation scores of ``layer`` ``[kv_heads, prompt - window]``
+        (on the device)."""
+        window = min(self.budget.window, prompt_len)
+        if not self.layer_heads[layer]:  # a rank with none of the layer's heads
+            return torch.empty(0, prompt_len - window, device=self.plane.device)
+        if self.staging is not None and self.staging.any(layer):  # [kv_heads, prompt, dim]
+            keys = self._keys(layer, per_layer[layer], 0, prompt_len, True)[0]
+        else:
+            keys = self.plane[0][per_layer[layer]]
+        q_window = self.window_q[layer][-window:].transpose(0, 1)
+        return observation_scores(q_window, keys, pool=self.budget.pool)
 
     def _ranked_scores(self, layer: int, scores: torch.Tensor) -> torch.Tensor:
         """The scores the policy ranks ``layer``'s heads by, from this executor's ``scores
-        [kv_heads, prompt - window]`` (on the device): the same, on the CPU."""
-        return scores.cpu()
+        [kv_heads, prompt - window]`` (on the device, where the policy runs): the same."""
+        return scores
 
     def _heads(self) -> list[list[int]] | None:
         """Per layer, the heads of the ranked scores this executor holds (None: all)."""

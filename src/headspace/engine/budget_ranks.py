@@ -153,11 +153,12 @@ class RankBudgetExecutor(BudgetExecutor):
 
     def _ranked_scores(self, layer: int, scores: torch.Tensor) -> torch.Tensor:
         """Every rank's scores of ``layer`` gathered: ``[kv heads of the model, prompt -
-        window]`` on the CPU, each head's from its first copy's rank."""
+        window]`` on the device, each head's from its first copy's rank (every rank then
+        ranks the same scores with the same kernels: the same kept tokens)."""
         padded = scores.new_zeros(self.width, scores.shape[-1])
         padded[: scores.shape[0]] = scores
         gathered = self.exchange(padded)  # [world, width, prompt - window]
-        return torch.stack([gathered[r, i] for r, i in self.sources[layer]]).cpu()
+        return torch.stack([gathered[r, i] for r, i in self.sources[layer]])
 
     def _heads(self) -> list[list[int]]:
         return [self.layout.heads(layer) for layer in range(self.num_layers)]

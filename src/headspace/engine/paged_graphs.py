@@ -48,8 +48,11 @@ class DecodeGraphs:
 
     def __init__(self, model, executors: list, tokens: torch.Tensor, scratch_page: int,
                  host_scratch_slot: int, max_batch: int, blocks_mode: str,
-                 pool) -> None:  # fmt: skip
+                 pool, attention=None) -> None:  # fmt: skip
+        """``attention(layer, q, kv) -> out``: what each captured layer calls (default:
+        the executors' tiers; a benchmark passes a timed one)."""
         self.model, self.executors, self.tokens = model, list(executors), tokens
+        self.attention = attention  # (not a bound method of self: no cycle holds the KV)
         self.resident = next((e for e in executors if isinstance(e, ResidentExecutor)), None)
         self.stream = next((e for e in executors if isinstance(e, StreamExecutor)), None)
         self.budget = next((e for e in executors if isinstance(e, BudgetExecutor)), None)
@@ -121,7 +124,8 @@ class DecodeGraphs:
         if self.stream is not None:
             self.stream.begin_static(step, views["pages"], views["count"], views["new_slots"])
         slots = views["slots"]
-        hidden = self.model(self.tokens.index_select(0, slots), positions, self._attention,
+        attention = self.attention or self._attention
+        hidden = self.model(self.tokens.index_select(0, slots), positions, attention,
                             self.blocks_mode)  # fmt: skip
         logits = self.logits[: slots.shape[0]]
         logits.copy_(self.model.logits(hidden))

@@ -271,6 +271,7 @@ class PagedRunner:
         graphs = (twin or DecodeGraphs)(
             self.model, self.executors, self.tokens, self.store.num_pages,
             self.host.scratch_slot, self.config.max_batch, mode, self._graph_pool,
+            self.__dict__.get("_attention"),  # a benchmark's timed wrapper, if it set one
         )  # fmt: skip
         self._graph_cache[self._layout_id] = (generation, graphs)
         return graphs

@@ -11,6 +11,7 @@ import os
 from dataclasses import dataclass, replace
 
 import torch
+import torch.distributed as dist
 
 from headspace.budgets import KVBudget
 from headspace.errors import UserError
@@ -79,11 +80,14 @@ class Ranks:
 
 def join(config):
     """Under torchrun: join the process group and give a plain ``cuda`` device this rank's
-    GPU (``LOCAL_RANK``); returns the config to build the engine with."""
+    GPU (``LOCAL_RANK``); returns the config to build the engine with. A named GPU stays
+    under a gloo group made beforehand (ranks sharing one GPU, as tests do)."""
     _, world = init_from_env(config.device)
     if world == 1 or not config.on_gpu:
         return config
     device = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}"
+    if config.device != "cuda" and dist.get_backend() != "nccl":  # gloo ranks may share one
+        return config
     if config.device not in ("cuda", device):
         raise UserError(f"under torchrun each rank uses the GPU of its LOCAL_RANK ({device}): "
                         f"pass --device cuda, not {config.device}")  # fmt: skip

@@ -29,17 +29,30 @@ from headspace.errors import UserError
 PATTERNS = ("full", "streaming(4,1024)", "vertical_slash(1000,2048)", "block_sparse(8)")
 
 
+RECORD_CHUNK = 16384  # prompt tokens per forward while recording: a long prompt's
+# activations stay those of one chunk (a 128K prompt in one forward overflows an 80 GB GPU)
+
+
 class _Recorder:
-    """A dense attention callback for the lean model that keeps, per layer, the last
-    ``rows`` queries ``[heads, rows, dim]`` and every key ``[kv heads, keys, dim]``."""
+    """A dense attention callback for the lean model, called chunk by chunk over one prompt:
+    keeps, per layer, every key and value ``[kv heads, keys, dim]`` and the last ``rows``
+    queries ``[heads, rows, dim]``."""
 
     def __init__(self, rows: int):
-        self.rows, self.queries, self.keys = rows, {}, {}
+        self.rows, self.queries, self.keys, self.values = rows, {}, {}, {}
 
     def __call__(self, layer: int, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
-        q_first, k = q.transpose(0, 1), kv[0].transpose(0, 1)  # [heads, tokens, dim]
-        self.queries[layer], self.keys[layer] = q_first[:, -self.rows :], k
-        out, _ = attend(q_first, k, kv[1].transpose(0, 1), causal=True)
+        q_first = q.transpose(0, 1)  # [heads, tokens, dim]
+        k, v = kv[0].transpose(0, 1), kv[1].transpose(0, 1)  # [kv heads, tokens, dim]
+        if layer in self.keys:  # the prompt so far, then this chunk
+            k = torch.cat([self.keys[layer], k], 1)
+            v = torch.cat([self.values[layer], v], 1)
+            recent = torch.cat([self.queries[layer], q_first], 1)
+        else:
+            recent = q_first
+        last = recent[:, -self.rows :].clone()  # not a view that keeps the chunk's queries
+        self.queries[layer], self.keys[layer], self.values[layer] = last, k, v
+        out, _ = attend(q_first, k, v, causal=True)
         return out.transpose(0, 1)
 
     def weights(self, layer: int) -> torch.Tensor:
@@ -53,6 +66,16 @@ class _Recorder:
         return torch.softmax(logits, dim=-1)
 
 
+def _record(model, ids: list[int], rows: int, chunk: int = RECORD_CHUNK) -> _Recorder:
+    """Run the prompt ``ids`` through ``model`` ``chunk`` tokens at a time, recording it."""
+    recorder, device = _Recorder(rows), next(model.parameters()).device
+    tokens = torch.tensor(ids, device=device)
+    for start in range(0, len(ids), chunk):
+        end = min(start + chunk, len(ids))
+        model(tokens[start:end], torch.arange(start, end, device=device), recorder)
+    return recorder
+
+
 def _find(haystack: list[int], piece: list[int]) -> int:
     for start in range(len(haystack) - len(piece), -1, -1):
         if haystack[start : start + len(piece)] == piece:
@@ -62,9 +85,11 @@ def _find(haystack: list[int], piece: list[int]) -> int:
 
 @torch.inference_mode()
 def retrieval_scores(model, tokenizer, encode, lengths: list[int], depths: list[float],
-                     needle=None) -> tuple[torch.Tensor, list[dict], list[list[int]]]:  # fmt: skip
+                     needle=None, chunk: int = RECORD_CHUNK,
+                     ) -> tuple[torch.Tensor, list[dict], list[list[int]]]:  # fmt: skip
     """``[layers, kv heads]`` retrieval scores averaged over needle cases of ``lengths`` x
-    ``depths``, one record per case, and the cases' prompts."""
+    ``depths``, one record per case, and the cases' prompts (each run ``chunk`` tokens at a
+    time)."""
     from headspace.eval.data import haystack_text
     from headspace.eval.niah import Needle, build_case
 
@@ -82,9 +107,7 @@ def retrieval_scores(model, tokenizer, encode, lengths: list[int], depths: list[
             if source < 0:
                 raise UserError(f"the needle's answer {needle.answer!r} is not a token run "
                                 "of the prompt; choose another needle")  # fmt: skip
-            ids = torch.tensor(prompt + answer[:-1], device=device)
-            recorder = _Recorder(len(answer))
-            model(ids, torch.arange(len(ids), device=device), recorder)
+            recorder = _record(model, prompt + answer[:-1], len(answer), chunk)
             # the query before answer token i predicts it; its source is source + i
             columns = torch.arange(source, source + len(answer), device=device)
             rows = torch.arange(len(answer), device=device)
@@ -100,10 +123,12 @@ def retrieval_scores(model, tokenizer, encode, lengths: list[int], depths: list[
 
 
 @torch.inference_mode()
-def budget_shares(model, prompts: list[list[int]], budget: KVBudget) -> torch.Tensor:
+def budget_shares(model, prompts: list[list[int]], budget: KVBudget,
+                  chunk: int = RECORD_CHUNK) -> torch.Tensor:  # fmt: skip
     """``[layers, kv heads]`` tokens ``budget``'s policy keeps per entry over ``prompts``, each
-    a multiple of the even share (1.0: what snapkv keeps), averaged over the prompts."""
-    config, device = model.config, next(model.parameters()).device
+    a multiple of the even share (1.0: what snapkv keeps), averaged over the prompts (each
+    run ``chunk`` tokens at a time)."""
+    config = model.config
     total = torch.zeros(config.num_layers, config.num_kv_heads)
     for prompt in prompts:
         window = min(budget.window, len(prompt))
@@ -111,14 +136,12 @@ def budget_shares(model, prompts: list[list[int]], budget: KVBudget) -> torch.Te
         if selectable <= 0 or budget.tokens(len(prompt)) >= len(prompt):
             total += 1.0  # the budget keeps everything, or only the window: even
             continue
-        recorder = _Recorder(window)
-        model(torch.tensor(prompt, device=device), torch.arange(len(prompt), device=device),
-              recorder)  # fmt: skip
+        recorder = _record(model, prompt, window, chunk)
         scores = [observation_scores(recorder.queries[layer], recorder.keys[layer],
                                      pool=budget.pool).cpu()
                   for layer in range(config.num_layers)]  # fmt: skip
         counts = POLICIES[budget.policy](scores, selectable)
-        total += torch.stack([c.float() for c in counts]) / selectable
+        total += torch.stack([c.float().cpu() for c in counts]) / selectable
     return total / len(prompts)
 
 
