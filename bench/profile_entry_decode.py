@@ -12,6 +12,7 @@ import cProfile
 import gc
 import pstats
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -35,11 +36,11 @@ PROFILED = {
 
 
 def kernel_table(
-    engine, prompt: list[int], steps: int, host: cProfile.Profile | None = None
+    engine, prompt: list[int], steps: int
 ) -> tuple[list[tuple[str, float]], float, float]:
     """(the top kernels as (name, us per step), median step ms, all kernels' us per step)
     over the decode steps after the first three (the profiler records only those: its
-    schedule advances once per step); ``host`` profiles the Python of the same steps."""
+    schedule advances once per step)."""
     params = [SamplingParams(max_new_tokens=steps + 1, ignore_eos=True)]
     times = timed_decode(engine)
     runner = engine.batch.runner
@@ -48,21 +49,45 @@ def kernel_table(
     with profile(activities=[ProfilerActivity.CUDA], schedule=plan) as prof:
 
         def profiled(*args, **options):
-            if host is not None and 3 <= len(times) < steps:
-                host.enable()
             result = step(*args, **options)
-            if host is not None:
-                host.disable()
             prof.step()
             return result
 
         runner.decode = profiled
         engine.generate_batch([prompt], params)
+    runner.__dict__.pop("decode")  # the timed wrappers
     decode = sorted(times)[len(times) // 2] * 1000
     kernels = [e for e in prof.key_averages() if e.device_time_total > 0]
     rows = [(e.key[:70], e.device_time_total / active) for e in kernels]
     busy = sum(e.self_device_time_total for e in kernels) / active
     return sorted(rows, key=lambda r: -r[1])[:12], decode, busy
+
+
+def host_busy(engine, prompt: list[int], steps: int,
+              host: cProfile.Profile | None = None) -> tuple[float, float]:  # fmt: skip
+    """(ms per decode step, of which ms the host waited for the GPU: its tokens, the copy
+    of a graph's inputs) over steps run as the engine runs them (not synchronised): the
+    rest is the host's own work per step, which bounds the step when the GPU's part is
+    shorter. ``host`` profiles the Python of those steps (from the first token read on)."""
+    params = [SamplingParams(max_new_tokens=steps + 1, ignore_eos=True)]
+    waited, synchronize = [], torch.cuda.Event.synchronize
+
+    def timed(event):
+        start = time.perf_counter()
+        synchronize(event)
+        waited.append(time.perf_counter() - start)
+        if host is not None and len(waited) == 1:  # the prompt's token: decode from here
+            host.enable()
+
+    torch.cuda.Event.synchronize = timed
+    try:
+        output = engine.generate_batch([prompt], params)[0]
+    finally:
+        torch.cuda.Event.synchronize = synchronize
+        if host is not None:
+            host.disable()
+    decode_ms = output.stats.decode_seconds * 1000 / steps
+    return decode_ms, sum(waited[1:]) * 1000 / steps  # the first wait: the prompt's token
 
 
 def main() -> None:
@@ -75,7 +100,8 @@ def main() -> None:
                         help="decode without CUDA graphs (the profiler sees kernels in graphs "
                         "only on some drivers)")  # fmt: skip
     parser.add_argument("--host", action="store_true",
-                        help="also the step's Python functions by own time (cProfile)")  # fmt: skip
+                        help="also the unsynchronised steps' Python functions by own time "
+                        "(cProfile)")  # fmt: skip
     args = parser.parse_args()
     model, profile_path = random_model(LLAMA31_8B), random_profile()
     prompt = _ids(args.context - args.steps, 2)
@@ -85,16 +111,20 @@ def main() -> None:
         engine = make_engine(model, **options, **({"cuda_graph": False} if args.eager else {}))
         warm = [SamplingParams(max_new_tokens=args.steps, ignore_eos=True)]
         engine.generate_batch([_ids(args.context - args.steps, 1)], warm)
-        host = cProfile.Profile() if args.host else None
-        rows, decode_ms, busy_us = kernel_table(engine, prompt, args.steps, host)
+        rows, decode_ms, busy_us = kernel_table(engine, prompt, args.steps)
         print(
             f"{mode}: median step {decode_ms:.2f} ms, kernels {busy_us / 1000:.2f} ms; "
             f"top kernels (us per step):"
         )
         for name, us in rows:
             print(f"  {us:9.1f}  {name}")
+        host = cProfile.Profile() if args.host else None
+        step_ms, wait_ms = host_busy(engine, prompt, args.steps, host)
+        print(f"{mode}: unsynchronised step {step_ms:.2f} ms, the host waited "
+              f"{wait_ms:.2f} ms of it for the GPU (its own work "
+              f"{step_ms - wait_ms:.2f} ms)")  # fmt: skip
         if host is not None:
-            pstats.Stats(host).sort_stats("tottime").print_stats(14)
+            pstats.Stats(host).sort_stats("tottime").print_stats(16)
         del engine
         gc.collect()  # the timing wrappers hold the runner in a cycle
         torch.cuda.empty_cache()

@@ -1,4 +1,4 @@
-"""Run under torchrun by tests/test_gpu.py: every rank on the one GPU (gloo moves the
+"""Run under torchrun by tests/test_gpu_ranks.py: every rank on the one GPU (gloo moves the
 partial sums), a random Llama-shaped model built alike on each rank; rank 0 saves the fp32
 logits (prefill and decode steps) and the greedy tokens."""
 
@@ -12,6 +12,8 @@ import torch.distributed as dist
 
 from headspace.engine.config import EngineConfig
 from headspace.engine.engine import Engine
+from headspace.engine.paged_graphs import EagerGraphTwin
+from headspace.engine.paged_runner import PagedRunner
 from headspace.engine.ranks import join
 from headspace.engine.sampling import SamplingParams
 from headspace.model.config import config_from_dict
@@ -65,8 +67,12 @@ def run(engine: Engine, prompt: list[int]) -> dict:
 
 def main(out_path: str, balance: str, kv_budget: str = "", backend: str = "gloo") -> None:
     """``backend``: gloo, every rank on GPU 0 (NCCL refuses two ranks on one GPU); nccl, a
-    GPU each (decode steps as CUDA graphs, their collectives captured)."""
+    GPU each (decode steps as CUDA graphs, their collectives captured); gloo-twin, gloo with
+    decode steps through the graphs' eager twin (the graphs' compiled static blocks, run
+    uncaptured since gloo's collectives cannot be)."""
     device = "cuda:0"
+    if backend == "gloo-twin":
+        PagedRunner.graph_twin, backend = EagerGraphTwin, "gloo"
     if "RANK" in os.environ and backend == "gloo":
         dist.init_process_group("gloo")
     elif "RANK" in os.environ:

@@ -23,6 +23,8 @@ from dataclasses import dataclass
 
 import torch
 
+from headspace.kv.transfer import device_ints
+
 BLOCK = 128  # tokens per query and key block of the block masks
 LAST_QUERIES = 64  # queries of a chunk that estimate vertical-slash (MInference's last_q)
 FORCED_SINK = 1  # key blocks every vertical-slash head keeps (the first: attention sinks)
@@ -171,16 +173,6 @@ def estimate(
                                  *pattern.params, scale)  # fmt: skip
             table.blocks[rows, : keep.shape[1], : keep.shape[2]] = keep.int()
     return table
-
-
-def device_ints(values: list, device: torch.device) -> torch.Tensor:
-    """A small int64 table on ``device`` without waiting for the device (a blocking copy
-    would drain the stream at every layer's chunk): through page-locked memory on a GPU,
-    which the caching host allocator keeps until the copy has run."""
-    table = torch.tensor(values)
-    if torch.device(device).type == "cuda":
-        table = table.pin_memory()
-    return table.to(device, non_blocking=True)
 
 
 def _vertical_slash(table: HeadPatterns, heads: list[int], q, k, group: int,

@@ -22,11 +22,11 @@ from headspace.attention.patterns import (
     KIND_IDS,
     HeadPatterns,
     Pattern,
-    device_ints,
     estimate,
     padded_length,
 )
 from headspace.attention.reference import reference_attention
+from headspace.kv.transfer import device_ints
 
 
 def block_maps(

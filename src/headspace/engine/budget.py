@@ -38,6 +38,7 @@ from headspace.engine.executors import (
     bucket,
 )
 from headspace.kv.entry_table import EntryBlockManager
+from headspace.kv.transfer import device_ints
 
 
 class BudgetExecutor:
@@ -80,7 +81,8 @@ class BudgetExecutor:
     def _slots(self, seq_id: int, positions: torch.Tensor) -> torch.Tensor:
         """Plane slots ``[entries, tokens]`` of ``positions`` in each entry of ``seq_id``."""
         width = -(-positions.numel() // self.page_size)  # 0 .. n - 1; offloaded rows: no pages
-        table = block_table(self.blocks.entries[seq_id].pages, width).to(self.plane.device).long()
+        table = device_ints(block_table(self.blocks.entries[seq_id].pages, width),
+                            self.plane.device)  # fmt: skip
         pages = table[:, positions // self.page_size]
         return pages * self.page_size + positions % self.page_size
 
@@ -110,8 +112,8 @@ class BudgetExecutor:
         for seq_id, slot in zip(seq_ids, slots, strict=True):
             lists = self.blocks.entries[seq_id]
             if self._owners.get(slot) is not lists:  # the slot's rows were another's
-                table = block_table(lists.pages)
-                self.entry_tables[slot, :, : table.shape[1]] = table.to(device)
+                table = device_ints(block_table(lists.pages), device, torch.int32)
+                self.entry_tables[slot, :, : table.shape[1]] = table
                 self._owners[slot] = lists
             else:
                 added += [(slot * len(lists.pages) + e, i, page) for e, i, page in lists.added]
@@ -120,13 +122,12 @@ class BudgetExecutor:
             lengths.append(lists.lengths)
             newest.append(lists.newest)
         if added:
-            rows, columns, pages = torch.tensor(added, device=device).T
+            rows, columns, pages = device_ints(added, device).T
             self.entry_tables.view(-1, self.entry_tables.shape[-1])[rows, columns] = pages.int()
-        slot_index = torch.tensor(slots, device=device)
-        self.entry_lengths[slot_index] = torch.tensor(lengths, dtype=torch.int32, device=device)
+        slot_index = device_ints(slots, device)
+        self.entry_lengths[slot_index] = device_ints(lengths, device, torch.int32)
         if self.rings:
-            self.entry_newest[slot_index] = torch.tensor(newest, dtype=torch.int32,
-                                                         device=device)  # fmt: skip
+            self.entry_newest[slot_index] = device_ints(newest, device, torch.int32)
         self.step_slots, self.widest = slot_index, widest
         self.step_lengths = lengths  # the offloaded entries' staging reads them
         self.step_hosts = [self.blocks.host_pages(s) for s in seq_ids]

@@ -20,6 +20,7 @@ from headspace.attention.paged import gather_pages
 from headspace.attention.patterns import Pattern, padded_length
 from headspace.attention.sparse_prefill import prefill_with_patterns
 from headspace.kv.paged_store import PagedKVStore
+from headspace.kv.transfer import device_ints
 
 HeadRange = tuple[int, int]  # kv heads lo..hi-1 of a layer
 MIN_WIDTH = 8  # pages per block-table row, at least
@@ -81,7 +82,7 @@ def attend_tiers(executors: list, layer: int, q: torch.Tensor, kv: torch.Tensor)
 def chunk_slots(store: PagedKVStore, step: StepInputs) -> tuple[torch.Tensor, torch.Tensor]:
     """A prefill chunk's sequence pages ``[pages]`` on the device and its tokens' slots
     ``[tokens]`` in them."""
-    pages = torch.tensor(step.pages["gpu"][0], device=store.buffer.device)
+    pages = device_ints(step.pages["gpu"][0], store.buffer.device)
     return pages, store.slots(pages, step.positions)
 
 

@@ -36,7 +36,7 @@ from headspace.kv.block_table import GPU, HOST, BlockManager
 from headspace.kv.entry_table import EntryBlockManager
 from headspace.kv.host_store import HostKVArena
 from headspace.kv.paged_store import PagedKVStore
-from headspace.kv.transfer import as_heads, copy_pages
+from headspace.kv.transfer import as_heads, copy_pages, device_ints
 from headspace.model.llama import LlamaModel
 from headspace.parallel.dist import all_gather_stack
 from headspace.parallel.placement import RankLayout
@@ -267,7 +267,7 @@ class PagedRunner:
 
         if self._graph_pool is None and twin is None:
             self._graph_pool = torch.cuda.graph_pool_handle()
-        mode = "static" if self._compiled and self.layout is None else "eager"
+        mode = "static" if self._compiled else "eager"
         graphs = (twin or DecodeGraphs)(
             self.model, self.executors, self.tokens, self.store.num_pages,
             self.host.scratch_slot, self.config.max_batch, mode, self._graph_pool,
@@ -351,7 +351,7 @@ class PagedRunner:
         step.seq_ids = list(seq_ids)
         for executor in self.executors:
             executor.begin(step)
-        slot_index = torch.tensor(slots, device=self.device)
+        slot_index = device_ints(slots, self.device)
         mode = "dynamic" if self._compiled else "eager"
         hidden = self.model(self.tokens[slot_index], step.positions, self._attention, mode)
         logits = self.model.logits(hidden)
@@ -359,11 +359,11 @@ class PagedRunner:
         return logits, slot_index
 
     def _decode_inputs(self, positions: list[int], pages: dict) -> StepInputs:
-        pos = torch.tensor(positions, device=self.device)
+        pos = device_ints(positions, self.device)
         tables = {}
         for tier, rows in pages.items():
             width = bucket(max(map(len, rows)), MIN_WIDTH)
-            tables[tier] = block_table(rows, width).to(self.device)
+            tables[tier] = device_ints(block_table(rows, width), self.device, torch.int32)
         return StepInputs(True, pos, list(positions), pages, tables, pos + 1)
 
     # -- swapping ----------------------------------------------------------------------
@@ -371,8 +371,7 @@ class PagedRunner:
         """Copy the resident entries of page pairs (GPU, host) or (host, GPU)."""
         if not pairs:
             return
-        src_pages = torch.tensor([a for a, _ in pairs], device=self.device)
-        dst_pages = torch.tensor([b for _, b in pairs], device=self.device)
+        src_pages, dst_pages = device_ints(list(zip(*pairs, strict=True)), self.device)
         for layer, store_kv in enumerate(self.store.kv):
             heads = torch.arange(store_kv.shape[1], device=self.device)
             gpu, host = as_heads(store_kv, kv_first=True), self.host.layer(layer)

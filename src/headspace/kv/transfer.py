@@ -21,6 +21,19 @@ except ImportError:  # the CPU twin needs no Triton
     triton = None
 
 
+def device_ints(values, device: torch.device | str,
+                dtype: torch.dtype = torch.long) -> torch.Tensor:  # fmt: skip
+    """A small int table (nested lists or a host tensor, any shape) as ``dtype`` on
+    ``device``, without waiting for the device: a blocking copy drains the stream, so the
+    host could not prepare the next step (or a layer's next chunk) while the GPU runs this
+    one. On a GPU the values go through a fresh page-locked buffer (never the caller's),
+    which the caching host allocator keeps until the copy has run."""
+    table = torch.as_tensor(values, dtype=dtype)
+    if torch.device(device).type == "cuda":
+        table = torch.empty(table.shape, dtype=dtype, pin_memory=True).copy_(table)
+    return table.to(device, non_blocking=True)
+
+
 def as_heads(tier_view: torch.Tensor, kv_first: bool) -> torch.Tensor:
     """``[heads, 2, slots, dim]`` view of a tier: ``kv_first`` for ``[2, heads, slots, dim]``
     (GPU pages, staging), else the host layout already is head-major."""

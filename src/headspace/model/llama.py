@@ -52,31 +52,38 @@ def qkv_block(
     return q, torch.stack((k, v.view(num_tokens, num_kv_heads, head_dim)))
 
 
-def output_mlp_block(
+def mlp_block(
     x: torch.Tensor,  # [tokens, hidden], the residual stream
-    attn: torch.Tensor,  # [tokens, heads, head_dim]
-    o_weight: torch.Tensor,
-    o_bias: torch.Tensor | None,
+    attn_out: torch.Tensor,  # [tokens, hidden], the output projection's (summed over ranks)
     norm_weight: torch.Tensor,
     eps: float,
     gate_up_weight: torch.Tensor,
     gate_up_bias: torch.Tensor | None,
     down_weight: torch.Tensor,
     down_bias: torch.Tensor | None,
-    reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
-) -> torch.Tensor:
-    """Output projection + residual, then norm, SwiGLU MLP + residual: ``[tokens, hidden]``.
-    ``reduce`` (a layer holding part of the heads and of the MLP) sums the partial o_proj and
-    down_proj outputs before each residual."""
-    out = F.linear(attn.reshape(x.shape[0], -1), o_weight, o_bias)
-    x = x + (out if reduce is None else reduce(out))
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Residual add of the attention's output, then norm and the SwiGLU MLP: returns the
+    residual stream ``[tokens, hidden]`` and the MLP's output ``[tokens, hidden]`` (a sharded
+    layer's partial output, summed over ranks before its residual add)."""
+    x = x + attn_out
     gate, up = F.linear(rms_norm(x, norm_weight, eps), gate_up_weight, gate_up_bias).chunk(2, -1)
-    out = F.linear(F.silu(gate) * up, down_weight, down_bias)
-    return x + (out if reduce is None else reduce(out))
+    return x, F.linear(F.silu(gate) * up, down_weight, down_bias)
+
+
+def output_mlp_block(
+    x: torch.Tensor,  # [tokens, hidden], the residual stream
+    attn: torch.Tensor,  # [tokens, heads, head_dim]
+    o_weight: torch.Tensor,
+    o_bias: torch.Tensor | None,
+    *mlp_weights,  # mlp_block's, after its two inputs
+) -> torch.Tensor:
+    """Output projection + residual, then norm, SwiGLU MLP + residual: ``[tokens, hidden]``."""
+    x, out = mlp_block(x, F.linear(attn.reshape(x.shape[0], -1), o_weight, o_bias), *mlp_weights)
+    return x + out
 
 
 class Blocks:
-    """The two per-layer compute blocks, eager or compiled (same functions, same math).
+    """The per-layer compute blocks, eager or compiled (same functions, same math).
 
     ``mode``: "eager"; "static" (torch.compile for one fixed shape: the decode step);
     "dynamic" (torch.compile over any number of tokens: prefill chunks).
@@ -84,13 +91,18 @@ class Blocks:
 
     def __init__(self, mode: str = "eager"):
         assert mode in ("eager", "static", "dynamic")
-        self.qkv, self.output_mlp = qkv_block, output_mlp_block
+        # a sharded layer runs ``mlp`` between its two sums over ranks (compiled pieces
+        # with the collectives outside them)
+        self.qkv, self.output_mlp, self.mlp = qkv_block, output_mlp_block, mlp_block
         if mode != "eager":
-            # static mode compiles once per token count: the decode step and the chunk size
-            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+            # static mode compiles once per token count (the decode step's batch buckets,
+            # the chunk size), and under ranks once per number of heads a layer holds; with
+            # fullgraph, passing the limit is an error
+            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 256)
             dynamic = mode == "dynamic"
             self.qkv = torch.compile(qkv_block, fullgraph=True, dynamic=dynamic)
             self.output_mlp = torch.compile(output_mlp_block, fullgraph=True, dynamic=dynamic)
+            self.mlp = torch.compile(mlp_block, fullgraph=True, dynamic=dynamic)
 
 
 EAGER_BLOCKS = Blocks()
@@ -134,7 +146,8 @@ class DecoderLayer(nn.Module):
         blocks: Blocks = EAGER_BLOCKS,
     ) -> torch.Tensor:
         norm, qkv = self.input_norm, self.qkv_proj
-        q, kv = blocks.qkv(x, norm.weight, norm.eps, qkv.weight, qkv.bias, cos, sin, self.shape)
+        qkv_fn = blocks.qkv if self.shape[1] else qkv_block  # a rank may hold no head here
+        q, kv = qkv_fn(x, norm.weight, norm.eps, qkv.weight, qkv.bias, cos, sin, self.shape)
         attn = attention(layer_idx, q, kv)  # [tokens, heads, head_dim]
         post, o, gate_up, down = (
             self.post_attention_norm,
@@ -142,11 +155,14 @@ class DecoderLayer(nn.Module):
             self.gate_up_proj,
             self.down_proj,
         )
-        weights = (o.weight, o.bias, post.weight, post.eps, gate_up.weight, gate_up.bias,
-                   down.weight, down.bias)  # fmt: skip
-        if self.reduce is not None:  # a sharded layer: eager, its sums are collectives
-            return output_mlp_block(x, attn, *weights, reduce=self.reduce)
-        return blocks.output_mlp(x, attn, *weights)
+        mlp_weights = (post.weight, post.eps, gate_up.weight, gate_up.bias, down.weight,
+                       down.bias)  # fmt: skip
+        if self.reduce is None:
+            return blocks.output_mlp(x, attn, o.weight, o.bias, *mlp_weights)
+        # a sharded layer: its partial outputs are summed over ranks between the blocks
+        attn_out = self.reduce(F.linear(attn.reshape(x.shape[0], -1), o.weight, o.bias))
+        x, out = blocks.mlp(x, attn_out, *mlp_weights)
+        return x + self.reduce(out)
 
 
 class LlamaModel(nn.Module):

@@ -44,7 +44,8 @@ def shard_layer(layer: nn.Module, kv_heads: list[int], rank: int, world: int,
                 reduce: Callable[[torch.Tensor], torch.Tensor]) -> None:  # fmt: skip
     """Keep ``layer``'s weights for ``kv_heads`` (with their query heads) and rank ``rank``'s
     MLP slice; the biases added after ``reduce`` (o_proj's, down_proj's) stay on rank 0 only.
-    The sharded layer's output block runs uncompiled (``output_mlp_block`` with ``reduce``)."""
+    The sharded layer sums its o_proj output, runs ``mlp_block`` (compiled like the whole
+    layer's blocks), then sums its down_proj output."""
     num_heads, num_kv_heads, head_dim = layer.shape
     group = num_heads // num_kv_heads
     index = torch.tensor(kv_heads, dtype=torch.long)
