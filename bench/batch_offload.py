@@ -23,6 +23,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from common import (  # noqa: E402
     LLAMA31_8B,
     environment,
+    gpu_tag,
     make_engine,
     measure_hbm_bandwidth,
     pinned_h2d_bandwidth,
@@ -138,7 +139,7 @@ def main() -> None:
     h2d = pinned_h2d_bandwidth()
     result = {"env": env, "config": LLAMA31_8B, "lengths": LENGTHS, "new_tokens": NEW_TOKENS,
               "h2d_bytes_per_s": h2d, "hbm_bytes_per_s": measure_hbm_bandwidth()}  # fmt: skip
-    gpu = env["gpu"].replace("NVIDIA ", "").split()[0].lower()
+    gpu = gpu_tag(env)
     name = f"batch_offload_llama3-8b_{gpu}_{env['date']}.json"
     # transformers first, while this process holds no model and no page-locked host arena:
     # its offloaded cache of the eight sequences, padded to the longest, takes 64 GiB of host

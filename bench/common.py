@@ -74,14 +74,23 @@ def cuda_time(fn, *, warmup: int = 1, repeat: int = 3) -> float:
     return statistics.median(times)
 
 
-def graph_seconds(fn) -> float:
-    """Seconds per call of ``fn`` replayed as one CUDA graph (captured after one eager call)."""
-    fn()
-    torch.cuda.synchronize()
+def graphed(fn):
+    """``fn`` captured in a CUDA graph (launch costs out of the kernels' time), after one
+    eager call on a side stream: its replay."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         fn()
-    return cuda_time(graph.replay, warmup=3, repeat=20)
+    return graph.replay
+
+
+def graph_seconds(fn) -> float:
+    """Seconds per call of ``fn`` replayed as one CUDA graph (see :func:`graphed`)."""
+    return cuda_time(graphed(fn), warmup=3, repeat=20)
 
 
 def measure_hbm_bandwidth(num_bytes: int = 4 * 2**30) -> float:

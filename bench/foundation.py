@@ -24,6 +24,7 @@ from common import (  # noqa: E402
     LLAMA31_8B,
     cuda_time,
     environment,
+    gpu_tag,
     make_engine,
     measure_hbm_bandwidth,
     random_hf_llama,
@@ -150,7 +151,7 @@ def main() -> None:
         }  # fmt: skip
         result["configs"][name] = rows
         del engine, generator
-    gpu = env["gpu"].replace("NVIDIA ", "").split()[0].lower()
+    gpu = gpu_tag(env)
     path = write_result(f"foundation_llama3-8b_{gpu}_{env['date']}.json", result)
     print(f"\nwrote {path}")
     print_table(result)

@@ -16,8 +16,15 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import LLAMA3_8B, environment, make_engine, random_hf_llama, write_result  # noqa: E402
-from decode_attention import graph_seconds  # noqa: E402
+from common import (  # noqa: E402
+    LLAMA3_8B,
+    environment,
+    gpu_tag,
+    graph_seconds,
+    make_engine,
+    random_hf_llama,
+    write_result,
+)
 from headspace.attention.triton_decode import paged_decode_attention  # noqa: E402
 from headspace.engine.sampling import SamplingParams  # noqa: E402
 from headspace.model.config import config_from_dict  # noqa: E402
@@ -143,7 +150,7 @@ def main() -> None:
         "transformers_batch_tok_s": total_new / theirs,
         "batch_ratio_vs_transformers": theirs / ours["seconds"],
     }
-    gpu = env["gpu"].replace("NVIDIA ", "").split()[0].lower()
+    gpu = gpu_tag(env)
     path = write_result(f"paged_llama3-8b_{gpu}_{env['date']}.json", result)
     print(f"\nwrote {path}")
     print(f"KV held at peak / minimum: paged {result['kv_overhead_ratio']:.3f}, "

@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import cuda_time, environment, write_result  # noqa: E402
+from common import cuda_time, environment, gpu_tag, write_result  # noqa: E402
 from headspace.attention import attend  # noqa: E402
 from headspace.attention.patterns import Pattern, estimate, padded_length  # noqa: E402
 from headspace.attention.sparse_prefill import (  # noqa: E402
@@ -168,7 +168,7 @@ def main() -> None:
             "context": args.whole_prefill,
             "mixes": whole_prefill(args.whole_prefill, args.chunk),
         }
-    gpu = env["gpu"].replace("NVIDIA ", "").split()[0].lower()
+    gpu = gpu_tag(env)
     write_result(f"patterns_attention_{gpu}_{env['date']}.json", result)
     print(f"\n{'context':>8} {'mix (half the heads)':<28} {'ms':>8} {'SDPA ms':>8} "
           f"{'flex full':>9} {'x SDPA':>7} {'blocks':>7}")  # fmt: skip

@@ -22,7 +22,14 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 import headspace.engine.hybrid as hybrid  # noqa: E402
-from common import LLAMA31_8B, environment, make_engine, random_model, write_result  # noqa: E402
+from common import (  # noqa: E402
+    LLAMA31_8B,
+    environment,
+    gpu_tag,
+    make_engine,
+    random_model,
+    write_result,
+)
 from headspace.engine.scheduler import Sequence  # noqa: E402
 from hybrid import BUDGET, CAP_GIB  # noqa: E402
 from offload_runs import gpu_cap  # noqa: E402
@@ -119,7 +126,7 @@ def main() -> None:
                 result["rows"].append(row)
                 print({k: (round(v, 1) if isinstance(v, float) else v)
                        for k, v in row.items() if k != "step_ms"}, flush=True)  # fmt: skip
-    gpu = result["env"]["gpu"].replace("NVIDIA ", "").split()[0].lower()
+    gpu = gpu_tag(result["env"])
     write_result(f"profile_hybrid_split_{gpu}_{result['env']['date']}.json", result)
     print(f"\n{'share':>5} {'thr':>3} {'native':>6} {'round':>5} {'step':>6} {'launch':>6} "
           f"{'gpu wait':>8} {'between':>8}")  # fmt: skip

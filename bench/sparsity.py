@@ -44,6 +44,7 @@ from common import (  # noqa: E402
     LLAMA31_8B,
     cuda_time,
     environment,
+    graphed,
     make_engine,
     measure_hbm_bandwidth,
     pinned_h2d_bandwidth,
@@ -140,19 +141,6 @@ def engine_run(model, context: int, new_tokens: int, options: dict, warmup: str)
     gc.collect()
     torch.cuda.empty_cache()
     return row
-
-
-def graphed(fn):
-    """``fn`` captured in a CUDA graph (launch costs out of the kernel's time): its replay."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return graph.replay
 
 
 def attention_alone(context: int, kept_tokens: list[int]) -> dict:

@@ -122,11 +122,17 @@ def layer_weight_bytes(config: ModelConfig, dtype_bytes: int, kv_heads: int | No
     return dtype_bytes * per_layer
 
 
+def outer_weight_bytes(config: ModelConfig, dtype_bytes: int) -> int:
+    """Bytes of the parameters outside the decoder layers: embeddings and LM head (once
+    when tied), the final norm."""
+    embeddings = config.vocab_size * config.hidden_size * (1 if config.tie_word_embeddings else 2)
+    return dtype_bytes * (embeddings + config.hidden_size)
+
+
 def weight_bytes(config: ModelConfig, dtype_bytes: int) -> int:
     """Bytes of all parameters (embeddings counted once when tied)."""
-    embeddings = config.vocab_size * config.hidden_size * (1 if config.tie_word_embeddings else 2)
     layers = config.num_layers * layer_weight_bytes(config, dtype_bytes)
-    return layers + dtype_bytes * (embeddings + config.hidden_size)
+    return layers + outer_weight_bytes(config, dtype_bytes)
 
 
 WEIGHT_MODES = ("auto", "gpu", "stream")
@@ -152,13 +158,10 @@ class WeightSpec:
         """The model's weights; with ``world`` ranks, the largest rank's part of a layer: at
         most ``kv_heads`` kv heads (default: a ``1/world`` share rounded up) and its MLP
         slice."""
-        other = weight_bytes(config, dtype_bytes) - config.num_layers * layer_weight_bytes(
-            config, dtype_bytes
-        )
         if kv_heads is None:
             kv_heads = -(-config.num_kv_heads // world)
         layer = layer_weight_bytes(config, dtype_bytes, kv_heads, world)
-        return cls(config.num_layers, layer, other, streamed)
+        return cls(config.num_layers, layer, outer_weight_bytes(config, dtype_bytes), streamed)
 
     @property
     def gpu_bytes(self) -> int:
