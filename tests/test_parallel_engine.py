@@ -223,10 +223,10 @@ def test_cli_generate_under_torchrun(tiny_llama):
     two = torchrun(2, "-m", "headspace.cli", "generate", *args, "--balance", "fairkv")
     assert two.returncode == 0, two.stderr[-4000:]
     assert two.stdout == one.stdout and one.stdout.strip()
-    bad = torchrun(2, "-m", "headspace.cli", "generate", *args, "--offload", "layer")
+    bad = torchrun(2, "-m", "headspace.cli", "generate", *args, "--replicas", "-1")
     assert bad.returncode != 0
     errors = [line for line in bad.stderr.splitlines() if line.startswith("error:")]
-    assert len(errors) == 1 and "offload must be auto or none" in errors[0]
+    assert len(errors) == 1 and "replicas must be an integer >= 0" in errors[0]
 
 
 def _map(num_layers: int, ranks: list[list[tuple[int, ...]]]) -> HeadMap:

@@ -12,6 +12,7 @@ import torch
 import torch.distributed
 
 from headspace.api import LLM
+from headspace.engine import paged_graphs
 from headspace.engine.budget_ranks import RankBudgetExecutor
 from headspace.engine.paged_graphs import EagerGraphTwin
 from headspace.engine.paged_runner import PagedRunner
@@ -19,6 +20,7 @@ from headspace.engine.sampling import SamplingParams
 from headspace.parallel.dist import is_first_rank
 from headspace.parallel.placement import rank_layout
 
+GRAPH_MAX_BYTES = paged_graphs.GRAPH_MAX_STREAMED_BYTES
 WIDTHS: list[int] = []  # the table width of every per-entry decode step on this rank
 
 
@@ -37,6 +39,9 @@ def run_case(case: dict) -> dict:
     WIDTHS.clear()
     # decode steps through the graphs' CPU twin (padded rows, warm-ups) when the case asks
     PagedRunner.graph_twin = EagerGraphTwin if case.get("graph_twin") else None
+    # a graph's step may stream at most this many bytes (a case lowers it: ranks streaming
+    # different counts must still decide alike)
+    paged_graphs.GRAPH_MAX_STREAMED_BYTES = case.get("graph_max_bytes", GRAPH_MAX_BYTES)
     llm = LLM(case["model"], **case["options"])
     ids = case["prompt"]
     logits = llm.logits(ids, decode_tokens=case["decode_tokens"])
@@ -48,10 +53,19 @@ def run_case(case: dict) -> dict:
     heads = [[len(lay.heads(layer)) for layer in range(lay.num_layers)] for lay in layouts]
     widths = [None] * world  # every rank's step widths (a graph's key: they must agree)
     torch.distributed.all_gather_object(widths, list(WIDTHS))
+    graphs = [None] * world  # whether each rank ran decode steps as graphs
+    torch.distributed.all_gather_object(graphs, bool(llm.engine.batch.runner._graph_cache))
     return {"logits": logits, "tokens": [o.token_ids for o in outputs],
             "summary": ranks.head_map.summary(), "heads": heads, "widths": widths,
-            "graphs": bool(llm.engine.batch.runner._graph_cache),
+            "graphs": graphs[0], "graphs_all": graphs,
+            "tiers": [tiers(o.stats) for o in outputs],
             "streamed": llm.engine.model.layer_source is not None}  # fmt: skip
+
+
+def tiers(stats) -> dict[str, int]:
+    """Entries in each tier (every rank's) of the plan a request ran under."""
+    return {"gpu": stats.num_gpu_heads, "stream": stats.num_streamed_heads,
+            "hybrid": stats.num_hybrid_heads}  # fmt: skip
 
 
 def batch(case: dict) -> list[list[int]]:

@@ -62,14 +62,18 @@ def run(engine: Engine, prompt: list[int]) -> dict:
     params = SamplingParams(max_new_tokens=24, ignore_eos=True)
     outputs = engine.generate_batch([prompt, prompt[:300]], [params, params])
     graphs = bool(engine.batch.runner._graph_cache)  # decode steps replayed as CUDA graphs
-    return {"logits": logits, "tokens": [o.token_ids for o in outputs], "graphs": graphs}
+    offloaded = outputs[0].stats.num_streamed_heads + outputs[0].stats.num_hybrid_heads
+    return {"logits": logits, "tokens": [o.token_ids for o in outputs], "graphs": graphs,
+            "offloaded": offloaded}  # fmt: skip
 
 
-def main(out_path: str, balance: str, kv_budget: str = "", backend: str = "gloo") -> None:
+def main(out_path: str, balance: str, kv_budget: str = "", backend: str = "gloo",
+         offload: str = "") -> None:  # fmt: skip
     """``backend``: gloo, every rank on GPU 0 (NCCL refuses two ranks on one GPU); nccl, a
     GPU each (decode steps as CUDA graphs, their collectives captured); gloo-twin, gloo with
     decode steps through the graphs' eager twin (the graphs' compiled static blocks, run
-    uncaptured since gloo's collectives cannot be)."""
+    uncaptured since gloo's collectives cannot be). ``offload``: that mode, in a KV arena of
+    four full pages (the prompt's twelve do not fit a rank's half-width pages)."""
     device = "cuda:0"
     if backend == "gloo-twin":
         PagedRunner.graph_twin, backend = EagerGraphTwin, "gloo"
@@ -78,6 +82,8 @@ def main(out_path: str, balance: str, kv_budget: str = "", backend: str = "gloo"
     elif "RANK" in os.environ:
         device = f"cuda:{os.environ['LOCAL_RANK']}"
     budget = {"kv_budget": float(kv_budget), "kv_policy": "ada_snapkv"} if kv_budget else {}
+    if offload:
+        budget.update(offload=offload, num_kv_pages=4)
     config = EngineConfig(device=device, dtype="float32", page_size=64, prefill_chunk=256,
                           gpu_memory="2GiB",  # ranks may share the GPU
                           parallel=ParallelConfig(balance=balance), **budget)  # fmt: skip

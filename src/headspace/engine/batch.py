@@ -82,8 +82,10 @@ class BatchGenerator:
         arena = kv_arena_bytes(cfg, config, self.spec, weights, self.chunk, max_context)
         if ranks is not None:  # the same pages on every rank
             self.spec, arena = ranks.pages(self.spec, arena)
-        host = HostKVArena(self.spec, dtype, pin=config.on_gpu,
-                           budget=host_budget(config.host_memory))  # fmt: skip
+        host_bytes = host_budget(config.host_memory)
+        if ranks is not None:  # the machine's budget, divided between its ranks
+            host_bytes = ranks.host_bytes(host_bytes)
+        host = HostKVArena(self.spec, dtype, pin=config.on_gpu, budget=host_bytes)
         self.runner = PagedRunner(model, config, self.spec, arena, host, 2 * config.max_batch,
                                   max_context, profile,
                                   ranks.layout if ranks else None)  # fmt: skip
@@ -132,7 +134,7 @@ class BatchGenerator:
         if scheduler is not None:
             scheduler.tiers = self.tiers
             swaps = self.config.offload != "none" and not self.config.per_head_pages
-            swaps = swaps and self.ranks is None  # no host tier under torchrun yet
+            swaps = swaps and self.ranks is None  # no swaps under torchrun yet
             scheduler.optimistic = not streams and swaps
             scheduler.host_room = self._host_room
 

@@ -4,6 +4,8 @@ the predicted decode rate the batch generator weighs when it sizes a streaming b
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from headspace.attention.cpu_decode import kernel_isa
 from headspace.engine.config import EngineConfig
 from headspace.engine.ranks import Ranks
@@ -39,13 +41,13 @@ class BatchPlanner:
         config = self.config
         if config.per_head_pages:
             return self._entry_plan(seqs, what)
-        if self.ranks is not None:
-            return self.ranks.plan(self.spec, self.runner.store.num_bytes, total, what)
         plan = plan_batch(self.spec, self.runner.store.num_bytes, total, offload=config.offload,
                           head_group=config.head_group, host_budget=self.runner.host.budget,
                           what=what, hw=self.hardware, cpu_share=config.hybrid_cpu_share,
                           gpu_window=config.gpu_window, num_seqs=len(seqs),
                           auto_hybrid=config.on_gpu)  # fmt: skip
+        if self.ranks is not None:  # sized for the widest rank; the whole map, with its ranks
+            return self.ranks.spread(plan, what)
         if config.retrieval_heads is not None:  # the profile's heads that retrieve keep all
             plan.head_map = self._with_patterns(plan.head_map)
         return plan
@@ -88,6 +90,8 @@ class BatchPlanner:
             seconds = entry_step_seconds(self.spec, plan, self.bounds(seqs), self.weight_bytes,
                                          self.hardware, self.streamed_bytes)  # fmt: skip
         else:
+            if plan.rank_map is not None:  # under torchrun: the widest rank's step
+                plan = replace(plan, head_map=plan.rank_map)
             seconds, _ = step_seconds(self.model_config, plan, sum(s.max_tokens for s in seqs),
                                       self.spec.dtype_bytes, self.hardware,
                                       self.config.hybrid_cpu_share,

@@ -93,7 +93,9 @@ class EngineConfig:
     )
     head_group: int | None = _option(None, "kv heads per streamed group (default: the planner's)")
     host_memory: str | float | None = _option(
-        None, "host memory budget for KV pages (default: 90% of the RAM available)"
+        None,
+        "host memory budget for KV pages (default: 90% of the RAM available; under "
+        "torchrun the ranks on a machine divide it)",
     )
     kv_budget: float | int | None = _option(
         None, "KV kept per (layer, kv head) after the prompt, in per-head pages: a fraction "

@@ -118,7 +118,8 @@ class ResidentExecutor:
                 self.key_slots = self.store.slots(self.pages, positions)
         elif not self.on_gpu and "gpu" in step.tables:  # the CPU kernel's inputs, per step
             self.ends = step.lengths.to(torch.int32)
-            self.slots = new_token_slots(step.tables["gpu"], self.ends - 1, self.page_size)
+            self.table = step.tables["gpu"].to(torch.int32).contiguous()  # (graphs': int64)
+            self.slots = new_token_slots(self.table, self.ends - 1, self.page_size)
 
     def submit(self, layer: int, q: torch.Tensor, kv: torch.Tensor, out: torch.Tensor) -> None:
         """``q [tokens, heads, dim]``, ``kv [2, tokens, kv_heads, dim]`` of the whole layer;
@@ -183,7 +184,7 @@ class ResidentExecutor:
                                             out=out)  # fmt: skip
             return out, lse.transpose(0, 1)
         store_kv[:, :, self.slots] = kv.transpose(1, 2)  # [2, heads, seqs, dim]
-        result, lse = cpu_paged_decode(q, store_kv[0], store_kv[1], step.tables["gpu"], self.ends,
+        result, lse = cpu_paged_decode(q, store_kv[0], store_kv[1], self.table, self.ends,
                                        self.page_size)  # fmt: skip
         out.copy_(result)
         return out, lse.transpose(0, 1)

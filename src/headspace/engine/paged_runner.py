@@ -10,7 +10,6 @@ graphs survive a detour through streaming.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable
 
 import torch
 
@@ -23,6 +22,7 @@ from headspace.engine.copies import CopyExecutor
 from headspace.engine.entry_staging import EntryStaging
 from headspace.engine.executors import (
     MIN_WIDTH,
+    HeadRange,
     ResidentExecutor,
     StepInputs,
     attend_tiers,
@@ -31,6 +31,7 @@ from headspace.engine.executors import (
 )
 from headspace.engine.hybrid import CpuAttention
 from headspace.engine.hybrid_sparse import SparseSelector
+from headspace.engine.plan_layout import head_ranges, layout_key, prefill_patterns, staging_slots
 from headspace.engine.streaming import CpuSplit, StreamExecutor
 from headspace.kv.block_table import GPU, HOST, BlockManager
 from headspace.kv.entry_table import EntryBlockManager
@@ -38,36 +39,11 @@ from headspace.kv.host_store import HostKVArena
 from headspace.kv.paged_store import PagedKVStore
 from headspace.kv.transfer import as_heads, copy_pages, device_ints
 from headspace.model.llama import LlamaModel
-from headspace.parallel.dist import all_gather_stack
+from headspace.parallel.dist import all_gather_stack, local_world_size
 from headspace.parallel.placement import RankLayout
 from headspace.planner.memory import KVSpec
 from headspace.planner.plan import Plan
 from headspace.planner.profile import Profile
-
-
-def _layout_key(plan: Plan) -> tuple:
-    """What the arena's layout and executors depend on: each entry's tier and group, the GPU
-    page count, the staging slots and the mode (the same key gives the same tensors)."""
-    tiers = tuple((e.tier, e.group) for e in plan.head_map.entries)
-    return tiers, plan.num_gpu_pages, plan.staging, plan.offload, plan.entry_staging
-
-
-def _ranges(plan: Plan, layer: int) -> tuple[tuple[int, int] | None, list[tuple[int, int]]]:
-    """(resident kv-head range, streamed group ranges) of ``layer``: resident heads first."""
-    head_map = plan.head_map
-    num_resident = len(head_map.heads(layer, "gpu"))
-    groups = [(g[0], g[-1] + 1) for g in head_map.offloaded_groups(layer)]
-    return ((0, num_resident) if num_resident else None), groups
-
-
-def _patterns(plan: Plan, layer: int, kv_heads: Iterable[int],
-              q_per_kv: int) -> list[Pattern] | None:  # fmt: skip
-    """The prefill patterns of ``layer``'s ``kv_heads``, one per query head; None when all
-    are full."""
-    patterns = [Pattern.parse(plan.head_map.entry(layer, h).pattern) for h in kv_heads]
-    if all(p.is_full for p in patterns):
-        return None
-    return [p for p in patterns for _ in range(q_per_kv)]
 
 
 class PagedRunner:
@@ -112,7 +88,7 @@ class PagedRunner:
     def apply(self, plan: Plan) -> None:
         """Lay the arena and executors out for ``plan`` (no sequence may hold pages)."""
         self.ensure_host_pages(plan.num_host_pages)
-        key = _layout_key(plan)
+        key = layout_key(plan)
         if key == self._layout:  # the same tensors; the map's budgets may be this batch's
             self.plan.head_map = plan.head_map
             return
@@ -121,10 +97,9 @@ class PagedRunner:
         if self.layout is not None:
             return self._apply_rank(plan, key)
         cfg = self.model.config
-        ranges = [_ranges(plan, layer) for layer in range(cfg.num_layers)]
-        staging = plan.staging
-        slots = (staging.depth, staging.group, staging.piece_pages) if staging else None
-        self.store.layout([r[1] - r[0] if r else 0 for r, _ in ranges], plan.num_gpu_pages, slots)
+        ranges = [head_ranges(plan, layer) for layer in range(cfg.num_layers)]
+        self.store.layout([r[1] if r else 0 for r, _ in ranges], plan.num_gpu_pages,
+                          staging_slots(plan))  # fmt: skip
         same_map = self._layout is not None and self._layout[0] == key[0]
         self.blocks.reset(plan.num_gpu_pages, drop_host_cache=not same_map)
         self.plan, self._layout = plan, key
@@ -133,34 +108,48 @@ class PagedRunner:
         resident = [r for r, _ in ranges]
         self.executors = []
         if any(resident):
-            patterns = [r and _patterns(plan, layer, range(*r), q_per_kv)
+            patterns = [r and prefill_patterns(plan, layer, range(*r), q_per_kv)
                         for layer, r in enumerate(resident)]  # fmt: skip
             self.executors.append(ResidentExecutor(self.store, resident, q_per_kv, backend,
                                                    patterns))  # fmt: skip
-        if staging is not None:
-            self.executors.append(StreamExecutor(self.host, self.store.staging,
-                                                 [g for _, g in ranges], q_per_kv,
-                                                 self.page_size, backend,
-                                                 self._cpu_split(plan)))  # fmt: skip
+        if plan.staging is not None:
+            self.executors.append(self._stream_executor(plan, [g for _, g in ranges]))
+
+    def _stream_executor(self, plan: Plan, groups: list[list[HeadRange]]) -> StreamExecutor:
+        """The stream tier over each layer's offloaded ``groups`` (places in the layer's
+        heads), gathered into the arena's staging slots; under torchrun a graph's step is
+        weighed by the sized map's streamed entries (no rank streams more: all decide
+        alike, so their collectives pair up)."""
+        sized = plan.rank_map.num_offloaded if plan.rank_map is not None else None
+        return StreamExecutor(self.host, self.store.staging, groups,
+                              self.model.config.num_queries_per_kv, self.page_size,
+                              self.config.attention_backend, self._cpu_split(plan, groups),
+                              num_heads=sized)  # fmt: skip
 
     def _apply_rank(self, plan: Plan, key: tuple) -> None:
-        """One rank's heads, all resident: its own heads' pages (layers ``0..L-1`` of the
-        arena) and its copies' (layers ``L..2L-1``); ``plan.head_map`` is the whole map."""
+        """One rank's heads: its own heads' pages (layers ``0..L-1`` of the arena; those the
+        plan offloads streamed, after the resident ones) and its copies' (layers
+        ``L..2L-1``, always resident); ``plan.head_map`` is the whole map."""
         layout, q_per_kv = self.layout, self.model.config.num_queries_per_kv
         backend = self.config.attention_backend
-        own, copies = [len(h) for h in layout.own], [len(c) for c in layout.copies]
-        self.store.layout(own + copies, plan.num_gpu_pages)
-        self.blocks.reset(plan.num_gpu_pages, drop_host_cache=self._layout is None)
+        ranges = [head_ranges(plan, layer, heads) for layer, heads in enumerate(layout.own)]
+        resident = [r for r, _ in ranges]
+        copies = [len(c) for c in layout.copies]
+        self.store.layout([r[1] if r else 0 for r in resident] + copies, plan.num_gpu_pages,
+                          staging_slots(plan))  # fmt: skip
+        same_map = self._layout is not None and self._layout[0] == key[0]
+        self.blocks.reset(plan.num_gpu_pages, drop_host_cache=not same_map)
         self.plan, self._layout = plan, key
         self._layout_id = self._layout_ids.setdefault(key, len(self._layout_ids))
-        own_patterns = [_patterns(plan, layer, heads, q_per_kv) if heads else None
-                        for layer, heads in enumerate(layout.own)]  # fmt: skip
+        own_patterns = [r and prefill_patterns(plan, layer, layout.own[layer][: r[1]], q_per_kv)
+                        for layer, r in enumerate(resident)]  # fmt: skip
         copy_patterns = [[Pattern.parse(plan.head_map.entry(layer, c.kv_head).pattern)
                           for c in cs] for layer, cs in enumerate(layout.copies)]  # fmt: skip
-        ranges = [(0, n) if n else None for n in own]
-        self.executors = [ResidentExecutor(self.store, ranges, q_per_kv, backend, own_patterns),
+        self.executors = [ResidentExecutor(self.store, resident, q_per_kv, backend, own_patterns),
                           CopyExecutor(self.store, layout, q_per_kv, backend, copy_patterns,
                                        all_gather_stack)]  # fmt: skip
+        if plan.staging is not None:
+            self.executors.append(self._stream_executor(plan, [g for _, g in ranges]))
 
     def _apply_entry_pages(self, plan: Plan, key: tuple) -> None:
         """KV budgets and streaming heads: the arena is one plane of entry pages ``[2,
@@ -190,7 +179,7 @@ class PagedRunner:
             if pattern.kind == "streaming":
                 rings[e] = pattern.params
         q_per_kv = self.model.config.num_queries_per_kv
-        patterns = [_patterns(plan, layer, hs, q_per_kv) for layer, hs in enumerate(heads)]
+        patterns = [prefill_patterns(plan, layer, hs, q_per_kv) for layer, hs in enumerate(heads)]
         args = (plane, self.blocks, [len(hs) for hs in heads], q_per_kv,
                 self.config.attention_backend, self.budget, self.tokens.numel(),
                 spec.pages_for(self.max_context), head_scores, rings, patterns,
@@ -201,21 +190,22 @@ class PagedRunner:
             self.executors = [RankBudgetExecutor(*args, layout=layout, head_map=plan.head_map,
                                                  exchange=all_gather_stack)]  # fmt: skip
 
-    def _cpu_split(self, plan: Plan) -> CpuSplit | None:
-        """The hybrid tier's CPU side (one per runner: its worker thread is kept)."""
+    def _cpu_split(self, plan: Plan, groups: list[list[HeadRange]]) -> CpuSplit | None:
+        """The hybrid tier's CPU side over each layer's offloaded ``groups`` (one per runner:
+        its worker thread is kept). Ranks on one machine divide its cores."""
         if plan.offload != "hybrid":
             return None
         if self._cpu_attention is None:
-            threads = self.config.cpu_threads or max(len(os.sched_getaffinity(0)) - 1, 1)
+            cores = len(os.sched_getaffinity(0)) // local_world_size()
+            threads = self.config.cpu_threads or max(cores - 1, 1)
             self._cpu_attention = CpuAttention(self.host, threads)
         config = self.config
         share = plan.cpu_share  # what the planner sized the staging slots for
         self._cpu_attention.sparse = None
         if config.cpu_sparsity is not None:  # the CPU takes all before the window
             spec = self.spec
-            kv_heads = {layer: range(groups[0][0], groups[-1][1])
-                        for layer in range(spec.num_layers)
-                        if (groups := _ranges(plan, layer)[1])}  # fmt: skip
+            kv_heads = {layer: range(ranges[0][0], ranges[-1][1])
+                        for layer, ranges in enumerate(groups) if ranges}  # fmt: skip
             self._cpu_attention.sparse = SparseSelector(
                 config.cpu_sparsity, config.maw_alpha, kv_heads, spec.num_layers,
                 spec.num_kv_heads, config.gpu_window, spec.page_size, self.tokens.numel(),

@@ -2,7 +2,9 @@
 ranks by the chosen solver (the head map's ``rank`` field), and shard the loaded model so
 each rank keeps its heads' weights and a slice of the MLP, its partial outputs summed by an
 all-reduce. Every rank runs the same engine over its own heads; the scheduler's decisions
-are the same on every rank (the same pages, the same prompts, sampled tokens from rank 0).
+are the same on every rank (the same pages, the same plan, the same prompts, sampled tokens
+from rank 0). Where the plan offloads, each rank fills its pages with its own entries and
+streams the rest of its heads from its host pages (:meth:`Ranks.spread`).
 """
 
 from __future__ import annotations
@@ -23,13 +25,14 @@ from headspace.parallel.dist import (
     broadcast_object,
     host_min,
     init_from_env,
+    local_world_size,
 )
 from headspace.parallel.placement import RankLayout, rank_layout
 from headspace.parallel.shard import shard_layer, shard_model
 from headspace.planner.head_cost import CostShape
 from headspace.planner.head_map import HeadMap
 from headspace.planner.memory import GiB, KVSpec
-from headspace.planner.plan import Plan, plan_batch
+from headspace.planner.plan import Plan
 from headspace.planner.profile import Profile, budget_key, with_budget_shares, with_patterns
 from headspace.planner.sparsity import with_budgets
 
@@ -38,15 +41,29 @@ from headspace.planner.sparsity import with_budgets
 class Ranks:
     """This rank's part of a head-parallel engine."""
 
-    layout: RankLayout
+    rank: int
+    layouts: tuple[RankLayout, ...]  # every rank's heads
     head_map: HeadMap  # every entry, with its ranks and shares
-    most_heads: int  # the most kv heads any rank holds in one layer (its pages' width)
+
+    @property
+    def layout(self) -> RankLayout:
+        return self.layouts[self.rank]
+
+    @property
+    def most_heads(self) -> int:
+        """The most kv heads any rank holds in one layer (its pages' width)."""
+        return max(lay.most_heads for lay in self.layouts)
 
     def pages(self, spec: KVSpec, arena: int) -> tuple[KVSpec, int]:
         """The planner's page shape and arena, the same on every rank (so every scheduler
         makes the same choices): pages as wide as the widest rank's layer, and the smallest
         rank's arena."""
         return replace(spec, num_kv_heads=self.most_heads), host_min(arena)
+
+    def host_bytes(self, budget: int) -> int:
+        """This rank's share of the host's KV budget, the same on every rank: the ranks
+        on one machine (``LOCAL_WORLD_SIZE``) divide its memory."""
+        return host_min(budget // local_world_size())
 
     def keep_heads(self, index: int, layer) -> None:
         """Shard decoder layer ``index`` for this rank: its heads' weights (own, then copies)
@@ -56,8 +73,8 @@ class Ranks:
 
     def entry_plan(self, spec: KVSpec, arena: int, head_map: HeadMap, max_tokens: list[int],
                    what: str) -> Plan:  # fmt: skip
-        """Per-entry pages (budgets, streaming heads): every rank's entries resident (no
-        offload yet under torchrun), checked on every rank; ``head_map`` is the whole map."""
+        """Per-entry pages (budgets, streaming heads): every rank's entries resident (not yet
+        in host pages under torchrun), checked on every rank; ``head_map`` is the whole map."""
         plane = arena // spec.entry_page_bytes
         per_entry = sum(spec.pages_for(n) for n in max_tokens)  # one entry, every sequence
         needed = sum(self.layout.layer_heads) * per_entry + 1
@@ -66,16 +83,59 @@ class Ranks:
             raise UserError(
                 f"{what} needs up to {most * spec.entry_page_bytes / GiB:.2f} GiB of KV on "
                 f"a GPU before its prompt is compressed, more than the GPU budget leaves there "
-                f"(no offload under torchrun yet); raise the GPU budget or use more GPUs"
+                f"(per-entry pages stay on the GPU under torchrun); raise the GPU budget or use "
+                f"more GPUs"
             )
         return Plan(head_map, "none", plane - 1, 0, None, 0)
 
-    def plan(self, spec: KVSpec, arena: int, num_pages: int, what: str) -> Plan:
-        """Every rank's heads resident (no offload yet under torchrun); the plan's head map
-        is the whole map, with the ranks and the patterns."""
-        plan = plan_batch(spec, arena, num_pages, offload="none", what=what)
-        plan.head_map = self.head_map
-        return plan
+    def spread(self, plan: Plan, what: str) -> Plan:
+        """The planner's ``plan`` for a rank as wide as the widest (the same on every rank)
+        as the whole map: each rank keeps as many entries resident as the plan's pages
+        hold (its copies first, always resident), and its own heads past them in each layer
+        stream in groups of the plan's size (a group id per rank). The plan's ``rank_map``
+        keeps what was sized."""
+        if plan.staging is None:
+            return replace(plan, head_map=self.head_map)
+        sized, width = plan.head_map, self.head_map.num_kv_heads
+        tier = "hybrid" if plan.offload == "hybrid" else "stream"
+        entries = list(self.head_map.entries)
+        for lay in self.layouts:
+            for layer, num_resident in enumerate(own_resident(lay, sized, what)):
+                for index, head in enumerate(lay.own[layer][num_resident:]):
+                    group = lay.rank * width + index // plan.staging.group
+                    at = layer * width + head
+                    entries[at] = replace(entries[at], tier=tier, group=group)
+        head_map = HeadMap(self.head_map.num_layers, width, entries)
+        return replace(plan, head_map=head_map, rank_map=sized)
+
+
+def own_resident(layout: RankLayout, sized: HeadMap, what: str) -> list[int]:
+    """``[layer]`` how many of ``layout``'s own heads stay resident when its pages hold as
+    many entries as ``sized``'s resident ones: in each layer the places the plan leaves
+    resident after its copies, less where copies overflow a layer's places (from the
+    layers keeping the most, the last first), more where places are left over (the first
+    layers first). UserError where the copies alone overflow the pages."""
+    copies = [len(c) for c in layout.copies]
+    room = sized.count("gpu") - sum(copies)
+    if room < 0:
+        raise UserError(
+            f"{what} streams KV from host memory, and the copies of heads rank {layout.rank} "
+            f"keeps on its GPU ({sum(copies)} entries) leave no room for its own in the plan's "
+            f"{sized.count('gpu')} resident entries; pass --replicas 0 (no copies) or raise "
+            f"the GPU budget"
+        )  # fmt: skip
+    places = [len(sized.heads(layer, "gpu")) for layer in range(sized.num_layers)]
+    kept = [
+        max(0, min(len(own), n - c)) for own, n, c in zip(layout.own, places, copies, strict=True)
+    ]
+    for _ in range(sum(kept) - room):
+        most = max(reversed(range(len(kept))), key=kept.__getitem__)
+        kept[most] -= 1
+    spare = room - sum(kept)  # places other ranks' wider layers use: this rank's to fill
+    for layer, own in enumerate(layout.own):
+        extra = min(spare, len(own) - kept[layer])
+        kept[layer], spare = kept[layer] + extra, spare - extra
+    return kept
 
 
 def join(config):
@@ -93,12 +153,6 @@ def join(config):
                         f"pass --device cuda, not {config.device}")  # fmt: skip
     torch.cuda.set_device(device)  # also where the process group was made elsewhere
     return replace(config, device=device)
-
-
-def _check(config) -> None:
-    if config.offload not in ("auto", "none"):
-        raise UserError(f"under torchrun every rank keeps its heads' KV on its GPU: offload "
-                        f"must be auto or none, got {config.offload!r}")  # fmt: skip
 
 
 def costed_map(cfg, config, profile: Profile | None, max_context: int) -> HeadMap:
@@ -126,7 +180,6 @@ def plan_ranks(cfg, config, profile: Profile | None, max_context: int) -> Ranks 
     rank, world = init_from_env(config.device)
     if world == 1:
         return None
-    _check(config)
     head_map = costed_map(cfg, config, profile, max_context)
     if rank == 0:
         parallel = replace(config.parallel, gpus=world)
@@ -140,8 +193,8 @@ def plan_ranks(cfg, config, profile: Profile | None, max_context: int) -> Ranks 
             profile=profile,
         ).head_map
     head_map = broadcast_object(head_map)
-    layouts = [rank_layout(head_map, r, world) for r in range(world)]
-    return Ranks(layouts[rank], head_map, max(lay.most_heads for lay in layouts))
+    layouts = tuple(rank_layout(head_map, r, world) for r in range(world))
+    return Ranks(rank, layouts, head_map)
 
 
 def setup_ranks(model: LlamaModel, config, profile: Profile | None,

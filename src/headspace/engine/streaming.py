@@ -74,12 +74,18 @@ class StreamExecutor:
 
     def __init__(self, host: HostKVArena, staging: list[torch.Tensor],
                  groups: list[list[HeadRange]], q_per_kv: int, page_size: int,
-                 backend: str, cpu: CpuSplit | None = None):  # fmt: skip
+                 backend: str, cpu: CpuSplit | None = None,
+                 num_heads: int | None = None):  # fmt: skip
+        """``num_heads``: the streamed entries a CUDA graph's step is weighed by (under
+        torchrun the most any rank may stream, so that every rank decides alike; default:
+        those of ``groups``)."""
         self.host, self.staging, self.q_per_kv = host, staging, q_per_kv
         self.cpu = cpu  # the hybrid tier: CPU threads attend the older part of the history
         self.page_size, self.backend = page_size, backend
         self.groups = groups  # per layer: contiguous kv-head ranges, one per group
-        self.num_heads = sum(hi - lo for ranges in groups for lo, hi in ranges)
+        if num_heads is None:
+            num_heads = sum(hi - lo for ranges in groups for lo, hi in ranges)
+        self.num_heads = num_heads
         self.entry_page_bytes = (2 * page_size * staging[0].shape[-1]
                                  * staging[0].element_size())  # fmt: skip
         self.order = [(layer, r) for layer, ranges in enumerate(groups) for r in ranges]

@@ -54,13 +54,14 @@ def copy_pages(src: torch.Tensor, dst: torch.Tensor, src_pages: torch.Tensor,
 
     ``src``, ``dst``: ``[heads, 2, slots, dim]`` views whose slots are contiguous rows;
     page and head index tensors live where the work runs (the GPU when either side is).
-    ``count`` (a one-element device tensor; kernel only): copy only the first ``count``
-    page pairs, so one launch serves every step of a CUDA graph.
+    ``count`` (a one-element device tensor): copy only the first ``count`` page pairs, so
+    one launch serves every step of a CUDA graph (read on the host off the GPU).
     """
     if kernel if kernel is not None else _use_kernel(src, dst):
         return _copy_pages_kernel(src, dst, src_pages, dst_pages, src_heads, dst_heads,
                                   page_size, count, paired)  # fmt: skip
-    assert count is None, "a page count is for the kernel"
+    if count is not None:  # the CPU twin of a graph's step
+        src_pages, dst_pages = src_pages[: int(count)], dst_pages[: int(count)]
     src_p, dst_p = src.unflatten(2, (-1, page_size)), dst.unflatten(2, (-1, page_size))
     src_h, dst_h = src_heads.long(), dst_heads.long()
     src_i, dst_i = src_pages.long(), dst_pages.long()

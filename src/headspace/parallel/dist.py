@@ -88,6 +88,12 @@ def broadcast_(tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
     return tensor
 
 
+def local_world_size() -> int:
+    """The ranks torchrun started on this machine (``LOCAL_WORLD_SIZE``; 1 outside it):
+    they share its memory and cores."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+
+
 def is_first_rank() -> bool:
     """Whether this process is rank 0 of torchrun's (or the only process): the one that
     writes output."""

@@ -62,6 +62,9 @@ class Plan:
     decode_pcie_floor_ms: float = 0.0
     cpu_share: float = 0.0  # hybrid: share of each history before the window on the CPU
     entry_staging: int = 0  # per-entry pages: entry pages of one staging slot
+    # under torchrun with heads in host pages: the map the planner sized, one rank's heads as
+    # wide as the widest rank's layer (``head_map`` is then the whole map, every rank's)
+    rank_map: HeadMap | None = None
 
     @property
     def head_group(self) -> int:
