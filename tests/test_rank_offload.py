@@ -1,6 +1,7 @@
 """KV in host memory under torchrun: each rank keeps as many of its entries resident as the
 plan's pages hold (its copies of shared heads first) and streams the rest of its own heads
-from host pages, or attends them in part on the CPU (hybrid). Launched as users do (gloo on
+from host pages, or attends them in part on the CPU (hybrid); sequences that outgrow an
+all-resident pool swap out to host pages and back. Launched as users do (gloo on
 the CPU) against one process that keeps everything resident; and the pure arithmetic of
 which entries each rank keeps, without a process group."""
 
@@ -24,11 +25,12 @@ from test_parallel_engine import SAMPLED, _case, _check, _uneven, run_cases
 RESIDENT = {"num_kv_pages": None}  # one process: everything on the "GPU"
 
 
-def test_heads_streamed_from_host_memory_two_ranks(wide_llama, prompt, tmp_path):
+def test_host_memory_two_ranks(wide_llama, prompt, tmp_path):
     """Each rank's heads beyond what its GPU pages hold live in host pages, streamed in (by
     groups, by layers) or attended in part by CPU threads (hybrid): even and uneven maps, a
-    batch that reaches the plan, sampled tokens, and decode as the CUDA graphs run it. One
-    process keeps everything resident."""
+    batch that reaches the plan, sampled tokens, and decode as the CUDA graphs run it; and
+    whole sequences swapped out to host pages and back, even and uneven. One process keeps
+    everything resident."""
     cases = [
         {**_case(wide_llama, prompt, {"num_kv_pages": 3, "balance": "uniform", "offload": "head",
                                       "head_group": 1}), "single": RESIDENT},
@@ -41,19 +43,33 @@ def test_heads_streamed_from_host_memory_two_ranks(wide_llama, prompt, tmp_path)
         {**_case(wide_llama, prompt, {"num_kv_pages": 3, "balance": "random", "offload": "head"}),
          "single": RESIDENT, "batch": [150, 75, 100], "graph_twin": True},
     ]  # fmt: skip
+    cases += [
+        _swapping(wide_llama, prompt, balance, n) for balance, n in (("uniform", 6), ("random", 9))
+    ]
     results = _check(run_cases(2, cases, tmp_path), cases)
-    assert _uneven(results[1]["heads"])
+    assert _uneven(results[1]["heads"]) and _uneven(results[-1]["heads"])
     tiers = ["stream", "stream", "stream", "hybrid", "stream"]
-    for result, tier in zip(results, tiers, strict=True):
+    for result, tier in zip(results, tiers, strict=False):
         first = result["tiers"][0]  # the longest prompt's plan (each rank's part of it)
         assert 0 < first[tier] < 32 and first["gpu"] + first[tier] == 32, result["tiers"]
-    assert results[-1]["graphs"]
+    assert results[4]["graphs"]
+    for result in results[-2:]:  # pages out to host pages, and all of them back
+        assert result["swaps"] and sum(result["swaps"]) == 0, result["swaps"]
 
 
-def test_copies_stay_resident_while_own_heads_stream_three_ranks(wide_llama, prompt, tmp_path):
+def _swapping(model, prompt, balance: str, num_kv_pages: int) -> dict:
+    """Five prompts whose 48 new tokens each outgrow a rank's all-resident pool: sequences
+    swap out to the rank's host pages and back (one process keeps everything resident)."""
+    options = {"num_kv_pages": num_kv_pages, "balance": balance}
+    return {**_case(model, prompt, options, params={"max_new_tokens": 48, "ignore_eos": True}),
+            "batch": [60, 50, 70, 40, 65], "single": RESIDENT}  # fmt: skip
+
+
+def test_copies_in_host_memory_three_ranks(wide_llama, prompt, tmp_path):
     """Three ranks over 4 kv heads: each rank computes one head alone and a copy of the
     fourth; the copies keep their places in the GPU pages, the own heads past the plan's
-    resident entries stream (or go hybrid). Ranks that stream different numbers of heads
+    resident entries stream (or go hybrid); a swapped sequence's copies land in host pages
+    after the rank's own heads, and come back. Ranks that stream different numbers of heads
     (greedy: 2, 1 and 1 a layer) decide alike whether a step fits a graph, by the most any
     of them may stream, even where a lowered bound lets the lighter ranks' steps in."""
     options = {"num_kv_pages": 4, "balance": "fairkv", "head_group": 1}
@@ -68,8 +84,11 @@ def test_copies_stay_resident_while_own_heads_stream_three_ranks(wide_llama, pro
         {**_case(wide_llama, prompt, {"num_kv_pages": 2, "balance": "greedy", "replicas": 0,
                                       "offload": "head"}),
          "single": RESIDENT, "batch": [40, 30], "graph_twin": True},
+        _swapping(wide_llama, prompt, "fairkv", 6),  # copies swap after own heads
     ]  # fmt: skip
     results = _check(run_cases(3, cases, tmp_path), cases)
+    assert "8 entries copied" in results[-1]["summary"]
+    assert results[-1]["swaps"] and sum(results[-1]["swaps"]) == 0
     assert _uneven(results[2]["heads"])
     assert len(set(results[2]["graphs_all"])) == 1  # (collectives would not pair up)
     assert results[3]["graphs_all"] == [True] * 3

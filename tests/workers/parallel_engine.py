@@ -33,10 +33,24 @@ def _recording_sync(sync):
 
 
 RankBudgetExecutor.sync = _recording_sync(RankBudgetExecutor.sync)
+SWAPS: list[int] = []  # pages each swap moved, out to host pages (+) and back (-)
+
+
+def _recording_swap(swap):
+    def recorded(self, pairs, to_host):
+        swap(self, pairs, to_host)
+        if pairs:
+            SWAPS.append(len(pairs) if to_host else -len(pairs))
+
+    return recorded
+
+
+PagedRunner.swap = _recording_swap(PagedRunner.swap)
 
 
 def run_case(case: dict) -> dict:
     WIDTHS.clear()
+    SWAPS.clear()
     # decode steps through the graphs' CPU twin (padded rows, warm-ups) when the case asks
     PagedRunner.graph_twin = EagerGraphTwin if case.get("graph_twin") else None
     # a graph's step may stream at most this many bytes (a case lowers it: ranks streaming
@@ -58,6 +72,7 @@ def run_case(case: dict) -> dict:
     return {"logits": logits, "tokens": [o.token_ids for o in outputs],
             "summary": ranks.head_map.summary(), "heads": heads, "widths": widths,
             "graphs": graphs[0], "graphs_all": graphs,
+            "swaps": list(SWAPS),
             "tiers": [tiers(o.stats) for o in outputs],
             "streamed": llm.engine.model.layer_source is not None}  # fmt: skip
 

@@ -134,7 +134,6 @@ class BatchGenerator:
         if scheduler is not None:
             scheduler.tiers = self.tiers
             swaps = self.config.offload != "none" and not self.config.per_head_pages
-            swaps = swaps and self.ranks is None  # no swaps under torchrun yet
             scheduler.optimistic = not streams and swaps
             scheduler.host_room = self._host_room
 

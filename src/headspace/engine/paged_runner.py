@@ -358,15 +358,23 @@ class PagedRunner:
 
     # -- swapping ----------------------------------------------------------------------
     def swap(self, pairs: list[tuple[int, int]], to_host: bool) -> None:
-        """Copy the resident entries of page pairs (GPU, host) or (host, GPU)."""
+        """Copy the resident entries of page pairs (GPU, host) or (host, GPU). Under torchrun
+        a layer's host pages hold the rank's heads in its weights' order: its own (arena
+        layer ``l``), then its copies (arena layer ``L + l``)."""
         if not pairs:
             return
         src_pages, dst_pages = device_ints(list(zip(*pairs, strict=True)), self.device)
-        for layer, store_kv in enumerate(self.store.kv):
+        num_layers = self.spec.num_layers
+        for index, store_kv in enumerate(self.store.kv):
+            layer, first = index % num_layers, 0
+            if index >= num_layers:  # a rank's copies, after its own heads
+                first = len(self.layout.own[layer])
             heads = torch.arange(store_kv.shape[1], device=self.device)
             gpu, host = as_heads(store_kv, kv_first=True), self.host.layer(layer)
             src, dst = (gpu, host) if to_host else (host, gpu)
-            copy_pages(src, dst, src_pages, dst_pages, heads, heads, self.page_size)
+            gpu_heads, host_heads = heads, heads + first
+            src_heads, dst_heads = (gpu_heads, host_heads) if to_host else (host_heads, gpu_heads)
+            copy_pages(src, dst, src_pages, dst_pages, src_heads, dst_heads, self.page_size)
 
 
 __all__ = ["GPU", "HOST", "PagedRunner"]
