@@ -10,6 +10,7 @@ from headspace.attention.cpu_decode import kernel_isa
 from headspace.engine.config import EngineConfig
 from headspace.engine.ranks import Ranks
 from headspace.engine.scheduler import Sequence
+from headspace.parallel.dist import all_agree
 from headspace.planner.entry_offload import entry_step_seconds, plan_entries
 from headspace.planner.head_map import HeadMap
 from headspace.planner.memory import Hardware, KVSpec
@@ -30,7 +31,10 @@ class BatchPlanner:
         self.streamed_bytes = streamed_bytes  # weights copied from the host per step
         # the planner's rates (no CPU attention where the kernel does not build); with
         # ``offload="auto"`` the hybrid tier is considered only on a GPU machine
-        self.hardware = Hardware() if kernel_isa() is not None else Hardware(cpu_attention_bytes=0)
+        has_kernel = kernel_isa() is not None
+        if ranks is not None:  # every rank plans alike, also over machines that differ
+            has_kernel = all_agree(has_kernel)
+        self.hardware = Hardware() if has_kernel else Hardware(cpu_attention_bytes=0)
 
     def plan(self, seqs: list[Sequence]) -> Plan:
         """The plan for ``seqs`` running together (UserError with the numbers if none)."""
