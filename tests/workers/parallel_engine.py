@@ -18,7 +18,6 @@ from headspace.engine.paged_graphs import EagerGraphTwin
 from headspace.engine.paged_runner import PagedRunner
 from headspace.engine.sampling import SamplingParams
 from headspace.parallel.dist import is_first_rank
-from headspace.parallel.placement import rank_layout
 
 GRAPH_MAX_BYTES = paged_graphs.GRAPH_MAX_STREAMED_BYTES
 WIDTHS: list[int] = []  # the table width of every per-entry decode step on this rank
@@ -63,8 +62,7 @@ def run_case(case: dict) -> dict:
     outputs = llm.generate(batch(case), params)
     ranks = llm.engine.ranks
     world = ranks.layout.world
-    layouts = [rank_layout(ranks.head_map, rank, world) for rank in range(world)]
-    heads = [[len(lay.heads(layer)) for layer in range(lay.num_layers)] for lay in layouts]
+    heads = [lay.layer_heads for lay in ranks.layouts]  # every rank's heads per layer
     widths = [None] * world  # every rank's step widths (a graph's key: they must agree)
     torch.distributed.all_gather_object(widths, list(WIDTHS))
     graphs = [None] * world  # whether each rank ran decode steps as graphs

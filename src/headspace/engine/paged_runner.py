@@ -100,10 +100,7 @@ class PagedRunner:
         ranges = [head_ranges(plan, layer) for layer in range(cfg.num_layers)]
         self.store.layout([r[1] if r else 0 for r, _ in ranges], plan.num_gpu_pages,
                           staging_slots(plan))  # fmt: skip
-        same_map = self._layout is not None and self._layout[0] == key[0]
-        self.blocks.reset(plan.num_gpu_pages, drop_host_cache=not same_map)
-        self.plan, self._layout = plan, key
-        self._layout_id = self._layout_ids.setdefault(key, len(self._layout_ids))
+        self._adopt(plan, key, reset_shared=True)
         q_per_kv, backend = cfg.num_queries_per_kv, self.config.attention_backend
         resident = [r for r, _ in ranges]
         self.executors = []
@@ -114,6 +111,15 @@ class PagedRunner:
                                                    patterns))  # fmt: skip
         if plan.staging is not None:
             self.executors.append(self._stream_executor(plan, [g for _, g in ranges]))
+
+    def _adopt(self, plan: Plan, key: tuple, reset_shared: bool = False) -> None:
+        """Make ``plan`` (layout ``key``) the current one; ``reset_shared``: first empty the
+        shared pages' block tables (the host prefix cache survives a map that stays)."""
+        if reset_shared:
+            same_map = self._layout is not None and self._layout[0] == key[0]
+            self.blocks.reset(plan.num_gpu_pages, drop_host_cache=not same_map)
+        self.plan, self._layout = plan, key
+        self._layout_id = self._layout_ids.setdefault(key, len(self._layout_ids))
 
     def _stream_executor(self, plan: Plan, groups: list[list[HeadRange]]) -> StreamExecutor:
         """The stream tier over each layer's offloaded ``groups`` (places in the layer's
@@ -137,10 +143,7 @@ class PagedRunner:
         copies = [len(c) for c in layout.copies]
         self.store.layout([r[1] if r else 0 for r in resident] + copies, plan.num_gpu_pages,
                           staging_slots(plan))  # fmt: skip
-        same_map = self._layout is not None and self._layout[0] == key[0]
-        self.blocks.reset(plan.num_gpu_pages, drop_host_cache=not same_map)
-        self.plan, self._layout = plan, key
-        self._layout_id = self._layout_ids.setdefault(key, len(self._layout_ids))
+        self._adopt(plan, key, reset_shared=True)
         own_patterns = [r and prefill_patterns(plan, layer, layout.own[layer][: r[1]], q_per_kv)
                         for layer, r in enumerate(resident)]  # fmt: skip
         copy_patterns = [[Pattern.parse(plan.head_map.entry(layer, c.kv_head).pattern)
@@ -170,8 +173,7 @@ class PagedRunner:
         if plan.entry_staging:  # two slots after the pool's pages (one process only)
             staging = EntryStaging(plane, self.host, offloaded, spec.num_kv_heads, spec.page_size,
                                    plan.num_gpu_pages, plan.entry_staging)  # fmt: skip
-        self.plan, self._layout = plan, key
-        self._layout_id = self._layout_ids.setdefault(key, len(self._layout_ids))
+        self._adopt(plan, key)
         head_scores = None if self.profile is None else torch.tensor(self.profile.retrieval)
         rings = {}
         for e, (layer, h) in enumerate(entries):
@@ -370,10 +372,9 @@ class PagedRunner:
             if index >= num_layers:  # a rank's copies, after its own heads
                 first = len(self.layout.own[layer])
             heads = torch.arange(store_kv.shape[1], device=self.device)
-            gpu, host = as_heads(store_kv, kv_first=True), self.host.layer(layer)
-            src, dst = (gpu, host) if to_host else (host, gpu)
-            gpu_heads, host_heads = heads, heads + first
-            src_heads, dst_heads = (gpu_heads, host_heads) if to_host else (host_heads, gpu_heads)
+            gpu = as_heads(store_kv, kv_first=True), heads
+            host = self.host.layer(layer), heads + first
+            (src, src_heads), (dst, dst_heads) = (gpu, host) if to_host else (host, gpu)
             copy_pages(src, dst, src_pages, dst_pages, src_heads, dst_heads, self.page_size)
 
 

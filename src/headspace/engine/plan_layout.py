@@ -42,7 +42,7 @@ def staging_slots(plan: Plan) -> tuple[int, int, int] | None:
 
 
 def prefill_patterns(plan: Plan, layer: int, kv_heads: Iterable[int],
-              q_per_kv: int) -> list[Pattern] | None:  # fmt: skip
+                     q_per_kv: int) -> list[Pattern] | None:  # fmt: skip
     """The prefill patterns of ``layer``'s ``kv_heads``, one per query head; None when all
     are full."""
     patterns = [Pattern.parse(plan.head_map.entry(layer, h).pattern) for h in kv_heads]
