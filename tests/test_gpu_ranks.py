@@ -64,15 +64,20 @@ def test_ranks_on_gpu_equal_one_process(tmp_path, world, balance, kv_budget, bac
     assert got["tokens"] == ref["tokens"]
 
 
-@pytest.mark.parametrize("offload,backend", [("head", "gloo"), ("hybrid", "gloo"),
-                                             ("head", "gloo-twin")])  # fmt: skip
-def test_ranks_streaming_from_host_memory_equal_one_process(tmp_path, offload, backend):
+@pytest.mark.parametrize(
+    "offload,backend,kv_budget",
+    [("head", "gloo", ""), ("hybrid", "gloo", ""), ("head", "gloo-twin", ""),
+     ("head", "gloo", "0.5")],
+)  # fmt: skip
+def test_ranks_streaming_from_host_memory_equal_one_process(tmp_path, offload, backend,
+                                                            kv_budget):  # fmt: skip
     """Two ranks sharing the GPU, each streaming its heads from its pinned host pages
     (Triton gathers on the copy stream; hybrid: CPU threads on the older tokens), give the
     fp32 logits and tokens of one process keeping everything resident; through the graphs'
     twin the streamed history is gathered as a graph's step does (one kernel, its page
-    count on the device)."""
-    ref, got = _one_and_ranks(tmp_path, 2, "uniform", "", backend, offload)
+    count on the device). Under Ada-SnapKV each rank's offloaded entries are compressed in
+    its host pages and stream only what they keep, on the copy stream."""
+    ref, got = _one_and_ranks(tmp_path, 2, "uniform", kv_budget, backend, offload)
     assert got["offloaded"] > 0 and ref["offloaded"] == 0
     assert got["graphs"] == (backend == "gloo-twin")
     assert (got["logits"] - ref["logits"]).abs().max().item() <= 1e-4

@@ -7,6 +7,8 @@ which entries each rank keeps, without a process group."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -16,11 +18,12 @@ from headspace.errors import UserError
 from headspace.parallel.balance import with_ranks
 from headspace.parallel.placement import rank_layout
 from headspace.parallel.solvers import solve_layers
+from headspace.planner.entry_offload import plan_entries
 from headspace.planner.head_cost import HeadCost
 from headspace.planner.head_map import HeadEntry, HeadMap
 from headspace.planner.memory import KVSpec
 from headspace.planner.plan import plan_batch
-from test_parallel_engine import SAMPLED, _case, _check, _uneven, run_cases
+from test_parallel_engine import SAMPLED, _case, _check, _random_profile, _uneven, run_cases
 
 RESIDENT = {"num_kv_pages": None}  # one process: everything on the "GPU"
 
@@ -183,3 +186,121 @@ def test_own_resident_gives_back_where_copies_overflow_a_layer():
     starved = sized("stream", "stream", "stream", "gpu")  # one place, two copies
     with pytest.raises(UserError, match="--replicas 0"):
         own_resident(layout, starved, "the batch")
+
+
+def test_budget_entries_in_host_memory_two_ranks(wide_llama, prompt, tmp_path):
+    """Per-entry pages (KV budgets, streaming heads) under torchrun when a rank's entries do
+    not fit its GPU pages: every rank plans alike, each puts its own heads past the plan's
+    resident entries in its host pages (rings stay), compresses them there and streams
+    only what each keeps: even and uneven maps, Ada-SnapKV's heads competing across ranks,
+    rings beside offloaded heads, sampled tokens, a batch. One process keeps everything
+    resident."""
+    profile = _random_profile(tmp_path / "profile.json", 8, 4)
+    streaming = {"profile": profile, "retrieval_heads": 0.5, "sparse_pattern": "streaming(4,16)"}
+    cases = [
+        {**_case(wide_llama, prompt, {"num_kv_pages": 3, "kv_budget": 0.5, "kv_policy": "snapkv",
+                                      "balance": "uniform"}), "single": RESIDENT},
+        {**_case(wide_llama, prompt, {"num_kv_pages": 3, "kv_budget": 0.4,
+                                      "kv_policy": "ada_snapkv", "balance": "random",
+                                      "replicas": 0}, params=SAMPLED), "single": RESIDENT},
+        {**_case(wide_llama, prompt, {**streaming, "num_kv_pages": 3, "kv_budget": 64,
+                                      "kv_policy": "ada_snapkv", "balance": "fairkv"}),
+         "single": RESIDENT, "batch": [150, 75, 100]},
+        {**_case(wide_llama, prompt, {**streaming, "num_kv_pages": 4, "kv_budget": 0.5,
+                                      "balance": "greedy", "replicas": 0}), "single": RESIDENT},
+    ]  # fmt: skip
+    results = _check(run_cases(2, cases, tmp_path), cases)
+    assert _uneven(results[1]["heads"]) and _uneven(results[3]["heads"])
+    rings = results[2]["summary"]
+    assert "streaming(4,16)=16" in rings
+    for result in results:
+        first = result["tiers"][0]  # the longest prompt's plan: every rank's entries
+        assert first["stream"] > 0 and first["gpu"] + first["stream"] == 32, result["tiers"]
+        assert all(max(staged) > 0 for staged in result["staged"])  # each rank streamed
+    assert results[2]["tiers"][0]["stream"] <= 16  # rings stay in the plane
+    staged = [max(s) for s in results[3]["staged"]]  # ranks holding more stream more
+    assert staged[0] != staged[1], staged
+    for result in results[1::2]:  # uneven: every rank weighs a batch by the same weights
+        assert len(set(result["weighed"])) == 1, result["weighed"]
+
+
+def test_budget_entries_in_host_memory_three_ranks(wide_llama, prompt, tmp_path):
+    """Three ranks: copies of a shared head stay in the GPU pages while each rank's own
+    heads go to host pages; and a rank holding twice the heads of the others (uniform over
+    4 kv heads) offloads some while the others keep all theirs resident."""
+    cases = [
+        {**_case(wide_llama, prompt, {"num_kv_pages": 3, "kv_budget": 0.5,
+                                      "kv_policy": "ada_snapkv", "balance": "fairkv"}),
+         "single": RESIDENT},
+        {**_case(wide_llama, prompt, {"num_kv_pages": 4, "kv_budget": 64, "balance": "uniform"}),
+         "single": RESIDENT},
+    ]  # fmt: skip
+    copied, uneven = _check(run_cases(3, cases, tmp_path), cases)
+    assert "8 entries copied" in copied["summary"]
+    first = copied["tiers"][0]
+    assert 0 < first["stream"] <= 24, first  # at most the 3 x 8 own heads
+    assert all(max(staged) > 0 for staged in copied["staged"])
+    assert [sum(h) for h in uneven["heads"]] == [16, 8, 8]
+    assert uneven["tiers"][0]["stream"] > 0
+    assert uneven["staged"][0] and not any(uneven["staged"][1:])  # the others stage nothing
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    world=st.integers(1, 4),
+    costs=st.lists(st.floats(0.2, 4.0), min_size=16, max_size=16),
+    replicas=st.integers(0, 2),
+    rings=st.lists(st.booleans(), min_size=16, max_size=16),
+    share=st.floats(0.6, 1.2),
+    lengths=st.lists(st.integers(1, 300), min_size=1, max_size=3),
+    kept=st.floats(0.1, 1.0),
+)
+def test_entry_plan_places_every_ranks_entries_alike(world, costs, replicas, rings, share,
+                                                     lengths, kept):  # fmt: skip
+    """The entry planner over each rank's entries (random costs and rings per layer, copies;
+    4 layers x 4 kv heads): every rank
+    keeps all its entries resident when the fullest fits; else each offloads exactly its
+    entries past the plan's resident ones, only its own heads and never a ring, at most the
+    staging slot's share per layer, and its resident entries fit the pool beside two
+    slots. One part of every entry plans as one process does."""
+    layer_costs = [[HeadCost(c) for c in costs[4 * layer : 4 * layer + 4]] for layer in range(4)]
+    head_map = with_ranks(HeadMap.all_gpu(4, 4), solve_layers("fairkv", layer_costs, world,
+                                                                replicas=replicas))  # fmt: skip
+    pattern = [("streaming(4,16)" if ring else "full") for ring in rings]  # layer-major
+    head_map = HeadMap(
+        4, 4, [replace(e, pattern=pattern[i]) for i, e in enumerate(head_map.entries)]
+    )
+    layouts = tuple(rank_layout(head_map, r, world) for r in range(world))
+    ranks = Ranks(0, layouts, head_map)
+    spec = KVSpec(num_layers=4, num_kv_heads=ranks.most_heads, head_dim=8, page_size=16,
+                  dtype_bytes=2)  # fmt: skip
+    bounds = [max(1, int(kept * n)) for n in lengths]
+    per_entry = sum(spec.pages_for(n) for n in lengths)
+    fullest = max(sum(lay.layer_heads) for lay in layouts)
+    num_pages = int(share * (fullest * per_entry + 1))  # around what the fullest rank needs
+    arena = num_pages * spec.entry_page_bytes
+    try:
+        plan = plan_entries(spec, arena, head_map, lengths, bounds, parts=ranks.entry_parts())
+    except UserError:
+        return
+    counts = ranks.entry_counts(plan.head_map)
+    if plan.entry_staging == 0:
+        assert all(offloaded == 0 for _, offloaded in counts)
+        assert fullest * per_entry < num_pages
+        return
+    assert plan.num_gpu_pages + 2 * plan.entry_staging + 1 <= num_pages
+    num_resident = plan.num_gpu_pages // per_entry
+    per_layer = plan.entry_staging // sum(spec.pages_for(b) for b in bounds)
+    for lay, (resident, _) in zip(layouts, counts, strict=True):
+        assert resident == min(num_resident, sum(lay.layer_heads))
+        for layer in range(4):
+            offloaded = [e for e in head_map.layer(layer)
+                         if plan.head_map.entry(layer, e.kv_head).tier == "stream"
+                         and e.kv_head in lay.heads(layer)]  # fmt: skip
+            assert len(offloaded) <= per_layer
+            assert all(e.rank == (lay.rank,) and e.pattern == "full" for e in offloaded)
+    if world == 1:  # one part, every entry: as one process plans
+        alone = plan_entries(spec, arena, head_map, lengths, bounds)
+        assert alone.head_map.entries == plan.head_map.entries
+        assert (alone.num_gpu_pages, alone.entry_staging) == (plan.num_gpu_pages,
+                                                              plan.entry_staging)  # fmt: skip

@@ -14,6 +14,7 @@ import torch.distributed
 from headspace.api import LLM
 from headspace.engine import paged_graphs
 from headspace.engine.budget_ranks import RankBudgetExecutor
+from headspace.engine.entry_staging import EntryStaging
 from headspace.engine.paged_graphs import EagerGraphTwin
 from headspace.engine.paged_runner import PagedRunner
 from headspace.engine.sampling import SamplingParams
@@ -45,11 +46,24 @@ def _recording_swap(swap):
 
 
 PagedRunner.swap = _recording_swap(PagedRunner.swap)
+STAGED: list[int] = []  # bytes each decode step staged from this rank's host pages
+
+
+def _recording_staging(begin_decode):
+    def recorded(self, *args):
+        begin_decode(self, *args)
+        STAGED.append(self.streamed_bytes)
+
+    return recorded
+
+
+EntryStaging.begin_decode = _recording_staging(EntryStaging.begin_decode)
 
 
 def run_case(case: dict) -> dict:
     WIDTHS.clear()
     SWAPS.clear()
+    STAGED.clear()
     # decode steps through the graphs' CPU twin (padded rows, warm-ups) when the case asks
     PagedRunner.graph_twin = EagerGraphTwin if case.get("graph_twin") else None
     # a graph's step may stream at most this many bytes (a case lowers it: ranks streaming
@@ -65,12 +79,17 @@ def run_case(case: dict) -> dict:
     heads = [lay.layer_heads for lay in ranks.layouts]  # every rank's heads per layer
     widths = [None] * world  # every rank's step widths (a graph's key: they must agree)
     torch.distributed.all_gather_object(widths, list(WIDTHS))
+    staged = [None] * world  # every rank's bytes staged from host pages per decode step
+    torch.distributed.all_gather_object(staged, list(STAGED))
+    planner = llm.engine.batch.planner  # the weights every rank's rate predictions weigh
+    weighed = [None] * world
+    torch.distributed.all_gather_object(weighed, (planner.weight_bytes, planner.streamed_bytes))
     graphs = [None] * world  # whether each rank ran decode steps as graphs
     torch.distributed.all_gather_object(graphs, bool(llm.engine.batch.runner._graph_cache))
     return {"logits": logits, "tokens": [o.token_ids for o in outputs],
             "summary": ranks.head_map.summary(), "heads": heads, "widths": widths,
             "graphs": graphs[0], "graphs_all": graphs,
-            "swaps": list(SWAPS),
+            "swaps": list(SWAPS), "staged": staged, "weighed": weighed,
             "tiers": [tiers(o.stats) for o in outputs],
             "streamed": llm.engine.model.layer_source is not None}  # fmt: skip
 

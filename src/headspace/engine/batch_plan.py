@@ -10,7 +10,7 @@ from headspace.attention.cpu_decode import kernel_isa
 from headspace.engine.config import EngineConfig
 from headspace.engine.ranks import Ranks
 from headspace.engine.scheduler import Sequence
-from headspace.parallel.dist import all_agree
+from headspace.parallel.dist import all_agree, host_min
 from headspace.planner.entry_offload import entry_step_seconds, plan_entries
 from headspace.planner.head_map import HeadMap
 from headspace.planner.memory import Hardware, KVSpec
@@ -34,6 +34,9 @@ class BatchPlanner:
         has_kernel = kernel_isa() is not None
         if ranks is not None:  # every rank plans alike, also over machines that differ
             has_kernel = all_agree(has_kernel)
+            # ranks hold different weights: every rank weighs the most any of them holds
+            self.weight_bytes = -host_min(-weight_bytes)
+            self.streamed_bytes = -host_min(-streamed_bytes)
         self.hardware = Hardware() if has_kernel else Hardware(cpu_attention_bytes=0)
 
     def plan(self, seqs: list[Sequence]) -> Plan:
@@ -70,15 +73,14 @@ class BatchPlanner:
         if config.retrieval_heads is not None:
             head_map = self._with_patterns(head_map)
         kept = None if budget is None else max(budget.tokens(len(s.prompt_ids)) for s in seqs)
-        if self.ranks is not None:  # the whole map, with its ranks
-            return self.ranks.entry_plan(spec, self.runner.store.num_bytes,
-                                         with_budgets(self.ranks.head_map, kept),
-                                         [s.max_tokens for s in seqs], what)  # fmt: skip
+        parts = None
+        if self.ranks is not None:  # the whole map, with its ranks; each rank's entries
+            head_map, parts = self.ranks.head_map, self.ranks.entry_parts()
         head_map = with_budgets(head_map, kept)  # rings keep their sink and window
         return plan_entries(spec, self.runner.store.num_bytes, head_map,
                             [s.max_tokens for s in seqs], self.bounds(seqs),
                             offload=config.offload, host_budget=self.runner.host.budget,
-                            what=what)  # fmt: skip
+                            what=what, parts=parts)  # fmt: skip
 
     def bounds(self, seqs: list[Sequence]) -> list[int]:
         """Most tokens one entry of each sequence holds after its prompt."""
@@ -90,9 +92,14 @@ class BatchPlanner:
     def rate(self, plan: Plan, seqs: list[Sequence]) -> float:
         """Predicted sequences x tokens/s of a decode step over ``seqs`` (roofline; with
         entries in host pages, over what each holds after its prompt)."""
-        if plan.entry_staging:
-            seconds = entry_step_seconds(self.spec, plan, self.bounds(seqs), self.weight_bytes,
-                                         self.hardware, self.streamed_bytes)  # fmt: skip
+        if plan.entry_staging:  # under torchrun: the slowest rank's step
+            counts = [(plan.head_map.count("gpu"), plan.head_map.num_offloaded)]
+            if self.ranks is not None:
+                counts = self.ranks.entry_counts(plan.head_map)
+            seconds = max(entry_step_seconds(self.spec, resident, offloaded, self.bounds(seqs),
+                                             self.weight_bytes, self.hardware,
+                                             self.streamed_bytes)
+                          for resident, offloaded in counts)  # fmt: skip
         else:
             if plan.rank_map is not None:  # under torchrun: the widest rank's step
                 plan = replace(plan, head_map=plan.rank_map)

@@ -101,7 +101,8 @@ class BudgetExecutor:
             return
         self.begin_rows(self.step_slots, bucket(self.widest, MIN_WIDTH))
         if self.staging is not None:
-            self.tables = self.tables.clone()  # offloaded rows point at staging pages
+            if isinstance(self.tables, torch.Tensor):  # (may view the kept tables)
+                self.tables = self.tables.clone()  # offloaded rows point at staging pages
             self.staging.begin_decode(self.step_lengths, self.step_hosts, self.tables)
 
     def sync(self, seq_ids: list[int], slots: list[int]) -> None:
@@ -161,16 +162,7 @@ class BudgetExecutor:
     def submit(self, layer: int, q: torch.Tensor, kv: torch.Tensor, out: torch.Tensor) -> None:
         """``q [tokens, heads, dim]``, ``kv [2, tokens, kv_heads, dim]`` of the whole layer."""
         if self.step.decode:
-            k, v = self.plane[0], self.plane[1]
-            newest = None if self.newest is None else self.newest[layer]
-            if self.staging is not None:
-                self.staging.wait(layer)
-            result, lse = entry_decode(q, k, v, self.tables[layer], self.lengths[layer],
-                                       self.page_size, new_kv=kv, new_index=newest)  # fmt: skip
-            if self.staging is not None:
-                self.staging.done(layer, kv)
-            out.copy_(result)
-            self._results[layer] = (out, lse.transpose(0, 1))
+            self._staged_decode(layer, q, kv, out)
             return
         out_part, lse = self._prefill(layer, q.transpose(0, 1), kv)
         out.copy_(out_part.transpose(0, 1))
@@ -180,6 +172,26 @@ class BudgetExecutor:
         kept = self.window_q.get(layer)
         recent = q if kept is None else torch.cat([kept, q])
         self.window_q[layer] = recent[-self.budget.window :].clone()
+
+    def _staged_decode(self, layer: int, q: torch.Tensor, kv: torch.Tensor,
+                       out: torch.Tensor) -> None:  # fmt: skip
+        """:meth:`_decode` between the layer's staged pages arriving and its offloaded rows'
+        new tokens going to host pages."""
+        if self.staging is not None:
+            self.staging.wait(layer)
+        self._decode(layer, q, kv, out)
+        if self.staging is not None:
+            self.staging.done(layer, kv)
+
+    def _decode(self, layer: int, q: torch.Tensor, kv: torch.Tensor, out: torch.Tensor) -> None:
+        """``q [seqs, heads, dim]`` of one new token per sequence over each row's pages,
+        ``kv [2, seqs, kv_heads, dim]`` its K/V (stored as it attends)."""
+        k, v = self.plane[0], self.plane[1]
+        newest = None if self.newest is None else self.newest[layer]
+        result, lse = entry_decode(q, k, v, self.tables[layer], self.lengths[layer],
+                                   self.page_size, new_kv=kv, new_index=newest)  # fmt: skip
+        out.copy_(result)
+        self._results[layer] = (out, lse.transpose(0, 1))
 
     def collect(self, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         return self._results.pop(layer, None)
@@ -248,7 +260,7 @@ class BudgetExecutor:
                 kept[e] = torch.cat([torch.arange(sink),
                                      torch.arange(prompt_len - window, prompt_len)])  # fmt: skip
         offloaded = set(self.staging.entries) if self.staging is not None else set()
-        for layer in sorted({e // self.num_kv_heads for e in offloaded}):  # in host pages
+        for layer in sorted({self.staging.layer_of(e) for e in offloaded}):  # in host pages
             heads = slice(self.first[layer], self.first[layer + 1])
             keys = self._keys(layer, slots[heads], 0, prompt_len, True)
             self.staging.compact(layer, keys, kept[heads], self.host_pages)

@@ -56,13 +56,13 @@ class RankBudgetExecutor(BudgetExecutor):
     def submit(self, layer: int, q: torch.Tensor, kv: torch.Tensor, out: torch.Tensor) -> None:
         """``q [tokens, heads, dim]``, ``kv [2, tokens, kv_heads, dim]`` of this rank's heads
         of the layer (its own first, then its copies)."""
-        if not self.layer_heads[layer]:
-            return
-        if not self.layout.copies[layer]:
-            return super().submit(layer, q, kv, out)
-        if not self.step.decode:
-            return super().submit(layer, q, kv, out)  # copies: _prefill below
-        self._decode_with_copies(layer, q, kv, out)
+        if self.layer_heads[layer]:
+            super().submit(layer, q, kv, out)
+
+    def _decode(self, layer: int, q: torch.Tensor, kv: torch.Tensor, out: torch.Tensor) -> None:
+        if self.layout.copies[layer]:
+            return self._decode_with_copies(layer, q, kv, out)
+        super()._decode(layer, q, kv, out)
 
     def collect(self, layer: int):
         """At decode, the layer's log-sum-exp exchange (every rank, when any copies it)."""
@@ -75,7 +75,8 @@ class RankBudgetExecutor(BudgetExecutor):
     def _prefill(self, layer: int, q: torch.Tensor, kv: torch.Tensor):
         """``q [heads, tokens, dim]``: own heads over every row; each copy over its rows only
         (a full-attention copy attends the chunk's keys up to its last row; a patterned one
-        every row, keeping its own), zero elsewhere."""
+        every row, keeping its own), zero elsewhere. Copies stay in the plane (only own
+        heads go to host pages)."""
         copies = self.layout.copies[layer]
         if not copies:
             return super()._prefill(layer, q, kv)
@@ -100,10 +101,10 @@ class RankBudgetExecutor(BudgetExecutor):
                 continue
             if pattern is None or pattern.is_full:
                 part = self._attend_chunk(layer, q[cols, lo:hi], kv[:, :hi, heads], slots[heads],
-                                          staged, None)  # fmt: skip
+                                          False, None)  # fmt: skip
                 out[cols, lo:hi], lse[cols, lo:hi] = part
             else:  # every row under the pattern, then its own
-                part = self._attend_chunk(layer, q[cols], kv[:, :, heads], slots[heads], staged,
+                part = self._attend_chunk(layer, q[cols], kv[:, :, heads], slots[heads], False,
                                           [pattern] * q_per_kv)  # fmt: skip
                 out[cols, lo:hi], lse[cols, lo:hi] = part[0][:, lo:hi], part[1][:, lo:hi]
         return out, lse

@@ -12,46 +12,62 @@ host pages. On the CPU the same code runs synchronously.
 
 from __future__ import annotations
 
+from bisect import bisect_left
+
 import torch
 
 from headspace.attention.entry_decode import new_token_slots
 from headspace.engine.executors import block_table
 from headspace.kv.host_store import HostKVArena
 from headspace.kv.paged_store import token_slots
-from headspace.kv.transfer import as_heads, copy_pages, write_tokens
+from headspace.kv.transfer import as_heads, copy_pages, device_ints, write_tokens
 from headspace.planner.entry_offload import STAGING_DEPTH
 
 
 class EntryStaging:
-    """The host tier of an entry plane ``[2, slots, dim]``: ``offloaded[layer]`` its kv
-    heads in host pages; staging slot ``i`` is ``slot_pages`` plane pages from page
+    """The host tier of an entry plane ``[2, slots, dim]``: ``offloaded[layer]`` the places
+    (in the layer's ``layer_heads`` entries, which are kv heads in one process and a rank's
+    own heads then its copies under torchrun) of its entries in host pages, which are those
+    places' host heads; staging slot ``i`` is ``slot_pages`` plane pages from page
     ``first_page + i * slot_pages``."""
 
     def __init__(self, plane: torch.Tensor, host: HostKVArena, offloaded: list[list[int]],
-                 num_kv_heads: int, page_size: int, first_page: int,
+                 layer_heads: int | list[int], page_size: int, first_page: int,
                  slot_pages: int):  # fmt: skip
         self.plane, self.host, self.page_size = plane, host, page_size
-        self.num_kv_heads, self.first_page, self.slot_pages = num_kv_heads, first_page, slot_pages
+        self.first_page, self.slot_pages = first_page, slot_pages
+        if isinstance(layer_heads, int):
+            layer_heads = [layer_heads] * len(offloaded)
+        self.layer_heads = layer_heads  # [layers] entries of each layer
+        first = [sum(layer_heads[:layer]) for layer in range(len(layer_heads))]
         device = plane.device
         self.offloaded = offloaded
         self.heads = [torch.tensor(h, device=device, dtype=torch.long) for h in offloaded]
-        self.resident = [torch.tensor(sorted(set(range(num_kv_heads)) - set(h)), device=device,
-                                      dtype=torch.long) for h in offloaded]  # fmt: skip
-        self.entries = [layer * num_kv_heads + h for layer, hs in enumerate(offloaded) for h in hs]
-        entries = torch.tensor(self.entries, dtype=torch.long)  # layer-major
-        self._layer_of, self._head_of = entries // num_kv_heads, entries % num_kv_heads
+        self._resident = [sorted(set(range(n)) - set(h))
+                          for n, h in zip(layer_heads, offloaded, strict=True)]  # fmt: skip
+        self.resident = [torch.tensor(r, device=device, dtype=torch.long) for r in self._resident]
+        self.entries = [first[layer] + h for layer, hs in enumerate(offloaded) for h in hs]
+        # layer-major, as ``entries``: each one's layer, place, and that layer's width
+        self._layer_of = torch.tensor([layer for layer, hs in enumerate(offloaded) for _ in hs],
+                                      dtype=torch.long)  # fmt: skip
+        self._head_of = torch.tensor([h for hs in offloaded for h in hs], dtype=torch.long)
+        self._width_of = torch.tensor(layer_heads, dtype=torch.long)[self._layer_of]
         self._layer_entries = [torch.nonzero(self._layer_of == layer)[:, 0].to(device)
                                for layer in range(len(offloaded))]  # fmt: skip
         on_gpu = device.type == "cuda"
         self.copy_stream = torch.cuda.Stream(device, priority=-1) if on_gpu else None
         self.streamed_bytes = 0  # what the last decode step copied from host pages
 
+    def layer_of(self, entry: int) -> int:
+        """The layer of offloaded ``entry``."""
+        return int(self._layer_of[self.entries.index(entry)])
+
     def any(self, layer: int) -> bool:
         return self.heads[layer].numel() > 0
 
     def host_slots(self, pages: list[int], positions: torch.Tensor) -> torch.Tensor:
         """Host slots ``[tokens]`` of ``positions`` in a sequence's host ``pages``."""
-        return token_slots(torch.tensor(pages, device=positions.device), positions, self.page_size)
+        return token_slots(device_ints(pages, positions.device), positions, self.page_size)
 
     # -- prefill -------------------------------------------------------------------------
     def write(self, layer: int, slots: torch.Tensor, kv: torch.Tensor) -> None:
@@ -62,18 +78,21 @@ class EntryStaging:
     def gather(self, layer: int, plane_slots: torch.Tensor, lo: int, hi: int,
                host_pages: list[int], width: int | None = None) -> torch.Tensor:  # fmt: skip
         """K/V ``[2, kv_heads, width, dim]`` of a layer's keys ``lo .. hi - 1`` (``width``
-        columns, default ``hi - lo``; columns past ``hi - 1`` repeat it): resident heads from
-        the plane (``plane_slots [kv_heads, positions]``), offloaded ones from host pages."""
+        columns, default ``hi - lo``; columns past ``hi - 1`` repeat it) at its first
+        ``kv_heads`` places (``plane_slots [kv_heads, positions]``, at least every offloaded
+        one): resident ones from the plane, offloaded ones from host pages."""
         size, device = self.page_size, self.plane.device
         width = width or hi - lo
         first, last = lo // size, -(-hi // size)
         skip = lo - first * size  # keys copied from the page before ``lo``
         span = -(-max(skip + width, (last - first) * size) // size) * size  # whole pages
-        keys = self.plane.new_empty(2, self.num_kv_heads, span, self.plane.shape[-1])
-        resident, heads = self.resident[layer], self.heads[layer]
+        num_heads = plane_slots.shape[0]  # the layer's first places (a rank's own heads)
+        keys = self.plane.new_empty(2, num_heads, span, self.plane.shape[-1])
+        resident = self.resident[layer][: bisect_left(self._resident[layer], num_heads)]
+        heads = self.heads[layer]
         columns = torch.arange(lo, lo + width, device=device).clamp(max=hi - 1)
         keys[:, resident, skip : skip + width] = self.plane[:, plane_slots[resident][:, columns]]
-        pages = torch.tensor(host_pages[first:last], device=device)
+        pages = device_ints(host_pages[first:last], device)
         copy_pages(self.host.layer(layer), as_heads(keys, kv_first=True), pages,
                    torch.arange(last - first, device=device), heads, heads, size)  # fmt: skip
         end = skip + hi - lo
@@ -100,11 +119,12 @@ class EntryStaging:
 
     # -- decode --------------------------------------------------------------------------
     def begin_decode(self, lengths: list[list[int]], host_pages: list[list[int]],
-                     tables: torch.Tensor) -> None:  # fmt: skip
-        """Point the offloaded rows of ``tables [layers, seqs x kv_heads, width]`` at their
-        staging pages and plan each layer's copies; ``lengths[s][e]`` tokens of entry ``e``
-        of sequence ``s`` (the new one included), ``host_pages[s]`` its host pages."""
-        size, heads, device = self.page_size, self.num_kv_heads, tables.device
+                     tables) -> None:  # fmt: skip
+        """Point the offloaded rows of ``tables [layers, seqs x kv_heads, width]`` (a list
+        of layers when their widths differ) at their staging pages and plan each layer's
+        copies; ``lengths[s][e]`` tokens of entry ``e`` of sequence ``s`` (the new one
+        included), ``host_pages[s]`` its host pages."""
+        size, device = self.page_size, self.plane.device
         num_seqs, layer_of, head_of = len(lengths), self._layer_of, self._head_of
         held = torch.tensor(lengths, dtype=torch.long)[:, self.entries].T  # [offloaded, seqs]
         # each (entry, seq) row's pages (the new token's included), consecutive within the
@@ -117,22 +137,24 @@ class EntryStaging:
         layer_first = torch.cumsum(used, 0) - used
         slot_first = self.first_page + (layer_rows % STAGING_DEPTH) * self.slot_pages
         first = slot_first + starts - layer_first[layer_rows]  # [rows]
-        columns = torch.arange(tables.shape[-1])
+        columns = torch.arange(tables[0].shape[-1])
         staged = torch.where(columns < flat[:, None], first[:, None] + columns, 0).int()
-        rows = (torch.arange(num_seqs) * heads).repeat(len(self.entries))
+        rows = torch.arange(num_seqs).repeat(len(self.entries))
+        rows = rows * self._width_of.repeat_interleave(num_seqs)
         rows += head_of.repeat_interleave(num_seqs)  # seq x kv_heads + kv head
-        tables[layer_rows.to(device), rows.to(device)] = staged.to(device)
+        self._point(tables, layer_rows, rows, staged)
         # the copies: (host head, host page, plane page) per staged page, layer by layer
         pair_row = torch.arange(flat.numel()).repeat_interleave(flat)
         index = torch.arange(pair_row.numel()) - starts[pair_row]
         host_table = block_table(host_pages).long()  # [seqs, pages]
         pairs = torch.stack([head_of[pair_row // num_seqs],
                              host_table[pair_row % num_seqs, index],
-                             first[pair_row] + index]).to(device)  # fmt: skip
+                             first[pair_row] + index])  # fmt: skip
+        pairs = device_ints(pairs, device)
         self.pairs = list(pairs.split(used.tolist(), dim=1))
         # where each row's new token goes in host pages: [offloaded, seqs]
         new = new_token_slots(host_table.repeat(len(self.entries), 1), held.flatten() - 1, size)
-        self.new_slots = new.view_as(held).to(device)
+        self.new_slots = device_ints(new.view_as(held), device)
         page_bytes = size * 2 * self.plane.shape[-1] * self.plane.element_size()
         self.streamed_bytes = int(flat.sum()) * page_bytes
         self._arrived, self._released = {}, [None] * STAGING_DEPTH
@@ -140,6 +162,21 @@ class EntryStaging:
             self.copy_stream.wait_stream(torch.cuda.current_stream(device))
         self._next = 0
         self._issue_ahead(0)
+
+    def _point(self, tables, layer_rows: torch.Tensor, rows: torch.Tensor,
+               staged: torch.Tensor) -> None:  # fmt: skip
+        """``tables[layer_rows[i]][rows[i]] = staged[i]`` (``layer_rows`` ascending)."""
+        device = self.plane.device
+        if isinstance(tables, torch.Tensor):
+            rows = device_ints(torch.stack([layer_rows, rows]), device)
+            tables[rows[0], rows[1]] = device_ints(staged, device, torch.int32)
+            return
+        counts = torch.bincount(layer_rows, minlength=len(tables)).tolist()
+        parts = zip(rows.split(counts), staged.split(counts), strict=True)
+        for table, (layer_row, layer_staged) in zip(tables, parts, strict=True):
+            if layer_row.numel():
+                values = device_ints(layer_staged, device, torch.int32)
+                table[device_ints(layer_row, device)] = values
 
     def _copy(self, layer: int) -> None:
         src, page, dst = self.pairs[layer]

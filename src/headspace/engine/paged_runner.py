@@ -165,14 +165,17 @@ class PagedRunner:
         heads = [range(spec.num_kv_heads) if layout is None else layout.heads(layer)
                  for layer in range(spec.num_layers)]  # fmt: skip
         entries = [(layer, h) for layer, hs in enumerate(heads) for h in hs]  # [entry]
-        offloaded = [[h for h in hs if plan.head_map.entry(layer, h).tier != "gpu"]
+        # [layer] places (in ``heads``) of the entries in host pages (a rank's own heads)
+        offloaded = [[i for i, h in enumerate(hs) if plan.head_map.entry(layer, h).tier != "gpu"]
                      for layer, hs in enumerate(heads)]  # fmt: skip
-        self.blocks.reset(plan.num_gpu_pages, offloaded=[e for e, (layer, h) in enumerate(entries)
-                                                         if h in offloaded[layer]])  # fmt: skip
+        first = [sum(map(len, heads[:layer])) for layer in range(spec.num_layers)]
+        in_host = [first[layer] + i for layer, places in enumerate(offloaded) for i in places]
+        self.blocks.reset(plan.num_gpu_pages, offloaded=in_host)
         staging = None
-        if plan.entry_staging:  # two slots after the pool's pages (one process only)
-            staging = EntryStaging(plane, self.host, offloaded, spec.num_kv_heads, spec.page_size,
-                                   plan.num_gpu_pages, plan.entry_staging)  # fmt: skip
+        if in_host:  # two slots after the pool's pages
+            staging = EntryStaging(plane, self.host, offloaded, [len(hs) for hs in heads],
+                                   spec.page_size, plan.num_gpu_pages,
+                                   plan.entry_staging)  # fmt: skip
         self._adopt(plan, key)
         head_scores = None if self.profile is None else torch.tensor(self.profile.retrieval)
         rings = {}

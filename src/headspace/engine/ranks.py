@@ -4,7 +4,9 @@ each rank keeps its heads' weights and a slice of the MLP, its partial outputs s
 all-reduce. Every rank runs the same engine over its own heads; the scheduler's decisions
 are the same on every rank (the same pages, the same plan, the same prompts, sampled tokens
 from rank 0). Where the plan offloads, each rank fills its pages with its own entries and
-streams the rest of its heads from its host pages (:meth:`Ranks.spread`).
+streams the rest of its heads from its host pages (:meth:`Ranks.spread`); with per-entry
+pages (budgets, streaming heads) the entry planner places every rank's entries alike, each
+rank's own heads past its pages in its host pages (:meth:`Ranks.entry_parts`).
 """
 
 from __future__ import annotations
@@ -20,7 +22,6 @@ from headspace.errors import UserError
 from headspace.model.llama import LlamaModel
 from headspace.parallel.balance import balance_heads
 from headspace.parallel.dist import (
-    all_agree,
     all_reduce_sum,
     broadcast_object,
     host_min,
@@ -31,7 +32,7 @@ from headspace.parallel.placement import RankLayout, rank_layout
 from headspace.parallel.shard import shard_layer, shard_model
 from headspace.planner.head_cost import CostShape
 from headspace.planner.head_map import HeadMap
-from headspace.planner.memory import GiB, KVSpec
+from headspace.planner.memory import KVSpec
 from headspace.planner.plan import Plan
 from headspace.planner.profile import Profile, budget_key, with_budget_shares, with_patterns
 from headspace.planner.sparsity import with_budgets
@@ -71,22 +72,20 @@ class Ranks:
         layout = self.layout
         shard_layer(layer, layout.heads(index), layout.rank, layout.world, all_reduce_sum)
 
-    def entry_plan(self, spec: KVSpec, arena: int, head_map: HeadMap, max_tokens: list[int],
-                   what: str) -> Plan:  # fmt: skip
-        """Per-entry pages (budgets, streaming heads): every rank's entries resident (not yet
-        in host pages under torchrun), checked on every rank; ``head_map`` is the whole map."""
-        plane = arena // spec.entry_page_bytes
-        per_entry = sum(spec.pages_for(n) for n in max_tokens)  # one entry, every sequence
-        needed = sum(self.layout.layer_heads) * per_entry + 1
-        most = -host_min(-needed)  # the fullest rank's pages
-        if not all_agree(needed <= plane):
-            raise UserError(
-                f"{what} needs up to {most * spec.entry_page_bytes / GiB:.2f} GiB of KV on "
-                f"a GPU before its prompt is compressed, more than the GPU budget leaves there "
-                f"(per-entry pages stay on the GPU under torchrun); raise the GPU budget or use "
-                f"more GPUs"
-            )
-        return Plan(head_map, "none", plane - 1, 0, None, 0)
+    def entry_parts(self) -> list[tuple[int, list[list[int]]]]:
+        """Every rank's per-entry pages as the entry planner's parts, planned alike: (its
+        entries, [layer] its own kv heads, which may go to host pages; copies stay
+        resident)."""
+        return [(sum(lay.layer_heads), [list(own) for own in lay.own]) for lay in self.layouts]
+
+    def entry_counts(self, head_map: HeadMap) -> list[tuple[int, int]]:
+        """``[rank]`` (resident, offloaded) entries of each rank under ``head_map``."""
+        counts = []
+        for lay in self.layouts:
+            offloaded = sum(head_map.entry(layer, h).tier != "gpu"
+                            for layer, own in enumerate(lay.own) for h in own)  # fmt: skip
+            counts.append((sum(lay.layer_heads) - offloaded, offloaded))
+        return counts
 
     def spread(self, plan: Plan, what: str) -> Plan:
         """The planner's ``plan`` for a rank as wide as the widest (the same on every rank)

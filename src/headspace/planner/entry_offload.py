@@ -34,12 +34,11 @@ def staging_pages(spec: KVSpec, per_layer: int, bounds: list[int]) -> int:
     return per_layer * sum(spec.pages_for(bound) for bound in bounds)
 
 
-def _free_heads(head_map: HeadMap, layer: int) -> list[int]:
-    """kv heads of ``layer`` that may go to host pages: not rings (a ``streaming`` entry
-    holds little and stays resident)."""
-    return [
-        e.kv_head for e in head_map.layer(layer) if Pattern.parse(e.pattern).kind != "streaming"
-    ]
+def _free_heads(head_map: HeadMap, layer: int, heads=None) -> list[int]:
+    """kv heads of ``layer`` (of ``heads``, default all) that may go to host pages: not
+    rings (a ``streaming`` entry holds little and stays resident)."""
+    heads = range(head_map.num_kv_heads) if heads is None else heads
+    return [h for h in heads if Pattern.parse(head_map.entry(layer, h).pattern).kind != "streaming"]
 
 
 def _spread(num_offloaded: int, caps: list[int]) -> list[int] | None:
@@ -54,47 +53,67 @@ def _spread(num_offloaded: int, caps: list[int]) -> list[int] | None:
     return counts
 
 
+def _offload_counts(spec: KVSpec, plane: int, per_entry: int, bounds: list[int],
+                    parts: list[tuple[int, list[list[int]]]]):  # fmt: skip
+    """The fewest offloaded entries per layer with which every part's entries fit ``plane``
+    pages: ``(staging pages of one slot, [part][layer] offloaded count)``, None if none
+    fit; ``parts``: (entries, [layer] kv heads that may go to host pages) of each part."""
+    most = max((len(heads) for _, free in parts for heads in free), default=0)
+    for per_layer in range(1, max(most, 1) + 1):
+        staging = staging_pages(spec, per_layer, bounds)
+        num_resident = (plane - 1 - STAGING_DEPTH * staging) // per_entry
+        if num_resident < 0:
+            return None
+        counts = [_spread(max(num - num_resident, 0), [min(per_layer, len(f)) for f in free])
+                  for num, free in parts]  # fmt: skip
+        if all(c is not None for c in counts):
+            return staging, counts
+    return None
+
+
 def plan_entries(spec: KVSpec, arena: int, head_map: HeadMap, max_tokens: list[int],
                  bounds: list[int], *, offload: str = "auto", host_budget: int | None = None,
-                 what: str = "the batch") -> Plan:  # fmt: skip
+                 what: str = "the batch", parts=None) -> Plan:  # fmt: skip
     """The plan of per-entry pages for sequences that may reach ``max_tokens`` each, within
     ``arena`` bytes of GPU plane: all resident when every entry fits uncompressed (a
     sequence is compressed only after its prompt), else as few entries as possible in host
     pages, spread evenly over the layers, beside :data:`STAGING_DEPTH` staging slots of
     :func:`staging_pages` (an offloaded entry holds at most ``bounds[s]`` tokens after the
     prompt). ``head_map`` brings the patterns; the plan's ``entry_staging`` is the pages
-    of one slot. Raises UserError with the numbers."""
+    of one slot. ``parts``: under torchrun, each rank's (entries, [layer] kv heads it may
+    offload) in planes of ``arena`` each, planned alike (default: one part, every entry).
+    Raises UserError with the numbers."""
     plane = arena // spec.entry_page_bytes
     per_entry = sum(spec.pages_for(n) for n in max_tokens)  # one entry, every sequence
-    if spec.num_entries * per_entry + 1 <= plane:
+    if parts is None:
+        layers = range(spec.num_layers)
+        parts = [(spec.num_entries, [_free_heads(head_map, layer) for layer in layers])]
+    else:
+        parts = [(num, [_free_heads(head_map, layer, heads) for layer, heads in enumerate(own)])
+                 for num, own in parts]  # fmt: skip
+    num_entries = max(num for num, _ in parts)  # the fullest part's
+    if num_entries * per_entry + 1 <= plane:
         return Plan(head_map, "none", plane - 1, 0, None, 0)
     if offload not in ("auto", "head"):
         raise UserError(
-            f"{what} needs {spec.num_entries * per_entry * spec.entry_page_bytes / GiB:.2f} GiB "
+            f"{what} needs {num_entries * per_entry * spec.entry_page_bytes / GiB:.2f} GiB "
             f"of KV before its prompt is compressed, but the GPU budget leaves "
             f"{arena / GiB:.2f} GiB; allow offload (auto or head) or raise the budget"
         )
-    layers, heads = spec.num_layers, spec.num_kv_heads
-    free = [_free_heads(head_map, layer) for layer in range(layers)]
-    counts = None
-    for per_layer in range(1, heads + 1):  # the fewest offloaded per layer that fit
-        staging = staging_pages(spec, per_layer, bounds)
-        num_resident = (plane - 1 - STAGING_DEPTH * staging) // per_entry
-        if num_resident < 0:
-            break
-        caps = [min(per_layer, len(f)) for f in free]
-        counts = _spread(max(spec.num_entries - num_resident, 1), caps)
-        if counts is not None:
-            break
-    if counts is None:
+    found = _offload_counts(spec, plane, per_entry, bounds, parts)
+    if found is None:
         raise UserError(
             f"GPU budget too small: {what} needs more kv heads in host pages than it can "
             f"stage, or than keep every token (streaming heads stay on the GPU), within the "
             f"{arena / GiB:.2f} GiB left for KV; raise the GPU budget"
         )
+    staging, counts = found
     offloaded = {
-        (layer, h) for layer, n in enumerate(counts) for h in free[layer][len(free[layer]) - n :]
-    }
+        (layer, h)
+        for (_, free), part in zip(parts, counts, strict=True)
+        for layer, n in enumerate(part)
+        for h in free[layer][len(free[layer]) - n :]
+    }  # each part's last free heads of a layer
     entries = [replace(e, tier="stream") if (e.layer, e.kv_head) in offloaded else e
                for e in head_map.entries]  # fmt: skip
     host_pages = per_entry
@@ -104,23 +123,17 @@ def plan_entries(spec: KVSpec, arena: int, head_map: HeadMap, max_tokens: list[i
             f"for its KV pages, more than the {host_budget / GiB:.2f} GiB host budget"
         )
     num_pool = plane - 1 - STAGING_DEPTH * staging
-    return Plan(
-        HeadMap(layers, heads, entries),
-        "head",
-        num_pool,
-        host_pages,
-        None,
-        0,
-        entry_staging=staging,
-    )
+    head_map = HeadMap(head_map.num_layers, head_map.num_kv_heads, entries)
+    return Plan(head_map, "head", num_pool, host_pages, None, 0, entry_staging=staging)
 
 
-def entry_step_seconds(spec: KVSpec, plan: Plan, bounds: list[int], weight_bytes: int,
-                       hw: Hardware, streamed_weights: int = 0) -> float:  # fmt: skip
-    """Roofline of a decode step whose entries hold at most ``bounds[s]`` tokens each:
-    HBM reads the weights and the resident entries, PCIe the offloaded ones and the
-    ``streamed_weights`` bytes of layers streamed from the host."""
+def entry_step_seconds(spec: KVSpec, num_resident: int, num_offloaded: int,
+                       bounds: list[int], weight_bytes: int, hw: Hardware,
+                       streamed_weights: int = 0) -> float:  # fmt: skip
+    """Roofline of a decode step over ``num_resident`` and ``num_offloaded`` entries holding
+    at most ``bounds[s]`` tokens each: HBM reads the weights and the resident entries, PCIe
+    the offloaded ones and the ``streamed_weights`` bytes of layers streamed from the host."""
     held = sum(bounds) * spec.entry_token_bytes  # one entry, every sequence
-    hbm_s = (weight_bytes + plan.head_map.count("gpu") * held) / hw.hbm_bytes
-    pcie_bytes = plan.head_map.num_offloaded * held + streamed_weights
+    hbm_s = (weight_bytes + num_resident * held) / hw.hbm_bytes
+    pcie_bytes = num_offloaded * held + streamed_weights
     return max(hbm_s, pcie_bytes / hw.h2d_bytes)
