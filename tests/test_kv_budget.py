@@ -284,7 +284,7 @@ def test_keys_gathered_from_both_tiers_are_each_positions_keys(page, lo, hi, wid
     plane = torch.randn(2, heads * num_pages * page, dim, generator=generator)
     plane_slots = torch.randperm(plane.shape[1], generator=generator)[: heads * hi].view(heads, hi)
     arena = SimpleNamespace(layer=lambda layer: host)
-    staging = EntryStaging(plane, arena, [[1]], heads, page, 0, 0)
+    staging = EntryStaging(plane, arena, [[1]], [heads], page, 0, 0)
     keys = staging.gather(0, plane_slots, lo, hi, host_pages, width)
     columns = torch.arange(lo, lo + (width or hi - lo)).clamp(max=hi - 1)
     host_slots = torch.tensor(host_pages)[columns // page] * page + columns % page

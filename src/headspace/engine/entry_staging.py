@@ -32,16 +32,15 @@ class EntryStaging:
     ``first_page + i * slot_pages``."""
 
     def __init__(self, plane: torch.Tensor, host: HostKVArena, offloaded: list[list[int]],
-                 layer_heads: int | list[int], page_size: int, first_page: int,
+                 layer_heads: list[int], page_size: int, first_page: int,
                  slot_pages: int):  # fmt: skip
         self.plane, self.host, self.page_size = plane, host, page_size
         self.first_page, self.slot_pages = first_page, slot_pages
-        if isinstance(layer_heads, int):
-            layer_heads = [layer_heads] * len(offloaded)
         self.layer_heads = layer_heads  # [layers] entries of each layer
         first = [sum(layer_heads[:layer]) for layer in range(len(layer_heads))]
         device = plane.device
         self.offloaded = offloaded
+        self.layers = [layer for layer, hs in enumerate(offloaded) if hs]  # with any in host
         self.heads = [torch.tensor(h, device=device, dtype=torch.long) for h in offloaded]
         self._resident = [sorted(set(range(n)) - set(h))
                           for n, h in zip(layer_heads, offloaded, strict=True)]  # fmt: skip
@@ -57,10 +56,6 @@ class EntryStaging:
         on_gpu = device.type == "cuda"
         self.copy_stream = torch.cuda.Stream(device, priority=-1) if on_gpu else None
         self.streamed_bytes = 0  # what the last decode step copied from host pages
-
-    def layer_of(self, entry: int) -> int:
-        """The layer of offloaded ``entry``."""
-        return int(self._layer_of[self.entries.index(entry)])
 
     def any(self, layer: int) -> bool:
         return self.heads[layer].numel() > 0

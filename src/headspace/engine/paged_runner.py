@@ -168,8 +168,8 @@ class PagedRunner:
         # [layer] places (in ``heads``) of the entries in host pages (a rank's own heads)
         offloaded = [[i for i, h in enumerate(hs) if plan.head_map.entry(layer, h).tier != "gpu"]
                      for layer, hs in enumerate(heads)]  # fmt: skip
-        first = [sum(map(len, heads[:layer])) for layer in range(spec.num_layers)]
-        in_host = [first[layer] + i for layer, places in enumerate(offloaded) for i in places]
+        in_host = [e for e, (layer, h) in enumerate(entries)
+                   if plan.head_map.entry(layer, h).tier != "gpu"]  # fmt: skip
         self.blocks.reset(plan.num_gpu_pages, offloaded=in_host)
         staging = None
         if in_host:  # two slots after the pool's pages

@@ -34,10 +34,9 @@ def staging_pages(spec: KVSpec, per_layer: int, bounds: list[int]) -> int:
     return per_layer * sum(spec.pages_for(bound) for bound in bounds)
 
 
-def _free_heads(head_map: HeadMap, layer: int, heads=None) -> list[int]:
-    """kv heads of ``layer`` (of ``heads``, default all) that may go to host pages: not
-    rings (a ``streaming`` entry holds little and stays resident)."""
-    heads = range(head_map.num_kv_heads) if heads is None else heads
+def _free_heads(head_map: HeadMap, layer: int, heads) -> list[int]:
+    """kv heads of ``layer`` among ``heads`` that may go to host pages: not rings (a
+    ``streaming`` entry holds little and stays resident)."""
     return [h for h in heads if Pattern.parse(head_map.entry(layer, h).pattern).kind != "streaming"]
 
 
@@ -85,12 +84,10 @@ def plan_entries(spec: KVSpec, arena: int, head_map: HeadMap, max_tokens: list[i
     Raises UserError with the numbers."""
     plane = arena // spec.entry_page_bytes
     per_entry = sum(spec.pages_for(n) for n in max_tokens)  # one entry, every sequence
-    if parts is None:
-        layers = range(spec.num_layers)
-        parts = [(spec.num_entries, [_free_heads(head_map, layer) for layer in layers])]
-    else:
-        parts = [(num, [_free_heads(head_map, layer, heads) for layer, heads in enumerate(own)])
-                 for num, own in parts]  # fmt: skip
+    if parts is None:  # one process: every entry
+        parts = [(spec.num_entries, [range(spec.num_kv_heads)] * spec.num_layers)]
+    parts = [(num, [_free_heads(head_map, layer, heads) for layer, heads in enumerate(own)])
+             for num, own in parts]  # fmt: skip
     num_entries = max(num for num, _ in parts)  # the fullest part's
     if num_entries * per_entry + 1 <= plane:
         return Plan(head_map, "none", plane - 1, 0, None, 0)
