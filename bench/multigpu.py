@@ -44,6 +44,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
+from attention_timer import AttentionTimer  # noqa: E402
 from common import (  # noqa: E402
     LLAMA31_8B,
     NoText,
@@ -101,88 +102,6 @@ def _prompt(length: int, seed: int) -> list[int]:
 
 
 # -- a worker (one rank under torchrun) ------------------------------------------------------
-class AttentionTimer:
-    """Wraps a runner's attention: CUDA events around every layer's submits, per phase.
-
-    Installed before the warm-up request, so the decode graphs captured then hold its events
-    (external ones, recorded again at every replay; about 64 event nodes a step).
-    ``follow(graphs)`` then notes which graph each step replays (and skips the padding steps
-    a new capture warms up with): after the timed request, the graph replayed last times
-    its last decode step. Eager steps are timed each."""
-
-    def __init__(self, runner):
-        self.runner, self.events = runner, {"prefill": [], "decode": []}
-        self.captured: list[list[tuple]] = []  # per decode graph: its layers' events
-        self.keys: list = []  # the graph key of each captured list
-        self.last_key, self.warming = None, False
-        runner._attention = self
-
-    def follow(self, graphs) -> None:
-        """Note the key of every capture (those so far in capture order) and replay."""
-        if graphs is None:
-            return
-        self.keys = list(graphs._graphs)  # a dict: keys in the order they were captured
-        capture, run = graphs._capture, graphs.run
-
-        def capturing(key):
-            self.keys.append(key)
-            self.warming = True  # its eager warm-up steps are padding, not timed
-            try:
-                return capture(key)
-            finally:
-                self.warming = False
-
-        def replaying(slots, positions, pages):
-            self.last_key = graphs._key(positions, pages)
-            return run(slots, positions, pages)
-
-        graphs._capture, graphs.run = capturing, replaying
-
-    def restart(self) -> None:
-        """Forget the steps timed so far (the graphs' events stay theirs)."""
-        self.events = {"prefill": [], "decode": []}
-
-    def __call__(self, layer: int, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
-        executors = self.runner.executors
-        out = torch.empty_like(q)
-        capturing = torch.cuda.is_current_stream_capturing()
-        start, end = (torch.cuda.Event(enable_timing=True, external=capturing) for _ in "se")
-        start.record()
-        for executor in executors:
-            executor.submit(layer, q, kv, out)
-        end.record()
-        for executor in executors:
-            executor.collect(layer)
-        if capturing:
-            if layer == 0:
-                self.captured.append([])
-            self.captured[-1].append((start, end))
-        elif not self.warming:
-            self.events["decode" if executors[0].step.decode else "prefill"].append((start, end))
-        return out
-
-    def close(self) -> None:
-        """The runner's own attention back (the two held each other: nothing was freed)."""
-        del self.runner._attention
-        self.runner = None
-
-    def seconds(self, num_layers: int) -> dict[str, float]:
-        """Attention seconds: the prompt's chunks in all, its last chunk (what the cost model
-        prices for prefill) and one decode step (the mean eager one, else the last graph's)."""
-        torch.cuda.synchronize()
-        ms = {phase: [s.elapsed_time(e) for s, e in pairs] for phase, pairs in self.events.items()}
-        if ms["decode"]:
-            step = sum(ms["decode"]) / max(len(ms["decode"]) // num_layers, 1)
-        elif self.last_key in self.keys:
-            replayed = self.captured[self.keys.index(self.last_key)]
-            step = sum(s.elapsed_time(e) for s, e in replayed)
-        else:
-            step = 0.0
-        return {"prefill": sum(ms["prefill"]) / 1000,
-                "prefill_last_chunk": sum(ms["prefill"][-num_layers:]) / 1000,
-                "decode_step": step / 1000}  # fmt: skip
-
-
 def run_solver(solver: str, args, profile: str) -> dict | None:
     """One solver's run on this rank; rank 0 returns what every rank measured."""
     import torch.distributed as dist
@@ -224,6 +143,7 @@ def run_solver(solver: str, args, profile: str) -> dict | None:
         "prefill_tok_s": len(ids) / stats.prefill_seconds,
         "decode_tok_s": (args.decode - 1) / stats.decode_seconds,
         "attention_seconds": {key: [r[key] for r in per_rank] for key in measured},
+        "decode_steps_timed": timer.num_steps,  # rank 0's: its decode_step is their mean
         "peak_gpu_gib": stats.peak_gpu_bytes / 2**30,
         "kv_held_fraction": stats.kv_held_fraction,
         "head_map": engine.batch.runner.plan.head_map.summary(),
@@ -344,7 +264,7 @@ def plot(runs: list[dict], path: Path) -> None:
                 ax.bar(i + (rank - (len(seconds) - 1) / 2) * width, value, width,
                        color=f"C{rank}", label=f"rank {rank}" if i == 0 else None)  # fmt: skip
         ax.set_xticks(range(len(runs)), [r["solver"] for r in runs])
-        ax.set_title(f"{phase} attention per rank" + (" (one step)" if phase == "decode" else ""))
+        ax.set_title(f"{phase} attention per rank" + (" (mean step)" if phase == "decode" else ""))
         ax.set_ylabel("seconds")
     axes[0].legend()
     fig.tight_layout()

@@ -33,9 +33,14 @@ def test_triton_decode_matches_reference(heads, kv_heads, length):
     assert (lse - ref_lse).abs().max().item() < 1e-2
 
 
-@pytest.mark.parametrize("num_q,num_kv", [(1000, 1000), (300, 1300), (77, 77)])
+@pytest.mark.parametrize(
+    "num_q,num_kv", [(1000, 1000), (300, 1300), (77, 77), (2500, 2500), (1500, 3600), (2048, 2048)]
+)
 def test_sdpa_gpu_matches_reference(num_q, num_kv):
-    q = torch.randn(32, num_q, 128, device="cuda", dtype=torch.bfloat16)
+    """cuDNN's calls padded to whole 256-row units (2500, 1500, 1000; 77 to a power of two)
+    or exact (2048), the queries token-major as the model's: a square causal block's output
+    keeps that layout (the caller's transpose stays free)."""
+    q = torch.randn(num_q, 32, 128, device="cuda", dtype=torch.bfloat16).transpose(0, 1)
     k = torch.randn(8, num_kv, 128, device="cuda", dtype=torch.bfloat16)
     v = torch.randn_like(k)
     for causal in (False, True):
@@ -43,6 +48,8 @@ def test_sdpa_gpu_matches_reference(num_q, num_kv):
         ref_out, ref_lse = reference_attention(q, k, v, causal=causal)
         assert _rel(out, ref_out) < 1e-2
         assert (lse - ref_lse).abs().max().item() < 2e-2
+        if causal and num_q == num_kv:
+            assert out.transpose(0, 1).is_contiguous()
 
 
 def _tiny_model(device: str, dtype: torch.dtype, layers: int = 4):

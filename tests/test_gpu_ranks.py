@@ -17,14 +17,16 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 
 def _one_and_ranks(tmp_path, world: int, *args: str) -> tuple[dict, dict]:
-    """``tests/workers/parallel_gpu.py ARGS`` in one process, then under torchrun with
-    ``world`` ranks: (the single process's results, rank 0's)."""
+    """``tests/workers/parallel_gpu.py ARGS`` in one process (no process group, everything
+    resident), then under torchrun with ``world`` ranks: (the single process's results,
+    rank 0's)."""
     gc.collect()  # the engines of earlier tests (cycles hold some), then the cached blocks:
     torch.cuda.empty_cache()  # four ranks on this GPU need its memory
     worker = Path(__file__).parent / "workers" / "parallel_gpu.py"
     one, many = tmp_path / "one.pt", tmp_path / "many.pt"
     env = {**os.environ, "OMP_NUM_THREADS": "2"}
-    done = subprocess.run([sys.executable, str(worker), str(one), *args[:2]], env=env,
+    alone = [*args[:2], "gloo", *args[3:]]  # the ranks' options but no process group
+    done = subprocess.run([sys.executable, str(worker), str(one), *alone], env=env,
                           capture_output=True, text=True, timeout=600)  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
@@ -80,5 +82,15 @@ def test_ranks_streaming_from_host_memory_equal_one_process(tmp_path, offload, b
     ref, got = _one_and_ranks(tmp_path, 2, "uniform", kv_budget, backend, offload)
     assert got["offloaded"] > 0 and ref["offloaded"] == 0
     assert got["graphs"] == (backend == "gloo-twin")
+    assert (got["logits"] - ref["logits"]).abs().max().item() <= 1e-4
+    assert got["tokens"] == ref["tokens"]
+
+
+def test_ranks_swapping_sequences_equal_one_process(tmp_path):
+    """Two ranks sharing the GPU, four sequences outgrowing each rank's all-resident pool as
+    they generate: sequences swap out to the ranks' host pages and back (every rank alike),
+    and give the fp32 logits and tokens of one process that never swaps."""
+    ref, got = _one_and_ranks(tmp_path, 2, "uniform", "", "gloo", "swap")
+    assert sum(ref["swaps"]) == 0 and sum(got["swaps"]) > 0, (ref["swaps"], got["swaps"])
     assert (got["logits"] - ref["logits"]).abs().max().item() <= 1e-4
     assert got["tokens"] == ref["tokens"]

@@ -288,6 +288,7 @@ def test_entry_plan_places_every_ranks_entries_alike(world, costs, replicas, rin
         assert all(offloaded == 0 for _, offloaded in counts)
         assert fullest * per_entry < num_pages
         return
+    # +1: the plane's last page, where a graph's padding rows of copies write
     assert plan.num_gpu_pages + 2 * plan.entry_staging + 1 <= num_pages
     num_resident = plan.num_gpu_pages // per_entry
     per_layer = plan.entry_staging // sum(spec.pages_for(b) for b in bounds)

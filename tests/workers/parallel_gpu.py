@@ -57,14 +57,16 @@ def _shape(name: str) -> tuple[int, ...]:
     return next(shape for key, shape in table.items() if key in name)
 
 
-def run(engine: Engine, prompt: list[int]) -> dict:
+def run(engine: Engine, prompt: list[int], batch: list[list[int]], num_new: int) -> dict:
+    """Logits of ``prompt`` and 16 decode steps, then greedy tokens of ``batch``'s prompts
+    generated together."""
     logits = engine.logits(prompt, decode_tokens=16)
-    params = SamplingParams(max_new_tokens=24, ignore_eos=True)
-    outputs = engine.generate_batch([prompt, prompt[:300]], [params, params])
+    params = SamplingParams(max_new_tokens=num_new, ignore_eos=True)
+    outputs = engine.generate_batch(batch, [params] * len(batch))
     graphs = bool(engine.batch.runner._graph_cache)  # decode steps replayed as CUDA graphs
     offloaded = outputs[0].stats.num_streamed_heads + outputs[0].stats.num_hybrid_heads
     return {"logits": logits, "tokens": [o.token_ids for o in outputs], "graphs": graphs,
-            "offloaded": offloaded}  # fmt: skip
+            "offloaded": offloaded, "swaps": [o.stats.num_swaps for o in outputs]}  # fmt: skip
 
 
 def main(out_path: str, balance: str, kv_budget: str = "", backend: str = "gloo",
@@ -72,8 +74,12 @@ def main(out_path: str, balance: str, kv_budget: str = "", backend: str = "gloo"
     """``backend``: gloo, every rank on GPU 0 (NCCL refuses two ranks on one GPU); nccl, a
     GPU each (decode steps as CUDA graphs, their collectives captured); gloo-twin, gloo with
     decode steps through the graphs' eager twin (the graphs' compiled static blocks, run
-    uncaptured since gloo's collectives cannot be). ``offload``: that mode, in a KV arena of
-    four full pages (the prompt's twelve do not fit a rank's half-width pages)."""
+    uncaptured since gloo's collectives cannot be). ``offload``, under torchrun (one process
+    keeps everything resident: the reference): that mode, in a KV arena of four full pages
+    (the prompt's twelve do not fit a rank's half-width pages); ``swap``: the default host
+    tier in six full pages, where the prompt fits but four shorter ones (disjoint slices of
+    it: no shared prefix) outgrow them as they generate 64 tokens, so sequences swap out to
+    host pages and back."""
     device = "cuda:0"
     if backend == "gloo-twin":
         PagedRunner.graph_twin, backend = EagerGraphTwin, "gloo"
@@ -82,15 +88,20 @@ def main(out_path: str, balance: str, kv_budget: str = "", backend: str = "gloo"
     elif "RANK" in os.environ:
         device = f"cuda:{os.environ['LOCAL_RANK']}"
     budget = {"kv_budget": float(kv_budget), "kv_policy": "ada_snapkv"} if kv_budget else {}
-    if offload:
+    prompt = torch.randint(0, 512, (700,), generator=torch.Generator().manual_seed(1)).tolist()
+    batch, num_new = [prompt, prompt[:300]], 24
+    resident = "RANK" not in os.environ
+    if offload == "swap":
+        budget.update({} if resident else {"num_kv_pages": 6})
+        batch, num_new = [prompt[:150], prompt[150:270], prompt[270:440], prompt[440:540]], 64
+    elif offload and not resident:
         budget.update(offload=offload, num_kv_pages=4)
     config = EngineConfig(device=device, dtype="float32", page_size=64, prefill_chunk=256,
                           gpu_memory="2GiB",  # ranks may share the GPU
                           parallel=ParallelConfig(balance=balance), **budget)  # fmt: skip
     config = join(config)  # under torchrun: the process group (NCCL), this rank's GPU
     engine = Engine.from_model(build(config.device), NoText(), config)
-    prompt = torch.randint(0, 512, (700,), generator=torch.Generator().manual_seed(1)).tolist()
-    result = run(engine, prompt)
+    result = run(engine, prompt, batch, num_new)
     if not dist.is_initialized() or dist.get_rank() == 0:
         torch.save(result, out_path)
 

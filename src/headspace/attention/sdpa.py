@@ -3,6 +3,12 @@
 GPU: cuDNN (fastest prefill on Hopper), else flash (memory-efficient for fp32). CPU: torch's flash
 kernel for CPU. ``causal`` here needs as many queries as keys (a square diagonal block);
 ``attention.attend`` splits other causal cases into a prefix part and a diagonal part.
+
+cuDNN builds an execution plan for every new shape (45-70 ms on an H100), and a prompt's last
+chunk has a new row count at every new prompt length. So cuDNN's calls run whole multiples of
+:data:`CUDNN_ROWS` query rows (:func:`cudnn_rows`), shapes that repeat across lengths: the
+rows past a call's end are zeros, and a causal block's keys too (after every real row's, so
+the mask hides them); their outputs are dropped (``bench/prompt_lengths.py``).
 """
 
 from __future__ import annotations
@@ -10,10 +16,7 @@ from __future__ import annotations
 import torch
 
 aten = torch.ops.aten
-
-
-def _expand_kv(kv: torch.Tensor, group: int) -> torch.Tensor:
-    return kv if group == 1 else kv.repeat_interleave(group, dim=0)
+CUDNN_ROWS = 256  # cuDNN's calls run whole multiples of this many query rows
 
 
 def sdpa_attention(
@@ -27,24 +30,66 @@ def sdpa_attention(
     """Fused attention; returns ``out [heads, q_tokens, dim]`` and fp32 ``lse [heads, q]``."""
     assert not causal or q.shape[1] == k.shape[1], "causal sdpa needs a square block"
     num_heads, num_q, dim = q.shape
-    group = num_heads // k.shape[0]
     scale = dim**-0.5 if scale is None else scale
+    cudnn = _use_cudnn(q)
+    num_rows = cudnn_rows(num_q) if cudnn else num_q  # the call's rows: zeros past num_q
+    group = num_heads // k.shape[0]
     if causal or group == 1:  # the mask depends on the query row: give each head its keys
-        q4 = q.unsqueeze(0)
-        k4, v4 = _expand_kv(k, group).unsqueeze(0), _expand_kv(v, group).unsqueeze(0)
+        q4 = _with_rows(q, num_rows, token_major=True).unsqueeze(0)
+        num_keys = num_rows if causal else k.shape[1]  # a square's keys past the end: zeros
+        k4, v4 = (_heads(x, group, num_keys).unsqueeze(0) for x in (k, v))
     else:  # fold the group's query heads into rows: no copy of a long prefix's K/V
-        q4 = q.reshape(1, k.shape[0], group * num_q, dim)
+        q4 = _with_rows(q, num_rows, token_major=False)
+        q4 = q4.reshape(1, k.shape[0], group * num_rows, dim)
         k4, v4 = k.unsqueeze(0), v.unsqueeze(0)
-    out, lse = _fused(q4, k4, v4, causal, scale)
-    return out.reshape(num_heads, num_q, dim), lse.reshape(num_heads, num_q).float()
+    out, lse = _fused(q4, k4, v4, causal, scale, cudnn)
+    out = out.reshape(num_heads, num_rows, dim)[:, :num_q]
+    return out, lse.reshape(num_heads, num_rows)[:, :num_q].float()
 
 
-def _fused(q4, k4, v4, causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+def cudnn_rows(num_q: int) -> int:
+    """Query rows a cuDNN call of ``num_q`` rows runs: whole multiples of :data:`CUDNN_ROWS`
+    past one unit, else the next power of two (a small call is not doubled by a unit)."""
+    if num_q > CUDNN_ROWS:
+        return -(-num_q // CUDNN_ROWS) * CUDNN_ROWS
+    return 1 << (num_q - 1).bit_length() if num_q > 1 else num_q
+
+
+def _with_rows(x: torch.Tensor, num_rows: int, token_major: bool) -> torch.Tensor:
+    """``x [heads, rows, dim]`` followed by zero rows up to ``num_rows`` (``x`` itself when
+    none), stored token-major (as the model's projections are: the output keeps that
+    layout) or head-major (heads then fold into rows without a copy)."""
+    num_heads, num_given, dim = x.shape
+    if num_rows == num_given:
+        return x
+    if token_major:
+        padded = x.new_empty(num_rows, num_heads, dim).transpose(0, 1)
+    else:
+        padded = x.new_empty(num_heads, num_rows, dim)
+    padded[:, :num_given] = x
+    padded[:, num_given:] = 0
+    return padded
+
+
+def _heads(kv: torch.Tensor, group: int, num_rows: int) -> torch.Tensor:
+    """``kv [kv_heads, keys, dim]`` repeated for each of its ``group`` query heads and
+    followed by zero keys up to ``num_rows``, in one copy: ``[kv_heads x group, rows,
+    dim]`` (``kv`` itself when neither is needed)."""
+    num_kv, num_given, dim = kv.shape
+    if group == 1 and num_rows == num_given:
+        return kv
+    out = kv.new_empty(num_kv, group, num_rows, dim)
+    out[:, :, :num_given] = kv[:, None]
+    out[:, :, num_given:] = 0
+    return out.view(num_kv * group, num_rows, dim)
+
+
+def _fused(q4, k4, v4, causal: bool, scale: float, cudnn: bool) -> tuple[torch.Tensor, ...]:
     if q4.device.type == "cpu":
         out, lse = aten._scaled_dot_product_flash_attention_for_cpu(
             q4, k4, v4, 0.0, causal, scale=scale
         )[:2]
-    elif _use_cudnn(q4):
+    elif cudnn:
         out, lse = aten._scaled_dot_product_cudnn_attention(
             q4, k4, v4, None, True, 0.0, causal, False, scale=scale
         )[:2]
@@ -61,7 +106,8 @@ def _fused(q4, k4, v4, causal: bool, scale: float) -> tuple[torch.Tensor, torch.
 
 def _use_cudnn(q: torch.Tensor) -> bool:
     return (
-        q.dtype in (torch.bfloat16, torch.float16)
+        q.is_cuda
+        and q.dtype in (torch.bfloat16, torch.float16)
         and torch.backends.cudnn.is_available()
         and torch.cuda.get_device_capability(q.device)[0] >= 9
     )

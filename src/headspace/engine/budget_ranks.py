@@ -24,7 +24,6 @@ import torch
 from headspace.attention.entry_decode import entry_decode, new_token_slots
 from headspace.engine.budget import BudgetExecutor
 from headspace.engine.copies import copy_key_range, merge_copies
-from headspace.kv.block_table import GPU
 from headspace.parallel.dist import host_min
 from headspace.parallel.placement import RankLayout, copy_rows, rank_layout
 from headspace.planner.head_map import HeadMap
@@ -129,8 +128,9 @@ class RankBudgetExecutor(BudgetExecutor):
         index = lengths[:, num_own:] - 1 if newest is None else newest[:, num_own:]
         slots = new_token_slots(tables[:, num_own:].flatten(0, 1), index.flatten(),
                                 self.page_size)  # fmt: skip
-        # a graph's padding rows hold no token: their write goes to the page past the pool's
-        scratch = self.blocks.pools[GPU].num_pages * self.page_size
+        # a graph's padding rows hold no token: their write goes to the plane's last page,
+        # which the entry plan leaves out of the pool and the staging slots
+        scratch = self.plane.shape[1] - self.page_size
         slots = torch.where(lengths[:, num_own:].flatten() > 0, slots, scratch)
         self.plane[:, slots] = kv[:, :, num_own:].flatten(1, 2)  # [2, seqs x copies, dim]
         table, range_lengths = self._key_ranges(layer, tables[:, num_own:], lengths[:, num_own:])

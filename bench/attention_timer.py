@@ -1,0 +1,106 @@
+"""Each rank's attention time in a benchmark: CUDA events around every layer's executors'
+submits, per phase, through eager steps and CUDA-graph replays alike (``bench/multigpu.py``)."""
+
+from __future__ import annotations
+
+import torch
+
+
+def _step_sums(layer_ms: list[float], num_layers: int) -> list[float]:
+    """Eager decode steps' attention: consecutive layers' times summed per step."""
+    return [sum(layer_ms[i : i + num_layers]) for i in range(0, len(layer_ms), num_layers)]
+
+
+class AttentionTimer:
+    """Wraps a runner's attention: CUDA events around every layer's submits, per phase.
+
+    Installed before the warm-up request, so the decode graphs captured then hold its events
+    (external ones, recorded again at every replay; about 64 event nodes a step).
+    ``follow(graphs)`` then notes which graph each step replays (and skips the padding steps
+    a new capture warms up with) and reads a replay's events just before the next replay
+    (the step between them waited for its sampled tokens, so no extra wait): every graph
+    step is timed, as every eager step is."""
+
+    def __init__(self, runner):
+        self.runner, self.events = runner, {"prefill": [], "decode": []}
+        self.captured: list[list[tuple]] = []  # per decode graph: its layers' events
+        self.keys: list = []  # the graph key of each captured list
+        self.last_key, self.warming = None, False
+        self.replayed_ms: list[float] = []  # each timed graph step's attention, in ms
+        self.num_steps = 0  # the decode steps the last reading averaged
+        runner._attention = self
+
+    def follow(self, graphs) -> None:
+        """Note the key of every capture (those so far in capture order) and replay."""
+        if graphs is None:
+            return
+        self.keys = list(graphs._graphs)  # a dict: keys in the order they were captured
+        capture, run = graphs._capture, graphs.run
+
+        def capturing(key):
+            self.keys.append(key)
+            self.warming = True  # its eager warm-up steps are padding, not timed
+            try:
+                return capture(key)
+            finally:
+                self.warming = False
+
+        def replaying(slots, positions, pages):
+            self.read_replay()
+            self.last_key = graphs._key(positions, pages)
+            return run(slots, positions, pages)
+
+        graphs._capture, graphs.run = capturing, replaying
+
+    def restart(self) -> None:
+        """Forget the steps timed so far (the graphs' events stay theirs)."""
+        self.events = {"prefill": [], "decode": []}
+        self.replayed_ms, self.last_key = [], None
+
+    def read_replay(self) -> None:
+        """The last replayed graph's attention (its layers' events), before they record again."""
+        if self.last_key not in self.keys:
+            return
+        # one graphs object captured every list (a layout change would pair them wrongly)
+        assert len(self.keys) == len(self.captured), "graphs captured outside those followed"
+        replayed = self.captured[self.keys.index(self.last_key)]
+        replayed[-1][1].synchronize()
+        self.replayed_ms.append(sum(s.elapsed_time(e) for s, e in replayed))
+        self.last_key = None
+
+    def __call__(self, layer: int, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
+        executors = self.runner.executors
+        out = torch.empty_like(q)
+        capturing = torch.cuda.is_current_stream_capturing()
+        start, end = (torch.cuda.Event(enable_timing=True, external=capturing) for _ in "se")
+        start.record()
+        for executor in executors:
+            executor.submit(layer, q, kv, out)
+        end.record()
+        for executor in executors:
+            executor.collect(layer)
+        if capturing:
+            if layer == 0:
+                self.captured.append([])
+            self.captured[-1].append((start, end))
+        elif not self.warming:
+            self.events["decode" if executors[0].step.decode else "prefill"].append((start, end))
+        return out
+
+    def close(self) -> None:
+        """The runner's own attention back (the two held each other: nothing was freed)."""
+        del self.runner._attention
+        self.runner = None
+
+    def seconds(self, num_layers: int) -> dict[str, float]:
+        """Attention seconds: the prompt's chunks in all, its last chunk (what the cost model
+        prices for prefill) and one decode step (the mean over the eager and replayed ones)."""
+        torch.cuda.synchronize()
+        self.read_replay()
+        ms = {phase: [s.elapsed_time(e) for s, e in pairs] for phase, pairs in self.events.items()}
+        steps = [*self.replayed_ms, *_step_sums(ms["decode"], num_layers)]
+        step = sum(steps) / len(steps) if steps else 0.0
+        self.num_steps = len(steps)  # the decode steps that mean is over
+        return {"prefill": sum(ms["prefill"]) / 1000,
+                "prefill_last_chunk": sum(ms["prefill"][-num_layers:]) / 1000,
+                "decode_step": step / 1000}  # fmt: skip
