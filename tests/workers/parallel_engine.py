@@ -22,42 +22,25 @@ from headspace.parallel.dist import is_first_rank
 
 GRAPH_MAX_BYTES = paged_graphs.GRAPH_MAX_STREAMED_BYTES
 WIDTHS: list[int] = []  # the table width of every per-entry decode step on this rank
-
-
-def _recording_sync(sync):
-    def recorded(self, seq_ids, slots):
-        sync(self, seq_ids, slots)
-        WIDTHS.append(self.widest)
-
-    return recorded
-
-
-RankBudgetExecutor.sync = _recording_sync(RankBudgetExecutor.sync)
 SWAPS: list[int] = []  # pages each swap moved, out to host pages (+) and back (-)
-
-
-def _recording_swap(swap):
-    def recorded(self, pairs, to_host):
-        swap(self, pairs, to_host)
-        if pairs:
-            SWAPS.append(len(pairs) if to_host else -len(pairs))
-
-    return recorded
-
-
-PagedRunner.swap = _recording_swap(PagedRunner.swap)
 STAGED: list[int] = []  # bytes each decode step staged from this rank's host pages
 
 
-def _recording_staging(begin_decode):
-    def recorded(self, *args):
-        begin_decode(self, *args)
-        STAGED.append(self.streamed_bytes)
+def _record(cls, name: str, note) -> None:
+    """``cls.name`` calls through, then ``note`` with the same arguments."""
+    method = getattr(cls, name)
 
-    return recorded
+    def recorded(self, *args, **kwargs):
+        method(self, *args, **kwargs)
+        note(self, *args, **kwargs)
+
+    setattr(cls, name, recorded)
 
 
-EntryStaging.begin_decode = _recording_staging(EntryStaging.begin_decode)
+_record(RankBudgetExecutor, "sync", lambda self, *_, **__: WIDTHS.append(self.widest))
+_record(PagedRunner, "swap", lambda self, pairs, to_host: pairs and SWAPS.append(
+    len(pairs) if to_host else -len(pairs)))  # fmt: skip
+_record(EntryStaging, "begin_decode", lambda self, *_, **__: STAGED.append(self.streamed_bytes))
 
 
 def run_case(case: dict) -> dict:

@@ -260,7 +260,7 @@ class BudgetExecutor:
                 kept[e] = torch.cat([torch.arange(sink),
                                      torch.arange(prompt_len - window, prompt_len)])  # fmt: skip
         offloaded = set(self.staging.entries) if self.staging is not None else set()
-        for layer in self.staging.layers if offloaded else ():  # in host pages
+        for layer in self.staging.layers if self.staging is not None else ():  # in host pages
             heads = slice(self.first[layer], self.first[layer + 1])
             keys = self._keys(layer, slots[heads], 0, prompt_len, True)
             self.staging.compact(layer, keys, kept[heads], self.host_pages)

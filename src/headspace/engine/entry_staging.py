@@ -160,18 +160,17 @@ class EntryStaging:
 
     def _point(self, tables, layer_rows: torch.Tensor, rows: torch.Tensor,
                staged: torch.Tensor) -> None:  # fmt: skip
-        """``tables[layer_rows[i]][rows[i]] = staged[i]`` (``layer_rows`` ascending)."""
-        device = self.plane.device
+        """``tables[layer_rows[i]][rows[i]] = staged[i]`` (``layer_rows`` ascending), the
+        indices and values in one copy to the device."""
+        packed = torch.cat([layer_rows[:, None], rows[:, None], staged.long()], dim=1)
+        packed = device_ints(packed, self.plane.device)  # [rows, 2 + width]
         if isinstance(tables, torch.Tensor):
-            rows = device_ints(torch.stack([layer_rows, rows]), device)
-            tables[rows[0], rows[1]] = device_ints(staged, device, torch.int32)
+            tables[packed[:, 0], packed[:, 1]] = packed[:, 2:].int()
             return
         counts = torch.bincount(layer_rows, minlength=len(tables)).tolist()
-        parts = zip(rows.split(counts), staged.split(counts), strict=True)
-        for table, (layer_row, layer_staged) in zip(tables, parts, strict=True):
-            if layer_row.numel():
-                values = device_ints(layer_staged, device, torch.int32)
-                table[device_ints(layer_row, device)] = values
+        for table, part in zip(tables, packed.split(counts), strict=True):
+            if part.shape[0]:
+                table[part[:, 1]] = part[:, 2:].int()
 
     def _copy(self, layer: int) -> None:
         src, page, dst = self.pairs[layer]

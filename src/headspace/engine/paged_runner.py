@@ -164,6 +164,7 @@ class PagedRunner:
         plane = plane.view(2, -1, spec.head_dim)
         heads = [range(spec.num_kv_heads) if layout is None else layout.heads(layer)
                  for layer in range(spec.num_layers)]  # fmt: skip
+        widths = [len(hs) for hs in heads]  # entries of each layer
         entries = [(layer, h) for layer, hs in enumerate(heads) for h in hs]  # [entry]
         # [layer] places (in ``heads``) of the entries in host pages (a rank's own heads)
         offloaded = [[i for i, h in enumerate(hs) if plan.head_map.entry(layer, h).tier != "gpu"]
@@ -173,9 +174,8 @@ class PagedRunner:
         self.blocks.reset(plan.num_gpu_pages, offloaded=in_host)
         staging = None
         if in_host:  # two slots after the pool's pages
-            staging = EntryStaging(plane, self.host, offloaded, [len(hs) for hs in heads],
-                                   spec.page_size, plan.num_gpu_pages,
-                                   plan.entry_staging)  # fmt: skip
+            staging = EntryStaging(plane, self.host, offloaded, widths, spec.page_size,
+                                   plan.num_gpu_pages, plan.entry_staging)  # fmt: skip
         self._adopt(plan, key)
         head_scores = None if self.profile is None else torch.tensor(self.profile.retrieval)
         rings = {}
@@ -185,7 +185,7 @@ class PagedRunner:
                 rings[e] = pattern.params
         q_per_kv = self.model.config.num_queries_per_kv
         patterns = [prefill_patterns(plan, layer, hs, q_per_kv) for layer, hs in enumerate(heads)]
-        args = (plane, self.blocks, [len(hs) for hs in heads], q_per_kv,
+        args = (plane, self.blocks, widths, q_per_kv,
                 self.config.attention_backend, self.budget, self.tokens.numel(),
                 spec.pages_for(self.max_context), head_scores, rings, patterns,
                 staging)  # fmt: skip
