@@ -19,9 +19,16 @@ import torch
 from torch.profiler import ProfilerActivity, profile, schedule
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import LLAMA31_8B, make_engine, random_model  # noqa: E402
+from common import LLAMA31_8B, make_engine, pinned_h2d_bandwidth, random_model  # noqa: E402
 from headspace.engine.sampling import SamplingParams  # noqa: E402
-from sparsity import MODES, _ids, random_profile, timed_decode  # noqa: E402
+from sparsity import (  # noqa: E402
+    MODES,
+    OFFLOAD_GPU_MEMORY,
+    _ids,
+    random_profile,
+    streamed_bytes,
+    timed_decode,
+)
 
 # the sparsity benchmark's modes, and DuoAttention's split (bench/multigpu.py's default)
 PROFILED = {
@@ -36,17 +43,19 @@ PROFILED = {
 
 
 def kernel_table(
-    engine, prompt: list[int], steps: int
+    engine, prompt: list[int], steps: int, ops: bool = False
 ) -> tuple[list[tuple[str, float]], float, float]:
     """(the top kernels as (name, us per step), median step ms, all kernels' us per step)
     over the decode steps after the first three (the profiler records only those: its
-    schedule advances once per step)."""
+    schedule advances once per step). ``ops`` also prints the torch ops that launched the
+    most GPU time, with the Python lines that called them."""
     params = [SamplingParams(max_new_tokens=steps + 1, ignore_eos=True)]
     times = timed_decode(engine)
     runner = engine.batch.runner
     step, active = runner.decode, steps - 4
     plan = schedule(wait=2, warmup=1, active=active, repeat=1)
-    with profile(activities=[ProfilerActivity.CUDA], schedule=plan) as prof:
+    activities = [ProfilerActivity.CUDA] + ([ProfilerActivity.CPU] if ops else [])
+    with profile(activities=activities, schedule=plan, with_stack=ops) as prof:
 
         def profiled(*args, **options):
             result = step(*args, **options)
@@ -57,6 +66,9 @@ def kernel_table(
         engine.generate_batch([prompt], params)
     runner.__dict__.pop("decode")  # the timed wrappers
     decode = sorted(times)[len(times) // 2] * 1000
+    if ops:
+        table = prof.key_averages(group_by_stack_n=5)
+        print(table.table(sort_by="self_device_time_total", row_limit=12, max_name_column_width=60))
     kernels = [e for e in prof.key_averages() if e.device_time_total > 0]
     rows = [(e.key[:70], e.device_time_total / active) for e in kernels]
     busy = sum(e.self_device_time_total for e in kernels) / active
@@ -99,6 +111,14 @@ def main() -> None:
     parser.add_argument("--eager", action="store_true",
                         help="decode without CUDA graphs (the profiler sees kernels in graphs "
                         "only on some drivers)")  # fmt: skip
+    parser.add_argument(
+        "--gpu-memory",
+        default=None,
+        help="the engine's GPU budget (default: the mode's, else the GPU's)",
+    )
+    parser.add_argument("--ops", action="store_true",
+                        help="also the torch ops that launched the most GPU time, with their "
+                        "callers")  # fmt: skip
     parser.add_argument("--host", action="store_true",
                         help="also the unsynchronised steps' Python functions by own time "
                         "(cProfile)")  # fmt: skip
@@ -108,16 +128,24 @@ def main() -> None:
     for mode in args.modes:
         options = PROFILED[mode]
         options = {**options, **({"profile": profile_path} if "retrieval_heads" in options else {})}
+        if options.get("offload") == "head":  # the GPU budget bench/sparsity.py gives
+            options["gpu_memory"] = OFFLOAD_GPU_MEMORY.get(args.context, "24GiB")
+        if args.gpu_memory is not None:
+            options["gpu_memory"] = args.gpu_memory
         engine = make_engine(model, **options, **({"cuda_graph": False} if args.eager else {}))
         warm = [SamplingParams(max_new_tokens=args.steps, ignore_eos=True)]
         engine.generate_batch([_ids(args.context - args.steps, 1)], warm)
-        rows, decode_ms, busy_us = kernel_table(engine, prompt, args.steps)
+        rows, decode_ms, busy_us = kernel_table(engine, prompt, args.steps, args.ops)
         print(
             f"{mode}: median step {decode_ms:.2f} ms, kernels {busy_us / 1000:.2f} ms; "
             f"top kernels (us per step):"
         )
         for name, us in rows:
             print(f"  {us:9.1f}  {name}")
+        if options.get("offload"):  # the step's floor: its streamed bytes at pinned PCIe speed
+            num_bytes = streamed_bytes(engine, args.context)
+            floor_ms = 1000 * num_bytes / pinned_h2d_bandwidth()
+            print(f"{mode}: {num_bytes / 1e9:.2f} GB streamed a step, PCIe floor {floor_ms:.2f} ms")
         host = cProfile.Profile() if args.host else None
         step_ms, wait_ms = host_busy(engine, prompt, args.steps, host)
         print(f"{mode}: unsynchronised step {step_ms:.2f} ms, the host waited "

@@ -33,12 +33,23 @@ RESULTS = Path(__file__).parent / "results"
 K = 1024
 
 
-def committed(kind: str, gpu: str) -> tuple[dict, str] | tuple[None, None]:
-    """The newest committed result of ``kind``: this GPU's if any, else another's."""
-    files = sorted(RESULTS.glob(f"{kind}_llama3-8b_*.json"), key=lambda p: p.stem[-10:])
-    mine = [p for p in files if f"_{gpu}_" in p.name]
-    path = (mine or files or [None])[-1]
-    return (json.loads(path.read_text()), path.name) if path else (None, None)
+# the committed files each kind's figures come from (beside ``<kind>_llama3-8b_*``)
+FILES = {"sparsity": ("sparsity", "sparsity_budgets", "sparsity_offload")}
+
+
+def committed(kind: str, gpu: str, figure: str) -> tuple[float, str] | tuple[None, None]:
+    """The committed value of ``figure`` and its file: the newest file of ``kind`` that
+    holds it, this GPU's if any, else another's (the file is printed beside the figure)."""
+    stems = FILES.get(kind, (kind,))  # of one date, a later stem's file is the newer
+    files = [(p.stem[-10:], order, p) for order, stem in enumerate(stems)
+             for p in RESULTS.glob(f"{stem}_llama3-8b_*.json")]  # fmt: skip
+    found = []
+    for _, _, path in sorted(files):
+        value = reference(kind, json.loads(path.read_text()), figure)
+        if value is not None:
+            found.append((value, path.name))
+    mine = [f for f in found if f"_{gpu}_" in f[1]]
+    return (mine or found or [(None, None)])[-1]
 
 
 def _ids(n: int, seed: int) -> list[int]:
@@ -79,12 +90,16 @@ def paged(model) -> dict:
 
 
 def offload(model) -> dict:
-    """Decode at 128K with the GPU capped at 24 GiB and a 17 GiB budget (bench/offload.py)."""
+    """Decode at 32K and 128K with the GPU capped at 24 GiB and a 17 GiB budget
+    (bench/offload.py)."""
     from offload_runs import gpu_cap, headspace_run
 
+    figures = {}
     with gpu_cap(24):
-        row = headspace_run(model, 128 * K, "head", "17GiB", 16)
-    return {"offload decode 128K ms": row.get("decode_ms", float("nan"))}
+        for length in (32 * K, 128 * K):
+            row = headspace_run(model, length, "head", "17GiB", 16)
+            figures[f"offload decode {length // K}K ms"] = row.get("decode_ms", float("nan"))
+    return figures
 
 
 def hybrid(model) -> dict:
@@ -109,10 +124,31 @@ def weight_stream(model) -> dict:
             "streamed decode 32K ms": row["decode_ms"]}  # fmt: skip
 
 
-def reference(kind: str, data: dict | None, name: str) -> float | None:
-    """The committed value of figure ``name`` (older files keep other keys)."""
-    if data is None:
+def sparsity(model) -> dict:
+    """Decode at 128K under KV budgets (bench/sparsity.py): Ada-SnapKV at 0.25 all
+    resident, and SnapKV at 0.25 with heads offloaded under a 24 GiB budget (the entries'
+    kept tokens staged from host pages)."""
+    from sparsity import MODES, engine_run
+
+    figures = {}
+    for mode in ("ada_snapkv 0.25", "snapkv 0.25 head-offload"):
+        row = engine_run(model, 128 * K, 64, MODES[mode], "short")
+        figures[f"{mode} decode 128K ms"] = row["decode_ms"]
+    return figures
+
+
+def reference(kind: str, data: dict, name: str) -> float | None:
+    """The committed value of figure ``name`` in ``data``; None where the file does not
+    hold it (older files keep other keys)."""
+    try:
+        return _reference(kind, data, name)
+    except (KeyError, IndexError, TypeError):
         return None
+
+
+def _reference(kind: str, data: dict, name: str) -> float:
+    if kind == "sparsity":
+        return data["runs"][str(128 * K)][name.split(" decode")[0]]["decode_ms"]
     if kind == "foundation":
         if "configs" in data:
             rows = data["configs"]["no budget"]
@@ -126,7 +162,7 @@ def reference(kind: str, data: dict | None, name: str) -> float | None:
         return data["128K"]["hybrid_split"]["decode_ms"]
     if kind == "weight_stream":
         return data["rows"]["streamed"]["prefill_tok_s" if "prefill" in name else "decode_ms"]
-    return data["decode_ms"][str(128 * K)]
+    return data["decode_ms"][str(int(name.split()[2][:-1]) * K)]  # "offload decode 32K ms"
 
 
 KINDS = {
@@ -134,6 +170,7 @@ KINDS = {
     "paged": paged,
     "offload": offload,
     "hybrid": hybrid,
+    "sparsity": sparsity,
     "weight_stream": weight_stream,
 }  # fmt: skip (weight_stream last: it moves layers)
 
@@ -148,10 +185,8 @@ def main() -> None:
     model = random_model(LLAMA31_8B)
     rows = []
     for kind in [k for k in KINDS if k in args.kinds]:
-        fn = KINDS[kind]
-        data, name = committed(kind, gpu)
-        for figure, value in fn(model).items():
-            ref = reference(kind, data, figure)
+        for figure, value in KINDS[kind](model).items():
+            ref, name = committed(kind, gpu, figure)
             lower_is_better = figure.endswith("ms")
             change = None if ref is None else (value / ref - 1) * (-1 if lower_is_better else 1)
             same_gpu = name is not None and f"_{gpu}_" in name
@@ -160,11 +195,11 @@ def main() -> None:
                          "file": name, "change": change, "flag": flag})  # fmt: skip
         torch.cuda.empty_cache()
     write_result(f"regress_{gpu}_{env['date']}.json", {"env": env, "rows": rows})
-    print(f"\n{'figure':<26}{'measured':>10}{'committed':>11}{'change':>8}  file")
+    print(f"\n{'figure':<40}{'measured':>10}{'committed':>11}{'change':>8}  file")
     for r in rows:
         ref = f"{r['committed']:.1f}" if r["committed"] is not None else "-"
         change = f"{100 * r['change']:+.0f}%" if r["change"] is not None else "-"
-        print(f"{r['figure']:<26}{r['measured']:>10.1f}{ref:>11}{change:>8}  {r['file']} "
+        print(f"{r['figure']:<40}{r['measured']:>10.1f}{ref:>11}{change:>8}  {r['file']} "
               f"{r['flag']}")  # fmt: skip
 
 

@@ -98,6 +98,8 @@ def test_entry_decode_equals_the_reference_over_each_rows_tokens(num_kv_heads, g
     q = torch.randn(num_seqs, num_kv_heads * group, dim)
     new_kv = torch.randn(2, num_seqs, num_kv_heads, dim)
     grown = (lengths + 1).clamp(max=5 * page_size)
+    unused = torch.arange(5) >= (grown[:, None] + page_size - 1) // page_size
+    pages[unused] = 2**30  # no column past a row's pages is read: a page far outside there
     out, lse = entry_decode(q, k, v, pages, grown, page_size, new_kv=new_kv, reference=reference)
     for row in range(num_rows):
         seq, head = divmod(row, num_kv_heads)
@@ -230,9 +232,17 @@ def _entry_arena(checkpoint, spec: KVSpec, pages: int, max_context: int = 512) -
     return pages * spec.entry_page_bytes + gathered
 
 
-@pytest.mark.parametrize("policy", ["snapkv", "ada_snapkv"])
-def test_offloaded_entries_equal_the_all_resident_budget(tiny_llama, policy):
-    """Entries in host pages keep, stream and extend exactly what resident ones would."""
+@pytest.mark.parametrize("policy,min_run", [("snapkv", None), ("ada_snapkv", None),
+                                             ("snapkv", 1), ("snapkv", 2)])  # fmt: skip
+def test_offloaded_entries_equal_the_all_resident_budget(tiny_llama, policy, min_run,
+                                                         monkeypatch):  # fmt: skip
+    """Entries in host pages keep, stream and extend exactly what resident ones would; their
+    pages staged by the page kernel, by the copy engine over runs of adjacent host pages
+    (``min_run``: the shortest such run), or both."""
+    from headspace.engine.entry_staging import EntryStaging
+
+    if min_run is not None:
+        monkeypatch.setattr(EntryStaging, "MIN_RUN_PAGES", min_run)
     spec = KVSpec.of(load_config(tiny_llama), PAGE, 4)
     prompts = _prompts([200, 150, 60], seed=7)
     params = SamplingParams(max_new_tokens=30, ignore_eos=True)
@@ -249,9 +259,11 @@ def test_offloaded_entries_equal_the_all_resident_budget(tiny_llama, policy):
         if staging is not None:
             streamed.append(staging.streamed_bytes)
             batched.append(len(seq_ids))
+            by_run.append(sum(run[-1] for runs in staging.runs for run in runs))
+            by_kernel.append(sum(pairs.shape[1] for pairs in staging.pairs))
         return result
 
-    batched = []
+    batched, by_run, by_kernel = [], [], []
 
     runner.decode = recording
     outs = llm.generate(prompts, params)
@@ -263,6 +275,10 @@ def test_offloaded_entries_equal_the_all_resident_budget(tiny_llama, policy):
     assert kept_bytes <= max(streamed) < spec.num_entries * 230 * spec.entry_token_bytes
     if policy == "snapkv":  # an even budget's staging is small: sequences share the steps
         assert max(batched) >= 2
+    # pages staged by each path: the kernel alone by default (runs of a few pages), the copy
+    # engine alone from runs of one page, both where the rows' runs are of one and more pages
+    assert (sum(by_run) > 0, sum(by_kernel) > 0) == {None: (False, True), 1: (True, False),
+                                                     2: (True, True)}[min_run]  # fmt: skip
     gap = decode_logits(llm, prompts[0], 12) - decode_logits(resident, prompts[0], 12)
     assert gap.abs().max().item() < 1e-4
 

@@ -141,6 +141,21 @@ def test_swap_out_and_in_keeps_outputs_identical(tiny_llama):
     assert all(pool.num_free == pool.num_pages for pool in blocks.pools.values())
 
 
+def test_a_swap_beyond_the_host_budget_is_refused_and_the_engine_goes_on(tiny_llama, spec):
+    """A sequence that must swap out but finds no room in the host budget stops the batch
+    with a one-line error naming the budget; its pages go back, and the next request runs."""
+    prompts = _prompts([60, 50, 70, 40, 65], seed=7)
+    params = SamplingParams(max_new_tokens=48, ignore_eos=True)
+    llm = make(tiny_llama, num_kv_pages=12, host_memory=3 * spec.full_page_bytes)
+    with pytest.raises(UserError, match=r"no host pages for a swapped-out .* host budget"):
+        llm.generate(prompts, params)
+    blocks = llm.engine.batch.runner.blocks
+    assert all(pool.num_free == pool.num_pages for pool in blocks.pools.values())
+    short = SamplingParams(max_new_tokens=8, ignore_eos=True)
+    expected = make(tiny_llama).generate(prompts[0], short)[0].token_ids
+    assert llm.generate(prompts[0], short)[0].token_ids == expected
+
+
 def test_without_a_host_tier_a_request_beyond_the_pool_is_refused(tiny_llama):
     llm = make(tiny_llama, num_kv_pages=4, offload="none")
     with pytest.raises(UserError, match="allow offload"):

@@ -36,11 +36,11 @@ def torchrun(world: int, *args: str, timeout: int = 600) -> subprocess.Completed
     return subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout)
 
 
-def run_cases(world: int, cases: list[dict], tmp_path: Path) -> list[dict]:
-    """Each case's results from ``world`` ranks under torchrun."""
+def run_cases(world: int, cases: list[dict], tmp_path: Path, timeout: int = 600) -> list[dict]:
+    """Each case's results from ``world`` ranks under torchrun (within ``timeout`` s)."""
     spec, out = tmp_path / f"cases{world}.json", tmp_path / f"out{world}.pt"
     spec.write_text(json.dumps(cases))
-    done = torchrun(world, str(WORKER), str(spec), str(out))
+    done = torchrun(world, str(WORKER), str(spec), str(out), timeout=timeout)
     assert done.returncode == 0, done.stderr[-4000:]
     return torch.load(out)
 

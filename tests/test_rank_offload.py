@@ -13,7 +13,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from headspace.api import LLM
 from headspace.engine.ranks import Ranks, own_resident
+from headspace.engine.sampling import SamplingParams
 from headspace.errors import UserError
 from headspace.parallel.balance import with_ranks
 from headspace.parallel.placement import rank_layout
@@ -66,6 +68,29 @@ def _swapping(model, prompt, balance: str, num_kv_pages: int) -> dict:
     options = {"num_kv_pages": num_kv_pages, "balance": balance}
     return {**_case(model, prompt, options, params={"max_new_tokens": 48, "ignore_eos": True}),
             "batch": [60, 50, 70, 40, 65], "single": RESIDENT}  # fmt: skip
+
+
+def test_ranks_refuse_host_pages_alike(wide_llama, prompt, tmp_path):
+    """One rank's host pages cannot grow (page-locking failed there): when a sequence must
+    swap out, and when a plan streams heads, every rank stops with that rank's one-line
+    error (none waits on the others), and after the refused swap a request that fits runs
+    as one process runs it."""
+    cases = [
+        {**_swapping(wide_llama, prompt, "uniform", 6), "host_refuses_on_rank": 1, "after": 1},
+        {**_case(wide_llama, prompt, {"num_kv_pages": 3, "balance": "uniform",
+                                      "offload": "head"}), "host_refuses_on_rank": 1},
+    ]  # fmt: skip
+    swap, stream = run_cases(2, cases, tmp_path, timeout=240)  # a rank left waiting: timeout
+    for result in (swap, stream):
+        errors = result["errors"]
+        assert errors[0] is not None and errors == [errors[0]] * 2, errors
+        assert errors[0].endswith("cannot page-lock host memory on this rank"), errors
+    assert swap["errors"][0].startswith("no host pages for a swapped-out sequence")
+    assert swap["logits"] is not None and stream["logits"] is None  # refused at the plan
+    short = SamplingParams(max_new_tokens=8, ignore_eos=True)
+    one = LLM(cases[0]["model"], **{**cases[0]["options"], **RESIDENT})  # one process
+    expected = one.generate(prompt[:40], short)[0].token_ids
+    assert swap["after"] == expected
 
 
 def test_copies_in_host_memory_three_ranks(wide_llama, prompt, tmp_path):

@@ -5,6 +5,7 @@ and each case's head map summary."""
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -18,6 +19,8 @@ from headspace.engine.entry_staging import EntryStaging
 from headspace.engine.paged_graphs import EagerGraphTwin
 from headspace.engine.paged_runner import PagedRunner
 from headspace.engine.sampling import SamplingParams
+from headspace.errors import UserError
+from headspace.kv.host_store import HostKVArena
 from headspace.parallel.dist import is_first_rank
 
 GRAPH_MAX_BYTES = paged_graphs.GRAPH_MAX_STREAMED_BYTES
@@ -41,6 +44,14 @@ _record(RankBudgetExecutor, "sync", lambda self, *_, **__: WIDTHS.append(self.wi
 _record(PagedRunner, "swap", lambda self, pairs, to_host: pairs and SWAPS.append(
     len(pairs) if to_host else -len(pairs)))  # fmt: skip
 _record(EntryStaging, "begin_decode", lambda self, *_, **__: STAGED.append(self.streamed_bytes))
+GROW_HOST = HostKVArena.ensure
+
+
+def _refusing(self, num_pages: int) -> bool:
+    """``HostKVArena.ensure`` of a rank whose host pages cannot grow (page-locking failed)."""
+    if num_pages > self.num_pages:
+        raise UserError("cannot page-lock host memory on this rank")
+    return False
 
 
 def run_case(case: dict) -> dict:
@@ -52,13 +63,23 @@ def run_case(case: dict) -> dict:
     # a graph's step may stream at most this many bytes (a case lowers it: ranks streaming
     # different counts must still decide alike)
     paged_graphs.GRAPH_MAX_STREAMED_BYTES = case.get("graph_max_bytes", GRAPH_MAX_BYTES)
+    refuses = case.get("host_refuses_on_rank") == int(os.environ["RANK"])
+    HostKVArena.ensure = _refusing if refuses else GROW_HOST
     llm = LLM(case["model"], **case["options"])
     ids = case["prompt"]
-    logits = llm.logits(ids, decode_tokens=case["decode_tokens"])
     params = SamplingParams(**case["params"])
-    outputs = llm.generate(batch(case), params)
+    logits, outputs, error, after = None, [], None, None
+    try:
+        logits = llm.logits(ids, decode_tokens=case["decode_tokens"])
+        outputs = llm.generate(batch(case), params)
+    except UserError as refused:  # every rank must refuse alike (or the others would hang)
+        error = str(refused)
+        short = SamplingParams(max_new_tokens=8, ignore_eos=True)  # then a request that fits
+        after = llm.generate(ids[:40], short)[0].token_ids if case.get("after") else None
     ranks = llm.engine.ranks
     world = ranks.layout.world
+    errors = [None] * world
+    torch.distributed.all_gather_object(errors, error)
     heads = [lay.layer_heads for lay in ranks.layouts]  # every rank's heads per layer
     widths = [None] * world  # every rank's step widths (a graph's key: they must agree)
     torch.distributed.all_gather_object(widths, list(WIDTHS))
@@ -72,7 +93,8 @@ def run_case(case: dict) -> dict:
     return {"logits": logits, "tokens": [o.token_ids for o in outputs],
             "summary": ranks.head_map.summary(), "heads": heads, "widths": widths,
             "graphs": graphs[0], "graphs_all": graphs,
-            "swaps": list(SWAPS), "staged": staged, "weighed": weighed,
+            "swaps": list(SWAPS), "staged": staged, "errors": errors, "after": after,
+            "weighed": weighed,
             "tiers": [tiers(o.stats) for o in outputs],
             "streamed": llm.engine.model.layer_source is not None}  # fmt: skip
 

@@ -31,7 +31,8 @@ def entry_decode(
     q: torch.Tensor,  # [seqs, heads, dim]
     k: torch.Tensor,  # [slots, dim]: the entry plane's keys
     v: torch.Tensor,  # [slots, dim]
-    tables: torch.Tensor,  # [seqs * kv_heads, width] int32: each row's pages in order
+    tables: torch.Tensor,  # [seqs * kv_heads, width] int32: each row's pages (no column
+    # from ceil(length / page_size) on is read)
     lengths: torch.Tensor,  # [seqs * kv_heads] int32: tokens of each row (new one included)
     page_size: int,
     *,

@@ -157,12 +157,13 @@ def paged_decode_attention(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Decode attention of a batch of sequences over pages: ``out [seqs, heads, dim]``, ``lse``.
 
-    Keys past each sequence's length are ignored. With ``new_kv`` the kernel also stores
-    each sequence's new K/V at position ``length - 1``, or ``new_index`` (its page must
-    already be in the table; a sequence of length 0 stores nothing). ``num_splits`` key
-    slices per (sequence, kv head) (default: about one program per SM), ``block_n`` keys
-    per inner step; the rest are Triton launch settings. ``out`` (e.g. a head range of a
-    larger tensor) receives the result in place.
+    Keys past each sequence's length are ignored, and so are its table's columns from
+    ``ceil(length / page_size)`` on (never read: they may hold anything). With ``new_kv``
+    the kernel also stores each sequence's new K/V at position ``length - 1``, or
+    ``new_index`` (its page must already be in the table; a sequence of length 0 stores
+    nothing). ``num_splits`` key slices per (sequence, kv head) (default: about one program
+    per SM), ``block_n`` keys per inner step; the rest are Triton launch settings. ``out``
+    (e.g. a head range of a larger tensor) receives the result in place.
     """
     num_seqs, num_heads, dim = q.shape
     num_kv_heads = k.shape[0]

@@ -135,15 +135,17 @@ class BatchGenerator:
             scheduler.tiers = self.tiers
             swaps = self.config.offload != "none" and not self.config.per_head_pages
             scheduler.optimistic = not streams and swaps
-            scheduler.host_room = self._host_room
+            scheduler.grow_host = self._grow_host
 
-    def _host_room(self, num_pages: int) -> bool:
+    def _grow_host(self, num_pages: int) -> str | None:
+        """Grow the host pool to ``num_pages`` free pages; None when it did (under torchrun
+        on every rank alike), else why not."""
         pool = self.runner.blocks.pools[HOST]
         try:
             self.runner.ensure_host_pages(pool.num_pages - pool.num_free + num_pages)
-        except UserError:
-            return False
-        return True
+        except UserError as error:
+            return str(error)
+        return None
 
     def _worth_joining(self, scheduler: Scheduler):
         """While heads stream, a sequence joins the batch only if the predicted throughput
@@ -192,10 +194,14 @@ class BatchGenerator:
         requests = [self._submit(scheduler, ids, p) for ids, p in zip(prompts, params, strict=True)]
         self._requests, self._by_id = requests, {r.seq.seq_id: r for r in requests}
         reads: deque[_Read] = deque()
-        while not scheduler.done or reads:
-            launched = self._launch(scheduler, reads)
-            if reads and (len(reads) > 1 or not launched):
-                yield from self._resolve(reads.popleft(), scheduler)
+        try:
+            while not scheduler.done or reads:
+                launched = self._launch(scheduler, reads)
+                if reads and (len(reads) > 1 or not launched):
+                    yield from self._resolve(reads.popleft(), scheduler)
+        finally:  # stopped early (an error, a stream left unread): the pages go back
+            for seq_id in list(self.runner.blocks.tables):
+                self.runner.blocks.free(seq_id)
 
     def _launch(self, scheduler: Scheduler, reads: deque[_Read]) -> bool:
         """Queue the next piece of GPU work (a swap-in, a prefill or a decode step)."""

@@ -31,6 +31,8 @@ class EntryStaging:
     places' host heads; staging slot ``i`` is ``slot_pages`` plane pages from page
     ``first_page + i * slot_pages``."""
 
+    MIN_RUN_PAGES = 16  # consecutive host pages worth a copy-engine call (512 KiB at 128 x 128)
+
     def __init__(self, plane: torch.Tensor, host: HostKVArena, offloaded: list[list[int]],
                  layer_heads: list[int], page_size: int, first_page: int,
                  slot_pages: int):  # fmt: skip
@@ -132,7 +134,9 @@ class EntryStaging:
         layer_first = torch.cumsum(used, 0) - used
         slot_first = self.first_page + (layer_rows % STAGING_DEPTH) * self.slot_pages
         first = slot_first + starts - layer_first[layer_rows]  # [rows]
-        columns = torch.arange(tables[0].shape[-1])
+        # the columns a row reads (the kernel reads none past its length: the rest keep
+        # what they held)
+        columns = torch.arange(int(flat.max()) if flat.numel() else 0)
         staged = torch.where(columns < flat[:, None], first[:, None] + columns, 0).int()
         rows = torch.arange(num_seqs).repeat(len(self.entries))
         rows = rows * self._width_of.repeat_interleave(num_seqs)
@@ -145,8 +149,7 @@ class EntryStaging:
         pairs = torch.stack([head_of[pair_row // num_seqs],
                              host_table[pair_row % num_seqs, index],
                              first[pair_row] + index])  # fmt: skip
-        pairs = device_ints(pairs, device)
-        self.pairs = list(pairs.split(used.tolist(), dim=1))
+        self._plan_copies(pairs, pair_row, layer_rows[pair_row])
         # where each row's new token goes in host pages: [offloaded, seqs]
         new = new_token_slots(host_table.repeat(len(self.entries), 1), held.flatten() - 1, size)
         self.new_slots = device_ints(new.view_as(held), device)
@@ -160,30 +163,67 @@ class EntryStaging:
 
     def _point(self, tables, layer_rows: torch.Tensor, rows: torch.Tensor,
                staged: torch.Tensor) -> None:  # fmt: skip
-        """``tables[layer_rows[i]][rows[i]] = staged[i]`` (``layer_rows`` ascending), the
-        indices and values in one copy to the device."""
+        """``tables[layer_rows[i]][rows[i], :columns] = staged[i]`` (``staged [rows,
+        columns]``, ``layer_rows`` ascending), the indices and values in one copy to the
+        device."""
         packed = torch.cat([layer_rows[:, None], rows[:, None], staged.long()], dim=1)
-        packed = device_ints(packed, self.plane.device)  # [rows, 2 + width]
+        packed = device_ints(packed, self.plane.device)  # [rows, 2 + columns]
+        num_columns = staged.shape[1]
         if isinstance(tables, torch.Tensor):
-            tables[packed[:, 0], packed[:, 1]] = packed[:, 2:].int()
+            tables[packed[:, 0], packed[:, 1], :num_columns] = packed[:, 2:].int()
             return
         counts = torch.bincount(layer_rows, minlength=len(tables)).tolist()
         for table, part in zip(tables, packed.split(counts), strict=True):
             if part.shape[0]:
-                table[part[:, 1]] = part[:, 2:].int()
+                table[part[:, 1], :num_columns] = part[:, 2:].int()
+
+    def _plan_copies(self, pairs: torch.Tensor, pair_row: torch.Tensor,
+                     pair_layer: torch.Tensor) -> None:  # fmt: skip
+        """Each layer's copies of ``pairs [3, pages]`` (host head, host page, plane page;
+        ``pair_row``, ``pair_layer``: each page's row and layer, ascending): a row's run of
+        at least :attr:`MIN_RUN_PAGES` consecutive host pages goes through the copy engine
+        (one call per run for K and one for V: an entry's kept tokens are at the front of
+        its host rows, so a sequence whose host pages are adjacent streams one run per
+        entry), the other pages through the paired page kernel (``self.pairs``)."""
+        num_pages, num_layers = pairs.shape[1], len(self.heads)
+        run_start = torch.ones(num_pages, dtype=torch.bool)  # [pages] whether a run begins
+        run_start[1:] = (pair_row[1:] != pair_row[:-1]) | (pairs[1, 1:] != pairs[1, :-1] + 1)
+        run_of = torch.cumsum(run_start, 0) - 1  # [pages] the run of each page
+        run_pages = torch.bincount(run_of, minlength=1)  # [runs] pages in each
+        by_engine = run_pages[run_of] >= self.MIN_RUN_PAGES  # [pages] on the copy engine
+        first = run_start & by_engine  # [pages] the first page of a copy-engine run
+        self.runs = [[] for _ in range(num_layers)]  # [layer] (head, host page, page, count)
+        for layer, *run in torch.stack([pair_layer[first], *pairs[:, first],
+                                        run_pages[run_of[first]]]).T.tolist():  # fmt: skip
+            self.runs[layer].append(run)
+        counts = torch.bincount(pair_layer[~by_engine], minlength=num_layers).tolist()
+        kernel_pairs = device_ints(pairs[:, ~by_engine], self.plane.device)
+        self.pairs = list(kernel_pairs.split(counts, dim=1))  # [layer] [3, pages]
+
+    def _has_copies(self, layer: int) -> bool:
+        """Whether ``layer`` stages any page this step (by the kernel or a run)."""
+        return self.pairs[layer].shape[1] > 0 or bool(self.runs[layer])
 
     def _copy(self, layer: int) -> None:
         src, page, dst = self.pairs[layer]
+        host, size = self.host.layer(layer), self.page_size
         plane = self.plane.view(2, 1, -1, self.plane.shape[-1])
-        copy_pages(self.host.layer(layer), as_heads(plane, kv_first=True), page, dst, src,
-                   torch.zeros_like(src), self.page_size, paired=True)  # fmt: skip
+        if src.numel():
+            copy_pages(host, as_heads(plane, kv_first=True), page, dst, src,
+                       torch.zeros_like(src), size, paired=True)  # fmt: skip
+        for head, host_page, first, count in self.runs[layer]:  # K, then V: contiguous
+            src_rows = slice(host_page * size, (host_page + count) * size)
+            for kv in range(2):
+                self.plane[kv, first * size : (first + count) * size].copy_(
+                    host[head, kv, src_rows], non_blocking=True
+                )
 
     def _issue_ahead(self, layer: int) -> None:
         """Start the copies of the layers up to ``layer + depth - 1`` that have work."""
         last = min(layer + STAGING_DEPTH, len(self.heads))
         while self._next < last:
             target, self._next = self._next, self._next + 1
-            if self.pairs[target].shape[1] == 0 or self.copy_stream is None:
+            if not self._has_copies(target) or self.copy_stream is None:
                 continue
             released = self._released[target % STAGING_DEPTH]
             with torch.cuda.stream(self.copy_stream):
@@ -196,7 +236,7 @@ class EntryStaging:
     def wait(self, layer: int) -> None:
         """Before ``layer``'s decode: its staged pages are in place."""
         if self.copy_stream is None:
-            if self.pairs[layer].shape[1]:
+            if self._has_copies(layer):
                 self._copy(layer)
             return
         self._issue_ahead(layer)

@@ -33,13 +33,14 @@ from headspace.engine.hybrid import CpuAttention
 from headspace.engine.hybrid_sparse import SparseSelector
 from headspace.engine.plan_layout import head_ranges, layout_key, prefill_patterns, staging_slots
 from headspace.engine.streaming import CpuSplit, StreamExecutor
+from headspace.errors import UserError
 from headspace.kv.block_table import GPU, HOST, BlockManager
 from headspace.kv.entry_table import EntryBlockManager
 from headspace.kv.host_store import HostKVArena
 from headspace.kv.paged_store import PagedKVStore
 from headspace.kv.transfer import as_heads, copy_pages, device_ints
 from headspace.model.llama import LlamaModel
-from headspace.parallel.dist import all_gather_stack, local_world_size
+from headspace.parallel.dist import all_gather_stack, first_error, host_min, local_world_size
 from headspace.parallel.placement import RankLayout
 from headspace.planner.memory import KVSpec
 from headspace.planner.plan import Plan
@@ -280,10 +281,22 @@ class PagedRunner:
 
     def ensure_host_pages(self, num_pages: int) -> None:
         """Host pages for at least ``num_pages`` (grows the arena when needed; graphs that
-        address the old one are then captured again)."""
-        if num_pages > self.host.num_pages:
-            self.host.ensure(num_pages)
-            self.blocks.grow_host(self.host.num_pages)
+        address the old one are then captured again). Raises UserError when the arena
+        cannot grow; under torchrun on every rank alike (page-locking may fail on one), and
+        every rank's pool grows to the same size, so their schedulers decide alike."""
+        if num_pages <= self.blocks.pools[HOST].num_pages:  # the same on every rank
+            return
+        refused = None
+        try:
+            self.host.ensure(num_pages)  # (an arena may stay larger than its pool)
+        except UserError as error:
+            refused = str(error)
+        if self.layout is not None:
+            refused = first_error(refused)
+        if refused is not None:
+            raise UserError(refused)
+        ranks = self.layout is not None
+        self.blocks.grow_host(host_min(self.host.num_pages) if ranks else self.host.num_pages)
 
     # -- prefill -----------------------------------------------------------------------
     def _attention(self, layer: int, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:

@@ -15,6 +15,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from headspace.errors import UserError
 from headspace.kv.block_table import GPU, HOST, BlockManager, OutOfPages
 
 
@@ -52,7 +53,8 @@ class Scheduler:
 
     ``tiers``: the tiers a sequence takes pages in under the current plan; ``optimistic``:
     admit on the prompt's pages and swap out on shortage (else reserve up to max_tokens);
-    ``host_room(n)``: grow the host pool to ``n`` free pages, False when the budget forbids.
+    ``grow_host(n)``: grow the host pool to ``n`` free pages; None when it did, else why not
+    (the budget, page-locking).
     """
 
     def __init__(self, blocks: BlockManager, max_batch: int, num_slots: int,
@@ -66,7 +68,7 @@ class Scheduler:
         self.free_slots = list(range(num_slots))
         self.tiers: tuple[str, ...] = (GPU,)
         self.optimistic = False
-        self.host_room: Callable[[int], bool] = lambda n: False
+        self.grow_host: Callable[[int], str | None] = lambda n: "no host tier"
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -92,7 +94,7 @@ class Scheduler:
             return fits_alone and needed <= pools[GPU].num_free
         needed = self.blocks.pages_for(seq.max_tokens) + self._future_pages()
         return self.agree(all(needed <= pools[tier].num_free or
-                              (tier == HOST and self.host_room(needed))
+                              (tier == HOST and self.grow_host(needed) is None)
                               for tier in self.tiers))  # fmt: skip
 
     def admit(self, accept: Callable[[Sequence], bool] = lambda s: True) -> Sequence | None:
@@ -135,8 +137,11 @@ class Scheduler:
 
     def _swap_out(self, seq: Sequence) -> list[tuple[int, int]]:
         num_pages = len(self.blocks.table(seq.seq_id, GPU).pages)
-        if num_pages > self.blocks.pools[HOST].num_free and not self.host_room(num_pages):
-            raise OutOfPages("the host budget cannot hold a swapped-out sequence")
+        refused = None
+        if num_pages > self.blocks.pools[HOST].num_free:
+            refused = self.grow_host(num_pages)
+        if refused is not None:
+            raise UserError(f"no host pages for a swapped-out sequence ({num_pages}): {refused}")
         pairs = self.blocks.swap_out(seq.seq_id)
         self.running.remove(seq)
         self.swapped.appendleft(seq)

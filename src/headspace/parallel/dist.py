@@ -59,15 +59,28 @@ def all_gather_stack(part: torch.Tensor) -> torch.Tensor:
 _CPU_GROUP = None
 
 
-def host_min(value: int) -> int:
-    """The smallest of every rank's ``value``, over a gloo group of the host (no GPU work
-    waits on it)."""
+def _cpu_group():
+    """A gloo group of every rank, for small host-side agreements (no GPU work waits)."""
     global _CPU_GROUP
     if _CPU_GROUP is None:
         _CPU_GROUP = dist.new_group(backend="gloo")
+    return _CPU_GROUP
+
+
+def host_min(value: int) -> int:
+    """The smallest of every rank's ``value``, over a gloo group of the host (no GPU work
+    waits on it)."""
     tensor = torch.tensor([value], dtype=torch.long)
-    dist.all_reduce(tensor, op=dist.ReduceOp.MIN, group=_CPU_GROUP)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MIN, group=_cpu_group())
     return int(tensor.item())
+
+
+def first_error(message: str | None) -> str | None:
+    """The lowest rank's error ``message`` of those given (None where a rank had none), the
+    same on every rank: each raises it, so all stop alike (see :func:`host_min`)."""
+    messages = [None] * dist.get_world_size()
+    dist.all_gather_object(messages, message, group=_cpu_group())
+    return next((m for m in messages if m is not None), None)
 
 
 def all_agree(ok: bool) -> bool:
