@@ -76,7 +76,7 @@ def test_ranks_refuse_host_pages_alike(wide_llama, prompt, tmp_path):
     error (none waits on the others), and after the refused swap a request that fits runs
     as one process runs it."""
     cases = [
-        {**_swapping(wide_llama, prompt, "uniform", 6), "host_refuses_on_rank": 1, "after": 1},
+        {**_swapping(wide_llama, prompt, "uniform", 6), "host_refuses_on_rank": 1, "after": True},
         {**_case(wide_llama, prompt, {"num_kv_pages": 3, "balance": "uniform",
                                       "offload": "head"}), "host_refuses_on_rank": 1},
     ]  # fmt: skip

@@ -77,19 +77,13 @@ def run_case(case: dict) -> dict:
         short = SamplingParams(max_new_tokens=8, ignore_eos=True)  # then a request that fits
         after = llm.generate(ids[:40], short)[0].token_ids if case.get("after") else None
     ranks = llm.engine.ranks
-    world = ranks.layout.world
-    errors = [None] * world
-    torch.distributed.all_gather_object(errors, error)
+    errors = every_rank(error)
     heads = [lay.layer_heads for lay in ranks.layouts]  # every rank's heads per layer
-    widths = [None] * world  # every rank's step widths (a graph's key: they must agree)
-    torch.distributed.all_gather_object(widths, list(WIDTHS))
-    staged = [None] * world  # every rank's bytes staged from host pages per decode step
-    torch.distributed.all_gather_object(staged, list(STAGED))
+    widths = every_rank(list(WIDTHS))  # step widths (a graph's key: they must agree)
+    staged = every_rank(list(STAGED))  # bytes staged from host pages per decode step
     planner = llm.engine.batch.planner  # the weights every rank's rate predictions weigh
-    weighed = [None] * world
-    torch.distributed.all_gather_object(weighed, (planner.weight_bytes, planner.streamed_bytes))
-    graphs = [None] * world  # whether each rank ran decode steps as graphs
-    torch.distributed.all_gather_object(graphs, bool(llm.engine.batch.runner._graph_cache))
+    weighed = every_rank((planner.weight_bytes, planner.streamed_bytes))
+    graphs = every_rank(bool(llm.engine.batch.runner._graph_cache))  # decode steps as graphs
     return {"logits": logits, "tokens": [o.token_ids for o in outputs],
             "summary": ranks.head_map.summary(), "heads": heads, "widths": widths,
             "graphs": graphs[0], "graphs_all": graphs,
@@ -97,6 +91,13 @@ def run_case(case: dict) -> dict:
             "weighed": weighed,
             "tiers": [tiers(o.stats) for o in outputs],
             "streamed": llm.engine.model.layer_source is not None}  # fmt: skip
+
+
+def every_rank(value) -> list:
+    """Every rank's ``value`` (picklable), in rank order."""
+    values = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(values, value)
+    return values
 
 
 def tiers(stats) -> dict[str, int]:

@@ -291,11 +291,10 @@ class PagedRunner:
             self.host.ensure(num_pages)  # (an arena may stay larger than its pool)
         except UserError as error:
             refused = str(error)
-        if self.layout is not None:
-            refused = first_error(refused)
+        ranks = self.layout is not None
+        refused = first_error(refused) if ranks else refused
         if refused is not None:
             raise UserError(refused)
-        ranks = self.layout is not None
         self.blocks.grow_host(host_min(self.host.num_pages) if ranks else self.host.num_pages)
 
     # -- prefill -----------------------------------------------------------------------
