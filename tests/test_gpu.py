@@ -120,14 +120,25 @@ def test_graph_decode_equals_eager_decode_and_batches_equal_one_at_a_time():
     assert graphed.batch.runner._graphs is not None
 
 
-@pytest.mark.parametrize("options", [{}, {"kv_budget": 0.25, "kv_policy": "ada_snapkv"}])
-def test_graph_decode_steps_never_wait_for_the_gpu(options):
-    """A decode step replayed as a CUDA graph only queues work (its tables and lengths go
-    through page-locked memory), so the host prepares step n + 1 while the GPU runs step n:
-    torch's sync debug mode, set to raise on a blocking copy or a read of a device value
-    (what drained the stream in the per-entry tables' copies), passes every step of a
-    second run (the first captured the graphs)."""
-    engine = _engine(_tiny_model("cuda", torch.float32, layers=8), dtype="float32", **options)
+NO_WAIT_CASES = {
+    "graphs": {},
+    "graphs, budgets": {"kv_budget": 0.25, "kv_policy": "ada_snapkv"},
+    "eager, streamed heads in pieces": {"offload": "head", "cuda_graph": False, "arena_kib": 96},
+}
+
+
+@pytest.mark.parametrize("case", NO_WAIT_CASES)
+def test_decode_steps_never_wait_for_the_gpu(case):
+    """A decode step only queues work (its tables and lengths go through page-locked
+    memory), so the host prepares step n + 1 while the GPU runs step n: torch's sync debug
+    mode, set to raise on a blocking copy or a read of a device value (what drained the
+    stream in the per-entry tables' and the streamed pieces' copies), passes every step of
+    a second run (the first captured the graphs, where there are graphs)."""
+    options = dict(NO_WAIT_CASES[case])
+    model = _tiny_model("cuda", torch.float32, layers=8)
+    if "arena_kib" in options:
+        options["gpu_memory"] = _arena_budget(model, options.pop("arena_kib") * 1024)
+    engine = _engine(model, dtype="float32", **options)
     prompts = [torch.randint(0, 512, (n,), generator=torch.Generator().manual_seed(n))
                for n in (900, 300)]  # fmt: skip
     expected = _greedy(engine, prompts)
@@ -140,11 +151,14 @@ def test_graph_decode_steps_never_wait_for_the_gpu(options):
             return step(*args, **options)
         finally:
             torch.cuda.set_sync_debug_mode("default")
-            checked.append(len(runner._graphs._graphs))
+            checked.append(len(runner._graphs._graphs) if runner._graphs else 0)
 
     runner.decode = no_waits
     assert _greedy(engine, prompts) == expected
     assert len(checked) >= 20 and set(checked) == {checked[0]}  # no step captured a graph
+    if options.get("offload"):
+        assert runner.plan.head_map.count("stream") > 0
+        assert runner.plan.staging.piece_pages < engine.batch.spec.pages_for(900 + 64)
 
 
 def test_paged_paths_on_gpu_match_reference():

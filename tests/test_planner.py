@@ -12,7 +12,13 @@ from headspace import UserError
 from headspace.cli.main import main
 from headspace.model.config import config_from_dict
 from headspace.planner import HeadMap, KVSpec, PlanRequest, make_plan, plan_batch
-from headspace.planner.memory import head_bytes, split_gpu_budget, weight_bytes
+from headspace.planner.memory import (
+    Hardware,
+    graph_step_faster,
+    head_bytes,
+    split_gpu_budget,
+    weight_bytes,
+)
 
 GiB, MiB = 2**30, 2**20
 LLAMA3_8B = {
@@ -52,6 +58,30 @@ def test_llama3_8b_at_one_million_tokens_by_hand():
     assert plan.memory["host_kv"] == 128 * GiB  # host pages hold every entry
     assert plan.decode_pcie_floor_ms == pytest.approx(1000 * 247 * 512 * MiB / 54e9)
     assert plan.memory["total_gpu"] <= 24 * GiB
+
+
+@pytest.mark.parametrize("tokens,group", [(16384, 4), (32768, 2), (65536, 1), (131072, 1)])
+def test_a_streamed_group_moves_at_least_32_mib_a_gather(tokens, group):
+    """Llama-3-8B, 64 KiB per entry page: a group's history is at least 32 MiB where one
+    head's is less (an eager step's host work per group stays under its copy)."""
+    spec = KVSpec(32, 8, 128, 128, 2)
+    pages = tokens // 128 + 1
+    plan = plan_batch(spec, pages * spec.full_page_bytes // 2, pages, offload="head")
+    assert plan.head_group == group
+    assert group * pages * spec.entry_page_bytes >= 32 * MiB or group == 1
+
+
+def test_a_decode_step_streams_as_a_graph_unless_the_link_bounds_the_eager_one():
+    """Graph: gathers at 0.8 of 54 GB/s; eager: the link's rate, or the host's 48 ms a step
+    plus 0.6 ms a group when longer."""
+    hw = Hardware()
+    assert graph_step_faster(0.4e9, 23, hw)  # 9 ms of gathers, 62 ms of eager host work
+    assert graph_step_faster(3.64e9, 111, hw)  # 84 ms against 115 ms
+    assert graph_step_faster(4.73e9, 141, hw)  # 110 ms against 133 ms
+    assert not graph_step_faster(16e9, 248, hw)  # 128K, 248 heads: 370 ms against 296 ms
+    fast_host = Hardware(eager_group_seconds=0.25e-3)
+    assert not graph_step_faster(3.64e9, 111, fast_host)  # 84 ms against 76 ms
+    assert graph_step_faster(3.64e9, 111 * 4, fast_host)  # ... not in groups of one head
 
 
 def test_a_batch_that_fits_is_all_resident_and_takes_the_whole_arena():

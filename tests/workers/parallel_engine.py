@@ -23,7 +23,7 @@ from headspace.errors import UserError
 from headspace.kv.host_store import HostKVArena
 from headspace.parallel.dist import is_first_rank
 
-GRAPH_MAX_BYTES = paged_graphs.GRAPH_MAX_STREAMED_BYTES
+GRAPH_STEP_FASTER = paged_graphs.graph_step_faster
 WIDTHS: list[int] = []  # the table width of every per-entry decode step on this rank
 SWAPS: list[int] = []  # pages each swap moved, out to host pages (+) and back (-)
 STAGED: list[int] = []  # bytes each decode step staged from this rank's host pages
@@ -60,9 +60,12 @@ def run_case(case: dict) -> dict:
     STAGED.clear()
     # decode steps through the graphs' CPU twin (padded rows, warm-ups) when the case asks
     PagedRunner.graph_twin = EagerGraphTwin if case.get("graph_twin") else None
-    # a graph's step may stream at most this many bytes (a case lowers it: ranks streaming
-    # different counts must still decide alike)
-    paged_graphs.GRAPH_MAX_STREAMED_BYTES = case.get("graph_max_bytes", GRAPH_MAX_BYTES)
+    # a case bounds the bytes a graph's step may stream (ranks streaming different counts
+    # must still decide alike)
+    bound = case.get("graph_max_bytes")
+    paged_graphs.graph_step_faster = (
+        GRAPH_STEP_FASTER if bound is None else lambda streamed, _groups: streamed <= bound
+    )
     refuses = case.get("host_refuses_on_rank") == int(os.environ["RANK"])
     HostKVArena.ensure = _refusing if refuses else GROW_HOST
     llm = LLM(case["model"], **case["options"])

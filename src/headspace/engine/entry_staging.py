@@ -109,8 +109,8 @@ class EntryStaging:
         counts = [len(kept[h]) for h in heads]
         index = torch.cat([torch.arange(n, device=device) for n in counts])
         slots = self.host_slots(host_pages, index)
-        owners = torch.tensor(heads, device=device)
-        owners = owners.repeat_interleave(torch.tensor(counts, device=device))
+        heads_on, counts_on = device_ints([heads, counts], device)
+        owners = heads_on.repeat_interleave(counts_on)
         write_tokens(self.host.layer(layer), owners, slots, torch.cat(rows, 1)[:, :, None],
                      paired=True)  # fmt: skip
 

@@ -25,6 +25,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
+from headspace.kv.transfer import device_ints
+
 SELECTION_DELAY = 2  # steps from the dense pass that writes the weights to the first sparse one
 
 
@@ -140,7 +142,7 @@ class SparseSelector:
         self.dense = [i for i, state in enumerate(states) if not state.ready or i in self.weigh]
         self.sparse = [i for i in range(len(states)) if i not in self.dense]
         rows = [self.rows[s] for s in seq_ids]
-        self.row_index = torch.tensor(rows, device=self.maw.device)
+        self.row_index = device_ints(rows, self.maw.device)
 
     def _admit(self, seq_id: int, cpu_end: int) -> None:
         row = min(set(range(self.maw.shape[0])) - set(self.rows.values()))

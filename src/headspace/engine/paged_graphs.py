@@ -26,12 +26,7 @@ from headspace.engine.executors import (
     bucket,
 )
 from headspace.engine.streaming import StreamExecutor
-
-# Above this many streamed bytes per step (~80 ms of PCIe), eager steps with copy-engine
-# copies beat a graph with gather kernels: measured on an H200, 128K tokens with 248 of 256
-# heads streamed decoded in 363 ms as a graph and about 300 ms eagerly (floor 301 ms), 64K
-# with 86 streamed in 72 ms as a graph and 86 ms eagerly (floor 53 ms).
-GRAPH_MAX_STREAMED_BYTES = 4 * 2**30
+from headspace.planner.memory import graph_step_faster
 
 
 @dataclass
@@ -69,15 +64,17 @@ class DecodeGraphs:
     def accepts(self, positions: list[int]) -> bool:
         """Whether a step at ``positions`` runs as a graph: always when nothing streams;
         with streamed heads when their history fits one staging slot and is short enough
-        that launching the step costs more than the copy engine's lead over the gather
-        kernel (55 against 51 GB/s measured on an H200) wins back."""
+        that the eager step's host work costs more than the copy engine's lead over the
+        gather kernels wins back (:func:`graph_step_faster`)."""
         if self.stream is None:
             return True
         if self.stream.cpu is not None:  # the hybrid tier's CPU part runs outside graphs
             return False
         num_pages = sum(-(-(p + 1) // self.page_size) for p in positions)
         streamed = num_pages * self.stream.num_heads * self.stream.entry_page_bytes
-        return num_pages <= self.stream.piece_pages and streamed <= GRAPH_MAX_STREAMED_BYTES
+        if num_pages > self.stream.piece_pages:
+            return False
+        return graph_step_faster(streamed, self.stream.num_groups)
 
     def _packed_width(self, key) -> int:
         """Block-table columns packed per row: none under KV budgets, whose per-entry tables

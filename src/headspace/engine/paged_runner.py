@@ -127,11 +127,13 @@ class PagedRunner:
         heads), gathered into the arena's staging slots; under torchrun a graph's step is
         weighed by the sized map's streamed entries (no rank streams more: all decide
         alike, so their collectives pair up)."""
-        sized = plan.rank_map.num_offloaded if plan.rank_map is not None else None
+        sized = plan.rank_map
+        if sized is not None:
+            sized = (sized.num_offloaded, sized.num_offloaded_groups)
         return StreamExecutor(self.host, self.store.staging, groups,
                               self.model.config.num_queries_per_kv, self.page_size,
                               self.config.attention_backend, self._cpu_split(plan, groups),
-                              num_heads=sized)  # fmt: skip
+                              sized=sized)  # fmt: skip
 
     def _apply_rank(self, plan: Plan, key: tuple) -> None:
         """One rank's heads: its own heads' pages (layers ``0..L-1`` of the arena; those the

@@ -25,7 +25,7 @@ from headspace.attention.paged import (
 from headspace.engine.executors import MIN_WIDTH, HeadRange, StepInputs, bucket, q_heads
 from headspace.engine.hybrid import CpuAttention, cpu_ends
 from headspace.kv.host_store import HostKVArena
-from headspace.kv.transfer import as_heads, copy_pages, write_tokens
+from headspace.kv.transfer import as_heads, copy_pages, device_ints, write_tokens
 
 MAX_COPY_RUNS = 16  # a piece in at most this many runs of adjacent pages uses the copy engine
 
@@ -75,17 +75,18 @@ class StreamExecutor:
     def __init__(self, host: HostKVArena, staging: list[torch.Tensor],
                  groups: list[list[HeadRange]], q_per_kv: int, page_size: int,
                  backend: str, cpu: CpuSplit | None = None,
-                 num_heads: int | None = None):  # fmt: skip
-        """``num_heads``: the streamed entries a CUDA graph's step is weighed by (under
-        torchrun the most any rank may stream, so that every rank decides alike; default:
-        those of ``groups``)."""
+                 sized: tuple[int, int] | None = None):  # fmt: skip
+        """``sized``: the streamed entries and groups a CUDA graph's step is weighed by
+        (under torchrun the most any rank may stream, so that every rank decides alike;
+        default: those of ``groups``)."""
         self.host, self.staging, self.q_per_kv = host, staging, q_per_kv
         self.cpu = cpu  # the hybrid tier: CPU threads attend the older part of the history
         self.page_size, self.backend = page_size, backend
         self.groups = groups  # per layer: contiguous kv-head ranges, one per group
-        if num_heads is None:
-            num_heads = sum(hi - lo for ranges in groups for lo, hi in ranges)
-        self.num_heads = num_heads
+        if sized is None:
+            sized = (sum(hi - lo for ranges in groups for lo, hi in ranges),
+                     sum(map(len, groups)))  # fmt: skip
+        self.num_heads, self.num_groups = sized
         self.entry_page_bytes = (2 * page_size * staging[0].shape[-1]
                                  * staging[0].element_size())  # fmt: skip
         self.order = [(layer, r) for layer, ranges in enumerate(groups) for r in ranges]
@@ -122,11 +123,11 @@ class StreamExecutor:
             self.pieces = self._decode_pieces(step, first_pages)
             rows = zip(step.pages["host"], step.positions_list, strict=True)
             slots = [pages[pos // size] * size + pos % size for pages, pos in rows]
-            self.new_slots = torch.tensor(slots, device=self.device)
+            self.new_slots = device_ints(slots, self.device)
         else:
             pages = step.pages["host"][0]
             self.pieces = self._pieces(pages[: -(-step.start // size)], step.start)
-            host_pages = torch.tensor(pages, device=self.device)
+            host_pages = device_ints(pages, self.device)
             self.new_slots = host_pages[step.positions // size] * size + step.positions % size
         self._start()
 
@@ -156,9 +157,7 @@ class StreamExecutor:
         for first in range(0, len(pages), self.piece_pages):
             run = pages[first : first + self.piece_pages]
             tokens = min(size, num_tokens - first * self.page_size)
-            pieces.append(
-                _Piece(torch.tensor(run, device=self.device), tokens, runs=page_runs(run))
-            )
+            pieces.append(_Piece(device_ints(run, self.device), tokens, runs=page_runs(run)))
         return pieces
 
     def _decode_pieces(self, step: StepInputs, first_pages: list[int]) -> list[_Piece]:
@@ -193,10 +192,10 @@ class StreamExecutor:
                 for row in range(len(positions))
             ]  # fmt: skip
             offsets = [first_page.get(row, 0) * size for row in range(len(positions))]
-            pieces.append(_Piece(torch.tensor(run, device=self.device), 0, tables.to(self.device),
-                                 torch.tensor(seq_lengths, device=self.device),
-                                 runs=page_runs(run),
-                                 offsets=torch.tensor(offsets, device=self.device),
+            seq_lengths_on, offsets_on = device_ints([seq_lengths, offsets], self.device)
+            pieces.append(_Piece(device_ints(run, self.device), 0,
+                                 device_ints(tables, self.device, torch.int32), seq_lengths_on,
+                                 runs=page_runs(run), offsets=offsets_on,
                                  width=max(seq_lengths)))  # fmt: skip
         return pieces
 

@@ -84,6 +84,11 @@ class HeadMap:
         """Entries whose KV lives in host pages (stream or hybrid)."""
         return self.count(*OFFLOADED)
 
+    @property
+    def num_offloaded_groups(self) -> int:
+        """Groups of offloaded entries over all layers (each moved and attended as one)."""
+        return sum(len(self.offloaded_groups(layer)) for layer in range(self.num_layers))
+
     def summary(self) -> str:
         """One line: entries per tier, group size, patterns, budgets, ranks."""
         tiers = Counter(e.tier for e in self.entries)

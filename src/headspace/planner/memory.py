@@ -33,6 +33,13 @@ class Hardware:
     hybrid_layer_seconds: float = 1.2e-3  # per layer with hybrid heads, on the CPU's path:
     # from its (out, lse) to the next layer's query (the merge, the rest of the layer, the
     # next query's copy); measured on an H200 host at 128K (bench/profile_hybrid_split.py)
+    graph_gather_share: float = 0.8  # of ``h2d_bytes``: a CUDA-graph decode step's gather
+    # kernels beside its attention (the copy engine needs copy sizes known on the host)
+    eager_step_seconds: float = 48e-3  # the host's work of an eager decode step: per step
+    eager_group_seconds: float = 0.6e-3  # ... and per streamed group (its copies, attention
+    # and write launches); Llama-3.1-8B at 32K on H100 hosts, whose eager steps of 214 groups
+    # took 101-174 ms: the slower hosts' figure, so a graph step is given up only where the
+    # link bounds the eager one on any of them
 
 
 def balanced_share(cpu_bytes_per_s: float, h2d_bytes_per_s: float) -> float:
@@ -63,6 +70,17 @@ def offloaded_seconds(offloaded_bytes: float, num_layers: int, hybrid: bool,
         cpu_s = share * offloaded_bytes / rate if rate > 0 else math.inf
     pcie_s = (1 - share) * offloaded_bytes / hw.h2d_bytes
     return max(cpu_s, pcie_s) + num_layers * hw.hybrid_layer_seconds
+
+
+def graph_step_faster(streamed_bytes: float, num_groups: int, hw: Hardware | None = None) -> bool:
+    """Whether a decode step that streams ``streamed_bytes`` of history in ``num_groups``
+    head groups runs faster as a CUDA graph (gather kernels at a share of the link's rate,
+    no host work) than eagerly (copy-engine copies at the link's rate, unless the host's
+    work of issuing them and the step's other launches takes longer)."""
+    hw = hw or Hardware()
+    graph_s = streamed_bytes / (hw.graph_gather_share * hw.h2d_bytes)
+    host_s = hw.eager_step_seconds + num_groups * hw.eager_group_seconds
+    return graph_s <= max(streamed_bytes / hw.h2d_bytes, host_s)
 
 
 @dataclass(frozen=True)
