@@ -11,6 +11,7 @@ import torch
 
 from headspace import LLM, SamplingParams, UserError
 from headspace.engine.scheduler import Sequence
+from headspace.engine.streaming import StreamExecutor
 from headspace.model.config import load_config
 from headspace.planner.memory import KVSpec, decode_bytes, weight_bytes, working_bytes
 
@@ -72,6 +73,12 @@ def test_streamed_heads_equal_all_resident(wide_llama, prompt, arena_kib, option
     assert plan.staging.depth == depth
     pages = llm.engine.batch.spec.pages_for(len(prompt) + GREEDY.max_new_tokens)
     assert (plan.staging.piece_pages < pages) == pieces
+    stream = next(e for e in llm.engine.batch.runner.executors if isinstance(e, StreamExecutor))
+    # what a graph's step is weighed by: the map's streamed entries and groups
+    assert (stream.num_heads, stream.num_groups) == (
+        32 - resident,
+        plan.head_map.num_offloaded_groups,
+    )
 
 
 def test_budget_sweep_from_the_smallest_that_runs_to_all_fits(tiny_llama, spec, prompt):

@@ -106,7 +106,7 @@ def test_copies_in_host_memory_three_ranks(wide_llama, prompt, tmp_path):
         {**_case(wide_llama, prompt, {**options, "offload": "hybrid", "cpu_share": 0.5,
                                       "gpu_window": 16}), "single": RESIDENT},
         {**_case(wide_llama, prompt, {"num_kv_pages": 2, "balance": "greedy", "replicas": 0,
-                                      "offload": "head"}),
+                                      "offload": "head", "head_group": 1}),
          "single": RESIDENT, "batch": [150, 75, 100], "graph_twin": True,
          "graph_max_bytes": 100_000},
         {**_case(wide_llama, prompt, {"num_kv_pages": 2, "balance": "greedy", "replicas": 0,
@@ -119,6 +119,9 @@ def test_copies_in_host_memory_three_ranks(wide_llama, prompt, tmp_path):
     assert results[-1]["swaps"] and sum(results[-1]["swaps"]) == 0
     assert _uneven(results[2]["heads"])
     assert len(set(results[2]["graphs_all"])) == 1  # (collectives would not pair up)
+    weighed = results[2]["weighed_steps"]  # every decision weighs the same bytes and groups
+    assert weighed[0] and weighed == [weighed[0]] * 3
+    assert {groups for _, groups in weighed[0]} == {11}  # the widest rank's groups of one head
     assert results[3]["graphs_all"] == [True] * 3
     for result, tier in zip(results[:2], ["stream", "hybrid"], strict=True):
         assert "8 entries copied" in result["summary"]

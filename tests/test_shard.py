@@ -227,3 +227,16 @@ def test_layers_sharded_as_they_load_equal_the_model_sharded_after(embedded_dir)
     assert mine.keys() == theirs.keys()
     assert all(torch.equal(mine[name], theirs[name]) for name in mine)
     assert loaded.layers[1].qkv_proj.weight.shape[0] < whole.config.hidden_size
+
+
+@pytest.mark.parametrize(
+    "pinned,machine,ranks_here,cores",
+    [(16, 16, 1, 16), (16, 16, 4, 4), (4, 16, 4, 4), (3, 16, 2, 3), (2, 2, 4, 1)],
+)
+def test_ranks_divide_the_machines_cores_unless_bound_to_their_own(pinned, machine, ranks_here,
+                                                                    cores):  # fmt: skip
+    """The hybrid tier's CPU threads: a rank bound to part of the machine keeps its cores
+    (they are its own); ranks sharing the whole machine divide it, one core at least."""
+    from headspace.parallel.dist import rank_cores
+
+    assert rank_cores(pinned, machine, ranks_here) == cores

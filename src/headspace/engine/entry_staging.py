@@ -110,7 +110,7 @@ class EntryStaging:
         index = torch.cat([torch.arange(n, device=device) for n in counts])
         slots = self.host_slots(host_pages, index)
         heads_on, counts_on = device_ints([heads, counts], device)
-        owners = heads_on.repeat_interleave(counts_on)
+        owners = heads_on.repeat_interleave(counts_on, output_size=sum(counts))
         write_tokens(self.host.layer(layer), owners, slots, torch.cat(rows, 1)[:, :, None],
                      paired=True)  # fmt: skip
 

@@ -9,8 +9,6 @@ graphs survive a detour through streaming.
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from headspace.attention.patterns import Pattern
@@ -40,7 +38,7 @@ from headspace.kv.host_store import HostKVArena
 from headspace.kv.paged_store import PagedKVStore
 from headspace.kv.transfer import as_heads, copy_pages, device_ints
 from headspace.model.llama import LlamaModel
-from headspace.parallel.dist import all_gather_stack, first_error, host_min, local_world_size
+from headspace.parallel.dist import all_gather_stack, first_error, host_min, rank_cores
 from headspace.parallel.placement import RankLayout
 from headspace.planner.memory import KVSpec
 from headspace.planner.plan import Plan
@@ -200,12 +198,12 @@ class PagedRunner:
 
     def _cpu_split(self, plan: Plan, groups: list[list[HeadRange]]) -> CpuSplit | None:
         """The hybrid tier's CPU side over each layer's offloaded ``groups`` (one per runner:
-        its worker thread is kept). Ranks on one machine divide its cores."""
+        its worker thread is kept). Ranks on one machine divide its cores, unless the
+        launcher bound each to its own."""
         if plan.offload != "hybrid":
             return None
         if self._cpu_attention is None:
-            cores = len(os.sched_getaffinity(0)) // local_world_size()
-            threads = self.config.cpu_threads or max(cores - 1, 1)
+            threads = self.config.cpu_threads or max(rank_cores() - 1, 1)
             self._cpu_attention = CpuAttention(self.host, threads)
         config = self.config
         share = plan.cpu_share  # what the planner sized the staging slots for
