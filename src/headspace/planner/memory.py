@@ -36,10 +36,9 @@ class Hardware:
     graph_gather_share: float = 0.8  # of ``h2d_bytes``: a CUDA-graph decode step's gather
     # kernels beside its attention (the copy engine needs copy sizes known on the host)
     eager_step_seconds: float = 48e-3  # the host's work of an eager decode step: per step
-    eager_group_seconds: float = 0.6e-3  # ... and per streamed group (its copies, attention
-    # and write launches); Llama-3.1-8B at 32K on H100 hosts, whose eager steps of 214 groups
-    # took 101-174 ms: the slower hosts' figure, so a graph step is given up only where the
-    # link bounds the eager one on any of them
+    eager_group_seconds: float = 0.35e-3  # ... and per streamed group (its copies, attention
+    # and write launches): 0.25-0.6 ms on the H100 hosts measured (Llama-3.1-8B; bench/NOTES.md
+    # "Streamed heads at 32K, eager against graph steps"), the middle figure
 
 
 def balanced_share(cpu_bytes_per_s: float, h2d_bytes_per_s: float) -> float:
