@@ -119,9 +119,9 @@ def test_copies_in_host_memory_three_ranks(wide_llama, prompt, tmp_path):
     assert results[-1]["swaps"] and sum(results[-1]["swaps"]) == 0
     assert _uneven(results[2]["heads"])
     assert len(set(results[2]["graphs_all"])) == 1  # (collectives would not pair up)
-    weighed = results[2]["weighed_steps"]  # every decision weighs the same bytes and groups
-    assert weighed[0] and weighed == [weighed[0]] * 3
-    assert {groups for _, groups in weighed[0]} == {11}  # the widest rank's groups of one head
+    decided = results[2]["graph_decisions"]  # every choice weighs the same bytes and groups
+    assert decided[0] and decided == [decided[0]] * 3
+    assert {groups for _, groups in decided[0]} == {11}  # the widest rank's groups of one head
     assert results[3]["graphs_all"] == [True] * 3
     for result, tier in zip(results[:2], ["stream", "hybrid"], strict=True):
         assert "8 entries copied" in result["summary"]

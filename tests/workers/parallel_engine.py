@@ -27,7 +27,7 @@ GRAPH_STEP_FASTER = paged_graphs.graph_step_faster
 WIDTHS: list[int] = []  # the table width of every per-entry decode step on this rank
 SWAPS: list[int] = []  # pages each swap moved, out to host pages (+) and back (-)
 STAGED: list[int] = []  # bytes each decode step staged from this rank's host pages
-WEIGHED: list[tuple] = []  # (streamed bytes, groups) each graph decision weighed
+GRAPH_DECISIONS: list[tuple] = []  # (streamed bytes, groups) each graph-or-eager choice
 
 
 def _record(cls, name: str, note) -> None:
@@ -64,10 +64,10 @@ def run_case(case: dict) -> dict:
     # a case bounds the bytes a graph's step may stream (ranks streaming different counts
     # must still decide alike)
     bound = case.get("graph_max_bytes")
-    WEIGHED.clear()
+    GRAPH_DECISIONS.clear()
 
     def graph_step_faster(streamed: int, groups: int) -> bool:
-        WEIGHED.append((streamed, groups))
+        GRAPH_DECISIONS.append((streamed, groups))
         return GRAPH_STEP_FASTER(streamed, groups) if bound is None else streamed <= bound
 
     paged_graphs.graph_step_faster = graph_step_faster
@@ -94,9 +94,9 @@ def run_case(case: dict) -> dict:
     graphs = every_rank(bool(llm.engine.batch.runner._graph_cache))  # decode steps as graphs
     return {"logits": logits, "tokens": [o.token_ids for o in outputs],
             "summary": ranks.head_map.summary(), "heads": heads, "widths": widths,
-            "graphs": graphs[0], "graphs_all": graphs, "weighed_steps": every_rank(WEIGHED),
+            "graphs": graphs[0], "graphs_all": graphs,
+            "graph_decisions": every_rank(GRAPH_DECISIONS), "weighed": weighed,
             "swaps": list(SWAPS), "staged": staged, "errors": errors, "after": after,
-            "weighed": weighed,
             "tiers": [tiers(o.stats) for o in outputs],
             "streamed": llm.engine.model.layer_source is not None}  # fmt: skip
 

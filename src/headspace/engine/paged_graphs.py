@@ -71,9 +71,9 @@ class DecodeGraphs:
         if self.stream.cpu is not None:  # the hybrid tier's CPU part runs outside graphs
             return False
         num_pages = sum(-(-(p + 1) // self.page_size) for p in positions)
-        streamed = num_pages * self.stream.num_heads * self.stream.entry_page_bytes
         if num_pages > self.stream.piece_pages:
             return False
+        streamed = num_pages * self.stream.num_heads * self.stream.entry_page_bytes
         return graph_step_faster(streamed, self.stream.num_groups)
 
     def _packed_width(self, key) -> int:

@@ -122,16 +122,14 @@ class PagedRunner:
 
     def _stream_executor(self, plan: Plan, groups: list[list[HeadRange]]) -> StreamExecutor:
         """The stream tier over each layer's offloaded ``groups`` (places in the layer's
-        heads), gathered into the arena's staging slots; under torchrun a graph's step is
-        weighed by the sized map's streamed entries (no rank streams more: all decide
-        alike, so their collectives pair up)."""
-        sized = plan.rank_map
-        if sized is not None:
-            sized = (sized.num_offloaded, sized.num_offloaded_groups)
+        heads), gathered into the arena's staging slots; a graph's step is weighed by the
+        plan's map, under torchrun the sized one (no rank streams more: all decide alike,
+        so their collectives pair up)."""
+        sized = plan.head_map if plan.rank_map is None else plan.rank_map
         return StreamExecutor(self.host, self.store.staging, groups,
                               self.model.config.num_queries_per_kv, self.page_size,
                               self.config.attention_backend, self._cpu_split(plan, groups),
-                              sized=sized)  # fmt: skip
+                              sized=(sized.num_offloaded, sized.num_offloaded_groups))  # fmt: skip
 
     def _apply_rank(self, plan: Plan, key: tuple) -> None:
         """One rank's heads: its own heads' pages (layers ``0..L-1`` of the arena; those the

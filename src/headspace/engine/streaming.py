@@ -74,18 +74,13 @@ class StreamExecutor:
 
     def __init__(self, host: HostKVArena, staging: list[torch.Tensor],
                  groups: list[list[HeadRange]], q_per_kv: int, page_size: int,
-                 backend: str, cpu: CpuSplit | None = None,
-                 sized: tuple[int, int] | None = None):  # fmt: skip
+                 backend: str, cpu: CpuSplit | None, sized: tuple[int, int]):  # fmt: skip
         """``sized``: the streamed entries and groups a CUDA graph's step is weighed by
-        (under torchrun the most any rank may stream, so that every rank decides alike;
-        default: those of ``groups``)."""
+        (under torchrun the most any rank may stream, so that every rank decides alike)."""
         self.host, self.staging, self.q_per_kv = host, staging, q_per_kv
         self.cpu = cpu  # the hybrid tier: CPU threads attend the older part of the history
         self.page_size, self.backend = page_size, backend
         self.groups = groups  # per layer: contiguous kv-head ranges, one per group
-        if sized is None:
-            sized = (sum(hi - lo for ranges in groups for lo, hi in ranges),
-                     sum(map(len, groups)))  # fmt: skip
         self.num_heads, self.num_groups = sized
         self.entry_page_bytes = (2 * page_size * staging[0].shape[-1]
                                  * staging[0].element_size())  # fmt: skip
