@@ -31,10 +31,10 @@ SCORES: list[torch.Tensor] = []  # per layer [kv_heads, scored tokens] of the la
 
 
 def _record(kept_positions):
-    def record(budget, scores, prompt_len, head_scores=None, heads=None):
-        # the engine ranks a layer-local policy's layers one call each, in order
+    def record(budget, scores, prompt_len, *args, **options):
+        # the engine ranks the layers one call each, in order
         SCORES.extend(s.cpu().clone() for s in scores)
-        return kept_positions(budget, scores, prompt_len, head_scores, heads)
+        return kept_positions(budget, scores, prompt_len, *args, **options)
 
     return record
 

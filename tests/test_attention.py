@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import math
 
 import pytest
 import torch
@@ -160,6 +161,26 @@ def test_triton_decode_kernel_matches_reference(dtype, heads, kv_heads, capacity
     ref_out, ref_lse = reference_attention(q, k[:, :length], v[:, :length])
     tolerance = 1e-5 if dtype == torch.float32 and DEVICE == "cpu" else 2e-3
     assert (out.float() - ref_out.float()).abs().max().item() < tolerance
+    assert (lse - ref_lse).abs().max().item() < tolerance
+
+
+def test_triton_decode_merges_more_slices_than_one_block(monkeypatch):
+    """A row of few heads over a long history has more slices than the merge kernel weighs
+    at once (47 here, in blocks of 16 so that the interpreter stays quick: two whole blocks
+    and a partial one, the last slices past the length empty)."""
+    from headspace.attention import triton_decode
+
+    monkeypatch.setattr(triton_decode, "MERGE_SPLIT_BLOCK", 16)
+    capacity, length, block_n = 4500, 4001, 32
+    per_split = math.ceil(math.ceil(capacity / 70) / block_n) * block_n  # as the kernel's
+    assert math.ceil(capacity / per_split) > 2 * triton_decode.MERGE_SPLIT_BLOCK
+    q, k, v = (t.to(DEVICE) for t in _qkv(4, 1, 1, capacity, 64, seed=5))
+    length_t = torch.tensor([length], device=DEVICE)
+    out, lse = triton_decode.triton_decode_attention(q, k, v, length_t, num_splits=70,
+                                                     block_n=block_n)  # fmt: skip
+    ref_out, ref_lse = reference_attention(q, k[:, :length], v[:, :length])
+    tolerance = 1e-5 if DEVICE == "cpu" else 2e-3
+    assert (out - ref_out).abs().max().item() < tolerance
     assert (lse - ref_lse).abs().max().item() < tolerance
 
 

@@ -8,7 +8,14 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from headspace.budgets import LAYER_LOCAL, POLICIES, KVBudget, kept_positions, observation_scores
+from headspace.budgets import (
+    LAYER_LOCAL,
+    POLICIES,
+    KVBudget,
+    kept_positions,
+    observation_scores,
+    selected_counts,
+)
 
 HEAD_SCORES = torch.tensor([[1.0, 3.0], [0.0, 4.0]])  # [layers, kv heads], for headkv
 
@@ -60,6 +67,24 @@ def test_headkv_divides_the_models_budget_by_head_scores():
     assert [c.tolist() for c in counts] == [[6, 14], [2, 18]]
     with pytest.raises(ValueError, match="profile"):
         POLICIES["headkv"](scores, 10)
+
+
+def test_headkv_counts_need_only_the_shapes_of_the_scores():
+    """The engine divides headkv's budget before any layer is scored (meta tensors of the
+    scores' shape), then ranks each layer as it comes: the same counts and positions."""
+    gen = torch.Generator().manual_seed(3)
+    budget, prompt = KVBudget(0.3, "headkv", window=8), 90
+    scores = [torch.rand(2, prompt - 8, generator=gen) for _ in range(2)]
+    shapes = [torch.empty(s.shape, device="meta") for s in scores]
+    counts = selected_counts(budget, shapes, prompt, HEAD_SCORES)
+    assert [c.tolist() for c in counts] == [
+        c.tolist() for c in selected_counts(budget, scores, prompt, HEAD_SCORES)
+    ]
+    assert counts[0].tolist() != counts[1].tolist()  # the profile's layers differ
+    together = kept_positions(budget, scores, prompt, HEAD_SCORES)
+    for layer, layer_scores in enumerate(scores):
+        (alone,) = kept_positions(budget, [layer_scores], prompt, counts=counts[layer : layer + 1])
+        assert all(torch.equal(a, b) for a, b in zip(alone, together[layer], strict=True))
 
 
 @pytest.mark.parametrize("policy", sorted(POLICIES))

@@ -22,10 +22,12 @@ from headspace.budgets.scores import POOL, WINDOW, observation_scores
 
 POLICIES = {"snapkv": snapkv.allocate, "ada_snapkv": ada_snapkv.allocate,
             "headkv": headkv.allocate}  # fmt: skip
-LAYER_LOCAL = {"snapkv", "ada_snapkv"}  # a layer's counts follow from its own scores alone
+# a layer's counts follow from its own scores alone (headkv's from the profile and the
+# shapes of every layer's: known before any is scored)
+LAYER_LOCAL = {"snapkv", "ada_snapkv"}
 
 __all__ = ["LAYER_LOCAL", "POLICIES", "KVBudget", "kept_positions", "observation_scores",
-           "POOL", "WINDOW"]  # fmt: skip
+           "selected_counts", "POOL", "WINDOW"]  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -66,25 +68,37 @@ class KVBudget:
         return self.tokens(prompt_len) + max_tokens - prompt_len
 
 
+def selected_counts(budget: KVBudget, scores: list[torch.Tensor], prompt_len: int,
+                    head_scores: torch.Tensor | None = None) -> list[torch.Tensor]:  # fmt: skip
+    """Tokens each kv head selects besides the observation window, per layer ``[kv_heads]``
+    int64: the policy's division of the budget over every head of ``scores`` (per layer
+    ``[kv_heads, prompt_len - window]``). headkv reads only their shapes, so meta tensors
+    serve it before any layer is scored."""
+    selectable = budget.tokens(prompt_len) - min(budget.window, prompt_len)
+    return POLICIES[budget.policy](scores, selectable, head_scores=head_scores)
+
+
 def kept_positions(
     budget: KVBudget,
     scores: list[torch.Tensor],  # per layer [kv_heads, prompt_len - window]
     prompt_len: int,
     head_scores: torch.Tensor | None = None,  # [layers, kv_heads] (headkv)
     heads: list[list[int]] | None = None,  # per layer, the kv heads to return (None: all)
+    counts: list[torch.Tensor] | None = None,  # per layer [kv_heads]: selected_counts's
 ) -> list[list[torch.Tensor]]:
     """Positions each (layer, kv head) keeps, ascending int64 on the scores' device (a GPU
     ranks 128K scores per head in milliseconds, a CPU in seconds), the observation window's
     last tokens included; everything when the budget covers the prompt. The policy divides
-    the budget over every head of ``scores``; ``heads`` picks whose positions to return."""
+    the budget over every head of ``scores`` unless ``counts`` says what each selects;
+    ``heads`` picks whose positions to return."""
     heads = heads or [range(layer.shape[0]) for layer in scores]
     device = scores[0].device if scores else None
     if budget.tokens(prompt_len) >= prompt_len:  # the budget covers the prompt: exact
         return [[torch.arange(prompt_len, device=device) for _ in layer] for layer in heads]
     window = min(budget.window, prompt_len)
-    selectable = budget.tokens(prompt_len) - window
     window_positions = torch.arange(prompt_len - window, prompt_len, device=device)
-    counts = POLICIES[budget.policy](scores, selectable, head_scores=head_scores)
+    if counts is None:
+        counts = selected_counts(budget, scores, prompt_len, head_scores)
     kept = []
     for layer_scores, layer_counts, layer_heads in zip(scores, counts, heads, strict=True):
         num_kept = layer_counts.tolist()  # one read per layer

@@ -28,7 +28,13 @@ from headspace.attention import attend, merge_attention
 from headspace.attention.entry_decode import entry_decode
 from headspace.attention.patterns import Pattern, padded_length
 from headspace.attention.sparse_prefill import prefill_with_patterns
-from headspace.budgets import LAYER_LOCAL, KVBudget, kept_positions, observation_scores
+from headspace.budgets import (
+    LAYER_LOCAL,
+    KVBudget,
+    kept_positions,
+    observation_scores,
+    selected_counts,
+)
 from headspace.engine.entry_staging import EntryStaging
 from headspace.engine.executors import (
     MIN_WIDTH,
@@ -277,25 +283,26 @@ class BudgetExecutor:
 
     def _budget_positions(self, slots: torch.Tensor, prompt_len: int) -> list[torch.Tensor]:
         """Positions each entry keeps by the budget's policy (all without a budget), on the
-        CPU. A layer-local policy ranks each layer's scores where they are as soon as they
-        are scored (on a GPU: milliseconds, not the CPU's seconds at 128K); headkv, whose
-        counts span layers, ranks every layer's scores at the end, on the CPU."""
+        CPU. Each layer's scores are ranked where they are as soon as they are scored (on a
+        GPU: milliseconds, not the CPU's seconds at 128K): a layer-local policy divides the
+        layer's budget by them, headkv by the profile, once for every layer."""
         if self.budget is None or self.budget.tokens(prompt_len) >= prompt_len:
             return [torch.arange(prompt_len)] * slots.shape[0]
         per_layer, heads = self._by_layer(slots), self._heads()
-        local = self.budget.policy in LAYER_LOCAL
-        scores, kept = [], []
+        kept, profile_counts = [], None
         for layer in range(self.num_layers):
             ranked = self._ranked_scores(layer, self._layer_scores(layer, per_layer, prompt_len))
-            if not local:
-                scores.append(ranked.cpu())
-                continue
+            counts = None  # a layer-local policy's, from ``ranked``
+            if self.budget.policy not in LAYER_LOCAL:
+                if profile_counts is None:  # every layer's scores have ``ranked``'s shape
+                    shapes = [torch.empty(ranked.shape, device="meta")] * self.num_layers
+                    profile_counts = selected_counts(self.budget, shapes, prompt_len,
+                                                     self.head_scores)  # fmt: skip
+                counts = profile_counts[layer : layer + 1]
             layer_heads = None if heads is None else heads[layer : layer + 1]
-            (rows,) = kept_positions(self.budget, [ranked], prompt_len, heads=layer_heads)
+            (rows,) = kept_positions(self.budget, [ranked], prompt_len, heads=layer_heads,
+                                     counts=counts)  # fmt: skip
             kept += torch.cat(rows).cpu().split([len(r) for r in rows]) if rows else []
-        if not local:
-            kept_layers = kept_positions(self.budget, scores, prompt_len, self.head_scores, heads)
-            kept = [positions for layer in kept_layers for positions in layer]
         return kept
 
     def _layer_scores(self, layer: int, per_layer, prompt_len: int) -> torch.Tensor:
