@@ -5,6 +5,7 @@ against the measured one.
 
     PYTHONPATH=src python bench/multigpu.py [--gpus 1 2 4] [--context 131072]
         [--solvers uniform greedy ga fairkv] [--scenario duo|ada_snapkv|patterns]
+        [--sharpen 0.25 4] [--batch 1]
 
 The driver first measures the heads' uneven loads on this model (``--scenario``):
 
@@ -18,7 +19,15 @@ head) over a prompt of the context's length (another seed than the benchmark's),
 the profile's budget shares, which the solvers price; at run time the engine compresses by
 the same policy. Patterns come with the profile's pattern milliseconds measured on this GPU.
 Which heads take a pattern is a ranking by random scores: on random weights no head
-retrieves, so the split, not the choice, is what the run shows.
+retrieves, so the split, not the choice, is what the run shows. Random weights also attend
+alike in every head, so a budget policy keeps about as much in each (shares 0.89-1.14 at
+128K); ``--sharpen LOW HIGH`` scales each kv head's key rows by a factor drawn log-uniformly
+from that range (seeded, the same model for the profile and every run), so heads range from
+diffuse to sharp as a trained model's do, and the policy's measured shares differ as
+FairKV's profiles do. ``--batch N`` serves N prompts of the context at once: decode then
+reads N histories a step against one read of the weights, the regime FairKV measures (its
+decode rate: N over the median synchronised step that decodes all N; its prefill rate: the
+N prompts over the time to the last one's first token).
 
 Then one ``torchrun --nproc-per-node N`` per GPU count runs every solver in turn, each on a
 fresh model (the engine shards it in place), built as a user builds it under torchrun: the
@@ -36,9 +45,11 @@ import argparse
 import gc
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -65,8 +76,9 @@ SOLVERS = ("uniform", "greedy", "ga", "fairkv")
 
 
 # -- the profile (one GPU) -------------------------------------------------------------------
-def make_profile(scenario: str, context: int, path: Path) -> dict:
-    """The scenario's measured loads as a profile at ``path``; returns a summary."""
+def make_profile(scenario: str, context: int, path: Path, sharpen=None) -> dict:
+    """The scenario's measured loads as a profile at ``path`` (on the model ``sharpen_heads``
+    makes); returns a summary."""
     from headspace.budgets import KVBudget
     from headspace.eval.profile import PATTERNS, budget_shares, pattern_costs
     from headspace.planner.profile import Profile, budget_key
@@ -79,10 +91,12 @@ def make_profile(scenario: str, context: int, path: Path) -> dict:
     if "kv_budget" in options:
         budget = KVBudget(options["kv_budget"], options["kv_policy"])
         model = random_model(cfg)
+        sharpen_heads(model, sharpen)
         shares = budget_shares(model, [_prompt(context, seed=2)], budget)
         profile.budget_shares[budget_key(budget.policy, budget.value)] = shares.tolist()
         summary = {"budget_shares": {"min": shares.min().item(), "max": shares.max().item(),
-                                     "std": shares.std().item()}}  # fmt: skip
+                                     "std": shares.std().item(),
+                                     "per_entry": shares.tolist()}}  # fmt: skip
         del model
     if "sparse_pattern" in options:
         chunk = 8192
@@ -99,6 +113,26 @@ def make_profile(scenario: str, context: int, path: Path) -> dict:
 def _prompt(length: int, seed: int) -> list[int]:
     generator = torch.Generator().manual_seed(seed)
     return torch.randint(0, LLAMA31_8B["vocab_size"], (length,), generator=generator).tolist()
+
+
+def sharpen_heads(model, sharpen: list[float] | None, seed: int = 5) -> None:
+    """Scale each (layer, kv head)'s key rows of the fused q/k/v projection by a factor drawn
+    log-uniformly from ``sharpen`` (low, high): its attention logits scale alike (RoPE is
+    linear), from flatter to sharper than the random weights' own. None: unchanged."""
+    if not sharpen:
+        return
+    cfg = model.config
+    low, high = torch.tensor(sharpen, dtype=torch.float64).log().tolist()
+    generator = torch.Generator().manual_seed(seed)
+    shape = (cfg.num_layers, cfg.num_kv_heads)
+    factors = torch.rand(shape, generator=generator, dtype=torch.float64) * (high - low) + low
+    q_size = cfg.num_heads * cfg.head_dim
+    with torch.no_grad():
+        for layer, row in zip(model.layers, factors.exp().tolist(), strict=True):
+            keys = layer.qkv_proj.weight[q_size : q_size + cfg.num_kv_heads * cfg.head_dim]
+            keys.view(cfg.num_kv_heads, cfg.head_dim, -1).mul_(
+                torch.tensor(row, device=keys.device, dtype=keys.dtype)[:, None, None]
+            )
 
 
 # -- a worker (one rank under torchrun) ------------------------------------------------------
@@ -118,18 +152,28 @@ def run_solver(solver: str, args, profile: str) -> dict | None:
     config = join(EngineConfig(device="cuda", profile=profile, **options,
                                parallel=ParallelConfig(balance=solver)))  # fmt: skip
     model = random_model(LLAMA31_8B, device=config.device)
+    sharpen_heads(model, args.sharpen)
     engine = Engine.from_model(model, NoText(), config)
     params = SamplingParams(max_new_tokens=args.decode, ignore_eos=True)
     # kernels compiled and tuned for this context's shapes (FlexAttention compiles per key
     # capacity, cuDNN plans per shape) and decode graphs captured: an untimed request as long
     # as the timed one
     timer = AttentionTimer(engine.batch.runner)
-    engine.generate_batch([_prompt(args.context - args.decode, seed=4)], [params])
+    length, batch = args.context - args.decode, args.batch
+    engine.generate_batch([_prompt(length, seed=4 + 10 * i) for i in range(batch)],
+                          [params] * batch)  # fmt: skip
+    prompts = [_prompt(length, seed=3 + 10 * i) for i in range(batch)]
     timer.restart()
     timer.follow(engine.batch.runner._graphs)
-    ids = _prompt(args.context - args.decode, seed=3)
-    (output,) = engine.generate_batch([ids], [params])
-    stats = output.stats
+    steps = batch_steps(engine.batch.runner, batch) if batch > 1 else None
+    outputs = engine.generate_batch(prompts, [params] * batch)
+    every = [output.stats for output in outputs]
+    stats = every[0]  # peak memory and KV held: the batch's, alike in every request
+    prefill_s, decode_s = stats.prefill_seconds, stats.decode_seconds
+    if steps is not None:  # all prompts' prefill (the first requests' decode steps mixed
+        # in), and the steps that decode the whole batch
+        prefill_s, decode_s = max(st.prefill_seconds for st in every), statistics.median(steps)
+    engine.batch.runner.__dict__.pop("decode", None)
     weight_bytes = sum(p.nbytes for p in engine.model.parameters())
     hbm = measure_hbm_bandwidth()
     measured = timer.seconds(model.config.num_layers)
@@ -140,15 +184,15 @@ def run_solver(solver: str, args, profile: str) -> dict | None:
         dist.all_gather_object(per_rank, measured)
     result = {
         "solver": solver,
-        "prefill_tok_s": len(ids) / stats.prefill_seconds,
-        "decode_tok_s": (args.decode - 1) / stats.decode_seconds,
+        "prefill_tok_s": batch * length / prefill_s,
+        "decode_tok_s": (batch if steps else args.decode - 1) / decode_s,
         "attention_seconds": {key: [r[key] for r in per_rank] for key in measured},
         "decode_steps_timed": timer.num_steps,  # rank 0's: its decode_step is their mean
         "peak_gpu_gib": stats.peak_gpu_bytes / 2**30,
         "kv_held_fraction": stats.kv_held_fraction,
         "head_map": engine.batch.runner.plan.head_map.summary(),
-        # rank 0's decode floor: its weights and the KV it holds at the end, read once a token
-        "decode_floor_tok_s": hbm / (weight_bytes + stats.kv_held_bytes),
+        # rank 0's decode floor: its weights and the KV it holds at the end, read once a step
+        "decode_floor_tok_s": batch * hbm / (weight_bytes + sum(st.kv_held_bytes for st in every)),
         "hbm_bytes_per_s": hbm,
     }
     if engine.ranks is not None and dist.get_rank() == 0:
@@ -160,10 +204,28 @@ def run_solver(solver: str, args, profile: str) -> dict | None:
         result["predicted"] = {p: balance.loads[p] for p in ("prefill", "decode")}
         result["balanced_phase"] = balance.phase
     timer.close()
-    del engine, model, timer, output
+    del engine, model, timer, outputs
     gc.collect()
     torch.cuda.empty_cache()  # the next solver's model and arena size from what is free
     return result
+
+
+def batch_steps(runner, batch: int) -> list[float]:
+    """Seconds of each decode step of ``batch`` rows the runner takes from now on
+    (synchronised): the steps after every prompt of a batch is in."""
+    step, seconds = runner.decode, []
+
+    def timed(seq_ids, *args, **options):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        result = step(seq_ids, *args, **options)
+        torch.cuda.synchronize()
+        if len(seq_ids) == batch:
+            seconds.append(time.perf_counter() - start)
+        return result
+
+    runner.decode = timed
+    return seconds
 
 
 def replace_gpus(config, world: int):
@@ -191,7 +253,8 @@ def launch(num_gpus: int, args, profile: Path, out: Path) -> list[dict]:
                f"--nproc-per-node={num_gpus}", __file__, "--worker", "--out", str(out),
                "--profile", str(profile), "--context", str(args.context),
                "--decode", str(args.decode), "--scenario", args.scenario,
-               "--solvers", *args.solvers]  # fmt: skip
+               "--batch", str(args.batch), "--solvers", *args.solvers]  # fmt: skip
+    command += ["--sharpen", *map(str, args.sharpen)] if args.sharpen else []
     subprocess.run(command, check=True, env={**os.environ, "OMP_NUM_THREADS": "4"})
     return json.loads(out.read_text())
 
@@ -278,6 +341,14 @@ def main() -> None:
     parser.add_argument("--decode", type=int, default=32)
     parser.add_argument("--solvers", nargs="+", default=list(SOLVERS), choices=SOLVERS)
     parser.add_argument("--scenario", default="duo", choices=tuple(SCENARIOS))
+    parser.add_argument(
+        "--sharpen",
+        type=float,
+        nargs=2,
+        metavar=("LOW", "HIGH"),
+        help="scale each kv head's keys by a log-uniform factor in this range",
+    )
+    parser.add_argument("--batch", type=int, default=1, help="prompts served at once")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     parser.add_argument("--profile", help=argparse.SUPPRESS)
@@ -290,7 +361,7 @@ def main() -> None:
         print(f"this machine has {available} GPUs: running {gpus}")
     work = Path(tempfile.mkdtemp())
     profile = work / "profile.json"
-    measured = make_profile(args.scenario, args.context, profile)
+    measured = make_profile(args.scenario, args.context, profile, args.sharpen)
     runs = {}
     for n in gpus:  # each GPU count's runs written as they finish
         runs[n] = launch(n, args, profile, work / f"runs{n}.json")
@@ -298,11 +369,13 @@ def main() -> None:
     env = environment()
     gpu = gpu_tag(env)
     most = max(gpus)
-    name = f"multigpu_llama3-8b-{args.scenario}_{gpu}x{most}_{env['date']}"
+    variant = ("-sharp" if args.sharpen else "") + (f"-b{args.batch}" if args.batch > 1 else "")
+    name = f"multigpu_llama3-8b-{args.scenario}{variant}_{gpu}x{most}_{env['date']}"
     result = {
         "environment": env,
         "config": {"model": "Llama-3.1-8B architecture, random bf16 weights",
                    "context": args.context, "decode_tokens": args.decode,
+                   "batch": args.batch, "sharpen": args.sharpen,
                    "scenario": args.scenario, "options": SCENARIOS[args.scenario]},
         "profile": measured,
         **summarise(runs, args.solvers),
