@@ -49,7 +49,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
@@ -65,6 +64,7 @@ from common import (  # noqa: E402
     random_model,
     write_result,
 )
+from sparsity import timed_decode  # noqa: E402
 
 SCENARIOS = {
     "duo": {"kv_budget": 0.25, "kv_policy": "ada_snapkv", "retrieval_heads": 0.5,
@@ -165,15 +165,18 @@ def run_solver(solver: str, args, profile: str) -> dict | None:
     prompts = [_prompt(length, seed=3 + 10 * i) for i in range(batch)]
     timer.restart()
     timer.follow(engine.batch.runner._graphs)
-    steps = batch_steps(engine.batch.runner, batch) if batch > 1 else None
+    steps = timed_decode(engine, rows=batch) if batch > 1 else None
     outputs = engine.generate_batch(prompts, [params] * batch)
     every = [output.stats for output in outputs]
     stats = every[0]  # peak memory and KV held: the batch's, alike in every request
-    prefill_s, decode_s = stats.prefill_seconds, stats.decode_seconds
-    if steps is not None:  # all prompts' prefill (the first requests' decode steps mixed
-        # in), and the steps that decode the whole batch
-        prefill_s, decode_s = max(st.prefill_seconds for st in every), statistics.median(steps)
-    engine.batch.runner.__dict__.pop("decode", None)
+    if steps is None:  # one request: its own prefill and decode
+        prefill_s = stats.prefill_seconds
+        decode_tok_s = (args.decode - 1) / stats.decode_seconds
+    else:  # every prompt's prefill (the first ones' decode steps mixed in), then the steps
+        # that decode the whole batch
+        prefill_s = max(st.prefill_seconds for st in every)
+        decode_tok_s = batch / statistics.median(steps)
+        engine.batch.runner.__dict__.pop("decode")  # the timing wrapper
     weight_bytes = sum(p.nbytes for p in engine.model.parameters())
     hbm = measure_hbm_bandwidth()
     measured = timer.seconds(model.config.num_layers)
@@ -185,7 +188,7 @@ def run_solver(solver: str, args, profile: str) -> dict | None:
     result = {
         "solver": solver,
         "prefill_tok_s": batch * length / prefill_s,
-        "decode_tok_s": (batch if steps else args.decode - 1) / decode_s,
+        "decode_tok_s": decode_tok_s,
         "attention_seconds": {key: [r[key] for r in per_rank] for key in measured},
         "decode_steps_timed": timer.num_steps,  # rank 0's: its decode_step is their mean
         "peak_gpu_gib": stats.peak_gpu_bytes / 2**30,
@@ -208,24 +211,6 @@ def run_solver(solver: str, args, profile: str) -> dict | None:
     gc.collect()
     torch.cuda.empty_cache()  # the next solver's model and arena size from what is free
     return result
-
-
-def batch_steps(runner, batch: int) -> list[float]:
-    """Seconds of each decode step of ``batch`` rows the runner takes from now on
-    (synchronised): the steps after every prompt of a batch is in."""
-    step, seconds = runner.decode, []
-
-    def timed(seq_ids, *args, **options):
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        result = step(seq_ids, *args, **options)
-        torch.cuda.synchronize()
-        if len(seq_ids) == batch:
-            seconds.append(time.perf_counter() - start)
-        return result
-
-    runner.decode = timed
-    return seconds
 
 
 def replace_gpus(config, world: int):

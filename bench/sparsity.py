@@ -80,17 +80,19 @@ def random_profile() -> str:
     return str(path)
 
 
-def timed_decode(engine) -> list[float]:
-    """Seconds of each decode step the engine runs from now on (synchronised)."""
+def timed_decode(engine, rows: int | None = None) -> list[float]:
+    """Seconds of each decode step the engine runs from now on (synchronised); ``rows``: only
+    the steps that decode that many sequences (a batch's, once every prompt is in)."""
     runner, times = engine.batch.runner, []
     step = runner.decode
 
-    def timed(*args, **options):
+    def timed(seq_ids, *args, **options):
         torch.cuda.synchronize()
         start = time.perf_counter()
-        result = step(*args, **options)
+        result = step(seq_ids, *args, **options)
         torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
+        if rows is None or len(seq_ids) == rows:
+            times.append(time.perf_counter() - start)
         return result
 
     runner.decode = timed

@@ -289,21 +289,27 @@ class BudgetExecutor:
         if self.budget is None or self.budget.tokens(prompt_len) >= prompt_len:
             return [torch.arange(prompt_len)] * slots.shape[0]
         per_layer, heads = self._by_layer(slots), self._heads()
-        kept, profile_counts = [], None
+        local = self.budget.policy in LAYER_LOCAL
+        counts = None if local else self._profile_counts(prompt_len)
+        kept = []
         for layer in range(self.num_layers):
             ranked = self._ranked_scores(layer, self._layer_scores(layer, per_layer, prompt_len))
-            counts = None  # a layer-local policy's, from ``ranked``
-            if self.budget.policy not in LAYER_LOCAL:
-                if profile_counts is None:  # every layer's scores have ``ranked``'s shape
-                    shapes = [torch.empty(ranked.shape, device="meta")] * self.num_layers
-                    profile_counts = selected_counts(self.budget, shapes, prompt_len,
-                                                     self.head_scores)  # fmt: skip
-                counts = profile_counts[layer : layer + 1]
             layer_heads = None if heads is None else heads[layer : layer + 1]
+            layer_counts = None if local else counts[layer : layer + 1]  # local: from ranked
             (rows,) = kept_positions(self.budget, [ranked], prompt_len, heads=layer_heads,
-                                     counts=counts)  # fmt: skip
+                                     counts=layer_counts)  # fmt: skip
             kept += torch.cat(rows).cpu().split([len(r) for r in rows]) if rows else []
         return kept
+
+    def _profile_counts(self, prompt_len: int) -> list[torch.Tensor]:
+        """headkv's counts per layer, before any layer is scored: they follow from the
+        profile's head scores and the ranked scores' shape alone (``[kv heads of the model,
+        prompt - window]`` every layer, here meta tensors)."""
+        window = min(self.budget.window, prompt_len)
+        num_heads = self.head_scores.shape[1] if self.head_scores is not None else 0
+        shape = torch.empty(num_heads, prompt_len - window, device="meta")
+        return selected_counts(self.budget, [shape] * self.num_layers, prompt_len,
+                               self.head_scores)  # fmt: skip
 
     def _layer_scores(self, layer: int, per_layer, prompt_len: int) -> torch.Tensor:
         """This executor's observation scores of ``layer`` ``[kv_heads, prompt - window]``
