@@ -5,7 +5,7 @@ against the measured one.
 
     PYTHONPATH=src python bench/multigpu.py [--gpus 1 2 4] [--context 131072]
         [--solvers uniform greedy ga fairkv] [--scenario duo|ada_snapkv|patterns]
-        [--sharpen 0.25 4] [--batch 1]
+        [--sharpen 0.25 4] [--batch 1] [--balance-phase auto|prefill|decode]
 
 The driver first measures the heads' uneven loads on this model (``--scenario``):
 
@@ -64,6 +64,7 @@ from common import (  # noqa: E402
     random_model,
     write_result,
 )
+from headspace.parallel.config import PHASES  # noqa: E402
 from sparsity import timed_decode  # noqa: E402
 
 SCENARIOS = {
@@ -102,7 +103,7 @@ def make_profile(scenario: str, context: int, path: Path, sharpen=None) -> dict:
         chunk = 8192
         heads = cfg["num_attention_heads"] // kv_heads
         ms = pattern_costs(heads, cfg["head_dim"], [context // 4, context], chunk, "cuda",
-                           list(PATTERNS))  # fmt: skip
+                           list(PATTERNS), num_kv_heads=kv_heads)  # fmt: skip
         profile.chunk, profile.pattern_ms = chunk, ms
         summary["pattern_ms"] = ms
     profile.save(path)
@@ -149,8 +150,8 @@ def run_solver(solver: str, args, profile: str) -> dict | None:
     from headspace.planner.head_cost import CostShape
 
     options = SCENARIOS[args.scenario]
-    config = join(EngineConfig(device="cuda", profile=profile, **options,
-                               parallel=ParallelConfig(balance=solver)))  # fmt: skip
+    parallel = ParallelConfig(balance=solver, balance_phase=args.balance_phase)
+    config = join(EngineConfig(device="cuda", profile=profile, **options, parallel=parallel))
     model = random_model(LLAMA31_8B, device=config.device)
     sharpen_heads(model, args.sharpen)
     engine = Engine.from_model(model, NoText(), config)
@@ -238,7 +239,8 @@ def launch(num_gpus: int, args, profile: Path, out: Path) -> list[dict]:
                f"--nproc-per-node={num_gpus}", __file__, "--worker", "--out", str(out),
                "--profile", str(profile), "--context", str(args.context),
                "--decode", str(args.decode), "--scenario", args.scenario,
-               "--batch", str(args.batch), "--solvers", *args.solvers]  # fmt: skip
+               "--batch", str(args.batch), "--balance-phase", args.balance_phase,
+               "--solvers", *args.solvers]  # fmt: skip
     command += ["--sharpen", *map(str, args.sharpen)] if args.sharpen else []
     subprocess.run(command, check=True, env={**os.environ, "OMP_NUM_THREADS": "4"})
     return json.loads(out.read_text())
@@ -334,6 +336,12 @@ def main() -> None:
         help="scale each kv head's keys by a log-uniform factor in this range",
     )
     parser.add_argument("--batch", type=int, default=1, help="prompts served at once")
+    parser.add_argument(
+        "--balance-phase",
+        default="auto",
+        choices=PHASES,
+        help="the phase whose costs the solvers balance (the engine's option)",
+    )
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     parser.add_argument("--profile", help=argparse.SUPPRESS)
@@ -355,12 +363,14 @@ def main() -> None:
     gpu = gpu_tag(env)
     most = max(gpus)
     variant = ("-sharp" if args.sharpen else "") + (f"-b{args.batch}" if args.batch > 1 else "")
+    variant += f"-{args.balance_phase}" if args.balance_phase != "auto" else ""
     name = f"multigpu_llama3-8b-{args.scenario}{variant}_{gpu}x{most}_{env['date']}"
     result = {
         "environment": env,
         "config": {"model": "Llama-3.1-8B architecture, random bf16 weights",
                    "context": args.context, "decode_tokens": args.decode,
                    "batch": args.batch, "sharpen": args.sharpen,
+                   "balance_phase": args.balance_phase,
                    "scenario": args.scenario, "options": SCENARIOS[args.scenario]},
         "profile": measured,
         **summarise(runs, args.solvers),

@@ -334,3 +334,25 @@ def test_streamed_weights_wait_for_their_copies_and_for_the_layers_before(monkey
         monkeypatch.setattr(WeightStream, "__iter__", late_layers)
     streamed = _engine(_tiny_model("cuda", torch.bfloat16, layers=5), weights="stream")
     assert torch.equal(streamed.logits(prompt, 4), logits)
+
+
+def test_call_ms_times_the_device_not_the_host_issuing():
+    """Many tiny kernels: the host takes longer to issue them than the GPU to run them, and
+    call_ms reports the GPU's part (what the cost model prices), well below the wall time."""
+    import time
+
+    from headspace.eval.profile import call_ms
+
+    x = torch.zeros(16, device="cuda")
+
+    def tiny_kernels():
+        for _ in range(3000):
+            x.add_(1)
+
+    tiny_kernels()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    tiny_kernels()
+    torch.cuda.synchronize()
+    wall_ms = 1000 * (time.perf_counter() - start)
+    assert 0 < call_ms(tiny_kernels, "cuda") < 0.7 * wall_ms

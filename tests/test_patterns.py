@@ -88,6 +88,22 @@ def test_full_kv_heads_take_the_fused_kernel_and_the_rest_flex(sparse):
     torch.testing.assert_close(lse, ref_lse, atol=2e-5, rtol=2e-5)
 
 
+@pytest.mark.parametrize("sparse", ["streaming(4,100)", "block_sparse(2)", "vertical_slash(9,99)"])
+def test_a_tables_own_mask_equals_the_general_one(sparse):
+    """A table of one sparse kind (beside full heads) masks by that kind's condition alone,
+    allowing exactly what the mask of every kind allows; a mix takes the general mask."""
+    q, k, _ = _qkv(6, 2, 200, 700, seed=3)
+    table = estimate([Pattern()] * 2 + [Pattern.parse(sparse)] * 4, q, k, capacity=1024)
+    assert table.mask.__name__ != "mask_mod"
+    heads = torch.arange(6)[:, None, None]
+    q_idx, kv_idx = torch.arange(200)[None, :, None], torch.arange(1024)[None, None, :]
+    general = table.mask_mod(0, heads, q_idx, kv_idx)
+    assert general[2:].any() and not general[2:].all()
+    assert torch.equal(table.mask(0, heads, q_idx, kv_idx), general)
+    mixed = estimate([Pattern.parse(p) for p in MIX], q, k)
+    assert mixed.mask.__name__ == "mask_mod"
+
+
 def test_full_everywhere_equals_causal_attention_exactly():
     q, k, v = _qkv(4, 2, 150, 420, seed=2)
     table = estimate([Pattern()] * 4, q, k)

@@ -44,6 +44,22 @@ def test_profile_files_are_checked(tmp_path):
         Profile.load(tmp_path / "missing.json")
 
 
+def test_pattern_costs_time_a_layers_heads_and_divide_between_them(monkeypatch):
+    """One call with every kv head of a layer (its query heads beside), charged to each kv
+    head in equal parts: a call's fixed work is not charged whole to one head."""
+    import headspace.eval.profile as profile_module
+
+    shapes = []
+    monkeypatch.setattr(profile_module, "sparse_prefill_attention",
+                        lambda q, k, v, table: shapes.append((q.shape, k.shape)))  # fmt: skip
+    monkeypatch.setattr(profile_module, "call_ms", lambda fn, device: (fn(), 12.0)[1])
+    costs = profile_module.pattern_costs(4, 16, [512, 64], 128, "cpu", ["streaming(4,32)"],
+                                         repeat=3, num_kv_heads=8)  # fmt: skip
+    assert costs == {"streaming(4,32)": {"512": 1.5, "64": 1.5}}
+    assert shapes[0] == ((32, 128, 16), (8, 512, 16)) and shapes[-1] == ((32, 64, 16), (8, 64, 16))
+    assert len(shapes) == 2 * (1 + 3)  # a call that compiles, then the timed ones
+
+
 def test_profile_and_plan_from_the_command_line(tmp_path, capsys, embedded_dir):
     """The embedded model has a few retrieval heads (scores far above the median); plan
     keeps them full and makes the others sparse."""

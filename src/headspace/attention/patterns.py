@@ -32,6 +32,8 @@ FORCED_LOCAL = 2  # block diagonals every vertical-slash head keeps (its own and
 KINDS = {"full": (), "streaming": ("sink", "window"), "vertical_slash": ("vertical", "slash"),
          "block_sparse": ("blocks",)}  # fmt: skip
 KIND_IDS = {kind: i for i, kind in enumerate(KINDS)}
+SPECIALISED_MASKS = {"streaming": "streaming_mask_mod", "vertical_slash": "lines_mask_mod",
+                     "block_sparse": "blocks_mask_mod"}  # fmt: skip
 # each sparse kind's parameters when none are given (DuoAttention's and MInference's, for
 # prompts of 100K tokens and more)
 DEFAULT_PATTERNS = {"streaming": "streaming(4,1024)", "vertical_slash": "vertical_slash(1000,6096)",
@@ -103,21 +105,62 @@ class HeadPatterns:
     bounds: torch.Tensor  # [2] int: q_start, num_keys
 
     def mask_mod(self, b, h, q_idx, kv_idx):
-        """FlexAttention's mask function: query ``q_idx`` of the chunk, key ``kv_idx``."""
+        """FlexAttention's mask function: query ``q_idx`` of the chunk, key ``kv_idx``; any
+        mix of kinds."""
         q_pos = q_idx + self.bounds[0]
-        causal = (kv_idx <= q_pos) & (kv_idx < self.bounds[1])
         kind = self.kind[h]
+        allowed = (kind == KIND_IDS["full"]) | ((kind == KIND_IDS["streaming"])
+                                               & self._streaming(h, q_pos, kv_idx))  # fmt: skip
+        allowed = allowed | ((kind == KIND_IDS["vertical_slash"])  # out of place: compiled
+                             & self._lines(h, q_pos, kv_idx))  # kernels  # fmt: skip
+        allowed = allowed | ((kind == KIND_IDS["block_sparse"]) & self._blocks(h, q_idx, kv_idx))
+        return self._causal(q_pos, kv_idx) & allowed
+
+    def streaming_mask_mod(self, b, h, q_idx, kv_idx):
+        """:meth:`mask_mod` where every sparse head is streaming (reads no block table)."""
+        q_pos = q_idx + self.bounds[0]
+        allowed = (self.kind[h] == KIND_IDS["full"]) | self._streaming(h, q_pos, kv_idx)
+        return self._causal(q_pos, kv_idx) & allowed
+
+    def lines_mask_mod(self, b, h, q_idx, kv_idx):
+        """:meth:`mask_mod` where every sparse head is vertical-slash."""
+        q_pos = q_idx + self.bounds[0]
+        allowed = (self.kind[h] == KIND_IDS["full"]) | self._lines(h, q_pos, kv_idx)
+        return self._causal(q_pos, kv_idx) & allowed
+
+    def blocks_mask_mod(self, b, h, q_idx, kv_idx):
+        """:meth:`mask_mod` where every sparse head is block-sparse."""
+        q_pos = q_idx + self.bounds[0]
+        allowed = (self.kind[h] == KIND_IDS["full"]) | self._blocks(h, q_idx, kv_idx)
+        return self._causal(q_pos, kv_idx) & allowed
+
+    @property
+    def mask(self):
+        """The mask function for the kinds this table holds: with one sparse kind, the one
+        that evaluates only its condition (a compiled kernel evaluates the mask at every
+        element of a partial block; the general one reads every kind's tables there, 3.5x
+        the kernel time of the streaming one for streaming heads at 128K)."""
+        sparse = set(self.kinds) - {"full"}
+        if len(sparse) == 1:
+            return getattr(self, SPECIALISED_MASKS[sparse.pop()])
+        return self.mask_mod
+
+    def _causal(self, q_pos, kv_idx):
+        return (kv_idx <= q_pos) & (kv_idx < self.bounds[1])
+
+    def _streaming(self, h, q_pos, kv_idx):
+        return (kv_idx < self.sink[h]) | (q_pos - kv_idx < self.window[h])
+
+    def _lines(self, h, q_pos, kv_idx):
         last_block = self.vertical.shape[1] - 1
         key_block = (kv_idx // BLOCK).clamp(0, last_block)
         diagonal = (q_pos // BLOCK - key_block).clamp(0, last_block)
-        streaming = (kv_idx < self.sink[h]) | (q_pos - kv_idx < self.window[h])
-        lines = (self.vertical[h, key_block] + self.slash[h, diagonal]) > 0
-        block = self.blocks[h, (q_idx // BLOCK).clamp(0, self.blocks.shape[1] - 1),
-                            key_block] > 0  # fmt: skip
-        allowed = (kind == KIND_IDS["full"]) | ((kind == KIND_IDS["streaming"]) & streaming)
-        allowed = allowed | ((kind == KIND_IDS["vertical_slash"]) & lines)  # out of place:
-        allowed = allowed | ((kind == KIND_IDS["block_sparse"]) & block)  # compiled kernels
-        return causal & allowed
+        return (self.vertical[h, key_block] + self.slash[h, diagonal]) > 0
+
+    def _blocks(self, h, q_idx, kv_idx):
+        key_block = (kv_idx // BLOCK).clamp(0, self.blocks.shape[2] - 1)
+        return self.blocks[h, (q_idx // BLOCK).clamp(0, self.blocks.shape[1] - 1),
+                           key_block] > 0  # fmt: skip
 
     def dense(self) -> torch.Tensor:
         """The mask ``[heads, queries, keys]`` in full (the reference twin's)."""

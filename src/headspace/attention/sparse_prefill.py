@@ -92,13 +92,16 @@ def pattern_block_mask(
 ) -> BlockMask:
     """The chunk's BlockMask under ``table``'s patterns (batch 1, one row per query head)
     for ``num_padded`` queries over the table's capacity; heads where ``skip`` is set see
-    nothing."""
+    nothing. Forward only: the key-to-query transposition a backward pass reads is not
+    built (two sorts over every block, 0.8 ms of a 128K chunk's 3.3 ms for 32 streaming
+    heads)."""
     touched, full = block_maps(table, num_padded, skip)
     counts, indices = _indices(touched & ~full)
     full_counts, full_indices = _indices(full)
     return BlockMask.from_kv_blocks(
         counts, indices, full_counts, full_indices, BLOCK_SIZE=(BLOCK, BLOCK),
-        mask_mod=table.mask_mod, seq_lengths=(num_padded or table.num_queries, table.capacity),
+        mask_mod=table.mask, seq_lengths=(num_padded or table.num_queries, table.capacity),
+        compute_q_blocks=False,
     )  # fmt: skip
 
 
@@ -190,7 +193,7 @@ def blockwise_pattern_attention(q, k, v, table: HeadPatterns, scale: float | Non
         rows = torch.arange(query_block * BLOCK, min((query_block + 1) * BLOCK, num_q))
         keys = (touched[head, query_block].nonzero() * BLOCK + offsets).flatten()
         keys = keys[keys < table.num_keys]  # [keys of the touched blocks]
-        allowed = table.mask_mod(0, head, rows[:, None], keys[None, :])  # [rows, keys]
+        allowed = table.mask(0, head, rows[:, None], keys[None, :])  # [rows, keys]
         kv = head // group
         block_out, block_lse = reference_attention(
             q[head, rows][None], k[kv, keys][None], v[kv, keys][None], scale=scale,

@@ -51,7 +51,8 @@ def run_profile(args) -> None:
     shares = {budget_key(SHARE_POLICY, SHARE_BUDGET): budget_shares(
         engine.model, prompts, KVBudget(SHARE_BUDGET, SHARE_POLICY)).tolist()}  # fmt: skip
     group = model_config.num_heads // model_config.num_kv_heads
-    costs = pattern_costs(group, model_config.head_dim, contexts, args.chunk, args.device)
+    costs = pattern_costs(group, model_config.head_dim, contexts, args.chunk, args.device,
+                          num_kv_heads=model_config.num_kv_heads)  # fmt: skip
     profile = Profile(model=str(model_dir), num_layers=model_config.num_layers,
                       num_kv_heads=model_config.num_kv_heads,
                       retrieval=[[round(x, 5) for x in row] for row in scores.tolist()],

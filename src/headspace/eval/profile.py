@@ -8,7 +8,8 @@ reads to fill the head map's patterns.
   averaged over the answer and the cases. A kv head scores its best query head's value.
   Heads that retrieve need the whole context; the others can be made sparse.
 - Runtime costs (the runtime profile): milliseconds of one kv head's attention (its query
-  heads, one prefill chunk at the end of the context) under each pattern and context length.
+  heads, one prefill chunk at the end of the context) under each pattern and context length,
+  measured with a layer's kv heads in one call as the engine runs them.
 - Budget shares (FairKV's statistical profile): the tokens Ada-SnapKV gives each (layer, kv
   head) over the same prompts, as a multiple of an even share; what the head-parallel cost
   model reads for the heads' uneven loads.
@@ -146,9 +147,15 @@ def budget_shares(model, prompts: list[list[int]], budget: KVBudget,
 
 
 def pattern_costs(num_heads: int, head_dim: int, contexts: list[int], chunk: int, device: str,
-                  patterns=PATTERNS, repeat: int = 3) -> dict[str, dict[str, float]]:  # fmt: skip
-    """Milliseconds of ``num_heads`` query heads over one kv head: the last ``chunk`` queries
-    of each context under each pattern (estimation included), the median of ``repeat``."""
+                  patterns=PATTERNS, repeat: int = 3,
+                  num_kv_heads: int = 1) -> dict[str, dict[str, float]]:  # fmt: skip
+    """Milliseconds of one kv head's attention (its ``num_heads`` query heads) under each
+    pattern over the last ``chunk`` queries of each context, estimation included: a layer's
+    ``num_kv_heads`` kv heads in one call, as the engine runs them, divided between them (a
+    call's fixed work, its block mask and launches, is shared by a layer's heads; timed
+    alone, one streaming kv head was charged all of it and cost more than a full one). On a
+    GPU the device's time, the host's issuing hidden behind a wait queued first (as a long
+    prefill's queue hides it); the median of ``repeat`` calls after one that compiles."""
     costs: dict[str, dict[str, float]] = {}
     gen = torch.Generator(device=device).manual_seed(0)
     dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
@@ -156,19 +163,44 @@ def pattern_costs(num_heads: int, head_dim: int, contexts: list[int], chunk: int
         pattern = Pattern.parse(text)
         for context in contexts:
             queries = min(chunk, context)
-            q = torch.randn(num_heads, queries, head_dim, generator=gen, device=device, dtype=dtype)
-            k = torch.randn(1, context, head_dim, generator=gen, device=device, dtype=dtype)
-            times = []
-            for _ in range(repeat + 1):  # the first compiles
-                _sync(device)
-                start = time.perf_counter()
-                sparse_prefill_attention(q, k, k, estimate([pattern] * num_heads, q, k))
-                _sync(device)
-                times.append(1000 * (time.perf_counter() - start))
-            costs.setdefault(text, {})[str(context)] = sorted(times[1:])[len(times[1:]) // 2]
+            q = torch.randn(num_kv_heads * num_heads, queries, head_dim, generator=gen,
+                            device=device, dtype=dtype)  # fmt: skip
+            k = torch.randn(num_kv_heads, context, head_dim, generator=gen, device=device,
+                            dtype=dtype)  # fmt: skip
+            table = [pattern] * (num_kv_heads * num_heads)
+
+            def call(q=q, k=k, table=table):
+                sparse_prefill_attention(q, k, k, estimate(table, q, k))
+
+            call()  # compiles
+            times = [call_ms(call, device) for _ in range(repeat)]
+            costs.setdefault(text, {})[str(context)] = sorted(times)[len(times) // 2] / num_kv_heads
     return costs
 
 
-def _sync(device: str) -> None:
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
+SLEEP_CYCLES = 2**24  # the first wait queued ahead of a timed call (~10 ms), doubled as needed
+MAX_DOUBLINGS = 6
+
+
+def call_ms(fn, device: str) -> float:
+    """Milliseconds of one ``fn()``: on a GPU its device time (events around it, queued
+    behind a wait long enough that the host has issued all of it when the wait ends); on a
+    CPU its wall time."""
+    if not device.startswith("cuda"):
+        start = time.perf_counter()
+        fn()
+        return 1000 * (time.perf_counter() - start)
+    for cycles in (SLEEP_CYCLES << n for n in range(MAX_DOUBLINGS + 1)):
+        torch.cuda.synchronize(device)
+        marks = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
+        marks[0].record()
+        torch.cuda._sleep(cycles)
+        marks[1].record()
+        issued = time.perf_counter()
+        fn()
+        issue_ms = 1000 * (time.perf_counter() - issued)
+        marks[2].record()
+        torch.cuda.synchronize(device)
+        if issue_ms < marks[0].elapsed_time(marks[1]):  # issued before the wait ended
+            break
+    return marks[1].elapsed_time(marks[2])  # (a call that waits on the device: with its gaps)
