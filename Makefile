@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip --disable-pip-version-check -q
-# The CPU build on machines without a GPU; an existing CUDA torch (>=2.4) is kept.
+# The CPU build on machines without a GPU; an existing CUDA torch (>=2.11) is kept.
 TORCH_SPEC ?= torch==2.13.0
 
 .PHONY: setup demo test lint clean

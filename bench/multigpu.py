@@ -5,7 +5,7 @@ against the measured one.
 
     PYTHONPATH=src python bench/multigpu.py [--gpus 1 2 4] [--context 131072]
         [--solvers uniform greedy ga fairkv] [--scenario duo|ada_snapkv|patterns]
-        [--sharpen 0.25 4] [--batch 1] [--balance-phase auto|prefill|decode]
+        [--sharpen 0.25 4] [--batch 1] [--balance-phase auto|prefill|decode] [--work DIR]
 
 The driver first measures the heads' uneven loads on this model (``--scenario``):
 
@@ -36,7 +36,9 @@ attention (CUDA events around every layer's executors' submits; the copies' log-
 exchange excluded) through one prompt of ``--context`` tokens and ``--decode`` tokens, after
 an untimed request of the same length that compiles and tunes the kernels for its shapes. Writes
 ``multigpu_llama3-8b-<scenario>_<gpu>x<N>_<date>.json`` (N the most GPUs run) and a PNG of
-each rank's attention per solver to bench/results ($OUT when set).
+each rank's attention per solver to bench/results ($OUT when set). ``--work DIR`` keeps the
+profile and each GPU count's runs in DIR and reuses those already there, so a long
+invocation can be split over several calls (``--gpus 1 2``, then ``--gpus 1 2 4``).
 """
 
 from __future__ import annotations
@@ -65,6 +67,7 @@ from common import (  # noqa: E402
     write_result,
 )
 from headspace.parallel.config import PHASES  # noqa: E402
+from multigpu_report import plot, print_table, summarise  # noqa: E402
 from sparsity import timed_decode  # noqa: E402
 
 SCENARIOS = {
@@ -234,91 +237,37 @@ def worker(args) -> None:
 
 
 # -- the driver --------------------------------------------------------------------------------
-def launch(num_gpus: int, args, profile: Path, out: Path) -> list[dict]:
+RUN_KEYS = ("scenario", "context", "decode", "sharpen", "batch", "balance_phase", "solvers")
+
+
+def prepare_work(work: Path, args) -> dict:
+    """The folder that keeps the profile and each GPU count's runs (``--work``): measures
+    the profile unless the folder holds one from the same settings; returns its summary."""
+    work.mkdir(parents=True, exist_ok=True)
+    settings = {key: getattr(args, key) for key in RUN_KEYS}
+    kept = work / "settings.json"
+    if kept.exists() and json.loads(kept.read_text()) != settings:
+        raise SystemExit(f"{work} holds runs of other settings: {kept.read_text()}")
+    kept.write_text(json.dumps(settings))
+    summary = work / "profile_summary.json"
+    if not summary.exists():
+        measured = make_profile(args.scenario, args.context, work / "profile.json", args.sharpen)
+        summary.write_text(json.dumps(measured))
+    return json.loads(summary.read_text())
+
+
+def launch(num_gpus: int, args, out: Path) -> list[dict]:
+    """One torchrun of ``num_gpus`` workers over every solver; their runs, kept at ``out``
+    (beside the profile)."""
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                f"--nproc-per-node={num_gpus}", __file__, "--worker", "--out", str(out),
-               "--profile", str(profile), "--context", str(args.context),
+               "--profile", str(out.parent / "profile.json"), "--context", str(args.context),
                "--decode", str(args.decode), "--scenario", args.scenario,
                "--batch", str(args.batch), "--balance-phase", args.balance_phase,
                "--solvers", *args.solvers]  # fmt: skip
     command += ["--sharpen", *map(str, args.sharpen)] if args.sharpen else []
     subprocess.run(command, check=True, env={**os.environ, "OMP_NUM_THREADS": "4"})
     return json.loads(out.read_text())
-
-
-def imbalance(seconds: list[float]) -> float | None:
-    """Max over mean (None where nothing was timed)."""
-    return max(seconds) / (sum(seconds) / len(seconds)) if sum(seconds) else None
-
-
-PHASE_KEYS = (("prefill", "prefill"), ("decode", "decode_step"))  # attention_seconds' keys
-
-
-def summarise(runs: dict[int, list[dict]], solvers: list[str]) -> dict:
-    """The issue's keys from every GPU count's runs."""
-    most = max(runs)
-    at_most = {r["solver"]: r for r in runs[most]}
-    phase = {}
-    for r in runs[most]:
-        phase[r["solver"]] = r.get("balanced_phase", "decode")
-    summary = {
-        "gpus": sorted(runs),
-        "imbalance_max_over_mean": {
-            s: {p: imbalance(at_most[s]["attention_seconds"][key]) for p, key in PHASE_KEYS}
-            for s in at_most
-        },
-        "throughput_vs_uniform": {
-            s: {
-                p: at_most[s][f"{p}_tok_s"] / at_most["uniform"][f"{p}_tok_s"]
-                for p in ("prefill", "decode")
-            }
-            for s in at_most
-            if "uniform" in at_most
-        },  # fmt: skip
-        "scaling": {
-            n: {r["solver"]: {key: r[key] for key in ("prefill_tok_s", "decode_tok_s")} for r in rs}
-            for n, rs in sorted(runs.items())
-        },  # fmt: skip
-        "cost_model": {s: _cost_model(r) for s, r in at_most.items() if "predicted" in r},
-        "balanced_phase": phase,
-    }
-    return summary
-
-
-def _cost_model(run: dict) -> dict:
-    """Predicted (roofline at the planner's rates) against measured attention seconds per
-    rank: the prompt's last chunk, and one decode step at the context."""
-    measured = run["attention_seconds"]
-    out = {}
-    for phase, key in (("prefill", "prefill_last_chunk"), PHASE_KEYS[1]):
-        predicted = run["predicted"][phase]["rank_seconds"]
-        out[phase] = {"predicted_rank_seconds": predicted, "measured_rank_seconds": measured[key],
-                      "predicted_step_seconds": max(predicted),
-                      "measured_step_seconds": max(measured[key])}  # fmt: skip
-    return out
-
-
-def plot(runs: list[dict], path: Path) -> None:
-    """Each rank's attention seconds per solver, prefill and decode side by side."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
-    for ax, (phase, key) in zip(axes, PHASE_KEYS, strict=True):
-        for i, run in enumerate(runs):
-            seconds = run["attention_seconds"][key]
-            width = 0.8 / len(seconds)
-            for rank, value in enumerate(seconds):
-                ax.bar(i + (rank - (len(seconds) - 1) / 2) * width, value, width,
-                       color=f"C{rank}", label=f"rank {rank}" if i == 0 else None)  # fmt: skip
-        ax.set_xticks(range(len(runs)), [r["solver"] for r in runs])
-        ax.set_title(f"{phase} attention per rank" + (" (mean step)" if phase == "decode" else ""))
-        ax.set_ylabel("seconds")
-    axes[0].legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
 
 
 def main() -> None:
@@ -342,23 +291,27 @@ def main() -> None:
         choices=PHASES,
         help="the phase whose costs the solvers balance (the engine's option)",
     )
+    parser.add_argument(
+        "--work",
+        help="a folder that keeps the profile and each GPU count's runs; those already there "
+        "are reused (one invocation split over several calls)",
+    )
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     parser.add_argument("--profile", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         return worker(args)
+    work = Path(args.work or tempfile.mkdtemp())
+    measured = prepare_work(work, args)
     available = torch.cuda.device_count()
-    gpus = [n for n in args.gpus if n <= available]
+    gpus = [n for n in args.gpus if n <= available or (work / f"runs{n}.json").exists()]
     if gpus != args.gpus:
         print(f"this machine has {available} GPUs: running {gpus}")
-    work = Path(tempfile.mkdtemp())
-    profile = work / "profile.json"
-    measured = make_profile(args.scenario, args.context, profile, args.sharpen)
     runs = {}
     for n in gpus:  # each GPU count's runs written as they finish
-        runs[n] = launch(n, args, profile, work / f"runs{n}.json")
-        write_result(f"multigpu_partial_{n}.json", runs[n])
+        done = work / f"runs{n}.json"
+        runs[n] = json.loads(done.read_text()) if done.exists() else launch(n, args, done)
     env = environment()
     gpu = gpu_tag(env)
     most = max(gpus)
@@ -379,19 +332,6 @@ def main() -> None:
     path = write_result(name + ".json", result)
     plot(runs[most], path.with_suffix(".png"))
     print_table(result, runs)
-
-
-def print_table(result: dict, runs: dict[int, list[dict]]) -> None:
-    print(f"{'gpus':>4} {'solver':>8} {'prefill tok/s':>14} {'decode tok/s':>13} "
-          f"{'floor tok/s':>12} {'imb prefill':>12} {'imb decode':>11}")  # fmt: skip
-    for n, rs in sorted(runs.items()):
-        for r in rs:
-            att = r["attention_seconds"]
-            imb = [imbalance(att[key]) for _, key in PHASE_KEYS]
-            imb = [f"{x:.3f}" if x is not None else "-" for x in imb]
-            print(f"{n:>4} {r['solver']:>8} {r['prefill_tok_s']:>14.0f} "
-                  f"{r['decode_tok_s']:>13.1f} {r['decode_floor_tok_s']:>12.1f} {imb[0]:>12} "
-                  f"{imb[1]:>11}")  # fmt: skip
 
 
 if __name__ == "__main__":

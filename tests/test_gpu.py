@@ -337,8 +337,9 @@ def test_streamed_weights_wait_for_their_copies_and_for_the_layers_before(monkey
 
 
 def test_call_ms_times_the_device_not_the_host_issuing():
-    """Many tiny kernels: the host takes longer to issue them than the GPU to run them, and
-    call_ms reports the GPU's part (what the cost model prices), well below the wall time."""
+    """Many tiny kernels (fewer than the launch queue holds): the host takes longer to issue
+    them than the GPU to run them, and call_ms reports the GPU's part (what the cost model
+    prices), well below the wall time; a call that waits for the GPU warns."""
     import time
 
     from headspace.eval.profile import call_ms
@@ -346,7 +347,7 @@ def test_call_ms_times_the_device_not_the_host_issuing():
     x = torch.zeros(16, device="cuda")
 
     def tiny_kernels():
-        for _ in range(3000):
+        for _ in range(500):
             x.add_(1)
 
     tiny_kernels()
@@ -356,3 +357,24 @@ def test_call_ms_times_the_device_not_the_host_issuing():
     torch.cuda.synchronize()
     wall_ms = 1000 * (time.perf_counter() - start)
     assert 0 < call_ms(tiny_kernels, "cuda") < 0.7 * wall_ms
+    with pytest.warns(UserWarning, match="waits for the GPU"):
+        call_ms(lambda: (x.add_(1), x.sum().item()), "cuda")
+
+
+@pytest.mark.parametrize("sparse", ["vertical_slash(200,300)", "block_sparse(3)", "streaming(4,9)"])
+def test_estimating_patterns_never_waits_for_the_gpu(sparse):
+    """A chunk's pattern tables are built without a device sync (the host runs ahead)."""
+    from headspace.attention.patterns import Pattern, estimate
+
+    q = torch.randn(8, 700, 64, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(2, 3000, 64, device="cuda", dtype=torch.bfloat16)
+    patterns = [Pattern()] * 4 + [Pattern.parse(sparse)] * 4
+    estimate(patterns, q, k)  # first use: allocations and kernels loaded
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        table = estimate(patterns, q, k)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert (table.vertical.sum() > 0) == ("vertical" in sparse)
+    assert (table.blocks.sum() > 0) == ("block" in sparse)

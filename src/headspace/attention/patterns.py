@@ -32,8 +32,6 @@ FORCED_LOCAL = 2  # block diagonals every vertical-slash head keeps (its own and
 KINDS = {"full": (), "streaming": ("sink", "window"), "vertical_slash": ("vertical", "slash"),
          "block_sparse": ("blocks",)}  # fmt: skip
 KIND_IDS = {kind: i for i, kind in enumerate(KINDS)}
-SPECIALISED_MASKS = {"streaming": "streaming_mask_mod", "vertical_slash": "lines_mask_mod",
-                     "block_sparse": "blocks_mask_mod"}  # fmt: skip
 # each sparse kind's parameters when none are given (DuoAttention's and MInference's, for
 # prompts of 100K tokens and more)
 DEFAULT_PATTERNS = {"streaming": "streaming(4,1024)", "vertical_slash": "vertical_slash(1000,6096)",
@@ -141,9 +139,10 @@ class HeadPatterns:
         element of a partial block; the general one reads every kind's tables there, 3.5x
         the kernel time of the streaming one for streaming heads at 128K)."""
         sparse = set(self.kinds) - {"full"}
-        if len(sparse) == 1:
-            return getattr(self, SPECIALISED_MASKS[sparse.pop()])
-        return self.mask_mod
+        if len(sparse) != 1:
+            return self.mask_mod
+        return {"streaming": self.streaming_mask_mod, "vertical_slash": self.lines_mask_mod,
+                "block_sparse": self.blocks_mask_mod}[sparse.pop()]  # fmt: skip
 
     def _causal(self, q_pos, kv_idx):
         return (kv_idx <= q_pos) & (kv_idx < self.bounds[1])
@@ -233,6 +232,7 @@ def _vertical_slash(table: HeadPatterns, heads: list[int], q, k, group: int,
     hidden = torch.arange(num_keys, device=device)[None, :] > positions[:, None]
     num_v = min(-(-num_vertical // BLOCK) + FORCED_SINK, num_kb)
     num_s = min(-(-num_slash // BLOCK) + FORCED_LOCAL, num_kb)
+    one = torch.ones((), dtype=torch.int32, device=device)
     for kv_head in sorted({h // group for h in heads}):
         part = device_ints([h for h in heads if h // group == kv_head], device)
         queries = q[part, -last:].reshape(-1, q.shape[-1])  # [part x last, dim]
@@ -246,8 +246,9 @@ def _vertical_slash(table: HeadPatterns, heads: list[int], q, k, group: int,
             lo, hi = max(block * BLOCK, first) - first, min((block + 1) * BLOCK - first, last)
             slash[:, : block + 1] += sums[:, lo:hi, : block + 1].sum(1).flip(1)
         slash[:, :FORCED_LOCAL] = float("inf")
-        table.vertical[part[:, None], vertical.topk(num_v, dim=1).indices] = 1
-        table.slash[part[:, None], slash.topk(num_s, dim=1).indices] = 1
+        # (a device value: a Python one is copied from pageable memory, a sync a chunk)
+        table.vertical.index_put_((part[:, None], vertical.topk(num_v, dim=1).indices), one)
+        table.slash.index_put_((part[:, None], slash.topk(num_s, dim=1).indices), one)
 
 
 def _block_sums(x: torch.Tensor, num_blocks: int) -> torch.Tensor:
@@ -278,7 +279,9 @@ def _block_sparse(q, k_blocks, q_start: int, num_blocks: int, scale: float) -> t
     scores = scores.masked_fill(~visible, float("-inf"))
     forced = torch.zeros(num_qb, num_kb, dtype=torch.bool, device=q.device)
     rows = torch.arange(num_qb, device=q.device)
-    forced[:, 0] = forced[rows, own] = forced[rows, reach] = True  # the first block, its own
+    true = torch.ones((), dtype=torch.bool, device=q.device)  # (a device value: no sync)
+    forced[:, 0] = True  # the first block, its own
+    forced.index_put_((rows, own), true).index_put_((rows, reach), true)
     scores = scores.masked_fill(forced, float("inf"))
     top = scores.topk(min(num_blocks, num_kb), dim=2).indices
     keep = torch.zeros_like(scores, dtype=torch.bool).scatter_(2, top, True)

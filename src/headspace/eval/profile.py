@@ -18,6 +18,7 @@ reads to fill the head map's patterns.
 from __future__ import annotations
 
 import time
+import warnings
 
 import torch
 
@@ -154,23 +155,22 @@ def pattern_costs(num_heads: int, head_dim: int, contexts: list[int], chunk: int
     ``num_kv_heads`` kv heads in one call, as the engine runs them, divided between them (a
     call's fixed work, its block mask and launches, is shared by a layer's heads; timed
     alone, one streaming kv head was charged all of it and cost more than a full one). On a
-    GPU the device's time, the host's issuing hidden behind a wait queued first (as a long
-    prefill's queue hides it); the median of ``repeat`` calls after one that compiles."""
+    GPU the device's time (:func:`call_ms`); the median of ``repeat`` calls after one that
+    compiles."""
     costs: dict[str, dict[str, float]] = {}
     gen = torch.Generator(device=device).manual_seed(0)
     dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
     for text in patterns:
-        pattern = Pattern.parse(text)
+        per_head = [Pattern.parse(text)] * (num_kv_heads * num_heads)
         for context in contexts:
             queries = min(chunk, context)
             q = torch.randn(num_kv_heads * num_heads, queries, head_dim, generator=gen,
                             device=device, dtype=dtype)  # fmt: skip
             k = torch.randn(num_kv_heads, context, head_dim, generator=gen, device=device,
                             dtype=dtype)  # fmt: skip
-            table = [pattern] * (num_kv_heads * num_heads)
 
-            def call(q=q, k=k, table=table):
-                sparse_prefill_attention(q, k, k, estimate(table, q, k))
+            def call(q=q, k=k, per_head=per_head):
+                sparse_prefill_attention(q, k, k, estimate(per_head, q, k))
 
             call()  # compiles
             times = [call_ms(call, device) for _ in range(repeat)]
@@ -179,28 +179,34 @@ def pattern_costs(num_heads: int, head_dim: int, contexts: list[int], chunk: int
 
 
 SLEEP_CYCLES = 2**24  # the first wait queued ahead of a timed call (~10 ms), doubled as needed
-MAX_DOUBLINGS = 6
+MAX_DOUBLINGS = 4
 
 
 def call_ms(fn, device: str) -> float:
-    """Milliseconds of one ``fn()``: on a GPU its device time (events around it, queued
-    behind a wait long enough that the host has issued all of it when the wait ends); on a
-    CPU its wall time."""
+    """Milliseconds of one ``fn()``: on a GPU its device time, from events around it queued
+    behind a wait long enough that the host has issued all of it when the wait ends (the
+    host's issuing is hidden, as a long prefill's queue hides it); on a CPU its wall time.
+    A ``fn`` that waits for the device cannot be issued ahead: it warns and returns the
+    span with the host's gaps in it."""
     if not device.startswith("cuda"):
         start = time.perf_counter()
         fn()
         return 1000 * (time.perf_counter() - start)
-    for cycles in (SLEEP_CYCLES << n for n in range(MAX_DOUBLINGS + 1)):
-        torch.cuda.synchronize(device)
-        marks = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
-        marks[0].record()
-        torch.cuda._sleep(cycles)
-        marks[1].record()
-        issued = time.perf_counter()
-        fn()
-        issue_ms = 1000 * (time.perf_counter() - issued)
-        marks[2].record()
-        torch.cuda.synchronize(device)
-        if issue_ms < marks[0].elapsed_time(marks[1]):  # issued before the wait ended
-            break
-    return marks[1].elapsed_time(marks[2])  # (a call that waits on the device: with its gaps)
+    with torch.cuda.device(torch.device(device)):
+        for cycles in (SLEEP_CYCLES << n for n in range(MAX_DOUBLINGS + 1)):
+            torch.cuda.synchronize()
+            marks = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
+            marks[0].record()
+            torch.cuda._sleep(cycles)
+            marks[1].record()
+            issued = time.perf_counter()
+            fn()
+            issue_ms = 1000 * (time.perf_counter() - issued)
+            marks[2].record()
+            torch.cuda.synchronize()
+            # issued well before the wait ended (a call that waits for the GPU returns just
+            # after the wait, so its issue time is the wait's, never half of it)
+            if 2 * issue_ms < marks[0].elapsed_time(marks[1]):
+                return marks[1].elapsed_time(marks[2])
+    warnings.warn("the timed call waits for the GPU: its time includes the host's", stacklevel=2)
+    return marks[1].elapsed_time(marks[2])

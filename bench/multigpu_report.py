@@ -1,0 +1,96 @@
+"""The multi-GPU benchmark's report (``bench/multigpu.py``): the issue's keys from each GPU
+count's runs (imbalance per solver, throughput against uniform, scaling, the cost model's
+predicted against measured attention), the table it prints and the PNG of each rank's
+attention per solver."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def imbalance(seconds: list[float]) -> float | None:
+    """Max over mean (None where nothing was timed)."""
+    return max(seconds) / (sum(seconds) / len(seconds)) if sum(seconds) else None
+
+
+PHASE_KEYS = (("prefill", "prefill"), ("decode", "decode_step"))  # attention_seconds' keys
+
+
+def summarise(runs: dict[int, list[dict]], solvers: list[str]) -> dict:
+    """The issue's keys from every GPU count's runs."""
+    most = max(runs)
+    at_most = {r["solver"]: r for r in runs[most]}
+    phase = {}
+    for r in runs[most]:
+        phase[r["solver"]] = r.get("balanced_phase", "decode")
+    summary = {
+        "gpus": sorted(runs),
+        "imbalance_max_over_mean": {
+            s: {p: imbalance(at_most[s]["attention_seconds"][key]) for p, key in PHASE_KEYS}
+            for s in at_most
+        },
+        "throughput_vs_uniform": {
+            s: {
+                p: at_most[s][f"{p}_tok_s"] / at_most["uniform"][f"{p}_tok_s"]
+                for p in ("prefill", "decode")
+            }
+            for s in at_most
+            if "uniform" in at_most
+        },  # fmt: skip
+        "scaling": {
+            n: {r["solver"]: {key: r[key] for key in ("prefill_tok_s", "decode_tok_s")} for r in rs}
+            for n, rs in sorted(runs.items())
+        },  # fmt: skip
+        "cost_model": {s: _cost_model(r) for s, r in at_most.items() if "predicted" in r},
+        "balanced_phase": phase,
+    }
+    return summary
+
+
+def _cost_model(run: dict) -> dict:
+    """Predicted (roofline at the planner's rates) against measured attention seconds per
+    rank: the prompt's last chunk, and one decode step at the context."""
+    measured = run["attention_seconds"]
+    out = {}
+    for phase, key in (("prefill", "prefill_last_chunk"), PHASE_KEYS[1]):
+        predicted = run["predicted"][phase]["rank_seconds"]
+        out[phase] = {"predicted_rank_seconds": predicted, "measured_rank_seconds": measured[key],
+                      "predicted_step_seconds": max(predicted),
+                      "measured_step_seconds": max(measured[key])}  # fmt: skip
+    return out
+
+
+def plot(runs: list[dict], path: Path) -> None:
+    """Each rank's attention seconds per solver, prefill and decode side by side."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
+    for ax, (phase, key) in zip(axes, PHASE_KEYS, strict=True):
+        for i, run in enumerate(runs):
+            seconds = run["attention_seconds"][key]
+            width = 0.8 / len(seconds)
+            for rank, value in enumerate(seconds):
+                ax.bar(i + (rank - (len(seconds) - 1) / 2) * width, value, width,
+                       color=f"C{rank}", label=f"rank {rank}" if i == 0 else None)  # fmt: skip
+        ax.set_xticks(range(len(runs)), [r["solver"] for r in runs])
+        ax.set_title(f"{phase} attention per rank" + (" (mean step)" if phase == "decode" else ""))
+        ax.set_ylabel("seconds")
+    axes[0].legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def print_table(result: dict, runs: dict[int, list[dict]]) -> None:
+    print(f"{'gpus':>4} {'solver':>8} {'prefill tok/s':>14} {'decode tok/s':>13} "
+          f"{'floor tok/s':>12} {'imb prefill':>12} {'imb decode':>11}")  # fmt: skip
+    for n, rs in sorted(runs.items()):
+        for r in rs:
+            att = r["attention_seconds"]
+            imb = [imbalance(att[key]) for _, key in PHASE_KEYS]
+            imb = [f"{x:.3f}" if x is not None else "-" for x in imb]
+            print(f"{n:>4} {r['solver']:>8} {r['prefill_tok_s']:>14.0f} "
+                  f"{r['decode_tok_s']:>13.1f} {r['decode_floor_tok_s']:>12.1f} {imb[0]:>12} "
+                  f"{imb[1]:>11}")  # fmt: skip
