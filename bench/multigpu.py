@@ -326,7 +326,7 @@ def main() -> None:
                    "balance_phase": args.balance_phase,
                    "scenario": args.scenario, "options": SCENARIOS[args.scenario]},
         "profile": measured,
-        **summarise(runs, args.solvers),
+        **summarise(runs),
         "runs": {str(n): rs for n, rs in runs.items()},
     }  # fmt: skip
     path = write_result(name + ".json", result)

@@ -16,13 +16,9 @@ def imbalance(seconds: list[float]) -> float | None:
 PHASE_KEYS = (("prefill", "prefill"), ("decode", "decode_step"))  # attention_seconds' keys
 
 
-def summarise(runs: dict[int, list[dict]], solvers: list[str]) -> dict:
+def summarise(runs: dict[int, list[dict]]) -> dict:
     """The issue's keys from every GPU count's runs."""
-    most = max(runs)
-    at_most = {r["solver"]: r for r in runs[most]}
-    phase = {}
-    for r in runs[most]:
-        phase[r["solver"]] = r.get("balanced_phase", "decode")
+    at_most = {r["solver"]: r for r in runs[max(runs)]}
     summary = {
         "gpus": sorted(runs),
         "imbalance_max_over_mean": {
@@ -42,7 +38,7 @@ def summarise(runs: dict[int, list[dict]], solvers: list[str]) -> dict:
             for n, rs in sorted(runs.items())
         },  # fmt: skip
         "cost_model": {s: _cost_model(r) for s, r in at_most.items() if "predicted" in r},
-        "balanced_phase": phase,
+        "balanced_phase": {s: r.get("balanced_phase", "decode") for s, r in at_most.items()},
     }
     return summary
 

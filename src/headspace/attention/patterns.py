@@ -107,30 +107,23 @@ class HeadPatterns:
         mix of kinds."""
         q_pos = q_idx + self.bounds[0]
         kind = self.kind[h]
-        allowed = (kind == KIND_IDS["full"]) | ((kind == KIND_IDS["streaming"])
-                                               & self._streaming(h, q_pos, kv_idx))  # fmt: skip
-        allowed = allowed | ((kind == KIND_IDS["vertical_slash"])  # out of place: compiled
-                             & self._lines(h, q_pos, kv_idx))  # kernels  # fmt: skip
-        allowed = allowed | ((kind == KIND_IDS["block_sparse"]) & self._blocks(h, q_idx, kv_idx))
+        allowed = kind == KIND_IDS["full"]
+        for name, condition in (("streaming", self._streaming), ("vertical_slash", self._lines),
+                                ("block_sparse", self._blocks)):  # fmt: skip
+            # out of place: compiled kernels
+            allowed = allowed | ((kind == KIND_IDS[name]) & condition(h, q_idx, q_pos, kv_idx))
         return self._causal(q_pos, kv_idx) & allowed
 
+    # :meth:`mask_mod` for a table whose sparse heads are all of one kind (reads only that
+    # kind's tables; one compiled kernel each)
     def streaming_mask_mod(self, b, h, q_idx, kv_idx):
-        """:meth:`mask_mod` where every sparse head is streaming (reads no block table)."""
-        q_pos = q_idx + self.bounds[0]
-        allowed = (self.kind[h] == KIND_IDS["full"]) | self._streaming(h, q_pos, kv_idx)
-        return self._causal(q_pos, kv_idx) & allowed
+        return self._full_or(self._streaming, h, q_idx, kv_idx)
 
     def lines_mask_mod(self, b, h, q_idx, kv_idx):
-        """:meth:`mask_mod` where every sparse head is vertical-slash."""
-        q_pos = q_idx + self.bounds[0]
-        allowed = (self.kind[h] == KIND_IDS["full"]) | self._lines(h, q_pos, kv_idx)
-        return self._causal(q_pos, kv_idx) & allowed
+        return self._full_or(self._lines, h, q_idx, kv_idx)
 
     def blocks_mask_mod(self, b, h, q_idx, kv_idx):
-        """:meth:`mask_mod` where every sparse head is block-sparse."""
-        q_pos = q_idx + self.bounds[0]
-        allowed = (self.kind[h] == KIND_IDS["full"]) | self._blocks(h, q_idx, kv_idx)
-        return self._causal(q_pos, kv_idx) & allowed
+        return self._full_or(self._blocks, h, q_idx, kv_idx)
 
     @property
     def mask(self):
@@ -144,19 +137,26 @@ class HeadPatterns:
         return {"streaming": self.streaming_mask_mod, "vertical_slash": self.lines_mask_mod,
                 "block_sparse": self.blocks_mask_mod}[sparse.pop()]  # fmt: skip
 
+    def _full_or(self, condition, h, q_idx, kv_idx):
+        q_pos = q_idx + self.bounds[0]
+        allowed = (self.kind[h] == KIND_IDS["full"]) | condition(h, q_idx, q_pos, kv_idx)
+        return self._causal(q_pos, kv_idx) & allowed
+
     def _causal(self, q_pos, kv_idx):
         return (kv_idx <= q_pos) & (kv_idx < self.bounds[1])
 
-    def _streaming(self, h, q_pos, kv_idx):
+    # each kind's condition (besides causality): head ``h``, query ``q_idx`` of the chunk
+    # at position ``q_pos``, key ``kv_idx``
+    def _streaming(self, h, q_idx, q_pos, kv_idx):
         return (kv_idx < self.sink[h]) | (q_pos - kv_idx < self.window[h])
 
-    def _lines(self, h, q_pos, kv_idx):
+    def _lines(self, h, q_idx, q_pos, kv_idx):
         last_block = self.vertical.shape[1] - 1
         key_block = (kv_idx // BLOCK).clamp(0, last_block)
         diagonal = (q_pos // BLOCK - key_block).clamp(0, last_block)
         return (self.vertical[h, key_block] + self.slash[h, diagonal]) > 0
 
-    def _blocks(self, h, q_idx, kv_idx):
+    def _blocks(self, h, q_idx, q_pos, kv_idx):
         key_block = (kv_idx // BLOCK).clamp(0, self.blocks.shape[2] - 1)
         return self.blocks[h, (q_idx // BLOCK).clamp(0, self.blocks.shape[1] - 1),
                            key_block] > 0  # fmt: skip
