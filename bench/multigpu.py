@@ -242,13 +242,20 @@ RUN_KEYS = ("scenario", "context", "decode", "sharpen", "batch", "balance_phase"
 
 def prepare_work(work: Path, args) -> dict:
     """The folder that keeps the profile and each GPU count's runs (``--work``): measures
-    the profile unless the folder holds one from the same settings; returns its summary."""
+    the profile unless the folder holds one from the same settings and GPU kind; returns
+    its summary. The environment of the machine that began it is kept beside them
+    (``environment.json``)."""
     work.mkdir(parents=True, exist_ok=True)
     settings = {key: getattr(args, key) for key in RUN_KEYS}
-    kept = work / "settings.json"
+    kept, began = work / "settings.json", work / "environment.json"
     if kept.exists() and json.loads(kept.read_text()) != settings:
         raise SystemExit(f"{work} holds runs of other settings: {kept.read_text()}")
+    here = environment()
+    if began.exists() and gpu_tag(json.loads(began.read_text())) != gpu_tag(here):
+        raise SystemExit(f"{work} holds runs measured on another GPU kind: {began.read_text()}")
     kept.write_text(json.dumps(settings))
+    if not began.exists():
+        began.write_text(json.dumps(here))
     summary = work / "profile_summary.json"
     if not summary.exists():
         measured = make_profile(args.scenario, args.context, work / "profile.json", args.sharpen)
@@ -320,6 +327,8 @@ def main() -> None:
     name = f"multigpu_llama3-8b-{args.scenario}{variant}_{gpu}x{most}_{env['date']}"
     result = {
         "environment": env,
+        # the machine that measured the profile and the first GPU counts' runs (--work)
+        "profile_environment": json.loads((work / "environment.json").read_text()),
         "config": {"model": "Llama-3.1-8B architecture, random bf16 weights",
                    "context": args.context, "decode_tokens": args.decode,
                    "batch": args.batch, "sharpen": args.sharpen,

@@ -73,9 +73,10 @@ SINK, WINDOW = 4, 1024  # the default sparse_pattern, streaming(4,1024)
 
 
 def random_profile() -> str:
-    """A profile of random retrieval scores for the model's shape (a temporary file)."""
+    """A profile of random retrieval scores for the model's shape, seeded: one file in the
+    temporary folder, the same each call (rewritten, never another)."""
     scores = torch.rand(LAYERS, KV_HEADS, generator=torch.Generator().manual_seed(0))
-    path = Path(tempfile.mkdtemp()) / "profile.json"
+    path = Path(tempfile.gettempdir()) / "headspace_bench_random_profile.json"
     Profile("random", LAYERS, KV_HEADS, scores.tolist()).save(path)
     return str(path)
 

@@ -104,9 +104,10 @@ def test_triton_paged_decode_matches_reference(block_n):
         q, pool, tables = q.cuda(), pool.cuda(), tables.cuda()
         dense = [kv.cuda() for kv in dense]
     new_kv = torch.stack([torch.stack([kv[0][:, -1], kv[1][:, -1]]) for kv in dense], dim=1)
-    for b, length in enumerate(seq_lens):  # forget the last token: the kernel must store it
+    for b, length in enumerate(seq_lens):  # forget the last token: the kernel must store
+        # it, and attend it from new_kv, not from whatever its slot held (here NaN)
         page, offset = int(tables[b, (length - 1) // PAGE]), (length - 1) % PAGE
-        pool[:, :, page * PAGE + offset] = 0
+        pool[:, :, page * PAGE + offset] = float("nan")
     out, lse = paged_decode_attention(
         q[:, :, 0], pool[0], pool[1], tables, torch.tensor(seq_lens, device=q.device), PAGE,
         new_kv=new_kv, num_splits=3, block_n=block_n,
@@ -116,4 +117,34 @@ def test_triton_paged_decode_matches_reference(block_n):
         assert (out[b] - ref_out[:, 0]).abs().max().item() < tolerance
         assert (lse[b] - ref_lse[:, 0]).abs().max().item() < tolerance
         page, offset = int(tables[b, (seq_lens[b] - 1) // PAGE]), (seq_lens[b] - 1) % PAGE
+        assert torch.equal(pool[:, :, page * PAGE + offset], new_kv[:, b])
+
+
+def test_triton_paged_decode_ring_token_replaces_its_slot():
+    """With ``new_index`` (a ring row: the new token over its oldest window token) the kernel
+    stores the token there and attends it once, in that token's place; a slice whose only
+    key is the new token (the last row's: slices of 32 keys) attends just it."""
+    from headspace.attention.triton_decode import paged_decode_attention
+
+    seq_lens = [5, 37, 70, 16, 65]
+    q, pool, tables, dense = _ragged_batch(seq_lens, [1] * 5, seed=3)
+    generator = torch.Generator().manual_seed(4)
+    new_kv = torch.randn(2, len(seq_lens), KV_HEADS, DIM, generator=generator)
+    new_index = torch.tensor([2, 36, 33, 0, 64], dtype=torch.int32)  # last slots, and others
+    for b, at in enumerate(new_index.tolist()):
+        page, offset = int(tables[b, at // PAGE]), at % PAGE
+        pool[:, :, page * PAGE + offset] = float("nan")  # what the slot held: not attended
+        dense[b][:, :, at] = new_kv[:, b]
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    q, pool, tables, new_kv, new_index = (t.to(device) for t in (q, pool, tables, new_kv,
+                                                                 new_index))  # fmt: skip
+    out, lse = paged_decode_attention(
+        q[:, :, 0], pool[0], pool[1], tables, torch.tensor(seq_lens, device=device), PAGE,
+        new_kv=new_kv, new_index=new_index, num_splits=3, block_n=16,
+    )  # fmt: skip
+    for b, at in enumerate(new_index.tolist()):
+        ref_out, ref_lse = reference_attention(q[b, :, :1].cpu(), dense[b][0], dense[b][1])
+        assert (out[b].cpu() - ref_out[:, 0]).abs().max().item() < 1e-5
+        assert (lse[b].cpu() - ref_lse[:, 0]).abs().max().item() < 1e-5
+        page, offset = int(tables[b, at // PAGE]), at % PAGE
         assert torch.equal(pool[:, :, page * PAGE + offset], new_kv[:, b])

@@ -51,8 +51,10 @@ def _partial_kernel(
     new_pos = length - 1
     if AT_INDEX:  # a ring row's new token goes over its oldest window token
         new_pos = tl.load(NEW_INDEX + seq)
-    if APPEND:  # the new token's K/V: stored by the slice that owns its position, used from
-        # registers (not re-read from memory) by that slice's loop below
+    if APPEND:  # the new token's K/V: stored by the slice that owns its position for later
+        # steps; this step masks that slot out of its loads and adds the token's term from
+        # registers after the loop (a select on every K/V block instead held the kernel to
+        # 2.2 of 3.8 TB/s: bench/entry_splits.py --append)
         new_k = tl.load(NEW_K + seq * stride_nb + kv_head * stride_nh + offs_d)
         new_v = tl.load(NEW_V + seq * stride_nb + kv_head * stride_nh + offs_d)
         owner = (new_pos >= start) & (new_pos < end)
@@ -60,6 +62,8 @@ def _partial_kernel(
         new_slot = new_page * PAGE_SIZE + new_pos % PAGE_SIZE
         tl.store(k_base + new_slot * stride_kt + offs_d, new_k, mask=(offs_d < DIM) & owner)
         tl.store(v_base + new_slot * stride_vt + offs_d, new_v, mask=(offs_d < DIM) & owner)
+    else:
+        new_pos = -1  # no slot masked out
     # A slice wholly past its row's end (rows under a KV budget differ in length) skips its
     # blocks, so the long rows' slices have the GPU to themselves (bench/entry_splits.py:
     # 128K rows keeping 1K-118K tokens, 2.45 -> 1.87 ms per 32 layers on an H100; rows of
@@ -70,7 +74,7 @@ def _partial_kernel(
         for block_offset in tl.range(0, TOKENS_PER_SPLIT, BLOCK_N):
             block_start = start + block_offset
             offs_n = block_start + tl.arange(0, BLOCK_N)
-            n_ok = offs_n < end
+            n_ok = (offs_n < end) & (offs_n != new_pos)
             # int64: one plane of entry pages (KV budgets) holds more than 2^31 elements
             page = tl.load(table + block_start // PAGE_SIZE, mask=block_start < end, other=0)
             page = page.to(tl.int64)
@@ -78,8 +82,6 @@ def _partial_kernel(
             k = tl.load(
                 k_base + slots[:, None] * stride_kt + offs_d[None, :], mask=n_ok[:, None], other=0.0
             )
-            if APPEND:
-                k = tl.where((offs_n == new_pos)[:, None], new_k[None, :], k)
             s = tl.dot(q, tl.trans(k), input_precision=PRECISION).to(tl.float32) * scale_log2
             s = tl.where(n_ok[None, :], s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -90,12 +92,21 @@ def _partial_kernel(
             v = tl.load(
                 v_base + slots[:, None] * stride_vt + offs_d[None, :], mask=n_ok[:, None], other=0.0
             )
-            if APPEND:
-                v = tl.where((offs_n == new_pos)[:, None], new_v[None, :], v)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION).to(
                 tl.float32
             )
             m_i = m_new
+    if APPEND:  # the new token's term, in the slice that owns it (q's dtype, as a block's)
+        s_new = tl.sum(q.to(tl.float32) * new_k.to(q.dtype).to(tl.float32)[None, :], 1)
+        s_new = tl.where(owner, s_new * scale_log2, float("-inf"))
+        m_new = tl.maximum(m_i, s_new)
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        p_new = tl.exp2(s_new - m_safe)
+        l_i = l_i * alpha + p_new
+        p_v = p_new.to(q.dtype).to(tl.float32)  # p rounded as the blocks' dot rounds it
+        acc = acc * alpha[:, None] + p_v[:, None] * new_v.to(q.dtype).to(tl.float32)[None, :]
+        m_i = m_new
     has_keys = l_i > 0
     out = tl.where(has_keys[:, None], acc / tl.where(has_keys, l_i, 1.0)[:, None], 0.0)
     lse = tl.where(has_keys, (m_i + tl.log2(tl.where(has_keys, l_i, 1.0))) / 1.4426950408889634,
@@ -136,15 +147,19 @@ def _merge_kernel(
     tl.store(LSE + head, tl.where(total > 0, safe_max + tl.log(total), float("-inf")))
 
 
-def num_splits_for(capacity: int, num_kv_heads: int, num_sms: int = 132) -> int:
-    """Key slices per kv head: about four programs per SM, slices of >= 128 tokens.
+def num_splits_for(capacity: int, num_rows: int, num_sms: int = 132) -> int:
+    """Key slices per (sequence, kv head) row of ``capacity`` keys: about eight programs per
+    SM were every row full, slices of >= 128 tokens.
 
-    Measured on an H200 (bench/decode_attention.py, Llama-3-8B heads, 8K): 64 slices per
-    head of one 128-key block each, 4 warps, 2 stages: 2.37 TB/s, against 2.2 with 16-32
-    slices (the fastest on an H100 earlier) and 2.19 for cuDNN.
+    Eight, not four: rows shorter than the capacity (a batch's, or a KV budget's uneven
+    rows, padded to the widest) leave their slices past the end idle. On an H200
+    (bench/entry_splits.py, 32 layers): 32 rows keeping 0.05-0.58 of 128K, 6.34 -> 4.45 ms
+    (2.71 -> 3.86 TB/s); 32 full rows of 32K 4.66 -> 4.27; 8 rows 1.43-1.71 -> 1.33-1.46;
+    on an H100 8 rows 1.80-1.86 -> 1.76-1.81 ms. Earlier, at 8K (length-bound either way):
+    64 slices per head of one 128-key block each, 4 warps, 2 stages, 2.37 TB/s on an H200.
     """
     by_length = max(1, triton.cdiv(capacity, 128))
-    by_occupancy = max(1, triton.cdiv(4 * num_sms, num_kv_heads))
+    by_occupancy = max(1, triton.cdiv(8 * num_sms, num_rows))
     return int(min(by_length, by_occupancy))
 
 
@@ -171,9 +186,9 @@ def paged_decode_attention(
     ``ceil(length / page_size)`` on (never read: they may hold anything). With ``new_kv``
     the kernel also stores each sequence's new K/V at position ``length - 1``, or
     ``new_index`` (its page must already be in the table; a sequence of length 0 stores
-    nothing). ``num_splits`` key slices per (sequence, kv head) (default: about one program
-    per SM), ``block_n`` keys per inner step; the rest are Triton launch settings. ``out``
-    (e.g. a head range of a larger tensor) receives the result in place.
+    nothing). ``num_splits`` key slices per (sequence, kv head) (default:
+    :func:`num_splits_for`), ``block_n`` keys per inner step; the rest are Triton launch
+    settings. ``out`` (e.g. a head range of a larger tensor) receives the result in place.
     """
     num_seqs, num_heads, dim = q.shape
     num_kv_heads = k.shape[0]
