@@ -104,8 +104,8 @@ def test_triton_paged_decode_matches_reference(block_n):
         q, pool, tables = q.cuda(), pool.cuda(), tables.cuda()
         dense = [kv.cuda() for kv in dense]
     new_kv = torch.stack([torch.stack([kv[0][:, -1], kv[1][:, -1]]) for kv in dense], dim=1)
-    for b, length in enumerate(seq_lens):  # forget the last token: the kernel must store
-        # it, and attend it from new_kv, not from whatever its slot held (here NaN)
+    for b, length in enumerate(seq_lens):  # forget the last token (NaN): the kernel must
+        # store it, and attend it once
         page, offset = int(tables[b, (length - 1) // PAGE]), (length - 1) % PAGE
         pool[:, :, page * PAGE + offset] = float("nan")
     out, lse = paged_decode_attention(

@@ -22,6 +22,16 @@ MERGE_SPLIT_BLOCK = 128
 
 
 @triton.jit
+def _running_max(m_i, candidate):
+    """The online softmax's new running maximum ``[heads]`` (log2 units) against a block's
+    ``candidate``, the one its exponents subtract (0 while every key so far is masked), and
+    the factor ``alpha`` that rescales what was summed under the old one."""
+    m_new = tl.maximum(m_i, candidate)
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    return m_new, m_safe, tl.exp2(m_i - m_safe)
+
+
+@triton.jit
 def _partial_kernel(
     Q, K, V, TABLE, LENGTHS, NEW_K, NEW_V, NEW_INDEX, OUT, LSE, scale_log2,
     stride_qb, stride_qh, stride_kh, stride_kt, stride_vh, stride_vt, stride_tb,
@@ -84,9 +94,7 @@ def _partial_kernel(
             )
             s = tl.dot(q, tl.trans(k), input_precision=PRECISION).to(tl.float32) * scale_log2
             s = tl.where(n_ok[None, :], s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # fully masked so far
-            alpha = tl.exp2(m_i - m_safe)
+            m_new, m_safe, alpha = _running_max(m_i, tl.max(s, 1))
             p = tl.exp2(s - m_safe[:, None])
             l_i = l_i * alpha + tl.sum(p, 1)
             v = tl.load(
@@ -96,16 +104,15 @@ def _partial_kernel(
                 tl.float32
             )
             m_i = m_new
-    if APPEND:  # the new token's term, in the slice that owns it (q's dtype, as a block's)
-        s_new = tl.sum(q.to(tl.float32) * new_k.to(q.dtype).to(tl.float32)[None, :], 1)
+    if APPEND:  # the new token's term, in the slice that owns it (new_k and new_v are in the
+        # cache's dtype, which is q's)
+        s_new = tl.sum(q.to(tl.float32) * new_k.to(tl.float32)[None, :], 1)
         s_new = tl.where(owner, s_new * scale_log2, float("-inf"))
-        m_new = tl.maximum(m_i, s_new)
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_safe)
+        m_new, m_safe, alpha = _running_max(m_i, s_new)
         p_new = tl.exp2(s_new - m_safe)
         l_i = l_i * alpha + p_new
         p_v = p_new.to(q.dtype).to(tl.float32)  # p rounded as the blocks' dot rounds it
-        acc = acc * alpha[:, None] + p_v[:, None] * new_v.to(q.dtype).to(tl.float32)[None, :]
+        acc = acc * alpha[:, None] + p_v[:, None] * new_v.to(tl.float32)[None, :]
         m_i = m_new
     has_keys = l_i > 0
     out = tl.where(has_keys[:, None], acc / tl.where(has_keys, l_i, 1.0)[:, None], 0.0)
