@@ -134,6 +134,31 @@ LLAMA31_8B = {  # Llama-3.1-8B: the same weights' shapes, a 128K trained context
                      "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
 }  # fmt: skip
 
+LLAMA31_70B = {  # Llama-3.1-70B's shapes: 64 query heads over 8 kv heads, 80 layers
+    **LLAMA31_8B,
+    "hidden_size": 8192,
+    "intermediate_size": 28672,
+    "num_hidden_layers": 80,
+    "num_attention_heads": 64,
+}
+
+MODELS = {"llama3-8b": LLAMA31_8B, "llama3-70b": LLAMA31_70B}
+
+
+def model_config(name: str, num_layers: int | None = None) -> dict:
+    """The config dict of ``MODELS[name]``, cut to its first ``num_layers`` layers if given."""
+    config = dict(MODELS[name])
+    if num_layers is not None:
+        if not 0 < num_layers <= config["num_hidden_layers"]:
+            raise SystemExit(f"{name} has {config['num_hidden_layers']} layers, not {num_layers}")
+        config["num_hidden_layers"] = num_layers
+    return config
+
+
+def model_tag(name: str, num_layers: int | None = None) -> str:
+    """The model's name in result file names: ``llama3-70b-l40`` for 40 of its layers."""
+    return name if num_layers is None else f"{name}-l{num_layers}"
+
 
 class NoText:
     """A tokenizer stand-in for random-weight models: generated text is not looked at."""

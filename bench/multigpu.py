@@ -1,4 +1,5 @@
-"""Head-parallel balance over several GPUs (Llama-3.1-8B architecture, random bf16 weights):
+"""Head-parallel balance over several GPUs (Llama-3.1-8B or -70B architecture, random bf16
+weights):
 per solver, each rank's attention time and their imbalance, prefill and decode throughput
 against uniform's, scaling over GPU counts, and the cost model's predicted attention step
 against the measured one.
@@ -6,6 +7,11 @@ against the measured one.
     PYTHONPATH=src python bench/multigpu.py [--gpus 1 2 4] [--context 131072]
         [--solvers uniform greedy ga fairkv] [--scenario duo|ada_snapkv|patterns]
         [--sharpen 0.25 4] [--batch 1] [--balance-phase auto|prefill|decode] [--work DIR]
+        [--model llama3-8b|llama3-70b] [--layers N]
+
+``--model llama3-70b --layers 40`` is Llama-3.1-70B's shape (64 query heads over 8 kv heads,
+hidden 8192) at 40 of its 80 layers: 72 GB of bf16 weights, which every rank builds whole
+before the engine shards them, so the layer count is what one GPU holds.
 
 The driver first measures the heads' uneven loads on this model (``--scenario``):
 
@@ -35,10 +41,11 @@ model's context, default options plus the scenario's and ``balance``. Each rank 
 attention (CUDA events around every layer's executors' submits; the copies' log-sum-exp
 exchange excluded) through one prompt of ``--context`` tokens and ``--decode`` tokens, after
 an untimed request of the same length that compiles and tunes the kernels for its shapes. Writes
-``multigpu_llama3-8b-<scenario>_<gpu>x<N>_<date>.json`` (N the most GPUs run) and a PNG of
+``multigpu_<model>-<scenario>_<gpu>x<N>_<date>.json`` (N the most GPUs run) and a PNG of
 each rank's attention per solver to bench/results ($OUT when set). ``--work DIR`` keeps the
-profile and each GPU count's runs in DIR and reuses those already there, so a long
-invocation can be split over several calls (``--gpus 1 2``, then ``--gpus 1 2 4``).
+profile and each GPU count's run of each solver in DIR and reuses those already there, so
+a long invocation can be split over several calls (``--gpus 1 2``, then ``--gpus 1 2 4``;
+``--solvers uniform greedy``, then all four); a call cut short keeps the solvers it ran.
 """
 
 from __future__ import annotations
@@ -58,11 +65,13 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from attention_timer import AttentionTimer  # noqa: E402
 from common import (  # noqa: E402
-    LLAMA31_8B,
+    MODELS,
     NoText,
     environment,
     gpu_tag,
     measure_hbm_bandwidth,
+    model_config,
+    model_tag,
     random_model,
     write_result,
 )
@@ -80,23 +89,28 @@ SOLVERS = ("uniform", "greedy", "ga", "fairkv")
 
 
 # -- the profile (one GPU) -------------------------------------------------------------------
-def make_profile(scenario: str, context: int, path: Path, sharpen=None) -> dict:
-    """The scenario's measured loads as a profile at ``path`` (on the model ``sharpen_heads``
-    makes); returns a summary."""
+def make_profile(cfg: dict, scenario: str, context: int, path: Path, sharpen=None) -> dict:
+    """The scenario's measured loads on the model of config dict ``cfg`` (as
+    ``sharpen_heads`` makes it) as a profile at ``path``; returns a summary."""
     from headspace.budgets import KVBudget
     from headspace.eval.profile import PATTERNS, budget_shares, pattern_costs
     from headspace.planner.profile import Profile, budget_key
 
-    cfg = LLAMA31_8B
     layers, kv_heads = cfg["num_hidden_layers"], cfg["num_key_value_heads"]
     scores = torch.rand(layers, kv_heads, generator=torch.Generator().manual_seed(1)).tolist()
-    profile = Profile("llama3-8b random", layers, kv_heads, scores, device="cuda")
+    profile = Profile(
+        f"{cfg['num_attention_heads']}q/{kv_heads}kv random",
+        layers,
+        kv_heads,
+        scores,
+        device="cuda",
+    )
     summary, options = {}, SCENARIOS[scenario]
     if "kv_budget" in options:
         budget = KVBudget(options["kv_budget"], options["kv_policy"])
         model = random_model(cfg)
         sharpen_heads(model, sharpen)
-        shares = budget_shares(model, [_prompt(context, seed=2)], budget)
+        shares = budget_shares(model, [_prompt(cfg, context, seed=2)], budget)
         profile.budget_shares[budget_key(budget.policy, budget.value)] = shares.tolist()
         summary = {"budget_shares": {"min": shares.min().item(), "max": shares.max().item(),
                                      "std": shares.std().item(),
@@ -114,9 +128,9 @@ def make_profile(scenario: str, context: int, path: Path, sharpen=None) -> dict:
     return summary
 
 
-def _prompt(length: int, seed: int) -> list[int]:
+def _prompt(cfg: dict, length: int, seed: int) -> list[int]:
     generator = torch.Generator().manual_seed(seed)
-    return torch.randint(0, LLAMA31_8B["vocab_size"], (length,), generator=generator).tolist()
+    return torch.randint(0, cfg["vocab_size"], (length,), generator=generator).tolist()
 
 
 def sharpen_heads(model, sharpen: list[float] | None, seed: int = 5) -> None:
@@ -155,7 +169,8 @@ def run_solver(solver: str, args, profile: str) -> dict | None:
     options = SCENARIOS[args.scenario]
     parallel = ParallelConfig(balance=solver, balance_phase=args.balance_phase)
     config = join(EngineConfig(device="cuda", profile=profile, **options, parallel=parallel))
-    model = random_model(LLAMA31_8B, device=config.device)
+    cfg = model_config(args.model, args.layers)
+    model = random_model(cfg, device=config.device)
     sharpen_heads(model, args.sharpen)
     engine = Engine.from_model(model, NoText(), config)
     params = SamplingParams(max_new_tokens=args.decode, ignore_eos=True)
@@ -164,9 +179,9 @@ def run_solver(solver: str, args, profile: str) -> dict | None:
     # as the timed one
     timer = AttentionTimer(engine.batch.runner)
     length, batch = args.context - args.decode, args.batch
-    engine.generate_batch([_prompt(length, seed=4 + 10 * i) for i in range(batch)],
+    engine.generate_batch([_prompt(cfg, length, seed=4 + 10 * i) for i in range(batch)],
                           [params] * batch)  # fmt: skip
-    prompts = [_prompt(length, seed=3 + 10 * i) for i in range(batch)]
+    prompts = [_prompt(cfg, length, seed=3 + 10 * i) for i in range(batch)]
     timer.restart()
     timer.follow(engine.batch.runner._graphs)
     steps = timed_decode(engine, rows=batch) if batch > 1 else None
@@ -203,9 +218,9 @@ def run_solver(solver: str, args, profile: str) -> dict | None:
         "hbm_bytes_per_s": hbm,
     }
     if engine.ranks is not None and dist.get_rank() == 0:
-        cfg = engine.model.config
-        head_map = costed_map(cfg, config, engine.profile, engine.max_context)
-        balance = balance_heads(head_map, CostShape.of(cfg), replace_gpus(config, world),
+        shape = engine.model.config
+        head_map = costed_map(shape, config, engine.profile, engine.max_context)
+        balance = balance_heads(head_map, CostShape.of(shape), replace_gpus(config, world),
                                 context=engine.max_context, chunk=config.prefill_chunk or 8192,
                                 profile=engine.profile)  # fmt: skip
         result["predicted"] = {p: balance.loads[p] for p in ("prefill", "decode")}
@@ -217,6 +232,13 @@ def run_solver(solver: str, args, profile: str) -> dict | None:
     return result
 
 
+def describe(model: str, num_layers: int | None) -> str:
+    """The result's words for the model: its architecture, layers kept and weights."""
+    full = MODELS[model]["num_hidden_layers"]
+    layers = f" at {num_layers} of its {full} layers" if num_layers else ""
+    return f"Llama-3.1-{model.split('-')[1].upper()} architecture{layers}, random bf16 weights"
+
+
 def replace_gpus(config, world: int):
     from dataclasses import replace
 
@@ -224,20 +246,30 @@ def replace_gpus(config, world: int):
 
 
 def worker(args) -> None:
+    """This rank's part of each solver's run (``single`` on one GPU); rank 0 adds each run to
+    ``args.out`` as it finishes, so a call cut short keeps the solvers it finished."""
     import torch.distributed as dist
 
     solvers = args.solvers if int(os.environ.get("WORLD_SIZE", 1)) > 1 else ["single"]
-    results = []
+    out = Path(args.out)
     for solver in solvers:
-        results.append(run_solver("uniform" if solver == "single" else solver, args,
-                                  args.profile))  # fmt: skip
-        results[-1]["solver"] = solver
-    if not dist.is_initialized() or dist.get_rank() == 0:
-        Path(args.out).write_text(json.dumps(results, indent=1))
+        result = run_solver("uniform" if solver == "single" else solver, args, args.profile)
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            kept = json.loads(out.read_text()) if out.exists() else []
+            out.write_text(json.dumps([*kept, {**result, "solver": solver}], indent=1))
 
 
 # -- the driver --------------------------------------------------------------------------------
-RUN_KEYS = ("scenario", "context", "decode", "sharpen", "batch", "balance_phase", "solvers")
+RUN_KEYS = (
+    "model",
+    "layers",
+    "scenario",
+    "context",
+    "decode",
+    "sharpen",
+    "batch",
+    "balance_phase",
+)
 
 
 def prepare_work(work: Path, args) -> dict:
@@ -258,23 +290,53 @@ def prepare_work(work: Path, args) -> dict:
         began.write_text(json.dumps(here))
     summary = work / "profile_summary.json"
     if not summary.exists():
-        measured = make_profile(args.scenario, args.context, work / "profile.json", args.sharpen)
+        cfg = model_config(args.model, args.layers)
+        measured = make_profile(cfg, args.scenario, args.context, work / "profile.json",
+                                args.sharpen)  # fmt: skip
         summary.write_text(json.dumps(measured))
     return json.loads(summary.read_text())
 
 
-def launch(num_gpus: int, args, out: Path) -> list[dict]:
-    """One torchrun of ``num_gpus`` workers over every solver; their runs, kept at ``out``
-    (beside the profile)."""
+def wanted_solvers(num_gpus: int, args) -> list[str]:
+    """The runs a GPU count makes: every solver asked, or ``single`` on one GPU."""
+    return list(args.solvers) if num_gpus > 1 else ["single"]
+
+
+def kept_runs(num_gpus: int, work: Path) -> dict[str, dict]:
+    """The runs of ``num_gpus`` GPUs already in ``work``, by solver."""
+    done = work / f"runs{num_gpus}.json"
+    return {r["solver"]: r for r in json.loads(done.read_text())} if done.exists() else {}
+
+
+def missing_runs(num_gpus: int, args, work: Path) -> list[str]:
+    """The wanted solvers whose runs on ``num_gpus`` GPUs ``work`` lacks."""
+    kept = kept_runs(num_gpus, work)
+    return [s for s in wanted_solvers(num_gpus, args) if s not in kept]
+
+
+def runs_of(num_gpus: int, args, work: Path) -> list[dict]:
+    """Each wanted solver's run on ``num_gpus`` GPUs: those kept in ``work``, the others
+    measured by one torchrun and added there."""
+    missing = missing_runs(num_gpus, args, work)
+    if missing:
+        launch(num_gpus, args, work / f"runs{num_gpus}.json", missing)
+    kept = kept_runs(num_gpus, work)
+    return [kept[s] for s in wanted_solvers(num_gpus, args)]
+
+
+def launch(num_gpus: int, args, out: Path, solvers: list[str]) -> None:
+    """One torchrun of ``num_gpus`` workers over ``solvers``, each run added to ``out``
+    (beside the profile) as it finishes."""
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                f"--nproc-per-node={num_gpus}", __file__, "--worker", "--out", str(out),
                "--profile", str(out.parent / "profile.json"), "--context", str(args.context),
                "--decode", str(args.decode), "--scenario", args.scenario,
                "--batch", str(args.batch), "--balance-phase", args.balance_phase,
-               "--solvers", *args.solvers]  # fmt: skip
+               "--model", args.model]  # fmt: skip
+    command += ["--solvers", *solvers] if num_gpus > 1 else []
+    command += ["--layers", str(args.layers)] if args.layers else []
     command += ["--sharpen", *map(str, args.sharpen)] if args.sharpen else []
     subprocess.run(command, check=True, env={**os.environ, "OMP_NUM_THREADS": "4"})
-    return json.loads(out.read_text())
 
 
 def main() -> None:
@@ -303,33 +365,34 @@ def main() -> None:
         help="a folder that keeps the profile and each GPU count's runs; those already there "
         "are reused (one invocation split over several calls)",
     )
+    parser.add_argument("--model", default="llama3-8b", choices=tuple(MODELS))
+    parser.add_argument("--layers", type=int, help="the model's first LAYERS layers only")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     parser.add_argument("--profile", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         return worker(args)
+    cfg = model_config(args.model, args.layers)  # a layer count it lacks: refused here
     work = Path(args.work or tempfile.mkdtemp())
     measured = prepare_work(work, args)
     available = torch.cuda.device_count()
-    gpus = [n for n in args.gpus if n <= available or (work / f"runs{n}.json").exists()]
+    gpus = [n for n in args.gpus if n <= available or not missing_runs(n, args, work)]
     if gpus != args.gpus:
         print(f"this machine has {available} GPUs: running {gpus}")
-    runs = {}
-    for n in gpus:  # each GPU count's runs written as they finish
-        done = work / f"runs{n}.json"
-        runs[n] = json.loads(done.read_text()) if done.exists() else launch(n, args, done)
+    runs = {n: runs_of(n, args, work) for n in gpus}  # each run written as it finishes
     env = environment()
     gpu = gpu_tag(env)
     most = max(gpus)
     variant = ("-sharp" if args.sharpen else "") + (f"-b{args.batch}" if args.batch > 1 else "")
     variant += f"-{args.balance_phase}" if args.balance_phase != "auto" else ""
-    name = f"multigpu_llama3-8b-{args.scenario}{variant}_{gpu}x{most}_{env['date']}"
+    tag = model_tag(args.model, args.layers)
+    name = f"multigpu_{tag}-{args.scenario}{variant}_{gpu}x{most}_{env['date']}"
     result = {
         "environment": env,
         # the machine that measured the profile and the first GPU counts' runs (--work)
         "profile_environment": json.loads((work / "environment.json").read_text()),
-        "config": {"model": "Llama-3.1-8B architecture, random bf16 weights",
+        "config": {"model": describe(args.model, args.layers), "model_config": cfg,
                    "context": args.context, "decode_tokens": args.decode,
                    "batch": args.batch, "sharpen": args.sharpen,
                    "balance_phase": args.balance_phase,

@@ -15,6 +15,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from conftest import make_tiny_checkpoint
 from headspace.api import LLM
 from headspace.engine.copies import copy_key_bounds
 from headspace.engine.sampling import SamplingParams
@@ -132,18 +133,31 @@ def test_four_ranks_equal_one_process(tiny_llama, wide_llama, prompt, tmp_path):
     assert results[2]["graphs"] and "6 entries copied" in results[2]["summary"]
 
 
-def test_eight_ranks_equal_one_process(wide_llama, prompt, tmp_path):
+def test_eight_ranks_equal_one_process(wide_llama, embedded_dir, prompt, tmp_path):
     """Eight ranks over 4 kv heads (FairKV's eight-way setting): every head copied on two
-    ranks, dense and under Ada-SnapKV."""
+    ranks, dense and under Ada-SnapKV. Over 70B's grouping (8 kv heads of 8 query heads
+    each), half the heads streaming: one head a rank leaves the full heads' ranks the dearer,
+    so fairkv copies those onto the streaming heads' ranks (uneven maps), dense and under
+    Ada-SnapKV."""
+    grouped = tmp_path / "gqa8"
+    make_tiny_checkpoint("llama3", grouped, embedded_dir, num_hidden_layers=4,
+                         num_attention_heads=64, num_key_value_heads=8)  # fmt: skip
+    streaming = {"profile": _random_profile(tmp_path / "profile.json", 4, 8),
+                 "retrieval_heads": 0.5, "sparse_pattern": "streaming(4,16)",
+                 "max_context": 4096, "balance": "fairkv"}  # fmt: skip
     cases = [
         _case(wide_llama, prompt, {"balance": "fairkv"}),
         _case(wide_llama, prompt, {"balance": "fairkv", "kv_budget": 0.5,
                                    "kv_policy": "ada_snapkv"}),
+        _case(grouped, prompt, streaming),
+        _case(grouped, prompt, {**streaming, "kv_budget": 0.5, "kv_policy": "ada_snapkv"}),
     ]  # fmt: skip
     results = _check(run_cases(8, cases, tmp_path), cases)
-    for result in results:
+    for result in results[:2]:
         assert "32 entries copied" in result["summary"]
         assert all(sum(rank[layer] for rank in result["heads"]) == 8 for layer in range(8))
+    for result in results[2:]:
+        assert _uneven(result["heads"]) and "copied" in result["summary"], result["summary"]
 
 
 def test_budgets_and_streaming_heads_two_ranks(tiny_llama, wide_llama, prompt, tmp_path):
