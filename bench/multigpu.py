@@ -77,6 +77,7 @@ from common import (  # noqa: E402
 )
 from headspace.parallel.config import PHASES  # noqa: E402
 from multigpu_report import plot, print_table, summarise  # noqa: E402
+from multigpu_work import kept_runs, missing_runs, prepare_work, wanted_solvers  # noqa: E402
 from sparsity import timed_decode  # noqa: E402
 
 SCENARIOS = {
@@ -260,60 +261,6 @@ def worker(args) -> None:
 
 
 # -- the driver --------------------------------------------------------------------------------
-RUN_KEYS = (
-    "model",
-    "layers",
-    "scenario",
-    "context",
-    "decode",
-    "sharpen",
-    "batch",
-    "balance_phase",
-)
-
-
-def prepare_work(work: Path, args) -> dict:
-    """The folder that keeps the profile and each GPU count's runs (``--work``): measures
-    the profile unless the folder holds one from the same settings and GPU kind; returns
-    its summary. The environment of the machine that began it is kept beside them
-    (``environment.json``)."""
-    work.mkdir(parents=True, exist_ok=True)
-    settings = {key: getattr(args, key) for key in RUN_KEYS}
-    kept, began = work / "settings.json", work / "environment.json"
-    if kept.exists() and json.loads(kept.read_text()) != settings:
-        raise SystemExit(f"{work} holds runs of other settings: {kept.read_text()}")
-    here = environment()
-    if began.exists() and gpu_tag(json.loads(began.read_text())) != gpu_tag(here):
-        raise SystemExit(f"{work} holds runs measured on another GPU kind: {began.read_text()}")
-    kept.write_text(json.dumps(settings))
-    if not began.exists():
-        began.write_text(json.dumps(here))
-    summary = work / "profile_summary.json"
-    if not summary.exists():
-        cfg = model_config(args.model, args.layers)
-        measured = make_profile(cfg, args.scenario, args.context, work / "profile.json",
-                                args.sharpen)  # fmt: skip
-        summary.write_text(json.dumps(measured))
-    return json.loads(summary.read_text())
-
-
-def wanted_solvers(num_gpus: int, args) -> list[str]:
-    """The runs a GPU count makes: every solver asked, or ``single`` on one GPU."""
-    return list(args.solvers) if num_gpus > 1 else ["single"]
-
-
-def kept_runs(num_gpus: int, work: Path) -> dict[str, dict]:
-    """The runs of ``num_gpus`` GPUs already in ``work``, by solver."""
-    done = work / f"runs{num_gpus}.json"
-    return {r["solver"]: r for r in json.loads(done.read_text())} if done.exists() else {}
-
-
-def missing_runs(num_gpus: int, args, work: Path) -> list[str]:
-    """The wanted solvers whose runs on ``num_gpus`` GPUs ``work`` lacks."""
-    kept = kept_runs(num_gpus, work)
-    return [s for s in wanted_solvers(num_gpus, args) if s not in kept]
-
-
 def runs_of(num_gpus: int, args, work: Path) -> list[dict]:
     """Each wanted solver's run on ``num_gpus`` GPUs: those kept in ``work``, the others
     measured by one torchrun and added there."""
@@ -375,7 +322,11 @@ def main() -> None:
         return worker(args)
     cfg = model_config(args.model, args.layers)  # a layer count it lacks: refused here
     work = Path(args.work or tempfile.mkdtemp())
-    measured = prepare_work(work, args)
+    measured = prepare_work(
+        work,
+        args,
+        lambda path: make_profile(cfg, args.scenario, args.context, path, args.sharpen),
+    )
     available = torch.cuda.device_count()
     gpus = [n for n in args.gpus if n <= available or not missing_runs(n, args, work)]
     if gpus != args.gpus:
