@@ -14,11 +14,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from headspace.api import LLM
-from headspace.engine.ranks import Ranks, own_resident
+from headspace.engine.ranks import Ranks
 from headspace.engine.sampling import SamplingParams
 from headspace.errors import UserError
 from headspace.parallel.balance import with_ranks
 from headspace.parallel.placement import rank_layout
+from headspace.parallel.rank_plan import own_resident
 from headspace.parallel.solvers import solve_layers
 from headspace.planner.entry_offload import plan_entries
 from headspace.planner.head_cost import HeadCost

@@ -6,23 +6,30 @@ from __future__ import annotations
 from headspace.planner.memory import GiB
 
 
-def plan_balance(config, request, plan, parallel, profile=None, share_key: str | None = None):
-    """The :class:`Balance` of ``plan``'s head map over ``parallel.gpus`` ranks, and uniform's
-    for comparison (None when one GPU). With the profile's measured budget shares under
-    ``share_key`` ("POLICY BUDGET"), each budgeted entry's cost is its share of the budget."""
+def plan_balance(config, request, parallel, profile=None, share_key: str | None = None):
+    """The :class:`Balance` of the request's head map over ``parallel.gpus`` ranks, and
+    uniform's for comparison (None when one GPU). The map is the one the engine balances
+    under torchrun: every entry on the GPU with its pattern and, with per-entry pages, its
+    budget; with the profile's measured budget shares under ``share_key`` ("POLICY
+    BUDGET"), each budgeted entry's cost is its share of the budget."""
     from dataclasses import replace
 
     from headspace.parallel.balance import balance_heads
     from headspace.planner.head_cost import CostShape
+    from headspace.planner.head_map import HeadMap
     from headspace.planner.profile import with_budget_shares
+    from headspace.planner.sparsity import with_budgets
 
     if parallel.gpus == 1:
         return None, None
-    head_map = plan.head_map
+    head_map = request.with_patterns(HeadMap.all_gpu(config.num_layers, config.num_kv_heads))
+    if request.per_head_pages:
+        head_map = with_budgets(head_map, request.budget_tokens)
     if profile is not None and share_key in profile.budget_shares:
         head_map = with_budget_shares(head_map, profile.budget_shares[share_key])
     shape = CostShape.of(config, request.dtype_bytes)
-    options = {"context": request.context, "chunk": plan.prefill_chunk, "profile": profile}
+    chunk = request.prefill_chunk or 8192  # as the engine balances
+    options = {"context": request.context, "chunk": chunk, "profile": profile}
     chosen = balance_heads(head_map, shape, parallel, **options)
     uniform = balance_heads(head_map, shape, replace(parallel, balance="uniform"), **options)
     return chosen, uniform
@@ -31,15 +38,12 @@ def plan_balance(config, request, plan, parallel, profile=None, share_key: str |
 def format_balance(config, request, parallel, chosen, uniform) -> str:
     """Per-rank table (heads, KV held, load per phase) and the imbalance and step time of the
     chosen solver against uniform."""
-    from headspace.planner.sparsity import held_tokens
+    from headspace.parallel.rank_plan import rank_kv
 
     gpus, head_bytes = parallel.gpus, 2 * config.head_dim * request.dtype_bytes
-    heads, kv = [0.0] * gpus, [0.0] * gpus
-    for entry in chosen.head_map.entries:
-        held = held_tokens(entry.pattern, entry.budget, request.context) * head_bytes
-        for rank, share in zip(entry.rank, entry.shares or (1.0,), strict=True):
-            heads[rank] += 1 / config.num_layers
-            kv[rank] += share * held
+    held = rank_kv(chosen.head_map, gpus, request.context, tier=None)  # a copy: all its KV
+    heads = [num / config.num_layers for num, _ in held]
+    kv = [tokens * head_bytes for _, tokens in held]
     lines = [f"balance {parallel.balance} over {gpus} GPUs ({parallel.replicas} extra copies "
              f"a layer allowed, {chosen.loads['decode']['extra_copies']} made); balanced: "
              f"{chosen.phase} costs (roofline at the planner's rates, batch 1)",  # fmt: skip

@@ -61,7 +61,8 @@ def _budgets(args) -> tuple[int, int]:
 def run_plan(args) -> None:
     from dataclasses import replace
 
-    from headspace.planner import PlanRequest, make_plan
+    from headspace.parallel.rank_plan import page_heads, plan_for_ranks
+    from headspace.planner import make_plan
     from headspace.planner.profile import Profile, budget_key
 
     context = parse_tokens(args.context)
@@ -71,40 +72,63 @@ def run_plan(args) -> None:
     parallel = parallel_config(args)
     profile = Profile.load(args.profile) if args.profile else None
     gpu, host = _budgets(args)
-    dtype_bytes = 4 if args.dtype == "float32" else 2
-    if args.host_memory is None:  # what is available now, less the streamed layers
-        host = _host_after_weights(config, args, gpu, host, dtype_bytes)
-    budget_tokens, entry_bound = _budget_tokens(args, context)
-    request = PlanRequest(context, gpu, host, dtype_bytes, args.offload, args.head_group,
-                          args.prefill_chunk, args.page_size, args.cpu_share,
-                          args.gpu_window, budget_tokens, entry_bound,
-                          weights=args.weights, **_patterns(args, config, profile))  # fmt: skip
-    plan = make_plan(config, request)
+    request = _request(args, config, profile, context, gpu)
     share_key = None if args.kv_budget is None else budget_key(args.kv_policy, args.kv_budget)
-    chosen, uniform = plan_balance(config, request, plan, parallel, profile, share_key)
-    if chosen is not None:
-        plan = replace(plan, head_map=chosen.head_map)
+    chosen, uniform = plan_balance(config, request, parallel, profile, share_key)
+    shard = {}
+    if chosen is not None:  # the ranks on one machine divide its memory, as the engine does
+        shard = {"world": parallel.gpus, "kv_heads": page_heads(chosen.head_map, parallel.gpus)}
+        host //= parallel.gpus
+    if args.host_memory is None:  # what is available now, less the streamed layers
+        host = _host_after_weights(config, args, gpu, host, request.dtype_bytes, **shard)
+    request = replace(request, host_memory=host)
+    if chosen is None:
+        plan = make_plan(config, request)
+    else:  # the widest rank's part, as the engine plans it under torchrun
+        plan = plan_for_ranks(config, request, chosen.head_map, parallel.gpus)
     if args.json:
-        header = {"model": config.architecture, "context": context, "gpu_memory": gpu,
-                  "host_memory": host}  # fmt: skip
-        loads = {}
-        if chosen is not None:
-            loads["balance"] = {"solver": parallel.balance, "phase": chosen.phase,
-                                "loads": chosen.loads, "uniform": uniform.loads}  # fmt: skip
-        print(json.dumps({**header, **plan.to_dict(), **loads}, indent=2))
+        print(json.dumps(_plan_json(config, request, plan, parallel, chosen, uniform), indent=2))
         return
-    print(format_plan(config, request, plan))
+    print(format_plan(config, request, plan, parallel.gpus))
     if chosen is not None:
         print("\n" + format_balance(config, request, parallel, chosen, uniform))
 
 
-def _host_after_weights(config, args, gpu: int, host: int, dtype_bytes: int) -> int:
+def _request(args, config, profile, context: int, gpu: int):
+    """The :class:`PlanRequest` of the options (its host budget filled in later)."""
+    from headspace.planner import PlanRequest
+
+    budget_tokens, entry_bound = _budget_tokens(args, context)
+    return PlanRequest(context, gpu, 0, 4 if args.dtype == "float32" else 2, args.offload,
+                       args.head_group, args.prefill_chunk, args.page_size, args.cpu_share,
+                       args.gpu_window, budget_tokens, entry_bound, weights=args.weights,
+                       **_patterns(args, config, profile))  # fmt: skip
+
+
+def _plan_json(config, request, plan, parallel, chosen, uniform) -> dict:
+    """The plan as JSON; over several GPUs the balance's loads instead of one rank's
+    roofline."""
+    header = {"model": config.architecture, "context": request.context,
+              "gpu_memory": request.gpu_memory, "host_memory": request.host_memory,
+              "gpus": parallel.gpus}  # fmt: skip
+    planned = plan.to_dict()
+    if chosen is None:
+        return {**header, **planned}
+    for key in ("prefill_tok_s", "decode_ms", "decode_pcie_floor_ms"):
+        planned.pop(key)
+    loads = {"solver": parallel.balance, "phase": chosen.phase, "loads": chosen.loads,
+             "uniform": uniform.loads}  # fmt: skip
+    return {**header, **planned, "balance": loads}
+
+
+def _host_after_weights(config, args, gpu: int, host: int, dtype_bytes: int, **shard) -> int:
     """Host bytes left for KV pages beside the decoder layers when they stream (decided as
-    ``make_plan`` decides)."""
+    ``make_plan`` decides; ``shard``: a rank's part, ``world`` and ``kv_heads``)."""
     from headspace.planner.memory import WeightSpec, streams_weights
 
-    streamed = streams_weights(args.weights, config, gpu, dtype_bytes, chunk=args.prefill_chunk)
-    weights = WeightSpec.of(config, dtype_bytes, streamed).host_bytes
+    streamed = streams_weights(args.weights, config, gpu, dtype_bytes, chunk=args.prefill_chunk,
+                               **shard)  # fmt: skip
+    weights = WeightSpec.of(config, dtype_bytes, streamed, **shard).host_bytes
     if weights >= host:
         raise UserError(f"host memory too small: the streamed layers need {weights / GiB:.2f} "
                         f"GiB of the {host / GiB:.2f} GiB available")  # fmt: skip
@@ -151,8 +175,10 @@ def _weights_line(config, request, memory) -> str:
     )
 
 
-def format_plan(config, request, plan) -> str:
-    """The human-readable plan: model line, memory table, head map, prediction."""
+def format_plan(config, request, plan, gpus: int = 1) -> str:
+    """The human-readable plan: model line, memory table, head map, prediction; over
+    ``gpus`` ranks, the widest rank's memory and the whole head map (the balance that
+    follows predicts each rank's attention)."""
     m, staging = plan.memory, plan.staging
     groups = ""
     if staging:
@@ -168,9 +194,11 @@ def format_plan(config, request, plan) -> str:
         f"{config.num_kv_heads} heads, head dim {config.head_dim}; "
         f"KV {config.kv_bytes_per_token * request.dtype_bytes // 2 / 1024:.0f} KiB per token",
         f"context {request.context:,} tokens; GPU budget {request.gpu_memory / GiB:.2f} GiB, "
-        f"host budget {request.host_memory / GiB:.2f} GiB; offload {plan.offload} "
+        f"host budget {request.host_memory / GiB:.2f} GiB{' a rank' if gpus > 1 else ''}; "
+        f"offload {plan.offload} "
         f"(asked: {request.offload}){groups}",
         f"weights: {_weights_line(config, request, m)}",
+        *_ranks_lines(plan, gpus),
         "",
         f"{'memory':<34}{'GPU GiB':>10}{'host GiB':>10}",
         f"{'weights':<34}{m['weights'] / GiB:>10.2f}{m['weights_host'] / GiB:>10.2f}",
@@ -187,8 +215,22 @@ def format_plan(config, request, plan) -> str:
         "",
         f"head map: {plan.head_map.summary()}",
         plan.head_map.grid(),
-        "",
-        f"predicted (roofline): prefill {plan.prefill_tok_s:,.0f} tok/s; decode "
-        f"{plan.decode_ms:,.1f} ms/token (PCIe floor {plan.decode_pcie_floor_ms:,.1f} ms)",
     ]
+    if gpus == 1:
+        lines += ["", f"predicted (roofline): prefill {plan.prefill_tok_s:,.0f} tok/s; decode "
+                  f"{plan.decode_ms:,.1f} ms/token (PCIe floor "
+                  f"{plan.decode_pcie_floor_ms:,.1f} ms)"]  # fmt: skip
     return "\n".join(lines)
+
+
+def _ranks_lines(plan, gpus: int) -> list[str]:
+    """Under head parallelism: whose memory the table shows."""
+    if gpus == 1:
+        return []
+    from headspace.parallel.rank_plan import page_heads
+
+    widest = page_heads(plan.head_map, gpus)
+    return [f"per GPU: each of {gpus} ranks holds its kv heads' weights (at most {widest} a "
+            f"layer, copies included) and 1/{gpus} of the MLP; the memory below is the "
+            f"widest rank's, its KV pages {widest} kv head{'s' if widest > 1 else ''} wide; "
+            f"the ranks share the host budget (one machine)"]  # fmt: skip

@@ -29,6 +29,7 @@ from headspace.parallel.dist import (
     local_world_size,
 )
 from headspace.parallel.placement import RankLayout, rank_layout
+from headspace.parallel.rank_plan import entry_parts, spread_plan
 from headspace.parallel.shard import shard_layer, shard_model
 from headspace.planner.head_cost import CostShape
 from headspace.planner.head_map import HeadMap
@@ -72,11 +73,9 @@ class Ranks:
         layout = self.layout
         shard_layer(layer, layout.heads(index), layout.rank, layout.world, all_reduce_sum)
 
-    def entry_parts(self) -> list[tuple[int, list[list[int]]]]:
-        """Every rank's per-entry pages as the entry planner's parts, planned alike: (its
-        entries, [layer] its own kv heads, which may go to host pages; copies stay
-        resident)."""
-        return [(sum(lay.layer_heads), [list(own) for own in lay.own]) for lay in self.layouts]
+    def entry_parts(self) -> tuple:
+        """Every rank's per-entry pages as the entry planner's parts (:func:`entry_parts`)."""
+        return entry_parts(self.layouts)
 
     def entry_counts(self, head_map: HeadMap) -> list[tuple[int, int]]:
         """``[rank]`` (resident, offloaded) entries of each rank under ``head_map``."""
@@ -88,53 +87,8 @@ class Ranks:
         return counts
 
     def spread(self, plan: Plan, what: str) -> Plan:
-        """The planner's ``plan`` for a rank as wide as the widest (the same on every rank)
-        as the whole map: each rank keeps as many entries resident as the plan's pages
-        hold (its copies first, always resident), and its own heads past them in each layer
-        stream in groups of the plan's size (a group id per rank). The plan's ``rank_map``
-        keeps what was sized."""
-        if plan.staging is None:
-            return replace(plan, head_map=self.head_map)
-        sized, width = plan.head_map, self.head_map.num_kv_heads
-        tier = "hybrid" if plan.offload == "hybrid" else "stream"
-        entries = list(self.head_map.entries)
-        for lay in self.layouts:
-            for layer, num_resident in enumerate(own_resident(lay, sized, what)):
-                for index, head in enumerate(lay.own[layer][num_resident:]):
-                    group = lay.rank * width + index // plan.staging.group
-                    at = layer * width + head
-                    entries[at] = replace(entries[at], tier=tier, group=group)
-        head_map = HeadMap(self.head_map.num_layers, width, entries)
-        return replace(plan, head_map=head_map, rank_map=sized)
-
-
-def own_resident(layout: RankLayout, sized: HeadMap, what: str) -> list[int]:
-    """``[layer]`` how many of ``layout``'s own heads stay resident when its pages hold as
-    many entries as ``sized``'s resident ones: in each layer the places the plan leaves
-    resident after its copies, less where copies overflow a layer's places (from the
-    layers keeping the most, the last first), more where places are left over (the first
-    layers first). UserError where the copies alone overflow the pages."""
-    copies = [len(c) for c in layout.copies]
-    room = sized.count("gpu") - sum(copies)
-    if room < 0:
-        raise UserError(
-            f"{what} streams KV from host memory, and the copies of heads rank {layout.rank} "
-            f"keeps on its GPU ({sum(copies)} entries) leave no room for its own in the plan's "
-            f"{sized.count('gpu')} resident entries; pass --replicas 0 (no copies) or raise "
-            f"the GPU budget"
-        )  # fmt: skip
-    places = [len(sized.heads(layer, "gpu")) for layer in range(sized.num_layers)]
-    kept = [
-        max(0, min(len(own), n - c)) for own, n, c in zip(layout.own, places, copies, strict=True)
-    ]
-    for _ in range(sum(kept) - room):
-        most = max(reversed(range(len(kept))), key=kept.__getitem__)
-        kept[most] -= 1
-    spare = room - sum(kept)  # places other ranks' wider layers use: this rank's to fill
-    for layer, own in enumerate(layout.own):
-        extra = min(spare, len(own) - kept[layer])
-        kept[layer], spare = kept[layer] + extra, spare - extra
-    return kept
+        """The widest rank's ``plan`` as the whole map (:func:`spread_plan`)."""
+        return spread_plan(plan, self.head_map, self.layouts, what)
 
 
 def join(config):

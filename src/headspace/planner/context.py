@@ -8,7 +8,7 @@ streaming heads). Pure arithmetic; no tensors.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from headspace.attention.patterns import Pattern
 from headspace.errors import UserError
@@ -36,6 +36,20 @@ from headspace.planner.sparsity import (
 
 
 @dataclass(frozen=True)
+class RankShape:
+    """One rank's part of a head-parallel engine, as the engine sizes it under torchrun:
+    ``world`` ranks; weights of at most ``page_heads`` kv heads a layer (the most any rank
+    holds in one, copies included) and a ``1/world`` slice of the MLP; KV pages that wide;
+    with per-entry pages, the balanced ``head_map`` (every entry with its ranks) and each
+    rank's ``parts`` (its entries, ``[layer]`` its own kv heads), planned alike."""
+
+    world: int
+    page_heads: int
+    head_map: HeadMap
+    parts: tuple[tuple[int, tuple[tuple[int, ...], ...]], ...]
+
+
+@dataclass(frozen=True)
 class PlanRequest:
     """What ``headspace plan`` plans for: context in tokens, budgets in bytes, and the
     patterns (a profile's ``retrieval`` scores ``[layers][kv heads]``) and KV budget."""
@@ -56,6 +70,7 @@ class PlanRequest:
     retrieval_heads: float = 0.5  # share of entries that keep ``full``
     sparse_pattern: str = "streaming(4,1024)"  # the others' pattern
     weights: str = "auto"  # decoder layers resident ("gpu"), streamed, or as they fit
+    ranks: RankShape | None = None  # head parallelism: plan the widest rank's part
 
     @property
     def gathers(self) -> bool:
@@ -78,20 +93,26 @@ class PlanRequest:
 
 def make_plan(config: ModelConfig, request: PlanRequest, hw: Hardware | None = None) -> Plan:
     """The engine's plan for one sequence of ``request.context`` tokens, with its memory
-    table and roofline prediction; raises UserError with the numbers when it cannot run."""
+    table and roofline prediction; raises UserError with the numbers when it cannot run.
+    With ``request.ranks``, one rank's part: its memory, pages as wide as the widest rank's
+    layer, and no roofline (the balance's cost model predicts each rank's step); a plan of
+    shared pages is then that rank's map, ``parallel.rank_plan`` spreads it."""
     hw = hw or Hardware()
     if request.context < 1:
         raise UserError(f"context must be a positive number of tokens, got {request.context}")
-    context, dtype_bytes = request.context, request.dtype_bytes
+    context, dtype_bytes, ranks = request.context, request.dtype_bytes, request.ranks
+    shard = {} if ranks is None else {"world": ranks.world, "kv_heads": ranks.page_heads}
     streamed = streams_weights(request.weights, config, request.gpu_memory, dtype_bytes,
-                               chunk=request.prefill_chunk)  # fmt: skip
-    weight_spec = WeightSpec.of(config, dtype_bytes, streamed)
+                               chunk=request.prefill_chunk, **shard)  # fmt: skip
+    weight_spec = WeightSpec.of(config, dtype_bytes, streamed, **shard)
     weights = weight_spec.gpu_bytes
     chunk = request.prefill_chunk or prefill_chunk(
         config, request.gpu_memory - weights, context, dtype_bytes, hw, streamed
     )
     split = split_gpu_budget(config, request.gpu_memory, weights, chunk, dtype_bytes)
     spec = KVSpec.of(config, request.page_size, dtype_bytes)
+    if ranks is not None:  # the same pages on every rank: as wide as the widest
+        spec = replace(spec, num_kv_heads=ranks.page_heads)
     gathered, arena = 0, split.arena
     if request.gathers:
         gathered = gathered_bytes(spec.num_kv_heads, config.num_queries_per_kv, spec.head_dim,
@@ -101,21 +122,25 @@ def make_plan(config: ModelConfig, request: PlanRequest, hw: Hardware | None = N
     if request.per_head_pages:  # patterns and budgets first, then which entries go to host
         check_offload(request.offload)
         head_map = request.with_patterns(HeadMap.all_gpu(spec.num_layers, spec.num_kv_heads))
-        head_map = with_budgets(head_map, request.budget_tokens)
+        head_map, parts = with_budgets(head_map, request.budget_tokens), None
+        if ranks is not None:  # the balanced map (its budgets priced), each rank's entries
+            head_map, parts = ranks.head_map, ranks.parts
         bound = request.entry_bound or request.budget_tokens or context
         plan = plan_entries(spec, arena, head_map, [context], [bound],
                             offload=request.offload, host_budget=request.host_memory,
-                            what=what)  # fmt: skip
+                            what=what, parts=parts)  # fmt: skip
     else:
         plan = plan_batch(spec, arena, spec.pages_for(context),
                           offload=request.offload, head_group=request.head_group,
                           host_budget=request.host_memory, what=what, hw=hw,
                           cpu_share=request.cpu_share, gpu_window=request.gpu_window)  # fmt: skip
-        plan.head_map = request.with_patterns(plan.head_map)
+        if ranks is None:  # a rank's map gets the patterns where it is spread
+            plan.head_map = request.with_patterns(plan.head_map)
     plan.prefill_chunk = chunk
     plan.memory = _memory_table(spec, split, plan, context, gathered, request.per_head_pages,
                                 weight_spec.host_bytes)  # fmt: skip
-    predict(plan, config, request, hw)
+    if ranks is None:
+        predict(plan, config, request, hw)
     return plan
 
 
