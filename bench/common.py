@@ -143,6 +143,7 @@ LLAMA31_70B = {  # Llama-3.1-70B's shapes: 64 query heads over 8 kv heads, 80 la
 }
 
 MODELS = {"llama3-8b": LLAMA31_8B, "llama3-70b": LLAMA31_70B}
+MODEL_NAMES = {"llama3-8b": "Llama-3.1-8B", "llama3-70b": "Llama-3.1-70B"}  # in results
 
 
 def model_config(name: str, num_layers: int | None = None) -> dict:

@@ -65,6 +65,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from attention_timer import AttentionTimer  # noqa: E402
 from common import (  # noqa: E402
+    MODEL_NAMES,
     MODELS,
     NoText,
     environment,
@@ -222,7 +223,7 @@ def run_solver(solver: str, args, profile: str) -> dict | None:
         shape = engine.model.config
         head_map = costed_map(shape, config, engine.profile, engine.max_context)
         balance = balance_heads(head_map, CostShape.of(shape), replace_gpus(config, world),
-                                context=engine.max_context, chunk=config.prefill_chunk or 8192,
+                                context=engine.max_context, chunk=config.prefill_chunk,
                                 profile=engine.profile)  # fmt: skip
         result["predicted"] = {p: balance.loads[p] for p in ("prefill", "decode")}
         result["balanced_phase"] = balance.phase
@@ -237,7 +238,7 @@ def describe(model: str, num_layers: int | None) -> str:
     """The result's words for the model: its architecture, layers kept and weights."""
     full = MODELS[model]["num_hidden_layers"]
     layers = f" at {num_layers} of its {full} layers" if num_layers else ""
-    return f"Llama-3.1-{model.split('-')[1].upper()} architecture{layers}, random bf16 weights"
+    return f"{MODEL_NAMES[model]} architecture{layers}, random bf16 weights"
 
 
 def replace_gpus(config, world: int):
@@ -309,8 +310,8 @@ def main() -> None:
     )
     parser.add_argument(
         "--work",
-        help="a folder that keeps the profile and each GPU count's runs; those already there "
-        "are reused (one invocation split over several calls)",
+        help="a folder that keeps the profile and each GPU count's run of each solver; those "
+        "already there are reused (one invocation split over several calls)",
     )
     parser.add_argument("--model", default="llama3-8b", choices=tuple(MODELS))
     parser.add_argument("--layers", type=int, help="the model's first LAYERS layers only")

@@ -63,12 +63,14 @@ def profiled_prefill(scenario: str, context: int) -> dict:
     options = SCENARIOS.get(scenario, {})
     if options:
         profile = Path(tempfile.mkdtemp()) / "profile.json"
-        make_profile(scenario, context, profile)
+        make_profile(LLAMA31_8B, scenario, context, profile)
         options = {**options, "profile": str(profile)}
     engine = make_engine(random_model(LLAMA31_8B), **options)
     params = SamplingParams(max_new_tokens=2, ignore_eos=True)
-    engine.generate_batch([_prompt(context - 2, seed=4)], [params])  # compiles its shapes
-    ids = _prompt(context - 2, seed=3)
+    engine.generate_batch(
+        [_prompt(LLAMA31_8B, context - 2, seed=4)], [params]
+    )  # compiles its shapes
+    ids = _prompt(LLAMA31_8B, context - 2, seed=3)
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 

@@ -108,10 +108,9 @@ class HeadPatterns:
         q_pos = q_idx + self.bounds[0]
         kind = self.kind[h]
         allowed = kind == KIND_IDS["full"]
-        for name, condition in (("streaming", self._streaming), ("vertical_slash", self._lines),
-                                ("block_sparse", self._blocks)):  # fmt: skip
-            # out of place: compiled kernels
-            allowed = allowed | ((kind == KIND_IDS[name]) & condition(h, q_idx, q_pos, kv_idx))
+        for name, (condition, _) in SPARSE_MASKS.items():  # out of place: compiled kernels
+            met = getattr(self, condition)(h, q_idx, q_pos, kv_idx)
+            allowed = allowed | ((kind == KIND_IDS[name]) & met)
         return self._causal(q_pos, kv_idx) & allowed
 
     # :meth:`mask_mod` for a table whose sparse heads are all of one kind (reads only that
@@ -134,8 +133,7 @@ class HeadPatterns:
         sparse = set(self.kinds) - {"full"}
         if len(sparse) != 1:
             return self.mask_mod
-        return {"streaming": self.streaming_mask_mod, "vertical_slash": self.lines_mask_mod,
-                "block_sparse": self.blocks_mask_mod}[sparse.pop()]  # fmt: skip
+        return getattr(self, SPARSE_MASKS[sparse.pop()][1])
 
     def _full_or(self, condition, h, q_idx, kv_idx):
         q_pos = q_idx + self.bounds[0]
@@ -167,6 +165,15 @@ class HeadPatterns:
         q_idx = torch.arange(self.num_queries, device=self.kind.device)[None, :, None]
         kv_idx = torch.arange(self.num_keys, device=self.kind.device)[None, None, :]
         return self.mask_mod(0, heads, q_idx, kv_idx)
+
+
+# each sparse kind: the :class:`HeadPatterns` method of its condition, and its mask function
+# for a table whose sparse heads are all of that kind
+SPARSE_MASKS = {
+    "streaming": ("_streaming", "streaming_mask_mod"),
+    "vertical_slash": ("_lines", "lines_mask_mod"),
+    "block_sparse": ("_blocks", "blocks_mask_mod"),
+}
 
 
 def estimate(

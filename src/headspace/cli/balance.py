@@ -14,22 +14,17 @@ def plan_balance(config, request, parallel, profile=None, share_key: str | None 
     BUDGET"), each budgeted entry's cost is its share of the budget."""
     from dataclasses import replace
 
-    from headspace.parallel.balance import balance_heads
+    from headspace.parallel.balance import balance_heads, priced_map
     from headspace.planner.head_cost import CostShape
     from headspace.planner.head_map import HeadMap
-    from headspace.planner.profile import with_budget_shares
-    from headspace.planner.sparsity import with_budgets
 
     if parallel.gpus == 1:
         return None, None
     head_map = request.with_patterns(HeadMap.all_gpu(config.num_layers, config.num_kv_heads))
-    if request.per_head_pages:
-        head_map = with_budgets(head_map, request.budget_tokens)
-    if profile is not None and share_key in profile.budget_shares:
-        head_map = with_budget_shares(head_map, profile.budget_shares[share_key])
+    shares = profile.budget_shares.get(share_key) if profile is not None else None
+    head_map = priced_map(head_map, request.per_head_pages, request.budget_tokens, shares)
     shape = CostShape.of(config, request.dtype_bytes)
-    chunk = request.prefill_chunk or 8192  # as the engine balances
-    options = {"context": request.context, "chunk": chunk, "profile": profile}
+    options = {"context": request.context, "chunk": request.prefill_chunk, "profile": profile}
     chosen = balance_heads(head_map, shape, parallel, **options)
     uniform = balance_heads(head_map, shape, replace(parallel, balance="uniform"), **options)
     return chosen, uniform

@@ -20,7 +20,7 @@ import torch.distributed as dist
 from headspace.budgets import KVBudget
 from headspace.errors import UserError
 from headspace.model.llama import LlamaModel
-from headspace.parallel.balance import balance_heads
+from headspace.parallel.balance import balance_heads, priced_map
 from headspace.parallel.dist import (
     all_reduce_sum,
     broadcast_object,
@@ -35,8 +35,7 @@ from headspace.planner.head_cost import CostShape
 from headspace.planner.head_map import HeadMap
 from headspace.planner.memory import KVSpec
 from headspace.planner.plan import Plan
-from headspace.planner.profile import Profile, budget_key, with_budget_shares, with_patterns
-from headspace.planner.sparsity import with_budgets
+from headspace.planner.profile import Profile, budget_key, with_patterns
 
 
 @dataclass(frozen=True)
@@ -116,14 +115,12 @@ def costed_map(cfg, config, profile: Profile | None, max_context: int) -> HeadMa
     if config.retrieval_heads is not None:
         head_map = with_patterns(head_map, profile.retrieval, config.retrieval_heads,
                                  config.sparse_pattern)  # fmt: skip
-    if not config.per_head_pages:
-        return head_map
-    if config.kv_budget is None:
-        return with_budgets(head_map, None)  # rings keep their sink and window
-    budget = KVBudget(config.kv_budget, config.kv_policy, pool=config.kv_pool)
-    head_map = with_budgets(head_map, budget.tokens(max_context))
-    shares = profile and profile.budget_shares.get(budget_key(budget.policy, budget.value))
-    return with_budget_shares(head_map, shares) if shares else head_map
+    tokens, shares = None, None
+    if config.kv_budget is not None:
+        budget = KVBudget(config.kv_budget, config.kv_policy, pool=config.kv_pool)
+        tokens = budget.tokens(max_context)
+        shares = profile and profile.budget_shares.get(budget_key(budget.policy, budget.value))
+    return priced_map(head_map, config.per_head_pages, tokens, shares)
 
 
 def plan_ranks(cfg, config, profile: Profile | None, max_context: int) -> Ranks | None:
@@ -142,7 +139,7 @@ def plan_ranks(cfg, config, profile: Profile | None, max_context: int) -> Ranks 
             shape,
             parallel,
             context=max_context,
-            chunk=config.prefill_chunk or 8192,
+            chunk=config.prefill_chunk,
             profile=profile,
         ).head_map
     head_map = broadcast_object(head_map)

@@ -11,7 +11,8 @@ from headspace.parallel.solvers import solve_layers
 from headspace.planner.head_cost import CostShape, HeadCost, head_costs
 from headspace.planner.head_map import HeadMap
 from headspace.planner.memory import Hardware
-from headspace.planner.profile import Profile
+from headspace.planner.profile import Profile, with_budget_shares
+from headspace.planner.sparsity import with_budgets
 
 
 @dataclass(frozen=True)
@@ -44,11 +45,30 @@ def with_ranks(head_map: HeadMap, assignments: list[LayerAssignment]) -> HeadMap
     return HeadMap(head_map.num_layers, head_map.num_kv_heads, entries)
 
 
+def priced_map(head_map: HeadMap, per_head_pages: bool, budget_tokens: int | None,
+               shares: list[list[float]] | None = None) -> HeadMap:  # fmt: skip
+    """The map the solvers price, the engine's under torchrun and ``headspace plan``'s alike:
+    ``head_map`` (its patterns) and, with per-entry pages, each entry's budget (a ring its
+    sink and window), budgeted entries scaled by a profile's measured ``shares``."""
+    if not per_head_pages:
+        return head_map
+    head_map = with_budgets(head_map, budget_tokens)
+    if shares and budget_tokens is not None:
+        head_map = with_budget_shares(head_map, shares)
+    return head_map
+
+
+BALANCE_CHUNK = 8192  # the prefill chunk priced where none is set
+
+
 def balance_heads(head_map: HeadMap, shape: CostShape, config: ParallelConfig, *,
-                  context: int, chunk: int = 8192, batch: int = 1, hw: Hardware | None = None,
+                  context: int, chunk: int | None = None, batch: int = 1,
+                  hw: Hardware | None = None,
                   profile: Profile | None = None) -> Balance:  # fmt: skip
     """Assign every (layer, kv head) of ``head_map`` to ``config.gpus`` ranks by its solver,
-    balancing the costs of one step of the chosen phase at ``context`` tokens."""
+    balancing the costs of one step of the chosen phase at ``context`` tokens (prefill in
+    chunks of ``chunk``, default :data:`BALANCE_CHUNK`)."""
+    chunk = chunk or BALANCE_CHUNK
     costs: dict[str, list[list[HeadCost]]] = {
         phase: head_costs(head_map, shape, hw, phase=phase, context=context, chunk=chunk,
                           batch=batch, profile=profile)

@@ -121,9 +121,10 @@ def make_plan(config: ModelConfig, request: PlanRequest, hw: Hardware | None = N
     what = f"a context of {context} tokens"
     if request.per_head_pages:  # patterns and budgets first, then which entries go to host
         check_offload(request.offload)
-        head_map = request.with_patterns(HeadMap.all_gpu(spec.num_layers, spec.num_kv_heads))
-        head_map, parts = with_budgets(head_map, request.budget_tokens), None
-        if ranks is not None:  # the balanced map (its budgets priced), each rank's entries
+        if ranks is None:
+            head_map = request.with_patterns(HeadMap.all_gpu(spec.num_layers, spec.num_kv_heads))
+            head_map, parts = with_budgets(head_map, request.budget_tokens), None
+        else:  # the balanced map (its budgets priced), each rank's entries
             head_map, parts = ranks.head_map, ranks.parts
         bound = request.entry_bound or request.budget_tokens or context
         plan = plan_entries(spec, arena, head_map, [context], [bound],
