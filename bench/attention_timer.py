@@ -6,9 +6,15 @@ from __future__ import annotations
 import torch
 
 
-def _step_sums(layer_ms: list[float], num_layers: int) -> list[float]:
-    """Eager decode steps' attention: consecutive layers' times summed per step."""
-    return [sum(layer_ms[i : i + num_layers]) for i in range(0, len(layer_ms), num_layers)]
+def _steps(layer_ms: list[float], num_layers: int) -> list[list[float]]:
+    """Eager decode steps' attention: consecutive layers' times, a list per step."""
+    return [layer_ms[i : i + num_layers] for i in range(0, len(layer_ms) - num_layers + 1,
+                                                         num_layers)]  # fmt: skip
+
+
+def _per_layer(layer_ms: list[float], num_layers: int) -> list[float]:
+    """Each layer's seconds summed over the passes ``layer_ms`` (in ms) holds in order."""
+    return [sum(layer_ms[layer::num_layers]) / 1000 for layer in range(num_layers)]
 
 
 class AttentionTimer:
@@ -26,7 +32,7 @@ class AttentionTimer:
         self.captured: list[list[tuple]] = []  # per decode graph: its layers' events
         self.keys: list = []  # the graph key of each captured list
         self.last_key, self.warming = None, False
-        self.replayed_ms: list[float] = []  # each timed graph step's attention, in ms
+        self.replayed_ms: list[list[float]] = []  # each timed graph step's layers, in ms
         self.num_steps = 0  # the decode steps the last reading averaged
         runner._attention = self
 
@@ -65,7 +71,7 @@ class AttentionTimer:
         assert len(self.keys) == len(self.captured), "graphs captured outside those followed"
         replayed = self.captured[self.keys.index(self.last_key)]
         replayed[-1][1].synchronize()
-        self.replayed_ms.append(sum(s.elapsed_time(e) for s, e in replayed))
+        self.replayed_ms.append([s.elapsed_time(e) for s, e in replayed])
         self.last_key = None
 
     def __call__(self, layer: int, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
@@ -92,15 +98,19 @@ class AttentionTimer:
         del self.runner._attention
         self.runner = None
 
-    def seconds(self, num_layers: int) -> dict[str, float]:
+    def seconds(self, num_layers: int) -> dict[str, float | list[float]]:
         """Attention seconds: the prompt's chunks in all, its last chunk (what the cost model
-        prices for prefill) and one decode step (the mean over the eager and replayed ones)."""
+        prices for prefill) and one decode step (the mean over the eager and replayed ones),
+        each also per layer (``*_layers``: a step waits for each layer's slowest rank)."""
         torch.cuda.synchronize()
         self.read_replay()
         ms = {phase: [s.elapsed_time(e) for s, e in pairs] for phase, pairs in self.events.items()}
-        steps = [*self.replayed_ms, *_step_sums(ms["decode"], num_layers)]
-        step = sum(steps) / len(steps) if steps else 0.0
-        self.num_steps = len(steps)  # the decode steps that mean is over
-        return {"prefill": sum(ms["prefill"]) / 1000,
-                "prefill_last_chunk": sum(ms["prefill"][-num_layers:]) / 1000,
-                "decode_step": step / 1000}  # fmt: skip
+        steps = [*self.replayed_ms, *_steps(ms["decode"], num_layers)]
+        self.num_steps = len(steps)  # the decode steps the mean is over
+        decode = [sum(layer) / 1000 / len(steps) for layer in zip(*steps, strict=True)]
+        last = ms["prefill"][-num_layers:]
+        return {"prefill": sum(ms["prefill"]) / 1000, "prefill_last_chunk": sum(last) / 1000,
+                "decode_step": sum(decode),
+                "prefill_layers": _per_layer(ms["prefill"], num_layers),
+                "prefill_last_chunk_layers": [x / 1000 for x in last],
+                "decode_step_layers": decode}  # fmt: skip

@@ -162,11 +162,10 @@ def run_solver(solver: str, args, profile: str) -> dict | None:
 
     from headspace.engine.config import EngineConfig
     from headspace.engine.engine import Engine
-    from headspace.engine.ranks import costed_map, join
+    from headspace.engine.ranks import join
     from headspace.engine.sampling import SamplingParams
-    from headspace.parallel.balance import balance_heads
+    from headspace.parallel.balance import balanced_phases
     from headspace.parallel.config import ParallelConfig
-    from headspace.planner.head_cost import CostShape
 
     options = SCENARIOS[args.scenario]
     parallel = ParallelConfig(balance=solver, balance_phase=args.balance_phase)
@@ -220,13 +219,8 @@ def run_solver(solver: str, args, profile: str) -> dict | None:
         "hbm_bytes_per_s": hbm,
     }
     if engine.ranks is not None and dist.get_rank() == 0:
-        shape = engine.model.config
-        head_map = costed_map(shape, config, engine.profile, engine.max_context)
-        balance = balance_heads(head_map, CostShape.of(shape), replace_gpus(config, world),
-                                context=engine.max_context, chunk=config.prefill_chunk,
-                                profile=engine.profile)  # fmt: skip
-        result["predicted"] = {p: balance.loads[p] for p in ("prefill", "decode")}
-        result["balanced_phase"] = balance.phase
+        result["predicted"] = predicted_loads(engine, config, world, batch)
+        result["balanced_phase"] = "+".join(balanced_phases(config.parallel.balance_phase))
     timer.close()
     del engine, model, timer, outputs
     gc.collect()
@@ -234,17 +228,39 @@ def run_solver(solver: str, args, profile: str) -> dict | None:
     return result
 
 
+def predicted_loads(engine, config, world: int, batch: int) -> dict:
+    """The cost model's loads (``balance_summary`` per phase) of the assignment the engine
+    runs (its head map's ranks and copies' shares), prefill priced at the chunk it runs,
+    decode at the run's ``batch``."""
+    from headspace.engine.ranks import costed_map
+    from headspace.parallel.assignment import balance_summary
+    from headspace.planner.head_cost import CostShape, head_costs
+    from headspace.planner.memory import Hardware
+
+    shape = engine.model.config
+    priced = costed_map(shape, config, engine.profile, engine.max_context)
+    copy = config.parallel.copy_seconds
+    hw = Hardware() if copy is None else Hardware(copy_seconds=copy)
+    ranked = engine.ranks.head_map
+    assignments = [
+        tuple(tuple(zip(e.rank, e.shares or (1.0,), strict=True)) for e in ranked.layer(layer))
+        for layer in range(ranked.num_layers)
+    ]
+    loads = {}
+    for phase in ("prefill", "decode"):
+        costs = head_costs(priced, CostShape.of(shape, config.torch_dtype.itemsize), hw,
+                           phase=phase, context=engine.max_context,
+                           chunk=engine.batch.chunk, profile=engine.profile,
+                           batch=batch if phase == "decode" else 1)  # fmt: skip
+        loads[phase] = balance_summary(costs, assignments, world)
+    return loads
+
+
 def describe(model: str, num_layers: int | None) -> str:
     """The result's words for the model: its architecture, layers kept and weights."""
     full = MODELS[model]["num_hidden_layers"]
     layers = f" at {num_layers} of its {full} layers" if num_layers else ""
     return f"{MODEL_NAMES[model]} architecture{layers}, random bf16 weights"
-
-
-def replace_gpus(config, world: int):
-    from dataclasses import replace
-
-    return replace(config.parallel, gpus=world)
 
 
 def worker(args) -> None:

@@ -9,8 +9,24 @@ from pathlib import Path
 
 
 def imbalance(seconds: list[float]) -> float | None:
-    """Max over mean (None where nothing was timed)."""
+    """Max over mean of each rank's seconds (None where nothing was timed)."""
     return max(seconds) / (sum(seconds) / len(seconds)) if sum(seconds) else None
+
+
+def layer_imbalance(per_rank: list[list[float]]) -> float | None:
+    """``per_rank [rank][layer]`` seconds -> the sum over layers of the slowest rank over the
+    sum of the layers' mean: what the step waits for (every layer ends in an all-reduce)
+    against perfect balance. Ranks even over the model can still wait at every layer."""
+    layers = list(zip(*per_rank, strict=True))
+    mean = sum(sum(layer) / len(layer) for layer in layers)
+    return sum(max(layer) for layer in layers) / mean if mean else None
+
+
+def phase_imbalance(attention: dict, key: str) -> float | None:
+    """A phase's imbalance: per layer where the run timed layers, else of the ranks' sums."""
+    if attention.get(f"{key}_layers"):
+        return layer_imbalance(attention[f"{key}_layers"])
+    return imbalance(attention[key])
 
 
 PHASE_KEYS = (("prefill", "prefill"), ("decode", "decode_step"))  # attention_seconds' keys
@@ -22,6 +38,10 @@ def summarise(runs: dict[int, list[dict]]) -> dict:
     summary = {
         "gpus": sorted(runs),
         "imbalance_max_over_mean": {
+            s: {p: phase_imbalance(at_most[s]["attention_seconds"], key) for p, key in PHASE_KEYS}
+            for s in at_most
+        },
+        "imbalance_of_rank_totals": {
             s: {p: imbalance(at_most[s]["attention_seconds"][key]) for p, key in PHASE_KEYS}
             for s in at_most
         },
@@ -45,25 +65,32 @@ def summarise(runs: dict[int, list[dict]]) -> dict:
 
 def _cost_model(run: dict) -> dict:
     """Predicted (roofline at the planner's rates) against measured attention seconds per
-    rank: the prompt's last chunk, and one decode step at the context."""
+    rank: the prompt's last chunk, and one decode step at the context; the step is the sum
+    over layers of the slowest rank where the run timed layers (else the slowest rank's)."""
     measured = run["attention_seconds"]
     out = {}
     for phase, key in (("prefill", "prefill_last_chunk"), PHASE_KEYS[1]):
-        predicted = run["predicted"][phase]["rank_seconds"]
-        out[phase] = {"predicted_rank_seconds": predicted, "measured_rank_seconds": measured[key],
-                      "predicted_step_seconds": max(predicted),
-                      "measured_step_seconds": max(measured[key])}  # fmt: skip
+        predicted = run["predicted"][phase]
+        layers = measured.get(f"{key}_layers")
+        step = sum(map(max, zip(*layers, strict=True))) if layers else max(measured[key])
+        out[phase] = {"predicted_rank_seconds": predicted["rank_seconds"],
+                      "measured_rank_seconds": measured[key],
+                      "predicted_step_seconds": predicted.get("step_seconds",
+                                                              max(predicted["rank_seconds"])),
+                      "measured_step_seconds": step}  # fmt: skip
     return out
 
 
 def plot(runs: list[dict], path: Path) -> None:
-    """Each rank's attention seconds per solver, prefill and decode side by side."""
+    """Each rank's attention seconds per solver, prefill and decode side by side, and (a black
+    bar across them, where the run timed layers) what the step waits for: the sum over
+    layers of each layer's slowest rank."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
+    fig, axes = plt.subplots(1, 2, figsize=(11.5, 3.6))
     for ax, (phase, key) in zip(axes, PHASE_KEYS, strict=True):
         for i, run in enumerate(runs):
             seconds = run["attention_seconds"][key]
@@ -71,10 +98,15 @@ def plot(runs: list[dict], path: Path) -> None:
             for rank, value in enumerate(seconds):
                 ax.bar(i + (rank - (len(seconds) - 1) / 2) * width, value, width,
                        color=f"C{rank}", label=f"rank {rank}" if i == 0 else None)  # fmt: skip
+            layers = run["attention_seconds"].get(f"{key}_layers")
+            if layers:
+                waits = sum(map(max, zip(*layers, strict=True)))
+                label = "step waits\n(each layer's slowest)" if i == 0 else None
+                ax.hlines(waits, i - 0.45, i + 0.45, colors="black", linewidth=2, label=label)
         ax.set_xticks(range(len(runs)), [r["solver"] for r in runs])
         ax.set_title(f"{phase} attention per rank" + (" (mean step)" if phase == "decode" else ""))
         ax.set_ylabel("seconds")
-    axes[0].legend()
+    axes[1].legend(fontsize=8, loc="center left", bbox_to_anchor=(1.0, 0.5))
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
@@ -85,7 +117,7 @@ def print_table(result: dict, runs: dict[int, list[dict]]) -> None:
     for n, rs in sorted(runs.items()):
         for r in rs:
             att = r["attention_seconds"]
-            imb = [imbalance(att[key]) for _, key in PHASE_KEYS]
+            imb = [phase_imbalance(att, key) for _, key in PHASE_KEYS]
             imb = [f"{x:.3f}" if x is not None else "-" for x in imb]
             print(f"{n:>4} {r['solver']:>8} {r['prefill_tok_s']:>14.0f} "
                   f"{r['decode_tok_s']:>13.1f} {r['decode_floor_tok_s']:>12.1f} {imb[0]:>12} "

@@ -11,7 +11,7 @@ import pytest
 
 from headspace.cli.main import main
 from headspace.model.config import config_from_dict
-from headspace.parallel.balance import balance_heads, balanced_phase
+from headspace.parallel.balance import balance_heads, balanced_phases
 from headspace.parallel.config import ParallelConfig
 from headspace.planner.head_cost import CostShape, head_costs, roofline_cost
 from headspace.planner.head_map import HeadEntry, HeadMap
@@ -70,22 +70,39 @@ def _map(patterns: list[list[str]], budgets=None) -> HeadMap:
     return HeadMap(len(patterns), len(patterns[0]), entries)
 
 
-def test_the_phase_balanced_follows_what_makes_heads_differ():
-    assert balanced_phase(_map([["full", "full"]]), "auto") == "decode"
-    assert balanced_phase(_map([["full", "block_sparse(8)"]]), "auto") == "prefill"
-    assert balanced_phase(_map([["full", "streaming(4,64)"]]), "auto") == "decode"
-    assert balanced_phase(_map([["full", "full"]], [[100, 10]]), "auto") == "decode"
-    assert balanced_phase(_map([["full", "full"]], [[100, 10]]), "prefill") == "prefill"
+def test_auto_balances_both_phases():
+    assert balanced_phases("auto") == ("prefill", "decode")
+    assert balanced_phases("prefill") == ("prefill",)
+    # Ada-SnapKV's uneven heads cost alike at prefill: balancing decode alone leaves the
+    # ranks uneven head counts (one holds a heavy head alone, another the light ones), so
+    # prefill waits for the rank with the most heads; both at once keep two heads a rank
+    budgets = [[60_000, 50_000, 2_000, 1_000, 1_000, 3_000, 2_000, 1_000] for _ in range(4)]
+    head_map = _map([["full"] * 8] * 4, budgets)
+    config = ParallelConfig(gpus=4, balance="greedy")
+    both = balance_heads(head_map, SHAPE, config, context=2**17)
+    decode = balance_heads(head_map, SHAPE, replace(config, balance_phase="decode"),
+                           context=2**17)  # fmt: skip
+    uniform = balance_heads(head_map, SHAPE, replace(config, balance="uniform"), context=2**17)
+    assert both.phase == "prefill+decode" and decode.phase == "decode"
+    step = {
+        name: {p: b.loads[p]["step_seconds"] for p in ("prefill", "decode")}
+        for name, b in (("both", both), ("decode", decode), ("uniform", uniform))
+    }
+    assert step["decode"]["prefill"] > 1.4 * step["uniform"]["prefill"]
+    assert step["both"]["prefill"] == pytest.approx(step["uniform"]["prefill"])
+    assert step["both"]["decode"] < step["uniform"]["decode"] / 1.4
 
 
 def test_balancing_fills_every_entrys_ranks_and_beats_uniform():
-    # per-head budgets as Ada-SnapKV leaves them: two heavy heads side by side in each layer
+    # per-head budgets as Ada-SnapKV leaves them: two heavy heads side by side in each layer;
+    # at a batch of 64 their decode reads outweigh what a copy adds, so fairkv copies them
     budgets = [[60_000, 50_000, 2_000, 1_000, 1_000, 3_000, 2_000, 1_000] for _ in range(4)]
     head_map = _map([["full"] * 8] * 4, budgets)
-    config = ParallelConfig(gpus=4, balance="fairkv", replicas=2)
-    chosen = balance_heads(head_map, SHAPE, config, context=2**17)
-    uniform = balance_heads(head_map, SHAPE, replace(config, balance="uniform"), context=2**17)
-    assert chosen.phase == "decode"
+    config = ParallelConfig(gpus=4, balance="fairkv", replicas=2, balance_phase="decode")
+    chosen = balance_heads(head_map, SHAPE, config, context=2**17, batch=64)
+    uniform = balance_heads(head_map, SHAPE, replace(config, balance="uniform"), context=2**17,
+                            batch=64)  # fmt: skip
+    assert chosen.phase == "decode" and chosen.loads["decode"]["extra_copies"] > 0
     ranks = {r for e in chosen.head_map.entries for r in e.rank}
     assert ranks <= set(range(4)) and len(ranks) == 4
     for entry in chosen.head_map.entries:  # shares only where a head is copied
@@ -97,6 +114,9 @@ def test_balancing_fills_every_entrys_ranks_and_beats_uniform():
     assert mine["step_seconds"] < theirs["step_seconds"] / 1.6
     again = HeadMap.from_dict(json.loads(json.dumps(chosen.head_map.to_dict())))
     assert again.entries == chosen.head_map.entries  # ranks and shares survive JSON
+    # one sequence: a 60K-token head reads in about 10 us, less than a copy adds: no copy
+    single = balance_heads(head_map, SHAPE, config, context=2**17)
+    assert single.loads["decode"]["extra_copies"] == 0
 
 
 def test_parallel_options_are_checked():
@@ -116,7 +136,7 @@ def test_plan_prints_each_ranks_load_and_the_imbalance_against_uniform(capsys, t
             "--profile", str(tmp_path / "profile.json"), "--retrieval-heads", "0.5"]  # fmt: skip
     assert main([*base, "--gpus", "4", "--balance", "greedy"]) == 0
     out = capsys.readouterr().out
-    assert "balance greedy over 4 GPUs" in out and "balanced: decode costs" in out
+    assert "balance greedy over 4 GPUs" in out and "balanced: prefill+decode costs" in out
     rows = [line.split() for line in out.splitlines() if re.match(r"\s+[0-3]\s+\d", line)]
     assert [int(r[0]) for r in rows] == [0, 1, 2, 3]
     assert sum(float(r[1]) for r in rows) == pytest.approx(8, abs=0.02)  # kv heads a layer
@@ -145,9 +165,16 @@ def test_plan_balances_the_measured_budget_shares_of_a_profile(capsys, tmp_path)
     profiled = [*base, "--kv-policy", "ada_snapkv", "--profile", str(tmp_path / "profile.json")]
     assert main(profiled) == 0
     data = json.loads(capsys.readouterr().out)
-    uniform, chosen = data["balance"]["uniform"]["decode"], data["balance"]["loads"]["decode"]
-    assert uniform["imbalance_max_over_mean"] > 1.5  # both heavy heads on rank 0
-    assert chosen["imbalance_max_over_mean"] < 1.15
+    uniform, chosen = data["balance"]["uniform"], data["balance"]["loads"]
+    assert uniform["decode"]["imbalance_max_over_mean"] > 1.5  # both heavy heads on rank 0
+    # both phases (auto): two heads a rank, as even as uniform's at prefill, a heavy head
+    # beside light ones at decode; decode alone evens decode more, prefill much less
+    assert chosen["prefill"]["imbalance_max_over_mean"] == pytest.approx(1.0)
+    assert chosen["decode"]["imbalance_max_over_mean"] < 1.3
+    assert main([*profiled, "--balance-phase", "decode"]) == 0
+    decode = json.loads(capsys.readouterr().out)["balance"]["loads"]
+    assert decode["decode"]["imbalance_max_over_mean"] < 1.15
+    assert decode["prefill"]["imbalance_max_over_mean"] > 1.4
     heavy = [e for e in data["head_map"]["entries"] if e["kv_head"] == 0]
     assert {e["budget"] for e in heavy if e["pattern"] == "full"} == {round(0.25 * 131072 * 3)}
     assert {e["budget"] for e in heavy if e["pattern"] != "full"} <= {1028}  # rings stay

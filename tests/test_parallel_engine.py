@@ -53,6 +53,11 @@ def single(case: dict) -> tuple[torch.Tensor, list[list[int]]]:
     return logits, [o.token_ids for o in outputs]
 
 
+# fairkv with copies priced as free: every copy that levels the ranks is made, so these tiny
+# models (whose heads cost microseconds, less than a copy adds) still exercise the copies
+FREE_COPIES = {"balance": "fairkv", "copy_seconds": 0.0}
+
+
 def _case(model, prompt, options=None, params=GREEDY, decode_tokens=12) -> dict:
     return {"model": str(model), "prompt": prompt, "decode_tokens": decode_tokens,
             "options": {"prefill_chunk": 64, "page_size": 16, **(options or {})},
@@ -92,7 +97,8 @@ def test_two_ranks_equal_one_process(tiny_llama, wide_llama, prompt, tmp_path):
         "retrieval_heads": 0.5,
         "max_context": 4096,
         "sparse_pattern": "vertical_slash(16,16)",
-    }  # costs at 4K: full heads dearer
+        "balance_phase": "prefill",
+    }  # costs at 4K: full heads dearer at prefill (alike at decode, where both balance)
     cases = [
         _case(tiny_llama, prompt, {"balance": "uniform"}),
         _case(tiny_llama, prompt, {"balance": "uniform"}, params=SAMPLED),
@@ -118,13 +124,12 @@ def test_four_ranks_equal_one_process(tiny_llama, wide_llama, prompt, tmp_path):
     at prefill and of the keys at decode, merged by log-sum-exp); over 4 kv heads, uneven."""
     profile = _random_profile(tmp_path / "profile.json", 8, 4)
     cases = [
-        _case(tiny_llama, prompt, {"balance": "fairkv"}),
+        _case(tiny_llama, prompt, FREE_COPIES),
         _case(wide_llama, prompt, {"profile": profile, "retrieval_heads": 0.25,
-                                   "sparse_pattern": "block_sparse(2)", "balance": "fairkv",
-                                   "max_context": 4096}),
+                                   "sparse_pattern": "block_sparse(2)", "max_context": 4096,
+                                   "balance_phase": "prefill", **FREE_COPIES}),
         # decode as the CUDA graphs run it (their CPU twin): three prompts, a padding row
-        {**_case(tiny_llama, prompt, {"balance": "fairkv"}), "batch": [150, 75, 100],
-         "graph_twin": True},
+        {**_case(tiny_llama, prompt, FREE_COPIES), "batch": [150, 75, 100], "graph_twin": True},
     ]  # fmt: skip
     results = _check(run_cases(4, cases, tmp_path), cases)
     assert "ranks [0, 1, 2, 3]" in results[0]["summary"]
@@ -144,11 +149,10 @@ def test_eight_ranks_equal_one_process(wide_llama, embedded_dir, prompt, tmp_pat
                          num_attention_heads=64, num_key_value_heads=8)  # fmt: skip
     streaming = {"profile": _random_profile(tmp_path / "profile.json", 4, 8),
                  "retrieval_heads": 0.5, "sparse_pattern": "streaming(4,16)",
-                 "max_context": 4096, "balance": "fairkv"}  # fmt: skip
+                 "max_context": 4096, **FREE_COPIES}  # fmt: skip
     cases = [
-        _case(wide_llama, prompt, {"balance": "fairkv"}),
-        _case(wide_llama, prompt, {"balance": "fairkv", "kv_budget": 0.5,
-                                   "kv_policy": "ada_snapkv"}),
+        _case(wide_llama, prompt, FREE_COPIES),
+        _case(wide_llama, prompt, {**FREE_COPIES, "kv_budget": 0.5, "kv_policy": "ada_snapkv"}),
         _case(grouped, prompt, streaming),
         _case(grouped, prompt, {**streaming, "kv_budget": 0.5, "kv_policy": "ada_snapkv"}),
     ]  # fmt: skip
@@ -172,7 +176,7 @@ def test_budgets_and_streaming_heads_two_ranks(tiny_llama, wide_llama, prompt, t
         **streaming,
         "retrieval_heads": 0.25,
         "kv_budget": 0.9,
-        "balance": "fairkv",
+        **FREE_COPIES,
         "max_context": 4096,
     }
     cases = [
@@ -181,7 +185,7 @@ def test_budgets_and_streaming_heads_two_ranks(tiny_llama, wide_llama, prompt, t
         _case(wide_llama, prompt, {"kv_budget": 0.7, "kv_policy": "ada_snapkv", "replicas": 0}),
         _case(wide_llama, prompt, {**streaming, "balance": "greedy", "replicas": 0}),
         _case(wide_llama, prompt, {**streaming, "kv_budget": 64, "kv_policy": "ada_snapkv",
-                                   "balance": "fairkv"}, params=SAMPLED),
+                                   **FREE_COPIES}, params=SAMPLED),
         _case(wide_llama, prompt, heavy),
         # rank 0 holds 14 entries, rank 1 20, in 223 entry pages: beside the short prompt
         # (43 and 55 pages), the long one's 140 fit on rank 0, its 200 not on rank 1; one
@@ -207,9 +211,10 @@ def test_budget_copies_four_ranks(tiny_llama, prompt, tmp_path):
     (a ring's too), merged by log-sum-exp."""
     profile = _random_profile(tmp_path / "profile.json", 3, 2)
     cases = [
-        _case(tiny_llama, prompt, {"kv_budget": 0.5, "kv_policy": "ada_snapkv"}),
+        _case(tiny_llama, prompt, {"kv_budget": 0.5, "kv_policy": "ada_snapkv", **FREE_COPIES}),
         _case(tiny_llama, prompt, {"profile": profile, "retrieval_heads": 0.5,
-                                   "sparse_pattern": "streaming(4,24)", "kv_budget": 0.6}),
+                                   "sparse_pattern": "streaming(4,24)", "kv_budget": 0.6,
+                                   **FREE_COPIES}),
     ]  # fmt: skip
     results = _check(run_cases(4, cases, tmp_path), cases)
     assert all("6 entries copied" in r["summary"] for r in results)
@@ -220,7 +225,7 @@ def test_embedded_model_two_ranks(embedded_dir, tmp_path):
     Its logits reach 36; summing 30 layers' partial outputs in another order moves them by
     up to 8e-5 (2e-6 of the largest, with or without copies), so the bound is relative."""
     ids = LLM(embedded_dir).engine.encode("The lighthouse keeper wrote in the log that " * 12)
-    cases = [_case(embedded_dir, ids, {"prefill_chunk": 128, "page_size": 32})]
+    cases = [_case(embedded_dir, ids, {"prefill_chunk": 128, "page_size": 32, **FREE_COPIES})]
     results = _check(run_cases(2, cases, tmp_path), cases, relative=True)
     assert "30 entries copied" in results[0]["summary"]
 

@@ -26,7 +26,15 @@ from headspace.planner.head_cost import HeadCost
 from headspace.planner.head_map import HeadEntry, HeadMap
 from headspace.planner.memory import KVSpec
 from headspace.planner.plan import plan_batch
-from test_parallel_engine import SAMPLED, _case, _check, _random_profile, _uneven, run_cases
+from test_parallel_engine import (
+    FREE_COPIES,
+    SAMPLED,
+    _case,
+    _check,
+    _random_profile,
+    _uneven,
+    run_cases,
+)
 
 RESIDENT = {"num_kv_pages": None}  # one process: everything on the "GPU"
 
@@ -65,8 +73,10 @@ def test_host_memory_two_ranks(wide_llama, prompt, tmp_path):
 
 def _swapping(model, prompt, balance: str, num_kv_pages: int) -> dict:
     """Five prompts whose 48 new tokens each outgrow a rank's all-resident pool: sequences
-    swap out to the rank's host pages and back (one process keeps everything resident)."""
+    swap out to the rank's host pages and back (one process keeps everything resident);
+    fairkv with its copies priced free (so this tiny model's heads are copied)."""
     options = {"num_kv_pages": num_kv_pages, "balance": balance}
+    options.update(FREE_COPIES if balance == "fairkv" else {})
     return {**_case(model, prompt, options, params={"max_new_tokens": 48, "ignore_eos": True}),
             "batch": [60, 50, 70, 40, 65], "single": RESIDENT}  # fmt: skip
 
@@ -101,7 +111,7 @@ def test_copies_in_host_memory_three_ranks(wide_llama, prompt, tmp_path):
     after the rank's own heads, and come back. Ranks that stream different numbers of heads
     (greedy: 2, 1 and 1 a layer) decide alike whether a step fits a graph, by the most any
     of them may stream, even where a lowered bound lets the lighter ranks' steps in."""
-    options = {"num_kv_pages": 4, "balance": "fairkv", "head_group": 1}
+    options = {"num_kv_pages": 4, **FREE_COPIES, "head_group": 1}
     cases = [
         {**_case(wide_llama, prompt, {**options, "offload": "head"}), "single": RESIDENT},
         {**_case(wide_llama, prompt, {**options, "offload": "hybrid", "cpu_share": 0.5,
@@ -233,7 +243,7 @@ def test_budget_entries_in_host_memory_two_ranks(wide_llama, prompt, tmp_path):
                                       "kv_policy": "ada_snapkv", "balance": "random",
                                       "replicas": 0}, params=SAMPLED), "single": RESIDENT},
         {**_case(wide_llama, prompt, {**streaming, "num_kv_pages": 3, "kv_budget": 64,
-                                      "kv_policy": "ada_snapkv", "balance": "fairkv"}),
+                                      "kv_policy": "ada_snapkv", **FREE_COPIES}),
          "single": RESIDENT, "batch": [150, 75, 100]},
         {**_case(wide_llama, prompt, {**streaming, "num_kv_pages": 4, "kv_budget": 0.5,
                                       "balance": "greedy", "replicas": 0}), "single": RESIDENT},
@@ -259,7 +269,7 @@ def test_budget_entries_in_host_memory_three_ranks(wide_llama, prompt, tmp_path)
     4 kv heads) offloads some while the others keep all theirs resident."""
     cases = [
         {**_case(wide_llama, prompt, {"num_kv_pages": 3, "kv_budget": 0.5,
-                                      "kv_policy": "ada_snapkv", "balance": "fairkv"}),
+                                      "kv_policy": "ada_snapkv", **FREE_COPIES}),
          "single": RESIDENT},
         {**_case(wide_llama, prompt, {"num_kv_pages": 4, "kv_budget": 64, "balance": "uniform"}),
          "single": RESIDENT},

@@ -12,12 +12,31 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from headspace.parallel import SOLVERS, HeadCost, check_assignment, rank_loads, solve, solve_layers
-from headspace.parallel.assignment import balance_summary, fill_shares, makespan, single
+from headspace.parallel.assignment import (
+    LayerCosts,
+    balance_summary,
+    fill_shares,
+    makespan,
+    single,
+)
 
 costs_strategy = st.lists(
-    st.builds(HeadCost, st.floats(0, 10, allow_nan=False), st.floats(0, 1, allow_nan=False)),
+    st.builds(HeadCost, st.floats(0, 10, allow_nan=False), st.floats(0, 1, allow_nan=False),
+              st.floats(0, 0.5, allow_nan=False)),
     min_size=0, max_size=10,
 )  # fmt: skip
+
+
+@st.composite
+def two_phases(draw, max_heads: int = 10) -> LayerCosts:
+    """A layer's costs in two phases (each head's prefill and decode) and their weights: ties,
+    heads with nothing to divide, copies that cost, a phase of weight 0."""
+    num_heads = draw(st.integers(1, max_heads))
+    phase = st.lists(st.builds(HeadCost, st.sampled_from([0.0, 1.0, 2.0]) | st.floats(0, 10),
+                               st.floats(0, 1), st.sampled_from([0.0, 0.3])),
+                     min_size=num_heads, max_size=num_heads)  # fmt: skip
+    weights = (draw(st.sampled_from([0.0, 1.0]) | st.floats(0, 1)), draw(st.floats(0.01, 1)))
+    return LayerCosts((tuple(draw(phase)), tuple(draw(phase))), weights)
 
 
 def _random_costs(num_heads: int, seed: int) -> list[HeadCost]:
@@ -39,8 +58,45 @@ def test_every_solver_assigns_each_head_within_the_replication_budget(name, cost
     check_assignment(assignment, len(costs), num_ranks, replicas)
     loads = rank_loads(costs, assignment, num_ranks)
     split = sum(c.split for c in costs)  # every head's divisible work done exactly once
-    fixed = sum(c.fixed * len(copies) for c, copies in zip(costs, assignment, strict=True))
+    fixed = sum((c.fixed + (c.copy if len(copies) > 1 else 0.0)) * len(copies)
+                for c, copies in zip(costs, assignment, strict=True))  # fmt: skip
     assert sum(loads) == pytest.approx(split + fixed, rel=1e-9, abs=1e-9)
+
+
+@pytest.mark.parametrize("name", sorted(SOLVERS))
+@settings(max_examples=20, deadline=None)
+@given(costs=two_phases(), num_ranks=st.integers(1, 4), replicas=st.integers(0, 2))
+def test_every_solver_balances_two_phases_at_once(name, costs, num_ranks, replicas):
+    """Over both phases every assignment is valid, and the searches are never worse than
+    uniform on the phases' weighted sum of slowest ranks."""
+    assignment = solve(name, costs, num_ranks, replicas=replicas)
+    check_assignment(assignment, costs.num_heads, num_ranks, replicas)
+    if name in ("greedy", "ga", "fairkv", "exact"):
+        uniform = makespan(costs, solve("uniform", costs, num_ranks), num_ranks)
+        assert makespan(costs, assignment, num_ranks) <= uniform * (1 + 1e-12)
+
+
+@settings(max_examples=30, deadline=None)
+@given(costs=two_phases(max_heads=6), num_ranks=st.integers(1, 3))
+def test_exact_is_optimal_over_two_phases(costs, num_ranks):
+    every = itertools.product(range(num_ranks), repeat=costs.num_heads)
+    optimum = min(makespan(costs, single(ranks), num_ranks) for ranks in every)
+    assert makespan(costs, solve("exact", costs, num_ranks), num_ranks) <= optimum * (1 + 1e-12)
+
+
+def test_two_phases_keep_even_heads_where_one_phase_costs_alike():
+    # Ada-SnapKV's heads: alike at prefill, uneven at decode. Decode alone gives the heavy
+    # heads a rank each and piles the light ones up (prefill waits for four heads); both
+    # phases keep two heads a rank and pair each heavy head with light ones
+    prefill = tuple(HeadCost(1.0) for _ in range(8))
+    decode = tuple(HeadCost(c) for c in (6.0, 5.0, 0.2, 0.1, 0.1, 0.3, 0.2, 0.1))
+    both = LayerCosts((prefill, decode), (1 / 8, 1 / 12))
+    for name in ("greedy", "ga", "fairkv", "exact"):
+        alone = rank_loads(prefill, solve(name, decode, 4), 4)
+        assert max(alone) >= 3.0, name
+        assignment = solve(name, both, 4)
+        assert rank_loads(prefill, assignment, 4) == [2.0] * 4, name
+        assert makespan(decode, assignment, 4) == pytest.approx(6.1), name
 
 
 @pytest.mark.parametrize("name", ["greedy", "ga", "fairkv", "exact"])
@@ -58,6 +114,10 @@ def test_greedy_can_beat_lpt_and_uniform_is_kept_when_better():
     assert makespan(costs, solve("greedy", costs, 2), 2) == 6
     assert makespan(costs, solve("exact", costs, 2), 2) == 6
     assert makespan(costs, solve("uniform", costs, 2), 2) == 8  # blocks of heads: 3+3+2
+    # moves out of the busiest rank, the pair of ranks ending lowest first: 14 by LPT, 13
+    # (the optimum) by its moves; taking the move that levels all three ranks best stays 14
+    costs = [HeadCost(c) for c in (3, 3, 3, 7, 4, 8, 5, 6)]
+    assert makespan(costs, solve("greedy", costs, 3), 3) == 13
 
 
 @settings(max_examples=40, deadline=None)
@@ -106,12 +166,31 @@ def test_fair_copying_splits_a_dominant_head_and_levels_its_ranks():
     assert more <= max(loads) + 1e-12  # a larger budget never hurts
 
 
+def test_a_head_is_copied_only_where_the_copy_pays_for_what_it_adds():
+    # the dominant head of the test above: copies that add 0.1 s each still halve the layer,
+    # copies that add 6 s would not: fairkv then keeps greedy's assignment
+    for overhead, copied in ((0.1, True), (6.0, False)):
+        costs = [HeadCost(10.0, 0.1, overhead)] + [HeadCost(1.0, 0.1, overhead)] * 7
+        assignment = solve("fairkv", costs, 4, replicas=3)
+        assert (len(assignment[0]) > 1) is copied
+        if not copied:
+            assert assignment == solve("greedy", costs, 4)
+    # every copy of a divided head carries its overhead; an undivided head none
+    loads = rank_loads([HeadCost(4.0, 0.0, 0.5)], (((0, 0.5), (1, 0.5)),), 2)
+    assert loads == [2.5, 2.5]
+    assert rank_loads([HeadCost(4.0, 0.0, 0.5)], (((0, 1.0),),), 2) == [4.0, 0.0]
+
+
 def test_fair_copying_undoes_ties_one_copy_at_a_time():
     # six equal heads on four ranks: two ranks tie at two heads; one copy alone cannot lower
     # the busiest load, two can (each tied rank shares a head with an idle one)
     costs = [HeadCost(1.0) for _ in range(6)]
     assert makespan(costs, solve("fairkv", costs, 4, replicas=0), 4) == pytest.approx(2.0)
     assert makespan(costs, solve("fairkv", costs, 4, replicas=2), 4) == pytest.approx(1.5)
+    # copies that cost 0.1 each: the first still lowers one tied rank (to 1.6), the second
+    # the other; both ranks then carry a copy's cost too
+    costs = [HeadCost(1.0, 0.0, 0.1) for _ in range(6)]
+    assert makespan(costs, solve("fairkv", costs, 4, replicas=2), 4) == pytest.approx(1.6)
 
 
 def test_fill_shares_water_fills_between_unequal_ranks():

@@ -3,15 +3,18 @@
 A kv head (with its query heads) is the unit of work: its ``HeadCost`` has a part that copies
 divide between them (attention over its K/V: each copy attends a token range, merged by
 log-sum-exp, or a share of the batch rows) and a part every copy repeats (its projections).
-An assignment lists, per kv head, its copies as ``(rank, share)`` pairs whose shares sum to 1.
-A step waits for the slowest rank at every layer (the partial outputs are all-reduced), so a
-model's step time is the sum over layers of the most loaded rank's load.
+An assignment lists, per kv head, its copies as ``(rank, share)`` pairs whose shares sum to 1;
+a divided head's copies each add its ``copy`` seconds. A step waits for the slowest rank at
+every layer (the partial outputs are all-reduced), so a model's step time is the sum over
+layers of the most loaded rank's load. The solvers may balance several phases at once
+(``LayerCosts``): an assignment then costs the weighted sum of each phase's slowest rank.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from headspace.planner.head_cost import HeadCost
 
@@ -29,14 +32,75 @@ def rank_loads(costs: Sequence[HeadCost], assignment: LayerAssignment,
     """Seconds of work each rank does for one layer."""
     loads = [0.0] * num_ranks
     for cost, copies in zip(costs, assignment, strict=True):
+        overhead = cost.copy if len(copies) > 1 else 0.0
         for rank, share in copies:
-            loads[rank] += cost.fixed + share * cost.split
+            loads[rank] += cost.fixed + share * cost.split + overhead
     return loads
 
 
-def makespan(costs: Sequence[HeadCost], assignment: LayerAssignment, num_ranks: int) -> float:
-    """The most loaded rank's seconds: the layer's time."""
-    return max(rank_loads(costs, assignment, num_ranks))
+@dataclass(frozen=True)
+class LayerCosts:
+    """One layer's kv heads' costs in each phase balanced at once, and each phase's weight:
+    an assignment costs the weighted sum of each phase's most loaded rank (a plain list of
+    ``HeadCost`` is one phase of weight 1, where that cost is the makespan)."""
+
+    phases: tuple[tuple[HeadCost, ...], ...]  # [phase][kv head]
+    weights: tuple[float, ...]  # per phase (e.g. 1 / the phase's total seconds)
+
+    @classmethod
+    def of(cls, costs: Costs) -> LayerCosts:
+        return costs if isinstance(costs, LayerCosts) else cls((tuple(costs),), (1.0,))
+
+    @property
+    def num_heads(self) -> int:
+        return len(self.phases[0])
+
+    def work(self) -> list[list[float]]:
+        """``[kv head][phase]``: each head's weighted seconds, undivided."""
+        return [[w * c.total for w, c in zip(self.weights, head, strict=True)]
+                for head in zip(*self.phases, strict=True)]  # fmt: skip
+
+    def loads(self, assignment: LayerAssignment, num_ranks: int) -> list[list[float]]:
+        """``[phase][rank]``: each rank's weighted seconds in each phase."""
+        return [[w * load for load in rank_loads(costs, assignment, num_ranks)]
+                for w, costs in zip(self.weights, self.phases, strict=True)]  # fmt: skip
+
+    def combined(self) -> list[HeadCost]:
+        """One cost per head: the phases' weighted sum (what a copy's share divides)."""
+        return [HeadCost(*(sum(w * getattr(c, part) for w, c in zip(self.weights, head,
+                                                                    strict=True))
+                           for part in ("split", "fixed", "copy")))
+                for head in zip(*self.phases, strict=True)]  # fmt: skip
+
+
+Costs = Sequence[HeadCost] | LayerCosts
+
+
+def score(loads: Sequence[Sequence[float]]) -> tuple[float, ...]:
+    """``loads [phase][rank]`` -> (the sum of each phase's most loaded rank, then each rank's
+    load summed over the phases, largest first): lower is better, compared in that order
+    (:func:`improves`), so where the slowest ranks tie, lowering one of the tied ranks
+    counts (ties are undone one move or copy at a time)."""
+    by_rank = sorted((sum(column) for column in zip(*loads, strict=True)), reverse=True)
+    return (sum(max(row) for row in loads), *by_rank)
+
+
+def improves(new: Sequence[float], old: Sequence[float], tol: float = 1e-12) -> bool:
+    """Whether score ``new`` comes before ``old``, element by element, by more than rounding;
+    the slowest ranks' sum must not rise at all for a later element to count."""
+    if new[0] > old[0]:
+        return False
+    for a, b in zip(new, old, strict=True):
+        if a < b * (1 - tol):
+            return True
+        if a > b * (1 + tol):
+            return False
+    return False
+
+
+def makespan(costs: Costs, assignment: LayerAssignment, num_ranks: int) -> float:
+    """The most loaded rank's seconds: the layer's time (the phases' weighted sum of them)."""
+    return score(LayerCosts.of(costs).loads(assignment, num_ranks))[0]
 
 
 def num_extra_copies(assignment: LayerAssignment) -> int:

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from headspace.parallel.assignment import LayerAssignment, balance_summary
+from headspace.parallel.assignment import LayerAssignment, LayerCosts, balance_summary
 from headspace.parallel.config import ParallelConfig
 from headspace.parallel.solvers import solve_layers
-from headspace.planner.head_cost import CostShape, HeadCost, head_costs
+from headspace.planner.head_cost import PHASES, CostShape, HeadCost, head_costs
 from headspace.planner.head_map import HeadMap
 from headspace.planner.memory import Hardware
 from headspace.planner.profile import Profile, with_budget_shares
@@ -20,19 +20,29 @@ class Balance:
     """A solved assignment: the head map with ranks, and its loads per phase."""
 
     head_map: HeadMap
-    phase: str  # the phase whose costs were balanced
+    phase: str  # the phases whose costs were balanced ("prefill+decode": both at once)
     assignments: list[LayerAssignment]
     loads: dict[str, dict]  # phase -> balance_summary(...) of this assignment
 
 
-def balanced_phase(head_map: HeadMap, phase: str) -> str:
-    """``phase``, or for ``auto``: decode when entries hold less than everything (budgets,
-    streaming heads), prefill when any entry has another pattern, else decode."""
-    if phase != "auto":
-        return phase
-    if any(e.budget is not None or e.pattern.startswith("streaming") for e in head_map.entries):
-        return "decode"
-    return "prefill" if any(e.pattern != "full" for e in head_map.entries) else "decode"
+def balanced_phases(phase: str) -> tuple[str, ...]:
+    """The phases whose costs the solvers balance: ``phase``, or for ``auto`` both (a
+    patterned head is light at prefill, a budgeted one at decode, and balancing one phase
+    alone can leave the other uneven: Ada-SnapKV's heads all cost alike at prefill)."""
+    return PHASES if phase == "auto" else (phase,)
+
+
+def layer_costs(costs: dict[str, list[list[HeadCost]]], phases: tuple[str, ...]) -> list:
+    """Per layer, the costs the solvers see: one phase's ``HeadCost`` list, or the phases'
+    ``LayerCosts`` with each phase weighed by one over its total seconds over the model (each
+    phase's imbalance counts alike, whatever its length)."""
+    if len(phases) == 1:
+        return costs[phases[0]]
+    totals = [sum(c.total for row in costs[p] for c in row) for p in phases]
+    weights = tuple(1 / t if t > 0 else 0.0 for t in totals)
+    weights = weights if any(weights) else (1.0,) * len(phases)
+    return [LayerCosts(tuple(tuple(costs[p][layer]) for p in phases), weights)
+            for layer in range(len(costs[phases[0]]))]  # fmt: skip
 
 
 def with_ranks(head_map: HeadMap, assignments: list[LayerAssignment]) -> HeadMap:
@@ -66,16 +76,18 @@ def balance_heads(head_map: HeadMap, shape: CostShape, config: ParallelConfig, *
                   hw: Hardware | None = None,
                   profile: Profile | None = None) -> Balance:  # fmt: skip
     """Assign every (layer, kv head) of ``head_map`` to ``config.gpus`` ranks by its solver,
-    balancing the costs of one step of the chosen phase at ``context`` tokens (prefill in
-    chunks of ``chunk``, default :data:`BALANCE_CHUNK`)."""
+    balancing the costs of one step of the chosen phase, or of both (``auto``), at
+    ``context`` tokens (prefill in chunks of ``chunk``, default :data:`BALANCE_CHUNK`)."""
     chunk = chunk or BALANCE_CHUNK
+    if config.copy_seconds is not None:
+        hw = replace(hw or Hardware(), copy_seconds=config.copy_seconds)
     costs: dict[str, list[list[HeadCost]]] = {
         phase: head_costs(head_map, shape, hw, phase=phase, context=context, chunk=chunk,
                           batch=batch, profile=profile)
-        for phase in ("prefill", "decode")
+        for phase in PHASES
     }  # fmt: skip
-    phase = balanced_phase(head_map, config.balance_phase)
-    assignments = solve_layers(config.balance, costs[phase], config.gpus,
+    phases = balanced_phases(config.balance_phase)
+    assignments = solve_layers(config.balance, layer_costs(costs, phases), config.gpus,
                                replicas=config.replicas, seed=config.seed)  # fmt: skip
     loads = {name: balance_summary(c, assignments, config.gpus) for name, c in costs.items()}
-    return Balance(with_ranks(head_map, assignments), phase, assignments, loads)
+    return Balance(with_ranks(head_map, assignments), "+".join(phases), assignments, loads)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from headspace.errors import UserError
@@ -10,7 +11,7 @@ from headspace.parallel.solvers import SOLVERS
 PHASES = ("auto", "prefill", "decode")
 # the fields the engine takes as options under torchrun (``gpus`` is the world size there,
 # and ``seed`` would read as sampling's)
-ENGINE_FIELDS = ("balance", "replicas", "balance_phase")
+ENGINE_FIELDS = ("balance", "replicas", "balance_phase", "copy_seconds")
 
 
 def _option(default, help: str, *, choices=None):
@@ -34,9 +35,14 @@ class ParallelConfig:
     )  # fmt: skip
     balance_phase: str = _option(
         "auto", "which step's costs to balance: prefill (a chunk's attention, which patterns "
-        "change), decode (the KV each head reads, which budgets change), or auto (decode "
-        "with a KV budget or streaming heads, prefill with other patterns, else decode)",
+        "change), decode (the KV each head reads, which budgets change), or auto (both at "
+        "once, each phase's slowest ranks weighed by one over the phase's total)",
         choices=PHASES,
+    )  # fmt: skip
+    copy_seconds: float | None = _option(
+        None, "seconds each copy of a divided kv head adds to its rank's step in the solvers' "
+        "cost model (its own launches and merge; default: the planner's measured figure, 90 "
+        "us); 0 prices copies as free, so every copy that levels the ranks is made",
     )  # fmt: skip
     seed: int = _option(0, "seed of the random and genetic solvers")
 
@@ -45,6 +51,9 @@ class ParallelConfig:
             value, least = getattr(self, name), 1 if name == "gpus" else 0
             if type(value) is not int or value < least:
                 raise UserError(f"{name} must be an integer >= {least}, got {value!r}")
+        copy = self.copy_seconds
+        if copy is not None and not (type(copy) in (int, float) and 0 <= copy < math.inf):
+            raise UserError(f"copy_seconds must be a number >= 0, got {self.copy_seconds!r}")
         for name, choices in (("balance", SOLVERS), ("balance_phase", PHASES)):
             if getattr(self, name) not in choices:
                 raise UserError(f"{name} must be one of {', '.join(choices)}, "

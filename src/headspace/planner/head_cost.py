@@ -1,11 +1,12 @@
 """What one kv head (with its query heads) costs a rank in one step: the cost model the
 head-parallel solvers balance (``parallel.solvers``).
 
-A head's cost has a part that copies of it divide (attention over its K/V) and a part each
-copy repeats (its rows of the q/k/v/o projections). Both come from the roofline (``Hardware``
-rates), by the entry's tier, pattern and budget; with a profile's measured pattern costs (its
-``pattern_ms``, the runtime profile), a head's attention is that measurement scaled by the
-roofline from the measured context and chunk to the asked ones.
+A head's cost has a part that copies of it divide (attention over its K/V), a part each
+copy repeats (its rows of the q/k/v/o projections) and, once it is divided, what each copy
+adds (its key range, its own kernel launches and its part of the merge). They come from the
+roofline (``Hardware`` rates), by the entry's tier, pattern and budget; with a profile's
+measured pattern costs (its ``pattern_ms``, the runtime profile), a head's attention is that
+measurement scaled by the roofline from the measured context and chunk to the asked ones.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ class HeadCost:
 
     split: float  # work copies divide between them (attention over its K/V)
     fixed: float = 0.0  # work each copy repeats (its rows of the q/k/v/o projections)
+    copy: float = 0.0  # what each copy adds once the head is divided (launches, its merge)
 
     @property
     def total(self) -> float:
@@ -63,7 +65,7 @@ def roofline_cost(entry: HeadEntry, shape: CostShape, hw: Hardware, *, phase: st
     if phase == "prefill":
         flops = 4 * shape.q_per_kv * shape.head_dim * chunk * attended_keys(entry.pattern, context)
         gemm = 2 * chunk * shape.weight_elements
-        return HeadCost(flops / hw.attention_flops, gemm / hw.gemm_flops)
+        return HeadCost(flops / hw.attention_flops, gemm / hw.gemm_flops, hw.copy_seconds)
     if phase != "decode":
         raise ValueError(f"phase must be one of {', '.join(PHASES)}, got {phase!r}")
     held = held_tokens(entry.pattern, entry.budget, context)
@@ -71,7 +73,7 @@ def roofline_cost(entry: HeadEntry, shape: CostShape, hw: Hardware, *, phase: st
     rate = {"gpu": hw.hbm_bytes, "stream": hw.h2d_bytes,
             "hybrid": hw.h2d_bytes + hw.cpu_attention_bytes}[entry.tier]  # fmt: skip
     weights = shape.weight_elements * shape.dtype_bytes
-    return HeadCost(kv_bytes / rate, weights / hw.hbm_bytes)
+    return HeadCost(kv_bytes / rate, weights / hw.hbm_bytes, hw.copy_seconds)
 
 
 def measured_cost(entry: HeadEntry, shape: CostShape, hw: Hardware, profile: Profile, *,
@@ -85,7 +87,7 @@ def measured_cost(entry: HeadEntry, shape: CostShape, hw: Hardware, profile: Pro
     at = min((int(c) for c in measured), key=lambda c: abs(math.log(c / context)))
     there = roofline_cost(entry, shape, hw, phase="prefill", context=at, chunk=profile.chunk)
     here = roofline_cost(entry, shape, hw, phase="prefill", context=context, chunk=chunk)
-    return HeadCost(measured[str(at)] / 1000 * here.split / there.split, here.fixed)
+    return HeadCost(measured[str(at)] / 1000 * here.split / there.split, here.fixed, here.copy)
 
 
 def head_costs(head_map: HeadMap, shape: CostShape, hw: Hardware | None = None, *,

@@ -1,23 +1,24 @@
 """Solvers that assign a layer's kv heads to ranks (one file each), and their registry.
 
 Every solver is ``solve(costs, num_ranks, *, replicas=0, seed=0) -> LayerAssignment`` over
-the layer's ``HeadCost`` list; only fairkv uses ``replicas`` (extra copies a layer may make);
-uniform, and greedy, ga and exact where uniform's assignment is better, copy heads only when
-the ranks outnumber them (``copy_budget``).
+the layer's ``HeadCost`` list, or its ``LayerCosts`` (several phases balanced at once); only
+fairkv uses ``replicas`` (extra copies a layer may make); uniform, and greedy, ga and exact
+where uniform's assignment is better, copy heads only when the ranks outnumber them
+(``copy_budget``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-from headspace.parallel.assignment import HeadCost, LayerAssignment
+from headspace.parallel.assignment import Costs, LayerAssignment
 from headspace.parallel.solvers import exact, fairkv, genetic, greedy, random_assign, uniform
 
 SOLVERS = {"uniform": uniform.solve, "random": random_assign.solve, "greedy": greedy.solve,
            "ga": genetic.solve, "fairkv": fairkv.solve, "exact": exact.solve}  # fmt: skip
 
 
-def solve(name: str, costs: Sequence[HeadCost], num_ranks: int, *, replicas: int = 0,
+def solve(name: str, costs: Costs, num_ranks: int, *, replicas: int = 0,
           seed: int = 0) -> LayerAssignment:  # fmt: skip
     """One layer's assignment by solver ``name``."""
     if name not in SOLVERS:
@@ -27,7 +28,7 @@ def solve(name: str, costs: Sequence[HeadCost], num_ranks: int, *, replicas: int
     return SOLVERS[name](costs, num_ranks, replicas=replicas, seed=seed)
 
 
-def solve_layers(name: str, costs: Sequence[Sequence[HeadCost]], num_ranks: int, *,
+def solve_layers(name: str, costs: Sequence[Costs], num_ranks: int, *,
                  replicas: int = 0, seed: int = 0) -> list[LayerAssignment]:  # fmt: skip
     """Each layer's assignment (``costs[layer][kv_head]``), solved layer by layer: each layer
     ends with an all-reduce, so the step waits for each layer's most loaded rank."""

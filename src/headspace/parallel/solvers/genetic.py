@@ -3,15 +3,15 @@ tournament selection, uniform crossover and mutation (a head moved, or two heads
 the best kept unchanged each generation (elitism); the fittest polished by greedy's moves and
 swaps at the end. Seeded with the greedy search's heads, and
 greedy's assignment is kept when the search does not beat it, so it is never worse than
-greedy (nor uniform); deterministic for a seed."""
+greedy (nor uniform); deterministic for a seed. Over several phases at once (``LayerCosts``)
+the fitness is the weighted sum of the phases' most loaded ranks."""
 
 from __future__ import annotations
 
 import random
-from collections.abc import Sequence
 from dataclasses import dataclass
 
-from headspace.parallel.assignment import HeadCost, LayerAssignment, makespan, single
+from headspace.parallel.assignment import Costs, LayerAssignment, LayerCosts, makespan, single
 from headspace.parallel.solvers import greedy
 
 
@@ -27,18 +27,20 @@ class GeneticConfig:
     # crossover of assignments whose ranks are labelled differently mixes little
 
 
-def solve(costs: Sequence[HeadCost], num_ranks: int, *, replicas: int = 0, seed: int = 0,
+def solve(costs: Costs, num_ranks: int, *, replicas: int = 0, seed: int = 0,
           config: GeneticConfig = GeneticConfig()) -> LayerAssignment:  # fmt: skip
-    if not costs:
+    if not LayerCosts.of(costs).num_heads:
         return ()
     draw = random.Random(seed)
-    work = [cost.total for cost in costs]
+    work = LayerCosts.of(costs).work()  # [head][phase]
+    num_phases = len(work[0])
 
-    def fitness(ranks: list[int]) -> float:  # the most loaded rank, lower is fitter
-        loads = [0.0] * num_ranks
+    def fitness(ranks: list[int]) -> float:  # the phases' peaks, lower is fitter
+        loads = [[0.0] * num_ranks for _ in range(num_phases)]
         for head, rank in enumerate(ranks):
-            loads[rank] += work[head]
-        return max(loads)
+            for phase, w in enumerate(work[head]):
+                loads[phase][rank] += w
+        return sum(max(row) for row in loads)
 
     population = [greedy.improve(costs, greedy.lpt_ranks(costs, num_ranks), num_ranks)]
     population += [[draw.randrange(num_ranks) for _ in work] for _ in range(config.population - 1)]

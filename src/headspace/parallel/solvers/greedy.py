@@ -1,69 +1,109 @@
 """Greedy: longest processing time first, then local moves. Heads by decreasing cost, each to
-the rank with the least load so far (within 4/3 of the optimum); then, while it lowers the
-most loaded rank, one of its heads moves to another rank or swaps with a lighter head there.
-The contiguous split (uniform) is kept instead when it is better, so greedy is never worse
-than uniform. The unit is a kv head with its query heads: a GQA group is never split."""
+the rank with the least load so far (over one phase, within 4/3 of the optimum); then, while
+it lowers the most loaded rank (or one tied with it), one of its heads moves to another rank
+or swaps with a lighter head there. Over several phases at once (``LayerCosts``) a head goes
+where it raises the weighted sum of the phases' most loaded ranks least, and a move must
+lower that sum, or keep it and lower the ranks' loads busiest first (``score``). The
+contiguous split (uniform) is kept instead when it is better, so greedy is never worse than
+uniform. The unit is a kv head with its query heads: a GQA group is never split."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import math
 
-from headspace.parallel.assignment import HeadCost, LayerAssignment, makespan, single
+from headspace.parallel.assignment import (
+    Costs,
+    LayerAssignment,
+    LayerCosts,
+    improves,
+    makespan,
+    score,
+    single,
+)
 from headspace.parallel.solvers import uniform
 
+MAX_MOVES = 10_000  # each move improves the score; a bound against rounding's ties all the same
 
-def lpt_ranks(costs: Sequence[HeadCost], num_ranks: int) -> list[int]:
+
+def lpt_ranks(costs: Costs, num_ranks: int) -> list[int]:
     """Rank of each head under longest-processing-time-first (ties: the lower rank)."""
-    loads, ranks = [0.0] * num_ranks, [0] * len(costs)
-    for head in sorted(range(len(costs)), key=lambda h: (-costs[h].total, h)):
-        rank = min(range(num_ranks), key=lambda r: (loads[r], r))
-        ranks[head], loads[rank] = rank, loads[rank] + costs[head].total
+    work = LayerCosts.of(costs).work()  # [head][phase]
+    num_phases = len(work[0]) if work else 1
+    loads = [[0.0] * num_phases for _ in range(num_ranks)]  # [rank][phase]
+    peaks, ranks = [0.0] * num_phases, [0] * len(work)
+    for head in sorted(range(len(work)), key=lambda h: (-sum(work[h]), h)):
+        rank = min(range(num_ranks), key=lambda r: (_rise(peaks, loads[r], work[head]),
+                                                     sum(loads[r]), r))  # fmt: skip
+        loads[rank] = [x + w for x, w in zip(loads[rank], work[head], strict=True)]
+        peaks = [max(p, x) for p, x in zip(peaks, loads[rank], strict=True)]
+        ranks[head] = rank
     return ranks
 
 
-def improve(costs: Sequence[HeadCost], ranks: list[int], num_ranks: int) -> list[int]:
-    """``ranks`` after moves and swaps out of the most loaded rank, each lowering the pair's
-    larger load, until none does (a local optimum)."""
-    work = [cost.total for cost in costs]
+def _rise(peaks: list[float], loads: list[float], work: list[float]) -> float:
+    """The phases' summed peaks once ``work`` joins a rank holding ``loads``."""
+    return sum(max(p, x + w) for p, x, w in zip(peaks, loads, work, strict=True))
+
+
+def improve(costs: Costs, ranks: list[int], num_ranks: int) -> list[int]:
+    """``ranks`` after moves and swaps out of a most loaded rank (of any phase), each lowering
+    the phases' summed peaks or, where those tie, levelling the ranks, until none does (a
+    local optimum)."""
+    work = LayerCosts.of(costs).work()
     ranks = list(ranks)
-    loads = [0.0] * num_ranks
+    loads = [[0.0] * len(w) for w in work[:1] for _ in range(num_ranks)]  # [rank][phase]
     for head, rank in enumerate(ranks):
-        loads[rank] += work[head]
-    while True:
-        busiest = max(range(num_ranks), key=lambda r: loads[r])
-        move = _best_move(work, ranks, loads, busiest)
+        loads[rank] = [x + w for x, w in zip(loads[rank], work[head], strict=True)]
+    for _ in range(MAX_MOVES):
+        move = _best_move(work, ranks, loads)
         if move is None:
-            return ranks
+            break
         head, other, swap = move
-        loads[busiest] += (work[swap] if swap is not None else 0.0) - work[head]
-        loads[other] += work[head] - (work[swap] if swap is not None else 0.0)
+        source = ranks[head]
+        loads[source], loads[other] = _moved(work, loads, source, other, head, swap)
         ranks[head] = other
         if swap is not None:
-            ranks[swap] = busiest
+            ranks[swap] = source
+    return ranks
 
 
-def _best_move(work: list[float], ranks: list[int], loads: list[float], busiest: int):
-    """(head on the busiest rank, rank it goes to, head swapped back or None) that most
-    lowers the larger of the two ranks' loads below the busiest's, or None."""
-    best, best_peak = None, loads[busiest] * (1 - 1e-12)
-    mine = [h for h, r in enumerate(ranks) if r == busiest]
-    for other in range(len(loads)):
-        if other == busiest:
-            continue
-        theirs = [None] + [h for h, r in enumerate(ranks) if r == other]
-        for head in mine:
-            for swap in theirs:
-                delta = work[head] - (work[swap] if swap is not None else 0.0)
-                peak = max(loads[busiest] - delta, loads[other] + delta)
-                if delta > 0 and peak < best_peak:
-                    best, best_peak = (head, other, swap), peak
+def _moved(work, loads, source: int, other: int, head: int, swap: int | None):
+    """The two ranks' loads after ``head`` moves from ``source`` to ``other`` (and ``swap``
+    back)."""
+    back = work[swap] if swap is not None else [0.0] * len(work[head])
+    delta = [a - b for a, b in zip(work[head], back, strict=True)]
+    return ([x - d for x, d in zip(loads[source], delta, strict=True)],
+            [x + d for x, d in zip(loads[other], delta, strict=True)])  # fmt: skip
+
+
+def _best_move(work: list[list[float]], ranks: list[int], loads: list[list[float]]):
+    """(head on a most loaded rank, rank it goes to, head swapped back or None) that improves
+    the loads' :func:`score`, the pair of ranks it changes ending lowest (over the phases,
+    the sum of each phase's larger load), or None. The most loaded rank of each phase (the
+    first, where ranks tie) gives heads: over one phase, the classic move-or-swap search."""
+    by_phase = list(zip(*loads, strict=True))  # [phase][rank]
+    now = score(by_phase)
+    sources = dict.fromkeys(max(range(len(row)), key=row.__getitem__) for row in by_phase)
+    best, best_pair = None, math.inf
+    for source in sources:
+        mine = [h for h, r in enumerate(ranks) if r == source]
+        for other in range(len(loads)):
+            if other == source:
+                continue
+            theirs = [None] + [h for h, r in enumerate(ranks) if r == other]
+            for head in mine:
+                for swap in theirs:
+                    trial = list(loads)
+                    trial[source], trial[other] = _moved(work, loads, source, other, head, swap)
+                    pair = sum(map(max, trial[source], trial[other]))
+                    if pair < best_pair and improves(score(list(zip(*trial, strict=True))), now):
+                        best, best_pair = (head, other, swap), pair
     return best
 
 
-def solve(costs: Sequence[HeadCost], num_ranks: int, *, replicas: int = 0,
-          seed: int = 0) -> LayerAssignment:  # fmt: skip
+def solve(costs: Costs, num_ranks: int, *, replicas: int = 0, seed: int = 0) -> LayerAssignment:
     searched = single(improve(costs, lpt_ranks(costs, num_ranks), num_ranks))
-    contiguous = uniform.solve(costs, num_ranks)
+    contiguous = uniform.solve(LayerCosts.of(costs).phases[0], num_ranks)
     if makespan(costs, contiguous, num_ranks) < makespan(costs, searched, num_ranks):
         return contiguous
     return searched

@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import random
-from collections.abc import Sequence
 
-from headspace.parallel.assignment import HeadCost, LayerAssignment, single
+from headspace.parallel.assignment import Costs, LayerAssignment, LayerCosts, single
 
 
-def solve(costs: Sequence[HeadCost], num_ranks: int, *, replicas: int = 0,
+def solve(costs: Costs, num_ranks: int, *, replicas: int = 0,
           seed: int = 0) -> LayerAssignment:  # fmt: skip
     draw = random.Random(seed)
-    return single([draw.randrange(num_ranks) for _ in costs])
+    return single([draw.randrange(num_ranks) for _ in range(LayerCosts.of(costs).num_heads)])

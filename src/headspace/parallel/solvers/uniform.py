@@ -4,14 +4,12 @@ fewer heads than ranks each head is copied over ``ranks / heads`` ranks that sha
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
-from headspace.parallel.assignment import HeadCost, LayerAssignment, single
+from headspace.parallel.assignment import Costs, LayerAssignment, LayerCosts, single
 
 
-def solve(costs: Sequence[HeadCost], num_ranks: int, *, replicas: int = 0,
+def solve(costs: Costs, num_ranks: int, *, replicas: int = 0,
           seed: int = 0) -> LayerAssignment:  # fmt: skip
-    num_heads = len(costs)
+    num_heads = LayerCosts.of(costs).num_heads
     if num_heads == 0:
         return ()
     if num_heads >= num_ranks:
