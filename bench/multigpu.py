@@ -234,18 +234,13 @@ def predicted_loads(engine, config, world: int, batch: int) -> dict:
     decode at the run's ``batch``."""
     from headspace.engine.ranks import costed_map
     from headspace.parallel.assignment import balance_summary
+    from headspace.parallel.balance import assignments_of, priced_hardware
     from headspace.planner.head_cost import CostShape, head_costs
-    from headspace.planner.memory import Hardware
 
     shape = engine.model.config
     priced = costed_map(shape, config, engine.profile, engine.max_context)
-    copy = config.parallel.copy_seconds
-    hw = Hardware() if copy is None else Hardware(copy_seconds=copy)
-    ranked = engine.ranks.head_map
-    assignments = [
-        tuple(tuple(zip(e.rank, e.shares or (1.0,), strict=True)) for e in ranked.layer(layer))
-        for layer in range(ranked.num_layers)
-    ]
+    hw = priced_hardware(config.parallel)
+    assignments = assignments_of(engine.ranks.head_map)
     loads = {}
     for phase in ("prefill", "decode"):
         costs = head_costs(priced, CostShape.of(shape, config.torch_dtype.itemsize), hw,

@@ -13,13 +13,17 @@ def imbalance(seconds: list[float]) -> float | None:
     return max(seconds) / (sum(seconds) / len(seconds)) if sum(seconds) else None
 
 
+def step_waits(per_rank: list[list[float]]) -> float:
+    """``per_rank [rank][layer]`` seconds -> what a step waits for: the sum over layers of
+    the slowest rank (every layer ends in an all-reduce)."""
+    return sum(map(max, zip(*per_rank, strict=True)))
+
+
 def layer_imbalance(per_rank: list[list[float]]) -> float | None:
-    """``per_rank [rank][layer]`` seconds -> the sum over layers of the slowest rank over the
-    sum of the layers' mean: what the step waits for (every layer ends in an all-reduce)
-    against perfect balance. Ranks even over the model can still wait at every layer."""
-    layers = list(zip(*per_rank, strict=True))
-    mean = sum(sum(layer) / len(layer) for layer in layers)
-    return sum(max(layer) for layer in layers) / mean if mean else None
+    """:func:`step_waits` over the sum of the layers' means: against perfect balance. Ranks
+    even over the model can still wait at every layer."""
+    mean = sum(map(sum, per_rank)) / len(per_rank)
+    return step_waits(per_rank) / mean if mean else None
 
 
 def phase_imbalance(attention: dict, key: str) -> float | None:
@@ -72,7 +76,7 @@ def _cost_model(run: dict) -> dict:
     for phase, key in (("prefill", "prefill_last_chunk"), PHASE_KEYS[1]):
         predicted = run["predicted"][phase]
         layers = measured.get(f"{key}_layers")
-        step = sum(map(max, zip(*layers, strict=True))) if layers else max(measured[key])
+        step = step_waits(layers) if layers else max(measured[key])
         out[phase] = {"predicted_rank_seconds": predicted["rank_seconds"],
                       "measured_rank_seconds": measured[key],
                       "predicted_step_seconds": predicted.get("step_seconds",
@@ -100,8 +104,8 @@ def plot(runs: list[dict], path: Path) -> None:
                        color=f"C{rank}", label=f"rank {rank}" if i == 0 else None)  # fmt: skip
             layers = run["attention_seconds"].get(f"{key}_layers")
             if layers:
-                waits = sum(map(max, zip(*layers, strict=True)))
                 label = "step waits\n(each layer's slowest)" if i == 0 else None
+                waits = step_waits(layers)
                 ax.hlines(waits, i - 0.45, i + 0.45, colors="black", linewidth=2, label=label)
         ax.set_xticks(range(len(runs)), [r["solver"] for r in runs])
         ax.set_title(f"{phase} attention per rank" + (" (mean step)" if phase == "decode" else ""))

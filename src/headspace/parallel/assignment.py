@@ -55,6 +55,10 @@ class LayerCosts:
     def num_heads(self) -> int:
         return len(self.phases[0])
 
+    @property
+    def num_phases(self) -> int:
+        return len(self.phases)
+
     def work(self) -> list[list[float]]:
         """``[kv head][phase]``: each head's weighted seconds, undivided."""
         return [[w * c.total for w, c in zip(self.weights, head, strict=True)]
@@ -74,6 +78,18 @@ class LayerCosts:
 
 
 Costs = Sequence[HeadCost] | LayerCosts
+
+
+def placed_loads(work: Sequence[Sequence[float]], ranks: Sequence[int],
+                 num_ranks: int) -> list[list[float]]:  # fmt: skip
+    """``[rank][phase]`` loads of heads placed one copy each on ``ranks``, from their
+    ``work [head][phase]`` (:meth:`LayerCosts.work`)."""
+    loads = [[0.0] * (len(work[0]) if work else 1) for _ in range(num_ranks)]
+    for head, rank in enumerate(ranks):
+        row = loads[rank]
+        for phase, w in enumerate(work[head]):
+            row[phase] += w
+    return loads
 
 
 def score(loads: Sequence[Sequence[float]]) -> tuple[float, ...]:
@@ -100,7 +116,7 @@ def improves(new: Sequence[float], old: Sequence[float], tol: float = 1e-12) -> 
 
 def makespan(costs: Costs, assignment: LayerAssignment, num_ranks: int) -> float:
     """The most loaded rank's seconds: the layer's time (the phases' weighted sum of them)."""
-    return score(LayerCosts.of(costs).loads(assignment, num_ranks))[0]
+    return sum(max(row) for row in LayerCosts.of(costs).loads(assignment, num_ranks))
 
 
 def num_extra_copies(assignment: LayerAssignment) -> int:

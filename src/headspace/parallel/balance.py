@@ -45,6 +45,19 @@ def layer_costs(costs: dict[str, list[list[HeadCost]]], phases: tuple[str, ...])
             for layer in range(len(costs[phases[0]]))]  # fmt: skip
 
 
+def priced_hardware(config: ParallelConfig, hw: Hardware | None = None) -> Hardware | None:
+    """The rates the solvers price with: ``hw``, with ``config.copy_seconds`` where set."""
+    if config.copy_seconds is None:
+        return hw
+    return replace(hw or Hardware(), copy_seconds=config.copy_seconds)
+
+
+def assignments_of(head_map: HeadMap) -> list[LayerAssignment]:
+    """Each layer's assignment that a ranked ``head_map`` holds (:func:`with_ranks`' inverse)."""
+    return [tuple(tuple(zip(e.rank, e.shares or (1.0,), strict=True)) for e in head_map.layer(i))
+            for i in range(head_map.num_layers)]  # fmt: skip
+
+
 def with_ranks(head_map: HeadMap, assignments: list[LayerAssignment]) -> HeadMap:
     """``head_map`` whose entries name the ranks of their copies and the copies' shares."""
     entries = []
@@ -79,8 +92,7 @@ def balance_heads(head_map: HeadMap, shape: CostShape, config: ParallelConfig, *
     balancing the costs of one step of the chosen phase, or of both (``auto``), at
     ``context`` tokens (prefill in chunks of ``chunk``, default :data:`BALANCE_CHUNK`)."""
     chunk = chunk or BALANCE_CHUNK
-    if config.copy_seconds is not None:
-        hw = replace(hw or Hardware(), copy_seconds=config.copy_seconds)
+    hw = priced_hardware(config, hw)
     costs: dict[str, list[list[HeadCost]]] = {
         phase: head_costs(head_map, shape, hw, phase=phase, context=context, chunk=chunk,
                           batch=batch, profile=profile)

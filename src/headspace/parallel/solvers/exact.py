@@ -21,7 +21,7 @@ def solve(costs: Costs, num_ranks: int, *, replicas: int = 0, seed: int = 0) -> 
     by_head = layer.work()  # [head][phase]
     order = sorted(range(len(by_head)), key=lambda h: -sum(by_head[h]))
     work = [by_head[h] for h in order]
-    num_phases = len(layer.phases)
+    num_phases = layer.num_phases
     best_ranks = greedy.improve(layer, greedy.lpt_ranks(layer, num_ranks), num_ranks)
     best = makespan(layer, single(best_ranks), num_ranks)
     lower = sum(max(max((w[p] for w in work), default=0.0), sum(w[p] for w in work) / num_ranks)

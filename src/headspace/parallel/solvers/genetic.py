@@ -11,7 +11,14 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-from headspace.parallel.assignment import Costs, LayerAssignment, LayerCosts, makespan, single
+from headspace.parallel.assignment import (
+    Costs,
+    LayerAssignment,
+    LayerCosts,
+    makespan,
+    placed_loads,
+    single,
+)
 from headspace.parallel.solvers import greedy
 
 
@@ -29,18 +36,13 @@ class GeneticConfig:
 
 def solve(costs: Costs, num_ranks: int, *, replicas: int = 0, seed: int = 0,
           config: GeneticConfig = GeneticConfig()) -> LayerAssignment:  # fmt: skip
-    if not LayerCosts.of(costs).num_heads:
+    work = LayerCosts.of(costs).work()  # [head][phase]
+    if not work:
         return ()
     draw = random.Random(seed)
-    work = LayerCosts.of(costs).work()  # [head][phase]
-    num_phases = len(work[0])
 
     def fitness(ranks: list[int]) -> float:  # the phases' peaks, lower is fitter
-        loads = [[0.0] * num_ranks for _ in range(num_phases)]
-        for head, rank in enumerate(ranks):
-            for phase, w in enumerate(work[head]):
-                loads[phase][rank] += w
-        return sum(max(row) for row in loads)
+        return sum(map(max, zip(*placed_loads(work, ranks, num_ranks), strict=True)))
 
     population = [greedy.improve(costs, greedy.lpt_ranks(costs, num_ranks), num_ranks)]
     population += [[draw.randrange(num_ranks) for _ in work] for _ in range(config.population - 1)]

@@ -17,6 +17,7 @@ from headspace.parallel.assignment import (
     LayerCosts,
     improves,
     makespan,
+    placed_loads,
     score,
     single,
 )
@@ -27,10 +28,10 @@ MAX_MOVES = 10_000  # each move improves the score; a bound against rounding's t
 
 def lpt_ranks(costs: Costs, num_ranks: int) -> list[int]:
     """Rank of each head under longest-processing-time-first (ties: the lower rank)."""
-    work = LayerCosts.of(costs).work()  # [head][phase]
-    num_phases = len(work[0]) if work else 1
-    loads = [[0.0] * num_phases for _ in range(num_ranks)]  # [rank][phase]
-    peaks, ranks = [0.0] * num_phases, [0] * len(work)
+    layer = LayerCosts.of(costs)
+    work = layer.work()  # [head][phase]
+    loads = [[0.0] * layer.num_phases for _ in range(num_ranks)]  # [rank][phase]
+    peaks, ranks = [0.0] * layer.num_phases, [0] * len(work)
     for head in sorted(range(len(work)), key=lambda h: (-sum(work[h]), h)):
         rank = min(range(num_ranks), key=lambda r: (_rise(peaks, loads[r], work[head]),
                                                      sum(loads[r]), r))  # fmt: skip
@@ -51,9 +52,7 @@ def improve(costs: Costs, ranks: list[int], num_ranks: int) -> list[int]:
     local optimum)."""
     work = LayerCosts.of(costs).work()
     ranks = list(ranks)
-    loads = [[0.0] * len(w) for w in work[:1] for _ in range(num_ranks)]  # [rank][phase]
-    for head, rank in enumerate(ranks):
-        loads[rank] = [x + w for x, w in zip(loads[rank], work[head], strict=True)]
+    loads = placed_loads(work, ranks, num_ranks)  # [rank][phase]
     for _ in range(MAX_MOVES):
         move = _best_move(work, ranks, loads)
         if move is None:
@@ -85,20 +84,23 @@ def _best_move(work: list[list[float]], ranks: list[int], loads: list[list[float
     now = score(by_phase)
     sources = dict.fromkeys(max(range(len(row)), key=row.__getitem__) for row in by_phase)
     best, best_pair = None, math.inf
+    for source, head, other, swap in _candidates(ranks, sources, len(loads)):
+        trial = list(loads)
+        trial[source], trial[other] = _moved(work, loads, source, other, head, swap)
+        pair = sum(map(max, trial[source], trial[other]))
+        if pair < best_pair and improves(score(list(zip(*trial, strict=True))), now):
+            best, best_pair = (head, other, swap), pair
+    return best
+
+
+def _candidates(ranks: list[int], sources, num_ranks: int):
+    """(source rank, its head, other rank, head there to swap back or None) for every move
+    and swap out of ``sources``."""
     for source in sources:
         mine = [h for h, r in enumerate(ranks) if r == source]
-        for other in range(len(loads)):
-            if other == source:
-                continue
+        for other in (r for r in range(num_ranks) if r != source):
             theirs = [None] + [h for h, r in enumerate(ranks) if r == other]
-            for head in mine:
-                for swap in theirs:
-                    trial = list(loads)
-                    trial[source], trial[other] = _moved(work, loads, source, other, head, swap)
-                    pair = sum(map(max, trial[source], trial[other]))
-                    if pair < best_pair and improves(score(list(zip(*trial, strict=True))), now):
-                        best, best_pair = (head, other, swap), pair
-    return best
+            yield from ((source, head, other, swap) for head in mine for swap in theirs)
 
 
 def solve(costs: Costs, num_ranks: int, *, replicas: int = 0, seed: int = 0) -> LayerAssignment:
