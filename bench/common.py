@@ -185,7 +185,7 @@ def prefill_once(engine, ids: list[int]) -> None:
     seq = Sequence(10**9, list(ids), len(ids))
     generator.prepare([seq])
     blocks = generator.runner.blocks
-    blocks.allocate_prompt(seq.seq_id, seq.prompt_ids, generator.tiers, reuse=False)
+    blocks.allocate_prompt(seq.seq_id, seq.prompt_ids, generator.planner.tiers, reuse=False)
     try:
         generator.runner.prefill(seq, generator.chunk)
     finally:

@@ -109,7 +109,7 @@ def long_decode(model, mode: str, length: int, h2d: float, steps: int = 4) -> di
     seq = Sequence(10**9, [0] * length, length + steps + 1)
     plan = generator.prepare([seq])
     blocks, runner = generator.runner.blocks, generator.runner
-    blocks.allocate_prompt(seq.seq_id, seq.prompt_ids, generator.tiers, reuse=False)
+    blocks.allocate_prompt(seq.seq_id, seq.prompt_ids, generator.planner.tiers, reuse=False)
     times = []
     for step in range(steps + 1):
         blocks.append_token(seq.seq_id)

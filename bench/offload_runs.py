@@ -100,7 +100,7 @@ def warm_up(generator, length: int, max_tokens: int, chunk_tokens: int, vocab: i
     generator.prepare([Sequence(0, [0] * length, max_tokens)])
     runner = generator.runner
     seq = Sequence(10**9, torch.randint(0, vocab, (length,)).tolist(), max_tokens)
-    runner.blocks.allocate_prompt(seq.seq_id, seq.prompt_ids, generator.tiers, reuse=False)
+    runner.blocks.allocate_prompt(seq.seq_id, seq.prompt_ids, generator.planner.tiers, reuse=False)
     seq.num_cached = length - chunk_tokens
     runner.prefill(seq, generator.chunk, slot=0)
     for position in (length, length + 1):

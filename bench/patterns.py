@@ -34,13 +34,14 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from common import cuda_time, environment, gpu_tag, write_result  # noqa: E402
 from headspace.attention import attend  # noqa: E402
-from headspace.attention.patterns import Pattern, estimate, padded_length  # noqa: E402
+from headspace.attention.patterns import estimate
 from headspace.attention.sparse_prefill import (  # noqa: E402
     block_maps,
     flex_pattern_attention,
     prefill_with_patterns,
     sparse_prefill_attention,
 )
+from headspace.kv.spec import Pattern, padded_length
 
 HEADS, KV_HEADS, DIM = 32, 8, 128
 SPARSE = ("streaming(4,4096)", "vertical_slash(1000,6096)", "block_sparse(64)")

@@ -59,7 +59,7 @@ def profile_decode(engine, context: list[int], graph: bool) -> None:
     runner = generator.runner
     seq = Sequence(0, context, len(context) + 64)
     generator.prepare([seq])
-    runner.blocks.allocate_prompt(seq.seq_id, seq.prompt_ids, generator.tiers, reuse=False)
+    runner.blocks.allocate_prompt(seq.seq_id, seq.prompt_ids, generator.planner.tiers, reuse=False)
     runner.prefill(seq, generator.chunk, slot=0)
     runner.blocks.append_token(seq.seq_id)
 

@@ -105,7 +105,8 @@ def main() -> None:
         seq = Sequence(10**9, [0] * args.length, args.length + 256)
         plan = generator.prepare([seq])
         runner = generator.runner
-        runner.blocks.allocate_prompt(seq.seq_id, seq.prompt_ids, generator.tiers, reuse=False)
+        tiers = generator.planner.tiers
+        runner.blocks.allocate_prompt(seq.seq_id, seq.prompt_ids, tiers, reuse=False)
         result["head_map_summary"] = plan.head_map.summary()
         result["staging"] = plan.to_dict()["staging_depth"], plan.staging.piece_pages
         split = runner.executors[-1].cpu

@@ -34,7 +34,7 @@ from common import (  # noqa: E402
 from headspace.engine.sampling import SamplingParams  # noqa: E402
 from headspace.engine.weight_stream import streamed_weight_bytes  # noqa: E402
 from headspace.model.config import config_from_dict  # noqa: E402
-from headspace.planner import PlanRequest, make_plan  # noqa: E402
+from headspace.planner import PlanRequest, make_plan
 from offload_runs import _fresh_peak, _peaks, warm_up  # noqa: E402
 
 GiB = 2**30

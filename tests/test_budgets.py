@@ -141,6 +141,12 @@ def test_policies_never_exceed_the_budget_or_the_tokens(policy, heads, tokens, s
     assert sum(int(c.sum()) for c in counts) <= 2 * heads * selectable
 
 
+def test_a_token_budget_below_the_window_is_refused():
+    with pytest.raises(ValueError, match="below the 32-token observation window"):
+        KVBudget(2)
+    assert KVBudget(32).tokens(1000) == 32
+
+
 def test_budget_values_are_checked_and_converted():
     assert KVBudget(0.25).tokens(1000) == 250 and KVBudget(300).tokens(1000) == 300
     assert KVBudget(0.01).tokens(1000) == 32  # never below the window

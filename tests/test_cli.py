@@ -147,6 +147,49 @@ def test_invalid_option_values(capsys, tiny_dir, flags, message):
     _assert_user_error(code, err, message)
 
 
+@pytest.mark.parametrize(
+    "flags,message",
+    [
+        (["--gpu-memory", "-1GiB"], "argument --gpu-memory: cannot read '-1GiB'"),
+        (["--gpu-memory", "banana"], "argument --gpu-memory: cannot read 'banana'"),
+        (["--host-memory", "banana"], "argument --host-memory: cannot read 'banana'"),
+        (["--kv-budget", "-1"], "argument --kv-budget: cannot read '-1'"),
+        (["--kv-budget", "2"], "a token count such as 2048tok"),
+        (["--kv-budget", "2tok"], "below the 32-token observation window"),
+    ],
+)
+def test_budget_flags_name_themselves_and_their_units(capsys, tiny_dir, flags, message):
+    code, _, err = _run(capsys, "generate", "--model", str(tiny_dir), "--prompt", "x", *flags)
+    _assert_user_error(code, err, message)
+
+
+def test_version_and_grouped_help(capsys):
+    with pytest.raises(SystemExit) as done:
+        main(["--version"])
+    assert done.value.code == 0 and capsys.readouterr().out.startswith("headspace 0.")
+    with pytest.raises(SystemExit):
+        main(["generate", "--help"])
+    help_text = capsys.readouterr().out
+    sections = ["sampling:", "runtime:", "memory and tiers:", "budgets and patterns:",
+                "multi-GPU (under torchrun):"]  # fmt: skip
+    assert all(section in help_text for section in sections)
+    assert help_text.index("sampling:") < help_text.index("\n  --top-p")
+    assert "(default: 256)" in help_text and "(default: 128)" in help_text  # new tokens, page
+
+
+def test_summary_says_why_generation_ended(capsys, tiny_dir):
+    code, _, err = _run(capsys, "generate", "--model", str(tiny_dir), "--prompt", "x y z",
+                        "--max-new-tokens", "3")  # fmt: skip
+    assert code == 0 and err.strip().endswith("ended: max_new_tokens")
+
+
+def test_plan_says_when_the_context_is_past_the_trained_one(capsys):
+    code, out, _ = _run(capsys, "plan", "--context", "16K", "--gpu-memory", "24GiB",
+                        "--host-memory", "8GiB")  # fmt: skip
+    assert code == 0
+    assert "past the model's trained context of 8,192; generate runs it only with" in out
+
+
 def test_cuda_without_gpu(capsys, tiny_dir, monkeypatch):
     monkeypatch.setattr("torch.cuda.is_available", lambda: False)
     code, _, err = _run(
@@ -179,14 +222,23 @@ def test_console_script_prints_one_line_and_no_traceback(tmp_path):
 def _non_default(f):
     """A value other than the command line's default for an EngineConfig field, as a flag
     argument and as parsed."""
-    values = {"device": ("cuda:1", "cuda:1"), "dtype": ("bfloat16", "bfloat16"),
-              "attention_backend": ("reference", "reference"), "offload": ("head", "head"),
-              "gpu_memory": ("3GiB", "3GiB"), "host_memory": ("5GiB", "5GiB"),
-              "cpu_share": ("0.25", 0.25), "kv_policy": ("ada_snapkv", "ada_snapkv"),
-              "profile": ("smol.json", "smol.json"), "retrieval_heads": ("0.5", 0.5),
-              "sparse_pattern": ("streaming(4,64)", "streaming(4,64)"),
-              "balance": ("greedy", "greedy"), "balance_phase": ("decode", "decode"),
-              "weights": ("stream", "stream")}  # fmt: skip
+    values = {
+        "device": ("cuda:1", "cuda:1"),
+        "dtype": ("bfloat16", "bfloat16"),
+        "attention_backend": ("reference", "reference"),
+        "offload": ("head", "head"),
+        "gpu_memory": ("3GiB", "3GiB"),
+        "host_memory": ("5GiB", "5GiB"),
+        "cpu_share": ("0.25", 0.25),
+        "kv_policy": ("ada_snapkv", "ada_snapkv"),
+        "profile": ("smol.json", "smol.json"),
+        "retrieval_heads": ("0.5", 0.5),
+        "sparse_pattern": ("streaming(4,64)", "streaming(4,64)"),
+        "balance": ("greedy", "greedy"),
+        "balance_phase": ("decode", "decode"),
+        "weights": ("stream", "stream"),
+        "kv_budget": ("64tok", 64),
+    }  # a token count says so (a bare 7 is refused)
     if f.name in values:
         return values[f.name]
     if f.type == "bool":
@@ -243,8 +295,8 @@ def test_generate_honours_the_budget_and_reports_the_tiers(capsys):
     question = ["generate", "--chat", "--prompt", "What is the capital of France?"]
     code, out, err = _run(capsys, *question, "--max-new-tokens", "12", "--gpu-memory", "600MB")
     assert code == 0 and "Paris" in out
-    assert "heads 90 gpu / 0 streamed" in err
+    assert "heads 90 resident / 0 streamed" in err
     code, streamed_out, err = _run(capsys, *question, "--gpu-memory", "575MB")
     assert code == 0 and streamed_out.startswith(out.strip())
-    streamed = int(err.split(" gpu / ")[1].split(" streamed")[0])
+    streamed = int(err.split(" resident / ")[1].split(" streamed")[0])
     assert 0 < streamed < 90

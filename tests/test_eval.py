@@ -129,3 +129,26 @@ def test_ruler_end_to_end_on_the_embedded_model(llm):
     for row in rows:  # fitted in tokens: a word list takes several tokens a word
         assert 0.0 <= row["score"] <= 1.0
         assert 0.9 * 768 <= row["prompt_tokens"] <= 768
+
+
+def test_ppl_compare_scores_budgets_at_decode(tmp_path, capsys, embedded_dir):
+    """Without --decode-tokens a KV budget would never act (every token scored at prefill,
+    before compression): approximate modes are scored through decode steps, every mode
+    alike, and the table says how many tokens each figure rests on."""
+    from conftest import make_tiny_checkpoint
+    from headspace.cli.main import main
+
+    model = tmp_path / "tiny"
+    make_tiny_checkpoint("llama3", model, embedded_dir)
+    text = tmp_path / "text.txt"
+    text.write_text("The lighthouse keeper wrote down every ship that passed. " * 80)
+    code = main(["eval", "ppl", "--model", str(model), "--text", str(text), "--context", "320",
+                 "--max-tokens", "700", "--compare", "none", "snapkv:0.25",
+                 "--output", str(tmp_path / "out")])  # fmt: skip
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    assert "last 256 tokens are scored through decode steps" in captured.err
+    header, row = [line.split() for line in captured.out.strip().splitlines()[-2:]]
+    values = dict(zip(header, row, strict=True))
+    assert values["tokens"] == "636"  # every token after the first 64 (history only)
+    assert values["perplexity[none]"] != values["perplexity[snapkv:0.25]"]  # the budget acted

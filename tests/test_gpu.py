@@ -255,10 +255,41 @@ def test_swap_out_and_in_on_gpu_keeps_outputs():
     assert sum(o.stats.num_swaps for o in outs) > 0
 
 
+@pytest.mark.parametrize("options", [{}, {"num_kv_pages": 8}, {"offload": "head", "arena_kib": 96}])
+def test_requests_arriving_and_aborted_between_graph_steps(options):
+    """The stepping engine on the GPU (graphs, swaps, streamed heads): requests added at
+    different steps equal each alone, a long prompt prefills in pieces while the others
+    decode, and an aborted request's pages all come back."""
+    model = _tiny_model("cuda", torch.float32)
+    generator = torch.Generator().manual_seed(6)
+    prompts = [torch.randint(0, 512, (n,), generator=generator).tolist()
+               for n in (200, 150, 900, 100)]  # fmt: skip
+    expected = [_greedy(_engine(model, dtype="float32"), [torch.tensor(p)])[0] for p in prompts]
+    arena = options.pop("arena_kib", None)
+    if arena is not None:
+        options["gpu_memory"] = _arena_budget(model, arena * 1024)
+    engine = _engine(model, dtype="float32", prefill_step_tokens=64, **options)
+    arrivals, ids, finals = {0: [0, 1], 5: [2], 9: [3]}, {}, {}
+    victim = engine.add_request(prompts[0], GREEDY)
+    for step in range(10_000):
+        for i in arrivals.get(step, []):
+            ids[engine.add_request(prompts[i], GREEDY)] = i
+        if step == 20:
+            assert engine.abort(victim)
+        for output in engine.step():
+            if output.finished:
+                finals[ids[output.request_id]] = output.token_ids
+        if step > 9 and not engine.has_unfinished():
+            break
+    assert [finals[i] for i in range(4)] == expected
+    blocks = engine.batch.runner.blocks
+    assert all(pool.num_free == pool.num_pages for pool in blocks.pools.values())
+
+
 def test_transfer_kernels_read_and_write_page_locked_host_pages():
     from headspace.kv.host_store import HostKVArena
+    from headspace.kv.spec import KVSpec
     from headspace.kv.transfer import as_heads, copy_pages, write_tokens
-    from headspace.planner.memory import KVSpec
 
     spec = KVSpec(2, 4, 128, 128, 2)
     host = HostKVArena(spec, torch.bfloat16, pin=True, budget=None)
@@ -364,7 +395,8 @@ def test_call_ms_times_the_device_not_the_host_issuing():
 @pytest.mark.parametrize("sparse", ["vertical_slash(200,300)", "block_sparse(3)", "streaming(4,9)"])
 def test_estimating_patterns_never_waits_for_the_gpu(sparse):
     """A chunk's pattern tables are built without a device sync (the host runs ahead)."""
-    from headspace.attention.patterns import Pattern, estimate
+    from headspace.attention.patterns import estimate
+    from headspace.kv.spec import Pattern
 
     q = torch.randn(8, 700, 64, device="cuda", dtype=torch.bfloat16)
     k = torch.randn(2, 3000, 64, device="cuda", dtype=torch.bfloat16)

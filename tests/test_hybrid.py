@@ -107,9 +107,10 @@ def test_sampled_tokens_equal_too(wide_llama, prompt):
 def test_the_planner_prices_the_split():
     """Decode roofline with the hybrid tier: PCIe carries 1 - share of the offloaded bytes
     while the CPU reads the rest; at the rates' balance both take the same time."""
+    from headspace.kv.spec import GiB
     from headspace.model.config import config_from_dict
     from headspace.planner import PlanRequest, make_plan
-    from headspace.planner.memory import GiB, Hardware
+    from headspace.planner.memory import Hardware
 
     config = config_from_dict({
         "architectures": ["LlamaForCausalLM"], "hidden_size": 4096, "intermediate_size": 14336,
@@ -138,7 +139,7 @@ def test_hybrid_staging_holds_what_streams_of_a_layer():
     """At decode the hybrid tier stages 1 - share of each history before the window, and
     the window: one group per layer covers all its offloaded heads in slots of that size
     (more resident heads fit than with whole-history slots of one head each)."""
-    from headspace.planner.memory import GiB, KVSpec
+    from headspace.kv.spec import GiB, KVSpec
     from headspace.planner.plan import plan_batch
 
     spec = KVSpec(32, 8, 128, 128, 2)
@@ -166,7 +167,8 @@ def test_hybrid_staging_holds_what_streams_of_a_layer():
 def test_auto_picks_the_hybrid_tier_where_it_is_predicted_faster():
     """``offload="auto"``: hybrid where halving the bytes on each path outweighs the
     hand-offs (a long history), streaming for a short one or without CPU attention."""
-    from headspace.planner.memory import GiB, Hardware, KVSpec
+    from headspace.kv.spec import GiB, KVSpec
+    from headspace.planner.memory import Hardware
     from headspace.planner.plan import plan_batch
 
     spec = KVSpec(32, 8, 128, 128, 2)  # Llama-3-8B's KV: 64 KiB per entry page

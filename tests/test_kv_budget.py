@@ -16,8 +16,8 @@ from headspace.budgets import POLICIES, KVBudget, kept_positions, observation_sc
 from headspace.engine.budget import BudgetExecutor
 from headspace.kv.entry_table import EntryBlockManager
 from headspace.kv.page_pool import OutOfPages
+from headspace.kv.spec import KVSpec
 from headspace.model.config import load_config
-from headspace.planner.memory import KVSpec
 from test_hybrid import decode_logits
 from test_offload import PAGE, _prompts, make
 

@@ -12,8 +12,9 @@ import torch
 from headspace import LLM, SamplingParams, UserError
 from headspace.engine.scheduler import Sequence
 from headspace.engine.streaming import StreamExecutor
+from headspace.kv.spec import KVSpec
 from headspace.model.config import load_config
-from headspace.planner.memory import KVSpec, decode_bytes, weight_bytes, working_bytes
+from headspace.planner.memory import decode_bytes, weight_bytes, working_bytes
 
 CHUNK, PAGE = 64, 16
 
@@ -46,7 +47,7 @@ def test_short_prompt_under_a_small_budget_runs_all_resident(tiny_llama, spec, p
     out = llm.generate(prompt[:40], SamplingParams(max_new_tokens=20, ignore_eos=True))[0]
     assert generator.runner.plan.head_map.count("stream") == 0
     assert (out.stats.num_gpu_heads, out.stats.num_streamed_heads) == (6, 0)
-    assert "heads 6 gpu / 0 streamed" in out.stats.summary()
+    assert "heads 6 resident / 0 streamed" in out.stats.summary()
 
 
 @pytest.mark.parametrize(

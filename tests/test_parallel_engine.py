@@ -119,6 +119,20 @@ def test_two_ranks_equal_one_process(tiny_llama, wide_llama, prompt, tmp_path):
     assert results[-1]["heads"] == results[2]["heads"]
 
 
+def test_requests_arriving_between_steps_under_two_ranks(tiny_llama, prompt, tmp_path):
+    """Prompts added to the stepping engine at different steps on both ranks, resident and
+    streamed: each one's tokens equal its tokens alone in one process."""
+    lengths, arrivals = [150, 30, 60], [4, 0, 9]
+    cases = [{**_case(tiny_llama, prompt, options), "batch": lengths, "arrivals": arrivals}
+             for options in ({"balance": "uniform", "prefill_step_tokens": 16},
+                             {"balance": "uniform", "num_kv_pages": 10})]  # fmt: skip
+    results = run_cases(2, cases, tmp_path)
+    for got, case in zip(results, cases, strict=True):
+        llm = LLM(case["model"], **case["options"])
+        alone = [llm.engine.run(p, SamplingParams(**GREEDY)).token_ids for p in batch(case)]
+        assert got["arrivals"] == alone
+
+
 def test_four_ranks_equal_one_process(tiny_llama, wide_llama, prompt, tmp_path):
     """Four ranks over 2 kv heads: every head copied (each copy a share of the chunk's rows
     at prefill and of the keys at decode, merged by log-sum-exp); over 4 kv heads, uneven."""

@@ -13,10 +13,10 @@ import pytest
 import torch
 
 from headspace import SamplingParams, UserError
-from headspace.attention.patterns import Pattern, estimate
+from headspace.attention.patterns import estimate
 from headspace.attention.reference import reference_attention
+from headspace.kv.spec import KVSpec, Pattern
 from headspace.model.config import load_config
-from headspace.planner.memory import KVSpec
 from headspace.planner.profile import Profile
 from headspace.planner.sparsity import gathered_bytes
 from test_offload import CHUNK, PAGE, _prompts, make
@@ -69,24 +69,14 @@ def _oracle_logits(llm, tokens: list[int], prompt_len: int) -> torch.Tensor:
 
 
 def _engine_logits(llm, prompt: list[int]) -> tuple[torch.Tensor, list[int], object]:
-    """The engine's prefill logits then each decode step's: ``[STEPS, vocab]``, tokens, stats."""
-    runner, seen = llm.engine.batch.runner, []
-    prefill, decode = runner.prefill, runner.decode
-
-    def record_prefill(*args, **options):
-        logits = prefill(*args, **options)
-        seen.append(logits[None].clone())
-        return logits
-
-    def record_decode(*args, **options):
-        logits, slots = decode(*args, **options)
-        seen.append(logits.clone())
-        return logits, slots
-
-    runner.prefill, runner.decode = record_prefill, record_decode
+    """The engine's prefill logits then each decode step's, ``[STEPS, vocab]``, through the
+    public seams: generation's tokens, then ``logits`` fed them (its prefill and decode steps
+    run what generation ran, and their greedy picks are generation's tokens); and stats."""
     out = llm.generate(prompt, SamplingParams(max_new_tokens=STEPS, ignore_eos=True))[0]
-    del runner.prefill, runner.decode
-    return torch.cat(seen), out.token_ids, out.stats
+    rows = llm.logits(prompt + out.token_ids[:-1], decode_tokens=STEPS - 1)
+    got = rows[len(prompt) - 1 :]
+    assert got.argmax(-1).tolist() == out.token_ids
+    return got, out.token_ids, out.stats
 
 
 def _options(pattern: str, policy: str | None, offload: str, profile: str,

@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from headspace.attention.patterns import BLOCK, Pattern, estimate
+from headspace.attention.patterns import estimate
 from headspace.attention.reference import reference_attention
 from headspace.attention.sparse_prefill import (
     block_maps,
@@ -16,6 +16,7 @@ from headspace.attention.sparse_prefill import (
     pattern_block_mask,
     sparse_prefill_attention,
 )
+from headspace.kv.spec import BLOCK, Pattern
 
 MIX = ["full", "streaming(4,100)", "vertical_slash(30,80)", "block_sparse(2)",
        "streaming(0,300)", "vertical_slash(5,64)"]  # fmt: skip

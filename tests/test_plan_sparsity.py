@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from headspace import UserError
-from headspace.attention.patterns import Pattern, estimate
+from headspace.attention.patterns import estimate
 from headspace.cli.main import main
+from headspace.kv.spec import Pattern
 from headspace.model.config import config_from_dict
 from headspace.planner import PlanRequest, make_plan
 from headspace.planner.context import predict
@@ -93,7 +94,7 @@ def test_plan_cli_prints_what_is_held_after_the_prompt(capsys, tmp_path):
     assert main([*base, "--profile", str(tmp_path / "p.json"), "--kv-budget", "0.25"]) == 0
     assert "budget 131072=128, 1028=128" in capsys.readouterr().out
     assert main([*base, "--kv-budget", "0"]) == 2
-    assert "kv_budget" in capsys.readouterr().err
+    assert "--kv-budget" in capsys.readouterr().err
 
 
 def test_a_budget_that_does_not_fit_plans_entries_in_host_pages_priced_by_what_they_keep():
@@ -123,7 +124,7 @@ def test_a_budget_that_does_not_fit_plans_entries_in_host_pages_priced_by_what_t
 def test_the_keys_a_patterned_prefill_gathers_come_out_of_the_kv_arena(tmp_path):
     from headspace.engine.config import EngineConfig
     from headspace.engine.memory import kv_arena_bytes
-    from headspace.planner import KVSpec
+    from headspace.kv.spec import KVSpec
     from headspace.planner.memory import weight_bytes
     from headspace.planner.sparsity import gathered_bytes
 
@@ -145,7 +146,9 @@ def test_the_keys_a_patterned_prefill_gathers_come_out_of_the_kv_arena(tmp_path)
 
 def test_plan_refuses_what_the_engine_refuses_for_per_entry_pages(capsys, tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(LLAMA3_8B))
-    base = ["plan", "--model", str(tmp_path), "--context", "128K", "--gpu-memory", "24GiB"]
+    # the host budget named: the default (90% of what is available now) follows the machine
+    base = ["plan", "--model", str(tmp_path), "--context", "128K", "--gpu-memory", "24GiB",
+            "--host-memory", "64GiB"]  # fmt: skip
     assert main([*base, "--kv-budget", "0.25", "--offload", "hybrid"]) == 2
     assert "offload single kv heads" in capsys.readouterr().err
     assert main([*base, "--kv-budget", "0.25", "--kv-policy", "ada_snapkv"]) == 0

@@ -10,8 +10,9 @@ from hypothesis import strategies as st
 
 from headspace import UserError
 from headspace.cli.main import main
+from headspace.kv.spec import KVSpec
 from headspace.model.config import config_from_dict
-from headspace.planner import HeadMap, KVSpec, PlanRequest, make_plan, plan_batch
+from headspace.planner import HeadMap, PlanRequest, make_plan, plan_batch
 from headspace.planner.memory import (
     Hardware,
     graph_step_faster,

@@ -7,11 +7,12 @@ from __future__ import annotations
 import json
 
 from headspace.cli.main import main
+from headspace.kv.spec import GiB
 from headspace.model.config import config_from_dict
 from headspace.parallel.rank_plan import page_heads, plan_for_ranks, rank_kv
 from headspace.planner import PlanRequest
 from headspace.planner.head_map import HeadEntry, HeadMap
-from headspace.planner.memory import GiB, WeightSpec
+from headspace.planner.memory import WeightSpec
 from test_planner import LLAMA3_8B
 
 LLAMA3_70B = {**LLAMA3_8B, "hidden_size": 8192, "intermediate_size": 28672,

@@ -15,11 +15,11 @@ from headspace.engine.config import EngineConfig
 from headspace.engine.sampling import SamplingParams
 from headspace.engine.weight_stream import WeightStream, device_weight_bytes
 from headspace.errors import UserError
+from headspace.kv.spec import GiB
 from headspace.model.config import config_from_dict
 from headspace.model.llama import LlamaModel
 from headspace.planner import PlanRequest, make_plan
 from headspace.planner.memory import (
-    GiB,
     Hardware,
     WeightSpec,
     prefill_chunk,

@@ -1,4 +1,8 @@
-"""headspace: long-context LLM inference with head-wise KV placement."""
+"""headspace: long-context LLM inference with head-wise KV placement.
+
+The names below load on first use, so that the pure layers (``headspace.planner``, the
+solvers of ``headspace.parallel``) import without torch.
+"""
 
 import os
 
@@ -8,10 +12,20 @@ import os
 # Read at the first CUDA allocation; a user's own setting wins.
 os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
 
-from headspace.api import LLM
-from headspace.engine.engine import RequestOutput
-from headspace.engine.sampling import SamplingParams
-from headspace.errors import UserError
-
 __all__ = ["LLM", "RequestOutput", "SamplingParams", "UserError"]
 __version__ = "0.1.0"
+
+_HOMES = {
+    "LLM": "headspace.api",
+    "RequestOutput": "headspace.engine.outputs",
+    "SamplingParams": "headspace.engine.sampling",
+    "UserError": "headspace.errors",
+}
+
+
+def __getattr__(name: str):
+    if name not in _HOMES:
+        raise AttributeError(f"module 'headspace' has no attribute {name!r}")
+    import importlib
+
+    return getattr(importlib.import_module(_HOMES[name]), name)

@@ -84,6 +84,7 @@ def run_case(case: dict) -> dict:
         error = str(refused)
         short = SamplingParams(max_new_tokens=8, ignore_eos=True)  # then a request that fits
         after = llm.generate(ids[:40], short)[0].token_ids if case.get("after") else None
+    arrivals = arrive(llm, case) if "arrivals" in case else None
     ranks = llm.engine.ranks
     errors = every_rank(error)
     heads = [lay.layer_heads for lay in ranks.layouts]  # every rank's heads per layer
@@ -97,8 +98,25 @@ def run_case(case: dict) -> dict:
             "graphs": graphs[0], "graphs_all": graphs,
             "graph_decisions": every_rank(GRAPH_DECISIONS), "weighed": weighed,
             "swaps": list(SWAPS), "staged": staged, "errors": errors, "after": after,
-            "tiers": [tiers(o.stats) for o in outputs],
+            "tiers": [tiers(o.stats) for o in outputs], "arrivals": arrivals,
             "streamed": llm.engine.model.layer_source is not None}  # fmt: skip
+
+
+def arrive(llm: LLM, case: dict) -> list[list[int]]:
+    """The batch's prompts added to the stepping engine before steps ``case["arrivals"]``
+    (every rank alike); each one's final tokens."""
+    engine, prompts, finals = llm.engine, batch(case), {}
+    params = SamplingParams(**case["params"])
+    ids, step = {}, 0
+    while step <= max(case["arrivals"]) or engine.has_unfinished():
+        for i, at in enumerate(case["arrivals"]):
+            if at == step:
+                ids[engine.add_request(prompts[i], params)] = i
+        for output in engine.step():
+            if output.finished:
+                finals[ids[output.request_id]] = output.token_ids
+        step += 1
+    return [finals[i] for i in range(len(prompts))]
 
 
 def every_rank(value) -> list:

@@ -18,65 +18,20 @@ and ``sparse_prefill.py`` builds FlexAttention block masks from them).
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 
 import torch
 
+from headspace.kv.spec import (  # the patterns' spec, pure: the planner reads it too
+    BLOCK,
+    FORCED_LOCAL,
+    FORCED_SINK,
+    KIND_IDS,
+    LAST_QUERIES,
+    Pattern,
+    padded_length,
+)
 from headspace.kv.transfer import device_ints
-
-BLOCK = 128  # tokens per query and key block of the block masks
-LAST_QUERIES = 64  # queries of a chunk that estimate vertical-slash (MInference's last_q)
-FORCED_SINK = 1  # key blocks every vertical-slash head keeps (the first: attention sinks)
-FORCED_LOCAL = 2  # block diagonals every vertical-slash head keeps (its own and the previous)
-KINDS = {"full": (), "streaming": ("sink", "window"), "vertical_slash": ("vertical", "slash"),
-         "block_sparse": ("blocks",)}  # fmt: skip
-KIND_IDS = {kind: i for i, kind in enumerate(KINDS)}
-# each sparse kind's parameters when none are given (DuoAttention's and MInference's, for
-# prompts of 100K tokens and more)
-DEFAULT_PATTERNS = {"streaming": "streaming(4,1024)", "vertical_slash": "vertical_slash(1000,6096)",
-                    "block_sparse": "block_sparse(64)"}  # fmt: skip
-
-
-def padded_length(n: int) -> int:
-    """The length a chunk's queries, or its gathered keys and their tables, are padded to:
-    a power of two, at least a block, so one compiled kernel serves every chunk up to it."""
-    return 1 << (max(n, BLOCK) - 1).bit_length()
-
-
-@dataclass(frozen=True)
-class Pattern:
-    """One head's pattern: a kind and its integer parameters (see the module doc)."""
-
-    kind: str = "full"
-    params: tuple[int, ...] = ()
-
-    def __post_init__(self):
-        if self.kind not in KINDS:
-            raise ValueError(f"pattern must be one of {', '.join(KINDS)}, got {self.kind!r}")
-        names = KINDS[self.kind]
-        if len(self.params) != len(names) or any(type(p) is not int for p in self.params):
-            raise ValueError(f"{self.kind} takes integers ({', '.join(names)}), got {self.params}")
-        low = {"sink": 0}
-        for name, value in zip(names, self.params, strict=True):
-            if value < low.get(name, 1):
-                raise ValueError(f"{self.kind}: {name} must be at least {low.get(name, 1)}")
-
-    def __str__(self) -> str:
-        return self.kind if not self.params else f"{self.kind}({','.join(map(str, self.params))})"
-
-    @classmethod
-    def parse(cls, text: str) -> Pattern:
-        """``full``, ``streaming(4,1024)``, ``vertical_slash(1000,6000)``, ``block_sparse(16)``."""
-        match = re.fullmatch(r"\s*(\w+)\s*(?:\(([\d,\s]*)\))?\s*", text)
-        if match is None:
-            raise ValueError(f"cannot read the pattern {text!r}")
-        params = tuple(int(p) for p in (match.group(2) or "").split(",") if p.strip())
-        return cls(match.group(1), params)
-
-    @property
-    def is_full(self) -> bool:
-        return self.kind == "full"
 
 
 @dataclass

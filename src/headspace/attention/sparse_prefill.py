@@ -17,15 +17,9 @@ import torch
 from torch.nn.attention.flex_attention import AuxRequest, BlockMask, flex_attention
 
 from headspace.attention import attend
-from headspace.attention.patterns import (
-    BLOCK,
-    KIND_IDS,
-    HeadPatterns,
-    Pattern,
-    estimate,
-    padded_length,
-)
+from headspace.attention.patterns import HeadPatterns, estimate
 from headspace.attention.reference import reference_attention
+from headspace.kv.spec import BLOCK, KIND_IDS, Pattern, padded_length
 from headspace.kv.transfer import device_ints
 
 

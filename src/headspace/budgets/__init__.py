@@ -45,10 +45,12 @@ class KVBudget:
             raise ValueError(f"kv_budget must be a number, got {value!r}")
         if isinstance(value, float) and value > 1 and value.is_integer():
             object.__setattr__(self, "value", value := int(value))  # tokens, given as 4096.0
-        if isinstance(value, float) and not 0 < value <= 1:
-            raise ValueError(f"a fractional kv_budget must be in (0, 1], got {value}")
-        if isinstance(value, int) and value < 1:
-            raise ValueError(f"a kv_budget in tokens must be at least 1, got {value}")
+        if value <= 0 or (isinstance(value, float) and value > 1):
+            raise ValueError(f"kv_budget must be a fraction of the prompt in (0, 1] or a token "
+                             f"count of at least {self.window}, got {value}")  # fmt: skip
+        if isinstance(value, int) and value < self.window:
+            raise ValueError(f"a kv_budget of {value} tokens is below the {self.window}-token "
+                             f"observation window every policy keeps")  # fmt: skip
         if self.policy not in POLICIES:
             raise ValueError(f"kv_policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
         if type(self.pool) is not int or self.pool < 1 or self.pool % 2 == 0:

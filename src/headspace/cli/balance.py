@@ -3,7 +3,7 @@ and the predicted step time of the chosen solver, beside uniform's."""
 
 from __future__ import annotations
 
-from headspace.planner.memory import GiB
+from headspace.kv.spec import GiB
 
 
 def plan_balance(config, request, parallel, profile=None, share_key: str | None = None):

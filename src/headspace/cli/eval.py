@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 from headspace.cli.options import add_engine_parallel_options
@@ -82,8 +83,8 @@ def _mode_options(mode: str, options: dict) -> dict:
     ``ada_snapkv:0.25``) or ``PATTERN:SHARE`` (``retrieval_heads``, the others taking that
     kind of pattern: ``--sparse-pattern`` if it is of the kind, else the kind's default);
     other modes run exact (no sparsity, no budget, no patterns)."""
-    from headspace.attention.patterns import DEFAULT_PATTERNS, Pattern
     from headspace.engine.config import KV_POLICIES
+    from headspace.kv.spec import DEFAULT_PATTERNS, Pattern
 
     name, _, value = mode.partition(":")
     exact = {**options, "cpu_sparsity": None, "kv_budget": None, "retrieval_heads": None}
@@ -116,12 +117,39 @@ def _number(text: str, mode: str, what: str) -> float:
         raise UserError(f"{mode!r}: {what} after ':' must be a number") from None
 
 
+DECODE_SCORED = 256  # ppl: tokens a window scores by decode steps where a mode acts there
+
+
+def _acts_at_decode(options: dict) -> bool:
+    """Whether a mode changes decode, not the prompt's prefill: KV budgets (compression
+    follows the prompt), sparse hybrid attention, streaming heads (sink and window only)."""
+    streaming = options.get("retrieval_heads") is not None and str(
+        options.get("sparse_pattern", "")).startswith("streaming")  # fmt: skip
+    return options.get("kv_budget") is not None or options.get("cpu_sparsity") is not None \
+        or streaming  # fmt: skip
+
+
+def _decode_scoring(args, mode_options: list[dict]) -> None:
+    """Perplexity scored where approximate modes act: without ``--decode-tokens`` every
+    token is scored at prefill, before any compression, so such a mode would read as
+    exact. Then each window's last ``DECODE_SCORED`` tokens go through decode steps, for
+    every mode alike (said on stderr)."""
+    if args.suite != "ppl" or args.decode_tokens or not any(map(_acts_at_decode, mode_options)):
+        return
+    args.decode_tokens = DECODE_SCORED
+    print(f"ppl: budgets, sparse hybrid attention and streaming heads act at decode; each "
+          f"window's last {DECODE_SCORED} tokens are scored through decode steps "
+          f"(--decode-tokens sets it)", file=sys.stderr)  # fmt: skip
+
+
 def run_eval(args, options: dict) -> None:
     from headspace.api import LLM
     from headspace.eval import run
     from headspace.parallel.dist import is_first_rank
 
     modes = args.compare or [options["offload"]]
+    _decode_scoring(args, [_mode_options(m, options) if args.compare else options
+                           for m in modes])  # fmt: skip
     results = {}
     for mode in modes:
         mode_options = _mode_options(mode, options) if args.compare else options
@@ -135,8 +163,11 @@ def run_eval(args, options: dict) -> None:
         if not is_first_rank():  # under torchrun, rank 0 writes the files
             continue
         run.write_csv(rows, out / f"{args.suite}{suffix}.csv")
+        written = [out / f"{args.suite}{suffix}.csv"]
         if args.suite == "niah":
             run.niah_heatmap(rows, out / f"niah{suffix}.png", f"needle in a haystack ({mode})")
+            written.append(out / f"niah{suffix}.png")
+        print(f"wrote {', '.join(map(str, written))}", file=sys.stderr)
     if not args.compare:
         rows = results[modes[0]]
         if args.suite == "ruler":  # per-task accuracy; the CSV keeps every case
@@ -149,6 +180,8 @@ def run_eval(args, options: dict) -> None:
     for rows in zip(*results.values(), strict=True):
         row = {k: rows[0][k] for k in keys}
         row |= {f"{values[0]}[{m}]": r[values[0]] for m, r in zip(modes, rows, strict=True)}
+        if "tokens" in rows[0]:  # what each figure rests on (every mode scores the same)
+            row["tokens"] = rows[0]["tokens"]
         if args.suite == "ppl":  # relative to the first mode's
             row |= {f"delta[{m}]": f"{r[values[0]] / rows[0][values[0]] - 1:+.2%}"
                     for m, r in zip(modes[1:], rows[1:], strict=True)}  # fmt: skip

@@ -7,7 +7,12 @@ import os
 import sys
 
 from headspace.cli.eval import add_eval_parser, run_eval
-from headspace.cli.options import add_engine_options, add_engine_parallel_options, engine_options
+from headspace.cli.options import (
+    add_engine_options,
+    add_engine_parallel_options,
+    engine_options,
+    join_negative_values,
+)
 from headspace.cli.plan import add_plan_parser, run_plan
 from headspace.cli.profile import add_profile_parser, run_profile
 from headspace.errors import UserError
@@ -23,19 +28,31 @@ def _add_generate(subparsers) -> None:
     p.add_argument("--model", help="checkpoint directory or .gguf file (default: embedded model)")
     p.add_argument("--prompt", help="prompt text (appended after --prompt-file if both given)")
     p.add_argument("--prompt-file", help="read the prompt (e.g. a document) from this file")
-    p.add_argument("--max-new-tokens", type=int, default=256)
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--chat", action="store_true", help="apply the tokenizer's chat template")
+    sampling = p.add_argument_group("sampling")
+    sampling.add_argument("--max-new-tokens", type=int, default=256,
+                          help="most tokens generated (default: 256)")  # fmt: skip
+    sampling.add_argument("--temperature", type=float, default=0.0,
+                          help="0 = greedy (default: 0)")  # fmt: skip
+    sampling.add_argument("--top-p", type=float, default=1.0,
+                          help="nucleus sampling: the smallest set of tokens whose "
+                          "probabilities reach this (default: 1, all)")  # fmt: skip
+    sampling.add_argument(
+        "--top-k", type=int, default=0, help="sample among the k likeliest tokens (default: 0, all)"
+    )
+    sampling.add_argument(
+        "--seed", type=int, default=None, help="seed of the sampler (default: none, a fresh one)"
+    )
+    sampling.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     add_engine_options(p)
     add_engine_parallel_options(p)
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from headspace import __version__
+
     parser = _Parser(prog="headspace", description="Long-context LLM inference.")
+    parser.add_argument("--version", action="version", version=f"headspace {__version__}")
     subparsers = parser.add_subparsers(dest="command", parser_class=_Parser)
     _add_generate(subparsers)
     add_plan_parser(subparsers)
@@ -75,11 +92,19 @@ def _generate(args) -> None:
     )
     prompt = _read_prompt(args)
     llm = LLM(args.model, **engine_options(args))
-    for piece in llm.stream(prompt, params, chat=args.chat):
-        sys.stdout.write(piece)
-        sys.stdout.flush()
+    pieces = 0
+    try:
+        for piece in llm.stream(prompt, params, chat=args.chat):
+            sys.stdout.write(piece)
+            sys.stdout.flush()
+            pieces += 1
+    except KeyboardInterrupt:  # the partial text stays; its request was aborted
+        sys.stdout.write("\n")
+        print(f"interrupted after {pieces} pieces of text", file=sys.stderr)
+        raise
     sys.stdout.write("\n")
-    print(llm.last_output.stats.summary(), file=sys.stderr)
+    output = llm.last_output
+    print(output.stats.summary(), file=sys.stderr)
 
 
 def _quiet_other_ranks() -> bool:
@@ -97,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     quiet = _quiet_other_ranks()
     try:
-        args = parser.parse_args(argv)
+        args = parser.parse_args(join_negative_values(sys.argv[1:] if argv is None else argv))
         if args.command is None:
             parser.print_help()
             return 2

@@ -4,9 +4,59 @@
 from __future__ import annotations
 
 import argparse
+import re
 from dataclasses import fields
 
 from headspace.engine.config import EngineConfig
+
+MEMORY_FLAGS = ("gpu_memory", "host_memory")
+
+
+def memory_value(text: str) -> str | float:
+    """A memory budget flag: ``24GiB``, ``500MB``, a byte count or a fraction (checked here,
+    so the error names the flag)."""
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
+    units = ("", "B", "KB", "MB", "GB", "TB", "KIB", "MIB", "GIB", "TIB")
+    if not match or match.group(2).upper() not in units or float(match.group(1)) <= 0:
+        raise argparse.ArgumentTypeError(f"cannot read {text!r}: give a positive size such as "
+                                         f"24GiB or 500MB, or a fraction such as 0.8")  # fmt: skip
+    return float(text) if match.group(2) == "" else text
+
+
+def kv_budget_value(text: str) -> float | int:
+    """``--kv-budget``: a fraction of the prompt in (0, 1] (``0.25``) or a token count that
+    says so (``2048tok``, ``2048tokens``); a bare number above 1 is refused as ambiguous."""
+    tokens = re.fullmatch(r"\s*(\d+)\s*(tok|toks|tokens?)\s*", text)
+    if tokens:
+        return int(tokens.group(1))
+    try:
+        value = float(text)
+    except ValueError:
+        value = None
+    if value is None or not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(
+            f"cannot read {text!r}: give a fraction of the prompt in (0, 1] such as 0.25, or "
+            f"a token count such as 2048tok"
+        )
+    return value
+
+
+FLAG_TYPES = {"kv_budget": kv_budget_value} | dict.fromkeys(MEMORY_FLAGS, memory_value)
+
+
+def join_negative_values(argv: list[str]) -> list[str]:
+    """``--flag -1GiB`` as ``--flag=-1GiB``: argparse takes a value that starts with a dash
+    and is no plain number for a flag, and would say the flag expected an argument."""
+    joined, i = [], 0
+    while i < len(argv):
+        if (argv[i].startswith("--") and "=" not in argv[i] and i + 1 < len(argv)
+                and re.match(r"-[0-9.]", argv[i + 1])):  # fmt: skip
+            joined.append(f"{argv[i]}={argv[i + 1]}")
+            i += 2
+            continue
+        joined.append(argv[i])
+        i += 1
+    return joined
 
 
 def add_engine_options(p, names: tuple[str, ...] | None = None, defaults: dict | None = None):
@@ -24,8 +74,9 @@ def add_parallel_options(p) -> None:
 
 def add_config_options(p, config_class, names: tuple[str, ...] | None = None,
                        defaults: dict | None = None) -> None:  # fmt: skip
-    """One flag per documented field of the dataclass ``config_class``."""
-    defaults = defaults or {}
+    """One flag per documented field of the dataclass ``config_class``, in the help
+    section its ``group`` names, with its default."""
+    defaults, sections = defaults or {}, {}
     for f in fields(config_class):
         if (names is not None and f.name not in names) or "help" not in f.metadata:
             continue  # a field without help (a nested config) has its own flags
@@ -34,13 +85,19 @@ def add_config_options(p, config_class, names: tuple[str, ...] | None = None,
         help_text = f.metadata["help"].replace("%", "%%")
         if f.name in defaults:
             help_text += f"; here {default}"
+        elif default is not None and "default" not in help_text and f.type != "bool":
+            help_text += f" (default: {default})"
+        group = f.metadata.get("group", "options")
+        if group not in sections:
+            sections[group] = p.add_argument_group(group)
+        section = sections[group]
         if f.type == "bool":
-            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=default,
-                           help=help_text)  # fmt: skip
+            section.add_argument(flag, action=argparse.BooleanOptionalAction, default=default,
+                                 help=help_text)  # fmt: skip
             continue
         kind = {"int": int, "float": float}.get(f.type.split(" ")[0], str)
-        p.add_argument(flag, type=kind, default=default, choices=f.metadata.get("choices"),
-                       help=help_text)  # fmt: skip
+        section.add_argument(flag, type=FLAG_TYPES.get(f.name, kind), default=default,
+                             choices=f.metadata.get("choices"), help=help_text)  # fmt: skip
 
 
 def add_engine_parallel_options(p) -> None:

@@ -90,6 +90,10 @@ def run_plan(args) -> None:
         print(json.dumps(_plan_json(config, request, plan, parallel, chosen, uniform), indent=2))
         return
     print(format_plan(config, request, plan, parallel.gpus))
+    if context > config.max_context:  # generate refuses it without --max-context
+        print(f"\nnote: {context:,} tokens is past the model's trained context of "
+              f"{config.max_context:,}; generate runs it only with "
+              f"--max-context {context}")  # fmt: skip
     if chosen is not None:
         print("\n" + format_balance(config, request, parallel, chosen, uniform))
 
@@ -151,7 +155,7 @@ def _budget_tokens(args, context: int) -> tuple[int | None, int | None]:
 
 def _patterns(args, config, profile) -> dict:
     """The request's pattern fields from the ``--profile`` (none without one)."""
-    from headspace.attention.patterns import Pattern
+    from headspace.kv.spec import Pattern
 
     if profile is None:
         return {}

@@ -1,17 +1,17 @@
-"""Generation over the tiers: a plan per batch, continuous batching, pipelined decode.
+"""The stepping core: requests come and go between steps over one scheduler.
 
-Each time nothing holds pages, the planner lays the KV arena out for the sequences next in
-line (``_replan``): all resident when they fit the GPU, else heads streamed from host pages
-for as many of them as maximise the predicted throughput. A decode step reads its input
-tokens from device slots, so step n+1 is launched before the host reads the tokens of step
-n: the host's work (stop strings, detokenising, scheduling) overlaps the GPU's.
+``add_request`` queues a prompt; each ``step`` launches the next GPU work (a swap-in, one
+decode step of every running request, a piece of the prompt being prefilled) and reads the
+tokens of the step before, so step n+1 is queued before the host reads the tokens of step n
+(stop strings, detokenising and scheduling overlap the GPU). A long prompt is prefilled in
+pieces between the decode steps of the others. Each time nothing holds pages, the planner
+lays the KV arena out for the requests next in line (``BatchPlanner.replan``).
 """
 
 from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -28,12 +28,11 @@ from headspace.engine.sampling import SamplingParams, make_generator, sample
 from headspace.engine.scheduler import Scheduler, Sequence
 from headspace.engine.weight_stream import device_weight_bytes, streamed_weight_bytes
 from headspace.errors import UserError
-from headspace.kv.block_table import GPU, HOST
 from headspace.kv.host_store import HostKVArena
 from headspace.kv.page_pool import OutOfPages
+from headspace.kv.spec import KVSpec
 from headspace.model.llama import LlamaModel
 from headspace.parallel.dist import all_agree, broadcast_, host_min
-from headspace.planner.memory import KVSpec
 from headspace.planner.plan import Plan
 from headspace.planner.profile import Profile
 
@@ -47,12 +46,16 @@ class _Request:
     generator: torch.Generator | None
     streamer: StopStringStreamer
     submitted: float
+    prompt: str | list[int]  # as the caller gave it
     first_token: float = 0.0
     finished: float = 0.0
     num_gpu_heads: int = 0
     num_streamed_heads: int = 0
     num_hybrid_heads: int = 0
     kv_held: tuple[int, float] | None = None  # (bytes, share of the full KV) at its end
+    ended: str | None = None  # why, in words (GenerationStats.ended)
+    new_text: str = ""  # text of the step being read
+    num_sent: int = 0  # output tokens returned by earlier steps
 
 
 @dataclass
@@ -62,6 +65,15 @@ class _Read:
     seq_ids: list[int]
     tokens: torch.Tensor
     ready: torch.cuda.Event | None
+
+
+@dataclass
+class _Prefill:
+    """The prompt being computed, piece by piece between decode steps."""
+
+    seq: Sequence
+    next: int  # its first prompt token not yet computed
+    bar: tqdm
 
 
 class BatchGenerator:
@@ -91,88 +103,93 @@ class BatchGenerator:
                                   ranks.layout if ranks else None)  # fmt: skip
         self.planner = BatchPlanner(model.config, config, self.spec, self.runner, weights,
                                     streamed, ranks)  # fmt: skip
+        own_pools = ranks is not None and config.per_head_pages  # pages per rank
+        self.scheduler = Scheduler(self.runner.blocks, config.max_batch, 2 * config.max_batch,
+                                   config.prefix_caching,
+                                   all_agree if own_pools else bool)  # fmt: skip
+        # prompt tokens a step computes while others decode (a whole chunk when none does),
+        # in whole pages
+        page = self.spec.page_size
+        self.step_tokens = max(page, config.prefill_step_tokens // page * page)
         self._next_id = 0
         self.peak_pages = 0
-        self._planned: set[int] | None = None  # the sequences entry staging is sized for
+        self._by_id: dict[int, _Request] = {}  # the requests not finished or aborted
+        self._reads: deque[_Read] = deque()
+        self._prefilling: _Prefill | None = None
 
     # -- planning ------------------------------------------------------------------------
     def plan(self, seqs: list[Sequence]) -> Plan:
         """The plan for ``seqs`` running together (UserError with the numbers if none)."""
         return self.planner.plan(seqs)
 
-    def _replan(self, scheduler: Scheduler) -> None:
-        """Lay out for the sequences next in line: all resident if the first fits, else the
-        streaming plan for the first k that maximises the predicted throughput."""
-        queue = list(scheduler.waiting)[: self.config.max_batch]
-        best, best_rate, planned = self.plan(queue[:1]), 0.0, queue[:1]
-        if best.staging is not None or best.entry_staging:
-            best_rate = self.planner.rate(best, planned)
-            for k in range(2, len(queue) + 1):
-                try:
-                    plan = self.plan(queue[:k])
-                except UserError:
-                    break
-                if (k_rate := self.planner.rate(plan, queue[:k])) < best_rate:
-                    break
-                best, best_rate, planned = plan, k_rate, queue[:k]
-        # entries in host pages: the staging slots hold what was planned, no more
-        self._planned = {s.seq_id for s in planned} if best.entry_staging else None
-        self._apply(best, scheduler)
-
     def prepare(self, seqs: list[Sequence]) -> Plan:
         """Plan and lay out for ``seqs`` alone (nothing may hold pages); returns the plan."""
+        if self.has_unfinished():
+            raise UserError("requests are running: the layout cannot change under them")
         plan = self.plan(seqs)
-        self._apply(plan)
+        self.planner.apply(plan)
         return plan
 
-    def _apply(self, plan: Plan, scheduler: Scheduler | None = None) -> None:
-        self.runner.apply(plan)
-        streams = plan.staging is not None
-        self.tiers = ((GPU,) if plan.head_map.count("gpu") else ()) + ((HOST,) if streams else ())
-        if self.config.per_head_pages:  # host pages are the entry table's, by entry
-            self.tiers = (GPU,)
-        if scheduler is not None:
-            scheduler.tiers = self.tiers
-            swaps = self.config.offload != "none" and not self.config.per_head_pages
-            scheduler.optimistic = not streams and swaps
-            scheduler.grow_host = self._grow_host
-
-    def _grow_host(self, num_pages: int) -> str | None:
-        """Grow the host pool to ``num_pages`` free pages; None when it did (under torchrun
-        on every rank alike), else why not."""
-        pool = self.runner.blocks.pools[HOST]
-        try:
-            self.runner.ensure_host_pages(pool.num_pages - pool.num_free + num_pages)
-        except UserError as error:
-            return str(error)
-        return None
-
-    def _worth_joining(self, scheduler: Scheduler):
-        """While heads stream, a sequence joins the batch only if the predicted throughput
-        does not drop (every byte of its history crosses PCIe each step)."""
-        plan = self.runner.plan
-
-        def accept(seq: Sequence) -> bool:
-            running = scheduler.running
-            if self._planned is not None:  # the staging slots hold what was planned
-                return seq.seq_id in self._planned
-            if plan.staging is None or not running:
-                return True
-            return self.planner.rate(plan, running + [seq]) >= self.planner.rate(plan, running)
-
-        return accept
-
     # -- requests ------------------------------------------------------------------------
-    def _submit(self, scheduler: Scheduler, ids: list[int], params: SamplingParams) -> _Request:
-        self._check_length(len(ids), room_for_one=True)
-        max_tokens = min(len(ids) + params.max_new_tokens, self.max_context)
-        seq = Sequence(self._next_id, list(ids), max_tokens)
-        self._next_id += 1
+    def add_request(self, prompt_ids: list[int], params: SamplingParams,
+                    prompt: str | list[int] | None = None) -> int:  # fmt: skip
+        """Queue a request (token ids); it joins the running batch at a coming step. Returns
+        its id. Refuses, with the numbers, a prompt that no plan can hold."""
+        self._check_length(len(prompt_ids), room_for_one=True)
+        max_tokens = min(len(prompt_ids) + params.max_new_tokens, self.max_context)
+        seq = Sequence(self._next_id, list(prompt_ids), max_tokens)
         self.plan([seq])  # refuses, with the numbers, what no plan can hold
-        scheduler.add(seq)
+        self._next_id += 1
+        self.scheduler.add(seq)
         streamer = StopStringStreamer(self.tokenizer, params.stop)
         generator = make_generator(params, self.runner.device)
-        return _Request(seq, params, generator, streamer, time.perf_counter())
+        request = _Request(seq, params, generator, streamer, time.perf_counter(),
+                           prompt_ids if prompt is None else prompt)  # fmt: skip
+        self._by_id[seq.seq_id] = request
+        return seq.seq_id
+
+    def abort(self, request_id: int) -> bool:
+        """Drop a request wherever it is (waiting, prefilling, decoding, swapped out): its
+        GPU and host pages return to their pools now. False if it is unknown or done."""
+        request = self._by_id.pop(request_id, None)
+        if request is None:
+            return False
+        seq = request.seq
+        if self._prefilling is not None and self._prefilling.seq is seq:
+            self._prefilling.bar.close()
+            self._prefilling = None
+        if seq in self.scheduler.waiting:
+            self.scheduler.waiting.remove(seq)
+            seq.finish_reason = "abort"
+        else:
+            self.scheduler.finish(seq, "abort")
+        self.runner.forget(seq.seq_id)
+        return True
+
+    def abort_all(self) -> None:
+        """Abort every request (an error left the batch; its pages go back)."""
+        for request_id in list(self._by_id):
+            self.abort(request_id)
+        self._reads.clear()
+
+    def prefilling(self) -> int | None:
+        """The request whose prompt is being prefilled (None between prompts)."""
+        return None if self._prefilling is None else self._prefilling.seq.seq_id
+
+    def has_unfinished(self) -> bool:
+        """Whether a request is waiting, running or has tokens on their way."""
+        return bool(self._by_id) or bool(self._reads)
+
+    def step(self) -> list[RequestOutput]:
+        """Run one step: launch the next piece of GPU work (swap-in, decode step of the
+        running requests, a piece of a prompt's prefill) and read the tokens of the step
+        before it. Returns the requests that advanced (finished ones marked)."""
+        launched = self._launch()
+        if not self._reads or (len(self._reads) == 1 and launched):
+            return []
+        advanced = self._resolve(self._reads.popleft())
+        return [self._output(request, final=request.seq.finish_reason is not None)
+                for request in advanced]  # fmt: skip
 
     def _check_length(self, num_tokens: int, room_for_one: bool) -> None:
         """Refuse an empty prompt or one past the context (with ``room_for_one``, a prompt
@@ -185,62 +202,72 @@ class BatchGenerator:
                 f"{self.max_context} tokens (raise it explicitly with max_context / --max-context)"
             )
 
-    def _steps(self, prompts, params) -> Iterator[tuple[_Request, str]]:
-        """Run the batch to the end; yield (request, new text) after every token."""
-        own_pools = self.ranks is not None and self.config.per_head_pages  # pages per rank
-        scheduler = Scheduler(self.runner.blocks, self.config.max_batch,
-                              2 * self.config.max_batch, self.config.prefix_caching,
-                              all_agree if own_pools else bool)  # fmt: skip
-        requests = [self._submit(scheduler, ids, p) for ids, p in zip(prompts, params, strict=True)]
-        self._requests, self._by_id = requests, {r.seq.seq_id: r for r in requests}
-        reads: deque[_Read] = deque()
-        try:
-            while not scheduler.done or reads:
-                launched = self._launch(scheduler, reads)
-                if reads and (len(reads) > 1 or not launched):
-                    yield from self._resolve(reads.popleft(), scheduler)
-        finally:  # stopped early (an error, a stream left unread): the pages go back
-            for seq_id in list(self.runner.blocks.tables):
-                self.runner.blocks.free(seq_id)
-
-    def _launch(self, scheduler: Scheduler, reads: deque[_Read]) -> bool:
-        """Queue the next piece of GPU work (a swap-in, a prefill or a decode step)."""
+    # -- one step ------------------------------------------------------------------------
+    def _launch(self) -> bool:
+        """Queue the next GPU work: a swap-in, a decode step of the requests past their
+        prompts, and a piece of the prompt being prefilled (a whole chunk when none
+        decodes, else ``prefill_step_tokens``). Whether anything was queued."""
+        scheduler = self.scheduler
         if scheduler.idle and scheduler.waiting:
-            self._replan(scheduler)
+            self.planner.replan(scheduler)
         resumed = scheduler.resume()
         if resumed is not None:
             self.runner.swap(resumed[1], to_host=False)
-        seq = scheduler.admit(self._worth_joining(scheduler))
-        if seq is not None:
-            request = self._by_id[seq.seq_id]
-            request.num_gpu_heads = self.runner.plan.head_map.count("gpu")
-            request.num_streamed_heads = self.runner.plan.head_map.count("stream")
-            request.num_hybrid_heads = self.runner.plan.head_map.count("hybrid")
-            logits = self._prefill(seq)
-            self._sample([seq], logits[None])
-            reads.append(self._read([seq], self.runner.tokens[seq.slot : seq.slot + 1].clone()))
+        if self._prefilling is None:
+            seq = scheduler.admit(self.planner.worth_joining(scheduler))
+            if seq is not None:
+                self._start_prefill(seq)
+        prefilling = self._prefilling.seq if self._prefilling is not None else None
+        batch = [s for s in scheduler.running
+                 if s is not prefilling and s.num_scheduled < s.max_tokens]  # fmt: skip
+        decoded = bool(batch) and self._decode(batch)
+        if prefilling is not None:
+            self._prefill_piece(whole_chunk=not decoded)
             return True
-        batch = [s for s in scheduler.running if s.num_scheduled < s.max_tokens]
-        if not batch:
-            return resumed is not None
-        batch, pairs = scheduler.grow(batch)
+        return decoded or resumed is not None
+
+    def _decode(self, batch: list[Sequence]) -> bool:
+        batch, pairs = self.scheduler.grow(batch)
         self.runner.swap(pairs, to_host=True)
         if not batch:
-            return True
+            return bool(pairs)
         positions = [s.num_scheduled - 1 for s in batch]
         logits, slots = self.runner.decode([s.seq_id for s in batch], positions,
                                            [s.slot for s in batch])  # fmt: skip
         self._sample(batch, logits)
-        reads.append(self._read(batch, self.runner.tokens.index_select(0, slots)))
+        self._reads.append(self._read(batch, self.runner.tokens.index_select(0, slots)))
         pool = self.runner.blocks.pool
         self.peak_pages = max(self.peak_pages, pool.num_pages - pool.num_free)
         return True
 
-    def _prefill(self, seq: Sequence) -> torch.Tensor:
+    def _start_prefill(self, seq: Sequence) -> None:
+        request = self._by_id[seq.seq_id]
+        head_map = self.runner.plan.head_map
+        request.num_gpu_heads = head_map.count("gpu")
+        request.num_streamed_heads = head_map.count("stream")
+        request.num_hybrid_heads = head_map.count("hybrid")
         total = len(seq.prompt_ids) - seq.num_cached
         show = self.config.progress and total >= PROGRESS_MIN_TOKENS
-        with tqdm(total=total, desc="prefill", unit="tok", disable=not show, leave=False) as bar:
-            return self.runner.prefill(seq, self.chunk, on_chunk=bar.update, slot=seq.slot)
+        bar = tqdm(total=total, desc="prefill", unit="tok", disable=not show, leave=False)
+        self._prefilling = _Prefill(seq, seq.num_cached, bar)
+
+    def _prefill_piece(self, whole_chunk: bool) -> None:
+        """The next piece of the prompt being prefilled; after its last, the first token."""
+        prefill = self._prefilling
+        seq = prefill.seq
+        size = self.chunk if whole_chunk else min(self.chunk, self.step_tokens)
+        end = min(prefill.next + size, len(seq.prompt_ids))
+        hidden = self.runner.prefill_chunk(seq, prefill.next, end, static=end - prefill.next
+                                           == size)  # fmt: skip
+        prefill.bar.update(end - prefill.next)
+        prefill.next = end
+        if end < len(seq.prompt_ids):
+            return
+        prefill.bar.close()
+        self._prefilling = None
+        logits = self.runner.end_prefill(seq, hidden, seq.slot)
+        self._sample([seq], logits[None])
+        self._reads.append(self._read([seq], self.runner.tokens[seq.slot : seq.slot + 1].clone()))
 
     def _sample(self, batch: list[Sequence], logits: torch.Tensor) -> None:
         """Sampled rows overwrite the greedy pick in their slot (on the device, no sync);
@@ -267,17 +294,23 @@ class BatchGenerator:
         ready.record()
         return _Read([s.seq_id for s in batch], host, ready)
 
-    def _resolve(self, read: _Read, scheduler: Scheduler) -> Iterator[tuple[_Request, str]]:
+    def _resolve(self, read: _Read) -> list[_Request]:
+        """Take the read tokens into their requests; the requests that advanced."""
         if read.ready is not None:
             read.ready.synchronize()
+        advanced = []
         for seq_id, token in zip(read.seq_ids, read.tokens.tolist(), strict=True):
-            request = self._by_id[seq_id]
-            if request.seq.finish_reason:  # a step launched before its end was known
+            request = self._by_id.get(seq_id)
+            if request is None or request.seq.finish_reason:  # launched before its end
                 continue
             request.seq.num_pending -= 1
-            yield request, self._accept(scheduler, request, token)
+            request.new_text = self._accept(request, token)
+            advanced.append(request)
+            if request.seq.finish_reason:
+                del self._by_id[seq_id]
+        return advanced
 
-    def _accept(self, scheduler: Scheduler, request: _Request, token: int) -> str:
+    def _accept(self, request: _Request, token: int) -> str:
         """Append one read token; finish the request when done; return new text."""
         seq, params = request.seq, request.params
         if not seq.output_ids:
@@ -285,57 +318,52 @@ class BatchGenerator:
         seq.output_ids.append(token)
         piece, reason = "", None
         if token in self.eos_token_ids and not params.ignore_eos:
-            reason = "stop"
+            reason, request.ended = "stop", "end of sequence"
         else:
             piece = request.streamer.update(seq.output_ids)
             if request.streamer.stopped:
-                reason = "stop"
+                reason, request.ended = "stop", "stop string"
             elif seq.num_tokens >= seq.max_tokens:
                 reason = "length"
+                request.ended = "max_new_tokens" if len(seq.output_ids) >= params.max_new_tokens \
+                    else "context"  # fmt: skip
         if reason:
             request.kv_held = self.runner.kv_held(seq.seq_id)
-            scheduler.finish(seq, reason)
+            self.scheduler.finish(seq, reason)
             request.finished = time.perf_counter()
             piece += request.streamer.finish()
         elif self.runner.blocks.has_pages_to_cache(seq.seq_id, seq.num_tokens):
             self.runner.blocks.cache_full_pages(seq.seq_id, seq.token_ids)  # once per page
         return piece
 
-    def _output(self, request: _Request) -> RequestOutput:
+    def _output(self, request: _Request, final: bool) -> RequestOutput:
+        """The request as it stands; ``final``: with its whole stats (it has ended)."""
         seq = request.seq
+        first = request.first_token or request.submitted  # (0 before its first token)
         stats = GenerationStats(
             prompt_tokens=len(seq.prompt_ids), generated_tokens=len(seq.output_ids),
-            prefill_seconds=request.first_token - request.submitted,
-            decode_seconds=request.finished - request.first_token,
+            prefill_seconds=first - request.submitted, ended=request.ended,
             num_gpu_heads=request.num_gpu_heads, num_streamed_heads=request.num_streamed_heads,
             num_hybrid_heads=request.num_hybrid_heads, num_swaps=seq.num_swaps,
-            cpu_kept_fraction=self.runner.kept_summary(seq.seq_id),
         )  # fmt: skip
+        if final:
+            self._final_stats(request, stats)
+        new_ids = seq.output_ids[request.num_sent :]
+        request.num_sent = len(seq.output_ids)
+        return RequestOutput(request.prompt, request.streamer.text, list(seq.output_ids),
+                             seq.finish_reason, stats, seq.num_cached, seq.seq_id,
+                             request.new_text, new_ids)  # fmt: skip
+
+    def _final_stats(self, request: _Request, stats: GenerationStats) -> None:
+        seq = request.seq
+        stats.decode_seconds = request.finished - request.first_token
+        stats.cpu_kept_fraction = self.runner.kept_summary(seq.seq_id)
+        self.runner.forget(seq.seq_id)
         if request.kv_held is not None:
             stats.kv_held_bytes, stats.kv_held_fraction = request.kv_held
         if self.config.on_gpu:
             stats.peak_gpu_bytes = torch.cuda.max_memory_allocated(self.config.device)
             stats.peak_reserved_bytes = torch.cuda.max_memory_reserved(self.config.device)
-        return RequestOutput(seq.prompt_ids, request.streamer.text, seq.output_ids,
-                             seq.finish_reason, stats, seq.num_cached)  # fmt: skip
-
-    # -- entry points --------------------------------------------------------------------
-    def run(self, prompts: list[list[int]], params: list[SamplingParams], on_finish=None):
-        """RequestOutputs for ``prompts`` (token ids), in order; ``params`` per prompt.
-
-        ``on_finish()`` is called each time a request completes (progress bars).
-        """
-        for request, _ in self._steps(prompts, params):
-            if on_finish and request.seq.finish_reason:
-                on_finish()
-        return [self._output(r) for r in self._requests]
-
-    def stream(self, prompt_ids: list[int], params: SamplingParams):
-        """Yield the text of one request as it is produced; returns its RequestOutput."""
-        for _, piece in self._steps([prompt_ids], [params]):
-            if piece:
-                yield piece
-        return self._output(self._requests[0])
 
     def logits(self, token_ids: list[int], decode_tokens: int = 0) -> torch.Tensor:
         """fp32 logits ``[len(token_ids), vocab]`` (CPU) through the paged prefill path; the
@@ -351,7 +379,7 @@ class BatchGenerator:
         self.prepare([seq])
         blocks = self.runner.blocks
         try:
-            blocks.allocate_prompt(seq.seq_id, seq.prompt_ids, self.tiers, reuse=False)
+            blocks.allocate_prompt(seq.seq_id, seq.prompt_ids, self.planner.tiers, reuse=False)
         except OutOfPages:
             raise UserError(f"{len(token_ids)} tokens do not fit the KV pool") from None
         try:

@@ -1,6 +1,7 @@
 """What a batch's KV layout should be: the planner's plan for the sequences that would run
-together (resident, heads streamed, per-entry pages; one rank's part under torchrun), and
-the predicted decode rate the batch generator weighs when it sizes a streaming batch."""
+together (resident, heads streamed, per-entry pages; one rank's part under torchrun), the
+predicted decode rate weighed when a streaming batch is sized, and the layout applied to the
+runner and the scheduler each time nothing holds pages."""
 
 from __future__ import annotations
 
@@ -9,11 +10,14 @@ from dataclasses import replace
 from headspace.attention.cpu_decode import kernel_isa
 from headspace.engine.config import EngineConfig
 from headspace.engine.ranks import Ranks
-from headspace.engine.scheduler import Sequence
+from headspace.engine.scheduler import Scheduler, Sequence
+from headspace.errors import UserError
+from headspace.kv.block_table import GPU, HOST
+from headspace.kv.spec import KVSpec
 from headspace.parallel.dist import all_agree, host_min
 from headspace.planner.entry_offload import entry_step_seconds, plan_entries
 from headspace.planner.head_map import HeadMap
-from headspace.planner.memory import Hardware, KVSpec
+from headspace.planner.memory import Hardware
 from headspace.planner.plan import Plan, plan_batch, step_seconds
 from headspace.planner.profile import with_patterns
 from headspace.planner.sparsity import with_budgets
@@ -38,6 +42,8 @@ class BatchPlanner:
             self.weight_bytes = -host_min(-weight_bytes)
             self.streamed_bytes = -host_min(-streamed_bytes)
         self.hardware = Hardware() if has_kernel else Hardware(cpu_attention_bytes=0)
+        self.tiers: tuple[str, ...] = (GPU,)  # where a sequence takes pages in the layout
+        self.planned: set[int] | None = None  # the sequences entry staging is sized for
 
     def plan(self, seqs: list[Sequence]) -> Plan:
         """The plan for ``seqs`` running together (UserError with the numbers if none)."""
@@ -108,3 +114,62 @@ class BatchPlanner:
                                       self.config.hybrid_cpu_share,
                                       streamed_weights=self.streamed_bytes)  # fmt: skip
         return len(seqs) / seconds
+
+    # -- the layout in force ---------------------------------------------------------------
+    def replan(self, scheduler: Scheduler) -> None:
+        """Lay out for the sequences next in line: all resident if the first fits, else the
+        streaming plan for the first k that maximises the predicted throughput."""
+        queue = list(scheduler.waiting)[: self.config.max_batch]
+        best, best_rate, planned = self.plan(queue[:1]), 0.0, queue[:1]
+        if best.staging is not None or best.entry_staging:
+            best_rate = self.rate(best, planned)
+            for k in range(2, len(queue) + 1):
+                try:
+                    plan = self.plan(queue[:k])
+                except UserError:
+                    break
+                if (k_rate := self.rate(plan, queue[:k])) < best_rate:
+                    break
+                best, best_rate, planned = plan, k_rate, queue[:k]
+        # entries in host pages: the staging slots hold what was planned, no more
+        self.planned = {s.seq_id for s in planned} if best.entry_staging else None
+        self.apply(best, scheduler)
+
+    def apply(self, plan: Plan, scheduler: Scheduler | None = None) -> None:
+        """Make ``plan`` the runner's layout (nothing may hold pages) and tell
+        ``scheduler`` where sequences take pages and whether they may swap out."""
+        self.runner.apply(plan)
+        streams = plan.staging is not None
+        self.tiers = ((GPU,) if plan.head_map.count("gpu") else ()) + ((HOST,) if streams else ())
+        if self.config.per_head_pages:  # host pages are the entry table's, by entry
+            self.tiers = (GPU,)
+        if scheduler is not None:
+            scheduler.tiers = self.tiers
+            swaps = self.config.offload != "none" and not self.config.per_head_pages
+            scheduler.optimistic = not streams and swaps
+            scheduler.grow_host = self.grow_host
+
+    def grow_host(self, num_pages: int) -> str | None:
+        """Grow the host pool to ``num_pages`` free pages; None when it did (under torchrun
+        on every rank alike), else why not."""
+        pool = self.runner.blocks.pools[HOST]
+        try:
+            self.runner.ensure_host_pages(pool.num_pages - pool.num_free + num_pages)
+        except UserError as error:
+            return str(error)
+        return None
+
+    def worth_joining(self, scheduler: Scheduler):
+        """While heads stream, a sequence joins the batch only if the predicted throughput
+        does not drop (every byte of its history crosses PCIe each step)."""
+        plan = self.runner.plan
+
+        def accept(seq: Sequence) -> bool:
+            running = scheduler.running
+            if self.planned is not None:  # the staging slots hold what was planned
+                return seq.seq_id in self.planned
+            if plan.staging is None or not running:
+                return True
+            return self.rate(plan, running + [seq]) >= self.rate(plan, running)
+
+        return accept

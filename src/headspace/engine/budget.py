@@ -26,7 +26,6 @@ import torch
 
 from headspace.attention import attend, merge_attention
 from headspace.attention.entry_decode import entry_decode
-from headspace.attention.patterns import Pattern, padded_length
 from headspace.attention.sparse_prefill import prefill_with_patterns
 from headspace.budgets import (
     LAYER_LOCAL,
@@ -44,6 +43,7 @@ from headspace.engine.executors import (
     bucket,
 )
 from headspace.kv.entry_table import EntryBlockManager
+from headspace.kv.spec import Pattern, padded_length
 from headspace.kv.transfer import device_ints
 
 

@@ -7,9 +7,9 @@ from dataclasses import dataclass, field, fields
 
 import torch
 
-from headspace.attention.patterns import Pattern
 from headspace.budgets import POLICIES, POOL, KVBudget
 from headspace.errors import UserError
+from headspace.kv.spec import Pattern
 from headspace.parallel.config import ParallelConfig
 from headspace.planner.entry_offload import check_offload
 from headspace.planner.memory import WEIGHT_MODES
@@ -19,10 +19,13 @@ KV_POLICIES = tuple(POLICIES)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def _option(default, help: str, *, choices=None, cli_default=None):
-    """A documented field: ``help`` is its flag's help text; ``cli_default`` the command
-    line's default when it differs from the API's."""
-    meta = {"help": help, "choices": choices, "cli_default": cli_default}
+RUNTIME, MEMORY, BUDGETS = "runtime", "memory and tiers", "budgets and patterns"
+
+
+def _option(default, help: str, *, group: str = RUNTIME, choices=None, cli_default=None):
+    """A documented field: ``help`` is its flag's help text, ``group`` its section of the
+    help; ``cli_default`` the command line's default when it differs from the API's."""
+    meta = {"help": help, "group": group, "choices": choices, "cli_default": cli_default}
     return field(default=default, metadata={k: v for k, v in meta.items() if v is not None})
 
 
@@ -42,6 +45,10 @@ class EngineConfig:
     prefill_chunk: int | None = _option(
         None, "prompt tokens per prefill step (default: what the budget allows)"
     )
+    prefill_step_tokens: int = _option(
+        8192, "while other requests decode: prompt tokens prefilled per step between their "
+        "tokens, at most (a step with no request decoding prefills a whole chunk)",
+    )  # fmt: skip
     max_context: int | None = _option(
         None, "longest sequence allowed (default: the model's trained context)"
     )
@@ -55,75 +62,89 @@ class EngineConfig:
         "auto", "where decoder layers' weights live: gpu (resident), stream (pinned host "
         "memory, each layer copied to the GPU while the one before computes; no CUDA graphs), "
         "auto (stream only when resident weights leave no room for KV in the GPU budget)",
-        choices=WEIGHT_MODES,
+        choices=WEIGHT_MODES, group=MEMORY
     )  # fmt: skip
     progress: bool = _option(False, "progress bars on long prefills", cli_default=True)
     gpu_memory: str | float | None = _option(
         None, "GPU memory budget, e.g. 24GiB, 500MB or a fraction such as 0.8 (default: most "
-        "of what is free); weights, activations and KV pages stay within it",
+        "of what is free); weights, activations and KV pages stay within it", group=MEMORY
     )  # fmt: skip
     num_kv_pages: int | None = _option(
-        None, "pages of the all-resident KV pool (overrides the budget)"
+        None, "pages of the all-resident KV pool (overrides the budget)", group=MEMORY
     )
-    page_size: int = _option(128, "tokens per KV page")
+    page_size: int = _option(128, "tokens per KV page", group=MEMORY)
     max_batch: int = _option(64, "most sequences decoded together")
-    prefix_caching: bool = _option(True, "reuse the KV pages of prompt prefixes seen before")
+    prefix_caching: bool = _option(
+        True, "reuse the KV pages of prompt prefixes seen before", group=MEMORY
+    )
     offload: str = _option(
         "auto", "host tier: auto (stream kv heads from host pages, and swap sequences out, "
         "only when the running batch needs it), none (never), layer (stream whole layers), "
         "head (stream head groups), hybrid (offloaded heads' older tokens attended by CPU "
-        "threads in host memory, merged exactly)", choices=OFFLOAD_MODES,
+        "threads in host memory, merged exactly)", choices=OFFLOAD_MODES, group=MEMORY
     )  # fmt: skip
     cpu_share: float | None = _option(
         None, "hybrid: share of each offloaded history (before the GPU window) attended by "
         "CPU threads, the rest streamed over PCIe (default: split by the CPU and PCIe rates; "
-        "1 = CPU only)",
+        "1 = CPU only)", group=MEMORY
     )  # fmt: skip
-    gpu_window: int = _option(1024, "hybrid: most recent tokens always attended on the GPU")
+    gpu_window: int = _option(
+        1024, "hybrid: most recent tokens always attended on the GPU", group=MEMORY
+    )
     cpu_sparsity: float | None = _option(
         None, "hybrid: HGCA's beta; CPU threads attend only the older tokens whose moving "
         "average of attention weights exceeds beta / n, per (layer, kv head) (default: every "
         "token, exact; needs offload hybrid, where the CPU then takes all before the window)",
+        group=MEMORY,
     )  # fmt: skip
     maw_alpha: float = _option(
-        0.1, "hybrid sparse: weight of each step in the moving average of attention weights"
+        0.1,
+        "hybrid sparse: weight of each step in the moving average of attention weights",
+        group=MEMORY,
     )
     cpu_threads: int | None = _option(
-        None, "hybrid: CPU threads of the attention kernel (default: the cores less one)"
+        None,
+        "hybrid: CPU threads of the attention kernel (default: the cores less one)",
+        group=MEMORY,
     )
-    head_group: int | None = _option(None, "kv heads per streamed group (default: the planner's)")
+    head_group: int | None = _option(
+        None, "kv heads per streamed group (default: the planner's)", group=MEMORY
+    )
     host_memory: str | float | None = _option(
         None,
         "host memory budget for KV pages (default: 90% of the RAM available; under "
         "torchrun the ranks on a machine divide it)",
+        group=MEMORY,
     )
     kv_budget: float | int | None = _option(
         None, "KV kept per (layer, kv head) after the prompt, in per-head pages: a fraction "
-        "of the prompt in (0, 1] or a number of tokens (default: everything, exact; keeps "
-        "every head on the GPU)",
+        "of the prompt in (0, 1] (0.25), or a token count (API: an int; flag: 2048tok), at "
+        "least the policy's 32-token observation window (default: everything, exact)",
+        group=BUDGETS,
     )  # fmt: skip
     kv_policy: str = _option(
         "snapkv", "with kv_budget: which tokens and how many per head (snapkv: the same "
         "count, ada_snapkv: a layer's heads share by score, headkv: by a profile's scores)",
-        choices=KV_POLICIES,
+        choices=KV_POLICIES, group=BUDGETS
     )  # fmt: skip
     kv_pool: int = _option(
         POOL, "with kv_budget: odd width of the max-pool that spreads each token's score to "
         "its neighbours, so a head keeps the tokens around what the prompt's last queries "
-        "attend",
+        "attend", group=BUDGETS
     )  # fmt: skip
     profile: str | None = _option(
-        None, "a profile from `headspace profile` (headkv's scores, retrieval heads)"
+        None, "a profile from `headspace profile` (headkv's scores, retrieval heads)", group=BUDGETS
     )
     retrieval_heads: float | None = _option(
         None, "with a profile: share of (layer, kv head) entries, by retrieval score, that "
         "keep every token; the others take sparse_pattern (default: all keep every token)",
+        group=BUDGETS,
     )  # fmt: skip
     sparse_pattern: str = _option(
         "streaming(4,1024)", "with retrieval_heads: the other entries' pattern, applied to "
         "the prompt: streaming(sink,window) (such a head also holds only its sink and window "
         "tokens at decode), vertical_slash(columns,diagonals) or block_sparse(blocks) (each "
-        "chunk's pattern estimated from its queries; decode attends every token)",
+        "chunk's pattern estimated from its queries; decode attends every token)", group=BUDGETS
     )  # fmt: skip
     parallel: ParallelConfig = field(default_factory=ParallelConfig)  # under torchrun: how
     # kv heads are spread over the ranks (its own flags; ``gpus`` is the world size)
@@ -149,7 +170,7 @@ class EngineConfig:
         self._check_sparsity()
         self._check_patterns()
         self._check_budget()
-        for name in ("page_size", "max_batch", "gpu_window"):
+        for name in ("page_size", "max_batch", "gpu_window", "prefill_step_tokens"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise UserError(f"{name} must be a positive integer, got {getattr(self, name)}")
         for f in fields(self):

@@ -19,7 +19,6 @@ from headspace.attention import attend
 from headspace.attention.cpu_decode import cpu_paged_decode
 from headspace.attention.entry_decode import new_token_slots
 from headspace.attention.paged import gather_pages
-from headspace.attention.patterns import Pattern
 from headspace.attention.sparse_prefill import prefill_with_patterns
 from headspace.engine.executors import (
     StepInputs,
@@ -27,6 +26,7 @@ from headspace.engine.executors import (
     padded_positions,
 )
 from headspace.kv.paged_store import PagedKVStore
+from headspace.kv.spec import Pattern
 from headspace.parallel.placement import Copy, RankLayout, copy_rows, cumulative_shares
 
 

@@ -106,23 +106,80 @@ class Engine:
         ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
         return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
-    def stream(self, prompt_ids: list[int], params: SamplingParams) -> Iterator[str]:
-        """Yield text pieces as tokens are produced; returns the RequestOutput at the end."""
-        if self.config.on_gpu:
-            torch.cuda.reset_peak_memory_stats(self.config.device)
-        return (yield from self.batch.stream(prompt_ids, params))
+    # -- stepping --------------------------------------------------------------------------
+    def add_request(self, prompt_ids: list[int], params: SamplingParams | None = None,
+                    prompt: str | list[int] | None = None) -> int:  # fmt: skip
+        """Queue a request (token ids; ``prompt`` is what outputs show, default the ids);
+        it joins the running batch at a coming step. Returns its id. Refuses (UserError,
+        with the numbers) a prompt past the context or one that no plan can hold."""
+        return self.batch.add_request(prompt_ids, params or SamplingParams(), prompt)
 
+    def abort(self, request_id: int) -> bool:
+        """Drop a request wherever it is; its GPU and host pages go back to their pools at
+        once. False if the id is unknown or the request already ended."""
+        return self.batch.abort(request_id)
+
+    def step(self) -> list[RequestOutput]:
+        """One step of every running request (and a piece of a prompt being prefilled);
+        returns the requests that advanced, each with its text so far and what this step
+        added, finished ones marked (``finish_reason``)."""
+        return self.batch.step()
+
+    def has_unfinished(self) -> bool:
+        """Whether any request is waiting, running or has tokens on their way."""
+        return self.batch.has_unfinished()
+
+    def prefilling(self) -> int | None:
+        """The id of the request whose prompt is being prefilled now, if any (metrics)."""
+        return self.batch.prefilling()
+
+    # -- loops over step() ---------------------------------------------------------------
     def generate_batch(
         self, prompts: list[list[int]], params: list[SamplingParams], on_finish=None
     ) -> list[RequestOutput]:
-        """Generate for many prompts as one batch over the shared KV page pool."""
+        """Generate for many prompts (token ids) as one batch over the shared KV pages; the
+        final RequestOutputs in order. ``on_finish()`` is called as each request ends."""
+        if self.has_unfinished():
+            raise UserError("requests added with add_request are still running: step them "
+                            "to the end (or abort them) before generate")  # fmt: skip
         if self.config.on_gpu:
             torch.cuda.reset_peak_memory_stats(self.config.device)
-        return self.batch.run(prompts, params, on_finish)
+        finals: dict[int, RequestOutput] = {}
+        try:
+            ids = [self.add_request(p, q) for p, q in zip(prompts, params, strict=True)]
+            while self.has_unfinished():
+                for output in self.step():
+                    if output.finished:
+                        finals[output.request_id] = output
+                        if on_finish:
+                            on_finish()
+        finally:  # stopped early (an error, Ctrl-C): every page goes back
+            self.batch.abort_all()
+        return [finals[i] for i in ids]
+
+    def stream(self, prompt_ids: list[int], params: SamplingParams) -> Iterator[str]:
+        """Yield text pieces as tokens are produced; returns the final RequestOutput. A
+        stream closed early aborts its request."""
+        if self.has_unfinished():
+            raise UserError("requests added with add_request are still running: step them "
+                            "to the end (or abort them) before stream")  # fmt: skip
+        if self.config.on_gpu:
+            torch.cuda.reset_peak_memory_stats(self.config.device)
+        self.add_request(prompt_ids, params)
+        try:
+            while self.has_unfinished():
+                for output in self.step():
+                    if output.new_text:
+                        yield output.new_text
+                    if output.finished:
+                        final = output
+        finally:
+            self.batch.abort_all()
+        return final
 
     def run(self, prompt_ids: list[int], params: SamplingParams) -> RequestOutput:
         """Generate for one prompt, alone."""
-        return self.batch.run([prompt_ids], [params])[0]
+        return self.generate_batch([prompt_ids], [params])[0]
 
     def logits(self, token_ids: list[int], decode_tokens: int = 0) -> torch.Tensor:
         """fp32 logits ``[len(token_ids), vocab]`` (CPU) through the chunked prefill path,

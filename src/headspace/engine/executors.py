@@ -17,9 +17,9 @@ from headspace.attention import attend, merge_attention
 from headspace.attention.cpu_decode import cpu_paged_decode
 from headspace.attention.entry_decode import new_token_slots
 from headspace.attention.paged import gather_pages
-from headspace.attention.patterns import Pattern, padded_length
 from headspace.attention.sparse_prefill import prefill_with_patterns
 from headspace.kv.paged_store import PagedKVStore
+from headspace.kv.spec import Pattern, padded_length
 from headspace.kv.transfer import device_ints
 
 HeadRange = tuple[int, int]  # kv heads lo..hi-1 of a layer

@@ -164,6 +164,13 @@ class SparseSelector:
         self.summaries[seq_id] = _summary(state.fractions(self.kv_heads))
         self.rows.pop(seq_id)
 
+    def forget(self, seq_id: int) -> None:
+        """Drop all of a sequence that ended or was aborted (its summary too)."""
+        self.drain()  # selections in flight read its state
+        if seq_id in self.states:
+            self.release(seq_id)
+        self.summaries.pop(seq_id, None)
+
     def summary(self, seq_id: int) -> tuple[float, float, float] | None:
         """(min, median, max) kept share of the CPU-side tokens over the hybrid heads."""
         if seq_id in self.states:

@@ -9,8 +9,9 @@ import re
 import torch
 
 from headspace.errors import UserError
+from headspace.kv.spec import KVSpec
 from headspace.model.config import ModelConfig
-from headspace.planner.memory import KVSpec, prefill_chunk, split_gpu_budget
+from headspace.planner.memory import prefill_chunk, split_gpu_budget
 from headspace.planner.sparsity import arena_after_gathers, gathered_bytes
 
 CPU_PREFILL_CHUNK = 1024

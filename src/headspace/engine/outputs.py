@@ -13,6 +13,8 @@ class GenerationStats:
     generated_tokens: int = 0
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0
+    # why it ended: "end of sequence", "stop string", "max_new_tokens", "context", "aborted"
+    ended: str | None = None
     num_gpu_heads: int = 0  # (layer, kv head) entries resident while it ran
     num_streamed_heads: int = 0  # entries streamed from host pages
     num_hybrid_heads: int = 0  # offloaded entries whose older tokens the CPU attends
@@ -38,10 +40,10 @@ class GenerationStats:
             f"prompt {self.prompt_tokens} tokens",
             f"prefill {self.prefill_tok_s:,.0f} tok/s",
             f"decode {self.decode_tok_s:,.1f} tok/s ({self.generated_tokens} tokens)",
-            f"heads {self.num_gpu_heads} gpu / {self.num_streamed_heads} streamed",
+            f"heads {self.num_gpu_heads} resident / {self.num_streamed_heads} streamed",
         ]
         if self.num_hybrid_heads:
-            parts[-1] = f"heads {self.num_gpu_heads} gpu / {self.num_hybrid_heads} hybrid"
+            parts[-1] = f"heads {self.num_gpu_heads} resident / {self.num_hybrid_heads} hybrid"
         if self.cpu_kept_fraction is not None:
             low, median, high = self.cpu_kept_fraction
             parts.append(f"CPU kept {median:.1%} median ({low:.1%}-{high:.1%})")
@@ -52,16 +54,28 @@ class GenerationStats:
             parts.append(f"swapped out {self.num_swaps}x")
         if self.peak_reserved_bytes is not None:
             parts.append(f"peak GPU memory {self.peak_reserved_bytes / 2**30:.2f} GiB reserved")
+        if self.ended is not None:
+            parts.append(f"ended: {self.ended}")
         return " | ".join(parts)
 
 
 @dataclass
 class RequestOutput:
-    """One finished request: generated text and token ids (prompt excluded)."""
+    """A request as it stands after a step: generated text and token ids so far (prompt
+    excluded), what this step added, and why it ended once it has."""
 
     prompt: str | list[int]
     text: str
     token_ids: list[int]
-    finish_reason: str  # "stop" (EOS or stop string) or "length"
+    # "stop" (EOS or a stop string), "length" (max_new_tokens or the context) or "abort";
+    # None while it runs
+    finish_reason: str | None
     stats: GenerationStats = field(default_factory=GenerationStats)
     num_cached_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache
+    request_id: int = -1  # as Engine.add_request returned it
+    new_text: str = ""  # text this step added
+    new_token_ids: list[int] = field(default_factory=list)  # tokens this step added
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None

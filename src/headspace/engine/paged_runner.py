@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import torch
 
-from headspace.attention.patterns import Pattern
 from headspace.budgets import KVBudget
 from headspace.engine.budget import BudgetExecutor
 from headspace.engine.budget_ranks import RankBudgetExecutor
@@ -36,11 +35,11 @@ from headspace.kv.block_table import GPU, HOST, BlockManager
 from headspace.kv.entry_table import EntryBlockManager
 from headspace.kv.host_store import HostKVArena
 from headspace.kv.paged_store import PagedKVStore
+from headspace.kv.spec import KVSpec, Pattern
 from headspace.kv.transfer import as_heads, copy_pages, device_ints
 from headspace.model.llama import LlamaModel
 from headspace.parallel.dist import all_gather_stack, first_error, host_min, rank_cores
 from headspace.parallel.placement import RankLayout
-from headspace.planner.memory import KVSpec
 from headspace.planner.plan import Plan
 from headspace.planner.profile import Profile
 
@@ -226,6 +225,13 @@ class PagedRunner:
         sparse.drain()
         return sparse.summary(seq_id)
 
+    def forget(self, seq_id: int) -> None:
+        """Drop what the tiers keep of a sequence that ended or was aborted (its pages are
+        the scheduler's to free)."""
+        sparse = self._cpu_attention.sparse if self._cpu_attention is not None else None
+        if sparse is not None:
+            sparse.forget(seq_id)
+
     def kv_held(self, seq_id: int) -> tuple[int, float] | None:
         """Per-head pages: (bytes of K/V ``seq_id`` holds, their share of its full KV); None
         in other modes."""
@@ -306,34 +312,52 @@ class PagedRunner:
     @torch.inference_mode()
     def prefill(self, seq, chunk: int, *, all_logits: bool = False, on_chunk=None,
                 slot: int | None = None) -> torch.Tensor:  # fmt: skip
-        """Compute the prompt tokens of ``seq`` not found in the prefix cache.
+        """Compute the prompt tokens of ``seq`` not found in the prefix cache, ``chunk`` at
+        a time.
 
         Returns the last token's fp32 logits ``[vocab]`` on the device (its greedy pick goes
         into token ``slot``), or with ``all_logits`` those of every computed token
         ``[tokens, vocab]`` on the CPU. ``on_chunk(n)`` reports progress.
         """
-        pages = self._pages([seq.seq_id])
-        ids = torch.tensor(seq.prompt_ids, device=self.device)
         hidden, rows = None, []
         for start in range(seq.num_cached, len(seq.prompt_ids), chunk):
             end = min(start + chunk, len(seq.prompt_ids))
-            positions = torch.arange(start, end, device=self.device)
-            step = StepInputs(False, positions, [], pages, start=start, seq_ids=[seq.seq_id])
-            for executor in self.executors:
-                executor.begin(step)
-            mode = "eager"
-            if self._compiled:  # static shapes for full chunks: one compile per chunk size
-                mode = "static" if end - start == chunk else "dynamic"
-            hidden = self.model(ids[start:end], positions, self._attention, mode)
+            hidden = self.prefill_chunk(seq, start, end, static=end - start == chunk)
             if all_logits:
                 rows.append(self.model.logits(hidden).cpu())
             if on_chunk:
                 on_chunk(end - start)
+        if all_logits:
+            self.end_prefill(seq, None, None)
+            return torch.cat(rows)
+        return self.end_prefill(seq, hidden, slot)
+
+    @torch.inference_mode()
+    def prefill_chunk(self, seq, start: int, end: int, static: bool = True) -> torch.Tensor:
+        """Compute prompt tokens ``start .. end-1`` of ``seq`` (those before are in its
+        pages); returns their last layer's hidden states ``[tokens, hidden]``. ``static``:
+        the chunk's length recurs (compiled once for it)."""
+        pages = self._pages([seq.seq_id])
+        ids = torch.tensor(seq.prompt_ids[start:end], device=self.device)
+        positions = torch.arange(start, end, device=self.device)
+        step = StepInputs(False, positions, [], pages, start=start, seq_ids=[seq.seq_id])
+        for executor in self.executors:
+            executor.begin(step)
+        mode = "eager"
+        if self._compiled:  # static shapes for full chunks: one compile per chunk size
+            mode = "static" if static else "dynamic"
+        return self.model(ids, positions, self._attention, mode)
+
+    @torch.inference_mode()
+    def end_prefill(self, seq, hidden: torch.Tensor | None, slot: int | None):
+        """After the last chunk of ``seq``: its full pages enter the prefix cache, per-head
+        budgets compress it; returns the last token's fp32 logits ``[vocab]`` from
+        ``hidden`` (its greedy pick goes into token ``slot``), or None without."""
         self.blocks.cache_full_pages(seq.seq_id, seq.prompt_ids)
         if self.config.per_head_pages:
             self.executors[0].compress(seq.seq_id, len(seq.prompt_ids))
-        if all_logits:
-            return torch.cat(rows)
+        if hidden is None:
+            return None
         logits = self.model.logits(hidden[-1:])[0]
         if slot is not None:
             self.tokens[slot] = logits.argmax()

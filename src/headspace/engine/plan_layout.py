@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from headspace.attention.patterns import Pattern
 from headspace.engine.executors import HeadRange
+from headspace.kv.spec import Pattern
 from headspace.planner.plan import Plan
 
 

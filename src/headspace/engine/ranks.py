@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from headspace.budgets import KVBudget
 from headspace.errors import UserError
+from headspace.kv.spec import KVSpec
 from headspace.model.llama import LlamaModel
 from headspace.parallel.balance import balance_heads, priced_map
 from headspace.parallel.dist import (
@@ -33,7 +34,6 @@ from headspace.parallel.rank_plan import entry_parts, spread_plan
 from headspace.parallel.shard import shard_layer, shard_model
 from headspace.planner.head_cost import CostShape
 from headspace.planner.head_map import HeadMap
-from headspace.planner.memory import KVSpec
 from headspace.planner.plan import Plan
 from headspace.planner.profile import Profile, budget_key, with_patterns
 

@@ -43,6 +43,11 @@ class Sequence:
         return len(self.prompt_ids) + len(self.output_ids)
 
     @property
+    def started(self) -> bool:
+        """Whether its prompt is computed (a first token exists, read or on the device)."""
+        return bool(self.output_ids) or self.num_pending > 0
+
+    @property
     def num_scheduled(self) -> int:
         """Tokens that exist, read or still on the device."""
         return self.num_tokens + self.num_pending
@@ -118,16 +123,18 @@ class Scheduler:
 
     def grow(self, batch: list[Sequence]) -> tuple[list[Sequence], list[tuple[int, int]]]:
         """A slot for one more token of every sequence of ``batch``; on shortage the most
-        recently admitted sequences are swapped out first. Returns (the sequences that step,
+        recently admitted sequences past their prompts are swapped out first (never one
+        being prefilled). Returns (the sequences that step,
         (GPU page, host page) pairs the caller copies before anything reuses them)."""
         pairs, stepping, pools = [], list(batch), self.blocks.pools
         while True:
             needed = sum(self.blocks.pages_needed(s.seq_id) for s in stepping)
             if self.agree(all(needed <= pools[tier].num_free for tier in self.tiers)):
                 break
-            if not self.optimistic:
+            victims = [s for s in self.running if s.started]
+            if not self.optimistic or not victims:
                 raise OutOfPages(f"{needed} pages needed, fewer free")
-            victim = self.running[-1]
+            victim = victims[-1]
             pairs += self._swap_out(victim)
             if victim in stepping:
                 stepping.remove(victim)

@@ -23,10 +23,11 @@ import warnings
 import torch
 
 from headspace.attention import attend
-from headspace.attention.patterns import Pattern, estimate
+from headspace.attention.patterns import estimate
 from headspace.attention.sparse_prefill import sparse_prefill_attention
 from headspace.budgets import POLICIES, KVBudget, observation_scores
 from headspace.errors import UserError
+from headspace.kv.spec import Pattern
 
 PATTERNS = ("full", "streaming(4,1024)", "vertical_slash(1000,2048)", "block_sparse(8)")
 

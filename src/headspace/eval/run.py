@@ -90,8 +90,9 @@ def run_ppl(llm, texts: list[str], contexts: list[int], max_tokens: int | None =
             stride = decode_tokens or context // 2
             windows = max(1, math.ceil((len(ids) - context) / stride) + 1)
 
-            def logits(window: list[int]):
-                return llm.logits(window, decode_tokens=decode_tokens + 1 if decode_tokens else 0)
+            def logits(window: list[int]):  # (the last window may be shorter)
+                steps = min(decode_tokens + 1, len(window) - 1) if decode_tokens else 0
+                return llm.logits(window, decode_tokens=steps)
 
             with tqdm(total=windows, desc=f"ppl {name} @{context}", unit="window") as bar:
                 nll, count = sliding_window_nll(logits, ids, context, on_window=bar.update,

@@ -19,7 +19,7 @@ import weakref
 import torch
 
 from headspace.errors import UserError
-from headspace.planner.memory import GiB, KVSpec
+from headspace.kv.spec import GiB, KVSpec
 
 
 class HostKVArena:

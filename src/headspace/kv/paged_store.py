@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from headspace.planner.memory import KVSpec
+from headspace.kv.spec import KVSpec
 
 
 def token_slots(pages: torch.Tensor, positions: torch.Tensor, page_size: int) -> torch.Tensor:

@@ -16,6 +16,7 @@ ENGINE_FIELDS = ("balance", "replicas", "balance_phase", "copy_seconds")
 
 def _option(default, help: str, *, choices=None):
     meta = {"help": help, "choices": choices}
+    meta["group"] = "multi-GPU (under torchrun)"
     return field(default=default, metadata={k: v for k, v in meta.items() if v is not None})
 
 

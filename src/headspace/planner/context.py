@@ -10,15 +10,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from headspace.attention.patterns import Pattern
 from headspace.errors import UserError
+from headspace.kv.spec import KVSpec, Pattern
 from headspace.model.config import ModelConfig
 from headspace.planner.entry_offload import STAGING_DEPTH, check_offload, plan_entries
 from headspace.planner.head_map import HeadMap
 from headspace.planner.memory import (
     GpuSplit,
     Hardware,
-    KVSpec,
     WeightSpec,
     prefill_chunk,
     prefill_compute_seconds,

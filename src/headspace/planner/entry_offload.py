@@ -11,10 +11,10 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from headspace.attention.patterns import Pattern
 from headspace.errors import UserError
+from headspace.kv.spec import GiB, KVSpec, Pattern
 from headspace.planner.head_map import HeadMap
-from headspace.planner.memory import GiB, Hardware, KVSpec
+from headspace.planner.memory import Hardware
 from headspace.planner.plan import Plan
 
 STAGING_DEPTH = 2  # a layer's slot is attended while the next one's fills

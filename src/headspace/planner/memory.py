@@ -12,9 +12,9 @@ import math
 from dataclasses import dataclass
 
 from headspace.errors import UserError
+from headspace.kv.spec import GiB
 from headspace.model.config import ModelConfig
 
-GiB = 2**30
 MAX_PREFILL_CHUNK = 32768
 MIN_PREFILL_CHUNK = 128
 
@@ -84,49 +84,6 @@ def graph_step_faster(streamed_bytes: float, num_groups: int, hw: Hardware | Non
     graph_s = streamed_bytes / (hw.graph_gather_share * hw.h2d_bytes)
     host_s = hw.eager_step_seconds + num_groups * hw.eager_group_seconds
     return graph_s <= max(streamed_bytes / hw.h2d_bytes, host_s)
-
-
-@dataclass(frozen=True)
-class KVSpec:
-    """The KV cache's shape and the bytes of its pages.
-
-    An *entry* is one (layer, kv head). A GPU page holds ``page_size`` tokens of every
-    resident entry; a host page holds ``page_size`` tokens of every entry (so a whole
-    sequence can be swapped out, and any entry can stream, without a new layout).
-    """
-
-    num_layers: int
-    num_kv_heads: int
-    head_dim: int
-    page_size: int
-    dtype_bytes: int
-
-    @classmethod
-    def of(cls, config: ModelConfig, page_size: int, dtype_bytes: int) -> KVSpec:
-        return cls(config.num_layers, config.num_kv_heads, config.head_dim, page_size,
-                   dtype_bytes)  # fmt: skip
-
-    @property
-    def num_entries(self) -> int:
-        return self.num_layers * self.num_kv_heads
-
-    @property
-    def entry_token_bytes(self) -> int:
-        """K and V of one token of one entry."""
-        return 2 * self.head_dim * self.dtype_bytes
-
-    @property
-    def entry_page_bytes(self) -> int:
-        """K and V of one page of one entry."""
-        return self.page_size * self.entry_token_bytes
-
-    @property
-    def full_page_bytes(self) -> int:
-        """One page of every entry: the all-resident GPU page and every host page."""
-        return self.num_entries * self.entry_page_bytes
-
-    def pages_for(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.page_size)
 
 
 def layer_weight_bytes(config: ModelConfig, dtype_bytes: int, kv_heads: int | None = None,

@@ -13,16 +13,10 @@ import math
 from dataclasses import dataclass, field, replace
 
 from headspace.errors import UserError
+from headspace.kv.spec import GiB, KVSpec
 from headspace.model.config import ModelConfig
 from headspace.planner.head_map import HeadEntry, HeadMap
-from headspace.planner.memory import (
-    GiB,
-    Hardware,
-    KVSpec,
-    hybrid_share,
-    offloaded_seconds,
-    weight_bytes,
-)
+from headspace.planner.memory import Hardware, hybrid_share, offloaded_seconds, weight_bytes
 
 OFFLOAD_MODES = ("auto", "none", "layer", "head", "hybrid")
 # a streamed group moves at least this much per gather (0.6 ms at 54 GB/s): fewer, larger

@@ -6,17 +6,17 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from headspace.attention.patterns import (
+from headspace.errors import UserError
+from headspace.kv.spec import (
     BLOCK,
     FORCED_LOCAL,
     FORCED_SINK,
     LAST_QUERIES,
+    GiB,
     Pattern,
     padded_length,
 )
-from headspace.errors import UserError
 from headspace.planner.head_map import HeadMap
-from headspace.planner.memory import GiB
 
 
 def kept_tokens(pattern: str, budget_tokens: int | None) -> int | None:

@@ -1,0 +1,175 @@
+"""The stepping engine: requests added between steps, aborted at any step, and long prompts
+prefilled in pieces between the decode steps of the others, in every tier mode.
+
+Each mode runs the tiny Llama-3 (3 layers x 2 kv heads, fp32) through a small arena, so the
+running batch streams heads, attends on the CPU, swaps sequences out, or keeps per-head
+budgets; prompts are prefilled in pieces of one page while others decode.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from headspace import LLM, SamplingParams
+from headspace.engine.engine import Engine
+from headspace.errors import UserError
+
+PAGE, CHUNK = 16, 64
+GREEDY = SamplingParams(max_new_tokens=12, ignore_eos=True)
+LENGTHS = [150, 30, 60, 45]  # the first streams in the small arenas; each crosses a page
+MODES = {  # name: engine options (an arena in KiB: the KV the GPU budget leaves)
+    "resident": {"offload": "none"},
+    "streamed": {"arena_kib": 60},
+    "hybrid": {"arena_kib": 60, "offload": "hybrid", "cpu_share": 1.0, "gpu_window": 16},
+    "budgets": {"kv_budget": 0.5},
+    "swap": {"num_kv_pages": 13},
+}
+SLOW = settings(max_examples=5, deadline=None,
+                suppress_health_check=[HealthCheck.function_scoped_fixture])  # fmt: skip
+
+
+def _prompts(lengths: list[int], seed: int = 11) -> list[list[int]]:
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 40000, (n,), generator=generator).tolist() for n in lengths]
+
+
+def _make(checkpoint, arena_kib: int | None = None, **options) -> LLM:
+    from test_offload import budget_for
+
+    budget = None if arena_kib is None else budget_for(checkpoint, arena_kib * 1024)
+    return LLM(str(checkpoint), prefill_chunk=CHUNK, page_size=PAGE, gpu_memory=budget,
+               prefill_step_tokens=PAGE, **options)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def engines(tiny_llama) -> dict[str, Engine]:
+    return {name: _make(tiny_llama, **options).engine for name, options in MODES.items()}
+
+
+@pytest.fixture(scope="module")
+def alone(engines) -> dict[str, list[list[int]]]:
+    """Each prompt's greedy tokens run alone, per mode."""
+    prompts = _prompts(LENGTHS)
+    return {name: [engine.run(p, GREEDY).token_ids for p in prompts]
+            for name, engine in engines.items()}  # fmt: skip
+
+
+def _pools_full(engine: Engine) -> bool:
+    blocks = engine.batch.runner.blocks
+    return all(pool.num_free == pool.num_pages for pool in blocks.pools.values())
+
+
+def drive(engine: Engine, arrivals: list[int], abort: tuple[int, int] | None = None,
+          max_steps: int = 2000) -> tuple[dict[int, list[int]], dict[int, str]]:  # fmt: skip
+    """Step ``engine``; prompt ``i`` is added before step ``arrivals[i]``; ``abort``: (which
+    prompt, at which step). The final tokens and finish reasons per prompt (``reasons[-1]``:
+    the swaps the finished requests made)."""
+    prompts = _prompts(LENGTHS)
+    ids: dict[int, int] = {}  # request id -> prompt index
+    tokens, reasons = {}, {-1: 0}
+    for step in range(max_steps):
+        for i, at in enumerate(arrivals):
+            if at == step:
+                ids[engine.add_request(prompts[i], GREEDY)] = i
+        if abort is not None and abort[1] == step:
+            victim = next((r for r, i in ids.items() if i == abort[0]), None)
+            if victim is not None and engine.abort(victim):
+                reasons[abort[0]] = "abort"
+        for output in engine.step():
+            assert output.new_token_ids == output.token_ids[-len(output.new_token_ids) :]
+            if output.finished:
+                tokens[ids[output.request_id]] = output.token_ids
+                reasons[ids[output.request_id]] = output.finish_reason
+                reasons[-1] += output.stats.num_swaps
+        if step > max(arrivals) and not engine.has_unfinished():
+            return tokens, reasons
+    raise AssertionError("the engine did not finish")
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+@SLOW
+@given(arrivals=st.lists(st.integers(0, 40), min_size=len(LENGTHS), max_size=len(LENGTHS)))
+def test_requests_added_between_steps_equal_each_alone(engines, alone, mode, arrivals):
+    engine = engines[mode]
+    tokens, reasons = drive(engine, arrivals)
+    assert [tokens[i] for i in range(len(LENGTHS))] == alone[mode]
+    assert {reasons[i] for i in range(len(LENGTHS))} == {"length"}
+    assert _pools_full(engine)
+
+
+def test_arrivals_swap_out_and_back(engines, alone):
+    """The swap mode's pool is small enough that these arrivals outgrow it."""
+    tokens, reasons = drive(engines["swap"], [0, 2, 4, 6])
+    assert reasons[-1] > 0
+    assert [tokens[i] for i in range(len(LENGTHS))] == alone["swap"]
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+@SLOW
+@given(arrivals=st.lists(st.integers(0, 20), min_size=len(LENGTHS), max_size=len(LENGTHS)),
+       victim=st.integers(0, len(LENGTHS) - 1), at=st.integers(0, 60))  # fmt: skip
+def test_abort_at_any_step_leaves_the_others_and_frees_pages(engines, alone, mode, arrivals,
+                                                             victim, at):  # fmt: skip
+    engine = engines[mode]
+    tokens, reasons = drive(engine, arrivals, abort=(victim, at))
+    for i in range(len(LENGTHS)):
+        if reasons[i] != "abort":
+            assert tokens[i] == alone[mode][i]
+    assert not engine.has_unfinished()
+    assert _pools_full(engine)  # GPU and host pages back in their pools
+
+
+def test_a_long_prompt_prefills_between_the_others_tokens(tiny_llama):
+    """Two requests decode; a 400-token prompt arrives. Its 25 pieces of 16 tokens run
+    between their decode steps: they get a token at nearly every step of its prefill."""
+    llm = _make(tiny_llama, offload="none")
+    engine = llm.engine
+    short = _prompts([20, 30], seed=3)
+    long_prompt = _prompts([400], seed=4)[0]
+    params = SamplingParams(max_new_tokens=60, ignore_eos=True)
+    running = [engine.add_request(p, params) for p in short]
+    while not all(engine.batch._by_id[r].seq.output_ids for r in running):
+        engine.step()
+    four = SamplingParams(max_new_tokens=4, ignore_eos=True)
+    long_id = engine.add_request(long_prompt, four)
+    others_tokens, long_tokens = 0, []
+    while not long_tokens:
+        outputs = {o.request_id: o for o in engine.step()}
+        if long_id in outputs:  # its first token: the prefill is over
+            long_tokens = outputs[long_id].new_token_ids
+        others_tokens += sum(len(outputs[r].new_token_ids) for r in running if r in outputs)
+    assert others_tokens >= 2 * 22  # both advance at (nearly) every one of its 25 pieces
+    while engine.has_unfinished():
+        for output in engine.step():
+            long_tokens += output.new_token_ids if output.request_id == long_id else []
+    assert long_tokens == engine.run(long_prompt, four).token_ids  # as alone, whole chunks
+    assert _pools_full(engine)
+
+
+def test_step_outputs_add_up_to_the_final_text(tiny_llama):
+    engine = _make(tiny_llama).engine
+    request = engine.add_request(_prompts([40])[0], GREEDY)
+    pieces, ids, final = [], [], None
+    while engine.has_unfinished():
+        for output in engine.step():
+            assert output.request_id == request
+            pieces.append(output.new_text)
+            ids += output.new_token_ids
+            final = output if output.finished else final
+    assert final is not None and final.finish_reason == "length"
+    assert "".join(pieces) == final.text and ids == final.token_ids
+    assert len(ids) == GREEDY.max_new_tokens
+    assert not engine.abort(request)  # already ended
+
+
+def test_generate_refuses_while_added_requests_run(tiny_llama):
+    llm = _make(tiny_llama)
+    request = llm.engine.add_request(_prompts([20])[0], GREEDY)
+    with pytest.raises(UserError, match="still running"):
+        llm.generate(_prompts([10])[0], GREEDY)
+    assert llm.engine.abort(request)
+    assert llm.generate(_prompts([10])[0], GREEDY)[0].finish_reason == "length"
+    assert _pools_full(llm.engine)
