@@ -34,7 +34,7 @@ class AttentionTimer:
         self.last_key, self.warming = None, False
         self.replayed_ms: list[list[float]] = []  # each timed graph step's layers, in ms
         self.num_steps = 0  # the decode steps the last reading averaged
-        runner._attention = self
+        runner.attention_hook = self
 
     def follow(self, graphs) -> None:
         """Note the key of every capture (those so far in capture order) and replay."""
@@ -95,7 +95,7 @@ class AttentionTimer:
 
     def close(self) -> None:
         """The runner's own attention back (the two held each other: nothing was freed)."""
-        del self.runner._attention
+        self.runner.attention_hook = None
         self.runner = None
 
     def seconds(self, num_layers: int) -> dict[str, float | list[float]]:

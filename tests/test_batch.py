@@ -79,24 +79,24 @@ def test_streaming_runs_on_the_pool_and_refuses_what_cannot_fit(tiny_llama):
     assert llm.engine.batch.runner.blocks.pool.num_free == 4  # pages back after streaming
 
 
-def test_decode_graphs_call_the_attention_a_benchmark_wrapped(tiny_llama, monkeypatch):
-    from headspace.engine.paged_graphs import EagerGraphTwin
-    from headspace.engine.paged_runner import PagedRunner
+def test_decode_graphs_call_the_attention_a_benchmark_wrapped(tiny_llama):
+    from graph_twin import EagerGraphTwin
+    from headspace.engine.executors import attend_tiers
+    from headspace.engine.hooks import EngineHooks
 
-    monkeypatch.setattr(PagedRunner, "graph_twin", EagerGraphTwin)  # graphs' CPU twin
+    twin = EngineHooks(graphs=EagerGraphTwin)  # the graphs' CPU twin
     (prompt,) = _prompts([30], seed=3)
     params = SamplingParams(max_new_tokens=6, ignore_eos=True)
     options = {"offload": "none", "kv_budget": 0.5}  # per-entry decode (the twin's CPU path)
-    plain = LLM(str(tiny_llama), **options).generate([prompt], params)[0].token_ids
-    llm = LLM(str(tiny_llama), **options)
+    plain = LLM(str(tiny_llama), hooks=twin, **options).generate([prompt], params)[0].token_ids
+    llm = LLM(str(tiny_llama), hooks=twin, **options)
     runner, decoded = llm.engine.batch.runner, []
-    own = runner._attention
 
     def timed(layer, q, kv):
         decoded.append(q.shape[0] != len(prompt))  # a decode step's rows (padded batch)
-        return own(layer, q, kv)
+        return attend_tiers(runner.executors, layer, q, kv)
 
-    runner._attention = timed  # before the first request makes the graphs
+    runner.attention_hook = timed  # before the first request makes the graphs
     assert llm.generate([prompt], params)[0].token_ids == plain
     assert runner._graphs is not None and type(runner._graphs) is EagerGraphTwin
     num_layers = runner.model.config.num_layers
@@ -104,17 +104,17 @@ def test_decode_graphs_call_the_attention_a_benchmark_wrapped(tiny_llama, monkey
     assert decoded.count(True) == (2 + 5) * num_layers
 
 
-def test_an_engine_with_decode_graphs_is_freed_when_dropped(tiny_llama, monkeypatch):
+def test_an_engine_with_decode_graphs_is_freed_when_dropped(tiny_llama):
     """No reference cycle holds the runner, its decode graphs or the KV plane they address
     once the engine is gone: the next engine sizes its arena from what this one freed."""
     import gc
     import weakref
 
-    from headspace.engine.paged_graphs import EagerGraphTwin
-    from headspace.engine.paged_runner import PagedRunner
+    from graph_twin import EagerGraphTwin
+    from headspace.engine.hooks import EngineHooks
 
-    monkeypatch.setattr(PagedRunner, "graph_twin", EagerGraphTwin)
-    llm = LLM(str(tiny_llama), offload="none", kv_budget=0.5)
+    llm = LLM(str(tiny_llama), offload="none", kv_budget=0.5,
+              hooks=EngineHooks(graphs=EagerGraphTwin))  # fmt: skip
     params = SamplingParams(max_new_tokens=4, ignore_eos=True)
     llm.generate(_prompts([20], seed=4), params)
     runner = llm.engine.batch.runner

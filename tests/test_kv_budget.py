@@ -135,7 +135,7 @@ def test_compression_moves_exactly_the_policys_tokens_to_the_front(policy):
     scores = [observation_scores(executor.window_q[layer].transpose(0, 1), keys[layer])
               for layer in range(num_layers)]  # fmt: skip
     expected = [p for layer in kept_positions(budget, scores, prompt, head_scores) for p in layer]
-    counts = executor.compress(7, prompt)
+    counts = executor.after_prefill(7, prompt)
     assert counts == [len(p) for p in expected]
     assert sum(counts) == pytest.approx(budget.tokens(prompt) * len(counts), abs=len(counts))
     assert len(set(counts)) == 1 or policy != "snapkv"

@@ -10,6 +10,7 @@ from tqdm import tqdm
 
 from headspace.engine.config import EngineConfig
 from headspace.engine.engine import Engine, RequestOutput
+from headspace.engine.hooks import EngineHooks
 from headspace.engine.ranks import join
 from headspace.engine.sampling import SamplingParams
 from headspace.errors import UserError
@@ -27,7 +28,8 @@ class LLM:
     Other keyword options are fields of :class:`headspace.engine.config.EngineConfig`, or
     of :class:`headspace.parallel.config.ParallelConfig` (``balance``, ``replicas``,
     ``balance_phase``: how kv heads are spread over the ranks when the script runs under
-    ``torchrun``, which sets their number).
+    ``torchrun``, which sets their number). ``hooks``: seams for tests and benchmarks
+    (:class:`headspace.engine.hooks.EngineHooks`).
     """
 
     def __init__(
@@ -35,6 +37,7 @@ class LLM:
         model: str | os.PathLike | None = None,
         device: str = "cpu",
         dtype: str | None = None,
+        hooks: EngineHooks | None = None,
         **engine_options,
     ):
         parallel_names = set(ENGINE_FIELDS)
@@ -48,7 +51,7 @@ class LLM:
         # (the embedded one for a new dtype, a .gguf) before the others look for it
         self.config = join(EngineConfig(device=device, dtype=dtype, **engine_options))
         self.model_dir = rank_zero_first(lambda: resolve_model_dir(model, self.config.dtype))
-        self.engine = Engine(self.model_dir, self.config)
+        self.engine = Engine(self.model_dir, self.config, hooks)
         self.last_output: RequestOutput | None = None
 
     @property

@@ -16,12 +16,15 @@ from headspace.api import LLM
 from headspace.engine import paged_graphs
 from headspace.engine.budget_ranks import RankBudgetExecutor
 from headspace.engine.entry_staging import EntryStaging
-from headspace.engine.paged_graphs import EagerGraphTwin
+from headspace.engine.hooks import EngineHooks
 from headspace.engine.paged_runner import PagedRunner
 from headspace.engine.sampling import SamplingParams
 from headspace.errors import UserError
 from headspace.kv.host_store import HostKVArena
 from headspace.parallel.dist import is_first_rank
+
+sys.path.insert(0, str(Path(__file__).parents[1]))  # the tests' graph twin
+from graph_twin import EagerGraphTwin  # noqa: E402
 
 GRAPH_STEP_FASTER = paged_graphs.graph_step_faster
 WIDTHS: list[int] = []  # the table width of every per-entry decode step on this rank
@@ -41,7 +44,7 @@ def _record(cls, name: str, note) -> None:
     setattr(cls, name, recorded)
 
 
-_record(RankBudgetExecutor, "sync", lambda self, *_, **__: WIDTHS.append(self.widest))
+_record(RankBudgetExecutor, "before_decode", lambda self, *_, **__: WIDTHS.append(self.widest))
 _record(PagedRunner, "swap", lambda self, pairs, to_host: pairs and SWAPS.append(
     len(pairs) if to_host else -len(pairs)))  # fmt: skip
 _record(EntryStaging, "begin_decode", lambda self, *_, **__: STAGED.append(self.streamed_bytes))
@@ -60,7 +63,7 @@ def run_case(case: dict) -> dict:
     SWAPS.clear()
     STAGED.clear()
     # decode steps through the graphs' CPU twin (padded rows, warm-ups) when the case asks
-    PagedRunner.graph_twin = EagerGraphTwin if case.get("graph_twin") else None
+    hooks = EngineHooks(graphs=EagerGraphTwin if case.get("graph_twin") else None)
     # a case bounds the bytes a graph's step may stream (ranks streaming different counts
     # must still decide alike)
     bound = case.get("graph_max_bytes")
@@ -73,7 +76,7 @@ def run_case(case: dict) -> dict:
     paged_graphs.graph_step_faster = graph_step_faster
     refuses = case.get("host_refuses_on_rank") == int(os.environ["RANK"])
     HostKVArena.ensure = _refusing if refuses else GROW_HOST
-    llm = LLM(case["model"], **case["options"])
+    llm = LLM(case["model"], hooks=hooks, **case["options"])
     ids = case["prompt"]
     params = SamplingParams(**case["params"])
     logits, outputs, error, after = None, [], None, None

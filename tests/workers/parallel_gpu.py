@@ -6,19 +6,22 @@ from __future__ import annotations
 
 import os
 import sys
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from headspace.engine.config import EngineConfig
 from headspace.engine.engine import Engine
-from headspace.engine.paged_graphs import EagerGraphTwin
-from headspace.engine.paged_runner import PagedRunner
+from headspace.engine.hooks import EngineHooks
 from headspace.engine.ranks import join
 from headspace.engine.sampling import SamplingParams
 from headspace.model.config import config_from_dict
 from headspace.model.loader import build_model
 from headspace.parallel.config import ParallelConfig
+
+sys.path.insert(0, str(Path(__file__).parents[1]))  # the tests' graph twin
+from graph_twin import EagerGraphTwin  # noqa: E402
 
 CONFIG = {"architectures": ["LlamaForCausalLM"], "vocab_size": 512, "hidden_size": 256,
           "intermediate_size": 512, "num_hidden_layers": 4, "num_attention_heads": 8,
@@ -80,9 +83,9 @@ def main(out_path: str, balance: str, kv_budget: str = "", backend: str = "gloo"
     tier in six full pages, where the prompt fits but four shorter ones (disjoint slices of
     it: no shared prefix) outgrow them as they generate 64 tokens, so sequences swap out to
     host pages and back."""
-    device = "cuda:0"
+    device, hooks = "cuda:0", EngineHooks()
     if backend == "gloo-twin":
-        PagedRunner.graph_twin, backend = EagerGraphTwin, "gloo"
+        hooks, backend = EngineHooks(graphs=EagerGraphTwin), "gloo"
     if "RANK" in os.environ and backend == "gloo":
         dist.init_process_group("gloo")
     elif "RANK" in os.environ:
@@ -102,7 +105,7 @@ def main(out_path: str, balance: str, kv_budget: str = "", backend: str = "gloo"
                           gpu_memory="2GiB",  # ranks may share the GPU
                           parallel=parallel, **budget)  # fmt: skip
     config = join(config)  # under torchrun: the process group (NCCL), this rank's GPU
-    engine = Engine.from_model(build(config.device), NoText(), config)
+    engine = Engine.from_model(build(config.device), NoText(), config, hooks)
     result = run(engine, prompt, batch, num_new)
     if not dist.is_initialized() or dist.get_rank() == 0:
         torch.save(result, out_path)

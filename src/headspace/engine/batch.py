@@ -20,12 +20,13 @@ from tqdm import tqdm
 from headspace.engine.batch_plan import BatchPlanner
 from headspace.engine.config import EngineConfig
 from headspace.engine.detokenize import StopStringStreamer
+from headspace.engine.hooks import EngineHooks
 from headspace.engine.memory import host_budget, kv_arena_bytes, prefill_chunk_size
 from headspace.engine.outputs import GenerationStats, RequestOutput
 from headspace.engine.paged_runner import PagedRunner
 from headspace.engine.ranks import Ranks
 from headspace.engine.sampling import SamplingParams, make_generator, sample
-from headspace.engine.scheduler import Scheduler, Sequence
+from headspace.engine.scheduler import PrefillPiece, Scheduler, Sequence, StepPlan
 from headspace.engine.weight_stream import device_weight_bytes, streamed_weight_bytes
 from headspace.errors import UserError
 from headspace.kv.host_store import HostKVArena
@@ -67,21 +68,12 @@ class _Read:
     ready: torch.cuda.Event | None
 
 
-@dataclass
-class _Prefill:
-    """The prompt being computed, piece by piece between decode steps."""
-
-    seq: Sequence
-    next: int  # its first prompt token not yet computed
-    bar: tqdm
-
-
 class BatchGenerator:
     """Generates for many prompts at once over the tiers of the current plan."""
 
     def __init__(self, model: LlamaModel, tokenizer, config: EngineConfig,
                  eos_token_ids: set[int], max_context: int, profile: Profile | None = None,
-                 ranks: Ranks | None = None):  # fmt: skip
+                 ranks: Ranks | None = None, hooks: EngineHooks | None = None):  # fmt: skip
         self.model, self.tokenizer, self.config = model, tokenizer, config
         self.eos_token_ids, self.max_context, self.ranks = eos_token_ids, max_context, ranks
         cfg, dtype = model.config, config.torch_dtype
@@ -99,23 +91,23 @@ class BatchGenerator:
             host_bytes = ranks.host_bytes(host_bytes)
         host = HostKVArena(self.spec, dtype, pin=config.on_gpu, budget=host_bytes)
         self.runner = PagedRunner(model, config, self.spec, arena, host, 2 * config.max_batch,
-                                  max_context, profile,
-                                  ranks.layout if ranks else None)  # fmt: skip
+                                  max_context, profile, ranks.layout if ranks else None,
+                                  (hooks or EngineHooks()).graphs)  # fmt: skip
         self.planner = BatchPlanner(model.config, config, self.spec, self.runner, weights,
                                     streamed, ranks)  # fmt: skip
         own_pools = ranks is not None and config.per_head_pages  # pages per rank
-        self.scheduler = Scheduler(self.runner.blocks, config.max_batch, 2 * config.max_batch,
-                                   config.prefix_caching,
-                                   all_agree if own_pools else bool)  # fmt: skip
         # prompt tokens a step computes while others decode (a whole chunk when none does),
         # in whole pages
         page = self.spec.page_size
-        self.step_tokens = max(page, config.prefill_step_tokens // page * page)
+        step_tokens = max(page, config.prefill_step_tokens // page * page)
+        self.scheduler = Scheduler(self.runner.blocks, config.max_batch, 2 * config.max_batch,
+                                   config.prefix_caching, all_agree if own_pools else bool,
+                                   self.chunk, step_tokens)  # fmt: skip
         self._next_id = 0
         self.peak_pages = 0
         self._by_id: dict[int, _Request] = {}  # the requests not finished or aborted
         self._reads: deque[_Read] = deque()
-        self._prefilling: _Prefill | None = None
+        self._bars: dict[int, tqdm] = {}  # the prefill progress of the prompt being computed
 
     # -- planning ------------------------------------------------------------------------
     def plan(self, seqs: list[Sequence]) -> Plan:
@@ -155,14 +147,10 @@ class BatchGenerator:
         if request is None:
             return False
         seq = request.seq
-        if self._prefilling is not None and self._prefilling.seq is seq:
-            self._prefilling.bar.close()
-            self._prefilling = None
-        if seq in self.scheduler.waiting:
-            self.scheduler.waiting.remove(seq)
-            seq.finish_reason = "abort"
-        else:
-            self.scheduler.finish(seq, "abort")
+        bar = self._bars.pop(seq.seq_id, None)
+        if bar is not None:
+            bar.close()
+        self.scheduler.abort(seq)
         self.runner.forget(seq.seq_id)
         return True
 
@@ -174,7 +162,8 @@ class BatchGenerator:
 
     def prefilling(self) -> int | None:
         """The request whose prompt is being prefilled (None between prompts)."""
-        return None if self._prefilling is None else self._prefilling.seq.seq_id
+        seq = self.scheduler.prefilling
+        return None if seq is None else seq.seq_id
 
     def has_unfinished(self) -> bool:
         """Whether a request is waiting, running or has tokens on their way."""
@@ -204,43 +193,36 @@ class BatchGenerator:
 
     # -- one step ------------------------------------------------------------------------
     def _launch(self) -> bool:
-        """Queue the next GPU work: a swap-in, a decode step of the requests past their
-        prompts, and a piece of the prompt being prefilled (a whole chunk when none
-        decodes, else ``prefill_step_tokens``). Whether anything was queued."""
+        """Queue the next GPU work the scheduler plans (a new layout first, when nothing
+        holds pages). Whether anything was queued."""
         scheduler = self.scheduler
         if scheduler.idle and scheduler.waiting:
             self.planner.replan(scheduler)
-        resumed = scheduler.resume()
-        if resumed is not None:
-            self.runner.swap(resumed[1], to_host=False)
-        if self._prefilling is None:
-            seq = scheduler.admit(self.planner.worth_joining(scheduler))
-            if seq is not None:
-                self._start_prefill(seq)
-        prefilling = self._prefilling.seq if self._prefilling is not None else None
-        batch = [s for s in scheduler.running
-                 if s is not prefilling and s.num_scheduled < s.max_tokens]  # fmt: skip
-        decoded = bool(batch) and self._decode(batch)
-        if prefilling is not None:
-            self._prefill_piece(whole_chunk=not decoded)
-            return True
-        return decoded or resumed is not None
+        plan = scheduler.schedule(self.planner.worth_joining(scheduler))
+        self._run(plan)
+        return not plan.empty
 
-    def _decode(self, batch: list[Sequence]) -> bool:
-        batch, pairs = self.scheduler.grow(batch)
-        self.runner.swap(pairs, to_host=True)
-        if not batch:
-            return bool(pairs)
-        positions = [s.num_scheduled - 1 for s in batch]
-        logits, slots = self.runner.decode([s.seq_id for s in batch], positions,
-                                           [s.slot for s in batch])  # fmt: skip
-        self._sample(batch, logits)
-        self._reads.append(self._read(batch, self.runner.tokens.index_select(0, slots)))
-        pool = self.runner.blocks.pool
-        self.peak_pages = max(self.peak_pages, pool.num_pages - pool.num_free)
-        return True
+    def _run(self, plan: StepPlan) -> None:
+        """Execute ``plan`` on the runner, in its order; sampled tokens start their way to
+        the host."""
+        self.runner.swap(plan.swap_in, to_host=False)
+        if plan.admitted is not None:
+            self._admitted(plan.admitted)
+        self.runner.swap(plan.swap_out, to_host=True)
+        if plan.decode:
+            batch = plan.decode
+            positions = [s.num_scheduled - 1 for s in batch]
+            logits, slots = self.runner.decode([s.seq_id for s in batch], positions,
+                                               [s.slot for s in batch])  # fmt: skip
+            self._sample(batch, logits)
+            self._reads.append(self._read(batch, self.runner.tokens.index_select(0, slots)))
+            pool = self.runner.blocks.pool
+            self.peak_pages = max(self.peak_pages, pool.num_pages - pool.num_free)
+        if plan.prefill is not None:
+            self._prefill(plan.prefill)
 
-    def _start_prefill(self, seq: Sequence) -> None:
+    def _admitted(self, seq: Sequence) -> None:
+        """A request whose prefill begins: the tiers it runs on, its progress bar."""
         request = self._by_id[seq.seq_id]
         head_map = self.runner.plan.head_map
         request.num_gpu_heads = head_map.count("gpu")
@@ -248,23 +230,19 @@ class BatchGenerator:
         request.num_hybrid_heads = head_map.count("hybrid")
         total = len(seq.prompt_ids) - seq.num_cached
         show = self.config.progress and total >= PROGRESS_MIN_TOKENS
-        bar = tqdm(total=total, desc="prefill", unit="tok", disable=not show, leave=False)
-        self._prefilling = _Prefill(seq, seq.num_cached, bar)
+        self._bars[seq.seq_id] = tqdm(total=total, desc="prefill", unit="tok", disable=not show,
+                                      leave=False)  # fmt: skip
 
-    def _prefill_piece(self, whole_chunk: bool) -> None:
-        """The next piece of the prompt being prefilled; after its last, the first token."""
-        prefill = self._prefilling
-        seq = prefill.seq
-        size = self.chunk if whole_chunk else min(self.chunk, self.step_tokens)
-        end = min(prefill.next + size, len(seq.prompt_ids))
-        hidden = self.runner.prefill_chunk(seq, prefill.next, end, static=end - prefill.next
-                                           == size)  # fmt: skip
-        prefill.bar.update(end - prefill.next)
-        prefill.next = end
-        if end < len(seq.prompt_ids):
+    def _prefill(self, piece: PrefillPiece) -> None:
+        """One piece of a prompt; after its last, the first token."""
+        seq, recurs = piece.seq, piece.end - piece.start == piece.size
+        hidden = self.runner.prefill_chunk(seq, piece.start, piece.end, static=recurs)
+        bar = self._bars[seq.seq_id]
+        bar.update(piece.end - piece.start)
+        if not piece.last:
             return
-        prefill.bar.close()
-        self._prefilling = None
+        bar.close()
+        del self._bars[seq.seq_id]
         logits = self.runner.end_prefill(seq, hidden, seq.slot)
         self._sample([seq], logits[None])
         self._reads.append(self._read([seq], self.runner.tokens[seq.slot : seq.slot + 1].clone()))

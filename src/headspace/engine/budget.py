@@ -39,6 +39,7 @@ from headspace.engine.executors import (
     MIN_WIDTH,
     PREFIX_CHUNKS,
     PREFIX_PIECE,
+    Tier,
     block_table,
     bucket,
 )
@@ -47,8 +48,10 @@ from headspace.kv.spec import Pattern, padded_length
 from headspace.kv.transfer import device_ints
 
 
-class BudgetExecutor:
+class BudgetExecutor(Tier):
     """Attention of every entry over per-entry pages of one plane ``[2, slots, dim]``."""
+
+    entry_rows = True
 
     def __init__(self, plane: torch.Tensor, blocks: EntryBlockManager,
                  num_kv_heads: int | list[int], q_per_kv: int, backend: str,
@@ -111,7 +114,7 @@ class BudgetExecutor:
                 self.tables = self.tables.clone()  # offloaded rows point at staging pages
             self.staging.begin_decode(self.step_lengths, self.step_hosts, self.tables)
 
-    def sync(self, seq_ids: list[int], slots: list[int]) -> None:
+    def before_decode(self, seq_ids: list[int], slots: list[int]) -> None:
         """Bring the device tables of the step's token ``slots`` up to the entries of
         ``seq_ids``: whole rows for a slot's new owner, else the pages decode added."""
         device, widest = self.plane.device, 1
@@ -138,6 +141,10 @@ class BudgetExecutor:
         self.step_slots, self.widest = slot_index, widest
         self.step_lengths = lengths  # the offloaded entries' staging reads them
         self.step_hosts = [self.blocks.host_pages(s) for s in seq_ids]
+
+    def begin_graph(self, step, views: dict[str, torch.Tensor], key: tuple) -> None:
+        self.step = step
+        self.begin_rows(views["slots"], key[1])
 
     def begin_rows(self, slots: torch.Tensor, width: int) -> None:
         """The step's tables ``[layers, seqs x kv_heads, width]`` and lengths ``[layers,
@@ -253,7 +260,7 @@ class BudgetExecutor:
         return self.plane[:, slots[:, columns.clamp(max=hi - 1)]]
 
     @torch.inference_mode()
-    def compress(self, seq_id: int, prompt_len: int) -> list[int]:
+    def after_prefill(self, seq_id: int, prompt_len: int) -> list[int]:
         """Keep each entry's tokens by the budget and the rings (after the prompt of
         ``seq_id``, whose K/V and last queries this executor holds); returns the kept count
         per entry."""

@@ -45,11 +45,11 @@ class RankBudgetExecutor(BudgetExecutor):
                         for layer in range(head_map.num_layers)]  # fmt: skip
         self._parts: dict[int, tuple[list[torch.Tensor], torch.Tensor]] = {}
 
-    def sync(self, seq_ids: list[int], slots: list[int]) -> None:
+    def before_decode(self, seq_ids: list[int], slots: list[int]) -> None:
         """The step's device tables, read as wide on every rank (the widest rank's): a
         CUDA graph is keyed by that width, and every rank must capture at the same step,
         or their collectives do not pair up."""
-        super().sync(seq_ids, slots)
+        super().before_decode(seq_ids, slots)
         self.widest = -host_min(-self.widest)
 
     def submit(self, layer: int, q: torch.Tensor, kv: torch.Tensor, out: torch.Tensor) -> None:

@@ -22,6 +22,7 @@ from headspace.attention.paged import gather_pages
 from headspace.attention.sparse_prefill import prefill_with_patterns
 from headspace.engine.executors import (
     StepInputs,
+    Tier,
     chunk_slots,
     padded_positions,
 )
@@ -30,7 +31,7 @@ from headspace.kv.spec import Pattern
 from headspace.parallel.placement import Copy, RankLayout, copy_rows, cumulative_shares
 
 
-class CopyExecutor:
+class CopyExecutor(Tier):
     """Attends this rank's copies of shared heads; ``exchange(lse)`` returns every rank's
     ``lse`` stacked ``[world, ...]`` (an all-gather). A layer with a copy on any rank calls
     it at decode on every rank, with ``-inf`` where this rank holds no copy."""

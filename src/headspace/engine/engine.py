@@ -9,6 +9,7 @@ import torch
 
 from headspace.engine.batch import BatchGenerator
 from headspace.engine.config import EngineConfig
+from headspace.engine.hooks import EngineHooks
 from headspace.engine.outputs import GenerationStats, RequestOutput
 from headspace.engine.ranks import join, plan_ranks, setup_ranks
 from headspace.engine.sampling import SamplingParams
@@ -37,7 +38,7 @@ def _load_tokenizer(model_dir: Path):
 class Engine:
     """A model, its tokenizer and the batch generator over the KV tiers."""
 
-    def __init__(self, model_dir: Path, config: EngineConfig):
+    def __init__(self, model_dir: Path, config: EngineConfig, hooks: EngineHooks | None = None):
         model_cfg = load_config(model_dir)  # refuse a bad directory before the slower loads
         config = join(config)  # under torchrun: the process group, this rank's GPU
         tokenizer = _load_tokenizer(model_dir)
@@ -51,10 +52,11 @@ class Engine:
                            "cpu" if streamed else None)  # fmt: skip
         if streamed:
             WeightStream(model, config.device)
-        self._setup(model, tokenizer, config, ranks)
+        self._setup(model, tokenizer, config, ranks, hooks)
 
     @classmethod
-    def from_model(cls, model: LlamaModel, tokenizer, config: EngineConfig) -> Engine:
+    def from_model(cls, model: LlamaModel, tokenizer, config: EngineConfig,
+                   hooks: EngineHooks | None = None) -> Engine:  # fmt: skip
         """An engine over a model built in memory (benchmarks with random weights); the
         tokenizer needs only ``decode`` when prompts are token ids. Under torchrun the model
         is sharded in place; its layers move to pinned host memory if they stream."""
@@ -65,7 +67,7 @@ class Engine:
         on_device = sum(p.nbytes for p in model.parameters() if p.device.type != "cpu")
         if weights_streamed(model.config, config, ranks, on_device):
             WeightStream(model, config.device)
-        engine._setup(model, tokenizer, config, ranks)
+        engine._setup(model, tokenizer, config, ranks, hooks)
         return engine
 
     def _read_profile(self, model_cfg, config: EngineConfig) -> None:
@@ -78,8 +80,10 @@ class Engine:
     def _max_context(model_cfg, config: EngineConfig) -> int:
         return config.max_context or model_cfg.max_context
 
-    def _setup(self, model: LlamaModel, tokenizer, config: EngineConfig, ranks) -> None:
+    def _setup(self, model: LlamaModel, tokenizer, config: EngineConfig, ranks,
+               hooks: EngineHooks | None) -> None:  # fmt: skip
         self.config, self.model, self.tokenizer, self.ranks = config, model, tokenizer, ranks
+        self.hooks = hooks
         model_cfg = model.config
         self.max_context = self._max_context(model_cfg, config)
         eos = set(model_cfg.eos_token_ids)
@@ -93,7 +97,7 @@ class Engine:
         if self._batch is None:
             self._batch = BatchGenerator(self.model, self.tokenizer, self.config,
                                          self.eos_token_ids, self.max_context,
-                                         self.profile, self.ranks)  # fmt: skip
+                                         self.profile, self.ranks, self.hooks)  # fmt: skip
         return self._batch
 
     def encode(self, prompt: str, chat: bool = False) -> list[int]:

@@ -64,6 +64,42 @@ class StepInputs:
     seq_ids: list[int] = field(default_factory=list)
 
 
+class Tier:
+    """What a step needs from a tier of the head map; one executor per tier of a layout.
+
+    Every step: ``begin(step)`` with the step's inputs (a CUDA graph's step: ``begin_graph``
+    with views of its device buffers), then per layer ``submit(layer, q, kv, out)`` (GPU work
+    queued, other work started) and ``collect(layer)`` (the tier's ``(out, lse)``, its heads
+    of ``out`` written). Around them, for tiers that keep per-sequence state on the device:
+    ``before_decode(seq_ids, slots)`` brings it up to the sequences of a decode step, and
+    ``after_prefill(seq_id, prompt_len)`` follows a prompt (budgets compress it). A CUDA
+    graph packs what a tier's decode step reads: ``stages_history`` (host pages staged into
+    a slot) and ``entry_rows`` (per-entry tables on the device, no block table).
+    """
+
+    stages_history = False
+    entry_rows = False
+
+    def begin(self, step: StepInputs) -> None:
+        raise NotImplementedError
+
+    def submit(self, layer: int, q: torch.Tensor, kv: torch.Tensor, out: torch.Tensor) -> None:
+        raise NotImplementedError
+
+    def collect(self, layer: int):
+        raise NotImplementedError
+
+    def before_decode(self, seq_ids: list[int], slots: list[int]) -> None:
+        """Per-sequence device state for a decode step of ``seq_ids`` in token ``slots``."""
+
+    def after_prefill(self, seq_id: int, prompt_len: int):
+        """After the last chunk of a prompt of ``prompt_len`` tokens."""
+
+    def begin_graph(self, step: StepInputs, views: dict[str, torch.Tensor], key: tuple) -> None:
+        """A captured decode step over the graph's buffers (``views``, graph ``key``)."""
+        self.begin(step)
+
+
 def q_heads(kv_range: HeadRange, q_per_kv: int) -> slice:
     return slice(kv_range[0] * q_per_kv, kv_range[1] * q_per_kv)
 
@@ -92,7 +128,7 @@ def padded_positions(num_keys: int, device) -> torch.Tensor:
     return torch.arange(padded_length(num_keys), device=device).clamp(max=num_keys - 1)
 
 
-class ResidentExecutor:
+class ResidentExecutor(Tier):
     """Entries resident in the GPU pool's pages: at prefill the fused causal kernel over the
     chunk and over the prefix gathered from the pages in pieces; at decode the Triton
     split-K paged kernel (which also appends the new K/V), or the CPU kernel over the pages

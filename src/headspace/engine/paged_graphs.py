@@ -16,21 +16,17 @@ from dataclasses import dataclass, field
 
 import torch
 
-from headspace.engine.budget import BudgetExecutor
-from headspace.engine.copies import CopyExecutor
 from headspace.engine.executors import (
     MIN_WIDTH,
-    ResidentExecutor,
     StepInputs,
     attend_tiers,
     bucket,
 )
-from headspace.engine.streaming import StreamExecutor
 from headspace.planner.memory import graph_step_faster
 
 
 @dataclass
-class _Captured:
+class CapturedStep:
     graph: torch.cuda.CUDAGraph
     inputs: torch.Tensor  # flat int64: rows [batch, columns], then count and host pages
     staging: list[torch.Tensor]  # the same twice in pinned host memory
@@ -48,17 +44,16 @@ class DecodeGraphs:
         the executors' tiers; a benchmark passes a timed one)."""
         self.model, self.executors, self.tokens = model, list(executors), tokens
         self.attention = attention  # (not a bound method of self: no cycle holds the KV)
-        self.resident = next((e for e in executors if isinstance(e, ResidentExecutor)), None)
-        self.stream = next((e for e in executors if isinstance(e, StreamExecutor)), None)
-        self.budget = next((e for e in executors if isinstance(e, BudgetExecutor)), None)
-        self.copies = next((e for e in executors if isinstance(e, CopyExecutor)), None)
+        # the tiers whose decode inputs the graph packs beside the block tables
+        self.stream = next((e for e in executors if e.stages_history), None)
+        self.budget = next((e for e in executors if e.entry_rows), None)
         self.scratch_page, self.scratch_slot = scratch_page, tokens.numel() - 1
         self.host_scratch_slot, self.blocks_mode = host_scratch_slot, blocks_mode
-        self.page_size = (self.resident or self.stream or self.budget).page_size
+        self.page_size = executors[0].page_size
         self.device = tokens.device
         vocab = model.lm_head.weight.shape[0]
         self.logits = torch.empty(bucket(max_batch), vocab, device=self.device)
-        self._graphs: dict[tuple[int, int, int], _Captured] = {}
+        self._graphs: dict[tuple[int, int, int], CapturedStep] = {}
         self._pool = pool
 
     def accepts(self, positions: list[int]) -> bool:
@@ -111,15 +106,8 @@ class DecodeGraphs:
         positions = views["positions"]
         tables = {tier: views[tier] for tier in ("gpu", "host") if views[tier].shape[1]}
         step = StepInputs(True, positions, [], {}, tables, positions + 1)
-        if self.resident is not None:
-            self.resident.begin(step)
-        if self.copies is not None:  # one rank's copies: their key ranges, on the device
-            self.copies.begin(step)
-        if self.budget is not None:
-            self.budget.step = step
-            self.budget.begin_rows(views["slots"], key[1])
-        if self.stream is not None:
-            self.stream.begin_static(step, views["pages"], views["count"], views["new_slots"])
+        for tier in self.executors:  # (copies find their key ranges on the device)
+            tier.begin_graph(step, views, key)
         slots = views["slots"]
         attention = self.attention or self._attention
         hidden = self.model(self.tokens.index_select(0, slots), positions, attention,
@@ -128,7 +116,7 @@ class DecodeGraphs:
         logits.copy_(self.model.logits(hidden))
         self.tokens.index_copy_(0, slots, logits.argmax(-1))
 
-    def _capture(self, key) -> _Captured:
+    def _capture(self, key) -> CapturedStep:
         batch, gpu_width, staging_width = key
         per_row, tail = self._columns(key)
         inputs = torch.zeros(batch * per_row + tail, dtype=torch.long, device=self.device)
@@ -145,7 +133,7 @@ class DecodeGraphs:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool):
             self._step(views, key)
-        return _Captured(graph, inputs, staging)
+        return CapturedStep(graph, inputs, staging)
 
     def _pack(self, slots: list[int], positions: list[int], pages: dict, key) -> list[int]:
         """The step's inputs as one flat list of int64 values (see ``_views``)."""
@@ -206,29 +194,3 @@ class DecodeGraphs:
         captured.graph.replay()
         per_row, _ = self._columns(key)
         return self.logits[:num_seqs], captured.inputs[: num_seqs * per_row : per_row]
-
-
-class EagerGraphTwin(DecodeGraphs):
-    """The CPU twin of :class:`DecodeGraphs` for tests: the same keys, padded rows, packed
-    inputs and two warm-up steps of all-padding rows when a key is new, each "replay" the
-    captured step run eagerly over those inputs (what a graph replays, bugs included)."""
-
-    def _capture(self, key) -> _Captured:
-        inputs = torch.tensor(self._pack([], [], {}, key), dtype=torch.long, device=self.device)
-        views = self._views(inputs, key)
-        for _ in range(2):  # the warm-up steps a capture runs, every row padding
-            self._step(views, key)
-        return _Captured(None, inputs, [])
-
-    @torch.inference_mode()
-    def run(self, slots: list[int], positions: list[int],
-            pages: dict[str, list[list[int]]]) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-        num_seqs, key = len(slots), self._key(positions, pages)
-        if key not in self._graphs:
-            self._graphs[key] = self._capture(key)
-        captured = self._graphs[key]
-        captured.inputs.copy_(torch.tensor(self._pack(slots, positions, pages, key)))
-        self._step(self._views(captured.inputs, key), key)
-        per_row, _ = self._columns(key)
-        # a copy: on the CPU nothing else would copy the shared buffer before the next step
-        return self.logits[:num_seqs].clone(), captured.inputs[: num_seqs * per_row : per_row]

@@ -49,9 +49,15 @@ class PagedRunner:
 
     def __init__(self, model: LlamaModel, config: EngineConfig, spec: KVSpec, arena_bytes: int,
                  host: HostKVArena, max_slots: int, max_context: int,
-                 profile: Profile | None = None,
-                 layout: RankLayout | None = None):  # fmt: skip
+                 profile: Profile | None = None, layout: RankLayout | None = None,
+                 graphs_class: type | None = None):  # fmt: skip
+        """``graphs_class``: what captures decode steps in place of DecodeGraphs (tests'
+        CPU twin; :class:`EngineHooks`)."""
         self.model, self.config, self.spec, self.host = model, config, spec, host
+        self.graphs_class = graphs_class
+        # each layer's attention calls this when set: ``hook(layer, q, kv) -> out`` (a
+        # benchmark's timer; ``attend_tiers(runner.executors, ...)`` is the tiers' own)
+        self.attention_hook = None
         self.layout = layout  # one rank's heads under torch.distributed (None: all heads)
         self.max_context = max_context
         self.device = torch.device(config.device)
@@ -242,15 +248,11 @@ class PagedRunner:
         held = sum(lengths)
         return held * self.spec.entry_token_bytes, held / max(len(lengths) * num_tokens, 1)
 
-    # tests: a class that stands in for DecodeGraphs off the GPU (``paged_graphs``'s eager
-    # twin: the same padded steps, warm-ups and inputs, run without capture)
-    graph_twin = None
-
     @property
     def _graphs(self):
         """The CUDA graphs of this layout's decode step, None without CUDA graphs (kept per
         layout while the host pages they address stay where they are)."""
-        twin = self.graph_twin  # a CPU stand-in in tests; None: real graphs, on a GPU only
+        twin = self.graphs_class  # a CPU stand-in in tests; None: real graphs, on a GPU only
         if (twin is None and self.device.type != "cuda") or not self.config.cuda_graph:
             return None
         if self.plan is None or self.model.layer_source is not None:  # streamed weights
@@ -271,7 +273,7 @@ class PagedRunner:
         graphs = (twin or DecodeGraphs)(
             self.model, self.executors, self.tokens, self.store.num_pages,
             self.host.scratch_slot, self.config.max_batch, mode, self._graph_pool,
-            self.__dict__.get("_attention"),  # a benchmark's timed wrapper, if it set one
+            self.attention_hook,  # a benchmark's timed attention, if it set one
         )  # fmt: skip
         self._graph_cache[self._layout_id] = (generation, graphs)
         return graphs
@@ -281,7 +283,7 @@ class PagedRunner:
         NCCL's (captured; gloo's are not). Copies find their key ranges on the device."""
         import torch.distributed as dist
 
-        return dist.get_backend() == "nccl" or self.graph_twin is not None
+        return dist.get_backend() == "nccl" or self.graphs_class is not None
 
     def ensure_host_pages(self, num_pages: int) -> None:
         """Host pages for at least ``num_pages`` (grows the arena when needed; graphs that
@@ -303,6 +305,8 @@ class PagedRunner:
 
     # -- prefill -----------------------------------------------------------------------
     def _attention(self, layer: int, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
+        if self.attention_hook is not None:
+            return self.attention_hook(layer, q, kv)
         return attend_tiers(self.executors, layer, q, kv)
 
     def _pages(self, seq_ids: list[int]) -> dict[str, list[list[int]]]:
@@ -354,8 +358,8 @@ class PagedRunner:
         budgets compress it; returns the last token's fp32 logits ``[vocab]`` from
         ``hidden`` (its greedy pick goes into token ``slot``), or None without."""
         self.blocks.cache_full_pages(seq.seq_id, seq.prompt_ids)
-        if self.config.per_head_pages:
-            self.executors[0].compress(seq.seq_id, len(seq.prompt_ids))
+        for tier in self.executors:  # budgets compress what the prompt left
+            tier.after_prefill(seq.seq_id, len(seq.prompt_ids))
         if hidden is None:
             return None
         logits = self.model.logits(hidden[-1:])[0]
@@ -371,8 +375,8 @@ class PagedRunner:
         (pages already allocated). Returns fp32 logits ``[seqs, vocab]`` and the slots on
         the device; each greedy pick is written into its slot (sampled rows overwrite it)."""
         pages = self._pages(seq_ids)
-        if self.config.per_head_pages:  # the entries' tables on the device
-            self.executors[0].sync(seq_ids, slots)
+        for tier in self.executors:  # per-entry tables on the device
+            tier.before_decode(seq_ids, slots)
         graphs = self._graphs
         if graphs is not None and graphs.accepts(positions):
             return graphs.run(slots, positions, pages)

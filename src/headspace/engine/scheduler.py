@@ -1,5 +1,6 @@
 """Continuous batching over the tiers: who is admitted, who grows, who is swapped out and
-back in. Pure bookkeeping, no tensors.
+back in, which piece of a prompt is prefilled. Pure bookkeeping, no tensors: ``schedule()``
+returns a :class:`StepPlan`, the only thing the engine's runner is handed.
 
 Admission follows the current plan. In the all-resident layout, with the host tier allowed,
 a prompt is admitted when its pages fit (plus a page of headroom per running sequence),
@@ -53,19 +54,56 @@ class Sequence:
         return self.num_tokens + self.num_pending
 
 
+@dataclass
+class PrefillPiece:
+    """Prompt tokens ``start .. end-1`` of ``seq`` to compute in this step; ``size``: the
+    piece length asked (a piece of that length recurs: one compiled shape)."""
+
+    seq: Sequence
+    start: int
+    end: int
+    size: int
+
+    @property
+    def last(self) -> bool:
+        """Whether the prompt is complete after it (its first token is sampled)."""
+        return self.end == len(self.seq.prompt_ids)
+
+
+@dataclass
+class StepPlan:
+    """What one step runs, in order: page copies in, page copies out, one decode token for
+    each of ``decode``, a piece of a prompt. ``admitted``: whose prefill begins now."""
+
+    swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host page, GPU page)
+    swap_out: list[tuple[int, int]] = field(default_factory=list)  # (GPU page, host page)
+    decode: list[Sequence] = field(default_factory=list)
+    prefill: PrefillPiece | None = None
+    admitted: Sequence | None = None
+
+    @property
+    def empty(self) -> bool:
+        return not (self.swap_in or self.swap_out or self.decode or self.prefill)
+
+
 class Scheduler:
     """Waiting, running and swapped-out sequences over a BlockManager.
 
     ``tiers``: the tiers a sequence takes pages in under the current plan; ``optimistic``:
     admit on the prompt's pages and swap out on shortage (else reserve up to max_tokens);
     ``grow_host(n)``: grow the host pool to ``n`` free pages; None when it did, else why not
-    (the budget, page-locking).
+    (the budget, page-locking). A prompt is prefilled one piece a step: ``chunk`` tokens
+    when no sequence decodes, at most ``step_tokens`` when some do (their tokens keep
+    coming); one prompt at a time.
     """
 
     def __init__(self, blocks: BlockManager, max_batch: int, num_slots: int,
-                 prefix_caching: bool = True,
-                 agree: Callable[[bool], bool] = bool):  # fmt: skip
+                 prefix_caching: bool = True, agree: Callable[[bool], bool] = bool,
+                 chunk: int = 8192, step_tokens: int = 8192):  # fmt: skip
         self.blocks, self.max_batch, self.prefix_caching = blocks, max_batch, prefix_caching
+        self.chunk, self.step_tokens = chunk, step_tokens
+        self.prefilling: Sequence | None = None  # the prompt being computed, piece by piece
+        self.prefill_next = 0  # its first token not yet computed
         self.agree = agree  # whether a page check holds everywhere (ranks with own pools)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -101,6 +139,43 @@ class Scheduler:
         return self.agree(all(needed <= pools[tier].num_free or
                               (tier == HOST and self.grow_host(needed) is None)
                               for tier in self.tiers))  # fmt: skip
+
+    def schedule(self, accept: Callable[[Sequence], bool] = lambda s: True) -> StepPlan:
+        """The next step: a swapped-out sequence back in when it fits; the next waiting one
+        admitted (if ``accept`` agrees) when no prompt is being prefilled; one token for
+        every running sequence past its prompt (growing their pages, swapping the latest
+        out on shortage); the next piece of the prompt being prefilled."""
+        plan = StepPlan()
+        resumed = self.resume()
+        if resumed is not None:
+            plan.swap_in = resumed[1]
+        if self.prefilling is None:
+            plan.admitted = self.admit(accept)
+            if plan.admitted is not None:
+                self.prefilling, self.prefill_next = plan.admitted, plan.admitted.num_cached
+        batch = [s for s in self.running
+                 if s is not self.prefilling and s.num_scheduled < s.max_tokens]  # fmt: skip
+        if batch:
+            plan.decode, plan.swap_out = self.grow(batch)
+        if self.prefilling is not None:
+            seq = self.prefilling
+            size = min(self.chunk, self.step_tokens) if plan.decode else self.chunk
+            end = min(self.prefill_next + size, len(seq.prompt_ids))
+            plan.prefill = PrefillPiece(seq, self.prefill_next, end, size)
+            self.prefill_next = end
+            if plan.prefill.last:
+                self.prefilling = None
+        return plan
+
+    def abort(self, seq: Sequence) -> None:
+        """Drop ``seq`` wherever it is; its pages return to their pools."""
+        if seq is self.prefilling:
+            self.prefilling = None
+        if seq in self.waiting:
+            self.waiting.remove(seq)
+            seq.finish_reason = "abort"
+        else:
+            self.finish(seq, "abort")
 
     def admit(self, accept: Callable[[Sequence], bool] = lambda s: True) -> Sequence | None:
         """Move the next waiting sequence into the batch if it fits (and ``accept`` agrees);

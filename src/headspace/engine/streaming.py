@@ -22,7 +22,7 @@ from headspace.attention.paged import (
     paged_token_scores,
     paged_token_slots,
 )
-from headspace.engine.executors import MIN_WIDTH, HeadRange, StepInputs, bucket, q_heads
+from headspace.engine.executors import MIN_WIDTH, HeadRange, StepInputs, Tier, bucket, q_heads
 from headspace.engine.hybrid import CpuAttention, cpu_ends
 from headspace.kv.host_store import HostKVArena
 from headspace.kv.transfer import as_heads, copy_pages, device_ints, write_tokens
@@ -69,8 +69,10 @@ def page_runs(pages: list[int]) -> list[tuple[int, int, int]]:
     return runs
 
 
-class StreamExecutor:
+class StreamExecutor(Tier):
     """Attention of the streamed (layer, kv head) entries over host pages."""
+
+    stages_history = True
 
     def __init__(self, host: HostKVArena, staging: list[torch.Tensor],
                  groups: list[list[HeadRange]], q_per_kv: int, page_size: int,
@@ -125,6 +127,9 @@ class StreamExecutor:
             host_pages = device_ints(pages, self.device)
             self.new_slots = host_pages[step.positions // size] * size + step.positions % size
         self._start()
+
+    def begin_graph(self, step: StepInputs, views: dict[str, torch.Tensor], key: tuple) -> None:
+        self.begin_static(step, views["pages"], views["count"], views["new_slots"])
 
     def begin_static(self, step: StepInputs, pages: torch.Tensor, count: torch.Tensor,
                      new_slots: torch.Tensor) -> None:  # fmt: skip

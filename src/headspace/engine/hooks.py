@@ -1,0 +1,19 @@
+"""Explicit seams for tests and benchmarks: nothing here is needed to run the engine."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class EngineHooks:
+    """``graphs``: the class that captures and replays decode steps in place of
+    :class:`headspace.engine.paged_graphs.DecodeGraphs`, with its constructor's arguments
+    (the tests' CPU twin runs the graphs' padded steps eagerly, so their paths run without a
+    GPU; under gloo the twin stands in where collectives cannot be captured). None: CUDA
+    graphs on a GPU, none on a CPU.
+
+    A benchmark that times attention sets ``PagedRunner.attention_hook`` once the engine
+    exists (each layer's attention then calls it, eager and graphed steps alike)."""
+
+    graphs: type | None = None

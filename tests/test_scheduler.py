@@ -1,0 +1,112 @@
+"""The scheduler alone (no model, no tensors): what each step plan holds as requests arrive,
+decode, prefill in pieces, swap and are aborted."""
+
+from __future__ import annotations
+
+from headspace.engine.scheduler import Scheduler, Sequence
+from headspace.kv.block_table import GPU, HOST, BlockManager
+
+PAGE = 16
+
+
+def _scheduler(gpu_pages: int, host_pages: int = 0, chunk: int = 64, step_tokens: int = 16,
+               page: int = PAGE) -> Scheduler:  # fmt: skip
+    blocks = BlockManager(page, gpu_pages, host_pages)
+    return Scheduler(blocks, max_batch=4, num_slots=8, chunk=chunk, step_tokens=step_tokens)
+
+
+def _ran(plan) -> None:
+    """What the engine does after running a plan: each decoded or finished prompt has one
+    more token on its way to the host."""
+    for seq in plan.decode:
+        seq.num_pending += 1
+    if plan.prefill is not None and plan.prefill.last:
+        plan.prefill.seq.num_pending += 1
+
+
+def _pieces(plans) -> list[tuple[int, int]]:
+    return [(p.prefill.start, p.prefill.end) for p in plans if p.prefill is not None]
+
+
+def test_a_prompt_alone_takes_whole_chunks_and_beside_decoding_ones_pieces():
+    scheduler = _scheduler(gpu_pages=32)
+    first = Sequence(0, list(range(100)), 110)
+    scheduler.add(first)
+    plans = []
+    while first.num_pending == 0:
+        plans.append(scheduler.schedule())
+        _ran(plans[-1])
+    assert plans[0].admitted is first
+    assert _pieces(plans) == [(0, 64), (64, 100)]  # nothing decodes: whole chunks
+    assert all(not p.decode for p in plans)
+    second = Sequence(1, list(range(50)), 60)
+    scheduler.add(second)
+    plans = []
+    while second.num_pending == 0:
+        plans.append(scheduler.schedule())
+        _ran(plans[-1])
+    assert _pieces(plans) == [(0, 16), (16, 32), (32, 48), (48, 50)]  # between its tokens
+    assert all(p.decode == [first] for p in plans)
+    assert scheduler.schedule().decode == [first, second]
+
+
+def test_one_prompt_is_prefilled_at_a_time_in_arrival_order():
+    scheduler = _scheduler(gpu_pages=32)
+    seqs = [Sequence(i, list(range(40)), 45) for i in range(3)]
+    for seq in seqs:
+        scheduler.add(seq)
+    admitted = []
+    for _ in range(6):
+        plan = scheduler.schedule()
+        admitted += [plan.admitted.seq_id] if plan.admitted is not None else []
+        assert plan.prefill is None or plan.prefill.seq is seqs[len(admitted) - 1]
+        _ran(plan)
+    assert admitted == [0, 1, 2]
+
+
+def test_abort_mid_prefill_frees_its_pages_and_the_next_prompt_starts():
+    scheduler = _scheduler(gpu_pages=32)
+    long, short = Sequence(0, list(range(200)), 210), Sequence(1, list(range(20)), 30)
+    scheduler.add(long)
+    scheduler.add(short)
+    plan = scheduler.schedule()
+    assert plan.admitted is long and plan.prefill.end == 64
+    scheduler.abort(long)
+    assert long.finish_reason == "abort"
+    assert scheduler.blocks.pools[GPU].num_free == 32
+    plan = scheduler.schedule()
+    assert plan.admitted is short and (plan.prefill.start, plan.prefill.end) == (0, 20)
+
+
+def test_a_waiting_request_aborted_never_runs():
+    scheduler = _scheduler(gpu_pages=32)
+    first, second = Sequence(0, list(range(20)), 30), Sequence(1, list(range(20)), 30)
+    scheduler.add(first)
+    scheduler.add(second)
+    scheduler.abort(second)
+    plans = [scheduler.schedule() for _ in range(3)]
+    assert [p.admitted for p in plans if p.admitted is not None] == [first]
+    assert not scheduler.waiting
+
+
+def test_a_prefilling_prompt_is_never_swapped_out():
+    """Optimistic admission: a decoding sequence that needs a page swaps out one past its
+    prompt, never the one being prefilled (its pages are being written)."""
+    scheduler = _scheduler(gpu_pages=13, host_pages=16, step_tokens=4, page=4)
+    scheduler.tiers, scheduler.optimistic = (GPU,), True
+    scheduler.grow_host = lambda n: None
+    old = Sequence(0, list(range(8)), 40)  # two pages of 4 tokens, one more every 4 tokens
+    scheduler.add(old)
+    while old.num_pending == 0:
+        _ran(scheduler.schedule())
+    new = Sequence(1, list(range(40)), 44)  # ten pages, prefilled 4 tokens a step
+    scheduler.add(new)
+    for _ in range(10):
+        plan = scheduler.schedule()
+        assert new not in scheduler.swapped
+        _ran(plan)
+        if plan.swap_out:
+            break
+    assert old in scheduler.swapped and plan.prefill.seq is new  # still being prefilled
+    assert plan.prefill.start == 16 and not plan.decode  # its next piece, a whole chunk now
+    assert len(plan.swap_out) == 3 and scheduler.blocks.pools[HOST].num_free == 13
