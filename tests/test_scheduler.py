@@ -28,23 +28,25 @@ def _pieces(plans) -> list[tuple[int, int]]:
     return [(p.prefill.start, p.prefill.end) for p in plans if p.prefill is not None]
 
 
+def _until_first_token(scheduler: Scheduler, seq: Sequence) -> list:
+    """Add ``seq`` and step until its prompt is complete; the plans of those steps."""
+    scheduler.add(seq)
+    plans = []
+    while seq.num_pending == 0:
+        plans.append(scheduler.schedule())
+        _ran(plans[-1])
+    return plans
+
+
 def test_a_prompt_alone_takes_whole_chunks_and_beside_decoding_ones_pieces():
     scheduler = _scheduler(gpu_pages=32)
     first = Sequence(0, list(range(100)), 110)
-    scheduler.add(first)
-    plans = []
-    while first.num_pending == 0:
-        plans.append(scheduler.schedule())
-        _ran(plans[-1])
+    plans = _until_first_token(scheduler, first)
     assert plans[0].admitted is first
     assert _pieces(plans) == [(0, 64), (64, 100)]  # nothing decodes: whole chunks
     assert all(not p.decode for p in plans)
     second = Sequence(1, list(range(50)), 60)
-    scheduler.add(second)
-    plans = []
-    while second.num_pending == 0:
-        plans.append(scheduler.schedule())
-        _ran(plans[-1])
+    plans = _until_first_token(scheduler, second)
     assert _pieces(plans) == [(0, 16), (16, 32), (32, 48), (48, 50)]  # between its tokens
     assert all(p.decode == [first] for p in plans)
     assert scheduler.schedule().decode == [first, second]
@@ -96,9 +98,7 @@ def test_a_prefilling_prompt_is_never_swapped_out():
     scheduler.tiers, scheduler.optimistic = (GPU,), True
     scheduler.grow_host = lambda n: None
     old = Sequence(0, list(range(8)), 40)  # two pages of 4 tokens, one more every 4 tokens
-    scheduler.add(old)
-    while old.num_pending == 0:
-        _ran(scheduler.schedule())
+    _until_first_token(scheduler, old)
     new = Sequence(1, list(range(40)), 44)  # ten pages, prefilled 4 tokens a step
     scheduler.add(new)
     for _ in range(10):
