@@ -277,7 +277,9 @@ def test_requests_arriving_and_aborted_between_graph_steps(options):
         if step == 20:
             assert engine.abort(victim)
         for output in engine.step():
-            if output.finished:
+            if output.request_id == victim:
+                assert not output.finished or output.finish_reason == "abort"
+            elif output.finished:
                 finals[ids[output.request_id]] = output.token_ids
         if step > 9 and not engine.has_unfinished():
             break

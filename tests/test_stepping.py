@@ -27,7 +27,7 @@ MODES = {  # name: engine options (an arena in KiB: the KV the GPU budget leaves
     "budgets": {"kv_budget": 0.5},
     "swap": {"num_kv_pages": 13},
 }
-SLOW = settings(max_examples=5, deadline=None,
+SLOW = settings(max_examples=4, deadline=None,
                 suppress_health_check=[HealthCheck.function_scoped_fixture])  # fmt: skip
 
 
@@ -79,7 +79,9 @@ def drive(engine: Engine, arrivals: list[int], abort: tuple[int, int] | None = N
             if victim is not None and engine.abort(victim):
                 reasons[abort[0]] = "abort"
         for output in engine.step():
-            assert output.new_token_ids == output.token_ids[-len(output.new_token_ids) :]
+            added = len(output.new_token_ids)
+            assert output.new_token_ids == output.token_ids[len(output.token_ids) - added :]
+            assert added == 1 or (added == 0 and output.finish_reason == "abort")
             if output.finished:
                 tokens[ids[output.request_id]] = output.token_ids
                 reasons[ids[output.request_id]] = output.finish_reason
@@ -173,3 +175,27 @@ def test_generate_refuses_while_added_requests_run(tiny_llama):
     assert llm.engine.abort(request)
     assert llm.generate(_prompts([10])[0], GREEDY)[0].finish_reason == "length"
     assert _pools_full(llm.engine)
+
+
+def test_one_step_in_flight_and_a_finished_request_returned_at_once(tiny_llama):
+    """Every step reads all steps but its own (a prompt finishing beside a decode batch
+    adds one read, not two); a request whose last token is launched comes back at the next
+    step even while another prompt prefills in whole chunks."""
+    engine = _make(tiny_llama, offload="none").engine
+    short = engine.add_request(_prompts([20], seed=5)[0],
+                               SamplingParams(max_new_tokens=2, ignore_eos=True))  # fmt: skip
+    while not any(o.request_id == short for o in engine.step()):
+        pass  # its first token
+    long_request = engine.add_request(_prompts([400], seed=6)[0], GREEDY)  # 7 chunks of 64
+    steps_to_final = 0
+    while True:
+        steps_to_final += 1
+        outputs = {o.request_id: o for o in engine.step()}
+        if short in outputs and outputs[short].finished:
+            break
+    assert steps_to_final <= 2  # not after the other prompt's 7 chunks
+    arrivals = [engine.add_request(p, GREEDY) for p in _prompts([30, 40, 50], seed=7)]
+    while engine.has_unfinished():
+        engine.step()
+        assert len(engine.batch._reads) <= 1  # the step's own read, at most
+    assert long_request < arrivals[0] and _pools_full(engine)

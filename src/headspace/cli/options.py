@@ -17,7 +17,10 @@ def memory_value(text: str) -> str | float:
     so the error names the flag)."""
     match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
     units = ("", "B", "KB", "MB", "GB", "TB", "KIB", "MIB", "GIB", "TIB")
-    if not match or match.group(2).upper() not in units or float(match.group(1)) <= 0:
+    bare = match is not None and match.group(2) == ""
+    fraction_or_bytes = bare and (float(match.group(1)) <= 1 or float(match.group(1)).is_integer())
+    if (not match or match.group(2).upper() not in units or float(match.group(1)) <= 0
+            or (bare and not fraction_or_bytes)):  # fmt: skip
         raise argparse.ArgumentTypeError(f"cannot read {text!r}: give a positive size such as "
                                          f"24GiB or 500MB, or a fraction such as 0.8")  # fmt: skip
     return float(text) if match.group(2) == "" else text
@@ -26,7 +29,7 @@ def memory_value(text: str) -> str | float:
 def kv_budget_value(text: str) -> float | int:
     """``--kv-budget``: a fraction of the prompt in (0, 1] (``0.25``) or a token count that
     says so (``2048tok``, ``2048tokens``); a bare number above 1 is refused as ambiguous."""
-    tokens = re.fullmatch(r"\s*(\d+)\s*(tok|toks|tokens?)\s*", text)
+    tokens = re.fullmatch(r"\s*(\d+)\s*(tok|toks|tokens?)\s*", text, re.IGNORECASE)
     if tokens:
         return int(tokens.group(1))
     try:

@@ -108,6 +108,7 @@ class BatchGenerator:
         self._by_id: dict[int, _Request] = {}  # the requests not finished or aborted
         self._reads: deque[_Read] = deque()
         self._bars: dict[int, tqdm] = {}  # the prefill progress of the prompt being computed
+        self._aborted: list[RequestOutput] = []  # aborted requests, returned by the next step
 
     # -- planning ------------------------------------------------------------------------
     def plan(self, seqs: list[Sequence]) -> Plan:
@@ -132,17 +133,18 @@ class BatchGenerator:
         seq = Sequence(self._next_id, list(prompt_ids), max_tokens)
         self.plan([seq])  # refuses, with the numbers, what no plan can hold
         self._next_id += 1
-        self.scheduler.add(seq)
         streamer = StopStringStreamer(self.tokenizer, params.stop)
         generator = make_generator(params, self.runner.device)
         request = _Request(seq, params, generator, streamer, time.perf_counter(),
                            prompt_ids if prompt is None else prompt)  # fmt: skip
-        self._by_id[seq.seq_id] = request
+        self._by_id[seq.seq_id] = request  # known before it is queued (abort_all finds it)
+        self.scheduler.add(seq)
         return seq.seq_id
 
     def abort(self, request_id: int) -> bool:
         """Drop a request wherever it is (waiting, prefilling, decoding, swapped out): its
-        GPU and host pages return to their pools now. False if it is unknown or done."""
+        GPU and host pages return to their pools now, and the next step returns it with
+        ``finish_reason`` "abort". False if it is unknown or done."""
         request = self._by_id.pop(request_id, None)
         if request is None:
             return False
@@ -151,14 +153,20 @@ class BatchGenerator:
         if bar is not None:
             bar.close()
         self.scheduler.abort(seq)
-        self.runner.forget(seq.seq_id)
+        request.ended, request.finished = "aborted", time.perf_counter()
+        request.new_text = ""
+        self._aborted.append(self._output(request, final=True))
         return True
 
     def abort_all(self) -> None:
-        """Abort every request (an error left the batch; its pages go back)."""
-        for request_id in list(self._by_id):
-            self.abort(request_id)
-        self._reads.clear()
+        """Abort every request and forget them (an error or a closed loop left the batch:
+        every page goes back, nothing is returned)."""
+        try:
+            for request_id in list(self._by_id):
+                self.abort(request_id)
+        finally:
+            self._reads.clear()
+            self._aborted.clear()
 
     def prefilling(self) -> int | None:
         """The request whose prompt is being prefilled (None between prompts)."""
@@ -166,19 +174,29 @@ class BatchGenerator:
         return None if seq is None else seq.seq_id
 
     def has_unfinished(self) -> bool:
-        """Whether a request is waiting, running or has tokens on their way."""
+        """Whether a request is waiting, running, has tokens on their way or an aborted one
+        is still to be returned."""
+        return self.has_running() or bool(self._aborted)
+
+    def has_running(self) -> bool:
+        """Whether a request is waiting or running, or has tokens on their way."""
         return bool(self._by_id) or bool(self._reads)
 
     def step(self) -> list[RequestOutput]:
         """Run one step: launch the next piece of GPU work (swap-in, decode step of the
-        running requests, a piece of a prompt's prefill) and read the tokens of the step
-        before it. Returns the requests that advanced (finished ones marked)."""
-        launched = self._launch()
-        if not self._reads or (len(self._reads) == 1 and launched):
-            return []
-        advanced = self._resolve(self._reads.popleft())
-        return [self._output(request, final=request.seq.finish_reason is not None)
-                for request in advanced]  # fmt: skip
+        running requests, a piece of a prompt's prefill) and read every step's tokens but
+        this one's (at most one step is in flight while the host reads). Returns the
+        requests that advanced (finished and aborted ones marked)."""
+        outputs, self._aborted = self._aborted, []
+        before = len(self._reads)
+        self._launch()
+        in_flight = 1 if len(self._reads) > before else 0  # this step's read, if it made one
+        advanced: dict[int, _Request] = {}
+        while len(self._reads) > in_flight:
+            for request in self._resolve(self._reads.popleft()):
+                advanced[request.seq.seq_id] = request
+        return outputs + [self._output(request, final=request.seq.finish_reason is not None)
+                          for request in advanced.values()]  # fmt: skip
 
     def _check_length(self, num_tokens: int, room_for_one: bool) -> None:
         """Refuse an empty prompt or one past the context (with ``room_for_one``, a prompt
@@ -209,17 +227,23 @@ class BatchGenerator:
         if plan.admitted is not None:
             self._admitted(plan.admitted)
         self.runner.swap(plan.swap_out, to_host=True)
+        sampled: list[tuple[list[Sequence], torch.Tensor]] = []  # (sequences, their tokens)
         if plan.decode:
             batch = plan.decode
             positions = [s.num_scheduled - 1 for s in batch]
             logits, slots = self.runner.decode([s.seq_id for s in batch], positions,
                                                [s.slot for s in batch])  # fmt: skip
             self._sample(batch, logits)
-            self._reads.append(self._read(batch, self.runner.tokens.index_select(0, slots)))
+            sampled.append((batch, self.runner.tokens.index_select(0, slots)))
             pool = self.runner.blocks.pool
             self.peak_pages = max(self.peak_pages, pool.num_pages - pool.num_free)
         if plan.prefill is not None:
-            self._prefill(plan.prefill)
+            first = self._prefill(plan.prefill)
+            if first is not None:
+                sampled.append(first)
+        if sampled:  # one read a step: the decode batch's tokens and a first token together
+            seqs = [seq for batch, _ in sampled for seq in batch]
+            self._reads.append(self._read(seqs, torch.cat([t for _, t in sampled])))
 
     def _admitted(self, seq: Sequence) -> None:
         """A request whose prefill begins: the tiers it runs on, its progress bar."""
@@ -233,19 +257,20 @@ class BatchGenerator:
         self._bars[seq.seq_id] = tqdm(total=total, desc="prefill", unit="tok", disable=not show,
                                       leave=False)  # fmt: skip
 
-    def _prefill(self, piece: PrefillPiece) -> None:
-        """One piece of a prompt; after its last, the first token."""
+    def _prefill(self, piece: PrefillPiece) -> tuple[list[Sequence], torch.Tensor] | None:
+        """One piece of a prompt; after its last, its sequence and first token (on the
+        device)."""
         seq, recurs = piece.seq, piece.end - piece.start == piece.size
         hidden = self.runner.prefill_chunk(seq, piece.start, piece.end, static=recurs)
         bar = self._bars[seq.seq_id]
         bar.update(piece.end - piece.start)
         if not piece.last:
-            return
+            return None
         bar.close()
         del self._bars[seq.seq_id]
         logits = self.runner.end_prefill(seq, hidden, seq.slot)
         self._sample([seq], logits[None])
-        self._reads.append(self._read([seq], self.runner.tokens[seq.slot : seq.slot + 1].clone()))
+        return [seq], self.runner.tokens[seq.slot : seq.slot + 1]
 
     def _sample(self, batch: list[Sequence], logits: torch.Tensor) -> None:
         """Sampled rows overwrite the greedy pick in their slot (on the device, no sync);
@@ -279,10 +304,10 @@ class BatchGenerator:
         advanced = []
         for seq_id, token in zip(read.seq_ids, read.tokens.tolist(), strict=True):
             request = self._by_id.get(seq_id)
-            if request is None or request.seq.finish_reason:  # launched before its end
+            if request is None:  # launched before its end (or its abort) was known
                 continue
             request.seq.num_pending -= 1
-            request.new_text = self._accept(request, token)
+            request.new_text += self._accept(request, token)
             advanced.append(request)
             if request.seq.finish_reason:
                 del self._by_id[seq_id]
@@ -327,10 +352,11 @@ class BatchGenerator:
         if final:
             self._final_stats(request, stats)
         new_ids = seq.output_ids[request.num_sent :]
+        new_text, request.new_text = request.new_text, ""
         request.num_sent = len(seq.output_ids)
         return RequestOutput(request.prompt, request.streamer.text, list(seq.output_ids),
                              seq.finish_reason, stats, seq.num_cached, seq.seq_id,
-                             request.new_text, new_ids)  # fmt: skip
+                             new_text, new_ids)  # fmt: skip
 
     def _final_stats(self, request: _Request, stats: GenerationStats) -> None:
         seq = request.seq

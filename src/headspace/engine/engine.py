@@ -120,7 +120,9 @@ class Engine:
 
     def abort(self, request_id: int) -> bool:
         """Drop a request wherever it is; its GPU and host pages go back to their pools at
-        once. False if the id is unknown or the request already ended."""
+        once, and the next step returns it with ``finish_reason`` "abort". False if the id
+        is unknown or the request already ended. Under torchrun every rank adds and aborts
+        the same requests between the same steps (their schedulers decide alike)."""
         return self.batch.abort(request_id)
 
     def step(self) -> list[RequestOutput]:
@@ -143,7 +145,7 @@ class Engine:
     ) -> list[RequestOutput]:
         """Generate for many prompts (token ids) as one batch over the shared KV pages; the
         final RequestOutputs in order. ``on_finish()`` is called as each request ends."""
-        if self.has_unfinished():
+        if self.batch.has_running():
             raise UserError("requests added with add_request are still running: step them "
                             "to the end (or abort them) before generate")  # fmt: skip
         if self.config.on_gpu:
@@ -164,12 +166,13 @@ class Engine:
     def stream(self, prompt_ids: list[int], params: SamplingParams) -> Iterator[str]:
         """Yield text pieces as tokens are produced; returns the final RequestOutput. A
         stream closed early aborts its request."""
-        if self.has_unfinished():
+        if self.batch.has_running():
             raise UserError("requests added with add_request are still running: step them "
                             "to the end (or abort them) before stream")  # fmt: skip
         if self.config.on_gpu:
             torch.cuda.reset_peak_memory_stats(self.config.device)
         self.add_request(prompt_ids, params)
+        final = None
         try:
             while self.has_unfinished():
                 for output in self.step():

@@ -117,10 +117,6 @@ class Scheduler:
         self.waiting.append(seq)
 
     @property
-    def done(self) -> bool:
-        return not self.waiting and not self.running and not self.swapped
-
-    @property
     def idle(self) -> bool:
         """No sequence holds pages: the layout may change."""
         return not self.running and not self.swapped
@@ -153,8 +149,7 @@ class Scheduler:
             plan.admitted = self.admit(accept)
             if plan.admitted is not None:
                 self.prefilling, self.prefill_next = plan.admitted, plan.admitted.num_cached
-        batch = [s for s in self.running
-                 if s is not self.prefilling and s.num_scheduled < s.max_tokens]  # fmt: skip
+        batch = [s for s in self.running if s.started and s.num_scheduled < s.max_tokens]
         if batch:
             plan.decode, plan.swap_out = self.grow(batch)
         if self.prefilling is not None:
@@ -245,10 +240,13 @@ class Scheduler:
         return seq, pairs
 
     def finish(self, seq: Sequence, reason: str) -> None:
-        seq.finish_reason = reason
+        """``seq`` ended: its pages and slot go back (once; a second call does nothing)."""
         if seq in self.running:
             self.running.remove(seq)
-        else:
+        elif seq in self.swapped:
             self.swapped.remove(seq)
+        else:
+            return
+        seq.finish_reason = reason
         self.blocks.free(seq.seq_id)
         self.free_slots.append(seq.slot)
