@@ -117,7 +117,7 @@ class BatchGenerator:
 
     def prepare(self, seqs: list[Sequence]) -> Plan:
         """Plan and lay out for ``seqs`` alone (nothing may hold pages); returns the plan."""
-        if self.has_unfinished():
+        if self.has_running():
             raise UserError("requests are running: the layout cannot change under them")
         plan = self.plan(seqs)
         self.planner.apply(plan)
@@ -210,15 +210,13 @@ class BatchGenerator:
             )
 
     # -- one step ------------------------------------------------------------------------
-    def _launch(self) -> bool:
+    def _launch(self) -> None:
         """Queue the next GPU work the scheduler plans (a new layout first, when nothing
-        holds pages). Whether anything was queued."""
+        holds pages)."""
         scheduler = self.scheduler
         if scheduler.idle and scheduler.waiting:
             self.planner.replan(scheduler)
-        plan = scheduler.schedule(self.planner.worth_joining(scheduler))
-        self._run(plan)
-        return not plan.empty
+        self._run(scheduler.schedule(self.planner.worth_joining(scheduler)))
 
     def _run(self, plan: StepPlan) -> None:
         """Execute ``plan`` on the runner, in its order; sampled tokens start their way to
@@ -360,7 +358,7 @@ class BatchGenerator:
 
     def _final_stats(self, request: _Request, stats: GenerationStats) -> None:
         seq = request.seq
-        stats.decode_seconds = request.finished - request.first_token
+        stats.decode_seconds = request.finished - (request.first_token or request.finished)
         stats.cpu_kept_fraction = self.runner.kept_summary(seq.seq_id)
         self.runner.forget(seq.seq_id)
         if request.kv_held is not None:

@@ -36,7 +36,7 @@ from headspace.kv.entry_table import EntryBlockManager
 from headspace.kv.host_store import HostKVArena
 from headspace.kv.paged_store import PagedKVStore
 from headspace.kv.spec import KVSpec, Pattern
-from headspace.kv.transfer import as_heads, copy_pages, device_ints
+from headspace.kv.transfer import device_ints, swap_pages
 from headspace.model.llama import LlamaModel
 from headspace.parallel.dist import all_gather_stack, first_error, host_min, rank_cores
 from headspace.parallel.placement import RankLayout
@@ -404,19 +404,10 @@ class PagedRunner:
         """Copy the resident entries of page pairs (GPU, host) or (host, GPU). Under torchrun
         a layer's host pages hold the rank's heads in its weights' order: its own (arena
         layer ``l``), then its copies (arena layer ``L + l``)."""
-        if not pairs:
-            return
-        src_pages, dst_pages = device_ints(list(zip(*pairs, strict=True)), self.device)
         num_layers = self.spec.num_layers
-        for index, store_kv in enumerate(self.store.kv):
-            layer, first = index % num_layers, 0
-            if index >= num_layers:  # a rank's copies, after its own heads
-                first = len(self.layout.own[layer])
-            heads = torch.arange(store_kv.shape[1], device=self.device)
-            gpu = as_heads(store_kv, kv_first=True), heads
-            host = self.host.layer(layer), heads + first
-            (src, src_heads), (dst, dst_heads) = (gpu, host) if to_host else (host, gpu)
-            copy_pages(src, dst, src_pages, dst_pages, src_heads, dst_heads, self.page_size)
+        places = [(i % num_layers, 0 if i < num_layers else len(self.layout.own[i % num_layers]))
+                  for i in range(len(self.store.kv))]  # fmt: skip
+        swap_pages(self.store.kv, self.host.layer, places, pairs, to_host, self.page_size)
 
 
 __all__ = ["GPU", "HOST", "PagedRunner"]

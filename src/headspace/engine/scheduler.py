@@ -81,10 +81,6 @@ class StepPlan:
     prefill: PrefillPiece | None = None
     admitted: Sequence | None = None
 
-    @property
-    def empty(self) -> bool:
-        return not (self.swap_in or self.swap_out or self.decode or self.prefill)
-
 
 class Scheduler:
     """Waiting, running and swapped-out sequences over a BlockManager.

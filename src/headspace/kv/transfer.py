@@ -170,3 +170,22 @@ def _write_tokens_kernel(dst, dst_heads, slots, kv, paired=False):
         dst.stride(0), dst.stride(1), kv.stride(0), kv.stride(1), kv.stride(2),
         DIM=kv.shape[-1], BLOCK_T=block_t, PAIRED=paired, num_warps=4,
     )  # fmt: skip
+
+
+def swap_pages(arena_layers: list[torch.Tensor], host_layer,
+               host_places: list[tuple[int, int]], pairs: list[tuple[int, int]],
+               to_host: bool, page_size: int) -> None:  # fmt: skip
+    """Copy the entries of page ``pairs`` (GPU page, host page), to the host or back, for
+    every arena layer ``i`` (``arena_layers[i] [2, heads, slots, dim]``): its heads sit in
+    host layer ``host_places[i][0]`` (``host_layer(l)``) from head ``host_places[i][1]`` on
+    (a rank's copies follow its own heads)."""
+    if not pairs:
+        return
+    device = arena_layers[0].device
+    src_pages, dst_pages = device_ints(list(zip(*pairs, strict=True)), device)
+    for store_kv, (layer, first) in zip(arena_layers, host_places, strict=True):
+        heads = torch.arange(store_kv.shape[1], device=device)
+        gpu = as_heads(store_kv, kv_first=True), heads
+        host = host_layer(layer), heads + first
+        (src, src_heads), (dst, dst_heads) = (gpu, host) if to_host else (host, gpu)
+        copy_pages(src, dst, src_pages, dst_pages, src_heads, dst_heads, page_size)
