@@ -103,8 +103,7 @@ def _generate(args) -> None:
         print(f"interrupted after {pieces} pieces of text", file=sys.stderr)
         raise
     sys.stdout.write("\n")
-    output = llm.last_output
-    print(output.stats.summary(), file=sys.stderr)
+    print(llm.last_output.stats.summary(), file=sys.stderr)
 
 
 def _quiet_other_ranks() -> bool:

@@ -8,22 +8,21 @@ import re
 from dataclasses import fields
 
 from headspace.engine.config import EngineConfig
+from headspace.errors import UserError
 
 MEMORY_FLAGS = ("gpu_memory", "host_memory")
 
 
-def memory_value(text: str) -> str | float:
-    """A memory budget flag: ``24GiB``, ``500MB``, a byte count or a fraction (checked here,
-    so the error names the flag)."""
-    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
-    units = ("", "B", "KB", "MB", "GB", "TB", "KIB", "MIB", "GIB", "TIB")
-    bare = match is not None and match.group(2) == ""
-    fraction_or_bytes = bare and (float(match.group(1)) <= 1 or float(match.group(1)).is_integer())
-    if (not match or match.group(2).upper() not in units or float(match.group(1)) <= 0
-            or (bare and not fraction_or_bytes)):  # fmt: skip
-        raise argparse.ArgumentTypeError(f"cannot read {text!r}: give a positive size such as "
-                                         f"24GiB or 500MB, or a fraction such as 0.8")  # fmt: skip
-    return float(text) if match.group(2) == "" else text
+def memory_value(text: str) -> str:
+    """A memory budget flag, read as the engine reads it (checked here, so the error names
+    the flag)."""
+    from headspace.engine.memory import read_memory
+
+    try:
+        read_memory(text)
+    except UserError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+    return text
 
 
 def kv_budget_value(text: str) -> float | int:

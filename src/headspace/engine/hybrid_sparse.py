@@ -116,6 +116,25 @@ class SparseSelector:
         self._aranges: dict[tuple[int, int], torch.Tensor] = {}
         self.step = 0
 
+    @classmethod
+    def over_groups(cls, config, spec, groups: list[list[tuple[int, int]]], max_rows: int,
+                    device: torch.device) -> SparseSelector:  # fmt: skip
+        """The selector of an engine's ``config`` (``cpu_sparsity``, ``maw_alpha``,
+        ``gpu_window``) over each layer's offloaded kv-head ``groups`` (ranges)."""
+        kv_heads = {layer: range(ranges[0][0], ranges[-1][1])
+                    for layer, ranges in enumerate(groups) if ranges}  # fmt: skip
+        return cls(
+            config.cpu_sparsity,
+            config.maw_alpha,
+            kv_heads,
+            spec.num_layers,
+            spec.num_kv_heads,
+            config.gpu_window,
+            spec.page_size,
+            max_rows,
+            device,
+        )
+
     # -- the step ------------------------------------------------------------------------
     def begin(self, seq_ids: list[int], positions: list[int], cpu_ends: list[int]) -> None:
         """A decode step of ``seq_ids`` (new tokens at ``positions``, CPU tokens

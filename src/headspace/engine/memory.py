@@ -21,18 +21,30 @@ _UNITS = {"": 1, "B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12,
           "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}  # fmt: skip
 
 
+def read_memory(value: str) -> tuple[float, str]:
+    """(number, unit) of a budget as text: ``"24GiB"``, ``"500MB"``, a byte count or a
+    fraction in (0, 1]; UserError for anything else (a bare number above 1 is bytes, so it
+    must be whole)."""
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(value))
+    if match and match.group(2).upper() in _UNITS:
+        number, unit = float(match.group(1)), match.group(2).upper()
+        if number > 0 and (unit or number <= 1 or number.is_integer()):
+            return number, unit
+    raise UserError(
+        f"cannot read {value!r} as a memory budget: give a positive size such as "
+        f"24GiB or 500MB, whole bytes, or a fraction such as 0.8"
+    )
+
+
 def parse_memory(value: str | float | int, total_bytes: int) -> int:
     """Bytes from ``"24GiB"``, ``"500MB"``, a byte count, or a fraction in (0, 1] of the total."""
     if isinstance(value, int | float) and not isinstance(value, bool):
         if 0 < value <= 1:
             return int(value * total_bytes)
-        if value > 1:
+        if value > 1 and float(value).is_integer():
             return int(value)
-        raise UserError(f"memory budget must be positive, got {value}")
-    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(value))
-    if not match or match.group(2).upper() not in _UNITS:
-        raise UserError(f"cannot read memory budget {value!r} (use e.g. 24GiB, 500MB or 0.8)")
-    number, unit = float(match.group(1)), match.group(2).upper()
+        raise UserError(f"memory budget must be a fraction in (0, 1] or whole bytes, got {value}")
+    number, unit = read_memory(value)
     return parse_memory(number, total_bytes) if unit == "" else int(number * _UNITS[unit])
 
 

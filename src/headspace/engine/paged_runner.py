@@ -10,6 +10,7 @@ graphs survive a detour through streaming.
 from __future__ import annotations
 
 import torch
+import torch.distributed
 
 from headspace.budgets import KVBudget
 from headspace.engine.budget import BudgetExecutor
@@ -209,23 +210,21 @@ class PagedRunner:
             threads = self.config.cpu_threads or max(rank_cores() - 1, 1)
             self._cpu_attention = CpuAttention(self.host, threads)
         config = self.config
-        share = plan.cpu_share  # what the planner sized the staging slots for
         self._cpu_attention.sparse = None
         if config.cpu_sparsity is not None:  # the CPU takes all before the window
-            spec = self.spec
-            kv_heads = {layer: range(ranges[0][0], ranges[-1][1])
-                        for layer, ranges in enumerate(groups) if ranges}  # fmt: skip
-            self._cpu_attention.sparse = SparseSelector(
-                config.cpu_sparsity, config.maw_alpha, kv_heads, spec.num_layers,
-                spec.num_kv_heads, config.gpu_window, spec.page_size, self.tokens.numel(),
-                self.device,
-            )  # fmt: skip
-        return CpuSplit(self._cpu_attention, share, config.gpu_window)
+            self._cpu_attention.sparse = SparseSelector.over_groups(
+                config, self.spec, groups, self.tokens.numel(), self.device)  # fmt: skip
+        # the share the planner sized the staging slots for
+        return CpuSplit(self._cpu_attention, plan.cpu_share, config.gpu_window)
+
+    @property
+    def _sparse(self) -> SparseSelector | None:
+        return None if self._cpu_attention is None else self._cpu_attention.sparse
 
     def kept_summary(self, seq_id: int) -> tuple[float, float, float] | None:
         """Sparse hybrid mode: (min, median, max) share of the CPU-side tokens kept per
         hybrid (layer, kv head) for ``seq_id``; None in other modes."""
-        sparse = self._cpu_attention.sparse if self._cpu_attention is not None else None
+        sparse = self._sparse
         if sparse is None:
             return None
         sparse.drain()
@@ -234,9 +233,8 @@ class PagedRunner:
     def forget(self, seq_id: int) -> None:
         """Drop what the tiers keep of a sequence that ended or was aborted (its pages are
         the scheduler's to free)."""
-        sparse = self._cpu_attention.sparse if self._cpu_attention is not None else None
-        if sparse is not None:
-            sparse.forget(seq_id)
+        if self._sparse is not None:
+            self._sparse.forget(seq_id)
 
     def kv_held(self, seq_id: int) -> tuple[int, float] | None:
         """Per-head pages: (bytes of K/V ``seq_id`` holds, their share of its full KV); None
@@ -257,7 +255,7 @@ class PagedRunner:
             return None
         if self.plan is None or self.model.layer_source is not None:  # streamed weights
             return None
-        if self.layout is not None and not self._graphs_under_ranks():
+        if self.layout is not None and not self._graphs_under_ranks:
             return None
         if self.plan.entry_staging:  # offloaded entries stage by their lengths, step by step
             return None
@@ -278,12 +276,11 @@ class PagedRunner:
         self._graph_cache[self._layout_id] = (generation, graphs)
         return graphs
 
+    @property
     def _graphs_under_ranks(self) -> bool:
-        """Whether this rank's decode step can be a CUDA graph: when its collectives are
-        NCCL's (captured; gloo's are not). Copies find their key ranges on the device."""
-        import torch.distributed as dist
-
-        return dist.get_backend() == "nccl" or self.graphs_class is not None
+        """Whether this rank's decode step can be a graph: its collectives NCCL's (gloo's
+        cannot be captured), or the tests' twin in place of graphs."""
+        return torch.distributed.get_backend() == "nccl" or self.graphs_class is not None
 
     def ensure_host_pages(self, num_pages: int) -> None:
         """Host pages for at least ``num_pages`` (grows the arena when needed; graphs that
@@ -314,23 +311,17 @@ class PagedRunner:
         return {tier: [self.blocks.table(s, tier).pages for s in seq_ids] for tier in tiers}
 
     @torch.inference_mode()
-    def prefill(self, seq, chunk: int, *, all_logits: bool = False, on_chunk=None,
+    def prefill(self, seq, chunk: int, *, all_logits: bool = False,
                 slot: int | None = None) -> torch.Tensor:  # fmt: skip
-        """Compute the prompt tokens of ``seq`` not found in the prefix cache, ``chunk`` at
-        a time.
-
-        Returns the last token's fp32 logits ``[vocab]`` on the device (its greedy pick goes
-        into token ``slot``), or with ``all_logits`` those of every computed token
-        ``[tokens, vocab]`` on the CPU. ``on_chunk(n)`` reports progress.
-        """
+        """The prompt tokens of ``seq`` not in the prefix cache, ``chunk`` at a time: the last
+        token's fp32 logits ``[vocab]`` on the device (its greedy pick into token ``slot``),
+        or with ``all_logits`` every computed token's ``[tokens, vocab]`` on the CPU."""
         hidden, rows = None, []
         for start in range(seq.num_cached, len(seq.prompt_ids), chunk):
             end = min(start + chunk, len(seq.prompt_ids))
             hidden = self.prefill_chunk(seq, start, end, static=end - start == chunk)
             if all_logits:
                 rows.append(self.model.logits(hidden).cpu())
-            if on_chunk:
-                on_chunk(end - start)
         if all_logits:
             self.end_prefill(seq, None, None)
             return torch.cat(rows)
