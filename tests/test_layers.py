@@ -23,6 +23,7 @@ LAYERS = {
     "engine": 5,
     "eval": 6,
     "api": 6,
+    "server": 6,
     "cli": 7,
     "__init__": 8,
 }

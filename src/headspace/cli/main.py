@@ -15,6 +15,7 @@ from headspace.cli.options import (
 )
 from headspace.cli.plan import add_plan_parser, run_plan
 from headspace.cli.profile import add_profile_parser, run_profile
+from headspace.cli.serve import add_serve_parser, run_serve
 from headspace.errors import UserError
 
 
@@ -58,6 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_plan_parser(subparsers)
     add_eval_parser(subparsers, add_engine_options)
     add_profile_parser(subparsers, add_engine_options)
+    add_serve_parser(subparsers)
     return parser
 
 
@@ -126,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
             parser.print_help()
             return 2
         commands = {"plan": run_plan, "eval": lambda a: run_eval(a, engine_options(a)),
-                    "profile": run_profile}  # fmt: skip
+                    "profile": run_profile, "serve": run_serve}  # fmt: skip
         commands.get(args.command, _generate)(args)
     except UserError as exc:
         print("error: " + " ".join(str(exc).split()), file=sys.stderr)  # always one line

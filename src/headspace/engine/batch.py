@@ -22,13 +22,14 @@ from headspace.engine.config import EngineConfig
 from headspace.engine.detokenize import StopStringStreamer
 from headspace.engine.hooks import EngineHooks
 from headspace.engine.memory import host_budget, kv_arena_bytes, prefill_chunk_size
-from headspace.engine.outputs import GenerationStats, RequestOutput
+from headspace.engine.outputs import EngineLoad, GenerationStats, RequestOutput
 from headspace.engine.paged_runner import PagedRunner
 from headspace.engine.ranks import Ranks
 from headspace.engine.sampling import SamplingParams, make_generator, sample
 from headspace.engine.scheduler import PrefillPiece, Scheduler, Sequence, StepPlan
 from headspace.engine.weight_stream import device_weight_bytes, streamed_weight_bytes
 from headspace.errors import UserError
+from headspace.kv.block_table import GPU, HOST
 from headspace.kv.host_store import HostKVArena
 from headspace.kv.page_pool import OutOfPages
 from headspace.kv.spec import KVSpec
@@ -128,10 +129,7 @@ class BatchGenerator:
                     prompt: str | list[int] | None = None) -> int:  # fmt: skip
         """Queue a request (token ids); it joins the running batch at a coming step. Returns
         its id. Refuses, with the numbers, a prompt that no plan can hold."""
-        self._check_length(len(prompt_ids), room_for_one=True)
-        max_tokens = min(len(prompt_ids) + params.max_new_tokens, self.max_context)
-        seq = Sequence(self._next_id, list(prompt_ids), max_tokens)
-        self.plan([seq])  # refuses, with the numbers, what no plan can hold
+        seq = self.check(prompt_ids, params)
         self._next_id += 1
         streamer = StopStringStreamer(self.tokenizer, params.stop)
         generator = make_generator(params, self.runner.device)
@@ -140,6 +138,32 @@ class BatchGenerator:
         self._by_id[seq.seq_id] = request  # known before it is queued (abort_all finds it)
         self.scheduler.add(seq)
         return seq.seq_id
+
+    def check(self, prompt_ids: list[int], params: SamplingParams) -> Sequence:
+        """The sequence a request would be; UserError, with the numbers, for a prompt past
+        the context or one that no plan can hold."""
+        self._check_length(len(prompt_ids), room_for_one=True)
+        max_tokens = min(len(prompt_ids) + params.max_new_tokens, self.max_context)
+        seq = Sequence(self._next_id, list(prompt_ids), max_tokens)
+        self.plan([seq])  # refuses, with the numbers, what no plan can hold
+        return seq
+
+    def load(self) -> EngineLoad:
+        """Requests by state, pages in use, the head map's entries by tier, swaps so far."""
+        scheduler, pools = self.scheduler, self.runner.blocks.pools
+        head_map = self.runner.plan.head_map if self.runner.plan is not None else None
+        used = {tier: pool.num_pages - pool.num_free for tier, pool in pools.items()}
+        return EngineLoad(
+            running=len(scheduler.running), waiting=len(scheduler.waiting),
+            swapped=len(scheduler.swapped), gpu_pages_used=used[GPU],
+            host_pages_used=used[HOST],
+            resident_entries=head_map.count("gpu") if head_map else 0,
+            streamed_entries=head_map.count("stream") if head_map else 0,
+            hybrid_entries=head_map.count("hybrid") if head_map else 0,
+            num_swaps=scheduler.num_swaps,
+            peak_reserved_bytes=torch.cuda.max_memory_reserved(self.config.device)
+            if self.config.on_gpu else 0,
+        )  # fmt: skip
 
     def abort(self, request_id: int) -> bool:
         """Drop a request wherever it is (waiting, prefilling, decoding, swapped out): its

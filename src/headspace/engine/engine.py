@@ -10,7 +10,7 @@ import torch
 from headspace.engine.batch import BatchGenerator
 from headspace.engine.config import EngineConfig
 from headspace.engine.hooks import EngineHooks
-from headspace.engine.outputs import GenerationStats, RequestOutput
+from headspace.engine.outputs import EngineLoad, GenerationStats, RequestOutput
 from headspace.engine.ranks import join, plan_ranks, setup_ranks
 from headspace.engine.sampling import SamplingParams
 from headspace.engine.weight_stream import WeightStream, weights_streamed
@@ -20,7 +20,7 @@ from headspace.model.llama import LlamaModel
 from headspace.model.loader import load_model
 from headspace.planner.profile import Profile
 
-__all__ = ["Engine", "GenerationStats", "RequestOutput"]
+__all__ = ["Engine", "EngineLoad", "GenerationStats", "RequestOutput"]
 
 
 def _load_tokenizer(model_dir: Path):
@@ -104,10 +104,17 @@ class Engine:
         """Token ids of ``prompt``: exactly ``tokenizer(prompt)``, or the chat template's."""
         if not chat:
             return list(self.tokenizer(prompt)["input_ids"])
+        return self.encode_chat([{"role": "user", "content": prompt}])
+
+    def encode_chat(self, messages: list[dict]) -> list[int]:
+        """Token ids of a conversation (``{"role", "content"}`` dicts) through the
+        tokenizer's chat template, ready for the assistant's turn."""
         if not self.tokenizer.chat_template:
             raise UserError("chat mode needs a tokenizer with a chat template; this one has none")
-        messages = [{"role": "user", "content": prompt}]
-        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        try:
+            ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        except Exception as exc:  # jinja raises its own kinds for messages it cannot render
+            raise UserError(f"the chat template cannot render these messages: {exc}") from None
         return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
     # -- stepping --------------------------------------------------------------------------
@@ -117,6 +124,16 @@ class Engine:
         it joins the running batch at a coming step. Returns its id. Refuses (UserError,
         with the numbers) a prompt past the context or one that no plan can hold."""
         return self.batch.add_request(prompt_ids, params or SamplingParams(), prompt)
+
+    def check_request(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        """Refuse now (UserError, with the numbers) what ``add_request`` would refuse: an
+        empty prompt, one past the context, one that no plan can hold."""
+        self.batch.check(prompt_ids, params)
+
+    def load(self) -> EngineLoad:
+        """What the engine holds now: requests by state, KV pages in use per tier, the head
+        map's entries per tier, swaps so far."""
+        return self.batch.load()
 
     def abort(self, request_id: int) -> bool:
         """Drop a request wherever it is; its GPU and host pages go back to their pools at

@@ -79,3 +79,20 @@ class RequestOutput:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+
+@dataclass
+class EngineLoad:
+    """What the engine holds now (a server's metrics): requests by state, KV pages in use
+    per tier, the head map's (layer, kv head) entries per tier, swaps so far."""
+
+    running: int = 0  # admitted: prefilling or decoding
+    waiting: int = 0  # queued, not admitted yet
+    swapped: int = 0  # swapped out to host pages
+    gpu_pages_used: int = 0
+    host_pages_used: int = 0
+    resident_entries: int = 0
+    streamed_entries: int = 0
+    hybrid_entries: int = 0
+    num_swaps: int = 0  # sequences swapped out since the engine started
+    peak_reserved_bytes: int = 0  # GPU memory torch's allocator reserved at most (0 on CPU)

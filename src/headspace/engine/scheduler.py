@@ -105,6 +105,7 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.swapped: deque[Sequence] = deque()
         self.free_slots = list(range(num_slots))
+        self.num_swaps = 0  # sequences swapped out, counted over the scheduler's life
         self.tiers: tuple[str, ...] = (GPU,)
         self.optimistic = False
         self.grow_host: Callable[[int], str | None] = lambda n: "no host tier"
@@ -219,6 +220,7 @@ class Scheduler:
         self.running.remove(seq)
         self.swapped.appendleft(seq)
         seq.num_swaps += 1
+        self.num_swaps += 1
         return pairs
 
     def resume(self) -> tuple[Sequence, list[tuple[int, int]]] | None:

@@ -1,0 +1,1 @@
+"""The OpenAI-compatible server: ``headspace serve`` (see docs/serving.md)."""

@@ -1,0 +1,211 @@
+"""The HTTP side: an OpenAI-compatible FastAPI app over an :class:`EngineLoop`.
+
+``/v1/completions``, ``/v1/chat/completions``, ``/v1/models`` (bearer key when set),
+``/health`` and ``/metrics`` (open). Every error is OpenAI's shape with a 4xx status (5xx
+only when the engine itself stopped); a client that disconnects aborts its request, as
+vLLM's ``with_cancellation`` does: the handler races a listener for the ASGI
+``http.disconnect`` message.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException
+
+from headspace.engine.outputs import RequestOutput
+from headspace.errors import UserError
+from headspace.server import protocol
+from headspace.server.engine_loop import EngineLoop
+from headspace.server.protocol import APIError, ChatRequest, CompletionRequest
+
+
+@dataclass
+class ServerOptions:
+    """``served_model_name``: the name clients give as ``model``; ``api_key``: the bearer
+    key of the ``/v1`` routes (None: open); ``max_body_bytes``: the largest request body."""
+
+    served_model_name: str
+    api_key: str | None = None
+    max_body_bytes: int = 16 * 2**20
+
+
+def _error(error: APIError) -> JSONResponse:
+    return JSONResponse(error.body(), status_code=error.status)
+
+
+def _validation_message(error: RequestValidationError) -> tuple[str, str | None]:
+    first = error.errors()[0] if error.errors() else {}
+    where = [str(p) for p in first.get("loc", ()) if p != "body"]
+    message = first.get("msg", "invalid request").removeprefix("Value error, ")
+    return (f"{'.'.join(where)}: {message}" if where else message), (where[0] if where else None)
+
+
+async def _disconnected(request: Request) -> None:
+    """Return once the client has gone (the ASGI ``http.disconnect`` message)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def _unless_disconnected(request: Request, work) -> Response | None:
+    """Run ``work`` (a coroutine) until done or the client disconnects (then cancelled:
+    its request is aborted); None in the second case."""
+    task, gone = asyncio.ensure_future(work), asyncio.ensure_future(_disconnected(request))
+    done, _ = await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+    if task in done:
+        gone.cancel()
+        return task.result()
+    task.cancel()
+    return None
+
+
+def build_app(engine_loop: EngineLoop, options: ServerOptions) -> FastAPI:
+    """The app: routes over ``engine_loop``, which runs (and warms up) on its own thread."""
+    app = FastAPI(title="headspace", docs_url=None, redoc_url=None)
+    engine = engine_loop.engine
+    tokenizing = ThreadPoolExecutor(1, thread_name_prefix="tokenizer")  # one user at a time
+    name = options.served_model_name
+    created = int(time.time())
+
+    @app.exception_handler(APIError)
+    async def api_error(_, error: APIError):
+        return _error(error)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(_, error: RequestValidationError):
+        message, param = _validation_message(error)
+        return _error(APIError(400, message, param=param))
+
+    @app.exception_handler(HTTPException)
+    async def http_error(_, error: HTTPException):
+        kind = "not_found_error" if error.status_code == 404 else "invalid_request_error"
+        return _error(APIError(error.status_code, str(error.detail), kind))
+
+    @app.middleware("http")
+    async def guard(request: Request, call_next):
+        """The bearer key on /v1 routes; bodies past the size bound."""
+        key = options.api_key
+        if key and request.url.path.startswith("/v1") and \
+                request.headers.get("authorization") != f"Bearer {key}":  # fmt: skip
+            return _error(APIError(401, "a valid API key is needed (Authorization: Bearer)",
+                                   "authentication_error"))  # fmt: skip
+        length, most = request.headers.get("content-length"), options.max_body_bytes
+        if length is not None and length.isdigit() and int(length) > most:
+            return _error(APIError(413, f"the request body has {length} bytes, more than the "
+                                   f"{most} allowed (--max-body-size)"))  # fmt: skip
+        return await call_next(request)
+
+    @app.get("/health")
+    async def health():
+        if engine_loop.error is not None:
+            return JSONResponse({"status": "error", "error": str(engine_loop.error)}, 503)
+        if not engine_loop.ready.is_set():
+            return JSONResponse({"status": "warming up"}, 503)
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(engine_loop.metrics.text(), media_type="text/plain; version=0.0.4")
+
+    @app.get("/v1/models")
+    async def models():
+        card = {"id": name, "object": "model", "created": created, "owned_by": "headspace",
+                "max_model_len": engine.max_context}  # fmt: skip
+        return {"object": "list", "data": [card]}
+
+    async def _tokens(body, chat: bool) -> list[int]:
+        def encode():
+            if chat:
+                return engine.encode_chat([m.as_dict() for m in body.messages])
+            if isinstance(body.prompt, str):
+                return engine.encode(body.prompt)
+            vocab = engine.model.config.vocab_size
+            if any(not 0 <= t < vocab for t in body.prompt):
+                raise UserError(f"token ids must be in [0, {vocab})")
+            return list(body.prompt)
+
+        try:
+            return await asyncio.get_running_loop().run_in_executor(tokenizing, encode)
+        except UserError as error:
+            raise APIError(400, str(error), param="messages" if chat else "prompt") from None
+
+    async def _serve(request: Request, body, chat: bool):
+        if body.model != name:
+            raise APIError(404, f"the model {body.model!r} does not exist; this server serves "
+                           f"{name!r}", "not_found_error", "model")  # fmt: skip
+        ids = await _tokens(body, chat)
+        try:
+            params = body.sampling(engine.max_context)
+        except UserError as error:
+            raise APIError(400, str(error)) from None
+        request_id = protocol.new_id("chatcmpl" if chat else "cmpl")
+        outputs = engine_loop.generate(ids, params)
+        await _first(outputs)  # accepted: a refusal is a status, before any event
+        if body.stream:
+            return StreamingResponse(_events(outputs, request_id, name, chat,
+                                             body.include_usage),
+                                     media_type="text/event-stream")  # fmt: skip
+
+        async def whole():
+            final = None
+            async for output in outputs:
+                final = output
+            return JSONResponse(protocol.completion(request_id, name, final, chat))
+
+        return await _unless_disconnected(request, whole())
+
+    @app.post("/v1/completions")
+    async def completions(request: Request, body: CompletionRequest):
+        return await _serve(request, body, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request, body: ChatRequest):
+        return await _serve(request, body, chat=True)
+
+    return app
+
+
+async def _first(outputs: AsyncIterator[RequestOutput]) -> RequestOutput | None:
+    try:
+        return await outputs.__anext__()
+    except StopAsyncIteration:
+        return None
+
+
+async def _events(outputs: AsyncIterator[RequestOutput], request_id: str, model: str, chat: bool,
+                  include_usage: bool) -> AsyncIterator[str]:  # fmt: skip
+    """Server-sent events: a chunk per step with new text (the chat's first carries the
+    role), the finish reason on the last, the usage chunk if asked, then ``[DONE]``. When
+    the client goes, starlette cancels this generator and the request is aborted."""
+
+    def event(payload: dict) -> str:
+        return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+    if chat:
+        yield event(protocol.chunk(request_id, model, "", None, chat, role=True))
+    final = None
+    try:
+        output = await _first(outputs)
+        while output is not None:
+            reason = protocol.finish_reason(output)
+            if output.new_text or reason:
+                yield event(protocol.chunk(request_id, model, output.new_text, reason, chat))
+            final = output
+            output = await _first(outputs)
+    except APIError as error:  # the engine stopped mid-stream
+        yield event(error.body())
+    finally:
+        await outputs.aclose()
+    if include_usage and final is not None:
+        yield event(protocol.usage_chunk(request_id, model, final, chat))
+    yield "data: [DONE]\n\n"

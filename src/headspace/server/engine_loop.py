@@ -1,0 +1,192 @@
+"""The engine's step loop beside the HTTP event loop.
+
+One thread owns the :class:`Engine`: it takes new requests and aborts between steps, steps
+while anything runs, and hands each request's outputs to the asyncio task that waits for
+them (``loop.call_soon_threadsafe``). Requests past ``max_concurrent`` wait in the loop's
+queue, up to ``max_queued`` more; past that, ``submit`` answers 429 at once. The loop also
+keeps the metrics (requests, tokens, time to first token, time per output token, the head
+map and the pages in use), updated after every step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from headspace.engine.engine import Engine
+from headspace.engine.outputs import RequestOutput
+from headspace.engine.sampling import SamplingParams
+from headspace.errors import UserError
+from headspace.server.metrics import Metrics
+from headspace.server.protocol import APIError
+
+log = logging.getLogger("headspace.serve")
+IDLE_WAIT_S = 0.5  # how long the idle loop waits for a request before looking again
+
+
+@dataclass
+class _Submitted:
+    """A request on its way into the engine, and where its outputs go."""
+
+    prompt_ids: list[int]
+    params: SamplingParams
+    outputs: asyncio.Queue
+    loop: asyncio.AbstractEventLoop
+    arrived: float = field(default_factory=time.perf_counter)
+    engine_id: int | None = None  # once the engine has it
+    last_token_at: float = 0.0
+    aborted: bool = False
+
+    def deliver(self, item: RequestOutput | APIError | None) -> None:
+        self.loop.call_soon_threadsafe(self.outputs.put_nowait, item)
+
+
+class EngineLoop:
+    """Runs ``engine`` on its own thread; ``submit`` / ``abort`` from the event loop."""
+
+    def __init__(self, engine: Engine, metrics: Metrics, max_concurrent: int, max_queued: int):
+        self.engine, self.metrics = engine, metrics
+        self.max_concurrent, self.max_queued = max_concurrent, max_queued
+        self._inbox: queue.Queue = queue.Queue()  # ("add" | "abort", _Submitted)
+        self._queued: deque[_Submitted] = deque()  # checked, waiting for a place
+        self._running: dict[int, _Submitted] = {}  # engine id -> request
+        self._count = 0  # requests accepted and not yet ended (read by the event loop)
+        self._count_lock = threading.Lock()
+        self._stop = threading.Event()
+        self.ready = threading.Event()  # warm-up done
+        self.error: BaseException | None = None  # what stopped the loop, if anything
+        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+
+    # -- the event loop's side -----------------------------------------------------------
+    def start(self, warm_up: bool = True) -> None:
+        self._warm_up = warm_up
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._inbox.put(("wake", None))
+        self._thread.join(timeout=30)
+
+    async def generate(self, prompt_ids: list[int], params: SamplingParams
+                       ) -> AsyncIterator[RequestOutput]:  # fmt: skip
+        """None once the engine has accepted the request, then its outputs as its steps
+        come; the last is finished. Raises APIError (429 past the queue bound, 400 for what
+        the engine refuses). Cancelling the iteration (a client gone) aborts the request
+        and frees its pages."""
+        with self._count_lock:
+            if self._count >= self.max_concurrent + self.max_queued:
+                raise APIError(429, f"the server holds {self._count} requests, its bound "
+                               f"({self.max_concurrent} running + {self.max_queued} queued); "
+                               "try again later", "rate_limit_error")  # fmt: skip
+            self._count += 1
+        request = _Submitted(prompt_ids, params, asyncio.Queue(), asyncio.get_running_loop())
+        self._inbox.put(("add", request))
+        finished = False
+        try:
+            while True:
+                item = await request.outputs.get()
+                if isinstance(item, APIError):
+                    finished = True
+                    raise item
+                yield item
+                if item is not None and item.finished:
+                    finished = True
+                    return
+        finally:
+            if not finished:  # cancelled, or the consumer stopped early
+                self._inbox.put(("abort", request))
+
+    # -- the engine's side ---------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            if self._warm_up:
+                self._warm()
+            self.ready.set()
+            while not self._stop.is_set():
+                self._take(block=not self.engine.has_unfinished() and not self._queued)
+                self._admit()
+                if self.engine.has_unfinished():
+                    self._deliver(self.engine.step())
+                self.metrics.observe_load(self.engine.load(), len(self._queued))
+        except BaseException as error:  # the server must say it, not hang its clients
+            log.exception("the engine loop stopped")
+            self.error = error
+            for request in list(self._running.values()) + list(self._queued):
+                request.deliver(APIError(500, f"the engine stopped: {error}", "server_error"))
+            self.ready.set()
+
+    def _warm(self) -> None:
+        """Compile and capture (GPU) before the first request: a short one, run alone."""
+        started = time.perf_counter()
+        ids = self.engine.encode("Warm-up.")
+        self.engine.run(ids, SamplingParams(max_new_tokens=4, ignore_eos=True))
+        log.info("warm-up %.1f s", time.perf_counter() - started)
+
+    def _take(self, block: bool) -> None:
+        """Move new requests and aborts from the inbox (waiting a while when idle)."""
+        try:
+            item = self._inbox.get(timeout=IDLE_WAIT_S) if block else self._inbox.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            self._handle(*item)
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+
+    def _handle(self, kind: str, request: _Submitted | None) -> None:
+        if kind == "add":
+            try:
+                self.engine.check_request(request.prompt_ids, request.params)
+            except UserError as error:
+                self._end(request)
+                request.deliver(APIError(400, str(error), param="prompt"))
+                return
+            self._queued.append(request)
+            request.deliver(None)  # accepted
+        elif kind == "abort" and not request.aborted:
+            request.aborted = True
+            if request.engine_id is not None:
+                self.engine.abort(request.engine_id)  # its output comes with the next step
+            elif request in self._queued:
+                self._queued.remove(request)
+                self._end(request)
+                self.metrics.aborted.inc()
+
+    def _admit(self) -> None:
+        """Queued requests into the engine while fewer than ``max_concurrent`` run there."""
+        while self._queued and len(self._running) < self.max_concurrent:
+            request = self._queued.popleft()
+            try:
+                request.engine_id = self.engine.add_request(request.prompt_ids, request.params)
+            except UserError as error:  # checked on arrival; the engine may have changed
+                self._end(request)
+                request.deliver(APIError(400, str(error), param="prompt"))
+                continue
+            self._running[request.engine_id] = request
+            self.metrics.prompt_tokens.inc(len(request.prompt_ids))
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        now = time.perf_counter()
+        for output in outputs:
+            request = self._running.get(output.request_id)
+            if request is None:
+                continue
+            self.metrics.observe_tokens(request, output, now)
+            if output.finished:
+                del self._running[output.request_id]
+                self._end(request)
+                self.metrics.finished(output.finish_reason)
+            if not request.aborted:
+                request.deliver(output)
+
+    def _end(self, request: _Submitted) -> None:
+        with self._count_lock:
+            self._count -= 1

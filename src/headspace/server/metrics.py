@@ -1,0 +1,86 @@
+"""The server's Prometheus metrics (``GET /metrics``), in a registry of its own.
+
+Requests running / waiting / finished / aborted, prompt and generated tokens, time to first
+token and time per output token, and what the head map holds: (layer, kv head) entries per
+tier, KV pages in use on the GPU and in host memory, swaps.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from headspace.engine.outputs import EngineLoad, RequestOutput
+
+TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160, 320)
+TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56)
+
+
+class Metrics:
+    """Counters, gauges and histograms the engine loop updates after each step."""
+
+    def __init__(self, model_name: str):
+        self.registry = registry = CollectorRegistry()
+        labels = {"model_name": model_name}
+        p = "headspace_"
+
+        def gauge(name, doc, extra=()):
+            return Gauge(p + name, doc, [*labels, *extra], registry=registry)
+
+        def counter(name, doc, extra=()):
+            return Counter(p + name, doc, [*labels, *extra], registry=registry)
+
+        self._running = gauge("requests_running", "requests in the engine's batch")
+        self._waiting = gauge("requests_waiting", "requests queued, not yet in the batch")
+        self._swapped = gauge("requests_swapped", "requests swapped out to host pages")
+        self._finished = counter("requests_finished", "requests that ended", ["reason"])
+        self._prompt = counter("prompt_tokens", "prompt tokens of admitted requests")
+        self._generated = counter("generation_tokens", "tokens generated")
+        self._ttft = Histogram(p + "time_to_first_token_seconds", "arrival to first token",
+                               list(labels), buckets=TTFT_BUCKETS, registry=registry)  # fmt: skip
+        self._tpot = Histogram(p + "time_per_output_token_seconds",
+                               "time between a request's tokens after its first",
+                               list(labels), buckets=TPOT_BUCKETS, registry=registry)  # fmt: skip
+        self._entries = gauge("head_entries", "(layer, kv head) entries of the head map "
+                              "by tier", ["tier"])  # fmt: skip
+        self._pages = gauge("kv_pages_in_use", "KV pages held by requests", ["tier"])
+        self._swaps = gauge("swaps", "requests swapped out to host pages so far")
+        self._reserved = gauge("gpu_peak_reserved_bytes", "GPU memory the engine's allocator "
+                               "reserved at most (0 on the CPU)")  # fmt: skip
+        self._labels = labels
+        self.prompt_tokens = self._prompt.labels(**labels)
+        self.aborted = self._finished.labels(**labels, reason="abort")
+
+    def finished(self, reason: str) -> None:
+        self._finished.labels(**self._labels, reason=reason).inc()
+
+    def observe_tokens(self, request, output: RequestOutput, now: float) -> None:
+        """``output``'s new tokens: the first one's delay from arrival, the others' gaps."""
+        count = len(output.new_token_ids)
+        if count == 0:
+            return
+        self._generated.labels(**self._labels).inc(count)
+        first = len(output.token_ids) == count  # this step carried the first token
+        if first:
+            self._ttft.labels(**self._labels).observe(now - request.arrived)
+        elif request.last_token_at:
+            gap = (now - request.last_token_at) / count
+            for _ in range(count):
+                self._tpot.labels(**self._labels).observe(gap)
+        request.last_token_at = now
+
+    def observe_load(self, load: EngineLoad, queued: int) -> None:
+        labels = self._labels
+        self._running.labels(**labels).set(load.running + load.swapped)
+        self._waiting.labels(**labels).set(load.waiting + queued)
+        self._swapped.labels(**labels).set(load.swapped)
+        for tier, count in (("resident", load.resident_entries),
+                            ("streamed", load.streamed_entries),
+                            ("hybrid", load.hybrid_entries)):  # fmt: skip
+            self._entries.labels(**labels, tier=tier).set(count)
+        self._pages.labels(**labels, tier="gpu").set(load.gpu_pages_used)
+        self._pages.labels(**labels, tier="host").set(load.host_pages_used)
+        self._swaps.labels(**labels).set(load.num_swaps)
+        self._reserved.labels(**labels).set(load.peak_reserved_bytes)
+
+    def text(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,32 @@
+"""Start the server: the engine loop on its thread, the app under uvicorn on this one."""
+
+from __future__ import annotations
+
+import logging
+
+import uvicorn
+
+from headspace.engine.engine import Engine
+from headspace.errors import UserError
+from headspace.server.app import ServerOptions, build_app
+from headspace.server.engine_loop import EngineLoop
+from headspace.server.metrics import Metrics
+
+
+def serve(engine: Engine, name: str, host: str, port: int, *, api_key: str | None = None,
+          max_concurrent: int = 64, max_queued: int = 256, max_body_bytes: int = 16 * 2**20,
+          warm_up: bool = True) -> None:  # fmt: skip
+    """Serve ``engine`` as ``name`` on ``host:port`` until interrupted; ``/health`` says ready
+    once the warm-up request has run."""
+    if engine.ranks is not None:
+        raise UserError("serve runs in one process for now; under torchrun use generate")
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    loop = EngineLoop(engine, Metrics(name), max_concurrent, max_queued)
+    app = build_app(loop, ServerOptions(name, api_key, max_body_bytes))
+    loop.start(warm_up)
+    config = uvicorn.Config(app, host=host, port=port, log_level="warning",
+                            loop="auto", timeout_graceful_shutdown=5)  # fmt: skip
+    try:
+        uvicorn.Server(config).run()
+    finally:
+        loop.stop()

@@ -1,0 +1,261 @@
+"""``headspace serve`` tried as users use it: a process on 127.0.0.1 serving the embedded
+model, driven with the ``openai`` client (and raw HTTP for what the client will not send)."""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from headspace import LLM, SamplingParams
+from server_process import ServerProcess
+
+KEY, NAME = "test-key", "smol"
+RUNNING, QUEUED = 4, 20  # the server's bounds: in the engine, and waiting beyond
+NO_EOS = {"ignore_eos": True}
+DOCUMENT = (Path(__file__).parents[1] / "docs" / "demo_document.txt").read_text()
+
+
+@pytest.fixture(scope="module")
+def server():
+    process = ServerProcess("--api-key", KEY, "--served-model-name", NAME,
+                            "--max-concurrent-requests", str(RUNNING),
+                            "--max-queued-requests", str(QUEUED))  # fmt: skip
+    yield process
+    output = process.stop()
+    assert "Traceback" not in output, output
+
+
+@pytest.fixture(scope="module")
+def llm() -> LLM:
+    return LLM()  # the server's engine: the embedded model on the CPU, default options
+
+
+@pytest.fixture
+def client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0, timeout=300)
+
+
+def _greedy(n: int) -> SamplingParams:
+    return SamplingParams(max_new_tokens=n)
+
+
+def _wait_until(condition, timeout_s: float = 60) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.2)
+    return False
+
+
+def _idle(server) -> bool:
+    m = server.metrics()
+    return (m['headspace_requests_running'] == 0 and m['headspace_requests_waiting'] == 0
+            and m['headspace_kv_pages_in_use{tier="gpu"}'] == 0
+            and m['headspace_kv_pages_in_use{tier="host"}'] == 0)  # fmt: skip
+
+
+def _aborted(server) -> float:
+    return server.metrics().get('headspace_requests_finished_total{reason="abort"}', 0.0)
+
+
+def test_completion_and_chat_equal_generate(client, llm):
+    prompt = "The lighthouse keeper climbed the stairs and"
+    reply = client.completions.create(model=NAME, prompt=prompt, max_tokens=24, temperature=0)
+    alone = llm.generate(prompt, _greedy(24))[0]
+    assert reply.choices[0].text == alone.text
+    assert reply.usage.completion_tokens == len(alone.token_ids)
+    assert reply.usage.prompt_tokens == len(llm.engine.encode(prompt))
+    question = "What is a lighthouse for?"
+    messages = [{"role": "user", "content": question}]
+    chat = client.chat.completions.create(model=NAME, temperature=0, max_tokens=24,
+                                          messages=messages)  # fmt: skip
+    assert chat.choices[0].message.content == llm.generate(question, _greedy(24), chat=True)[0].text
+    assert chat.choices[0].message.role == "assistant"
+
+
+def test_streaming_gives_the_same_text_chunk_by_chunk_and_usage(client, llm):
+    question = "Name three colours."
+    stream = client.chat.completions.create(
+        model=NAME, temperature=0, max_tokens=20, stream=True,
+        stream_options={"include_usage": True}, messages=[{"role": "user", "content": question}],
+    )  # fmt: skip
+    chunks = list(stream)
+    pieces = [
+        c.choices[0].delta.content for c in chunks if c.choices and c.choices[0].delta.content
+    ]
+    alone = llm.generate(question, _greedy(20), chat=True)[0]
+    assert len(pieces) > 3 and "".join(pieces) == alone.text
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(alone.token_ids)
+    assert chunks[-2].choices[0].finish_reason in ("stop", "length")
+    stream = client.completions.create(model=NAME, prompt="Once upon a time", max_tokens=12,
+                                       temperature=0, stream=True)  # fmt: skip
+    text = "".join(c.choices[0].text for c in stream)
+    assert text == llm.generate("Once upon a time", _greedy(12))[0].text
+
+
+def test_models_lists_the_served_name(client, server):
+    assert [m.id for m in client.models.list().data] == [NAME]
+    assert httpx.get(server.url + "/health").json() == {"status": "ok"}
+
+
+def test_sixteen_concurrent_clients_get_what_each_gets_alone(client, llm):
+    words = DOCUMENT.split()
+    prompts = [" ".join(words[i * 7 : i * 7 + 5 + 11 * i]) for i in range(16)]
+
+    def ask(prompt: str) -> str:
+        return client.completions.create(model=NAME, prompt=prompt, max_tokens=8,
+                                         temperature=0).choices[0].text  # fmt: skip
+
+    with ThreadPoolExecutor(16) as pool:
+        texts = list(pool.map(ask, prompts))
+    assert texts == [llm.generate(p, _greedy(8))[0].text for p in prompts]
+
+
+def test_a_shared_prefix_reports_cached_tokens(client):
+    document = DOCUMENT[:3000]
+    first = client.completions.create(model=NAME, prompt=document + "\nQ: Who?", max_tokens=2)
+    assert first.usage.prompt_tokens > 256
+    second = client.completions.create(model=NAME, prompt=document + "\nQ: Where?", max_tokens=2)
+    assert second.usage.prompt_tokens_details.cached_tokens >= 128  # whole pages reused
+
+
+def test_a_client_that_goes_away_aborts_its_request(client, server):
+    aborted = _aborted(server)
+    stream = client.completions.create(model=NAME, prompt="Count: one, two,", max_tokens=2000,
+                                       stream=True, extra_body={"ignore_eos": True})  # fmt: skip
+    for _, _ in zip(range(3), stream, strict=False):
+        pass
+    stream.close()
+    assert _wait_until(lambda: _aborted(server) == aborted + 1)
+    assert _wait_until(lambda: _idle(server))
+    with pytest.raises(httpx.TimeoutException):  # not streaming: the client times out
+        httpx.post(server.url + "/v1/completions", timeout=3,
+                   headers={"Authorization": f"Bearer {KEY}"},
+                   json={"model": NAME, "prompt": "Count:", "max_tokens": 3000,
+                         "ignore_eos": True})  # fmt: skip
+    assert _wait_until(lambda: _aborted(server) == aborted + 2)
+    assert _wait_until(lambda: _idle(server))
+    assert client.completions.create(model=NAME, prompt="Still", max_tokens=3).choices[0].text
+
+
+BAD = {  # name: (request body or raw text, status)
+    "malformed JSON": ('{"model": "smol", "prompt": ', 400),
+    "max_tokens -1": ({"max_tokens": -1}, 400),
+    "max_tokens of a wrong type": ({"max_tokens": "many"}, 400),
+    "temperature -1": ({"temperature": -1}, 400),
+    "top_p 2": ({"top_p": 2}, 400),
+    "n 3": ({"n": 3}, 400),
+    "an unknown model": ({"model": "gpt-5"}, 404),
+    "a prompt over the context": ({"prompt": "word " * 9000}, 400),
+    "no prompt": ({"prompt": None}, 400),
+}
+
+
+@pytest.mark.parametrize("case", BAD)
+def test_a_bad_request_gets_its_status_and_the_server_keeps_serving(server, case):
+    body, status = BAD[case]
+    headers = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
+    if isinstance(body, dict):
+        body = {"model": NAME, "prompt": "Hello", "max_tokens": 4} | body
+        body = {k: v for k, v in body.items() if v is not None}
+        reply = httpx.post(server.url + "/v1/completions", json=body, headers=headers, timeout=60)
+    else:
+        reply = httpx.post(server.url + "/v1/completions", content=body, headers=headers)
+    assert reply.status_code == status, reply.text
+    error = reply.json()["error"]
+    assert error["code"] == status and error["message"] and error["type"]
+    assert server.healthy()
+
+
+def test_a_wrong_key_gets_401_and_the_open_routes_stay_open(server):
+    bad = openai.OpenAI(base_url=server.url + "/v1", api_key="wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError) as caught:
+        bad.models.list()
+    assert caught.value.status_code == 401
+    assert httpx.post(server.url + "/v1/completions", json={}).status_code == 401  # no key
+    assert httpx.get(server.url + "/metrics").status_code == 200
+    assert server.healthy()
+
+
+def test_a_flood_past_the_queue_bound_gets_429(server):
+    count, start = 2 * (RUNNING + QUEUED), threading.Barrier(2 * (RUNNING + QUEUED))
+    body = {"model": NAME, "prompt": "Flood", "max_tokens": 24, "ignore_eos": True}
+
+    def send(_) -> httpx.Response:
+        start.wait()
+        return httpx.post(server.url + "/v1/completions", json=body, timeout=600,
+                          headers={"Authorization": f"Bearer {KEY}"})  # fmt: skip
+
+    with ThreadPoolExecutor(count) as pool:
+        replies = list(pool.map(send, range(count)))
+    statuses = [r.status_code for r in replies]
+    assert set(statuses) == {200, 429}, statuses
+    assert statuses.count(200) >= RUNNING + QUEUED  # the bound holds as many as it says
+    assert all(r.json()["error"]["type"] == "rate_limit_error" for r in replies
+               if r.status_code == 429)  # fmt: skip
+    assert _wait_until(lambda: _idle(server))
+
+
+def test_a_bounded_load_loses_nothing(client, server):
+    """200 requests over about a minute from 8 clients, one in 20 cancelled after its
+    first piece: every other one completes, the counters account for all, pages go back."""
+    before = server.metrics()
+    clients, per_client, span_s = 8, 25, 60.0
+    outcomes: list[str] = []
+    lock = threading.Lock()
+
+    def run(index: int) -> None:
+        rng, started = random.Random(index), time.monotonic()
+        for i in range(per_client):
+            time.sleep(max(0.0, started + (i + rng.random()) * span_s / per_client
+                           - time.monotonic()))  # fmt: skip
+            prompt, tokens = " ".join(DOCUMENT.split()[: rng.randint(3, 60)]), rng.randint(2, 6)
+            if (index * per_client + i) % 20 == 7:  # a cancellation
+                stream = client.completions.create(model=NAME, prompt=prompt, max_tokens=400,
+                                                   stream=True, extra_body=NO_EOS)  # fmt: skip
+                next(iter(stream))
+                stream.close()
+                outcome = "cancelled"
+            else:
+                reply = client.completions.create(model=NAME, prompt=prompt, max_tokens=tokens)
+                outcome = reply.choices[0].finish_reason
+            with lock:
+                outcomes.append(outcome)
+
+    threads = [threading.Thread(target=run, args=(c,)) for c in range(clients)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=600)
+    assert len(outcomes) == clients * per_client
+    assert outcomes.count("cancelled") == 10
+    assert set(outcomes) <= {"stop", "length", "cancelled"}
+    assert _wait_until(lambda: _idle(server))
+    after = server.metrics()
+
+    def delta(name: str) -> float:
+        return after.get(name, 0.0) - before.get(name, 0.0)
+
+    finished = {r: delta(f'headspace_requests_finished_total{{reason="{r}"}}')
+                for r in ("stop", "length", "abort")}  # fmt: skip
+    assert finished["abort"] == 10 and sum(finished.values()) == clients * per_client
+    assert delta("headspace_time_to_first_token_seconds_count") == clients * per_client
+    assert delta("headspace_generation_tokens_total") > clients * per_client
+
+
+@pytest.mark.parametrize("flags", [["--port", "70000"], ["--max-concurrent-requests", "0"],
+                                   ["--max-body-size", "0.5"]])  # fmt: skip
+def test_bad_serve_flags_get_one_line_and_exit_2(flags, capsys):
+    from headspace.cli.main import main
+
+    assert main(["serve", *flags]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1
