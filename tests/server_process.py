@@ -9,6 +9,7 @@ import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import httpx
 
@@ -20,13 +21,18 @@ def free_port() -> int:
 
 
 class ServerProcess:
-    """A running server; ``url`` is its base (``http://127.0.0.1:PORT``)."""
+    """A running server; ``url`` is its base (``http://127.0.0.1:PORT``); ``ranks``: under
+    torchrun with that many ranks."""
 
-    def __init__(self, *flags: str, ready_within_s: float = 240):
+    def __init__(self, *flags: str, ranks: int = 1, ready_within_s: float = 240):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         command = [sys.executable, "-m", "headspace.cli", "serve", "--port", str(self.port), *flags]
         env = dict(os.environ, PYTHONUNBUFFERED="1")
+        if ranks > 1:  # torchrun on the CPU (gloo): rank 0 serves, the others follow
+            command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                       f"--nproc-per-node={ranks}", "-m", *command[2:]]  # fmt: skip
+            env.update(OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
         self.process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                         text=True, env=env)  # fmt: skip
         deadline = time.monotonic() + ready_within_s
@@ -58,11 +64,25 @@ class ServerProcess:
         return values
 
     def stop(self) -> str:
-        """Interrupt it (as Ctrl-C does); its output."""
+        """Interrupt it (as Ctrl-C does; under torchrun, rank 0's process, which tells the
+        others to stop); its output."""
         if self.process.poll() is None:
-            self.process.send_signal(signal.SIGINT)
+            os.kill(self._rank_zero(), signal.SIGINT)
             try:
                 self.process.wait(timeout=30)
             except subprocess.TimeoutExpired:
                 self.process.kill()
         return self.process.stdout.read()
+
+    def _rank_zero(self) -> int:
+        """The pid of rank 0: the server itself, or torchrun's worker with RANK=0."""
+        children = subprocess.run(["pgrep", "-P", str(self.process.pid)], capture_output=True,
+                                  text=True).stdout.split()  # fmt: skip
+        for pid in children:
+            try:
+                environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if b"RANK=0" in environ:
+                return int(pid)
+        return self.process.pid

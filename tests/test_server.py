@@ -259,3 +259,31 @@ def test_bad_serve_flags_get_one_line_and_exit_2(flags, capsys):
     assert main(["serve", *flags]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and err.count("\n") == 1
+
+
+def test_under_torchrun_rank_0_serves_and_the_others_follow(llm):
+    """Two gloo ranks split the heads: concurrent completions equal the single process's,
+    a stream closed early is aborted on every rank, and the server stops cleanly."""
+    server = ServerProcess("--served-model-name", NAME, ranks=2)
+    try:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0,
+                               timeout=300)  # fmt: skip
+        prompts = ["The lighthouse keeper", "Once upon a time, in a harbour town"]
+
+        def ask(prompt: str) -> str:
+            return client.completions.create(model=NAME, prompt=prompt, max_tokens=10,
+                                             temperature=0).choices[0].text  # fmt: skip
+
+        with ThreadPoolExecutor(2) as pool:
+            texts = list(pool.map(ask, prompts))
+        assert texts == [llm.generate(p, _greedy(10))[0].text for p in prompts]
+        stream = client.completions.create(model=NAME, prompt="Count:", max_tokens=500,
+                                           stream=True, extra_body=NO_EOS)  # fmt: skip
+        next(iter(stream))
+        stream.close()
+        assert _wait_until(lambda: _aborted(server) == 1)
+        assert _wait_until(lambda: _idle(server))
+        assert ask("Still") == llm.generate("Still", _greedy(10))[0].text
+    finally:
+        output = server.stop()
+    assert server.process.returncode == 0 and "Traceback" not in output, output[-3000:]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 
 from headspace.cli.options import (
@@ -67,6 +68,8 @@ def run_serve(args: argparse.Namespace) -> None:
     llm = LLM(args.model, **engine_options(args))
     name = _served_name(args)
     print(f"serving {name} on http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
-    serve(llm.engine, name, args.host, args.port, api_key=args.api_key,
-          max_concurrent=args.max_concurrent_requests, max_queued=args.max_queued_requests,
-          max_body_bytes=body_bytes, warm_up=args.warm_up)  # fmt: skip
+    with contextlib.suppress(KeyboardInterrupt):  # Ctrl-C: the server has shut down
+        serve(llm.engine, name, args.host, args.port, api_key=args.api_key,
+              max_concurrent=args.max_concurrent_requests, max_queued=args.max_queued_requests,
+              max_body_bytes=body_bytes, warm_up=args.warm_up)  # fmt: skip
+    print("stopped", file=sys.stderr)

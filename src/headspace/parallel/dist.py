@@ -88,10 +88,11 @@ def all_agree(ok: bool) -> bool:
     return bool(host_min(int(ok)))
 
 
-def broadcast_object(obj, src: int = 0):
-    """Rank ``src``'s ``obj`` (picklable), on every rank."""
+def broadcast_object(obj, src: int = 0, host: bool = False):
+    """Rank ``src``'s ``obj`` (picklable), on every rank; ``host``: over the gloo group of
+    the host (no GPU work waits on it)."""
     box = [obj]
-    dist.broadcast_object_list(box, src=src)
+    dist.broadcast_object_list(box, src=src, group=_cpu_group() if host else None)
     return box[0]
 
 

@@ -6,6 +6,10 @@ them (``loop.call_soon_threadsafe``). Requests past ``max_concurrent`` wait in t
 queue, up to ``max_queued`` more; past that, ``submit`` answers 429 at once. The loop also
 keeps the metrics (requests, tokens, time to first token, time per output token, the head
 map and the pages in use), updated after every step.
+
+Under torchrun every rank runs an engine loop: rank 0's takes requests from HTTP and, each
+turn, broadcasts what it took (new requests, aborts, stop) to the others, whose loops
+(``follow``) apply the same commands in the same order and step alike.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from headspace.engine.engine import Engine
 from headspace.engine.outputs import RequestOutput
 from headspace.engine.sampling import SamplingParams
 from headspace.errors import UserError
+from headspace.parallel.dist import broadcast_object, is_first_rank
 from headspace.server.metrics import Metrics
 from headspace.server.protocol import APIError
 
@@ -36,15 +41,17 @@ class _Submitted:
 
     prompt_ids: list[int]
     params: SamplingParams
-    outputs: asyncio.Queue
-    loop: asyncio.AbstractEventLoop
+    outputs: asyncio.Queue | None  # None on the ranks that follow rank 0
+    loop: asyncio.AbstractEventLoop | None
+    key: int = 0  # the same on every rank
     arrived: float = field(default_factory=time.perf_counter)
     engine_id: int | None = None  # once the engine has it
     last_token_at: float = 0.0
     aborted: bool = False
 
     def deliver(self, item: RequestOutput | APIError | None) -> None:
-        self.loop.call_soon_threadsafe(self.outputs.put_nowait, item)
+        if self.loop is not None:
+            self.loop.call_soon_threadsafe(self.outputs.put_nowait, item)
 
 
 class EngineLoop:
@@ -53,8 +60,11 @@ class EngineLoop:
     def __init__(self, engine: Engine, metrics: Metrics, max_concurrent: int, max_queued: int):
         self.engine, self.metrics = engine, metrics
         self.max_concurrent, self.max_queued = max_concurrent, max_queued
-        self._inbox: queue.Queue = queue.Queue()  # ("add" | "abort", _Submitted)
+        self._inbox: queue.Queue = queue.Queue()  # ("add" | "abort" | "stop", _Submitted)
         self._queued: deque[_Submitted] = deque()  # checked, waiting for a place
+        self._by_key: dict[int, _Submitted] = {}  # requests not ended, by key
+        self._next_key = 0
+        self._ranked = engine.ranks is not None  # commands go to every rank
         self._running: dict[int, _Submitted] = {}  # engine id -> request
         self._count = 0  # requests accepted and not yet ended (read by the event loop)
         self._count_lock = threading.Lock()
@@ -70,8 +80,15 @@ class EngineLoop:
 
     def stop(self) -> None:
         self._stop.set()
-        self._inbox.put(("wake", None))
+        self._inbox.put(("stop", None))
         self._thread.join(timeout=30)
+
+    def follow(self, warm_up: bool = True) -> None:
+        """Under torchrun, on every rank but 0: apply rank 0's commands and step alike,
+        until rank 0 stops."""
+        assert self._ranked and not is_first_rank()
+        self._warm_up = warm_up
+        self._run()
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams
                        ) -> AsyncIterator[RequestOutput]:  # fmt: skip
@@ -86,7 +103,7 @@ class EngineLoop:
                                "try again later", "rate_limit_error")  # fmt: skip
             self._count += 1
         request = _Submitted(prompt_ids, params, asyncio.Queue(), asyncio.get_running_loop())
-        self._inbox.put(("add", request))
+        self._inbox.put(("add", request))  # its key is given on the engine's thread
         finished = False
         try:
             while True:
@@ -108,13 +125,20 @@ class EngineLoop:
             if self._warm_up:
                 self._warm()
             self.ready.set()
-            while not self._stop.is_set():
-                self._take(block=not self.engine.has_unfinished() and not self._queued)
+            while True:
+                commands = self._take(block=not self.engine.has_unfinished() and not self._queued)
+                if self._ranked:  # rank 0's commands, on every rank
+                    commands = broadcast_object(commands, host=True)
+                if not self._apply(commands):
+                    return
                 self._admit()
                 if self.engine.has_unfinished():
                     self._deliver(self.engine.step())
                 self.metrics.observe_load(self.engine.load(), len(self._queued))
         except BaseException as error:  # the server must say it, not hang its clients
+            if self._ranked and not is_first_rank():  # rank 0 went away: nothing to serve
+                log.warning("rank 0 stopped (%s); this rank stops too", error)
+                return
             log.exception("the engine loop stopped")
             self.error = error
             for request in list(self._running.values()) + list(self._queued):
@@ -128,20 +152,43 @@ class EngineLoop:
         self.engine.run(ids, SamplingParams(max_new_tokens=4, ignore_eos=True))
         log.info("warm-up %.1f s", time.perf_counter() - started)
 
-    def _take(self, block: bool) -> None:
-        """Move new requests and aborts from the inbox (waiting a while when idle)."""
+    def _take(self, block: bool) -> list[tuple]:
+        """The commands in the inbox (waiting a while for one when idle), as plain data:
+        ("add", key, prompt ids, params), ("abort", key), ("stop",). Rank 0 only."""
+        commands = []
+        if self._ranked and not is_first_rank():
+            return commands
         try:
             item = self._inbox.get(timeout=IDLE_WAIT_S) if block else self._inbox.get_nowait()
         except queue.Empty:
-            return
+            return commands
         while True:
-            self._handle(*item)
+            kind, request = item
+            if kind == "add":
+                request.key, self._next_key = self._next_key, self._next_key + 1
+                self._by_key[request.key] = request
+                commands.append(("add", request.key, request.prompt_ids, request.params))
+            else:
+                commands.append((kind,) if request is None else (kind, request.key))
             try:
                 item = self._inbox.get_nowait()
             except queue.Empty:
-                return
+                return commands
 
-    def _handle(self, kind: str, request: _Submitted | None) -> None:
+    def _apply(self, commands: list[tuple]) -> bool:
+        """Take in the turn's commands; False on "stop"."""
+        for command in commands:
+            if command[0] == "stop":
+                return False
+            if command[0] == "add" and command[1] not in self._by_key:  # a following rank
+                key, ids, params = command[1:]
+                self._by_key[key] = _Submitted(ids, params, None, None, key)
+            request = self._by_key.get(command[1])
+            if request is not None:
+                self._handle(command[0], request)
+        return True
+
+    def _handle(self, kind: str, request: _Submitted) -> None:
         if kind == "add":
             try:
                 self.engine.check_request(request.prompt_ids, request.params)
@@ -188,5 +235,6 @@ class EngineLoop:
                 request.deliver(output)
 
     def _end(self, request: _Submitted) -> None:
+        self._by_key.pop(request.key, None)
         with self._count_lock:
             self._count -= 1

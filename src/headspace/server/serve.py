@@ -7,7 +7,7 @@ import logging
 import uvicorn
 
 from headspace.engine.engine import Engine
-from headspace.errors import UserError
+from headspace.parallel.dist import is_first_rank
 from headspace.server.app import ServerOptions, build_app
 from headspace.server.engine_loop import EngineLoop
 from headspace.server.metrics import Metrics
@@ -17,11 +17,13 @@ def serve(engine: Engine, name: str, host: str, port: int, *, api_key: str | Non
           max_concurrent: int = 64, max_queued: int = 256, max_body_bytes: int = 16 * 2**20,
           warm_up: bool = True) -> None:  # fmt: skip
     """Serve ``engine`` as ``name`` on ``host:port`` until interrupted; ``/health`` says ready
-    once the warm-up request has run."""
-    if engine.ranks is not None:
-        raise UserError("serve runs in one process for now; under torchrun use generate")
+    once the warm-up request has run. Under torchrun rank 0 serves and the other ranks
+    follow its steps (they return when it stops)."""
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     loop = EngineLoop(engine, Metrics(name), max_concurrent, max_queued)
+    if engine.ranks is not None and not is_first_rank():  # rank 0 serves; this one follows
+        loop.follow(warm_up)
+        return
     app = build_app(loop, ServerOptions(name, api_key, max_body_bytes))
     loop.start(warm_up)
     config = uvicorn.Config(app, host=host, port=port, log_level="warning",
