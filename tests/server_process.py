@@ -8,6 +8,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -33,12 +34,13 @@ class ServerProcess:
             command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                        f"--nproc-per-node={ranks}", "-m", *command[2:]]  # fmt: skip
             env.update(OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
-        self.process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        self._log = tempfile.TemporaryFile(mode="w+")  # noqa: SIM115 (a pipe could fill)
+        self.process = subprocess.Popen(command, stdout=self._log, stderr=subprocess.STDOUT,
                                         text=True, env=env)  # fmt: skip
         deadline = time.monotonic() + ready_within_s
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
-                raise RuntimeError(f"the server exited: {self.process.stdout.read()}")
+                raise RuntimeError(f"the server exited: {self.output()}")
             if self.healthy():
                 return
             time.sleep(0.5)
@@ -72,7 +74,13 @@ class ServerProcess:
                 self.process.wait(timeout=30)
             except subprocess.TimeoutExpired:
                 self.process.kill()
-        return self.process.stdout.read()
+                self.process.wait()
+        return self.output()
+
+    def output(self) -> str:
+        """What it has written so far (stdout and stderr)."""
+        self._log.seek(0)
+        return self._log.read()
 
     def _rank_zero(self) -> int:
         """The pid of rank 0: the server itself, or torchrun's worker with RANK=0."""

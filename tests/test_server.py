@@ -156,6 +156,12 @@ BAD = {  # name: (request body or raw text, status)
     "an unknown model": ({"model": "gpt-5"}, 404),
     "a prompt over the context": ({"prompt": "word " * 9000}, 400),
     "no prompt": ({"prompt": None}, 400),
+    "a seed past 64 bits": ({"seed": 2**64}, 400),
+    "a lone surrogate": ('{"model": "smol", "prompt": "hi \\ud800", "max_tokens": 2}', 400),
+    "token ids past the vocabulary": ({"prompt": [1, 2, 10**9]}, 400),
+    "tools": ({"tools": [{"type": "function", "function": {"name": "f"}}]}, 400),
+    "stream_options without stream": ({"stream_options": {"include_usage": True}}, 400),
+    "a chunked body past --max-body-size": (iter([b" " * 2**20] * 17), 413),
 }
 
 
@@ -167,8 +173,9 @@ def test_a_bad_request_gets_its_status_and_the_server_keeps_serving(server, case
         body = {"model": NAME, "prompt": "Hello", "max_tokens": 4} | body
         body = {k: v for k, v in body.items() if v is not None}
         reply = httpx.post(server.url + "/v1/completions", json=body, headers=headers, timeout=60)
-    else:
-        reply = httpx.post(server.url + "/v1/completions", content=body, headers=headers)
+    else:  # raw text, or a generator (sent chunked, with no Content-Length)
+        reply = httpx.post(server.url + "/v1/completions", content=body, headers=headers,
+                           timeout=60)  # fmt: skip
     assert reply.status_code == status, reply.text
     error = reply.json()["error"]
     assert error["code"] == status and error["message"] and error["type"]
@@ -185,23 +192,44 @@ def test_a_wrong_key_gets_401_and_the_open_routes_stay_open(server):
     assert server.healthy()
 
 
-def test_a_flood_past_the_queue_bound_gets_429(server):
-    count, start = 2 * (RUNNING + QUEUED), threading.Barrier(2 * (RUNNING + QUEUED))
-    body = {"model": NAME, "prompt": "Flood", "max_tokens": 24, "ignore_eos": True}
+def test_past_the_queue_bound_a_request_gets_429(client, server):
+    """Fill the bound with long streams, then one more: 429; once they are closed, as many
+    are accepted again (no place is lost)."""
+    bound = RUNNING + QUEUED
+    streams = [client.completions.create(model=NAME, prompt=f"Flood {i}", max_tokens=3000,
+                                         stream=True, extra_body=NO_EOS)
+               for i in range(bound)]  # fmt: skip
 
-    def send(_) -> httpx.Response:
-        start.wait()
-        return httpx.post(server.url + "/v1/completions", json=body, timeout=600,
-                          headers={"Authorization": f"Bearer {KEY}"})  # fmt: skip
+    def held() -> float:
+        m = server.metrics()
+        return m["headspace_requests_running"] + m["headspace_requests_waiting"]
 
-    with ThreadPoolExecutor(count) as pool:
-        replies = list(pool.map(send, range(count)))
-    statuses = [r.status_code for r in replies]
-    assert set(statuses) == {200, 429}, statuses
-    assert statuses.count(200) >= RUNNING + QUEUED  # the bound holds as many as it says
-    assert all(r.json()["error"]["type"] == "rate_limit_error" for r in replies
-               if r.status_code == 429)  # fmt: skip
+    assert _wait_until(lambda: held() == bound)
+    with pytest.raises(openai.RateLimitError) as caught:
+        client.completions.create(model=NAME, prompt="One more", max_tokens=2)
+    assert caught.value.status_code == 429 and caught.value.body["type"] == "rate_limit_error"
+    for stream in streams:
+        stream.close()
     assert _wait_until(lambda: _idle(server))
+    with ThreadPoolExecutor(bound) as pool:
+        replies = list(pool.map(lambda i: client.completions.create(
+            model=NAME, prompt=f"Again {i}", max_tokens=2), range(bound)))  # fmt: skip
+    assert all(r.choices[0].finish_reason in ("stop", "length") for r in replies)
+    assert server.healthy()
+
+
+def test_a_tiny_temperature_is_greedy_and_the_chat_is_checked(client, server, llm):
+    reply = client.completions.create(model=NAME, prompt="The sea", max_tokens=6,
+                                      temperature=1e-40)  # fmt: skip
+    assert reply.choices[0].text == llm.generate("The sea", _greedy(6))[0].text
+    for messages in (
+        [{"role": "wizard", "content": "hi"}],
+        [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}],
+        [],
+    ):
+        with pytest.raises(openai.BadRequestError):
+            client.chat.completions.create(model=NAME, messages=messages, max_tokens=2)
+    assert server.healthy()
 
 
 def test_a_bounded_load_loses_nothing(client, server):
@@ -210,9 +238,16 @@ def test_a_bounded_load_loses_nothing(client, server):
     before = server.metrics()
     clients, per_client, span_s = 8, 25, 60.0
     outcomes: list[str] = []
+    failures: list[BaseException] = []
     lock = threading.Lock()
 
     def run(index: int) -> None:
+        try:
+            send(index)
+        except BaseException as error:  # shown by the assertion below
+            failures.append(error)
+
+    def send(index: int) -> None:
         rng, started = random.Random(index), time.monotonic()
         for i in range(per_client):
             time.sleep(max(0.0, started + (i + rng.random()) * span_s / per_client
@@ -233,8 +268,10 @@ def test_a_bounded_load_loses_nothing(client, server):
     threads = [threading.Thread(target=run, args=(c,)) for c in range(clients)]
     for thread in threads:
         thread.start()
+    deadline = time.monotonic() + 600
     for thread in threads:
-        thread.join(timeout=600)
+        thread.join(timeout=max(0.0, deadline - time.monotonic()))
+    assert not failures, failures[:3]
     assert len(outcomes) == clients * per_client
     assert outcomes.count("cancelled") == 10
     assert set(outcomes) <= {"stop", "length", "cancelled"}

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import sys
 
 from headspace.cli.options import (
@@ -24,8 +25,9 @@ def add_serve_parser(subparsers) -> None:
     server.add_argument("--host", default="127.0.0.1", help="address to listen on "
                         "(default: 127.0.0.1; 0.0.0.0 for every interface)")  # fmt: skip
     server.add_argument("--port", type=int, default=8000, help="port (default: 8000)")
-    server.add_argument("--api-key", default=None, help="bearer key the /v1 routes require "
-                        "(default: none, open)")  # fmt: skip
+    server.add_argument("--api-key", default=os.environ.get("HEADSPACE_API_KEY"),
+                        help="bearer key the /v1 routes require (default: $HEADSPACE_API_KEY, "
+                        "else none: open)")  # fmt: skip
     server.add_argument("--served-model-name", default=None, help="the model's name in the API "
                         "(default: the model's directory or file name)")  # fmt: skip
     server.add_argument("--max-concurrent-requests", type=int, default=64,
@@ -34,6 +36,9 @@ def add_serve_parser(subparsers) -> None:
     server.add_argument("--max-queued-requests", type=int, default=256,
                         help="requests waiting beyond those; past this a request gets 429 "
                         "(default: 256)")  # fmt: skip
+    server.add_argument("--default-max-tokens", type=int, default=4096,
+                        help="most new tokens of a chat request that names none "
+                        "(completions: 16, as OpenAI's; default: 4096)")  # fmt: skip
     server.add_argument("--max-body-size", type=memory_value, default=DEFAULT_BODY,
                         help=f"largest request body (default: {DEFAULT_BODY})")  # fmt: skip
     server.add_argument("--no-warm-up", dest="warm_up", action="store_false",
@@ -54,22 +59,26 @@ def run_serve(args: argparse.Namespace) -> None:
     """Load the model, warm it up, serve until interrupted (Ctrl-C / SIGTERM)."""
     from headspace.engine.memory import parse_memory
 
-    for flag in ("max_concurrent_requests", "max_queued_requests"):
-        if getattr(args, flag) < (1 if flag == "max_concurrent_requests" else 0):
-            raise UserError(f"--{flag.replace('_', '-')} must be a positive integer")
+    for flag, least in (("max_concurrent_requests", 1), ("max_queued_requests", 0),
+                        ("default_max_tokens", 1)):  # fmt: skip
+        if getattr(args, flag) < least:
+            raise UserError(f"--{flag.replace('_', '-')} must be an integer >= {least}, got "
+                            f"{getattr(args, flag)}")  # fmt: skip
     if not 0 < args.port < 65536:
         raise UserError(f"--port must be in 1..65535, got {args.port}")
     body_bytes = parse_memory(args.max_body_size, 0)  # a size, not a fraction
     if body_bytes < 1024:
         raise UserError(f"--max-body-size must be a size of 1KiB or more, got {args.max_body_size}")
     from headspace.api import LLM
+    from headspace.server.app import ServerOptions
     from headspace.server.serve import serve
 
     llm = LLM(args.model, **engine_options(args))
     name = _served_name(args)
     print(f"serving {name} on http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
     with contextlib.suppress(KeyboardInterrupt):  # Ctrl-C: the server has shut down
-        serve(llm.engine, name, args.host, args.port, api_key=args.api_key,
-              max_concurrent=args.max_concurrent_requests, max_queued=args.max_queued_requests,
-              max_body_bytes=body_bytes, warm_up=args.warm_up)  # fmt: skip
+        options = ServerOptions(name, args.api_key, body_bytes, args.default_max_tokens)
+        serve(llm.engine, options, args.host, args.port, warm_up=args.warm_up,
+              max_concurrent=args.max_concurrent_requests,
+              max_queued=args.max_queued_requests)  # fmt: skip
     print("stopped", file=sys.stderr)

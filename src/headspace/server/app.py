@@ -10,6 +10,7 @@ vLLM's ``with_cancellation`` does: the handler races a listener for the ASGI
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 from collections.abc import AsyncIterator
@@ -25,6 +26,7 @@ from headspace.engine.outputs import RequestOutput
 from headspace.errors import UserError
 from headspace.server import protocol
 from headspace.server.engine_loop import EngineLoop
+from headspace.server.guard import Guard
 from headspace.server.protocol import APIError, ChatRequest, CompletionRequest
 
 
@@ -36,9 +38,12 @@ class ServerOptions:
     served_model_name: str
     api_key: str | None = None
     max_body_bytes: int = 16 * 2**20
+    default_max_tokens: int = 4096  # a chat request that gives none (completions: 16)
 
 
-def _error(error: APIError) -> JSONResponse:
+def _error(error: APIError, metrics=None) -> JSONResponse:
+    if metrics is not None:
+        metrics.error(error.status)
     return JSONResponse(error.body(), status_code=error.status)
 
 
@@ -59,51 +64,49 @@ async def _disconnected(request: Request) -> None:
 
 async def _unless_disconnected(request: Request, work) -> Response | None:
     """Run ``work`` (a coroutine) until done or the client disconnects (then cancelled:
-    its request is aborted); None in the second case."""
+    its request is aborted, and the answer nobody reads is 499)."""
     task, gone = asyncio.ensure_future(work), asyncio.ensure_future(_disconnected(request))
     done, _ = await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
     if task in done:
         gone.cancel()
         return task.result()
     task.cancel()
-    return None
+    return Response(status_code=499)
 
 
 def build_app(engine_loop: EngineLoop, options: ServerOptions) -> FastAPI:
     """The app: routes over ``engine_loop``, which runs (and warms up) on its own thread."""
-    app = FastAPI(title="headspace", docs_url=None, redoc_url=None)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_):
+        yield
+        await asyncio.to_thread(engine_loop.stop)  # after the last connection, before exit
+
+    app = FastAPI(title="headspace", docs_url=None, redoc_url=None, lifespan=lifespan)
+    app.add_middleware(Guard, api_key=options.api_key, max_body_bytes=options.max_body_bytes)
     engine = engine_loop.engine
     tokenizing = ThreadPoolExecutor(1, thread_name_prefix="tokenizer")  # one user at a time
     name = options.served_model_name
     created = int(time.time())
+    counted = engine_loop.metrics  # errors by status
 
     @app.exception_handler(APIError)
     async def api_error(_, error: APIError):
-        return _error(error)
+        return _error(error, counted)
+
+    @app.exception_handler(Exception)
+    async def bug(_, error: Exception):  # still OpenAI's shape; the server keeps serving
+        return _error(APIError(500, f"{type(error).__name__}: {error}", "server_error"), counted)
 
     @app.exception_handler(RequestValidationError)
     async def invalid(_, error: RequestValidationError):
         message, param = _validation_message(error)
-        return _error(APIError(400, message, param=param))
+        return _error(APIError(400, message, param=param), counted)
 
     @app.exception_handler(HTTPException)
     async def http_error(_, error: HTTPException):
         kind = "not_found_error" if error.status_code == 404 else "invalid_request_error"
-        return _error(APIError(error.status_code, str(error.detail), kind))
-
-    @app.middleware("http")
-    async def guard(request: Request, call_next):
-        """The bearer key on /v1 routes; bodies past the size bound."""
-        key = options.api_key
-        if key and request.url.path.startswith("/v1") and \
-                request.headers.get("authorization") != f"Bearer {key}":  # fmt: skip
-            return _error(APIError(401, "a valid API key is needed (Authorization: Bearer)",
-                                   "authentication_error"))  # fmt: skip
-        length, most = request.headers.get("content-length"), options.max_body_bytes
-        if length is not None and length.isdigit() and int(length) > most:
-            return _error(APIError(413, f"the request body has {length} bytes, more than the "
-                                   f"{most} allowed (--max-body-size)"))  # fmt: skip
-        return await call_next(request)
+        return _error(APIError(error.status_code, str(error.detail), kind), counted)
 
     @app.get("/health")
     async def health():
@@ -136,31 +139,37 @@ def build_app(engine_loop: EngineLoop, options: ServerOptions) -> FastAPI:
 
         try:
             return await asyncio.get_running_loop().run_in_executor(tokenizing, encode)
-        except UserError as error:
-            raise APIError(400, str(error), param="messages" if chat else "prompt") from None
+        except Exception as error:  # noqa: BLE001 (text the tokenizer cannot take is the client's)
+            raise APIError(400, str(error) if isinstance(error, UserError) else
+                           f"cannot tokenize the {'messages' if chat else 'prompt'}: {error}",
+                           param="messages" if chat else "prompt") from None  # fmt: skip
 
     async def _serve(request: Request, body, chat: bool):
         if body.model != name:
             raise APIError(404, f"the model {body.model!r} does not exist; this server serves "
                            f"{name!r}", "not_found_error", "model")  # fmt: skip
-        ids = await _tokens(body, chat)
+        arrived = time.perf_counter()
+        engine_loop.reserve()  # 429 (or 503) before any work
         try:
-            params = body.sampling(engine.max_context)
-        except UserError as error:
-            raise APIError(400, str(error)) from None
-        request_id = protocol.new_id("chatcmpl" if chat else "cmpl")
-        outputs = engine_loop.generate(ids, params)
+            ids = await _tokens(body, chat)
+            params = body.sampling(options.default_max_tokens)
+        except BaseException as error:
+            engine_loop.release()
+            if isinstance(error, UserError):
+                raise APIError(400, str(error)) from None
+            raise
+        reply = protocol.Reply(protocol.new_id("chatcmpl" if chat else "cmpl"), name, chat)
+        outputs = engine_loop.generate(ids, params, arrived)
         await _first(outputs)  # accepted: a refusal is a status, before any event
         if body.stream:
-            return StreamingResponse(_events(outputs, request_id, name, chat,
-                                             body.include_usage),
+            return StreamingResponse(_events(outputs, reply, body.include_usage),
                                      media_type="text/event-stream")  # fmt: skip
 
         async def whole():
             final = None
             async for output in outputs:
                 final = output
-            return JSONResponse(protocol.completion(request_id, name, final, chat))
+            return JSONResponse(reply.completion(final))
 
         return await _unless_disconnected(request, whole())
 
@@ -182,7 +191,7 @@ async def _first(outputs: AsyncIterator[RequestOutput]) -> RequestOutput | None:
         return None
 
 
-async def _events(outputs: AsyncIterator[RequestOutput], request_id: str, model: str, chat: bool,
+async def _events(outputs: AsyncIterator[RequestOutput], reply: protocol.Reply,
                   include_usage: bool) -> AsyncIterator[str]:  # fmt: skip
     """Server-sent events: a chunk per step with new text (the chat's first carries the
     role), the finish reason on the last, the usage chunk if asked, then ``[DONE]``. When
@@ -191,21 +200,21 @@ async def _events(outputs: AsyncIterator[RequestOutput], request_id: str, model:
     def event(payload: dict) -> str:
         return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
 
-    if chat:
-        yield event(protocol.chunk(request_id, model, "", None, chat, role=True))
     final = None
     try:
+        if reply.chat:
+            yield event(reply.chunk("", None, role=True))
         output = await _first(outputs)
         while output is not None:
             reason = protocol.finish_reason(output)
             if output.new_text or reason:
-                yield event(protocol.chunk(request_id, model, output.new_text, reason, chat))
+                yield event(reply.chunk(output.new_text, reason))
             final = output
             output = await _first(outputs)
     except APIError as error:  # the engine stopped mid-stream
         yield event(error.body())
-    finally:
+    finally:  # also when the client has gone: its request is aborted now
         await outputs.aclose()
     if include_usage and final is not None:
-        yield event(protocol.usage_chunk(request_id, model, final, chat))
+        yield event(reply.usage_chunk(final))
     yield "data: [DONE]\n\n"

@@ -15,6 +15,7 @@ turn, broadcasts what it took (new requests, aborts, stop) to the others, whose 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import queue
 import threading
@@ -50,7 +51,9 @@ class _Submitted:
     aborted: bool = False
 
     def deliver(self, item: RequestOutput | APIError | None) -> None:
-        if self.loop is not None:
+        if self.loop is None or self.loop.is_closed():  # a following rank; a server gone
+            return
+        with contextlib.suppress(RuntimeError):  # the event loop closed meanwhile
             self.loop.call_soon_threadsafe(self.outputs.put_nowait, item)
 
 
@@ -79,9 +82,13 @@ class EngineLoop:
         self._thread.start()
 
     def stop(self) -> None:
+        """Stop the loop (under torchrun, every rank's) and wait for it; again: nothing."""
+        if self._stop.is_set():
+            return
         self._stop.set()
         self._inbox.put(("stop", None))
-        self._thread.join(timeout=30)
+        if self._thread.is_alive():
+            self._thread.join(timeout=30)
 
     def follow(self, warm_up: bool = True) -> None:
         """Under torchrun, on every rank but 0: apply rank 0's commands and step alike,
@@ -90,19 +97,33 @@ class EngineLoop:
         self._warm_up = warm_up
         self._run()
 
-    async def generate(self, prompt_ids: list[int], params: SamplingParams
-                       ) -> AsyncIterator[RequestOutput]:  # fmt: skip
-        """None once the engine has accepted the request, then its outputs as its steps
-        come; the last is finished. Raises APIError (429 past the queue bound, 400 for what
-        the engine refuses). Cancelling the iteration (a client gone) aborts the request
-        and frees its pages."""
+    def reserve(self) -> None:
+        """Take a place for a new request (before any work on it), or raise APIError: 503
+        when the engine has stopped, 429 past the bound. ``generate`` or ``release`` gives
+        the place back."""
+        if self.error is not None or not self._thread.is_alive():
+            raise APIError(503, f"the engine has stopped: {self.error}", "server_error")
         with self._count_lock:
             if self._count >= self.max_concurrent + self.max_queued:
                 raise APIError(429, f"the server holds {self._count} requests, its bound "
                                f"({self.max_concurrent} running + {self.max_queued} queued); "
                                "try again later", "rate_limit_error")  # fmt: skip
             self._count += 1
-        request = _Submitted(prompt_ids, params, asyncio.Queue(), asyncio.get_running_loop())
+
+    def release(self) -> None:
+        """Give back a place taken by ``reserve`` for a request that was not generated."""
+        with self._count_lock:
+            self._count -= 1
+
+    async def generate(self, prompt_ids: list[int], params: SamplingParams,
+                       arrived: float) -> AsyncIterator[RequestOutput]:  # fmt: skip
+        """For a request whose place is reserved (``arrived``: when it reached the server,
+        perf_counter seconds): None once the engine has accepted it, then its outputs as
+        its steps come; the last is finished. Raises APIError (400 for what the engine
+        refuses). Cancelling the iteration (a client gone) aborts the request and frees
+        its pages."""
+        request = _Submitted(prompt_ids, params, asyncio.Queue(), asyncio.get_running_loop(),
+                             arrived=arrived)  # fmt: skip
         self._inbox.put(("add", request))  # its key is given on the engine's thread
         finished = False
         try:
@@ -141,9 +162,22 @@ class EngineLoop:
                 return
             log.exception("the engine loop stopped")
             self.error = error
-            for request in list(self._running.values()) + list(self._queued):
-                request.deliver(APIError(500, f"the engine stopped: {error}", "server_error"))
+            self._fail_all(error)
             self.ready.set()
+
+    def _fail_all(self, error: BaseException) -> None:
+        """Every request known or on its way gets a 500 that says why."""
+        pending = list(self._by_key.values())
+        while True:
+            try:
+                kind, request = self._inbox.get_nowait()
+            except queue.Empty:
+                break
+            if kind == "add":
+                pending.append(request)
+        failure = APIError(500, f"the engine stopped: {error}", "server_error")
+        for request in pending:
+            request.deliver(failure)
 
     def _warm(self) -> None:
         """Compile and capture (GPU) before the first request: a short one, run alone."""
@@ -192,9 +226,8 @@ class EngineLoop:
         if kind == "add":
             try:
                 self.engine.check_request(request.prompt_ids, request.params)
-            except UserError as error:
-                self._end(request)
-                request.deliver(APIError(400, str(error), param="prompt"))
+            except Exception as error:  # noqa: BLE001 (a bad request must not stop the loop)
+                self._refuse(request, error)
                 return
             self._queued.append(request)
             request.deliver(None)  # accepted
@@ -213,9 +246,8 @@ class EngineLoop:
             request = self._queued.popleft()
             try:
                 request.engine_id = self.engine.add_request(request.prompt_ids, request.params)
-            except UserError as error:  # checked on arrival; the engine may have changed
-                self._end(request)
-                request.deliver(APIError(400, str(error), param="prompt"))
+            except Exception as error:  # noqa: BLE001 (checked on arrival; the engine changed)
+                self._refuse(request, error)
                 continue
             self._running[request.engine_id] = request
             self.metrics.prompt_tokens.inc(len(request.prompt_ids))
@@ -233,6 +265,17 @@ class EngineLoop:
                 self.metrics.finished(output.finish_reason)
             if not request.aborted:
                 request.deliver(output)
+
+    def _refuse(self, request: _Submitted, error: Exception) -> None:
+        """End ``request`` with a 400 (what the engine refuses) or, for anything else, a 500
+        for it alone (logged)."""
+        self._end(request)
+        if isinstance(error, UserError):
+            request.deliver(APIError(400, str(error), param="prompt"))
+            return
+        log.exception("request refused by an error")
+        request.deliver(APIError(500, f"{type(error).__name__}: {error}", "server_error"))
+        self.metrics.finished("error")
 
     def _end(self, request: _Submitted) -> None:
         self._by_key.pop(request.key, None)

@@ -43,12 +43,18 @@ class Metrics:
         self._entries = gauge("head_entries", "(layer, kv head) entries of the head map "
                               "by tier", ["tier"])  # fmt: skip
         self._pages = gauge("kv_pages_in_use", "KV pages held by requests", ["tier"])
-        self._swaps = gauge("swaps", "requests swapped out to host pages so far")
+        self._swaps = counter("swaps", "requests swapped out to host pages")
+        self._swaps_seen = 0
+        self._errors = counter("request_errors", "requests answered with an error, by HTTP "
+                               "status", ["status"])  # fmt: skip
         self._reserved = gauge("gpu_peak_reserved_bytes", "GPU memory the engine's allocator "
                                "reserved at most (0 on the CPU)")  # fmt: skip
         self._labels = labels
         self.prompt_tokens = self._prompt.labels(**labels)
         self.aborted = self._finished.labels(**labels, reason="abort")
+
+    def error(self, status: int) -> None:
+        self._errors.labels(**self._labels, status=str(status)).inc()
 
     def finished(self, reason: str) -> None:
         self._finished.labels(**self._labels, reason=reason).inc()
@@ -79,7 +85,8 @@ class Metrics:
             self._entries.labels(**labels, tier=tier).set(count)
         self._pages.labels(**labels, tier="gpu").set(load.gpu_pages_used)
         self._pages.labels(**labels, tier="host").set(load.host_pages_used)
-        self._swaps.labels(**labels).set(load.num_swaps)
+        self._swaps.labels(**labels).inc(load.num_swaps - self._swaps_seen)
+        self._swaps_seen = load.num_swaps
         self._reserved.labels(**labels).set(load.peak_reserved_bytes)
 
     def text(self) -> bytes:

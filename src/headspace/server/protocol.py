@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from dataclasses import dataclass, field
 from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -18,6 +19,10 @@ from headspace.engine.outputs import RequestOutput
 from headspace.engine.sampling import SamplingParams
 
 FINISH_REASONS = {"stop": "stop", "length": "length", "abort": "abort"}
+GREEDY_BELOW = 1e-5  # a temperature this small is greedy (sampling would overflow)
+# fields of OpenAI's API this server cannot honour: refused by name, not ignored
+UNSUPPORTED = ("tools", "tool_choice", "functions", "function_call", "response_format",
+               "logit_bias", "suffix", "prediction", "audio", "modalities")  # fmt: skip
 
 
 class APIError(Exception):
@@ -48,7 +53,7 @@ class _Sampling(BaseModel):
     temperature: Annotated[float, Field(ge=0, le=2)] = 1.0
     top_p: Annotated[float, Field(gt=0, le=1)] = 1.0
     top_k: Annotated[int, Field(ge=-1)] = 0  # 0 or -1: off
-    seed: int | None = None
+    seed: Annotated[int, Field(ge=-(2**63), le=2**64 - 1)] | None = None
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -56,9 +61,23 @@ class _Sampling(BaseModel):
     ignore_eos: bool = False
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    best_of: int | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _known(cls, data):
+        if isinstance(data, dict):
+            named = [k for k in UNSUPPORTED if data.get(k) is not None]
+            if named:
+                raise ValueError(f"{', '.join(named)}: not supported by this server")
+        return data
 
     @model_validator(mode="after")
     def _supported(self):
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options is only allowed with stream: true")
+        if self.best_of not in (None, 1):
+            raise ValueError(f"best_of must be 1, got {self.best_of}")
         if self.n != 1:
             raise ValueError(f"n must be 1 (one choice per request), got {self.n}")
         if self.presence_penalty or self.frequency_penalty:
@@ -69,8 +88,9 @@ class _Sampling(BaseModel):
 
     def sampling(self, default_max_tokens: int) -> SamplingParams:
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        temperature = 0.0 if self.temperature < GREEDY_BELOW else self.temperature
         return SamplingParams(max_new_tokens=self.max_tokens or default_max_tokens,
-                              temperature=self.temperature, top_p=self.top_p,
+                              temperature=temperature, top_p=self.top_p,
                               top_k=max(self.top_k, 0), seed=self.seed, stop=stop,
                               ignore_eos=self.ignore_eos)  # fmt: skip
 
@@ -114,7 +134,7 @@ class Message(BaseModel):
     def as_dict(self) -> dict:
         content = self.content
         if isinstance(content, list):
-            content = "".join(part.text for part in content)
+            content = "\n".join(part.text for part in content)
         return {"role": "system" if self.role == "developer" else self.role,
                 "content": content or ""}  # fmt: skip
 
@@ -151,36 +171,44 @@ def finish_reason(output: RequestOutput) -> str | None:
     return FINISH_REASONS.get(output.finish_reason) if output.finish_reason else None
 
 
-def completion(request_id: str, model: str, output: RequestOutput, chat: bool) -> dict:
-    """The whole response of a finished request."""
-    if chat:
-        choice = {"index": 0, "message": {"role": "assistant", "content": output.text},
-                  "logprobs": None, "finish_reason": finish_reason(output)}  # fmt: skip
-    else:
-        choice = {"index": 0, "text": output.text, "logprobs": None,
-                  "finish_reason": finish_reason(output)}  # fmt: skip
-    return {"id": request_id, "object": "chat.completion" if chat else "text_completion",
-            "created": int(time.time()), "model": model, "choices": [choice],
-            "usage": usage(output)}  # fmt: skip
+@dataclass
+class Reply:
+    """One request's response shapes: ``request_id`` and ``created`` (Unix seconds) the
+    same in every chunk; ``chat``: chat completion shapes, else text completion ones."""
 
+    request_id: str
+    model: str
+    chat: bool
+    created: int = field(default_factory=lambda: int(time.time()))
 
-def chunk(request_id: str, model: str, text: str | None, reason: str | None, chat: bool,
-          role: bool = False) -> dict:  # fmt: skip
-    """One streamed piece: new ``text`` (a chat delta, with the assistant's ``role`` on the
-    first), and the finish reason on the last."""
-    if chat:
-        delta = {"role": "assistant"} if role else {}
-        if text is not None:
-            delta["content"] = text
-        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}
-    else:
-        choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": reason}
-    return {"id": request_id, "object": "chat.completion.chunk" if chat else "text_completion",
-            "created": int(time.time()), "model": model, "choices": [choice]}  # fmt: skip
+    def _head(self, chunk: bool) -> dict:
+        kind = ("chat.completion.chunk" if chunk else "chat.completion") if self.chat \
+            else "text_completion"  # fmt: skip
+        return {"id": self.request_id, "object": kind, "created": self.created,
+                "model": self.model}  # fmt: skip
 
+    def completion(self, output: RequestOutput) -> dict:
+        """The whole response of a finished request."""
+        reason = finish_reason(output)
+        if self.chat:
+            choice = {"index": 0, "message": {"role": "assistant", "content": output.text},
+                      "logprobs": None, "finish_reason": reason}  # fmt: skip
+        else:
+            choice = {"index": 0, "text": output.text, "logprobs": None, "finish_reason": reason}
+        return {**self._head(False), "choices": [choice], "usage": usage(output)}
 
-def usage_chunk(request_id: str, model: str, output: RequestOutput, chat: bool) -> dict:
-    """The last streamed piece with ``stream_options.include_usage``: no choices, usage."""
-    return {"id": request_id, "object": "chat.completion.chunk" if chat else "text_completion",
-            "created": int(time.time()), "model": model, "choices": [],
-            "usage": usage(output)}  # fmt: skip
+    def chunk(self, text: str | None, reason: str | None, role: bool = False) -> dict:
+        """One streamed piece: new ``text`` (a chat delta, with the assistant's ``role`` on
+        the first), and the finish reason on the last."""
+        if self.chat:
+            delta = {"role": "assistant"} if role else {}
+            if text is not None:
+                delta["content"] = text
+            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}
+        else:
+            choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": reason}
+        return {**self._head(True), "choices": [choice]}
+
+    def usage_chunk(self, output: RequestOutput) -> dict:
+        """The last streamed piece with ``stream_options.include_usage``: usage, no choices."""
+        return {**self._head(True), "choices": [], "usage": usage(output)}

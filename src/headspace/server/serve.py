@@ -13,18 +13,18 @@ from headspace.server.engine_loop import EngineLoop
 from headspace.server.metrics import Metrics
 
 
-def serve(engine: Engine, name: str, host: str, port: int, *, api_key: str | None = None,
-          max_concurrent: int = 64, max_queued: int = 256, max_body_bytes: int = 16 * 2**20,
+def serve(engine: Engine, options: ServerOptions, host: str, port: int, *,
+          max_concurrent: int = 64, max_queued: int = 256,
           warm_up: bool = True) -> None:  # fmt: skip
-    """Serve ``engine`` as ``name`` on ``host:port`` until interrupted; ``/health`` says ready
-    once the warm-up request has run. Under torchrun rank 0 serves and the other ranks
-    follow its steps (they return when it stops)."""
+    """Serve ``engine`` on ``host:port`` until interrupted; ``/health`` says ready once the
+    warm-up request has run. Under torchrun rank 0 serves and the other ranks follow its
+    steps (they return when it stops)."""
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    loop = EngineLoop(engine, Metrics(name), max_concurrent, max_queued)
+    loop = EngineLoop(engine, Metrics(options.served_model_name), max_concurrent, max_queued)
     if engine.ranks is not None and not is_first_rank():  # rank 0 serves; this one follows
         loop.follow(warm_up)
         return
-    app = build_app(loop, ServerOptions(name, api_key, max_body_bytes))
+    app = build_app(loop, options)
     loop.start(warm_up)
     config = uvicorn.Config(app, host=host, port=port, log_level="warning",
                             loop="auto", timeout_graceful_shutdown=5)  # fmt: skip

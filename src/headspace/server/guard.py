@@ -1,0 +1,56 @@
+"""What every request passes before a route: the bearer key and the body size bound.
+
+A plain ASGI middleware (no task or stream per request, so server-sent events pass through
+untouched). The body is counted as it is received, so a chunked body without a
+Content-Length is bounded too.
+"""
+
+from __future__ import annotations
+
+import secrets
+
+from starlette.exceptions import HTTPException
+from starlette.responses import JSONResponse
+
+from headspace.server.protocol import APIError
+
+
+class Guard:
+    """``api_key`` (None: open) on the ``/v1`` routes; at most ``max_body_bytes`` of body."""
+
+    def __init__(self, app, api_key: str | None, max_body_bytes: int):
+        self.app, self.api_key, self.max_body_bytes = app, api_key, max_body_bytes
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]}
+        refusal = self._refusal(scope["path"], headers)
+        if refusal is not None:
+            return await JSONResponse(refusal.body(), refusal.status)(scope, receive, send)
+        received, most = 0, self.max_body_bytes
+
+        async def counted():
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > most:  # the route's handler answers 413 (an HTTPException)
+                    raise HTTPException(413, f"the request body is larger than the {most} "
+                                        "bytes allowed (--max-body-size)")  # fmt: skip
+            return message
+
+        await self.app(scope, counted, send)
+
+    def _refusal(self, path: str, headers: dict[str, str]) -> APIError | None:
+        key = self.api_key
+        if key and path.startswith("/v1"):
+            given = headers.get("authorization", "")
+            if not secrets.compare_digest(given.encode(), f"Bearer {key}".encode()):
+                return APIError(401, "a valid API key is needed (Authorization: Bearer)",
+                                "authentication_error")  # fmt: skip
+        length = headers.get("content-length", "")
+        if length.isdigit() and int(length) > self.max_body_bytes:
+            return APIError(413, f"the request body has {length} bytes, more than the "
+                            f"{self.max_body_bytes} allowed (--max-body-size)")  # fmt: skip
+        return None
