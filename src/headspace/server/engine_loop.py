@@ -36,14 +36,51 @@ log = logging.getLogger("headspace.serve")
 IDLE_WAIT_S = 0.5  # how long the idle loop waits for a request before looking again
 
 
+class Outbox:
+    """What the engine thread hands one request's task: control items (None: accepted; an
+    APIError) and outputs, consecutive outputs merged into one (the latest, with every new
+    token and piece of text since the task last looked), so a slow reader holds one output,
+    not one a step. The task is woken only when the box was empty."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop, self.ready = loop, asyncio.Event()
+        self._items: deque = deque()
+        self._lock = threading.Lock()
+
+    def put(self, item: RequestOutput | APIError | None) -> None:
+        """From the engine thread."""
+        with self._lock:
+            last = self._items[-1] if self._items else None
+            if isinstance(item, RequestOutput) and isinstance(last, RequestOutput):
+                item.new_text = last.new_text + item.new_text
+                item.new_token_ids = last.new_token_ids + item.new_token_ids
+                self._items[-1] = item
+                return
+            self._items.append(item)
+            if len(self._items) > 1:  # already woken
+                return
+        if not self.loop.is_closed():
+            with contextlib.suppress(RuntimeError):  # the event loop closed meanwhile
+                self.loop.call_soon_threadsafe(self.ready.set)
+
+    async def take(self) -> list:
+        """On the event loop: every item put since the last call, in order (waits for one)."""
+        while True:
+            await self.ready.wait()
+            self.ready.clear()
+            with self._lock:
+                items, self._items = list(self._items), deque()
+            if items:
+                return items
+
+
 @dataclass
 class _Submitted:
     """A request on its way into the engine, and where its outputs go."""
 
     prompt_ids: list[int]
     params: SamplingParams
-    outputs: asyncio.Queue | None  # None on the ranks that follow rank 0
-    loop: asyncio.AbstractEventLoop | None
+    outbox: Outbox | None  # None on the ranks that follow rank 0
     key: int = 0  # the same on every rank
     arrived: float = field(default_factory=time.perf_counter)
     engine_id: int | None = None  # once the engine has it
@@ -51,10 +88,8 @@ class _Submitted:
     aborted: bool = False
 
     def deliver(self, item: RequestOutput | APIError | None) -> None:
-        if self.loop is None or self.loop.is_closed():  # a following rank; a server gone
-            return
-        with contextlib.suppress(RuntimeError):  # the event loop closed meanwhile
-            self.loop.call_soon_threadsafe(self.outputs.put_nowait, item)
+        if self.outbox is not None:  # (a following rank's requests have none)
+            self.outbox.put(item)
 
 
 class EngineLoop:
@@ -122,20 +157,20 @@ class EngineLoop:
         its steps come; the last is finished. Raises APIError (400 for what the engine
         refuses). Cancelling the iteration (a client gone) aborts the request and frees
         its pages."""
-        request = _Submitted(prompt_ids, params, asyncio.Queue(), asyncio.get_running_loop(),
+        request = _Submitted(prompt_ids, params, Outbox(asyncio.get_running_loop()),
                              arrived=arrived)  # fmt: skip
         self._inbox.put(("add", request))  # its key is given on the engine's thread
         finished = False
         try:
             while True:
-                item = await request.outputs.get()
-                if isinstance(item, APIError):
-                    finished = True
-                    raise item
-                yield item
-                if item is not None and item.finished:
-                    finished = True
-                    return
+                for item in await request.outbox.take():
+                    if isinstance(item, APIError):
+                        finished = True
+                        raise item
+                    yield item
+                    if item is not None and item.finished:
+                        finished = True
+                        return
         finally:
             if not finished:  # cancelled, or the consumer stopped early
                 self._inbox.put(("abort", request))
@@ -216,7 +251,7 @@ class EngineLoop:
                 return False
             if command[0] == "add" and command[1] not in self._by_key:  # a following rank
                 key, ids, params = command[1:]
-                self._by_key[key] = _Submitted(ids, params, None, None, key)
+                self._by_key[key] = _Submitted(ids, params, None, key)
             request = self._by_key.get(command[1])
             if request is not None:
                 self._handle(command[0], request)

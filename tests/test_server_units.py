@@ -1,0 +1,79 @@
+"""The server's parts without a process: the outbox between the engine thread and a
+request's task, and the request shapes' checks."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+from pydantic import ValidationError
+
+from headspace.engine.outputs import RequestOutput
+from headspace.server.engine_loop import Outbox
+from headspace.server.protocol import APIError, ChatRequest, CompletionRequest, Reply
+
+
+def _output(ids: list[int], new: list[int], reason: str | None = None) -> RequestOutput:
+    text, new_text = "".join(f"t{i}" for i in ids), "".join(f"t{i}" for i in new)
+    return RequestOutput("p", text, list(ids), reason, new_text=new_text,
+                         new_token_ids=list(new))  # fmt: skip
+
+
+def test_the_outbox_merges_outputs_and_keeps_control_items_in_order():
+    async def run() -> list:
+        box = Outbox(asyncio.get_running_loop())
+
+        def engine_thread():  # what a slow reader finds: one output for three steps
+            box.put(None)  # accepted
+            for n in range(1, 4):
+                box.put(_output(list(range(n)), [n - 1]))
+
+        thread = threading.Thread(target=engine_thread)
+        thread.start()
+        thread.join()
+        first = await box.take()
+        box.put(_output([0, 1, 2, 3], [3], "length"))
+        box.put(APIError(500, "stopped"))
+        return first + await box.take()
+
+    items = asyncio.run(run())
+    assert items[0] is None
+    assert items[1].new_token_ids == [0, 1, 2] and items[1].new_text == "t0t1t2"
+    assert items[1].token_ids == [0, 1, 2]  # the latest output, with every new token since
+    assert items[2].finish_reason == "length" and items[2].new_token_ids == [3]
+    assert isinstance(items[3], APIError)
+
+
+def test_a_reply_keeps_one_id_and_time_across_its_chunks():
+    reply = Reply("cmpl-1", "m", chat=True, created=123)
+    chunks = [reply.chunk("", None, role=True), reply.chunk("a", None), reply.chunk("b", "stop")]
+    assert {(c["id"], c["created"], c["object"]) for c in chunks} == {
+        ("cmpl-1", 123, "chat.completion.chunk")}  # fmt: skip
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert chunks[2]["choices"][0]["finish_reason"] == "stop"
+
+
+@pytest.mark.parametrize("fields", [
+    {"n": 2}, {"seed": 2**64}, {"tools": [{"type": "function"}]}, {"best_of": 3},
+    {"stream_options": {"include_usage": True}}, {"presence_penalty": 0.5}, {"stop": [""]},
+    {"temperature": 2.5}, {"top_p": 0}, {"max_tokens": 0}, {"prompt": ["a", "b"]},
+])  # fmt: skip
+def test_what_cannot_be_honoured_is_refused(fields):
+    with pytest.raises(ValidationError):
+        CompletionRequest(**({"model": "m", "prompt": "hi"} | fields))
+
+
+def test_sampling_fields_become_sampling_params():
+    request = CompletionRequest(model="m", prompt=[1, 2], temperature=1e-30, top_k=-1,
+                                stop="END", seed=2**64 - 1)  # fmt: skip
+    params = request.sampling(4096)
+    assert params.temperature == 0 and params.top_k == 0 and params.stop == ["END"]
+    assert params.max_new_tokens == 16  # OpenAI's default for completions
+    chat = ChatRequest(model="m", messages=[{"role": "user", "content": [
+        {"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}],
+        max_completion_tokens=7)  # fmt: skip
+    assert chat.sampling(4096).max_new_tokens == 7
+    assert chat.messages[0].as_dict() == {"role": "user", "content": "a\nb"}
+    assert ChatRequest(model="m", messages=[{"role": "user", "content": "x"}]).sampling(
+        4096).max_new_tokens == 4096  # fmt: skip
