@@ -179,6 +179,8 @@ def test_a_bad_request_gets_its_status_and_the_server_keeps_serving(server, case
     assert reply.status_code == status, reply.text
     error = reply.json()["error"]
     assert error["code"] == status and error["message"] and error["type"]
+    if case == "malformed JSON":  # no field is at fault
+        assert error["param"] is None and "not valid JSON" in error["message"]
     assert server.healthy()
 
 

@@ -77,3 +77,12 @@ def test_sampling_fields_become_sampling_params():
     assert chat.messages[0].as_dict() == {"role": "user", "content": "a\nb"}
     assert ChatRequest(model="m", messages=[{"role": "user", "content": "x"}]).sampling(
         4096).max_new_tokens == 4096  # fmt: skip
+
+
+def test_nulls_take_defaults_and_harmless_values_pass():
+    request = CompletionRequest(model="m", prompt="x", temperature=None, top_p=None, n=None,
+                                stream=None, tools=[], tool_choice="none",
+                                response_format={"type": "text"})  # fmt: skip
+    assert request.temperature == 1.0 and request.n == 1 and request.stream is False
+    with pytest.raises(ValidationError, match="tool_choice"):
+        CompletionRequest(model="m", prompt="x", tool_choice="auto")

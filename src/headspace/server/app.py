@@ -49,6 +49,8 @@ def _error(error: APIError, metrics=None) -> JSONResponse:
 
 def _validation_message(error: RequestValidationError) -> tuple[str, str | None]:
     first = error.errors()[0] if error.errors() else {}
+    if first.get("type") == "json_invalid":
+        return f"the body is not valid JSON: {first.get('ctx', {}).get('error', '')}", None
     where = [str(p) for p in first.get("loc", ()) if p != "body"]
     message = first.get("msg", "invalid request").removeprefix("Value error, ")
     return (f"{'.'.join(where)}: {message}" if where else message), (where[0] if where else None)
@@ -66,9 +68,14 @@ async def _unless_disconnected(request: Request, work) -> Response | None:
     """Run ``work`` (a coroutine) until done or the client disconnects (then cancelled:
     its request is aborted, and the answer nobody reads is 499)."""
     task, gone = asyncio.ensure_future(work), asyncio.ensure_future(_disconnected(request))
-    done, _ = await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
-    if task in done:
+    try:
+        done, _ = await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:  # the server shuts down: the request is aborted
+        task.cancel()
         gone.cancel()
+        return _error(APIError(503, "the server is shutting down", "server_error"))
+    gone.cancel()
+    if task in done:
         return task.result()
     task.cancel()
     return Response(status_code=499)

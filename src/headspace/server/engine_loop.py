@@ -18,6 +18,7 @@ import asyncio
 import contextlib
 import logging
 import queue
+import signal
 import threading
 import time
 from collections import deque
@@ -28,7 +29,7 @@ from headspace.engine.engine import Engine
 from headspace.engine.outputs import RequestOutput
 from headspace.engine.sampling import SamplingParams
 from headspace.errors import UserError
-from headspace.parallel.dist import broadcast_object, is_first_rank
+from headspace.parallel.dist import broadcast_object, first_error, is_first_rank
 from headspace.server.metrics import Metrics
 from headspace.server.protocol import APIError
 
@@ -74,7 +75,7 @@ class Outbox:
                 return items
 
 
-@dataclass
+@dataclass(eq=False)  # found by identity (a prompt may be long, and repeated)
 class _Submitted:
     """A request on its way into the engine, and where its outputs go."""
 
@@ -129,6 +130,8 @@ class EngineLoop:
         """Under torchrun, on every rank but 0: apply rank 0's commands and step alike,
         until rank 0 stops."""
         assert self._ranked and not is_first_rank()
+        for signum in (signal.SIGINT, signal.SIGTERM):  # rank 0's "stop" ends this rank
+            signal.signal(signum, signal.SIG_IGN)
         self._warm_up = warm_up
         self._run()
 
@@ -160,6 +163,8 @@ class EngineLoop:
         request = _Submitted(prompt_ids, params, Outbox(asyncio.get_running_loop()),
                              arrived=arrived)  # fmt: skip
         self._inbox.put(("add", request))  # its key is given on the engine's thread
+        if self.error is not None or not self._thread.is_alive():  # it stopped meanwhile
+            raise APIError(503, f"the engine has stopped: {self.error}", "server_error")
         finished = False
         try:
             while True:
@@ -184,7 +189,9 @@ class EngineLoop:
             while True:
                 commands = self._take(block=not self.engine.has_unfinished() and not self._queued)
                 if self._ranked:  # rank 0's commands, on every rank
-                    commands = broadcast_object(commands, host=True)
+                    commands = self._broadcast(commands)
+                    if commands is None:  # rank 0 has gone: nothing to serve
+                        return
                 if not self._apply(commands):
                     return
                 self._admit()
@@ -192,13 +199,33 @@ class EngineLoop:
                     self._deliver(self.engine.step())
                 self.metrics.observe_load(self.engine.load(), len(self._queued))
         except BaseException as error:  # the server must say it, not hang its clients
-            if self._ranked and not is_first_rank():  # rank 0 went away: nothing to serve
-                log.warning("rank 0 stopped (%s); this rank stops too", error)
-                return
             log.exception("the engine loop stopped")
+            if self._ranked and not is_first_rank():  # (exits non-zero: torchrun stops all)
+                raise
             self.error = error
             self._fail_all(error)
             self.ready.set()
+
+    def _broadcast(self, commands: list[tuple]) -> list[tuple] | None:
+        """Rank 0's ``commands`` on every rank; None on a following rank when rank 0 has
+        gone (the group broke)."""
+        try:
+            return broadcast_object(commands, host=True)
+        except Exception as error:  # noqa: BLE001 (gloo raises its own kinds)
+            if is_first_rank():
+                raise
+            log.warning("rank 0 stopped (%s); this rank stops too", error)
+            return None
+
+    def _agreed(self, error: Exception | None) -> Exception | None:
+        """Under torchrun, an error on any rank is one on every rank (the lowest rank's);
+        alone, ``error``."""
+        if not self._ranked:
+            return error
+        message = first_error(None if error is None else f"{type(error).__name__}: {error}")
+        if message is None or error is not None:
+            return error
+        return RuntimeError(f"refused on another rank: {message}")
 
     def _fail_all(self, error: BaseException) -> None:
         """Every request known or on its way gets a 500 that says why."""
@@ -259,9 +286,13 @@ class EngineLoop:
 
     def _handle(self, kind: str, request: _Submitted) -> None:
         if kind == "add":
+            error = None
             try:
                 self.engine.check_request(request.prompt_ids, request.params)
-            except Exception as error:  # noqa: BLE001 (a bad request must not stop the loop)
+            except Exception as caught:  # noqa: BLE001 (a bad request must not stop the loop)
+                error = caught
+            error = self._agreed(error)
+            if error is not None:
                 self._refuse(request, error)
                 return
             self._queued.append(request)
@@ -278,11 +309,16 @@ class EngineLoop:
     def _admit(self) -> None:
         """Queued requests into the engine while fewer than ``max_concurrent`` run there."""
         while self._queued and len(self._running) < self.max_concurrent:
-            request = self._queued.popleft()
+            request, error = self._queued.popleft(), None
             try:
                 request.engine_id = self.engine.add_request(request.prompt_ids, request.params)
-            except Exception as error:  # noqa: BLE001 (checked on arrival; the engine changed)
-                self._refuse(request, error)
+            except Exception as caught:  # noqa: BLE001 (checked on arrival; the engine changed)
+                error = caught
+            agreed = self._agreed(error)  # (a collective under torchrun: once a request)
+            if agreed is not None:
+                if error is None:  # refused on another rank: taken back here too
+                    self.engine.abort(request.engine_id)  # (its output is not delivered)
+                self._refuse(request, agreed)
                 continue
             self._running[request.engine_id] = request
             self.metrics.prompt_tokens.inc(len(request.prompt_ids))

@@ -24,8 +24,7 @@ class Guard:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]}
-        refusal = self._refusal(scope["path"], headers)
+        refusal = self._refusal(scope["path"], dict(scope["headers"]))
         if refusal is not None:
             return await JSONResponse(refusal.body(), refusal.status)(scope, receive, send)
         received, most = 0, self.max_body_bytes
@@ -42,14 +41,15 @@ class Guard:
 
         await self.app(scope, counted, send)
 
-    def _refusal(self, path: str, headers: dict[str, str]) -> APIError | None:
+    def _refusal(self, path: str, headers: dict[bytes, bytes]) -> APIError | None:
+        """``headers``: raw names and values (bytes, as the client sent them)."""
         key = self.api_key
         if key and path.startswith("/v1"):
-            given = headers.get("authorization", "")
-            if not secrets.compare_digest(given.encode(), f"Bearer {key}".encode()):
+            given = headers.get(b"authorization", b"")
+            if not secrets.compare_digest(given, f"Bearer {key}".encode()):
                 return APIError(401, "a valid API key is needed (Authorization: Bearer)",
                                 "authentication_error")  # fmt: skip
-        length = headers.get("content-length", "")
+        length = headers.get(b"content-length", b"").decode("latin-1")
         if length.isdigit() and int(length) > self.max_body_bytes:
             return APIError(413, f"the request body has {length} bytes, more than the "
                             f"{self.max_body_bytes} allowed (--max-body-size)")  # fmt: skip

@@ -7,7 +7,14 @@ tier, KV pages in use on the GPU and in host memory, swaps.
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    disable_created_metrics,
+    generate_latest,
+)
 
 from headspace.engine.outputs import EngineLoad, RequestOutput
 
@@ -19,6 +26,7 @@ class Metrics:
     """Counters, gauges and histograms the engine loop updates after each step."""
 
     def __init__(self, model_name: str):
+        disable_created_metrics()  # no ``*_created`` series beside every counter
         self.registry = registry = CollectorRegistry()
         labels = {"model_name": model_name}
         p = "headspace_"

@@ -39,6 +39,17 @@ class APIError(Exception):
                           "code": self.status}}  # fmt: skip
 
 
+def _asks_nothing(name: str, value) -> bool:
+    """Whether an unsupported field's value leaves the request as it is."""
+    if name in ("tools", "functions"):
+        return value == []
+    if name in ("tool_choice", "function_call"):
+        return value == "none"
+    if name == "response_format":
+        return isinstance(value, dict) and value.get("type") == "text"
+    return value in ("", {})
+
+
 class StreamOptions(BaseModel):
     include_usage: bool = False
 
@@ -66,10 +77,14 @@ class _Sampling(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _known(cls, data):
-        if isinstance(data, dict):
-            named = [k for k in UNSUPPORTED if data.get(k) is not None]
-            if named:
-                raise ValueError(f"{', '.join(named)}: not supported by this server")
+        """A field given as null takes its default; a field this server cannot honour is
+        refused by name unless its value asks for nothing (no tools, plain text)."""
+        if not isinstance(data, dict):
+            return data
+        data = {k: v for k, v in data.items() if v is not None}
+        named = [k for k in UNSUPPORTED if k in data and not _asks_nothing(k, data[k])]
+        if named:
+            raise ValueError(f"{', '.join(named)}: not supported by this server")
         return data
 
     @model_validator(mode="after")
