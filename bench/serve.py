@@ -93,13 +93,15 @@ def offline(model_dir: Path, requests) -> dict:
     return {"seconds": seconds, "output_tokens": tokens, "head_map": head_map}
 
 
-def start_server(model_dir: Path) -> tuple[subprocess.Popen, str]:
+def start_server(model_dir: Path, *flags: str) -> tuple[subprocess.Popen, str]:
+    """``headspace serve`` of ``model_dir`` under the 24 GiB budget (and ``flags``), once
+    its /health says ready; (process, base URL)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     command = [sys.executable, "-m", "headspace.cli", "serve", "--model", str(model_dir),
                "--device", "cuda", "--gpu-memory", BUDGET, "--port", str(port),
-               "--served-model-name", NAME]  # fmt: skip
+               "--served-model-name", NAME, *flags]  # fmt: skip
     server = subprocess.Popen(command, env=dict(os.environ, PYTHONUNBUFFERED="1"))
     url = f"http://127.0.0.1:{port}"
     started = time.perf_counter()
