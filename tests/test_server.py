@@ -46,6 +46,17 @@ def _greedy(n: int) -> SamplingParams:
     return SamplingParams(max_new_tokens=n)
 
 
+def _ask_together(client: openai.OpenAI, prompts: list[str], max_tokens: int) -> list[str]:
+    """Each prompt's greedy completion, all sent at once (a thread each)."""
+
+    def ask(prompt: str) -> str:
+        return client.completions.create(model=NAME, prompt=prompt, max_tokens=max_tokens,
+                                         temperature=0).choices[0].text  # fmt: skip
+
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        return list(pool.map(ask, prompts))
+
+
 def _wait_until(condition, timeout_s: float = 60) -> bool:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -110,13 +121,8 @@ def test_sixteen_concurrent_clients_get_what_each_gets_alone(client, llm):
     words = DOCUMENT.split()
     prompts = [" ".join(words[i * 7 : i * 7 + 5 + 11 * i]) for i in range(16)]
 
-    def ask(prompt: str) -> str:
-        return client.completions.create(model=NAME, prompt=prompt, max_tokens=8,
-                                         temperature=0).choices[0].text  # fmt: skip
-
-    with ThreadPoolExecutor(16) as pool:
-        texts = list(pool.map(ask, prompts))
-    assert texts == [llm.generate(p, _greedy(8))[0].text for p in prompts]
+    assert _ask_together(client, prompts, 8) == [llm.generate(p, _greedy(8))[0].text
+                                                 for p in prompts]  # fmt: skip
 
 
 def test_a_shared_prefix_reports_cached_tokens(client):
@@ -310,20 +316,15 @@ def test_under_torchrun_rank_0_serves_and_the_others_follow(llm):
                                timeout=300)  # fmt: skip
         prompts = ["The lighthouse keeper", "Once upon a time, in a harbour town"]
 
-        def ask(prompt: str) -> str:
-            return client.completions.create(model=NAME, prompt=prompt, max_tokens=10,
-                                             temperature=0).choices[0].text  # fmt: skip
-
-        with ThreadPoolExecutor(2) as pool:
-            texts = list(pool.map(ask, prompts))
-        assert texts == [llm.generate(p, _greedy(10))[0].text for p in prompts]
+        assert _ask_together(client, prompts, 10) == [llm.generate(p, _greedy(10))[0].text
+                                                      for p in prompts]  # fmt: skip
         stream = client.completions.create(model=NAME, prompt="Count:", max_tokens=500,
                                            stream=True, extra_body=NO_EOS)  # fmt: skip
         next(iter(stream))
         stream.close()
         assert _wait_until(lambda: _aborted(server) == 1)
         assert _wait_until(lambda: _idle(server))
-        assert ask("Still") == llm.generate("Still", _greedy(10))[0].text
+        assert _ask_together(client, ["Still"], 10) == [llm.generate("Still", _greedy(10))[0].text]
     finally:
         output = server.stop()
     assert server.process.returncode == 0 and "Traceback" not in output, output[-3000:]

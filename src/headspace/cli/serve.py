@@ -51,7 +51,9 @@ def _served_name(args) -> str:
     if args.served_model_name:
         return args.served_model_name
     if args.model is None:
-        return "SmolLM2-135M-Instruct"
+        from headspace.model.source import EMBEDDED_NAME
+
+        return EMBEDDED_NAME
     return str(args.model).rstrip("/").split("/")[-1]
 
 

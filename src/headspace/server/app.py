@@ -213,7 +213,7 @@ async def _events(outputs: AsyncIterator[RequestOutput], reply: protocol.Reply,
             yield event(reply.chunk("", None, role=True))
         output = await _first(outputs)
         while output is not None:
-            reason = protocol.finish_reason(output)
+            reason = output.finish_reason
             if output.new_text or reason:
                 yield event(reply.chunk(output.new_text, reason))
             final = output

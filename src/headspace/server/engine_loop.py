@@ -35,6 +35,7 @@ from headspace.server.protocol import APIError
 
 log = logging.getLogger("headspace.serve")
 IDLE_WAIT_S = 0.5  # how long the idle loop waits for a request before looking again
+OBSERVE_EVERY_S = 0.25  # the load gauges' refresh while requests run
 
 
 class Outbox:
@@ -110,6 +111,7 @@ class EngineLoop:
         self._stop = threading.Event()
         self.ready = threading.Event()  # warm-up done
         self.error: BaseException | None = None  # what stopped the loop, if anything
+        self._observed = 0.0  # when the load gauges were last set (perf_counter seconds)
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
 
     # -- the event loop's side -----------------------------------------------------------
@@ -197,7 +199,7 @@ class EngineLoop:
                 self._admit()
                 if self.engine.has_unfinished():
                     self._deliver(self.engine.step())
-                self.metrics.observe_load(self.engine.load(), len(self._queued))
+                self._observe()
         except BaseException as error:  # the server must say it, not hang its clients
             log.exception("the engine loop stopped")
             if self._ranked and not is_first_rank():  # (exits non-zero: torchrun stops all)
@@ -205,6 +207,15 @@ class EngineLoop:
             self.error = error
             self._fail_all(error)
             self.ready.set()
+
+    def _observe(self) -> None:
+        """The load gauges, at most every ``OBSERVE_EVERY_S`` while requests run (counting the
+        head map's tiers walks its entries) and on every idle turn."""
+        now = time.perf_counter()
+        if self.engine.has_unfinished() and now - self._observed < OBSERVE_EVERY_S:
+            return
+        self._observed = now
+        self.metrics.observe_load(self.engine.load(), len(self._queued))
 
     def _broadcast(self, commands: list[tuple]) -> list[tuple] | None:
         """Rank 0's ``commands`` on every rank; None on a following rank when rank 0 has

@@ -18,7 +18,6 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from headspace.engine.outputs import RequestOutput
 from headspace.engine.sampling import SamplingParams
 
-FINISH_REASONS = {"stop": "stop", "length": "length", "abort": "abort"}
 GREEDY_BELOW = 1e-5  # a temperature this small is greedy (sampling would overflow)
 # fields of OpenAI's API this server cannot honour: refused by name, not ignored
 UNSUPPORTED = ("tools", "tool_choice", "functions", "function_call", "response_format",
@@ -182,10 +181,6 @@ def usage(output: RequestOutput) -> dict:
             "prompt_tokens_details": {"cached_tokens": output.num_cached_tokens}}  # fmt: skip
 
 
-def finish_reason(output: RequestOutput) -> str | None:
-    return FINISH_REASONS.get(output.finish_reason) if output.finish_reason else None
-
-
 @dataclass
 class Reply:
     """One request's response shapes: ``request_id`` and ``created`` (Unix seconds) the
@@ -204,7 +199,7 @@ class Reply:
 
     def completion(self, output: RequestOutput) -> dict:
         """The whole response of a finished request."""
-        reason = finish_reason(output)
+        reason = output.finish_reason  # "stop", "length" or "abort", as OpenAI's
         if self.chat:
             choice = {"index": 0, "message": {"role": "assistant", "content": output.text},
                       "logprobs": None, "finish_reason": reason}  # fmt: skip
