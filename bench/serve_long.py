@@ -9,7 +9,8 @@ lives mostly in host pages. Eight short requests (2K tokens, 256 new) start firs
 one (``--tokens``, 64 new) follows; a short one arrives every ``--every`` seconds while it
 runs. Reported: the long request's time to first token and decode ms/token, the short ones'
 time per output token (p50, and p99 during the long prefill), the head map's entries by
-tier while it decodes, peak reserved memory. Writes ``serve_long_llama3-8b_<gpu>_<date>.json``.
+tier while it decodes, peak reserved GPU memory, and the server's peak resident host
+memory. Writes ``serve_long_llama3-8b_<gpu>_<date>.json``.
 """
 
 from __future__ import annotations
@@ -59,6 +60,15 @@ def _entries(url: str) -> dict[str, float]:
             for tier in ("resident", "streamed", "hybrid")}  # fmt: skip
 
 
+def peak_rss(pid: int) -> int:
+    """The process's peak resident bytes (Linux's VmHWM)."""
+    with open(f"/proc/{pid}/status") as status:
+        for line in status:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
 def summarise(result: dict, tokens: int) -> dict:
     long = result["long"]
     if "error" in long or not long["times"]:
@@ -85,6 +95,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=512 * K - 2 * K, help="long prompt")
     parser.add_argument("--every", type=float, default=2.0, help="seconds between shorts")
     parser.add_argument("--window", type=float, default=400.0, help="most seconds of shorts")
+    parser.add_argument("--tag", default="", help="added to the file name (serve_long_<tag>_...)")
     args = parser.parse_args()
     env = environment()
     with tempfile.TemporaryDirectory(dir=os.environ.get("TMPDIR")) as tmp:
@@ -94,17 +105,21 @@ def main() -> None:
         try:
             result = asyncio.run(run(url, args.tokens, args.every, args.window))
             reserved = scrape(url, "headspace_gpu_peak_reserved_bytes") / 2**30
+            host_peak = peak_rss(server.pid) / 2**30
         finally:
             server.send_signal(signal.SIGINT)
             server.wait(timeout=120)
     summary = summarise(result, args.tokens)
     out = {"env": env, "config": LLAMA31_8B, "gpu_memory": BUDGET, **summary,
-           "peak_reserved_gib": reserved, "budget_gib": 24}  # fmt: skip
-    path = write_result(f"serve_long_llama3-8b_{gpu_tag(env)}_{env['date']}.json", out)
+           "peak_reserved_gib": reserved, "budget_gib": 24,
+           "server_peak_host_gib": host_peak}  # fmt: skip
+    tag = f"{args.tag}_" if args.tag else ""
+    path = write_result(f"serve_long_{tag}llama3-8b_{gpu_tag(env)}_{env['date']}.json", out)
     print(f"\nwrote {path}")
     for key, value in summary.items():
         print(f"{key:<40}{value}")
     print(f"{'peak_reserved_gib':<40}{reserved:.2f}")
+    print(f"{'server_peak_host_gib':<40}{host_peak:.2f}")
 
 
 if __name__ == "__main__":

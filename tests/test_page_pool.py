@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import pytest
+import torch
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
+from headspace.errors import UserError
 from headspace.kv.block_table import GPU, HOST, BlockManager, OutOfPages
+from headspace.kv.host_store import HostKVArena
 from headspace.kv.page_pool import PagePool
+from headspace.kv.spec import KVSpec
 
 
 def test_worked_example_from_docs():
@@ -89,8 +93,43 @@ def test_grow_and_drop_cache():
     pool.register(page, b"x")
     pool.release(page)
     assert pool.lookup(b"x") == page and pool.num_free == 2
+    assert pool.num_kept == 1  # cached: its contents matter though no sequence holds it
     pool.drop_cache()
     assert pool.lookup(b"x") is None and pool.num_free == 2 and len(pool._free) == 2
+    assert pool.num_kept == 0
+
+
+def _arena(budget_pages: int | None) -> tuple[HostKVArena, KVSpec]:
+    spec = KVSpec(2, 2, 4, 8, 4)  # layers, kv heads, head dim, page size, bytes
+    budget = None if budget_pages is None else budget_pages * spec.full_page_bytes
+    return HostKVArena(spec, torch.float32, pin=False, budget=budget), spec
+
+
+def test_host_arena_takes_spare_pages_and_copies_what_it_holds():
+    arena, spec = _arena(None)
+    assert arena.ensure(4) and arena.num_pages == 6  # half again, for requests that join
+    assert arena.num_bytes == (6 + 1) * spec.full_page_bytes  # + the scratch page
+    assert not arena.ensure(6)
+    arena.data.uniform_()
+    held = arena.data.clone()
+    assert arena.ensure(7) and arena.num_pages == 10
+    assert arena.generation == 2 and torch.equal(arena.data[..., : held.shape[3], :], held)
+
+
+def test_host_arena_counts_both_arenas_while_it_copies():
+    """A copy holds the old arena and the new one at once: both must fit the budget (a
+    512K prompt's 64 GiB arena growing by half would otherwise ask 160 GiB of a 128 GiB
+    machine); when no page holds data the old one is freed first."""
+    arena, spec = _arena(20)
+    arena.ensure(10)
+    assert arena.num_pages == 15  # half again: 15 + scratch fit 20 pages
+    with pytest.raises(UserError, match="beside the .* arena they are copied from"):
+        arena.ensure(16)  # 16 + 1 new beside 16 old pages
+    assert arena.num_pages == 15 and arena.data is not None  # unchanged
+    assert arena.ensure(16, keep=False) and arena.num_pages == 19  # capped by the budget
+    assert float(arena.data.abs().sum()) == 0.0
+    with pytest.raises(UserError, match="more than the .* host budget"):
+        arena.ensure(20, keep=False)
 
 
 class PoolMachine(RuleBasedStateMachine):

@@ -51,7 +51,7 @@ _record(EntryStaging, "begin_decode", lambda self, *_, **__: STAGED.append(self.
 GROW_HOST = HostKVArena.ensure
 
 
-def _refusing(self, num_pages: int) -> bool:
+def _refusing(self, num_pages: int, *, keep: bool = True) -> bool:
     """``HostKVArena.ensure`` of a rank whose host pages cannot grow (page-locking failed)."""
     if num_pages > self.num_pages:
         raise UserError("cannot page-lock host memory on this rank")

@@ -283,15 +283,17 @@ class PagedRunner:
         return torch.distributed.get_backend() == "nccl" or self.graphs_class is not None
 
     def ensure_host_pages(self, num_pages: int) -> None:
-        """Host pages for at least ``num_pages`` (grows the arena when needed; graphs that
-        address the old one are then captured again). Raises UserError when the arena
+        """Host pages for at least ``num_pages`` (grows the arena when needed, copying it
+        only while some page holds data; graphs that address the old one are then captured
+        again). Raises UserError when the arena
         cannot grow; under torchrun on every rank alike (page-locking may fail on one), and
         every rank's pool grows to the same size, so their schedulers decide alike."""
-        if num_pages <= self.blocks.pools[HOST].num_pages:  # the same on every rank
+        pool = self.blocks.pools[HOST]
+        if num_pages <= pool.num_pages:  # the same on every rank
             return
         refused = None
-        try:
-            self.host.ensure(num_pages)  # (an arena may stay larger than its pool)
+        try:  # (an arena may stay larger than its pool)
+            self.host.ensure(num_pages, keep=pool.num_kept > 0)
         except UserError as error:
             refused = str(error)
         ranks = self.layout is not None

@@ -6,10 +6,11 @@ layout. Within an entry a page's K (or V) is one contiguous ``[page_size, head_d
 and a sequence's consecutive pages are adjacent: a CPU thread attends over them in place,
 and GPU kernels read and write them through unified addressing (see ``kv.transfer``).
 
-The arena is one buffer of exactly the size needed, page-locked by registering it with CUDA
-(torch's pinned allocator rounds every allocation up to a power of two). It is allocated
-when a batch first needs host pages and grows (copying what it holds) when a larger batch
-does.
+The arena is one buffer, page-locked by registering it with CUDA (torch's pinned allocator
+rounds every allocation up to a power of two). It is allocated when a batch first needs host
+pages, with half again as many spare (within the budget) for requests that join later, and
+grows when a larger batch needs more: copying what it holds, the old and the new arena both
+counted against the budget, or freeing the old one first when no page matters.
 """
 
 from __future__ import annotations
@@ -41,33 +42,57 @@ class HostKVArena:
     def scratch_slot(self) -> int:
         return self.num_pages * self.spec.page_size
 
-    def ensure(self, num_pages: int) -> bool:
-        """Hold at least ``num_pages`` pages; returns whether the arena was reallocated
-        (its old pages are copied over). Raises UserError beyond the host budget."""
+    def ensure(self, num_pages: int, *, keep: bool = True) -> bool:
+        """Hold at least ``num_pages`` pages; returns whether the arena was reallocated.
+        It takes up to half again as many, within the budget, so that requests joining
+        later need no copy. ``keep``: the old pages are copied over, and both arenas
+        count against the budget while the copy runs; else the old one is freed first.
+        Raises UserError beyond the host budget."""
         if num_pages <= self.num_pages:
             return False
         spec = self.spec
-        grown = max(num_pages, self.num_pages + self.num_pages // 2)
+        grown = num_pages + num_pages // 2
         if self.budget is not None:
-            limit = self.budget // spec.full_page_bytes - 1
+            held = self.num_bytes if keep else 0  # both live while pages are copied
+            limit = (self.budget - held) // spec.full_page_bytes - 1
             if num_pages > limit:
-                raise UserError(
-                    f"host pages for {num_pages * spec.page_size} tokens need "
-                    f"{num_pages * spec.full_page_bytes / GiB:.2f} GiB, more than the "
-                    f"{self.budget / GiB:.2f} GiB host budget (--host-memory)"
-                )
+                raise UserError(self._over_budget(num_pages, held))
             grown = min(grown, limit)
-        shape = (spec.num_layers, spec.num_kv_heads, 2, (grown + 1) * spec.page_size, spec.head_dim)
+        if self.data is not None and self.pin:  # queued copies may read or write old pages
+            torch.cuda.synchronize()
+        if keep:
+            self._allocate(grown)
+            return True
+        old_pages, self.data, self.num_pages = self.num_pages, None, 0  # freed first
+        try:
+            self._allocate(grown)
+        except BaseException:
+            if old_pages:  # the pool still hands out the old pages: hold them again
+                self._allocate(old_pages)
+            raise
+        return True
+
+    def _allocate(self, num_pages: int) -> None:
+        """A page-locked arena of ``num_pages`` pages (+ scratch) in place of the current
+        one, whose pages are copied over (this one is kept if it fails)."""
+        spec = self.spec
+        shape = (spec.num_layers, spec.num_kv_heads, 2, (num_pages + 1) * spec.page_size,
+                 spec.head_dim)  # fmt: skip
         data = torch.zeros(shape, dtype=self.dtype)  # a parallel fill touches every page
         if self.data is not None:
-            if self.pin:  # copies queued on the GPU may still read or write the old pages
-                torch.cuda.synchronize()
             data[..., : self.data.shape[3], :].copy_(self.data)
         if self.pin and data.numel() > 0:
             page_lock(data, "KV pages", "lower --host-memory, the context, or")
-        self.data, self.num_pages = data, grown
+        self.data, self.num_pages = data, num_pages
         self.generation += 1
-        return True
+
+    def _over_budget(self, num_pages: int, held: int) -> str:
+        spec = self.spec
+        need = f"{num_pages * spec.full_page_bytes / GiB:.2f} GiB"
+        if held:
+            need += f" beside the {held / GiB:.2f} GiB arena they are copied from"
+        return (f"host pages for {num_pages * spec.page_size} tokens need {need}, more "
+                f"than the {self.budget / GiB:.2f} GiB host budget (--host-memory)")  # fmt: skip
 
     def layer(self, layer: int) -> torch.Tensor:
         """``[kv_heads, 2, slots, head_dim]`` of one layer (a view)."""

@@ -53,6 +53,11 @@ class PagePool:
         self._hash_by_page.clear()
 
     @property
+    def num_kept(self) -> int:
+        """Pages whose contents matter: held by a sequence or kept by the prefix cache."""
+        return self.num_pages - len(self._free)
+
+    @property
     def num_free(self) -> int:
         """Pages that ``allocate`` can hand out (free or evictable)."""
         return len(self._free) + len(self._evictable)
