@@ -63,35 +63,36 @@ def test_sdpa_backend_matches_reference(heads, kv_heads, num_q, num_kv, causal):
 @pytest.mark.parametrize("heads,kv_heads", [(8, 2), (4, 4)])
 @pytest.mark.parametrize("num_q,num_kv", [(37, 37), (13, 101), (48, 48), (40, 90), (5, 5)])
 @pytest.mark.parametrize("causal", [False, True])
-def test_sdpa_pads_cudnn_calls_to_whole_row_units(monkeypatch, heads, kv_heads, num_q, num_kv,
-                                                  causal):  # fmt: skip
+def test_sdpa_pads_cudnn_calls_to_whole_row_units(heads, kv_heads, num_q, num_kv, causal):
     """cuDNN's calls run whole multiples of CUDNN_ROWS query rows past one unit, a power of
     two below (shapes that repeat over prompt lengths: zero rows past the end, and a causal
-    square's keys too), stood in by the CPU kernel here: the reference's out and lse for
-    the real rows, the output in the queries' token-major layout."""
+    square's keys too); here a unit of 16 rows, the calls recorded on their way to the CPU
+    kernel: the reference's out and lse for the real rows, the output in the queries'
+    token-major layout."""
+    from functools import partial
+
     from headspace.attention import sdpa
 
-    calls, fused = [], sdpa._fused
+    calls = []
 
     def recording(q4, k4, v4, causal, scale, cudnn):
         per_head_rows = q4.shape[2] * q4.shape[1] // heads  # a folded group's rows unfolded
-        calls.append((cudnn, causal, per_head_rows, k4.shape[2]))
-        return fused(q4, k4, v4, causal, scale, cudnn)
+        calls.append((causal, per_head_rows, k4.shape[2]))
+        return sdpa.fused_kernel(q4, k4, v4, causal, scale, cudnn)
 
-    monkeypatch.setattr(sdpa, "_use_cudnn", lambda q: True)
-    monkeypatch.setattr(sdpa, "CUDNN_ROWS", 16)
-    monkeypatch.setattr(sdpa, "_fused", recording)
+    backend = partial(sdpa.sdpa_attention, rows_unit=16, kernel=recording)
     q, k, v = _qkv(heads, kv_heads, num_q, num_kv, seed=num_q + num_kv)
     q = q.transpose(0, 1).contiguous().transpose(0, 1)  # token-major, as the model's
-    out, lse = attend(q, k, v, causal=causal, backend="sdpa")
+    out, lse = attend(q, k, v, causal=causal, backend=backend)
     ref_out, ref_lse = reference_attention(q, k, v, causal=causal)
     assert out.shape == ref_out.shape and lse.shape == ref_lse.shape
     assert (out - ref_out).abs().max().item() < 1e-5
     assert (lse - ref_lse).abs().max().item() < 1e-5
     rows = {5: 8, 13: 16, 37: 48, 40: 48, 48: 48}[num_q]
     prefix = num_kv - num_q if causal else num_kv  # keys every row of the chunk sees
-    for cudnn, square, call_rows, keys in calls:
-        assert cudnn and call_rows == rows
+    assert calls and len(calls) == (2 if causal and num_q < num_kv else 1)
+    for square, call_rows, keys in calls:
+        assert call_rows == rows
         assert keys == (rows if square else prefix)
     if (causal and num_q == num_kv) or (not causal and kv_heads == heads):  # one call, not
         assert out.transpose(0, 1).is_contiguous()  # folded: the queries' layout kept

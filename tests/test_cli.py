@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -181,6 +182,18 @@ def test_summary_says_why_generation_ended(capsys, tiny_dir):
     code, _, err = _run(capsys, "generate", "--model", str(tiny_dir), "--prompt", "x y z",
                         "--max-new-tokens", "3")  # fmt: skip
     assert code == 0 and err.strip().endswith("ended: max_new_tokens")
+
+
+def test_warm_up_is_reported_on_its_own_line(capsys, tiny_dir):
+    """The warm-up request runs first and is timed apart: the summary counts the user's
+    prompt alone, as it does without a warm-up."""
+    args = ("generate", "--model", str(tiny_dir), "--prompt", "x y z", "--max-new-tokens", "3")
+    code, out, err = _run(capsys, *args)
+    first, *_, summary = err.strip().splitlines()
+    assert code == 0 and re.fullmatch(r"warm-up \d+\.\d s \(compilation, graph capture\)", first)
+    code, cold_out, cold_err = _run(capsys, *args, "--no-warm-up")
+    assert code == 0 and "warm-up" not in cold_err and cold_out == out
+    assert summary.split(" | ")[0] == cold_err.strip().splitlines()[-1].split(" | ")[0]
 
 
 def test_plan_says_when_the_context_is_past_the_trained_one(capsys):

@@ -6,6 +6,8 @@ Layouts: ``q [heads, q_tokens, dim]``, ``k, v [kv_heads, kv_tokens, dim]`` (grou
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from headspace.attention.merge import merge_attention
@@ -24,14 +26,15 @@ def attend(
     *,
     causal: bool = False,
     scale: float | None = None,
-    backend: str = "sdpa",
+    backend: str | Callable = "sdpa",
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Attention of q over k/v with the named backend; causal is aligned to the key end.
+    """Attention of q over k/v with the named backend (or a function of the backends'
+    arguments, e.g. one given options); causal is aligned to the key end.
 
     A causal call with fewer queries than keys (a prefill chunk after a prefix) runs as
     a non-causal part over the prefix and a causal square part, merged by LSE.
     """
-    fn = BACKENDS[backend]
+    fn = BACKENDS[backend] if isinstance(backend, str) else backend
     num_q, num_kv = q.shape[1], k.shape[1]
     if not causal or num_q == num_kv:
         return fn(q, k, v, causal=causal, scale=scale)

@@ -13,6 +13,8 @@ the mask hides them); their outputs are dropped (``bench/prompt_lengths.py``).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 aten = torch.ops.aten
@@ -26,13 +28,20 @@ def sdpa_attention(
     *,
     causal: bool = False,
     scale: float | None = None,
+    rows_unit: int | None = None,
+    kernel: Callable | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Fused attention; returns ``out [heads, q_tokens, dim]`` and fp32 ``lse [heads, q]``."""
+    """Fused attention; returns ``out [heads, q_tokens, dim]`` and fp32 ``lse [heads, q]``.
+    ``rows_unit``: the call runs whole units of this many query rows (:func:`cudnn_rows`);
+    default :data:`CUDNN_ROWS` where cuDNN runs, else the rows given. ``kernel``: in place
+    of :func:`fused_kernel` (same arguments), e.g. to record the calls."""
     assert not causal or q.shape[1] == k.shape[1], "causal sdpa needs a square block"
     num_heads, num_q, dim = q.shape
     scale = dim**-0.5 if scale is None else scale
     cudnn = _use_cudnn(q)
-    num_rows = cudnn_rows(num_q) if cudnn else num_q  # the call's rows: zeros past num_q
+    if rows_unit is None:
+        rows_unit = CUDNN_ROWS if cudnn else 0
+    num_rows = cudnn_rows(num_q, rows_unit) if rows_unit else num_q  # zeros past num_q
     group = num_heads // k.shape[0]
     if causal or group == 1:  # the mask depends on the query row: give each head its keys
         q4 = _with_rows(q, num_rows, token_major=True).unsqueeze(0)
@@ -42,16 +51,18 @@ def sdpa_attention(
         q4 = _with_rows(q, num_rows, token_major=False)
         q4 = q4.reshape(1, k.shape[0], group * num_rows, dim)
         k4, v4 = k.unsqueeze(0), v.unsqueeze(0)
-    out, lse = _fused(q4, k4, v4, causal, scale, cudnn)
+    out, lse = (kernel or fused_kernel)(q4, k4, v4, causal, scale, cudnn)
     out = out.reshape(num_heads, num_rows, dim)[:, :num_q]
     return out, lse.reshape(num_heads, num_rows)[:, :num_q].float()
 
 
-def cudnn_rows(num_q: int) -> int:
-    """Query rows a cuDNN call of ``num_q`` rows runs: whole multiples of :data:`CUDNN_ROWS`
-    past one unit, else the next power of two (a small call is not doubled by a unit)."""
-    if num_q > CUDNN_ROWS:
-        return -(-num_q // CUDNN_ROWS) * CUDNN_ROWS
+def cudnn_rows(num_q: int, unit: int | None = None) -> int:
+    """Query rows a cuDNN call of ``num_q`` rows runs: whole multiples of ``unit``
+    (:data:`CUDNN_ROWS` by default) past one unit, else the next power of two (a small call
+    is not doubled by a unit)."""
+    unit = CUDNN_ROWS if unit is None else unit
+    if num_q > unit:
+        return -(-num_q // unit) * unit
     return 1 << (num_q - 1).bit_length() if num_q > 1 else num_q
 
 
@@ -84,7 +95,11 @@ def _heads(kv: torch.Tensor, group: int, num_rows: int) -> torch.Tensor:
     return out.view(num_kv * group, num_rows, dim)
 
 
-def _fused(q4, k4, v4, causal: bool, scale: float, cudnn: bool) -> tuple[torch.Tensor, ...]:
+def fused_kernel(q4, k4, v4, causal: bool, scale: float,
+                 cudnn: bool) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """torch's fused kernel for ``q4 [1, heads, rows, dim]`` over ``k4, v4 [1, heads, keys,
+    dim]``: the CPU's flash kernel, else cuDNN (``cudnn``), else efficient (fp32) or flash;
+    ``(out, lse [1, heads, rows])``."""
     if q4.device.type == "cpu":
         out, lse = aten._scaled_dot_product_flash_attention_for_cpu(
             q4, k4, v4, 0.0, causal, scale=scale

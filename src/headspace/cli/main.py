@@ -30,6 +30,9 @@ def _add_generate(subparsers) -> None:
     p.add_argument("--prompt", help="prompt text (appended after --prompt-file if both given)")
     p.add_argument("--prompt-file", help="read the prompt (e.g. a document) from this file")
     p.add_argument("--chat", action="store_true", help="apply the tokenizer's chat template")
+    p.add_argument("--no-warm-up", dest="warm_up", action="store_false",
+                   help="skip the short request run first to compile and capture graphs "
+                   "(its time is then folded into the prompt's prefill)")  # fmt: skip
     sampling = p.add_argument_group("sampling")
     sampling.add_argument("--max-new-tokens", type=int, default=256,
                           help="most tokens generated (default: 256)")  # fmt: skip
@@ -94,9 +97,14 @@ def _generate(args) -> None:
     )
     prompt = _read_prompt(args)
     llm = LLM(args.model, **engine_options(args))
+    prompt_ids = llm.engine.encode(prompt, chat=args.chat)
+    llm.engine.check_request(prompt_ids, params)  # bad input refused before the warm-up
+    if args.warm_up:  # on its own line: the summary's prefill is the prompt's alone
+        print(f"warm-up {llm.engine.warm_up():.1f} s (compilation, graph capture)",
+              file=sys.stderr)  # fmt: skip
     pieces = 0
     try:
-        for piece in llm.stream(prompt, params, chat=args.chat):
+        for piece in llm.stream(prompt_ids, params):
             sys.stdout.write(piece)
             sys.stdout.flush()
             pieces += 1

@@ -20,6 +20,7 @@ from tqdm import tqdm
 from headspace.engine.batch_plan import BatchPlanner
 from headspace.engine.config import EngineConfig
 from headspace.engine.detokenize import StopStringStreamer
+from headspace.engine.forcing import forced_logits
 from headspace.engine.hooks import EngineHooks
 from headspace.engine.memory import host_budget, kv_arena_bytes, prefill_chunk_size
 from headspace.engine.outputs import EngineLoad, GenerationStats, RequestOutput
@@ -31,7 +32,6 @@ from headspace.engine.weight_stream import device_weight_bytes, streamed_weight_
 from headspace.errors import UserError
 from headspace.kv.block_table import GPU, HOST
 from headspace.kv.host_store import HostKVArena
-from headspace.kv.page_pool import OutOfPages
 from headspace.kv.spec import KVSpec
 from headspace.model.llama import LlamaModel
 from headspace.parallel.dist import all_agree, broadcast_, host_min
@@ -391,22 +391,8 @@ class BatchGenerator:
         if not 0 <= decode_tokens < len(token_ids):
             raise UserError(f"decode_tokens must be in [0, {len(token_ids) - 1}], got "
                             f"{decode_tokens}")  # fmt: skip
-        num_prompt = len(token_ids) - decode_tokens
-        seq = Sequence(self._next_id, list(token_ids[:num_prompt]), len(token_ids))
+        seq = Sequence(self._next_id, list(token_ids[: len(token_ids) - decode_tokens]),
+                       len(token_ids))  # fmt: skip
         self._next_id += 1
         self.prepare([seq])
-        blocks = self.runner.blocks
-        try:
-            blocks.allocate_prompt(seq.seq_id, seq.prompt_ids, self.planner.tiers, reuse=False)
-        except OutOfPages:
-            raise UserError(f"{len(token_ids)} tokens do not fit the KV pool") from None
-        try:
-            rows = [self.runner.prefill(seq, self.chunk, all_logits=True)]
-            for position in range(num_prompt, len(token_ids)):
-                blocks.append_token(seq.seq_id)
-                self.runner.tokens[0] = token_ids[position]
-                logits, _ = self.runner.decode([seq.seq_id], [position], [0])
-                rows.append(logits.float().cpu())
-            return torch.cat(rows)
-        finally:
-            blocks.free(seq.seq_id)
+        return forced_logits(self.runner, self.planner.tiers, seq, token_ids, self.chunk)

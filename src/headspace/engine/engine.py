@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -204,6 +205,13 @@ class Engine:
     def run(self, prompt_ids: list[int], params: SamplingParams) -> RequestOutput:
         """Generate for one prompt, alone."""
         return self.generate_batch([prompt_ids], [params])[0]
+
+    def warm_up(self) -> float:
+        """Run one short request alone, so that compilation and CUDA graph capture happen
+        before the first real one (whose timings then leave them out); its seconds."""
+        started = time.perf_counter()
+        self.run(self.encode("Warm-up."), SamplingParams(max_new_tokens=4, ignore_eos=True))
+        return time.perf_counter() - started
 
     def logits(self, token_ids: list[int], decode_tokens: int = 0) -> torch.Tensor:
         """fp32 logits ``[len(token_ids), vocab]`` (CPU) through the chunked prefill path,

@@ -254,10 +254,7 @@ class EngineLoop:
 
     def _warm(self) -> None:
         """Compile and capture (GPU) before the first request: a short one, run alone."""
-        started = time.perf_counter()
-        ids = self.engine.encode("Warm-up.")
-        self.engine.run(ids, SamplingParams(max_new_tokens=4, ignore_eos=True))
-        log.info("warm-up %.1f s", time.perf_counter() - started)
+        log.info("warm-up %.1f s", self.engine.warm_up())
 
     def _take(self, block: bool) -> list[tuple]:
         """The commands in the inbox (waiting a while for one when idle), as plain data:
