@@ -13,7 +13,6 @@ import torch
 import torch.distributed
 
 from headspace.api import LLM
-from headspace.engine import paged_graphs
 from headspace.engine.budget_ranks import RankBudgetExecutor
 from headspace.engine.entry_staging import EntryStaging
 from headspace.engine.hooks import EngineHooks
@@ -26,7 +25,6 @@ from headspace.parallel.dist import is_first_rank
 sys.path.insert(0, str(Path(__file__).parents[1]))  # the tests' graph twin
 from graph_twin import EagerGraphTwin  # noqa: E402
 
-GRAPH_STEP_FASTER = paged_graphs.graph_step_faster
 WIDTHS: list[int] = []  # the table width of every per-entry decode step on this rank
 SWAPS: list[int] = []  # pages each swap moved, out to host pages (+) and back (-)
 STAGED: list[int] = []  # bytes each decode step staged from this rank's host pages
@@ -48,34 +46,42 @@ _record(RankBudgetExecutor, "before_decode", lambda self, *_, **__: WIDTHS.appen
 _record(PagedRunner, "swap", lambda self, pairs, to_host: pairs and SWAPS.append(
     len(pairs) if to_host else -len(pairs)))  # fmt: skip
 _record(EntryStaging, "begin_decode", lambda self, *_, **__: STAGED.append(self.streamed_bytes))
-GROW_HOST = HostKVArena.ensure
 
 
-def _refusing(self, num_pages: int, *, keep: bool = True) -> bool:
-    """``HostKVArena.ensure`` of a rank whose host pages cannot grow (page-locking failed)."""
-    if num_pages > self.num_pages:
-        raise UserError("cannot page-lock host memory on this rank")
-    return False
+class RefusingArena(HostKVArena):
+    """Host pages of a rank whose arena cannot grow (page-locking failed)."""
+
+    def ensure(self, num_pages: int, *, keep: bool = True) -> bool:
+        if num_pages > self.num_pages:
+            raise UserError("cannot page-lock host memory on this rank")
+        return False
+
+
+def deciding_twin(bound: int | None) -> type:
+    """The graphs' twin, recording each graph-or-eager choice; with ``bound``, a step is a
+    graph when it streams at most that many bytes (ranks that stream different counts must
+    still decide alike)."""
+
+    class DecidingTwin(EagerGraphTwin):
+        def step_faster(self, streamed_bytes: int, num_groups: int) -> bool:
+            GRAPH_DECISIONS.append((streamed_bytes, num_groups))
+            if bound is None:
+                return super().step_faster(streamed_bytes, num_groups)
+            return streamed_bytes <= bound
+
+    return DecidingTwin
 
 
 def run_case(case: dict) -> dict:
     WIDTHS.clear()
     SWAPS.clear()
     STAGED.clear()
-    # decode steps through the graphs' CPU twin (padded rows, warm-ups) when the case asks
-    hooks = EngineHooks(graphs=EagerGraphTwin if case.get("graph_twin") else None)
-    # a case bounds the bytes a graph's step may stream (ranks streaming different counts
-    # must still decide alike)
-    bound = case.get("graph_max_bytes")
+    # decode steps through the graphs' CPU twin (padded rows, warm-ups) when the case asks;
+    # a case bounds the bytes a graph's step may stream
     GRAPH_DECISIONS.clear()
-
-    def graph_step_faster(streamed: int, groups: int) -> bool:
-        GRAPH_DECISIONS.append((streamed, groups))
-        return GRAPH_STEP_FASTER(streamed, groups) if bound is None else streamed <= bound
-
-    paged_graphs.graph_step_faster = graph_step_faster
+    twin = deciding_twin(case.get("graph_max_bytes")) if case.get("graph_twin") else None
     refuses = case.get("host_refuses_on_rank") == int(os.environ["RANK"])
-    HostKVArena.ensure = _refusing if refuses else GROW_HOST
+    hooks = EngineHooks(graphs=twin, host_arena=RefusingArena if refuses else None)
     llm = LLM(case["model"], hooks=hooks, **case["options"])
     ids = case["prompt"]
     params = SamplingParams(**case["params"])
@@ -95,7 +101,7 @@ def run_case(case: dict) -> dict:
     staged = every_rank(list(STAGED))  # bytes staged from host pages per decode step
     planner = llm.engine.batch.planner  # the weights every rank's rate predictions weigh
     weighed = every_rank((planner.weight_bytes, planner.streamed_bytes))
-    graphs = every_rank(bool(llm.engine.batch.runner._graph_cache))  # decode steps as graphs
+    graphs = every_rank(llm.engine.batch.runner.has_graphs)  # decode steps as graphs
     return {"logits": logits, "tokens": [o.token_ids for o in outputs],
             "summary": ranks.head_map.summary(), "heads": heads, "widths": widths,
             "graphs": graphs[0], "graphs_all": graphs,

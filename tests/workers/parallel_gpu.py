@@ -66,7 +66,7 @@ def run(engine: Engine, prompt: list[int], batch: list[list[int]], num_new: int)
     logits = engine.logits(prompt, decode_tokens=16)
     params = SamplingParams(max_new_tokens=num_new, ignore_eos=True)
     outputs = engine.generate_batch(batch, [params] * len(batch))
-    graphs = bool(engine.batch.runner._graph_cache)  # decode steps replayed as CUDA graphs
+    graphs = engine.batch.runner.has_graphs  # decode steps replayed as CUDA graphs
     offloaded = outputs[0].stats.num_streamed_heads + outputs[0].stats.num_hybrid_heads
     return {"logits": logits, "tokens": [o.token_ids for o in outputs], "graphs": graphs,
             "offloaded": offloaded, "swaps": [o.stats.num_swaps for o in outputs]}  # fmt: skip

@@ -75,6 +75,7 @@ class BatchGenerator:
     def __init__(self, model: LlamaModel, tokenizer, config: EngineConfig,
                  eos_token_ids: set[int], max_context: int, profile: Profile | None = None,
                  ranks: Ranks | None = None, hooks: EngineHooks | None = None):  # fmt: skip
+        hooks = hooks or EngineHooks()
         self.model, self.tokenizer, self.config = model, tokenizer, config
         self.eos_token_ids, self.max_context, self.ranks = eos_token_ids, max_context, ranks
         cfg, dtype = model.config, config.torch_dtype
@@ -90,10 +91,11 @@ class BatchGenerator:
         host_bytes = host_budget(config.host_memory)
         if ranks is not None:  # the machine's budget, divided between its ranks
             host_bytes = ranks.host_bytes(host_bytes)
-        host = HostKVArena(self.spec, dtype, pin=config.on_gpu, budget=host_bytes)
+        host = (hooks.host_arena or HostKVArena)(self.spec, dtype, pin=config.on_gpu,
+                                                 budget=host_bytes)  # fmt: skip
         self.runner = PagedRunner(model, config, self.spec, arena, host, 2 * config.max_batch,
                                   max_context, profile, ranks.layout if ranks else None,
-                                  (hooks or EngineHooks()).graphs)  # fmt: skip
+                                  hooks.graphs)  # fmt: skip
         self.planner = BatchPlanner(model.config, config, self.spec, self.runner, weights,
                                     streamed, ranks)  # fmt: skip
         own_pools = ranks is not None and config.per_head_pages  # pages per rank

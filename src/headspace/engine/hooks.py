@@ -14,6 +14,11 @@ class EngineHooks:
     graphs on a GPU, none on a CPU.
 
     A benchmark that times attention sets ``PagedRunner.attention_hook`` once the engine
-    exists (each layer's attention then calls it, eager and graphed steps alike)."""
+    exists (each layer's attention then calls it, eager and graphed steps alike).
+
+    ``host_arena``: the class of the host pages in place of
+    :class:`headspace.kv.host_store.HostKVArena`, with its constructor's arguments (a test's
+    arena that cannot grow, as when page-locking fails on one rank). None: HostKVArena."""
 
     graphs: type | None = None
+    host_arena: type | None = None

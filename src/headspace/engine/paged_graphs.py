@@ -69,7 +69,13 @@ class DecodeGraphs:
         if num_pages > self.stream.piece_pages:
             return False
         streamed = num_pages * self.stream.num_heads * self.stream.entry_page_bytes
-        return graph_step_faster(streamed, self.stream.num_groups)
+        return self.step_faster(streamed, self.stream.num_groups)
+
+    def step_faster(self, streamed_bytes: int, num_groups: int) -> bool:
+        """Whether a graph's step beats the eager one when it streams ``streamed_bytes`` of
+        history in ``num_groups`` groups (:func:`graph_step_faster`; a test's twin may
+        decide otherwise)."""
+        return graph_step_faster(streamed_bytes, num_groups)
 
     def _packed_width(self, key) -> int:
         """Block-table columns packed per row: none under KV budgets, whose per-entry tables

@@ -247,6 +247,11 @@ class PagedRunner:
         return held * self.spec.entry_token_bytes, held / max(len(lengths) * num_tokens, 1)
 
     @property
+    def has_graphs(self) -> bool:
+        """Whether graphs (CUDA's, or the tests' twin) were built for a layout's decode."""
+        return bool(self._graph_cache)
+
+    @property
     def _graphs(self):
         """The CUDA graphs of this layout's decode step, None without CUDA graphs (kept per
         layout while the host pages they address stay where they are)."""
