@@ -197,6 +197,7 @@ def test_a_wrong_key_gets_401_and_the_open_routes_stay_open(server):
     assert caught.value.status_code == 401
     assert httpx.post(server.url + "/v1/completions", json={}).status_code == 401  # no key
     assert httpx.get(server.url + "/metrics").status_code == 200
+    assert server.metrics()['headspace_request_errors_total{status="401"}'] >= 2  # counted
     assert server.healthy()
 
 

@@ -153,11 +153,14 @@ class BatchGenerator:
     def load(self) -> EngineLoad:
         """Requests by state, pages in use, the head map's entries by tier, swaps so far."""
         scheduler, pools, plan = self.scheduler, self.runner.blocks.pools, self.runner.plan
-        entries = [plan.head_map.count(t) if plan else 0 for t in ("gpu", "stream", "hybrid")]
+        used = {tier: pool.num_pages - pool.num_free for tier, pool in pools.items()}
+        entries = {t: plan.head_map.count(t) if plan else 0 for t in ("gpu", "stream", "hybrid")}
         reserved = torch.cuda.max_memory_reserved(self.config.device) if self.config.on_gpu else 0
-        return EngineLoad(len(scheduler.running), len(scheduler.waiting), len(scheduler.swapped),
-                          *(pools[t].num_pages - pools[t].num_free for t in (GPU, HOST)),
-                          *entries, scheduler.num_swaps, reserved)  # fmt: skip
+        return EngineLoad(running=len(scheduler.running), waiting=len(scheduler.waiting),
+                          swapped=len(scheduler.swapped), gpu_pages_used=used[GPU],
+                          host_pages_used=used[HOST], resident_entries=entries["gpu"],
+                          streamed_entries=entries["stream"], hybrid_entries=entries["hybrid"],
+                          num_swaps=scheduler.num_swaps, peak_reserved_bytes=reserved)  # fmt: skip
 
     def abort(self, request_id: int) -> bool:
         """Drop a request wherever it is (waiting, prefilling, decoding, swapped out): its

@@ -290,9 +290,9 @@ class PagedRunner:
     def ensure_host_pages(self, num_pages: int) -> None:
         """Host pages for at least ``num_pages`` (grows the arena when needed, copying it
         only while some page holds data; graphs that address the old one are then captured
-        again). Raises UserError when the arena
-        cannot grow; under torchrun on every rank alike (page-locking may fail on one), and
-        every rank's pool grows to the same size, so their schedulers decide alike."""
+        again). Raises UserError when the arena cannot grow; under torchrun on every rank
+        alike (page-locking may fail on one), and every rank's pool grows to the same size,
+        so their schedulers decide alike."""
         pool = self.blocks.pools[HOST]
         if num_pages <= pool.num_pages:  # the same on every rank
             return

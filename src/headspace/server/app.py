@@ -90,12 +90,13 @@ def build_app(engine_loop: EngineLoop, options: ServerOptions) -> FastAPI:
         await asyncio.to_thread(engine_loop.stop)  # after the last connection, before exit
 
     app = FastAPI(title="headspace", docs_url=None, redoc_url=None, lifespan=lifespan)
-    app.add_middleware(Guard, api_key=options.api_key, max_body_bytes=options.max_body_bytes)
+    counted = engine_loop.metrics  # errors by status
+    app.add_middleware(Guard, api_key=options.api_key, max_body_bytes=options.max_body_bytes,
+                       refused=counted.error)  # fmt: skip
     engine = engine_loop.engine
     tokenizing = ThreadPoolExecutor(1, thread_name_prefix="tokenizer")  # one user at a time
     name = options.served_model_name
     created = int(time.time())
-    counted = engine_loop.metrics  # errors by status
 
     @app.exception_handler(APIError)
     async def api_error(_, error: APIError):

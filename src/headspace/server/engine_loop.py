@@ -186,7 +186,7 @@ class EngineLoop:
     def _run(self) -> None:
         try:
             if self._warm_up:
-                self._warm()
+                log.info("warm-up %.1f s", self.engine.warm_up())
             self.ready.set()
             while True:
                 commands = self._take(block=not self.engine.has_unfinished() and not self._queued)
@@ -251,10 +251,6 @@ class EngineLoop:
         failure = APIError(500, f"the engine stopped: {error}", "server_error")
         for request in pending:
             request.deliver(failure)
-
-    def _warm(self) -> None:
-        """Compile and capture (GPU) before the first request: a short one, run alone."""
-        log.info("warm-up %.1f s", self.engine.warm_up())
 
     def _take(self, block: bool) -> list[tuple]:
         """The commands in the inbox (waiting a while for one when idle), as plain data:

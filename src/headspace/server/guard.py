@@ -8,6 +8,7 @@ Content-Length is bounded too.
 from __future__ import annotations
 
 import secrets
+from collections.abc import Callable
 
 from starlette.exceptions import HTTPException
 from starlette.responses import JSONResponse
@@ -16,16 +17,20 @@ from headspace.server.protocol import APIError
 
 
 class Guard:
-    """``api_key`` (None: open) on the ``/v1`` routes; at most ``max_body_bytes`` of body."""
+    """``api_key`` (None: open) on the ``/v1`` routes; at most ``max_body_bytes`` of body;
+    ``refused(status)`` is told of each request it answers itself."""
 
-    def __init__(self, app, api_key: str | None, max_body_bytes: int):
+    def __init__(self, app, api_key: str | None, max_body_bytes: int,
+                 refused: Callable[[int], None] = lambda status: None):  # fmt: skip
         self.app, self.api_key, self.max_body_bytes = app, api_key, max_body_bytes
+        self.refused = refused
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         refusal = self._refusal(scope["path"], dict(scope["headers"]))
         if refusal is not None:
+            self.refused(refusal.status)
             return await JSONResponse(refusal.body(), refusal.status)(scope, receive, send)
         received, most = 0, self.max_body_bytes
 
