@@ -1,4 +1,4 @@
-"""Each rank's attention time in a benchmark: CUDA events around every layer's executors'
+"""Each rank's attention time in a benchmark: CUDA events around every layer's tiers'
 submits, per phase, through eager steps and CUDA-graph replays alike (``bench/multigpu.py``)."""
 
 from __future__ import annotations
@@ -75,22 +75,22 @@ class AttentionTimer:
         self.last_key = None
 
     def __call__(self, layer: int, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
-        executors = self.runner.executors
+        tiers = self.runner.tiers
         out = torch.empty_like(q)
         capturing = torch.cuda.is_current_stream_capturing()
         start, end = (torch.cuda.Event(enable_timing=True, external=capturing) for _ in "se")
         start.record()
-        for executor in executors:
-            executor.submit(layer, q, kv, out)
+        for tier in tiers:
+            tier.submit(layer, q, kv, out)
         end.record()
-        for executor in executors:
-            executor.collect(layer)
+        for tier in tiers:
+            tier.collect(layer)
         if capturing:
             if layer == 0:
                 self.captured.append([])
             self.captured[-1].append((start, end))
         elif not self.warming:
-            self.events["decode" if executors[0].step.decode else "prefill"].append((start, end))
+            self.events["decode" if tiers[0].step.decode else "prefill"].append((start, end))
         return out
 
     def close(self) -> None:

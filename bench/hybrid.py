@@ -84,7 +84,7 @@ def run_mode(model, mode: str, lengths: list[int], h2d: float) -> dict:
     context = sum(lengths) + len(lengths) * NEW_TOKENS // 2
     floor_s = offloaded * 2 * context * cfg.head_dim * 2 / h2d
     decode_s = _decode_window(outs)  # requests may run together or one after another
-    split = getattr(generator.runner.executors[-1], "cpu", None)
+    split = getattr(generator.runner.tiers[-1], "cpu", None)
     return {
         "decode_ms": 1000 * decode_s / steps, "pcie_floor_ms": 1000 * floor_s,
         "speedup_vs_pcie_floor": floor_s / (decode_s / steps), "num_requests": len(outs),
@@ -122,7 +122,7 @@ def long_decode(model, mode: str, length: int, h2d: float, steps: int = 4) -> di
     cfg, offloaded = model.config, plan.head_map.num_offloaded
     floor_s = offloaded * 2 * length * cfg.head_dim * 2 / h2d
     decode_s = sorted(times[1:])[len(times[1:]) // 2]  # the median after the first step
-    split = getattr(runner.executors[-1], "cpu", None)
+    split = getattr(runner.tiers[-1], "cpu", None)
     return {"decode_ms": 1000 * decode_s, "pcie_floor_ms": 1000 * floor_s,
             "speedup_vs_pcie_floor": floor_s / decode_s, "step_ms": [1000 * t for t in times],
             "offloaded_heads": offloaded, "gpu_heads": plan.head_map.count("gpu"),

@@ -38,7 +38,7 @@ N prompts over the time to the last one's first token).
 Then one ``torchrun --nproc-per-node N`` per GPU count runs every solver in turn, each on a
 fresh model (the engine shards it in place), built as a user builds it under torchrun: the
 model's context, default options plus the scenario's and ``balance``. Each rank times its
-attention (CUDA events around every layer's executors' submits; the copies' log-sum-exp
+attention (CUDA events around every layer's tiers' submits; the copies' log-sum-exp
 exchange excluded) through one prompt of ``--context`` tokens and ``--decode`` tokens, after
 an untimed request of the same length that compiles and tunes the kernels for its shapes. Writes
 ``multigpu_<model>-<scenario>_<gpu>x<N>_<date>.json`` (N the most GPUs run) and a PNG of

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-import headspace.engine.budget as budget_executor  # noqa: E402
+import headspace.tiers.budget as budget_executor  # noqa: E402
 from common import write_result  # noqa: E402
 from headspace.api import LLM  # noqa: E402
 from headspace.budgets import POOL, WINDOW  # noqa: E402

@@ -18,10 +18,10 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-import headspace.engine.hybrid as hybrid  # noqa: E402
+import headspace.tiers.hybrid as hybrid  # noqa: E402
 from common import LLAMA31_8B, make_engine, random_model  # noqa: E402
-from headspace.engine.hybrid_sparse import SparseSelector  # noqa: E402
 from headspace.engine.sampling import SamplingParams  # noqa: E402
+from headspace.tiers.hybrid_sparse import SparseSelector  # noqa: E402
 from hybrid import BUDGET, CAP_GIB, K, _prompt  # noqa: E402
 from offload_runs import gpu_cap  # noqa: E402
 
@@ -112,9 +112,9 @@ def main() -> None:
                         help="sparse: skip the moving averages' update")  # fmt: skip
     args = parser.parse_args()
     if args.no_track:
-        from headspace.engine.streaming import StreamExecutor
+        from headspace.tiers.streamed import StreamedTier
 
-        StreamExecutor._track = lambda *args: None
+        StreamedTier._track = lambda *args: None
     model = random_model(LLAMA31_8B)
     options = {"cpu_share": args.share, "cpu_threads": args.threads}
     if args.sparse is not None:

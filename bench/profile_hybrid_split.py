@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-import headspace.engine.hybrid as hybrid  # noqa: E402
+import headspace.tiers.hybrid as hybrid  # noqa: E402
 from common import (  # noqa: E402
     LLAMA31_8B,
     environment,
@@ -109,7 +109,7 @@ def main() -> None:
         runner.blocks.allocate_prompt(seq.seq_id, seq.prompt_ids, tiers, reuse=False)
         result["head_map_summary"] = plan.head_map.summary()
         result["staging"] = plan.to_dict()["staging_depth"], plan.staging.piece_pages
-        split = runner.executors[-1].cpu
+        split = runner.tiers[-1].cpu
         position = args.length
         measure(runner, seq.seq_id, position, 2)  # warm-up: compiles, pins
         position += 2

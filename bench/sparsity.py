@@ -109,7 +109,7 @@ def streamed_bytes(engine, context: int) -> int:
     """K/V bytes the last decode step copied from host pages: the offloaded entries' kept
     tokens (per-head pages), else every offloaded entry's whole history."""
     runner = engine.batch.runner
-    staging = getattr(runner.executors[0], "staging", None)
+    staging = getattr(runner.tiers[0], "staging", None)
     if staging is not None:
         return staging.streamed_bytes
     return runner.plan.head_map.num_offloaded * context * 2 * DIM * 2

@@ -133,7 +133,7 @@ def wide_llama(tmp_path_factory, embedded_dir):
 def cpu_calls(monkeypatch):
     """Counts the tokens the CPU kernel attends (called in place, or as background jobs)."""
     seen = {"calls": 0, "tokens": 0, "jobs": 0}
-    import headspace.engine.hybrid as hybrid
+    import headspace.tiers.hybrid as hybrid
 
     kernel, submit = hybrid.cpu_paged_decode, hybrid.BackgroundDecode.submit
 

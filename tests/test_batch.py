@@ -81,8 +81,8 @@ def test_streaming_runs_on_the_pool_and_refuses_what_cannot_fit(tiny_llama):
 
 def test_decode_graphs_call_the_attention_a_benchmark_wrapped(tiny_llama):
     from graph_twin import EagerGraphTwin
-    from headspace.engine.executors import attend_tiers
     from headspace.engine.hooks import EngineHooks
+    from headspace.tiers.base import attend_tiers
 
     twin = EngineHooks(graphs=EagerGraphTwin)  # the graphs' CPU twin
     (prompt,) = _prompts([30], seed=3)
@@ -94,7 +94,7 @@ def test_decode_graphs_call_the_attention_a_benchmark_wrapped(tiny_llama):
 
     def timed(layer, q, kv):
         decoded.append(q.shape[0] != len(prompt))  # a decode step's rows (padded batch)
-        return attend_tiers(runner.executors, layer, q, kv)
+        return attend_tiers(runner.tiers, layer, q, kv)
 
     runner.attention_hook = timed  # before the first request makes the graphs
     assert llm.generate([prompt], params)[0].token_ids == plain
@@ -118,8 +118,8 @@ def test_an_engine_with_decode_graphs_is_freed_when_dropped(tiny_llama):
     params = SamplingParams(max_new_tokens=4, ignore_eos=True)
     llm.generate(_prompts([20], seed=4), params)
     runner = llm.engine.batch.runner
-    graphs, plane = runner._graphs, runner.executors[0].plane
-    assert graphs is not None and any(e.plane is plane for e in graphs.executors)
+    graphs, plane = runner._graphs, runner.tiers[0].plane
+    assert graphs is not None and any(e.plane is plane for e in graphs.tiers)
     dropped = [weakref.ref(x) for x in (runner, graphs, plane)]
     gc.disable()  # freed by reference counts alone
     try:

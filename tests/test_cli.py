@@ -10,6 +10,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from headspace.cli.main import main
 
@@ -171,11 +172,23 @@ def test_version_and_grouped_help(capsys):
     with pytest.raises(SystemExit):
         main(["generate", "--help"])
     help_text = capsys.readouterr().out
-    sections = ["sampling:", "runtime:", "memory and tiers:", "budgets and patterns:",
-                "multi-GPU (under torchrun):"]  # fmt: skip
+    sections = ["sampling:", "runtime:", "memory and tiers:", "budgets and patterns:"]
     assert all(section in help_text for section in sections)
     assert help_text.index("sampling:") < help_text.index("\n  --top-p")
     assert "(default: 256)" in help_text and "(default: 128)" in help_text  # new tokens, page
+    flat = " ".join(help_text.split())  # (the help wraps at the terminal's width)
+    assert re.search(r"--cuda-graph, --no-cuda-graph [^-]*\(default: on\)", flat)
+    # the multi-GPU group where it can act (several GPUs, or under torchrun), not here
+    several = torch.cuda.device_count() > 1 or "LOCAL_WORLD_SIZE" in os.environ
+    assert ("multi-GPU (under torchrun):" in help_text) == several
+    assert ("--balance" in help_text) == several
+
+
+def test_multi_gpu_flags_parse_where_the_help_leaves_them_out(capsys, tiny_dir):
+    code, _, err = _run(capsys, "generate", "--model", str(tiny_dir), "--prompt", "x",
+                        "--balance", "nonsense")  # fmt: skip
+    assert code == 2 and err.startswith("error: argument --balance: invalid choice")
+    assert "greedy" in err  # the flag is known, with its choices; only its help is left out
 
 
 def test_summary_says_why_generation_ended(capsys, tiny_dir):
@@ -313,3 +326,45 @@ def test_generate_honours_the_budget_and_reports_the_tiers(capsys):
     assert code == 0 and streamed_out.startswith(out.strip())
     streamed = int(err.split(" resident / ")[1].split(" streamed")[0])
     assert 0 < streamed < 90
+
+
+def test_ctrl_c_during_decode_ends_the_line_and_prints_the_summary():
+    """SIGINT while tokens stream (``python -m headspace``, as a user runs it): the partial
+    text ends with a newline, the summary says how far it got and why it ended, exit 130."""
+    import signal
+    import time
+
+    command = [sys.executable, "-m", "headspace", "generate", "--no-warm-up",
+               "--max-new-tokens", "400", "--prompt", "Count from 1 to 1000: 1, 2, 3,"]  # fmt: skip
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    os.set_blocking(process.stdout.fileno(), False)
+    printed, deadline = b"", time.monotonic() + 120
+    while printed.count(b",") < 3 and time.monotonic() < deadline and process.poll() is None:
+        printed += process.stdout.read() or b""
+        time.sleep(0.05)
+    process.send_signal(signal.SIGINT)
+    rest, err = process.communicate(timeout=60)
+    text, err = (printed + rest).decode(), err.decode()
+    assert process.returncode == 130, err
+    assert text.endswith("\n") and text.count(",") >= 3
+    summary = err.strip().splitlines()[-1]
+    assert "ended: interrupted" in summary and "decode" in summary, err
+    generated = int(re.search(r"\((\d+) tokens\)", summary).group(1))
+    assert 3 <= generated < 400
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["ppl", "--context", "0"], "--context: every length must be at least 2 tokens"),
+        (["ppl", "--max-tokens", "0", "--context", "64"], "--max-tokens must be at least 2"),
+        (["ppl", "--decode-tokens", "-1"], "--decode-tokens must be at least 0"),
+        (["ruler", "--samples", "0", "--lengths", "1k"], "--samples must be at least 1"),
+        (["ppl", "--compare", "none", "snapkv:2"], "'snapkv:2': cannot read '2'"),
+        (["ppl", "--compare", "none", "snapkv:2tok"], "below the 32-token observation window"),
+    ],
+)
+def test_eval_refuses_what_would_score_nothing_before_any_run(capsys, tmp_path, argv, message):
+    code, _, err = _run(capsys, "eval", *argv, "--output", str(tmp_path))
+    _assert_user_error(code, err, message)
+    assert not list(tmp_path.iterdir())  # no mode ran before the refusal

@@ -57,21 +57,11 @@ def test_offloaded_budget_entries_on_gpu_equal_the_resident_budget(policy, min_r
     lengths (by the page kernel; with ``min_run`` by the copy engine over runs of adjacent
     host pages, and at 2 by both in one step), in a batch of two: the same tokens as every
     entry resident."""
-    from headspace.engine.entry_staging import EntryStaging
     from headspace.planner.sparsity import gathered_bytes
+    from headspace.tiers.entry_staging import EntryStaging
 
     if min_run is not None:
         monkeypatch.setattr(EntryStaging, "MIN_RUN_PAGES", min_run)
-    staged = {"run": 0, "kernel": 0}  # pages staged by the copy engine and by the kernel
-    plan_copies = EntryStaging._plan_copies
-
-    def counted(self, *args):
-        plan_copies(self, *args)
-        staged["run"] += sum(run[-1] for runs in self.runs for run in runs)
-        staged["kernel"] += sum(pairs.shape[1] for pairs in self.pairs)
-
-    monkeypatch.setattr(EntryStaging, "_plan_copies", counted)
-
     model = _tiny_model("cuda", torch.float32, layers=8)
     generator = torch.Generator().manual_seed(13)
     prompts = [torch.randint(0, 512, (n,), generator=generator) for n in (900, 300)]
@@ -91,7 +81,8 @@ def test_offloaded_budget_entries_on_gpu_equal_the_resident_budget(policy, min_r
     assert _greedy(offloaded, prompts) == expected
     assert max(p.head_map.count("stream") for p in plans) > 0 and runner.host.data.is_pinned()
     paths = {None: (False, True), 1: (True, False), 2: (True, True)}[min_run]  # (runs, kernel)
-    assert (staged["run"] > 0, staged["kernel"] > 0) == paths, staged
+    staged = runner.site.counters  # pages staged by the copy engine and by the kernel
+    assert (staged.run_pages > 0, staged.kernel_pages > 0) == paths, staged
 
 
 def test_streaming_heads_on_gpu_equal_the_cpu_run(tmp_path):

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from headspace import SamplingParams, UserError
-from headspace.engine.hybrid import cpu_ends
 from headspace.planner.memory import balanced_share
+from headspace.tiers.hybrid import cpu_ends
 from test_offload import GREEDY, _prompts, make
 
 

@@ -6,11 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-import headspace.engine.hybrid as hybrid
+import headspace.tiers.hybrid as hybrid
 from headspace import SamplingParams, UserError
 from headspace.attention.paged import paged_token_probs
 from headspace.attention.reference import reference_attention
-from headspace.engine.hybrid_sparse import SparseSelector, SparseState, salient
+from headspace.tiers.hybrid_sparse import SparseSelector, SparseState, salient
 from test_hybrid import decode_logits
 from test_offload import GREEDY, _prompts, make
 
@@ -57,7 +57,7 @@ def test_reevaluation_reinstates_a_token_whose_weight_rises():
 def test_each_append_is_reevaluated_and_taken_over_a_fixed_number_of_steps_later():
     """A page leaving the window makes the next step dense and weighed; the selection it
     starts replaces the old one exactly ``SELECTION_DELAY`` steps later."""
-    from headspace.engine.hybrid_sparse import SELECTION_DELAY
+    from headspace.tiers.hybrid_sparse import SELECTION_DELAY
 
     selector = _selector()
     selector.begin([7], [20], [12])

@@ -13,11 +13,11 @@ from headspace import SamplingParams, UserError
 from headspace.attention.entry_decode import entry_decode
 from headspace.attention.reference import reference_attention
 from headspace.budgets import POLICIES, KVBudget, kept_positions, observation_scores
-from headspace.engine.budget import BudgetExecutor
 from headspace.kv.entry_table import EntryBlockManager
 from headspace.kv.page_pool import OutOfPages
 from headspace.kv.spec import KVSpec
 from headspace.model.config import load_config
+from headspace.tiers.budget import BudgetTier
 from test_hybrid import decode_logits
 from test_offload import PAGE, _prompts, make
 
@@ -125,7 +125,7 @@ def test_compression_moves_exactly_the_policys_tokens_to_the_front(policy):
     plane = torch.randn(2, 200 * page_size, dim)
     head_scores = torch.rand(num_layers, num_kv_heads)
     budget = KVBudget(0.4, policy, window=8)
-    executor = BudgetExecutor(plane, blocks, num_kv_heads, group, "reference", budget, 2, 20,
+    executor = BudgetTier(plane, blocks, num_kv_heads, group, "reference", budget, 2, 20,
                               head_scores)  # fmt: skip
     executor.window_q = {layer: torch.randn(budget.window, num_kv_heads * group, dim)
                          for layer in range(num_layers)}  # fmt: skip
@@ -211,9 +211,9 @@ def test_eval_compare_modes_name_a_policy_and_its_budget():
     base = {"offload": "auto", "cpu_sparsity": None, "kv_budget": None}
     mode = _mode_options("ada_snapkv:0.25", base)
     assert (mode["kv_policy"], mode["kv_budget"], mode["offload"]) == ("ada_snapkv", 0.25, "none")
-    assert _mode_options("snapkv:2048", base)["kv_budget"] == 2048
+    assert _mode_options("snapkv:2048tok", base)["kv_budget"] == 2048  # as --kv-budget reads it
     assert _mode_options("none", {**base, "kv_budget": 0.5})["kv_budget"] is None  # exact
-    for bad in ("snapkv:x", "none:1"):
+    for bad in ("snapkv:x", "none:1", "snapkv:2048"):  # a bare number above 1: ambiguous
         with pytest.raises(UserError):
             _mode_options(bad, base)
 
@@ -239,7 +239,7 @@ def test_offloaded_entries_equal_the_all_resident_budget(tiny_llama, policy, min
     """Entries in host pages keep, stream and extend exactly what resident ones would; their
     pages staged by the page kernel, by the copy engine over runs of adjacent host pages
     (``min_run``: the shortest such run), or both."""
-    from headspace.engine.entry_staging import EntryStaging
+    from headspace.tiers.entry_staging import EntryStaging
 
     if min_run is not None:
         monkeypatch.setattr(EntryStaging, "MIN_RUN_PAGES", min_run)
@@ -255,7 +255,7 @@ def test_offloaded_entries_equal_the_all_resident_budget(tiny_llama, policy, min
 
     def recording(seq_ids, *args):
         result = decode(seq_ids, *args)
-        staging = runner.executors[0].staging
+        staging = runner.tiers[0].staging
         if staging is not None:
             streamed.append(staging.streamed_bytes)
             batched.append(len(seq_ids))
@@ -279,6 +279,8 @@ def test_offloaded_entries_equal_the_all_resident_budget(tiny_llama, policy, min
     # engine alone from runs of one page, both where the rows' runs are of one and more pages
     assert (sum(by_run) > 0, sum(by_kernel) > 0) == {None: (False, True), 1: (True, False),
                                                      2: (True, True)}[min_run]  # fmt: skip
+    counters = runner.site.counters  # the same totals, kept by the tiers themselves
+    assert (counters.run_pages, counters.kernel_pages) == (sum(by_run), sum(by_kernel))
     gap = decode_logits(llm, prompts[0], 12) - decode_logits(resident, prompts[0], 12)
     assert gap.abs().max().item() < 1e-4
 
@@ -291,7 +293,7 @@ def test_keys_gathered_from_both_tiers_are_each_positions_keys(page, lo, hi, wid
     ``hi - 1`` repeat it (a padded capacity), whatever the page size."""
     from types import SimpleNamespace
 
-    from headspace.engine.entry_staging import EntryStaging
+    from headspace.tiers.entry_staging import EntryStaging
 
     generator = torch.Generator().manual_seed(page + lo)
     heads, dim, num_pages = 3, 8, 8

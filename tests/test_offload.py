@@ -11,10 +11,10 @@ import torch
 
 from headspace import LLM, SamplingParams, UserError
 from headspace.engine.scheduler import Sequence
-from headspace.engine.streaming import StreamExecutor
 from headspace.kv.spec import KVSpec
 from headspace.model.config import load_config
 from headspace.planner.memory import decode_bytes, weight_bytes, working_bytes
+from headspace.tiers.streamed import StreamedTier
 
 CHUNK, PAGE = 64, 16
 
@@ -74,7 +74,7 @@ def test_streamed_heads_equal_all_resident(wide_llama, prompt, arena_kib, option
     assert plan.staging.depth == depth
     pages = llm.engine.batch.spec.pages_for(len(prompt) + GREEDY.max_new_tokens)
     assert (plan.staging.piece_pages < pages) == pieces
-    stream = next(e for e in llm.engine.batch.runner.executors if isinstance(e, StreamExecutor))
+    stream = next(e for e in llm.engine.batch.runner.tiers if isinstance(e, StreamedTier))
     # what a graph's step is weighed by: the map's streamed entries and groups
     assert (stream.num_heads, stream.num_groups) == (
         32 - resident,

@@ -17,11 +17,11 @@ from hypothesis import strategies as st
 
 from conftest import make_tiny_checkpoint
 from headspace.api import LLM
-from headspace.engine.copies import copy_key_bounds
 from headspace.engine.sampling import SamplingParams
 from headspace.parallel.placement import copy_keys, copy_rows, rank_layout
 from headspace.planner.head_map import HeadEntry, HeadMap
 from headspace.planner.profile import Profile
+from headspace.tiers.copies import copy_key_bounds
 from workers.parallel_engine import batch
 
 WORKER = Path(__file__).parent / "workers" / "parallel_engine.py"
@@ -330,7 +330,7 @@ def test_copy_key_bounds_on_the_device_cut_as_the_host_does(lengths, page_size, 
 def test_merge_of_a_row_no_copy_attends_is_zero_not_nan():
     """A CUDA graph's padding row has no key on any copy (every lse -inf): its merged part is
     0, and a real row's copies weigh by their share of the log-sum-exp."""
-    from headspace.engine.copies import merge_copies
+    from headspace.tiers.copies import merge_copies
 
     head_map = _map(1, [[(0, 1)]])  # one kv head, copied on ranks 0 and 1
     layout = rank_layout(head_map, 0, 2)

@@ -171,12 +171,11 @@ def test_embedded_model_with_block_sparse_heads_and_a_budget(embedded_dir, tmp_p
     torch.testing.assert_close(got[:1], want, atol=2e-4, rtol=2e-4)
 
 
-def test_the_prefix_in_pieces_merged_by_lse_equals_one_piece(tiny_llama, monkeypatch):
-    from headspace.engine import executors
+def test_the_prefix_in_pieces_merged_by_lse_equals_one_piece(tiny_llama):
+    from headspace.engine.hooks import EngineHooks
 
     prompt = _prompts([PROMPT], seed=13)[0]
     whole = _engine_logits(make(tiny_llama), prompt)[0]
-    monkeypatch.setattr(executors, "PREFIX_PIECE", 48)  # 3 pages: pieces end mid-chunk
-    monkeypatch.setattr(executors, "PREFIX_CHUNKS", 0)
-    pieces = _engine_logits(make(tiny_llama), prompt)[0]
+    pieces_of_3_pages = EngineHooks(prefix_piece=48)  # pieces end mid-chunk
+    pieces = _engine_logits(make(tiny_llama, hooks=pieces_of_3_pages), prompt)[0]
     torch.testing.assert_close(pieces, whole, atol=1e-5, rtol=1e-5)

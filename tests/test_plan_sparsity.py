@@ -154,3 +154,22 @@ def test_plan_refuses_what_the_engine_refuses_for_per_entry_pages(capsys, tmp_pa
     assert main([*base, "--kv-budget", "0.25", "--kv-policy", "ada_snapkv"]) == 0
     out = capsys.readouterr().out  # a share policy may give one entry the whole prompt:
     assert "2 staging slots of 6144 entry pages" in out  # its slot sized for that
+
+
+def test_the_cpu_arena_without_a_budget_stays_within_half_the_host_memory():
+    """On the CPU the arena is host memory: four full 128K contexts of Llama-3-8B (64 GiB)
+    would not fit beside the weights on most machines, so it takes at most half of what
+    is available; a short context still gets four of its own."""
+    from headspace.engine.config import EngineConfig
+    from headspace.engine.memory import host_budget, kv_arena_bytes
+    from headspace.kv.spec import KVSpec
+
+    cpu = EngineConfig(dtype="float32")
+    config = config_from_dict(LLAMA3_8B)
+    spec = KVSpec.of(config, 128, 4)
+    arena = kv_arena_bytes(config, cpu, spec, 0, 1024, 2**17)
+    four = (4 * spec.pages_for(2**17) + 1) * spec.full_page_bytes
+    assert arena == min(four, host_budget(None) // 2 // spec.full_page_bytes * spec.full_page_bytes)
+    assert arena <= host_budget(None) // 2 and arena % spec.full_page_bytes == 0
+    four_short = (4 * spec.pages_for(1024) + 1) * spec.full_page_bytes  # 33 pages: 1.03 GiB
+    assert kv_arena_bytes(config, cpu, spec, 0, 1024, 1024) == four_short

@@ -99,7 +99,8 @@ class LLM:
     def stream(
         self, prompt: str | list[int], params: SamplingParams | None = None, *, chat: bool = False
     ) -> Iterator[str]:
-        """Yield generated text pieces as they are produced (``last_output`` holds the result)."""
+        """Yield generated text pieces as they are produced (``last_output`` holds the result;
+        after Ctrl-C, the request as it stood, ended "interrupted")."""
         stream = self.engine.stream(self._prompt_ids(prompt, chat), params or SamplingParams())
         while True:
             try:
@@ -108,6 +109,12 @@ class LLM:
                 done.value.prompt = prompt
                 self.last_output = done.value
                 return
+            except KeyboardInterrupt:  # the request as it stood (aborted as the stream ends)
+                self.last_output = self.engine.stream_output
+                if self.last_output is not None:
+                    self.last_output.prompt = prompt
+                    self.last_output.stats.ended = "interrupted"
+                raise
 
     def logits(self, token_ids: list[int] | torch.Tensor, decode_tokens: int = 0) -> torch.Tensor:
         """fp32 logits ``[len(token_ids), vocab]`` through the same chunked prefill path; the

@@ -13,14 +13,14 @@ import torch
 import torch.distributed
 
 from headspace.api import LLM
-from headspace.engine.budget_ranks import RankBudgetExecutor
-from headspace.engine.entry_staging import EntryStaging
 from headspace.engine.hooks import EngineHooks
 from headspace.engine.paged_runner import PagedRunner
 from headspace.engine.sampling import SamplingParams
 from headspace.errors import UserError
 from headspace.kv.host_store import HostKVArena
 from headspace.parallel.dist import is_first_rank
+from headspace.tiers.budget_ranks import RankBudgetTier
+from headspace.tiers.entry_staging import EntryStaging
 
 sys.path.insert(0, str(Path(__file__).parents[1]))  # the tests' graph twin
 from graph_twin import EagerGraphTwin  # noqa: E402
@@ -42,7 +42,7 @@ def _record(cls, name: str, note) -> None:
     setattr(cls, name, recorded)
 
 
-_record(RankBudgetExecutor, "before_decode", lambda self, *_, **__: WIDTHS.append(self.widest))
+_record(RankBudgetTier, "before_decode", lambda self, *_, **__: WIDTHS.append(self.widest))
 _record(PagedRunner, "swap", lambda self, pairs, to_host: pairs and SWAPS.append(
     len(pairs) if to_host else -len(pairs)))  # fmt: skip
 _record(EntryStaging, "begin_decode", lambda self, *_, **__: STAGED.append(self.streamed_bytes))

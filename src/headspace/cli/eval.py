@@ -89,7 +89,7 @@ def _mode_options(mode: str, options: dict) -> dict:
     name, _, value = mode.partition(":")
     exact = {**options, "cpu_sparsity": None, "kv_budget": None, "retrieval_heads": None}
     if name in KV_POLICIES:
-        budget = _number(value, mode, "a budget")
+        budget = _budget(value, mode)
         return {**exact, "offload": "none", "kv_policy": name, "kv_budget": budget}
     if name in DEFAULT_PATTERNS:
         share = _number(value, mode, "the share of retrieval heads")
@@ -108,6 +108,18 @@ def _mode_options(mode: str, options: dict) -> dict:
         return {**exact, "offload": name}
     beta = _number(value, mode, "BETA") if value else (options.get("cpu_sparsity") or 1.0)
     return {**exact, "offload": "hybrid", "cpu_sparsity": beta, "cpu_share": None}
+
+
+def _budget(text: str, mode: str) -> float | int:
+    """The budget of a ``POLICY:BUDGET`` mode, read as ``--kv-budget`` reads it."""
+    import argparse
+
+    from headspace.cli.options import kv_budget_value
+
+    try:
+        return kv_budget_value(text)
+    except argparse.ArgumentTypeError as error:
+        raise UserError(f"{mode!r}: {error}") from None
 
 
 def _number(text: str, mode: str, what: str) -> float:
@@ -142,14 +154,39 @@ def _decode_scoring(args, mode_options: list[dict]) -> None:
           f"(--decode-tokens sets it)", file=sys.stderr)  # fmt: skip
 
 
+def _check_counts(args) -> None:
+    """One-line errors for counts that would score nothing."""
+    lengths = args.context if args.suite == "ppl" else args.lengths
+    if any(n < 2 for n in _list(lengths, args.parse_tokens)):
+        flag = "--context" if args.suite == "ppl" else "--lengths"
+        raise UserError(f"{flag}: every length must be at least 2 tokens, got {lengths!r}")
+    for flag, value, least in (("--samples", args.samples, 1), ("--max-tokens", args.max_tokens, 2),
+                               ("--decode-tokens", args.decode_tokens, 0)):  # fmt: skip
+        if value is not None and value < least:
+            raise UserError(f"{flag} must be at least {least}, got {value}")
+
+
+def _check_modes(mode_options: list[dict]) -> None:
+    """Each ``--compare`` mode's engine options, checked before the first mode runs (a bad
+    one would otherwise be refused only after the others' runs)."""
+    from headspace.engine.config import EngineConfig
+    from headspace.parallel.config import ENGINE_FIELDS
+
+    for options in mode_options:
+        EngineConfig(**{k: v for k, v in options.items() if k not in ENGINE_FIELDS})
+
+
 def run_eval(args, options: dict) -> None:
     from headspace.api import LLM
     from headspace.eval import run
     from headspace.parallel.dist import is_first_rank
 
+    _check_counts(args)
     modes = args.compare or [options["offload"]]
-    _decode_scoring(args, [_mode_options(m, options) if args.compare else options
-                           for m in modes])  # fmt: skip
+    mode_options = [_mode_options(m, options) if args.compare else options for m in modes]
+    if args.compare:
+        _check_modes(mode_options)
+    _decode_scoring(args, mode_options)  # fmt: skip
     results = {}
     for mode in modes:
         mode_options = _mode_options(mode, options) if args.compare else options

@@ -100,8 +100,8 @@ def _generate(args) -> None:
     prompt_ids = llm.engine.encode(prompt, chat=args.chat)
     llm.engine.check_request(prompt_ids, params)  # bad input refused before the warm-up
     if args.warm_up:  # on its own line: the summary's prefill is the prompt's alone
-        print(f"warm-up {llm.engine.warm_up():.1f} s (compilation, graph capture)",
-              file=sys.stderr)  # fmt: skip
+        seconds = llm.engine.warm_up(len(prompt_ids))
+        print(f"warm-up {seconds:.1f} s (compilation, graph capture)", file=sys.stderr)
     pieces = 0
     try:
         for piece in llm.stream(prompt_ids, params):
@@ -110,7 +110,9 @@ def _generate(args) -> None:
             pieces += 1
     except KeyboardInterrupt:  # the partial text stays; its request was aborted
         sys.stdout.write("\n")
-        print(f"interrupted after {pieces} pieces of text", file=sys.stderr)
+        partial = llm.last_output
+        print(partial.stats.summary() if partial is not None and partial.stats.ended
+              else f"interrupted after {pieces} pieces of text", file=sys.stderr)  # fmt: skip
         raise
     sys.stdout.write("\n")
     print(llm.last_output.stats.summary(), file=sys.stderr)

@@ -75,9 +75,9 @@ def add_parallel_options(p) -> None:
 
 
 def add_config_options(p, config_class, names: tuple[str, ...] | None = None,
-                       defaults: dict | None = None) -> None:  # fmt: skip
+                       defaults: dict | None = None, hidden: bool = False) -> None:  # fmt: skip
     """One flag per documented field of the dataclass ``config_class``, in the help
-    section its ``group`` names, with its default."""
+    section its ``group`` names, with its default; ``hidden``: taken but not listed."""
     defaults, sections = defaults or {}, {}
     for f in fields(config_class):
         if (names is not None and f.name not in names) or "help" not in f.metadata:
@@ -87,11 +87,15 @@ def add_config_options(p, config_class, names: tuple[str, ...] | None = None,
         help_text = f.metadata["help"].replace("%", "%%")
         if f.name in defaults:
             help_text += f"; here {default}"
-        elif default is not None and "default" not in help_text and f.type != "bool":
+        elif f.type == "bool":
+            help_text += f" (default: {'on' if default else 'off'})"
+        elif default is not None and "default" not in help_text:
             help_text += f" (default: {default})"
+        if hidden:
+            help_text = argparse.SUPPRESS
         group = f.metadata.get("group", "options")
         if group not in sections:
-            sections[group] = p.add_argument_group(group)
+            sections[group] = p if hidden else p.add_argument_group(group)
         section = sections[group]
         if f.type == "bool":
             section.add_argument(flag, action=argparse.BooleanOptionalAction, default=default,
@@ -103,10 +107,16 @@ def add_config_options(p, config_class, names: tuple[str, ...] | None = None,
 
 
 def add_engine_parallel_options(p) -> None:
-    """The :class:`ParallelConfig` flags a command running the engine under torchrun takes."""
+    """The :class:`ParallelConfig` flags a command running the engine under torchrun takes
+    (listed in its help where they can act: several GPUs here, or under torchrun)."""
+    import os
+
+    import torch
+
     from headspace.parallel.config import ENGINE_FIELDS, ParallelConfig
 
-    add_config_options(p, ParallelConfig, ENGINE_FIELDS)
+    several = torch.cuda.device_count() > 1 or "LOCAL_WORLD_SIZE" in os.environ
+    add_config_options(p, ParallelConfig, ENGINE_FIELDS, hidden=not several)
 
 
 def engine_options(args) -> dict:

@@ -46,21 +46,21 @@ def _model_config(model: str | None):
     return load_config(resolve_model_dir(model))
 
 
-def _budgets(args) -> tuple[int, int]:
+def _gpu_budget(args) -> int:
     import torch
 
-    from headspace.engine.memory import device_total_bytes, host_budget, parse_memory
+    from headspace.engine.memory import device_total_bytes, parse_memory
 
     if args.gpu_memory is None and not torch.cuda.is_available():
         raise UserError("no GPU here: pass --gpu-memory (e.g. 24GiB) to plan for one")
     gpu_total = device_total_bytes(torch.device("cuda")) if torch.cuda.is_available() else 0
-    gpu = parse_memory(args.gpu_memory or 1.0, gpu_total)
-    return gpu, host_budget(args.host_memory)
+    return parse_memory(args.gpu_memory or 1.0, gpu_total)
 
 
 def run_plan(args) -> None:
     from dataclasses import replace
 
+    from headspace.engine.memory import rank_host_bytes
     from headspace.parallel.rank_plan import page_heads, plan_for_ranks
     from headspace.planner import make_plan
     from headspace.planner.profile import Profile, budget_key
@@ -71,16 +71,16 @@ def run_plan(args) -> None:
         raise UserError(f"{args.model} is not a config.json")
     parallel = parallel_config(args)
     profile = Profile.load(args.profile) if args.profile else None
-    gpu, host = _budgets(args)
+    gpu = _gpu_budget(args)
     request = _request(args, config, profile, context, gpu)
     share_key = None if args.kv_budget is None else budget_key(args.kv_policy, args.kv_budget)
     chosen, uniform = plan_balance(config, request, parallel, profile, share_key)
     shard = {}
     if chosen is not None:  # the ranks on one machine divide its memory, as the engine does
         shard = {"world": parallel.gpus, "kv_heads": page_heads(chosen.head_map, parallel.gpus)}
-        host //= parallel.gpus
-    if args.host_memory is None:  # what is available now, less the streamed layers
-        host = _host_after_weights(config, args, gpu, host, request.dtype_bytes, **shard)
+    unloaded = parallel.gpus * _streamed_layer_bytes(config, args, gpu, request.dtype_bytes,
+                                                     **shard)  # fmt: skip
+    host = rank_host_bytes(args.host_memory, parallel.gpus if shard else 1, unloaded)
     request = replace(request, host_memory=host)
     if chosen is None:
         plan = make_plan(config, request)
@@ -125,18 +125,14 @@ def _plan_json(config, request, plan, parallel, chosen, uniform) -> dict:
     return {**header, **planned, "balance": loads}
 
 
-def _host_after_weights(config, args, gpu: int, host: int, dtype_bytes: int, **shard) -> int:
-    """Host bytes left for KV pages beside the decoder layers when they stream (decided as
-    ``make_plan`` decides; ``shard``: a rank's part, ``world`` and ``kv_heads``)."""
+def _streamed_layer_bytes(config, args, gpu: int, dtype_bytes: int, **shard) -> int:
+    """Host bytes of one rank's decoder layers when they stream (decided as ``make_plan``
+    decides; ``shard``: a rank's part, ``world`` and ``kv_heads``), 0 when resident."""
     from headspace.planner.memory import WeightSpec, streams_weights
 
     streamed = streams_weights(args.weights, config, gpu, dtype_bytes, chunk=args.prefill_chunk,
                                **shard)  # fmt: skip
-    weights = WeightSpec.of(config, dtype_bytes, streamed, **shard).host_bytes
-    if weights >= host:
-        raise UserError(f"host memory too small: the streamed layers need {weights / GiB:.2f} "
-                        f"GiB of the {host / GiB:.2f} GiB available")  # fmt: skip
-    return host - weights
+    return WeightSpec.of(config, dtype_bytes, streamed, **shard).host_bytes
 
 
 def _budget_tokens(args, context: int) -> tuple[int | None, int | None]:

@@ -22,7 +22,7 @@ from headspace.engine.config import EngineConfig
 from headspace.engine.detokenize import StopStringStreamer
 from headspace.engine.forcing import forced_logits
 from headspace.engine.hooks import EngineHooks
-from headspace.engine.memory import host_budget, kv_arena_bytes, prefill_chunk_size
+from headspace.engine.memory import kv_arena_bytes, prefill_chunk_size, rank_host_bytes
 from headspace.engine.outputs import EngineLoad, GenerationStats, RequestOutput
 from headspace.engine.paged_runner import PagedRunner
 from headspace.engine.ranks import Ranks
@@ -88,14 +88,17 @@ class BatchGenerator:
         arena = kv_arena_bytes(cfg, config, self.spec, weights, self.chunk, max_context)
         if ranks is not None:  # the same pages on every rank
             self.spec, arena = ranks.pages(self.spec, arena)
-        host_bytes = host_budget(config.host_memory)
-        if ranks is not None:  # the machine's budget, divided between its ranks
-            host_bytes = ranks.host_bytes(host_bytes)
+        # (the machine's budget, divided between its ranks, the same on every rank)
+        host_bytes = rank_host_bytes(config.host_memory, ranks.on_host if ranks else 1)
+        if config.host_memory is None and not config.on_gpu:  # the arena is host memory too
+            host_bytes = max(host_bytes - arena, 0)
+        if ranks is not None:
+            host_bytes = host_min(host_bytes)
         host = (hooks.host_arena or HostKVArena)(self.spec, dtype, pin=config.on_gpu,
                                                  budget=host_bytes)  # fmt: skip
         self.runner = PagedRunner(model, config, self.spec, arena, host, 2 * config.max_batch,
                                   max_context, profile, ranks.layout if ranks else None,
-                                  hooks.graphs)  # fmt: skip
+                                  hooks.graphs, hooks.prefix_piece)  # fmt: skip
         self.planner = BatchPlanner(model.config, config, self.spec, self.runner, weights,
                                     streamed, ranks)  # fmt: skip
         own_pools = ranks is not None and config.per_head_pages  # pages per rank
@@ -370,6 +373,8 @@ class BatchGenerator:
         )  # fmt: skip
         if final:
             self._final_stats(request, stats)
+        elif request.first_token:  # so far
+            stats.decode_seconds = time.perf_counter() - request.first_token
         new_ids = seq.output_ids[request.num_sent :]
         new_text, request.new_text = request.new_text, ""
         request.num_sent = len(seq.output_ids)

@@ -92,6 +92,7 @@ class Engine:
             eos.add(tokenizer.eos_token_id)
         self.eos_token_ids = eos
         self._batch: BatchGenerator | None = None  # made on first use
+        self.stream_output: RequestOutput | None = None  # stream's request, as it stands
 
     @property
     def batch(self) -> BatchGenerator:
@@ -183,34 +184,43 @@ class Engine:
 
     def stream(self, prompt_ids: list[int], params: SamplingParams) -> Iterator[str]:
         """Yield text pieces as tokens are produced; returns the final RequestOutput. A
-        stream closed early aborts its request."""
+        stream closed early aborts its request; ``stream_output`` holds the request as it stood
+        after the last step (its stats so far, when interrupted)."""
         if self.batch.has_running():
             raise UserError("requests added with add_request are still running: step them "
                             "to the end (or abort them) before stream")  # fmt: skip
         if self.config.on_gpu:
             torch.cuda.reset_peak_memory_stats(self.config.device)
         self.add_request(prompt_ids, params)
-        final = None
+        self.stream_output = None
         try:
             while self.has_unfinished():
                 for output in self.step():
+                    self.stream_output = output
                     if output.new_text:
                         yield output.new_text
-                    if output.finished:
-                        final = output
         finally:
             self.batch.abort_all()
-        return final
+        return self.stream_output
 
     def run(self, prompt_ids: list[int], params: SamplingParams) -> RequestOutput:
         """Generate for one prompt, alone."""
         return self.generate_batch([prompt_ids], [params])[0]
 
-    def warm_up(self) -> float:
-        """Run one short request alone, so that compilation and CUDA graph capture happen
-        before the first real one (whose timings then leave them out); its seconds."""
+    def warm_up(self, prompt_len: int = 0) -> float:
+        """Run requests alone, so that compilation and CUDA graph capture happen before the
+        first real one (whose timings then leave them out); their seconds. A short one
+        (decode steps); with ``prompt_len``, one whose prefill takes the shapes a prompt of
+        that many tokens takes (a full chunk compiles for its own size, the last piece for
+        any): at most two chunks of synthetic tokens."""
         started = time.perf_counter()
-        self.run(self.encode("Warm-up."), SamplingParams(max_new_tokens=4, ignore_eos=True))
+        params = SamplingParams(max_new_tokens=4, ignore_eos=True)
+        self.run(self.encode("Warm-up."), params)
+        chunk = self.batch.chunk
+        length = min(prompt_len, chunk + (prompt_len % chunk or chunk))
+        if length > 16:  # the short one took the shapes of a few tokens
+            vocab = self.model.config.vocab_size
+            self.run([(7 + 31 * i) % vocab for i in range(length)], params)
         return time.perf_counter() - started
 
     def logits(self, token_ids: list[int], decode_tokens: int = 0) -> torch.Tensor:

@@ -18,7 +18,11 @@ class EngineHooks:
 
     ``host_arena``: the class of the host pages in place of
     :class:`headspace.kv.host_store.HostKVArena`, with its constructor's arguments (a test's
-    arena that cannot grow, as when page-locking fails on one rank). None: HostKVArena."""
+    arena that cannot grow, as when page-locking fails on one rank). None: HostKVArena.
+
+    ``prefix_piece``: prefix tokens a prefill chunk gathers from its pages at a time (a
+    test's small pieces end mid-chunk). None: :func:`headspace.tiers.base.prefix_piece`."""
 
     graphs: type | None = None
     host_arena: type | None = None
+    prefix_piece: int | None = None

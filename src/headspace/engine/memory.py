@@ -9,7 +9,7 @@ import re
 import torch
 
 from headspace.errors import UserError
-from headspace.kv.spec import KVSpec
+from headspace.kv.spec import GiB, KVSpec
 from headspace.model.config import ModelConfig
 from headspace.planner.memory import prefill_chunk, split_gpu_budget
 from headspace.planner.sparsity import arena_after_gathers, gathered_bytes
@@ -72,6 +72,23 @@ def host_budget(value: str | float | None) -> int:
     return int(0.9 * available)
 
 
+def rank_host_bytes(value: str | float | None, ranks_on_host: int = 1,
+                    unloaded_weight_bytes: int = 0) -> int:  # fmt: skip
+    """One rank's host bytes for KV pages, as the engine sizes them and ``plan`` predicts:
+    :func:`host_budget` of ``value``, less (with no budget given) ``unloaded_weight_bytes``
+    of decoder layers that will stream from host memory but are not loaded yet (a plan made
+    without the model; the engine measures after loading them), divided between the
+    ``ranks_on_host`` ranks of the machine. UserError when the layers leave nothing."""
+    budget = host_budget(value)
+    if value is None and unloaded_weight_bytes:
+        if unloaded_weight_bytes >= budget:
+            raise UserError(f"host memory too small: the streamed layers need "
+                            f"{unloaded_weight_bytes / GiB:.2f} GiB of the {budget / GiB:.2f} "
+                            f"GiB available")  # fmt: skip
+        budget -= unloaded_weight_bytes
+    return budget // ranks_on_host
+
+
 def gpu_budget(engine_config, weight_bytes: int) -> int | None:
     """Bytes the engine may hold on its device: the user's budget, else on a GPU the weights
     plus 90% of what is free now; None on the CPU without a budget."""
@@ -103,12 +120,13 @@ def kv_arena_bytes(config: ModelConfig, engine_config, spec: KVSpec, weight_byte
     else what the budget leaves after weights, a chunk's activations with allocator slack,
     batched decode, and with patterns or budgets the keys a layer's prefill gathers
     (UserError when nothing is left); on the CPU without a budget, room for four full
-    contexts."""
+    contexts within half the host memory available now."""
     if engine_config.num_kv_pages:
         return (engine_config.num_kv_pages + 1) * spec.full_page_bytes
     budget = gpu_budget(engine_config, weight_bytes)
-    if budget is None:
-        return (4 * spec.pages_for(max_context) + 1) * spec.full_page_bytes
+    if budget is None:  # the arena is host memory: at most half of what is available
+        contexts = (4 * spec.pages_for(max_context) + 1) * spec.full_page_bytes
+        return min(contexts, host_budget(None) // 2 // spec.full_page_bytes * spec.full_page_bytes)
     split = split_gpu_budget(config, budget, weight_bytes, chunk, spec.dtype_bytes,
                              engine_config.max_batch)  # fmt: skip
     if engine_config.per_head_pages or engine_config.retrieval_heads is not None:

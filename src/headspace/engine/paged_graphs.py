@@ -1,7 +1,7 @@
 """CUDA graphs of the batched decode step of one layout: one per (batch, table widths) bucket.
 
 A step reads each sequence's input token from the runner's token slots on the device, runs
-the model through the layout's executors, writes the fp32 logits into one shared buffer and
+the model through the layout's tiers, writes the fp32 logits into one shared buffer and
 the greedy pick back into the slots: the next step can be launched before the host has read
 this one's tokens. With streamed heads the step also gathers their history from host pages
 (one kernel per head group, as many pages as the step's count says) into staging, when it
@@ -16,13 +16,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from headspace.engine.executors import (
-    MIN_WIDTH,
-    StepInputs,
-    attend_tiers,
-    bucket,
-)
 from headspace.planner.memory import graph_step_faster
+from headspace.tiers import StepInputs, Tier, attend_tiers
+from headspace.tiers.base import MIN_WIDTH, bucket
 
 
 @dataclass
@@ -35,21 +31,23 @@ class CapturedStep:
 
 
 class DecodeGraphs:
-    """Captures and replays the decode step over the executors of one layout."""
+    """Captures and replays the decode step over the tiers of one layout."""
 
-    def __init__(self, model, executors: list, tokens: torch.Tensor, scratch_page: int,
-                 host_scratch_slot: int, max_batch: int, blocks_mode: str,
+    def __init__(self, model, tiers: list[Tier], tokens: torch.Tensor, page_size: int,
+                 scratch_page: int, host_scratch_slot: int, max_batch: int, blocks_mode: str,
                  pool, attention=None) -> None:  # fmt: skip
-        """``attention(layer, q, kv) -> out``: what each captured layer calls (default:
-        the executors' tiers; a benchmark passes a timed one)."""
-        self.model, self.executors, self.tokens = model, list(executors), tokens
+        """``tokens``: the runner's token slots; ``page_size`` in tokens; ``attention(layer,
+        q, kv) -> out``: what each captured layer calls (default: the tiers; a benchmark
+        passes a timed one)."""
+        self.model, self.tiers, self.tokens = model, list(tiers), tokens
         self.attention = attention  # (not a bound method of self: no cycle holds the KV)
         # the tiers whose decode inputs the graph packs beside the block tables
-        self.stream = next((e for e in executors if e.stages_history), None)
-        self.budget = next((e for e in executors if e.entry_rows), None)
+        self.stream = next((t for t in tiers if t.stages_history), None)
+        self.budget = next((t for t in tiers if t.entry_rows), None)
+        self.outside = any(t.runs_outside_graphs for t in tiers)
         self.scratch_page, self.scratch_slot = scratch_page, tokens.numel() - 1
         self.host_scratch_slot, self.blocks_mode = host_scratch_slot, blocks_mode
-        self.page_size = executors[0].page_size
+        self.page_size = page_size
         self.device = tokens.device
         vocab = model.lm_head.weight.shape[0]
         self.logits = torch.empty(bucket(max_batch), vocab, device=self.device)
@@ -61,10 +59,10 @@ class DecodeGraphs:
         with streamed heads when their history fits one staging slot and is short enough
         that the eager step's host work costs more than the copy engine's lead over the
         gather kernels wins back (:func:`graph_step_faster`)."""
+        if self.outside:  # the hybrid tier's CPU part runs outside graphs
+            return False
         if self.stream is None:
             return True
-        if self.stream.cpu is not None:  # the hybrid tier's CPU part runs outside graphs
-            return False
         num_pages = sum(-(-(p + 1) // self.page_size) for p in positions)
         if num_pages > self.stream.piece_pages:
             return False
@@ -106,13 +104,13 @@ class DecodeGraphs:
         return views
 
     def _attention(self, layer: int, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
-        return attend_tiers(self.executors, layer, q, kv)
+        return attend_tiers(self.tiers, layer, q, kv)
 
     def _step(self, views: dict[str, torch.Tensor], key) -> None:
         positions = views["positions"]
         tables = {tier: views[tier] for tier in ("gpu", "host") if views[tier].shape[1]}
         step = StepInputs(True, positions, [], {}, tables, positions + 1)
-        for tier in self.executors:  # (copies find their key ranges on the device)
+        for tier in self.tiers:  # (copies find their key ranges on the device)
             tier.begin_graph(step, views, key)
         slots = views["slots"]
         attention = self.attention or self._attention

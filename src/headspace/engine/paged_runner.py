@@ -1,10 +1,10 @@
 """Runs the model over the tiers of the current plan: per-sequence chunked prefill, batched
 decode, swapping sequences between the GPU pool and host pages.
 
-The runner holds the KV arena (GPU), the host pages and their block tables, and one executor
-per tier of the head map. ``apply(plan)`` lays the arena out for a new head map (only when no
-sequence holds pages); the all-resident layout is always the same tensors, so its CUDA
-graphs survive a detour through streaming.
+The runner holds the KV arena (GPU), the host pages and their block tables, and the tiers
+of the current plan (``tiers.table`` builds them). ``apply(plan)`` lays the arena out for a
+new head map (only when no sequence holds pages); the all-resident layout is always the
+same tensors, so its CUDA graphs survive a detour through streaming.
 """
 
 from __future__ import annotations
@@ -13,36 +13,23 @@ import torch
 import torch.distributed
 
 from headspace.budgets import KVBudget
-from headspace.engine.budget import BudgetExecutor
-from headspace.engine.budget_ranks import RankBudgetExecutor
 from headspace.engine.config import EngineConfig
-from headspace.engine.copies import CopyExecutor
-from headspace.engine.entry_staging import EntryStaging
-from headspace.engine.executors import (
-    MIN_WIDTH,
-    HeadRange,
-    ResidentExecutor,
-    StepInputs,
-    attend_tiers,
-    block_table,
-    bucket,
-)
-from headspace.engine.hybrid import CpuAttention
-from headspace.engine.hybrid_sparse import SparseSelector
-from headspace.engine.plan_layout import head_ranges, layout_key, prefill_patterns, staging_slots
-from headspace.engine.streaming import CpuSplit, StreamExecutor
 from headspace.errors import UserError
 from headspace.kv.block_table import GPU, HOST, BlockManager
 from headspace.kv.entry_table import EntryBlockManager
 from headspace.kv.host_store import HostKVArena
 from headspace.kv.paged_store import PagedKVStore
-from headspace.kv.spec import KVSpec, Pattern
+from headspace.kv.spec import KVSpec
 from headspace.kv.transfer import device_ints, swap_pages
 from headspace.model.llama import LlamaModel
-from headspace.parallel.dist import all_gather_stack, first_error, host_min, rank_cores
+from headspace.parallel.dist import first_error, host_min
 from headspace.parallel.placement import RankLayout
 from headspace.planner.plan import Plan
 from headspace.planner.profile import Profile
+from headspace.tiers import HybridSettings, StepInputs, Tier, TierSite, attend_tiers, build_tiers
+from headspace.tiers.base import MIN_WIDTH, block_table, bucket
+from headspace.tiers.hybrid_sparse import SparseSelector
+from headspace.tiers.layout import head_ranges, layout_key, staging_slots
 
 
 class PagedRunner:
@@ -51,13 +38,15 @@ class PagedRunner:
     def __init__(self, model: LlamaModel, config: EngineConfig, spec: KVSpec, arena_bytes: int,
                  host: HostKVArena, max_slots: int, max_context: int,
                  profile: Profile | None = None, layout: RankLayout | None = None,
-                 graphs_class: type | None = None):  # fmt: skip
+                 graphs_class: type | None = None,
+                 prefix_piece: int | None = None):  # fmt: skip
         """``graphs_class``: what captures decode steps in place of DecodeGraphs (tests'
-        CPU twin; :class:`EngineHooks`)."""
+        CPU twin), ``prefix_piece``: prefix tokens a chunk gathers at a time (a test's small
+        pieces); both :class:`EngineHooks`."""
         self.model, self.config, self.spec, self.host = model, config, spec, host
         self.graphs_class = graphs_class
         # each layer's attention calls this when set: ``hook(layer, q, kv) -> out`` (a
-        # benchmark's timer; ``attend_tiers(runner.executors, ...)`` is the tiers' own)
+        # benchmark's timer; ``attend_tiers(runner.tiers, ...)`` is the tiers' own)
         self.attention_hook = None
         self.layout = layout  # one rank's heads under torch.distributed (None: all heads)
         self.max_context = max_context
@@ -76,8 +65,16 @@ class PagedRunner:
         self.tokens = torch.zeros(max_slots + 1, dtype=torch.long, device=self.device)
         self._compiled = config.compile and self.device.type == "cuda"
         self.plan: Plan | None = None
-        self.executors: list = []
-        self._cpu_attention: CpuAttention | None = None
+        self.site = TierSite(
+            self.store, host, self.blocks, spec, model.config.num_queries_per_kv,
+            config.attention_backend, max_slots=self.tokens.numel(), max_context=max_context,
+            per_entry_pages=config.per_head_pages, layout=layout, budget=self.budget,
+            head_scores=None if profile is None else torch.tensor(profile.retrieval),
+            hybrid=HybridSettings(config.cpu_threads, config.cpu_sparsity, config.maw_alpha,
+                                  config.gpu_window),
+            prefix_piece=prefix_piece,
+        )  # fmt: skip
+        self.tiers: list[Tier] = []  # the current plan's (tiers.table)
         self._layout: tuple | None = None
         self._layout_ids: dict[tuple, int] = {}  # a small key per layout seen, for the graphs
         self._graph_cache, self._graph_pool = {}, None
@@ -91,135 +88,43 @@ class PagedRunner:
         return self.plan is not None and self.plan.head_map.num_offloaded > 0
 
     def apply(self, plan: Plan) -> None:
-        """Lay the arena and executors out for ``plan`` (no sequence may hold pages)."""
+        """Lay the arena out for ``plan`` and build its tiers (no sequence may hold pages)."""
         self.ensure_host_pages(plan.num_host_pages)
         key = layout_key(plan)
         if key == self._layout:  # the same tensors; the map's budgets may be this batch's
             self.plan.head_map = plan.head_map
             return
-        if self.config.per_head_pages:
-            return self._apply_entry_pages(plan, key)
-        if self.layout is not None:
-            return self._apply_rank(plan, key)
-        cfg = self.model.config
-        ranges = [head_ranges(plan, layer) for layer in range(cfg.num_layers)]
-        self.store.layout([r[1] if r else 0 for r, _ in ranges], plan.num_gpu_pages,
-                          staging_slots(plan))  # fmt: skip
-        self._adopt(plan, key, reset_shared=True)
-        q_per_kv, backend = cfg.num_queries_per_kv, self.config.attention_backend
-        resident = [r for r, _ in ranges]
-        self.executors = []
-        if any(resident):
-            patterns = [r and prefill_patterns(plan, layer, range(*r), q_per_kv)
-                        for layer, r in enumerate(resident)]  # fmt: skip
-            self.executors.append(ResidentExecutor(self.store, resident, q_per_kv, backend,
-                                                   patterns))  # fmt: skip
-        if plan.staging is not None:
-            self.executors.append(self._stream_executor(plan, [g for _, g in ranges]))
+        self._lay_out(plan, key)
+        self.tiers = build_tiers(plan, self.site)
 
-    def _adopt(self, plan: Plan, key: tuple, reset_shared: bool = False) -> None:
-        """Make ``plan`` (layout ``key``) the current one; ``reset_shared``: first empty the
-        shared pages' block tables (the host prefix cache survives a map that stays)."""
-        if reset_shared:
+    def _lay_out(self, plan: Plan, key: tuple) -> None:
+        """The arena's layers for ``plan`` and its page pools (layout ``key``). Shared
+        pages: per layer the resident heads (this rank's own), then under torchrun its
+        copies (arena layers ``L..2L-1``), and staging slots; the host prefix cache survives
+        a map that stays. Per-entry pages: one plane; the offloaded entries' pages are
+        host pages."""
+        spec, layout = self.spec, self.layout
+        if self.config.per_head_pages:
+            heads = [range(spec.num_kv_heads) if layout is None else layout.heads(layer)
+                     for layer in range(spec.num_layers)]  # fmt: skip
+            entries = [(layer, h) for layer, hs in enumerate(heads) for h in hs]  # [entry]
+            in_host = [e for e, (layer, h) in enumerate(entries)
+                       if plan.head_map.entry(layer, h).tier != "gpu"]  # fmt: skip
+            self.blocks.reset(plan.num_gpu_pages, offloaded=in_host)
+        else:
+            resident = [head_ranges(plan, layer, self.site.own_heads(layer))[0]
+                        for layer in range(spec.num_layers)]  # fmt: skip
+            copies = [] if layout is None else [len(c) for c in layout.copies]
+            self.store.layout([r[1] if r else 0 for r in resident] + copies, plan.num_gpu_pages,
+                              staging_slots(plan))  # fmt: skip
             same_map = self._layout is not None and self._layout[0] == key[0]
             self.blocks.reset(plan.num_gpu_pages, drop_host_cache=not same_map)
         self.plan, self._layout = plan, key
         self._layout_id = self._layout_ids.setdefault(key, len(self._layout_ids))
 
-    def _stream_executor(self, plan: Plan, groups: list[list[HeadRange]]) -> StreamExecutor:
-        """The stream tier over each layer's offloaded ``groups`` (places in the layer's
-        heads), gathered into the arena's staging slots; a graph's step is weighed by the
-        plan's map, under torchrun the sized one (no rank streams more: all decide alike,
-        so their collectives pair up)."""
-        sized = plan.head_map if plan.rank_map is None else plan.rank_map
-        return StreamExecutor(self.host, self.store.staging, groups,
-                              self.model.config.num_queries_per_kv, self.page_size,
-                              self.config.attention_backend, self._cpu_split(plan, groups),
-                              sized=(sized.num_offloaded, sized.num_offloaded_groups))  # fmt: skip
-
-    def _apply_rank(self, plan: Plan, key: tuple) -> None:
-        """One rank's heads: its own heads' pages (layers ``0..L-1`` of the arena; those the
-        plan offloads streamed, after the resident ones) and its copies' (layers
-        ``L..2L-1``, always resident); ``plan.head_map`` is the whole map."""
-        layout, q_per_kv = self.layout, self.model.config.num_queries_per_kv
-        backend = self.config.attention_backend
-        ranges = [head_ranges(plan, layer, heads) for layer, heads in enumerate(layout.own)]
-        resident = [r for r, _ in ranges]
-        copies = [len(c) for c in layout.copies]
-        self.store.layout([r[1] if r else 0 for r in resident] + copies, plan.num_gpu_pages,
-                          staging_slots(plan))  # fmt: skip
-        self._adopt(plan, key, reset_shared=True)
-        own_patterns = [r and prefill_patterns(plan, layer, layout.own[layer][: r[1]], q_per_kv)
-                        for layer, r in enumerate(resident)]  # fmt: skip
-        copy_patterns = [[Pattern.parse(plan.head_map.entry(layer, c.kv_head).pattern)
-                          for c in cs] for layer, cs in enumerate(layout.copies)]  # fmt: skip
-        self.executors = [ResidentExecutor(self.store, resident, q_per_kv, backend, own_patterns),
-                          CopyExecutor(self.store, layout, q_per_kv, backend, copy_patterns,
-                                       all_gather_stack)]  # fmt: skip
-        if plan.staging is not None:
-            self.executors.append(self._stream_executor(plan, [g for _, g in ranges]))
-
-    def _apply_entry_pages(self, plan: Plan, key: tuple) -> None:
-        """KV budgets and streaming heads: the arena is one plane of entry pages ``[2,
-        slots, head_dim]``; the head map's streaming entries become rings. Under torchrun
-        the entries are this rank's heads, layer by layer (its own, then its copies)."""
-        spec, layout = self.spec, self.layout
-        num_pages = self.store.num_bytes // spec.entry_page_bytes
-        plane = self.store.buffer[: 2 * num_pages * spec.page_size * spec.head_dim]
-        plane = plane.view(2, -1, spec.head_dim)
-        heads = [range(spec.num_kv_heads) if layout is None else layout.heads(layer)
-                 for layer in range(spec.num_layers)]  # fmt: skip
-        widths = [len(hs) for hs in heads]  # entries of each layer
-        entries = [(layer, h) for layer, hs in enumerate(heads) for h in hs]  # [entry]
-        # [layer] places (in ``heads``) of the entries in host pages (a rank's own heads)
-        offloaded = [[i for i, h in enumerate(hs) if plan.head_map.entry(layer, h).tier != "gpu"]
-                     for layer, hs in enumerate(heads)]  # fmt: skip
-        in_host = [e for e, (layer, h) in enumerate(entries)
-                   if plan.head_map.entry(layer, h).tier != "gpu"]  # fmt: skip
-        self.blocks.reset(plan.num_gpu_pages, offloaded=in_host)
-        staging = None
-        if in_host:  # two slots after the pool's pages
-            staging = EntryStaging(plane, self.host, offloaded, widths, spec.page_size,
-                                   plan.num_gpu_pages, plan.entry_staging)  # fmt: skip
-        self._adopt(plan, key)
-        head_scores = None if self.profile is None else torch.tensor(self.profile.retrieval)
-        rings = {}
-        for e, (layer, h) in enumerate(entries):
-            pattern = Pattern.parse(plan.head_map.entry(layer, h).pattern)
-            if pattern.kind == "streaming":
-                rings[e] = pattern.params
-        q_per_kv = self.model.config.num_queries_per_kv
-        patterns = [prefill_patterns(plan, layer, hs, q_per_kv) for layer, hs in enumerate(heads)]
-        args = (plane, self.blocks, widths, q_per_kv,
-                self.config.attention_backend, self.budget, self.tokens.numel(),
-                spec.pages_for(self.max_context), head_scores, rings, patterns,
-                staging)  # fmt: skip
-        if layout is None:
-            self.executors = [BudgetExecutor(*args)]
-        else:
-            self.executors = [RankBudgetExecutor(*args, layout=layout, head_map=plan.head_map,
-                                                 exchange=all_gather_stack)]  # fmt: skip
-
-    def _cpu_split(self, plan: Plan, groups: list[list[HeadRange]]) -> CpuSplit | None:
-        """The hybrid tier's CPU side over each layer's offloaded ``groups`` (one per runner:
-        its worker thread is kept). Ranks on one machine divide its cores, unless the
-        launcher bound each to its own."""
-        if plan.offload != "hybrid":
-            return None
-        if self._cpu_attention is None:
-            threads = self.config.cpu_threads or max(rank_cores() - 1, 1)
-            self._cpu_attention = CpuAttention(self.host, threads)
-        config = self.config
-        self._cpu_attention.sparse = None
-        if config.cpu_sparsity is not None:  # the CPU takes all before the window
-            self._cpu_attention.sparse = SparseSelector.over_groups(
-                config, self.spec, groups, self.tokens.numel(), self.device)  # fmt: skip
-        # the share the planner sized the staging slots for
-        return CpuSplit(self._cpu_attention, plan.cpu_share, config.gpu_window)
-
     @property
     def _sparse(self) -> SparseSelector | None:
-        return None if self._cpu_attention is None else self._cpu_attention.sparse
+        return None if self.site.cpu_attention is None else self.site.cpu_attention.sparse
 
     def kept_summary(self, seq_id: int) -> tuple[float, float, float] | None:
         """Sparse hybrid mode: (min, median, max) share of the CPU-side tokens kept per
@@ -233,8 +138,8 @@ class PagedRunner:
     def forget(self, seq_id: int) -> None:
         """Drop what the tiers keep of a sequence that ended or was aborted (its pages are
         the scheduler's to free)."""
-        if self._sparse is not None:
-            self._sparse.forget(seq_id)
+        for tier in self.tiers:
+            tier.forget(seq_id)
 
     def kv_held(self, seq_id: int) -> tuple[int, float] | None:
         """Per-head pages: (bytes of K/V ``seq_id`` holds, their share of its full KV); None
@@ -274,7 +179,7 @@ class PagedRunner:
             self._graph_pool = torch.cuda.graph_pool_handle()
         mode = "static" if self._compiled else "eager"
         graphs = (twin or DecodeGraphs)(
-            self.model, self.executors, self.tokens, self.store.num_pages,
+            self.model, self.tiers, self.tokens, self.page_size, self.store.num_pages,
             self.host.scratch_slot, self.config.max_batch, mode, self._graph_pool,
             self.attention_hook,  # a benchmark's timed attention, if it set one
         )  # fmt: skip
@@ -311,7 +216,7 @@ class PagedRunner:
     def _attention(self, layer: int, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
         if self.attention_hook is not None:
             return self.attention_hook(layer, q, kv)
-        return attend_tiers(self.executors, layer, q, kv)
+        return attend_tiers(self.tiers, layer, q, kv)
 
     def _pages(self, seq_ids: list[int]) -> dict[str, list[list[int]]]:
         tiers = self.blocks.tiers(seq_ids[0])
@@ -343,8 +248,8 @@ class PagedRunner:
         ids = torch.tensor(seq.prompt_ids[start:end], device=self.device)
         positions = torch.arange(start, end, device=self.device)
         step = StepInputs(False, positions, [], pages, start=start, seq_ids=[seq.seq_id])
-        for executor in self.executors:
-            executor.begin(step)
+        for tier in self.tiers:
+            tier.begin(step)
         mode = "eager"
         if self._compiled:  # static shapes for full chunks: one compile per chunk size
             mode = "static" if static else "dynamic"
@@ -356,7 +261,7 @@ class PagedRunner:
         budgets compress it; returns the last token's fp32 logits ``[vocab]`` from
         ``hidden`` (its greedy pick goes into token ``slot``), or None without."""
         self.blocks.cache_full_pages(seq.seq_id, seq.prompt_ids)
-        for tier in self.executors:  # budgets compress what the prompt left
+        for tier in self.tiers:  # budgets compress what the prompt left
             tier.after_prefill(seq.seq_id, len(seq.prompt_ids))
         if hidden is None:
             return None
@@ -373,15 +278,15 @@ class PagedRunner:
         (pages already allocated). Returns fp32 logits ``[seqs, vocab]`` and the slots on
         the device; each greedy pick is written into its slot (sampled rows overwrite it)."""
         pages = self._pages(seq_ids)
-        for tier in self.executors:  # per-entry tables on the device
+        for tier in self.tiers:  # per-entry tables on the device
             tier.before_decode(seq_ids, slots)
         graphs = self._graphs
         if graphs is not None and graphs.accepts(positions):
             return graphs.run(slots, positions, pages)
         step = self._decode_inputs(positions, pages)
         step.seq_ids = list(seq_ids)
-        for executor in self.executors:
-            executor.begin(step)
+        for tier in self.tiers:
+            tier.begin(step)
         slot_index = device_ints(slots, self.device)
         mode = "dynamic" if self._compiled else "eager"
         hidden = self.model(self.tokens[slot_index], step.positions, self._attention, mode)

@@ -61,10 +61,10 @@ class Ranks:
         rank's arena."""
         return replace(spec, num_kv_heads=self.most_heads), host_min(arena)
 
-    def host_bytes(self, budget: int) -> int:
-        """This rank's share of the host's KV budget, the same on every rank: the ranks
-        on one machine (``LOCAL_WORLD_SIZE``) divide its memory."""
-        return host_min(budget // local_world_size())
+    @property
+    def on_host(self) -> int:
+        """Ranks on this machine (``LOCAL_WORLD_SIZE``): they divide its host memory."""
+        return local_world_size()
 
     def keep_heads(self, index: int, layer) -> None:
         """Shard decoder layer ``index`` for this rank: its heads' weights (own, then copies)

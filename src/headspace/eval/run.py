@@ -97,6 +97,9 @@ def run_ppl(llm, texts: list[str], contexts: list[int], max_tokens: int | None =
             with tqdm(total=windows, desc=f"ppl {name} @{context}", unit="window") as bar:
                 nll, count = sliding_window_nll(logits, ids, context, on_window=bar.update,
                                                 score_last=decode_tokens or None)  # fmt: skip
+            if count == 0:
+                raise UserError(f"{name}: no token to score at context {context} "
+                                f"({len(ids)} tokens read)")  # fmt: skip
             rows.append({"text": Path(name).stem, "context": context, "tokens": count,
                          "perplexity": math.exp(nll / count)})  # fmt: skip
     return rows
@@ -112,6 +115,8 @@ def accuracy_by(rows: list[dict], keys: list[str]) -> list[dict]:
 
 
 def write_csv(rows: list[dict], path: Path) -> None:
+    if not rows:
+        raise UserError(f"nothing to write to {path}: no case ran")
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "w", newline="") as handle:
         writer = csv.DictWriter(handle, fieldnames=list(rows[0]))

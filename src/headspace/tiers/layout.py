@@ -6,13 +6,13 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from headspace.engine.executors import HeadRange
 from headspace.kv.spec import Pattern
 from headspace.planner.plan import Plan
+from headspace.tiers.base import HeadRange
 
 
 def layout_key(plan: Plan) -> tuple:
-    """What the arena's layout and executors depend on: each entry's tier and group, the GPU
+    """What the arena's layout and tiers depend on: each entry's tier and group, the GPU
     page count, the staging slots and the mode (the same key gives the same tensors)."""
     tiers = tuple((e.tier, e.group) for e in plan.head_map.entries)
     return tiers, plan.num_gpu_pages, plan.staging, plan.offload, plan.entry_staging

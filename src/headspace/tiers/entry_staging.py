@@ -17,11 +17,11 @@ from bisect import bisect_left
 import torch
 
 from headspace.attention.entry_decode import new_token_slots
-from headspace.engine.executors import block_table
 from headspace.kv.host_store import HostKVArena
 from headspace.kv.paged_store import token_slots
 from headspace.kv.transfer import as_heads, copy_pages, device_ints, write_tokens
 from headspace.planner.entry_offload import STAGING_DEPTH
+from headspace.tiers.base import TierCounters, block_table
 
 
 class EntryStaging:
@@ -35,8 +35,9 @@ class EntryStaging:
 
     def __init__(self, plane: torch.Tensor, host: HostKVArena, offloaded: list[list[int]],
                  layer_heads: list[int], page_size: int, first_page: int,
-                 slot_pages: int):  # fmt: skip
+                 slot_pages: int, counters: TierCounters | None = None):  # fmt: skip
         self.plane, self.host, self.page_size = plane, host, page_size
+        self.counters = counters or TierCounters()  # pages staged by each path, in total
         self.first_page, self.slot_pages = first_page, slot_pages
         self.layer_heads = layer_heads  # [layers] entries of each layer
         first = [sum(layer_heads[:layer]) for layer in range(len(layer_heads))]
@@ -199,6 +200,8 @@ class EntryStaging:
         counts = torch.bincount(pair_layer[~by_engine], minlength=num_layers).tolist()
         kernel_pairs = device_ints(pairs[:, ~by_engine], self.plane.device)
         self.pairs = list(kernel_pairs.split(counts, dim=1))  # [layer] [3, pages]
+        self.counters.run_pages += int(by_engine.sum())
+        self.counters.kernel_pages += num_pages - int(by_engine.sum())
 
     def _has_copies(self, layer: int) -> bool:
         """Whether ``layer`` stages any page this step (by the kernel or a run)."""

@@ -1,7 +1,7 @@
 """One rank's KV-budget entries under torchrun: per layer its own kv heads, then its copies
 of heads shared with other ranks (the order of its sharded weights), each in its own pages.
 
-What differs from one process (:class:`~headspace.engine.budget.BudgetExecutor`):
+What differs from one process (:class:`~headspace.tiers.budget.BudgetTier`):
 
 - **Which tokens each head keeps** is the same on every rank: each rank scores its heads, the
   scores are all-gathered layer by layer, and every rank lets the policy divide the budget
@@ -11,7 +11,7 @@ What differs from one process (:class:`~headspace.engine.budget.BudgetExecutor`)
 - **A copied head** keeps its whole K/V on each copy. At prefill each copy attends only its
   share of the chunk's rows (a patterned copy every row, keeping its own); at decode every
   copy stores the new token, attends its page-aligned range of the head's kept tokens, and
-  the copies merge by log-sum-exp (:func:`~headspace.engine.copies.merge_copies`) before o_proj's
+  the copies merge by log-sum-exp (:func:`~headspace.tiers.copies.merge_copies`) before o_proj's
   all-reduce sums them.
 """
 
@@ -22,15 +22,15 @@ from collections.abc import Callable
 import torch
 
 from headspace.attention.entry_decode import entry_decode, new_token_slots
-from headspace.engine.budget import BudgetExecutor
-from headspace.engine.copies import copy_key_range, merge_copies
 from headspace.parallel.dist import host_min
 from headspace.parallel.placement import RankLayout, copy_rows, rank_layout
 from headspace.planner.head_map import HeadMap
+from headspace.tiers.budget import BudgetTier
+from headspace.tiers.copies import copy_key_range, merge_copies
 
 
-class RankBudgetExecutor(BudgetExecutor):
-    """A :class:`BudgetExecutor` over one rank's entries of ``head_map`` (its ``layout``);
+class RankBudgetTier(BudgetTier):
+    """A :class:`BudgetTier` over one rank's entries of ``head_map`` (its ``layout``);
     ``exchange(t)`` returns every rank's ``t`` stacked ``[world, ...]`` (an all-gather)."""
 
     def __init__(self, *args, layout: RankLayout, head_map: HeadMap,
@@ -44,6 +44,12 @@ class RankBudgetExecutor(BudgetExecutor):
                          for e in head_map.layer(layer)]
                         for layer in range(head_map.num_layers)]  # fmt: skip
         self._parts: dict[int, tuple[list[torch.Tensor], torch.Tensor]] = {}
+
+    @classmethod
+    def from_plan(cls, plan, site) -> RankBudgetTier:
+        """This rank's entries of ``plan`` (``site.layout``)."""
+        return super().from_plan(plan, site, layout=site.layout, head_map=plan.head_map,
+                                 exchange=site.exchange)  # fmt: skip
 
     def before_decode(self, seq_ids: list[int], slots: list[int]) -> None:
         """The step's device tables, read as wide on every rank (the widest rank's): a

@@ -1,5 +1,5 @@
-"""The stream tier's executor: entries whose K/V live in host pages are gathered into GPU
-staging slots one head group at a time and attended there.
+"""The stream tier (and the hybrid tier's GPU side): entries whose K/V live in host pages
+are gathered into GPU staging slots one head group at a time and attended there.
 
 Order of work in one forward pass (a prefill chunk or a decode step of the whole batch):
 the (layer, group, piece) items in layer order. One gather kernel per item moves the
@@ -22,10 +22,21 @@ from headspace.attention.paged import (
     paged_token_scores,
     paged_token_slots,
 )
-from headspace.engine.executors import MIN_WIDTH, HeadRange, StepInputs, Tier, bucket, q_heads
-from headspace.engine.hybrid import CpuAttention, cpu_ends
 from headspace.kv.host_store import HostKVArena
 from headspace.kv.transfer import as_heads, copy_pages, device_ints, write_tokens
+from headspace.parallel.dist import rank_cores
+from headspace.tiers.base import (
+    MIN_WIDTH,
+    HeadRange,
+    StepInputs,
+    Tier,
+    TierSite,
+    bucket,
+    q_heads,
+)
+from headspace.tiers.hybrid import CpuAttention, cpu_ends
+from headspace.tiers.hybrid_sparse import SparseSelector
+from headspace.tiers.layout import head_ranges
 
 MAX_COPY_RUNS = 16  # a piece in at most this many runs of adjacent pages uses the copy engine
 
@@ -57,6 +68,23 @@ class _Piece:
     slots: torch.Tensor | None = None  # sparse hybrid: staging slots of its keys [seqs, width]
 
 
+def cpu_split(plan, site: TierSite, groups: list[list[HeadRange]]) -> CpuSplit | None:
+    """The hybrid tier's CPU side over each layer's offloaded ``groups`` (one per site: its
+    worker thread is kept), at the share the planner sized the staging slots for. Ranks on
+    one machine divide its cores, unless the launcher bound each to its own."""
+    if plan.offload != "hybrid":
+        return None
+    settings = site.hybrid
+    if site.cpu_attention is None:
+        threads = settings.threads or max(rank_cores() - 1, 1)
+        site.cpu_attention = CpuAttention(site.host, threads)
+    site.cpu_attention.sparse = None
+    if settings.sparsity is not None:  # the CPU takes all before the window
+        site.cpu_attention.sparse = SparseSelector.over_groups(
+            settings, site.spec, groups, site.max_slots, site.store.buffer.device)  # fmt: skip
+    return CpuSplit(site.cpu_attention, plan.cpu_share, settings.gpu_window)
+
+
 def page_runs(pages: list[int]) -> list[tuple[int, int, int]]:
     """``pages`` as runs of adjacent pages: (first page, index of it in the list, count)."""
     runs = []
@@ -69,7 +97,7 @@ def page_runs(pages: list[int]) -> list[tuple[int, int, int]]:
     return runs
 
 
-class StreamExecutor(Tier):
+class StreamedTier(Tier):
     """Attention of the streamed (layer, kv head) entries over host pages."""
 
     stages_history = True
@@ -97,6 +125,34 @@ class StreamExecutor(Tier):
         self._scored: list = []  # sparse hybrid: this layer's GPU-side scores, per group
         self._cpu_job = None  # the hybrid tier's CPU part of the layer being attended
         self._aranges: dict[int, torch.Tensor] = {}
+
+    @property
+    def runs_outside_graphs(self) -> bool:
+        return self.cpu is not None  # the hybrid tier's CPU part
+
+    @classmethod
+    def from_plan(cls, plan, site: TierSite) -> StreamedTier | None:
+        """Each layer's offloaded groups (places in this rank's heads), gathered into the
+        arena's staging slots; the hybrid tier's CPU side when the plan says so. A graph's
+        step is weighed by the plan's map, under torchrun the sized one (no rank streams
+        more: all decide alike, so their collectives pair up)."""
+        if plan.staging is None:
+            return None
+        groups = [head_ranges(plan, layer, site.own_heads(layer))[1]
+                  for layer in range(site.spec.num_layers)]  # fmt: skip
+        sized = plan.head_map if plan.rank_map is None else plan.rank_map
+        return cls(site.host, site.store.staging, groups, site.q_per_kv, site.spec.page_size,
+                   site.backend, cpu_split(plan, site, groups),
+                   sized=(sized.num_offloaded, sized.num_offloaded_groups))  # fmt: skip
+
+    @property
+    def sparse(self) -> SparseSelector | None:
+        """The sparse hybrid mode's selection; None in other modes."""
+        return None if self.cpu is None else self.cpu.attention.sparse
+
+    def forget(self, seq_id: int) -> None:
+        if self.sparse is not None:
+            self.sparse.forget(seq_id)
 
     def _arange(self, n: int, start: int = 0) -> torch.Tensor:
         key = (n, start)

@@ -117,19 +117,19 @@ class SparseSelector:
         self.step = 0
 
     @classmethod
-    def over_groups(cls, config, spec, groups: list[list[tuple[int, int]]], max_rows: int,
+    def over_groups(cls, settings, spec, groups: list[list[tuple[int, int]]], max_rows: int,
                     device: torch.device) -> SparseSelector:  # fmt: skip
-        """The selector of an engine's ``config`` (``cpu_sparsity``, ``maw_alpha``,
+        """The selector of the hybrid tier's ``settings`` (``sparsity``, ``maw_alpha``,
         ``gpu_window``) over each layer's offloaded kv-head ``groups`` (ranges)."""
         kv_heads = {layer: range(ranges[0][0], ranges[-1][1])
                     for layer, ranges in enumerate(groups) if ranges}  # fmt: skip
         return cls(
-            config.cpu_sparsity,
-            config.maw_alpha,
+            settings.sparsity,
+            settings.maw_alpha,
             kv_heads,
             spec.num_layers,
             spec.num_kv_heads,
-            config.gpu_window,
+            settings.gpu_window,
             spec.page_size,
             max_rows,
             device,

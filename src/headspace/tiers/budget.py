@@ -2,7 +2,7 @@
 
 Prefill writes each entry's pages and attends the chunk densely (the prefix gathered from
 the entry plane); the prompt's last queries are kept per layer. After the prompt,
-:meth:`BudgetExecutor.compress` scores the prompt's tokens by those queries (SnapKV's
+:meth:`BudgetTier.compress` scores the prompt's tokens by those queries (SnapKV's
 observation window), lets the policy pick each entry's tokens, moves them to the front of
 the entry's pages and gives the rest back to the pool. Decode attends each (sequence, kv
 head) row over its own pages (``attention.entry_decode``), which also stores the new K/V.
@@ -15,7 +15,7 @@ prompt chunks under each head's pattern (a streaming head sees its sink and wind
 too); the others attend the prompt in full.
 
 Entries the plan puts in host pages (HeadInfer's App. D: retrieval heads offloaded, streaming
-heads resident) go through :class:`~headspace.engine.entry_staging.EntryStaging`: the same
+heads resident) go through :class:`~headspace.tiers.entry_staging.EntryStaging`: the same
 prefill and compression over K/V gathered from both tiers, and at decode only the tokens
 each keeps streamed into staging pages of the plane.
 """
@@ -34,21 +34,22 @@ from headspace.budgets import (
     observation_scores,
     selected_counts,
 )
-from headspace.engine.entry_staging import EntryStaging
-from headspace.engine.executors import (
-    MIN_WIDTH,
-    PREFIX_CHUNKS,
-    PREFIX_PIECE,
-    Tier,
-    block_table,
-    bucket,
-)
 from headspace.kv.entry_table import EntryBlockManager
 from headspace.kv.spec import Pattern, padded_length
 from headspace.kv.transfer import device_ints
+from headspace.tiers.base import (
+    MIN_WIDTH,
+    Tier,
+    TierSite,
+    block_table,
+    bucket,
+    prefix_piece,
+)
+from headspace.tiers.entry_staging import EntryStaging
+from headspace.tiers.layout import prefill_patterns
 
 
-class BudgetExecutor(Tier):
+class BudgetTier(Tier):
     """Attention of every entry over per-entry pages of one plane ``[2, slots, dim]``."""
 
     entry_rows = True
@@ -59,11 +60,12 @@ class BudgetExecutor(Tier):
                  head_scores: torch.Tensor | None = None,
                  rings: dict[int, tuple[int, int]] | None = None,
                  patterns: list[list[Pattern] | None] | None = None,
-                 staging: EntryStaging | None = None):  # fmt: skip
+                 staging: EntryStaging | None = None, piece: int | None = None):  # fmt: skip
         """``num_kv_heads``: the entries of every layer, or of each layer (one rank's
         heads); ``budget``: what each entry keeps of the prompt (None: all); ``rings``: the
         streaming entries' ``(sink, window)``, by entry index; ``patterns``: per layer, one
-        per query head at prefill (None: all full); ``staging``: the offloaded entries."""
+        per query head at prefill (None: all full); ``staging``: the offloaded entries;
+        ``piece``: prefix tokens gathered at a time (None: :func:`prefix_piece`)."""
         self.plane, self.blocks, self.budget = plane, blocks, budget
         self.q_per_kv, self.backend = q_per_kv, backend
         if isinstance(num_kv_heads, int):
@@ -72,7 +74,7 @@ class BudgetExecutor(Tier):
         self.first = [sum(num_kv_heads[:layer]) for layer in range(len(num_kv_heads) + 1)]
         self.num_kv_heads = num_kv_heads[0] if len(set(num_kv_heads)) == 1 else None
         self.head_scores, self.rings = head_scores, dict(rings or {})
-        self.staging = staging
+        self.staging, self.piece = staging, piece
         self.page_size = blocks.page_size
         self.window_q: dict[int, torch.Tensor] = {}  # layer -> [tokens <= window, heads, dim]
         self._results: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -86,6 +88,40 @@ class BudgetExecutor(Tier):
         self.entry_lengths = torch.zeros(max_slots, num_entries, dtype=torch.int32, device=device)
         self.entry_newest = torch.zeros_like(self.entry_lengths)  # where each new token goes
         self._owners: dict[int, object] = {}  # token slot -> the EntryLists its rows hold
+
+    @classmethod
+    def from_plan(cls, plan, site: TierSite, **rank_args) -> BudgetTier:
+        """Every entry of ``plan`` (this rank's heads, layer by layer: its own, then its
+        copies) over the arena's plane of entry pages ``[2, slots, head_dim]``; the head
+        map's streaming entries become rings, its offloaded ones go through
+        :class:`EntryStaging` (two slots after the pool's pages)."""
+        spec, layout, head_map = site.spec, site.layout, plan.head_map
+        num_pages = site.store.num_bytes // spec.entry_page_bytes
+        plane = site.store.buffer[: 2 * num_pages * spec.page_size * spec.head_dim]
+        plane = plane.view(2, -1, spec.head_dim)
+        heads = [range(spec.num_kv_heads) if layout is None else layout.heads(layer)
+                 for layer in range(spec.num_layers)]  # fmt: skip
+        widths = [len(hs) for hs in heads]  # entries of each layer
+        entries = [(layer, h) for layer, hs in enumerate(heads) for h in hs]  # [entry]
+        # [layer] places (in ``heads``) of the entries in host pages
+        offloaded = [[i for i, h in enumerate(hs) if head_map.entry(layer, h).tier != "gpu"]
+                     for layer, hs in enumerate(heads)]  # fmt: skip
+        staging = None
+        if any(offloaded):
+            staging = EntryStaging(plane, site.host, offloaded, widths, spec.page_size,
+                                   plan.num_gpu_pages, plan.entry_staging,
+                                   site.counters)  # fmt: skip
+        rings = {}
+        for e, (layer, h) in enumerate(entries):
+            pattern = Pattern.parse(head_map.entry(layer, h).pattern)
+            if pattern.kind == "streaming":
+                rings[e] = pattern.params
+        patterns = [prefill_patterns(plan, layer, hs, site.q_per_kv)
+                    for layer, hs in enumerate(heads)]  # fmt: skip
+        return cls(plane, site.blocks, widths, site.q_per_kv, site.backend, site.budget,
+                   site.max_slots, spec.pages_for(site.max_context), head_scores=site.head_scores,
+                   rings=rings, patterns=patterns, staging=staging, piece=site.prefix_piece,
+                   **rank_args)  # fmt: skip
 
     def _slots(self, seq_id: int, positions: torch.Tensor) -> torch.Tensor:
         """Plane slots ``[entries, tokens]`` of ``positions`` in each entry of ``seq_id``."""
@@ -242,7 +278,7 @@ class BudgetExecutor(Tier):
                                          backend=self.backend)  # fmt: skip
         out, lse = attend(q, kv[0].transpose(0, 1), kv[1].transpose(0, 1), causal=True,
                           backend=self.backend)  # fmt: skip
-        size = max(PREFIX_PIECE, PREFIX_CHUNKS * q.shape[1])  # the prefix in pieces
+        size = prefix_piece(q.shape[1], self.piece)  # the prefix in pieces
         for lo in range(0, start, size):  # [2, kv_heads, piece, dim]
             piece = self._keys(layer, slots, lo, min(start, lo + size), staged)
             earlier = attend(q, piece[0], piece[1], backend=self.backend)

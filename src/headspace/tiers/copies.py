@@ -20,18 +20,19 @@ from headspace.attention.cpu_decode import cpu_paged_decode
 from headspace.attention.entry_decode import new_token_slots
 from headspace.attention.paged import gather_pages
 from headspace.attention.sparse_prefill import prefill_with_patterns
-from headspace.engine.executors import (
-    StepInputs,
-    Tier,
-    chunk_slots,
-    padded_positions,
-)
 from headspace.kv.paged_store import PagedKVStore
 from headspace.kv.spec import Pattern
 from headspace.parallel.placement import Copy, RankLayout, copy_rows, cumulative_shares
+from headspace.tiers.base import (
+    StepInputs,
+    Tier,
+    TierSite,
+    chunk_slots,
+    padded_positions,
+)
 
 
-class CopyExecutor(Tier):
+class CopyTier(Tier):
     """Attends this rank's copies of shared heads; ``exchange(lse)`` returns every rank's
     ``lse`` stacked ``[world, ...]`` (an all-gather). A layer with a copy on any rank calls
     it at decode on every rank, with ``-inf`` where this rank holds no copy."""
@@ -44,6 +45,17 @@ class CopyExecutor(Tier):
         self.page_size = store.page_size
         # layer -> (each copy's lse [seqs, q_per_kv], the copies' heads of the output)
         self._parts: dict[int, tuple[list[torch.Tensor], torch.Tensor]] = {}
+
+    @classmethod
+    def from_plan(cls, plan, site: TierSite) -> CopyTier | None:
+        """This rank's copies (``site.layout``; None without torch.distributed). Built on
+        every rank, copies or not: a layer copied on any rank exchanges at decode."""
+        layout = site.layout
+        if layout is None:
+            return None
+        patterns = [[Pattern.parse(plan.head_map.entry(layer, c.kv_head).pattern) for c in cs]
+                    for layer, cs in enumerate(layout.copies)]  # fmt: skip
+        return cls(site.store, layout, site.q_per_kv, site.backend, patterns, site.exchange)
 
     def _store_kv(self, layer: int) -> torch.Tensor:
         """This rank's copies of ``layer`` in the arena: ``[2, copies, slots, dim]``."""

@@ -23,8 +23,8 @@ import torch
 
 from headspace.attention.cpu_decode import cpu_paged_decode
 from headspace.attention.cpu_jobs import BackgroundDecode
-from headspace.engine.hybrid_sparse import SparseSelector
 from headspace.kv.host_store import HostKVArena
+from headspace.tiers.hybrid_sparse import SparseSelector
 
 
 def cpu_ends(lengths: list[int], cpu_share: float, gpu_window: int, page_size: int) -> list[int]:

@@ -1,0 +1,7 @@
+"""``python -m headspace``: the ``headspace`` command."""
+
+import sys
+
+from headspace.cli.main import main
+
+sys.exit(main())

@@ -1,0 +1,209 @@
+"""The contract every tier of the head map implements, and what the tiers share.
+
+A tier attends, for each layer, the query heads of its (layer, kv head) entries and returns
+``(out, lse)``. The runner calls ``submit`` on every tier of a layer, then ``collect``: GPU
+work is queued at submit, so a tier whose work runs elsewhere (CPU threads, next) overlaps
+the others. Each tier owns contiguous kv-head ranges of a layer (the planner keeps resident
+heads first and streamed groups after them), so its query heads are views, never gathered
+copies. ``tiers.table`` maps the head map's tiers to the classes that attend them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+
+from headspace.budgets import KVBudget
+from headspace.kv.block_table import BlockManager
+from headspace.kv.entry_table import EntryBlockManager
+from headspace.kv.host_store import HostKVArena
+from headspace.kv.paged_store import PagedKVStore
+from headspace.kv.spec import KVSpec, padded_length
+from headspace.kv.transfer import device_ints
+from headspace.parallel.dist import all_gather_stack
+from headspace.parallel.placement import RankLayout
+
+if TYPE_CHECKING:
+    from headspace.tiers.hybrid import CpuAttention
+
+HeadRange = tuple[int, int]  # kv heads lo..hi-1 of a layer
+MIN_WIDTH = 8  # pages per block-table row, at least
+PREFIX_PIECE = 32768  # prefix tokens gathered at a time, at least, for a chunk's attention
+PREFIX_CHUNKS = 4  # ... or this many chunks' worth
+
+
+def prefix_piece(chunk_tokens: int, fixed: int | None = None) -> int:
+    """Prefix tokens a chunk of ``chunk_tokens`` gathers at a time for its attention:
+    ``fixed`` when given (a test's small pieces), else the larger of :data:`PREFIX_PIECE` and
+    :data:`PREFIX_CHUNKS` chunks (Llama-3-8B: 16 KiB of K/V per chunk token, against ~100
+    KiB of the chunk's activations)."""
+    return fixed if fixed is not None else max(PREFIX_PIECE, PREFIX_CHUNKS * chunk_tokens)
+
+
+def block_table(rows: list[list[int]], width: int = 1) -> torch.Tensor:
+    """``[rows, max(width, longest row)]`` int32 block table of page lists (padded with
+    page 0, which a row's length never reaches)."""
+    width = max(width, max(map(len, rows), default=1))
+    table = torch.zeros(len(rows), width, dtype=torch.int32)
+    for row, pages in enumerate(rows):
+        table[row, : len(pages)] = torch.tensor(pages, dtype=torch.int32)
+    return table
+
+
+def bucket(n: int, floor: int = 1) -> int:
+    """The power of two at or above ``max(n, floor)``: block tables are padded to it, so
+    the decode kernel compiles once per bucket, not once per length."""
+    return 1 << (max(n, floor) - 1).bit_length()
+
+
+@dataclass
+class StepInputs:
+    """One forward pass, as the tiers see it.
+
+    Prefill (one sequence): ``positions [tokens]``, ``start`` its first position, ``pages``
+    the sequence's pages per tier. Decode (one token per sequence): ``positions`` per
+    sequence, ``tables`` per tier ``[seqs, width]`` int32 and ``lengths [seqs]`` (positions
+    + 1) on the device, ``pages`` per tier and sequence.
+    """
+
+    decode: bool
+    positions: torch.Tensor
+    positions_list: list[int]
+    pages: dict[str, list[list[int]]]
+    tables: dict[str, torch.Tensor] = field(default_factory=dict)
+    lengths: torch.Tensor | None = None
+    start: int = 0
+    seq_ids: list[int] = field(default_factory=list)
+
+
+@dataclass
+class HybridSettings:
+    """The hybrid tier's CPU side: ``threads`` (None: the rank's cores but one), sparse mode's
+    ``sparsity`` (beta; None: exact) and ``maw_alpha``, and the ``gpu_window`` of recent
+    tokens always attended on the GPU."""
+
+    threads: int | None = None
+    sparsity: float | None = None
+    maw_alpha: float = 0.9
+    gpu_window: int = 0
+
+
+@dataclass
+class TierCounters:
+    """Running totals of what the tiers copied since the engine started (never reset; tests
+    and benchmarks read them)."""
+
+    run_pages: int = 0  # host pages per-entry staging copied by the copy engine, in runs
+    kernel_pages: int = 0  # host pages per-entry staging gathered by the page kernel
+
+
+@dataclass
+class TierSite:
+    """What the tiers of one runner are built over: its GPU arena (``store``), host pages
+    and their page bookkeeping (``blocks``: shared pages, or ``per_entry_pages``), and the
+    settings that pick each tier's kernels and sizes."""
+
+    store: PagedKVStore
+    host: HostKVArena
+    blocks: BlockManager | EntryBlockManager
+    spec: KVSpec
+    q_per_kv: int  # query heads per kv head
+    backend: str  # the attention backend's name
+    max_slots: int  # token slots: batch rows and the graphs' scratch one
+    max_context: int  # tokens a sequence may reach (per-entry tables are sized for it)
+    per_entry_pages: bool = False  # every (layer, kv head) in its own pages
+    layout: RankLayout | None = None  # one rank's heads under torch.distributed; None: all
+    budget: KVBudget | None = None  # what each entry keeps of a prompt (None: all)
+    head_scores: torch.Tensor | None = None  # [layers, kv heads] the profile's retrieval
+    hybrid: HybridSettings = field(default_factory=HybridSettings)
+    # every rank's tensor stacked ``[world, ...]`` (an all-gather), for copies and budgets
+    exchange: Callable[[torch.Tensor], torch.Tensor] = all_gather_stack
+    prefix_piece: int | None = None  # prefix tokens gathered at a time (None: the rule)
+    cpu_attention: CpuAttention | None = None  # the hybrid tier's threads, kept across plans
+    counters: TierCounters = field(default_factory=TierCounters)
+
+    def own_heads(self, layer: int) -> list[int] | None:
+        """This rank's own kv heads of ``layer`` in its weights' order (None: all heads)."""
+        return None if self.layout is None else self.layout.own[layer]
+
+
+class Tier:
+    """What a step needs from a tier of the head map.
+
+    Built by ``from_plan(plan, site)`` (:class:`headspace.tiers.table.TierSite`: the arena,
+    host pages and settings it runs over), one object per tier of a layout. Every step:
+    ``begin(step)`` with the step's inputs (a CUDA graph's step: ``begin_graph`` with views
+    of its device buffers), then per layer ``submit(layer, q, kv, out)`` (GPU work queued,
+    other work started) and ``collect(layer)`` (the tier's ``(out, lse)``, its heads of
+    ``out`` written). Around them, for tiers that keep per-sequence state on the device:
+    ``before_decode(seq_ids, slots)`` brings it up to the sequences of a decode step,
+    ``after_prefill(seq_id, prompt_len)`` follows a prompt (budgets compress it), and
+    ``forget(seq_id)`` drops what the tier keeps of a sequence that ended. A CUDA graph
+    packs what a tier's decode step reads: ``stages_history`` (host pages staged into a
+    slot) and ``entry_rows`` (per-entry tables on the device, no block table);
+    ``runs_outside_graphs``: part of its decode step cannot be captured (CPU threads).
+    """
+
+    stages_history = False
+    entry_rows = False
+    runs_outside_graphs = False
+
+    @classmethod
+    def from_plan(cls, plan, site) -> Tier | None:
+        """The tier over ``plan``'s entries of this kind on ``site``; None when it has
+        none."""
+        raise NotImplementedError
+
+    def begin(self, step: StepInputs) -> None:
+        raise NotImplementedError
+
+    def submit(self, layer: int, q: torch.Tensor, kv: torch.Tensor, out: torch.Tensor) -> None:
+        raise NotImplementedError
+
+    def collect(self, layer: int):
+        raise NotImplementedError
+
+    def before_decode(self, seq_ids: list[int], slots: list[int]) -> None:
+        """Per-sequence device state for a decode step of ``seq_ids`` in token ``slots``."""
+
+    def after_prefill(self, seq_id: int, prompt_len: int):
+        """After the last chunk of a prompt of ``prompt_len`` tokens."""
+
+    def forget(self, seq_id: int) -> None:
+        """Drop what the tier keeps of ``seq_id`` (ended or aborted; its pages are the
+        scheduler's to free)."""
+
+    def begin_graph(self, step: StepInputs, views: dict[str, torch.Tensor], key: tuple) -> None:
+        """A captured decode step over the graph's buffers (``views``, graph ``key``)."""
+        self.begin(step)
+
+
+def q_heads(kv_range: HeadRange, q_per_kv: int) -> slice:
+    return slice(kv_range[0] * q_per_kv, kv_range[1] * q_per_kv)
+
+
+def attend_tiers(tiers: list[Tier], layer: int, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
+    """Every tier's heads of ``layer``: ``q [T, H, D]``, ``kv [2, T, Hkv, D]`` -> ``[T, H, D]``
+    (all tiers submit, then all collect)."""
+    out = torch.empty_like(q)
+    for tier in tiers:
+        tier.submit(layer, q, kv, out)
+    for tier in tiers:
+        tier.collect(layer)
+    return out
+
+
+def chunk_slots(store: PagedKVStore, step: StepInputs) -> tuple[torch.Tensor, torch.Tensor]:
+    """A prefill chunk's sequence pages ``[pages]`` on the device and its tokens' slots
+    ``[tokens]`` in them."""
+    pages = device_ints(step.pages["gpu"][0], store.buffer.device)
+    return pages, store.slots(pages, step.positions)
+
+
+def padded_positions(num_keys: int, device) -> torch.Tensor:
+    """Positions ``0 .. num_keys - 1`` padded to :func:`padded_length` by repeating the last
+    one (a patterned prefill gathers its keys there; padding keys are never seen)."""
+    return torch.arange(padded_length(num_keys), device=device).clamp(max=num_keys - 1)

@@ -1,0 +1,138 @@
+"""The resident tier: entries whose K/V stay in the GPU arena's shared pages."""
+
+from __future__ import annotations
+
+import torch
+
+from headspace.attention import attend, merge_attention
+from headspace.attention.cpu_decode import cpu_paged_decode
+from headspace.attention.entry_decode import new_token_slots
+from headspace.attention.paged import gather_pages
+from headspace.attention.sparse_prefill import prefill_with_patterns
+from headspace.kv.paged_store import PagedKVStore
+from headspace.kv.spec import Pattern
+from headspace.tiers.base import (
+    HeadRange,
+    StepInputs,
+    Tier,
+    TierSite,
+    chunk_slots,
+    padded_positions,
+    prefix_piece,
+    q_heads,
+)
+from headspace.tiers.layout import head_ranges, prefill_patterns
+
+
+class ResidentTier(Tier):
+    """Entries resident in the GPU pool's pages: at prefill the fused causal kernel over the
+    chunk and over the prefix gathered from the pages in pieces; at decode the Triton
+    split-K paged kernel (which also appends the new K/V), or the CPU kernel over the pages
+    in place. A layer with ``patterns`` (one per query head of its range, None where
+    all are full) gathers its keys and attends each head by its pattern at prefill."""
+
+    def __init__(self, store: PagedKVStore, ranges: list[HeadRange | None], q_per_kv: int,
+                 backend: str, patterns: list[list[Pattern] | None] | None = None,
+                 piece: int | None = None):  # fmt: skip
+        """``ranges``: per layer the resident kv heads (places in the layer's heads; None:
+        none); ``piece``: prefix tokens gathered at a time (None: :func:`prefix_piece`)."""
+        self.store, self.ranges, self.q_per_kv, self.backend = store, ranges, q_per_kv, backend
+        self.patterns = patterns or [None] * len(ranges)
+        self.piece = piece
+        self.on_gpu = store.buffer.is_cuda
+        self.page_size = store.page_size
+        self._results: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    @classmethod
+    def from_plan(cls, plan, site: TierSite) -> ResidentTier | None:
+        """Each layer's resident heads (this rank's own, first in its weights' order)."""
+        num_layers = site.spec.num_layers
+        ranges = [head_ranges(plan, layer, site.own_heads(layer))[0] for layer in range(num_layers)]
+        if not any(ranges):
+            return None
+        heads = [range(site.spec.num_kv_heads) if site.layout is None else site.layout.own[layer]
+                 for layer in range(num_layers)]  # fmt: skip
+        patterns = [r and prefill_patterns(plan, layer, heads[layer][: r[1]], site.q_per_kv)
+                    for layer, r in enumerate(ranges)]  # fmt: skip
+        return cls(site.store, ranges, site.q_per_kv, site.backend, patterns, site.prefix_piece)
+
+    def begin(self, step: StepInputs) -> None:
+        self.step = step
+        device = self.store.buffer.device
+        if not step.decode:
+            self.pages, self.slots = chunk_slots(self.store, step)
+            if any(self.patterns):
+                self.num_keys = step.start + len(step.positions)
+                positions = padded_positions(self.num_keys, device)
+                self.key_slots = self.store.slots(self.pages, positions)
+        elif not self.on_gpu and "gpu" in step.tables:  # the CPU kernel's inputs, per step
+            self.ends = step.lengths.to(torch.int32)
+            self.table = step.tables["gpu"].to(torch.int32).contiguous()  # (graphs': int64)
+            self.slots = new_token_slots(self.table, self.ends - 1, self.page_size)
+
+    def submit(self, layer: int, q: torch.Tensor, kv: torch.Tensor, out: torch.Tensor) -> None:
+        """``q [tokens, heads, dim]``, ``kv [2, tokens, kv_heads, dim]`` of the whole layer;
+        the result goes into this tier's heads of ``out``."""
+        kv_range = self.ranges[layer]
+        if kv_range is None:
+            return
+        heads = q_heads(kv_range, self.q_per_kv)
+        q_part, kv_part, out_part = q[:, heads], kv[:, :, slice(*kv_range)], out[:, heads]
+        if self.step.decode:
+            result = self._decode(layer, q_part, kv_part, out_part)
+        else:
+            result = self._prefill(layer, q_part, kv_part)
+            out_part.copy_(result[0])
+        self._results[layer] = result
+
+    def collect(self, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        return self._results.pop(layer, None)
+
+    def _prefill(self, layer: int, q, kv):
+        self.store.write(layer, self.slots, kv)
+        q_heads_first = q.transpose(0, 1)
+        patterns = self.patterns[layer]
+        if patterns is not None:  # [2, kv_heads, capacity, dim]
+            keys = self.store.kv[layer].index_select(2, self.key_slots)
+            out, lse = prefill_with_patterns(q_heads_first, keys[0], keys[1], self.num_keys,
+                                             patterns, backend=self.backend)  # fmt: skip
+            return out.transpose(0, 1), lse
+        k, v = kv[0].transpose(0, 1), kv[1].transpose(0, 1)
+        out, lse = attend(q_heads_first, k, v, causal=True, backend=self.backend)
+        if self.step.start > 0:
+            prefix = self._prefix(layer, q_heads_first, self.step.start)
+            out, lse = merge_attention([out, prefix[0]], [lse, prefix[1]])
+        return out.transpose(0, 1), lse
+
+    def _prefix(self, layer: int, q: torch.Tensor, prefix: int):
+        """Attention of chunk queries ``q [heads, tokens, dim]`` to the pool's first
+        ``prefix`` tokens of the sequence: the pages gathered in pieces
+        (:func:`prefix_piece`), attended by the fused kernel (cuDNN on a GPU: about 1.8x
+        FlexAttention over the pages at 128K) and merged by LSE into the running result, so
+        one piece and one result are held at a time."""
+        store_kv, page_size = self.store.kv[layer], self.store.page_size
+        size = prefix_piece(q.shape[1], self.piece)
+        result = None
+        for start in range(0, prefix, size):
+            k, v = gather_pages(store_kv, self.pages, min(prefix, start + size), page_size,
+                                start)  # fmt: skip
+            out, lse = attend(q, k, v, backend=self.backend)
+            if result is not None:
+                out, lse = merge_attention([result[0], out], [result[1], lse])
+            result = out, lse
+        return result
+
+    def _decode(self, layer: int, q, kv, out):
+        store_kv, step = self.store.kv[layer], self.step
+        if self.on_gpu:  # the kernel appends the new K/V itself
+            from headspace.attention.triton_decode import paged_decode_attention
+
+            _, lse = paged_decode_attention(q, store_kv[0], store_kv[1], step.tables["gpu"],
+                                            step.lengths, self.store.page_size, new_kv=kv,
+                                            out=out)  # fmt: skip
+            return out, lse.transpose(0, 1)
+        store_kv[:, :, self.slots] = kv.transpose(1, 2)  # [2, heads, seqs, dim]
+        result, lse = cpu_paged_decode(q, store_kv[0], store_kv[1], self.table, self.ends,
+                                       self.page_size)  # fmt: skip
+        out.copy_(result)
+        return out, lse.transpose(0, 1)
