@@ -151,7 +151,7 @@ def compute_rates() -> dict:
 def prefill_roofline_tok_s(length: int, rates: dict) -> float:
     """Tokens/s of a prefill of ``length`` if GEMMs and attention ran at the measured rates."""
     from headspace.model.config import config_from_dict
-    from headspace.planner.plan import Hardware, prefill_compute_seconds
+    from headspace.planner.memory import Hardware, prefill_compute_seconds
 
     hw = Hardware(gemm_flops=rates["gemm_flops"], attention_flops=rates["attention_flops"])
     return length / prefill_compute_seconds(config_from_dict(LLAMA3_8B), length, hw)

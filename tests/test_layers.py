@@ -75,3 +75,26 @@ def test_pure_layers_import_no_torch():
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "[]"
+
+
+def test_benchmarks_import_only_names_that_exist():
+    """Every ``from headspace... import name`` in bench/ (module level or inside a function,
+    which only a GPU run would reach) names something the package has: a refactor that
+    moves a name must move the benchmarks with it."""
+    import importlib
+
+    missing = []
+    for path in sorted((PACKAGE.parents[1] / "bench").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not (
+                isinstance(node, ast.ImportFrom) and (node.module or "").startswith("headspace")
+            ):
+                continue
+            module = importlib.import_module(node.module)
+            for alias in node.names:
+                if not hasattr(module, alias.name):
+                    try:
+                        importlib.import_module(f"{node.module}.{alias.name}")
+                    except ImportError:
+                        missing.append(f"{path.name}:{node.lineno} {node.module}.{alias.name}")
+    assert not missing, "\n".join(missing)

@@ -182,3 +182,21 @@ def test_embedded_model_with_streamed_heads(embedded_dir):
     assert (llm.logits(ids) - reference).abs().max().item() <= 1e-4
     plan = llm.engine.batch.runner.plan
     assert 0 < plan.head_map.count("gpu") < 90
+
+
+def test_streamed_prefill_sums_in_the_resident_order_where_the_pieces_agree(tiny_llama, spec,
+                                                                             prompt):  # fmt: skip
+    """The stream tier merges its staged pieces of a chunk's prefix into the chunk's running
+    result one after the other; the resident tier merges its prefix pieces the same way, so
+    with pieces of the same pages the two are bit-identical (with the default pieces they
+    differ by rounding only: the staging slot's pieces are sized by memory)."""
+    from headspace.engine.hooks import EngineHooks
+
+    streamed = make(tiny_llama, arena=6 * spec.full_page_bytes, offload="layer")
+    got = streamed.logits(prompt[:400])
+    tier = next(t for t in streamed.engine.batch.runner.tiers if isinstance(t, StreamedTier))
+    assert tier.piece_pages * PAGE < 400  # the prefix spans several staged pieces
+    pieces = EngineHooks(prefix_piece=tier.piece_pages * PAGE)
+    assert torch.equal(make(tiny_llama, hooks=pieces).logits(prompt[:400]), got)
+    close = make(tiny_llama).logits(prompt[:400])  # one piece of up to 32K tokens
+    torch.testing.assert_close(close, got, atol=1e-4, rtol=0)

@@ -100,26 +100,24 @@ class ResidentTier(Tier):
         k, v = kv[0].transpose(0, 1), kv[1].transpose(0, 1)
         out, lse = attend(q_heads_first, k, v, causal=True, backend=self.backend)
         if self.step.start > 0:
-            prefix = self._prefix(layer, q_heads_first, self.step.start)
-            out, lse = merge_attention([out, prefix[0]], [lse, prefix[1]])
+            out, lse = self._prefix(layer, q_heads_first, self.step.start, (out, lse))
         return out.transpose(0, 1), lse
 
-    def _prefix(self, layer: int, q: torch.Tensor, prefix: int):
-        """Attention of chunk queries ``q [heads, tokens, dim]`` to the pool's first
-        ``prefix`` tokens of the sequence: the pages gathered in pieces
-        (:func:`prefix_piece`), attended by the fused kernel (cuDNN on a GPU: about 1.8x
-        FlexAttention over the pages at 128K) and merged by LSE into the running result, so
-        one piece and one result are held at a time."""
+    def _prefix(self, layer: int, q: torch.Tensor, prefix: int, result: tuple):
+        """``result`` (the chunk's causal ``(out, lse)``) with the attention of chunk queries
+        ``q [heads, tokens, dim]`` to the pool's first ``prefix`` tokens of the sequence
+        merged in: the pages gathered in pieces (:func:`prefix_piece`), attended by the
+        fused kernel (cuDNN on a GPU: about 1.8x FlexAttention over the pages at 128K) and
+        merged by LSE into the running result, piece after piece as the stream tier merges
+        its staged pieces (the same sums in the same order where the pieces agree), so one
+        piece and one result are held at a time."""
         store_kv, page_size = self.store.kv[layer], self.store.page_size
         size = prefix_piece(q.shape[1], self.piece)
-        result = None
         for start in range(0, prefix, size):
             k, v = gather_pages(store_kv, self.pages, min(prefix, start + size), page_size,
                                 start)  # fmt: skip
             out, lse = attend(q, k, v, backend=self.backend)
-            if result is not None:
-                out, lse = merge_attention([result[0], out], [result[1], lse])
-            result = out, lse
+            result = merge_attention([result[0], out], [result[1], lse])
         return result
 
     def _decode(self, layer: int, q, kv, out):
