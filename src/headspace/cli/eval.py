@@ -183,13 +183,12 @@ def run_eval(args, options: dict) -> None:
 
     _check_counts(args)
     modes = args.compare or [options["offload"]]
-    mode_options = [_mode_options(m, options) if args.compare else options for m in modes]
+    per_mode = [_mode_options(m, options) if args.compare else options for m in modes]
     if args.compare:
-        _check_modes(mode_options)
-    _decode_scoring(args, mode_options)  # fmt: skip
+        _check_modes(per_mode)
+    _decode_scoring(args, per_mode)
     results = {}
-    for mode in modes:
-        mode_options = _mode_options(mode, options) if args.compare else options
+    for mode, mode_options in zip(modes, per_mode, strict=True):
         if args.compare and mode == "none":  # the all-resident reference ignores the budget
             mode_options["gpu_memory"] = None
         llm = LLM(args.model, **mode_options)

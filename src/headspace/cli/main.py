@@ -110,9 +110,9 @@ def _generate(args) -> None:
             pieces += 1
     except KeyboardInterrupt:  # the partial text stays; its request was aborted
         sys.stdout.write("\n")
-        partial = llm.last_output
-        print(partial.stats.summary() if partial is not None and partial.stats.ended
-              else f"interrupted after {pieces} pieces of text", file=sys.stderr)  # fmt: skip
+        partial = llm.last_output  # (None when interrupted before the first step ended)
+        print(f"interrupted after {pieces} pieces of text" if partial is None
+              else partial.stats.summary(), file=sys.stderr)  # fmt: skip
         raise
     sys.stdout.write("\n")
     print(llm.last_output.stats.summary(), file=sys.stderr)

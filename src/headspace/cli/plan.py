@@ -75,12 +75,12 @@ def run_plan(args) -> None:
     request = _request(args, config, profile, context, gpu)
     share_key = None if args.kv_budget is None else budget_key(args.kv_policy, args.kv_budget)
     chosen, uniform = plan_balance(config, request, parallel, profile, share_key)
-    shard = {}
+    shard, ranks = {}, 1
     if chosen is not None:  # the ranks on one machine divide its memory, as the engine does
         shard = {"world": parallel.gpus, "kv_heads": page_heads(chosen.head_map, parallel.gpus)}
-    unloaded = parallel.gpus * _streamed_layer_bytes(config, args, gpu, request.dtype_bytes,
-                                                     **shard)  # fmt: skip
-    host = rank_host_bytes(args.host_memory, parallel.gpus if shard else 1, unloaded)
+        ranks = parallel.gpus
+    layers = _streamed_layer_bytes(config, args, gpu, request.dtype_bytes, **shard)
+    host = rank_host_bytes(args.host_memory, ranks, ranks * layers)
     request = replace(request, host_memory=host)
     if chosen is None:
         plan = make_plan(config, request)

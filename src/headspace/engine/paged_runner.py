@@ -29,7 +29,7 @@ from headspace.planner.profile import Profile
 from headspace.tiers import HybridSettings, StepInputs, Tier, TierSite, attend_tiers, build_tiers
 from headspace.tiers.base import MIN_WIDTH, block_table, bucket
 from headspace.tiers.hybrid_sparse import SparseSelector
-from headspace.tiers.layout import head_ranges, layout_key, staging_slots
+from headspace.tiers.layout import head_ranges, host_places, layout_key, staging_slots
 
 
 class PagedRunner:
@@ -103,16 +103,15 @@ class PagedRunner:
         copies (arena layers ``L..2L-1``), and staging slots; the host prefix cache survives
         a map that stays. Per-entry pages: one plane; the offloaded entries' pages are
         host pages."""
-        spec, layout = self.spec, self.layout
-        if self.config.per_head_pages:
-            heads = [range(spec.num_kv_heads) if layout is None else layout.heads(layer)
-                     for layer in range(spec.num_layers)]  # fmt: skip
-            entries = [(layer, h) for layer, hs in enumerate(heads) for h in hs]  # [entry]
-            in_host = [e for e, (layer, h) in enumerate(entries)
-                       if plan.head_map.entry(layer, h).tier != "gpu"]  # fmt: skip
+        spec, layout, site = self.spec, self.layout, self.site
+        if self.config.per_head_pages:  # entries numbered layer by layer
+            heads = [site.heads(layer) for layer in range(spec.num_layers)]
+            first = [sum(map(len, heads[:layer])) for layer in range(spec.num_layers)]
+            in_host = [first[layer] + place for layer, places in
+                       enumerate(host_places(plan, heads)) for place in places]  # fmt: skip
             self.blocks.reset(plan.num_gpu_pages, offloaded=in_host)
         else:
-            resident = [head_ranges(plan, layer, self.site.own_heads(layer))[0]
+            resident = [head_ranges(plan, layer, site.own_heads(layer))[0]
                         for layer in range(spec.num_layers)]  # fmt: skip
             copies = [] if layout is None else [len(c) for c in layout.copies]
             self.store.layout([r[1] if r else 0 for r in resident] + copies, plan.num_gpu_pages,

@@ -10,7 +10,7 @@ copies. ``tiers.table`` maps the head map's tiers to the classes that attend the
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -125,9 +125,14 @@ class TierSite:
     cpu_attention: CpuAttention | None = None  # the hybrid tier's threads, kept across plans
     counters: TierCounters = field(default_factory=TierCounters)
 
-    def own_heads(self, layer: int) -> list[int] | None:
-        """This rank's own kv heads of ``layer`` in its weights' order (None: all heads)."""
-        return None if self.layout is None else self.layout.own[layer]
+    def own_heads(self, layer: int) -> Sequence[int]:
+        """This rank's own kv heads of ``layer`` in its weights' order (all of them in one
+        process)."""
+        return range(self.spec.num_kv_heads) if self.layout is None else self.layout.own[layer]
+
+    def heads(self, layer: int) -> Sequence[int]:
+        """The kv heads of ``layer`` this rank holds entries of: its own, then its copies."""
+        return range(self.spec.num_kv_heads) if self.layout is None else self.layout.heads(layer)
 
 
 class Tier:

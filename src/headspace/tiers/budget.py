@@ -1,4 +1,4 @@
-"""The KV-budget executor: every (layer, kv head) entry in its own pages (``kv.entry_table``).
+"""The KV-budget tier: every (layer, kv head) entry in its own pages (``kv.entry_table``).
 
 Prefill writes each entry's pages and attends the chunk densely (the prefix gathered from
 the entry plane); the prompt's last queries are kept per layer. After the prompt,
@@ -46,7 +46,7 @@ from headspace.tiers.base import (
     prefix_piece,
 )
 from headspace.tiers.entry_staging import EntryStaging
-from headspace.tiers.layout import prefill_patterns
+from headspace.tiers.layout import host_places, prefill_patterns
 
 
 class BudgetTier(Tier):
@@ -95,17 +95,14 @@ class BudgetTier(Tier):
         copies) over the arena's plane of entry pages ``[2, slots, head_dim]``; the head
         map's streaming entries become rings, its offloaded ones go through
         :class:`EntryStaging` (two slots after the pool's pages)."""
-        spec, layout, head_map = site.spec, site.layout, plan.head_map
+        spec, head_map = site.spec, plan.head_map
         num_pages = site.store.num_bytes // spec.entry_page_bytes
         plane = site.store.buffer[: 2 * num_pages * spec.page_size * spec.head_dim]
         plane = plane.view(2, -1, spec.head_dim)
-        heads = [range(spec.num_kv_heads) if layout is None else layout.heads(layer)
-                 for layer in range(spec.num_layers)]  # fmt: skip
+        heads = [site.heads(layer) for layer in range(spec.num_layers)]
         widths = [len(hs) for hs in heads]  # entries of each layer
         entries = [(layer, h) for layer, hs in enumerate(heads) for h in hs]  # [entry]
-        # [layer] places (in ``heads``) of the entries in host pages
-        offloaded = [[i for i, h in enumerate(hs) if head_map.entry(layer, h).tier != "gpu"]
-                     for layer, hs in enumerate(heads)]  # fmt: skip
+        offloaded = host_places(plan, heads)  # [layer] places in ``heads``
         staging = None
         if any(offloaded):
             staging = EntryStaging(plane, site.host, offloaded, widths, spec.page_size,
@@ -298,7 +295,7 @@ class BudgetTier(Tier):
     @torch.inference_mode()
     def after_prefill(self, seq_id: int, prompt_len: int) -> list[int]:
         """Keep each entry's tokens by the budget and the rings (after the prompt of
-        ``seq_id``, whose K/V and last queries this executor holds); returns the kept count
+        ``seq_id``, whose K/V and last queries this tier holds); returns the kept count
         per entry."""
         positions = torch.arange(prompt_len, device=self.plane.device)
         slots = self._slots(seq_id, positions)  # [entries, prompt]
@@ -355,7 +352,7 @@ class BudgetTier(Tier):
                                self.head_scores)  # fmt: skip
 
     def _layer_scores(self, layer: int, per_layer, prompt_len: int) -> torch.Tensor:
-        """This executor's observation scores of ``layer`` ``[kv_heads, prompt - window]``
+        """This tier's observation scores of ``layer`` ``[kv_heads, prompt - window]``
         (on the device)."""
         window = min(self.budget.window, prompt_len)
         if not self.layer_heads[layer]:  # a rank with none of the layer's heads
@@ -368,10 +365,10 @@ class BudgetTier(Tier):
         return observation_scores(q_window, keys, pool=self.budget.pool)
 
     def _ranked_scores(self, layer: int, scores: torch.Tensor) -> torch.Tensor:
-        """The scores the policy ranks ``layer``'s heads by, from this executor's ``scores
+        """The scores the policy ranks ``layer``'s heads by, from this tier's ``scores
         [kv_heads, prompt - window]`` (on the device, where the policy runs): the same."""
         return scores
 
     def _heads(self) -> list[list[int]] | None:
-        """Per layer, the heads of the ranked scores this executor holds (None: all)."""
+        """Per layer, the heads of the ranked scores this tier holds (None: all)."""
         return None

@@ -18,12 +18,15 @@ worker thread that waits for the query's event instead.
 from __future__ import annotations
 
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 
 import torch
 
 from headspace.attention.cpu_decode import cpu_paged_decode
 from headspace.attention.cpu_jobs import BackgroundDecode
 from headspace.kv.host_store import HostKVArena
+from headspace.parallel.dist import rank_cores
+from headspace.tiers.base import HeadRange, TierSite
 from headspace.tiers.hybrid_sparse import SparseSelector
 
 
@@ -183,3 +186,30 @@ class CpuAttention:
         else:
             out, lse = job.result()
         return out.to(device, non_blocking=True), lse.to(device, non_blocking=True)
+
+
+@dataclass
+class CpuSplit:
+    """How the hybrid tier splits each decode step's history: ``share`` of what lies before
+    the last ``gpu_window`` tokens goes to the CPU threads of ``attention``."""
+
+    attention: CpuAttention
+    share: float
+    gpu_window: int
+
+
+def cpu_split(plan, site: TierSite, groups: list[list[HeadRange]]) -> CpuSplit | None:
+    """The hybrid tier's CPU side over each layer's offloaded ``groups`` (one per site: its
+    worker thread is kept), at the share the planner sized the staging slots for. Ranks on
+    one machine divide its cores, unless the launcher bound each to its own."""
+    if plan.offload != "hybrid":
+        return None
+    settings = site.hybrid
+    if site.cpu_attention is None:
+        threads = settings.threads or max(rank_cores() - 1, 1)
+        site.cpu_attention = CpuAttention(site.host, threads)
+    site.cpu_attention.sparse = None
+    if settings.sparsity is not None:  # the CPU takes all before the window
+        site.cpu_attention.sparse = SparseSelector.over_groups(
+            settings, site.spec, groups, site.max_slots, site.store.buffer.device)  # fmt: skip
+    return CpuSplit(site.cpu_attention, plan.cpu_share, settings.gpu_window)

@@ -4,7 +4,7 @@ tells two plans with the same tensors apart. Pure functions of the plan."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 from headspace.kv.spec import Pattern
 from headspace.planner.plan import Plan
@@ -19,7 +19,7 @@ def layout_key(plan: Plan) -> tuple:
 
 
 def head_ranges(
-    plan: Plan, layer: int, heads: list[int] | None = None
+    plan: Plan, layer: int, heads: Sequence[int] | None = None
 ) -> tuple[HeadRange | None, list[HeadRange]]:
     """(resident range, streamed group ranges) of ``layer``'s ``heads`` (default: all; under
     torchrun a rank's own, in its weights' order), as places in that list: resident first."""
@@ -33,6 +33,13 @@ def head_ranges(
     assert all(g[-1] - g[0] == len(g) - 1 for g in groups.values()), "groups are contiguous"
     ranges = [(g[0], g[-1] + 1) for _, g in sorted(groups.items())]
     return ((0, num_resident) if num_resident else None), ranges
+
+
+def host_places(plan: Plan, heads: list[Sequence[int]]) -> list[list[int]]:
+    """Per layer, the places in ``heads[layer]`` of the entries ``plan`` keeps in host
+    pages (per-entry pages: any tier but the GPU)."""
+    return [[i for i, h in enumerate(hs) if plan.head_map.entry(layer, h).tier != "gpu"]
+            for layer, hs in enumerate(heads)]  # fmt: skip
 
 
 def staging_slots(plan: Plan) -> tuple[int, int, int] | None:

@@ -46,13 +46,11 @@ class ResidentTier(Tier):
     @classmethod
     def from_plan(cls, plan, site: TierSite) -> ResidentTier | None:
         """Each layer's resident heads (this rank's own, first in its weights' order)."""
-        num_layers = site.spec.num_layers
-        ranges = [head_ranges(plan, layer, site.own_heads(layer))[0] for layer in range(num_layers)]
+        own = [site.own_heads(layer) for layer in range(site.spec.num_layers)]
+        ranges = [head_ranges(plan, layer, heads)[0] for layer, heads in enumerate(own)]
         if not any(ranges):
             return None
-        heads = [range(site.spec.num_kv_heads) if site.layout is None else site.layout.own[layer]
-                 for layer in range(num_layers)]  # fmt: skip
-        patterns = [r and prefill_patterns(plan, layer, heads[layer][: r[1]], site.q_per_kv)
+        patterns = [r and prefill_patterns(plan, layer, own[layer][: r[1]], site.q_per_kv)
                     for layer, r in enumerate(ranges)]  # fmt: skip
         return cls(site.store, ranges, site.q_per_kv, site.backend, patterns, site.prefix_piece)
 

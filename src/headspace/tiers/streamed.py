@@ -24,7 +24,6 @@ from headspace.attention.paged import (
 )
 from headspace.kv.host_store import HostKVArena
 from headspace.kv.transfer import as_heads, copy_pages, device_ints, write_tokens
-from headspace.parallel.dist import rank_cores
 from headspace.tiers.base import (
     MIN_WIDTH,
     HeadRange,
@@ -34,21 +33,11 @@ from headspace.tiers.base import (
     bucket,
     q_heads,
 )
-from headspace.tiers.hybrid import CpuAttention, cpu_ends
+from headspace.tiers.hybrid import CpuSplit, cpu_ends, cpu_split
 from headspace.tiers.hybrid_sparse import SparseSelector
 from headspace.tiers.layout import head_ranges
 
 MAX_COPY_RUNS = 16  # a piece in at most this many runs of adjacent pages uses the copy engine
-
-
-@dataclass
-class CpuSplit:
-    """How the hybrid tier splits each decode step's history: ``share`` of what lies before
-    the last ``gpu_window`` tokens goes to the CPU threads of ``attention``."""
-
-    attention: CpuAttention
-    share: float
-    gpu_window: int
 
 
 @dataclass
@@ -66,23 +55,6 @@ class _Piece:
     offsets: torch.Tensor | None = None  # at decode: each sequence's first position in it
     width: int = 0  # at decode: the most keys of one sequence in it
     slots: torch.Tensor | None = None  # sparse hybrid: staging slots of its keys [seqs, width]
-
-
-def cpu_split(plan, site: TierSite, groups: list[list[HeadRange]]) -> CpuSplit | None:
-    """The hybrid tier's CPU side over each layer's offloaded ``groups`` (one per site: its
-    worker thread is kept), at the share the planner sized the staging slots for. Ranks on
-    one machine divide its cores, unless the launcher bound each to its own."""
-    if plan.offload != "hybrid":
-        return None
-    settings = site.hybrid
-    if site.cpu_attention is None:
-        threads = settings.threads or max(rank_cores() - 1, 1)
-        site.cpu_attention = CpuAttention(site.host, threads)
-    site.cpu_attention.sparse = None
-    if settings.sparsity is not None:  # the CPU takes all before the window
-        site.cpu_attention.sparse = SparseSelector.over_groups(
-            settings, site.spec, groups, site.max_slots, site.store.buffer.device)  # fmt: skip
-    return CpuSplit(site.cpu_attention, plan.cpu_share, settings.gpu_window)
 
 
 def page_runs(pages: list[int]) -> list[tuple[int, int, int]]:
