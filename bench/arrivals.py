@@ -12,7 +12,8 @@ the loop adds each request once its arrival time has passed, between steps. Repo
 throughput against offline, time to first token and time per output token per prompt-length
 bucket (p50 / p99), the inter-token times of running requests while a prompt of 32K or more
 is being prefilled, and peak reserved memory against the budget. ``--step-tokens`` sets
-``prefill_step_tokens`` (the prompt tokens a step computes while others decode). Writes
+``prefill_step_tokens`` (a step beside decoding requests carries at most the work of a
+prompt's first this many tokens: a resident chunk's layers are spread over steps). Writes
 ``arrivals_llama3-8b_<gpu>_<date>.json`` (to $OUT when set).
 """
 

@@ -184,10 +184,10 @@ def prefill_once(engine, ids: list[int]) -> None:
     generator = engine.batch
     seq = Sequence(10**9, list(ids), len(ids))
     generator.prepare([seq])
-    blocks = generator.runner.blocks
+    blocks = generator.scheduler.blocks
     blocks.allocate_prompt(seq.seq_id, seq.prompt_ids, generator.planner.tiers, reuse=False)
     try:
-        generator.runner.prefill(seq, generator.chunk)
+        generator.runner.prefill(seq, generator.chunk, blocks.pages([seq.seq_id]))
     finally:
         blocks.free(seq.seq_id)
 

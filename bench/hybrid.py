@@ -108,14 +108,15 @@ def long_decode(model, mode: str, length: int, h2d: float, steps: int = 4) -> di
     generator = engine.batch
     seq = Sequence(10**9, [0] * length, length + steps + 1)
     plan = generator.prepare([seq])
-    blocks, runner = generator.runner.blocks, generator.runner
+    blocks, runner = generator.scheduler.blocks, generator.runner
     blocks.allocate_prompt(seq.seq_id, seq.prompt_ids, generator.planner.tiers, reuse=False)
+    pages = blocks.pages([seq.seq_id])
     times = []
     for step in range(steps + 1):
         blocks.append_token(seq.seq_id)
         torch.cuda.synchronize()
         start = time.perf_counter()
-        runner.decode([seq.seq_id], [length + step], [0])
+        runner.decode([seq.seq_id], [length + step], [0], pages)
         torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
     blocks.free(seq.seq_id)

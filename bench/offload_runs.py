@@ -100,14 +100,16 @@ def warm_up(generator, length: int, max_tokens: int, chunk_tokens: int, vocab: i
     generator.prepare([Sequence(0, [0] * length, max_tokens)])
     runner = generator.runner
     seq = Sequence(10**9, torch.randint(0, vocab, (length,)).tolist(), max_tokens)
-    runner.blocks.allocate_prompt(seq.seq_id, seq.prompt_ids, generator.planner.tiers, reuse=False)
+    blocks = generator.scheduler.blocks
+    blocks.allocate_prompt(seq.seq_id, seq.prompt_ids, generator.planner.tiers, reuse=False)
+    pages = blocks.pages([seq.seq_id])
     seq.num_cached = length - chunk_tokens
-    runner.prefill(seq, generator.chunk, slot=0)
+    runner.prefill(seq, generator.chunk, pages, slot=0)
     for position in (length, length + 1):
-        runner.blocks.append_token(seq.seq_id)
-        runner.decode([seq.seq_id], [position], [0])
+        blocks.append_token(seq.seq_id)
+        runner.decode([seq.seq_id], [position], [0], pages)
     torch.cuda.synchronize()
-    runner.blocks.free(seq.seq_id)
+    blocks.free(seq.seq_id)
 
 
 @torch.inference_mode()

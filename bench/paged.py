@@ -59,7 +59,7 @@ def run_batch(model, prompts, warmup_prompts) -> dict:
         * page_bytes
         / (peak_tokens * cfg.kv_bytes_per_token),
         "peak_pages": generator.peak_pages,
-        "pool_pages": generator.runner.blocks.pool.num_pages,
+        "pool_pages": generator.scheduler.blocks.pool.num_pages,
         "head_map": generator.runner.plan.head_map.summary(),
     }
 

@@ -59,12 +59,14 @@ def profile_decode(engine, context: list[int], graph: bool) -> None:
     runner = generator.runner
     seq = Sequence(0, context, len(context) + 64)
     generator.prepare([seq])
-    runner.blocks.allocate_prompt(seq.seq_id, seq.prompt_ids, generator.planner.tiers, reuse=False)
-    runner.prefill(seq, generator.chunk, slot=0)
-    runner.blocks.append_token(seq.seq_id)
+    blocks = generator.scheduler.blocks
+    blocks.allocate_prompt(seq.seq_id, seq.prompt_ids, generator.planner.tiers, reuse=False)
+    pages = blocks.pages([seq.seq_id])
+    runner.prefill(seq, generator.chunk, pages, slot=0)
+    blocks.append_token(seq.seq_id)
 
     def step():  # decode the same position again: the timing, not the text, matters here
-        runner.decode([seq.seq_id], [len(context)], [0])
+        runner.decode([seq.seq_id], [len(context)], [0], pages)
 
     step_ms = 1000 * cuda_time(step, warmup=3, repeat=20)
     print(f"\ndecode step at {len(context)} (graph={graph}): {step_ms:.3f} ms")

@@ -70,14 +70,14 @@ def _breakdown(events: list[tuple[str, float]]) -> dict[str, float]:
     return {k: 1000 * v for k, v in sums.items()}
 
 
-def measure(runner, seq_id: int, position: int, steps: int) -> dict:
-    times, parts = [], []
+def measure(runner, blocks, seq_id: int, position: int, steps: int) -> dict:
+    times, parts, pages = [], [], blocks.pages([seq_id])
     for step in range(steps):
-        runner.blocks.append_token(seq_id)
+        blocks.append_token(seq_id)
         torch.cuda.synchronize()
         EVENTS.clear()
         start = time.perf_counter()
-        runner.decode([seq_id], [position + step], [0])
+        runner.decode([seq_id], [position + step], [0], pages)
         torch.cuda.synchronize()
         times.append(1000 * (time.perf_counter() - start))
         if EVENTS:
@@ -106,12 +106,13 @@ def main() -> None:
         plan = generator.prepare([seq])
         runner = generator.runner
         tiers = generator.planner.tiers
-        runner.blocks.allocate_prompt(seq.seq_id, seq.prompt_ids, tiers, reuse=False)
+        blocks = generator.scheduler.blocks
+        blocks.allocate_prompt(seq.seq_id, seq.prompt_ids, tiers, reuse=False)
         result["head_map_summary"] = plan.head_map.summary()
         result["staging"] = plan.to_dict()["staging_depth"], plan.staging.piece_pages
         split = runner.tiers[-1].cpu
         position = args.length
-        measure(runner, seq.seq_id, position, 2)  # warm-up: compiles, pins
+        measure(runner, blocks, seq.seq_id, position, 2)  # warm-up: compiles, pins
         position += 2
         native = split.attention.background
         variants = [(s, t, True) for s in args.shares for t in args.threads]
@@ -120,7 +121,7 @@ def main() -> None:
             for share, threads, background in variants[:: 1 if round_ == 0 else -1]:
                 split.share, split.attention.num_threads = share, threads
                 split.attention.background = native if background else None
-                row = measure(runner, seq.seq_id, position, args.steps)
+                row = measure(runner, blocks, seq.seq_id, position, args.steps)
                 position += args.steps
                 row |= {"share": share, "threads": threads, "native": background,
                         "round": round_}  # fmt: skip

@@ -30,9 +30,9 @@ def test_batch_equals_one_at_a_time_with_continuous_batching(tiny_llama):
     batched = llm.generate(prompts, params)
     single = [llm.engine.run(p, params).token_ids for p in prompts]
     assert [o.token_ids for o in batched] == single
-    runner = llm.engine._batch.runner
-    assert runner.blocks.pool.num_pages == 12
-    assert runner.blocks.pool.num_free == 12  # every page back once all are done
+    blocks = llm.engine.batch.scheduler.blocks
+    assert blocks.pool.num_pages == 12
+    assert blocks.pool.num_free == 12  # every page back once all are done
 
 
 def test_shared_prefix_reuses_pages_and_gives_identical_outputs(tiny_llama):
@@ -76,7 +76,7 @@ def test_streaming_runs_on_the_pool_and_refuses_what_cannot_fit(tiny_llama):
     params = SamplingParams(max_new_tokens=30, ignore_eos=True)
     pieces = list(llm.stream(_prompts([20])[0], params))
     assert len(llm.last_output.token_ids) == 30 and "".join(pieces) == llm.last_output.text
-    assert llm.engine.batch.runner.blocks.pool.num_free == 4  # pages back after streaming
+    assert llm.engine.batch.scheduler.blocks.pool.num_free == 4  # pages back after streaming
 
 
 def test_decode_graphs_call_the_attention_a_benchmark_wrapped(tiny_llama):

@@ -284,7 +284,7 @@ def test_requests_arriving_and_aborted_between_graph_steps(options):
         if step > 9 and not engine.has_unfinished():
             break
     assert [finals[i] for i in range(4)] == expected
-    blocks = engine.batch.runner.blocks
+    blocks = engine.batch.scheduler.blocks
     assert all(pool.num_free == pool.num_pages for pool in blocks.pools.values())
 
 

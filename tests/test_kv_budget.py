@@ -13,6 +13,7 @@ from headspace import SamplingParams, UserError
 from headspace.attention.entry_decode import entry_decode
 from headspace.attention.reference import reference_attention
 from headspace.budgets import POLICIES, KVBudget, kept_positions, observation_scores
+from headspace.kv.block_table import PoolLayout
 from headspace.kv.entry_table import EntryBlockManager
 from headspace.kv.page_pool import OutOfPages
 from headspace.kv.spec import KVSpec
@@ -32,7 +33,7 @@ actions = st.lists(st.tuples(st.sampled_from(["admit", "append", "compress", "fr
 def test_entry_pages_are_disjoint_sized_by_length_and_all_return(steps, offloaded):
     page_size, num_entries, num_pages, num_host = 4, 3, 60, 30
     blocks = EntryBlockManager(page_size, num_pages, num_entries)
-    blocks.reset(num_pages, offloaded=offloaded)
+    blocks.reset(PoolLayout(num_pages, offloaded=offloaded))
     blocks.grow_host(num_host)
     live = set()
     for action, seq_id, count in steps:

@@ -54,3 +54,28 @@ def test_reference_backend_equals_sdpa_backend(tiny, prompt_ids):
     fast = LLM(str(path), prefill_chunk=32).logits(prompt_ids)
     reference = LLM(str(path), prefill_chunk=32, attention_backend="reference").logits(prompt_ids)
     assert (fast - reference).abs().max().item() <= 1e-5
+
+
+def test_layers_run_a_few_at_a_time_equal_the_whole_pass(tiny, prompt_ids):
+    """The decoder run in slices of layers, each from the states the slice before returned
+    (a prefill chunk spread over steps), gives exactly the whole pass's states; only the
+    last slice is final-normed."""
+    from headspace.attention import reference_attention
+
+    family, path, _ = tiny
+    model = LLM(str(path), device="cpu", dtype="float32").engine.model
+    ids, positions = torch.tensor(prompt_ids), torch.arange(len(prompt_ids))
+
+    def attention(layer, q, kv):  # q [tokens, heads, dim], kv [2, tokens, kv_heads, dim]
+        out, _ = reference_attention(q.transpose(0, 1), kv[0].transpose(0, 1),
+                                     kv[1].transpose(0, 1), causal=True)  # fmt: skip
+        return out.transpose(0, 1).to(q.dtype)
+
+    with torch.inference_mode():
+        whole = model(ids, positions, attention)
+        num_layers, hidden = len(model.layers), None
+        bounds = [0, 1, num_layers - 1, num_layers] if num_layers > 2 else [0, 1, num_layers]
+        for first, end in zip(bounds, bounds[1:], strict=False):
+            hidden = model(ids, positions, attention, layers=(first, end), hidden=hidden)
+            assert end == num_layers or not torch.equal(hidden, whole)  # not normed yet
+    assert torch.equal(hidden, whole), family

@@ -116,7 +116,7 @@ def test_batch_with_streamed_heads_equals_one_at_a_time(tiny_llama, spec):
     assert [o.token_ids for o in outs] == expected
     # the 12- and 30-token requests would fit the GPU alone: they streamed as part of a batch
     assert all(o.stats.num_streamed_heads > 0 for o in outs[:3])
-    blocks = llm.engine.batch.runner.blocks
+    blocks = llm.engine.batch.scheduler.blocks
     assert all(pool.num_free == pool.num_pages for pool in blocks.pools.values())
 
 
@@ -145,7 +145,7 @@ def test_swap_out_and_in_keeps_outputs_identical(tiny_llama):
     assert [o.token_ids for o in outs] == expected
     assert sum(o.stats.num_swaps for o in outs) > 0
     assert all(o.stats.num_streamed_heads == 0 for o in outs)
-    blocks = llm.engine.batch.runner.blocks
+    blocks = llm.engine.batch.scheduler.blocks
     assert all(pool.num_free == pool.num_pages for pool in blocks.pools.values())
 
 
@@ -157,7 +157,7 @@ def test_a_swap_beyond_the_host_budget_is_refused_and_the_engine_goes_on(tiny_ll
     llm = make(tiny_llama, num_kv_pages=12, host_memory=3 * spec.full_page_bytes)
     with pytest.raises(UserError, match=r"no host pages for a swapped-out .* host budget"):
         llm.generate(prompts, params)
-    blocks = llm.engine.batch.runner.blocks
+    blocks = llm.engine.batch.scheduler.blocks
     assert all(pool.num_free == pool.num_pages for pool in blocks.pools.values())
     short = SamplingParams(max_new_tokens=8, ignore_eos=True)
     expected = make(tiny_llama).generate(prompts[0], short)[0].token_ids

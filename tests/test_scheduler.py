@@ -110,3 +110,44 @@ def test_a_prefilling_prompt_is_never_swapped_out():
     assert old in scheduler.swapped and plan.prefill.seq is new  # still being prefilled
     assert plan.prefill.start == 16 and not plan.decode  # its next piece, a whole chunk now
     assert len(plan.swap_out) == 3 and scheduler.blocks.pools[HOST].num_free == 13
+
+
+def test_where_the_layout_allows_a_chunk_runs_a_few_layers_a_step_beside_decoding_ones():
+    """Layer slices: a new prompt beside a decoding one keeps whole chunks (one compiled
+    shape) and spreads each chunk's layers over steps, as many a step as its prompt work
+    allows (the work of the prompt's first ``step_tokens`` tokens through every layer;
+    fewer layers as the prefix grows); alone, a chunk takes every layer at once."""
+    scheduler = _scheduler(gpu_pages=64, step_tokens=32)
+    scheduler.num_layers, scheduler.attention_prefix, scheduler.layer_slices = 8, 64, True
+    first = Sequence(0, list(range(100)), 400)
+    plans = _until_first_token(scheduler, first)
+    assert [p.prefill.layers for p in plans] == [(0, 8), (0, 8)]  # alone: whole chunks
+    second = Sequence(1, list(range(200)), 210)
+    plans = _until_first_token(scheduler, second)
+    assert all(p.decode == [first] for p in plans)  # its token at every step
+    slices = [(p.prefill.start, p.prefill.end, p.prefill.layers) for p in plans]
+    # a step's work: tokens 0..31 through 8 layers, 8 x 32 x (1 + 16/64) = 320; a layer
+    # of tokens 0..63 costs 64 x (1 + 32/64) = 96: three layers a step
+    assert slices[:3] == [(0, 64, (0, 3)), (0, 64, (3, 6)), (0, 64, (6, 8))]
+    # tokens 64..127: 64 x (1 + 96/64) = 160 a layer, two a step; 128..191: one a step
+    assert slices[3:5] == [(64, 128, (0, 2)), (64, 128, (2, 4))]
+    assert slices[7:9] == [(128, 192, (0, 1)), (128, 192, (1, 2))]
+    assert slices[15:] == [(192, 200, (0, 8))]  # 8 tokens: every layer fits
+    assert [p.prefill.last for p in plans] == [False] * (len(plans) - 1) + [True]
+
+
+def test_an_abort_part_way_through_a_chunks_layers_starts_the_next_prompt_afresh():
+    scheduler = _scheduler(gpu_pages=64, step_tokens=16)
+    scheduler.num_layers, scheduler.layer_slices = 4, True
+    first = Sequence(0, list(range(20)), 40)
+    _until_first_token(scheduler, first)
+    long, short = Sequence(1, list(range(100)), 110), Sequence(2, list(range(30)), 40)
+    scheduler.add(long)
+    scheduler.add(short)
+    plan = scheduler.schedule()
+    assert plan.prefill.seq is long and plan.prefill.layers == (0, 1)
+    _ran(plan)
+    scheduler.abort(long)
+    plan = scheduler.schedule()
+    assert plan.prefill.seq is short and plan.prefill.layers == (0, 2)  # 30 a layer, 64 a step
+    assert (plan.prefill.start, plan.prefill.end) == (0, 30)

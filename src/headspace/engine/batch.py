@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass
 
 import torch
 from tqdm import tqdm
@@ -22,15 +21,22 @@ from headspace.engine.config import EngineConfig
 from headspace.engine.detokenize import StopStringStreamer
 from headspace.engine.forcing import forced_logits
 from headspace.engine.hooks import EngineHooks
-from headspace.engine.memory import kv_arena_bytes, prefill_chunk_size, rank_host_bytes
+from headspace.engine.memory import (
+    attention_prefix,
+    kv_arena_bytes,
+    prefill_chunk_size,
+    rank_host_bytes,
+)
 from headspace.engine.outputs import EngineLoad, GenerationStats, RequestOutput
 from headspace.engine.paged_runner import PagedRunner
 from headspace.engine.ranks import Ranks
+from headspace.engine.requests import Request, TokenRead, start_read
 from headspace.engine.sampling import SamplingParams, make_generator, sample
 from headspace.engine.scheduler import PrefillPiece, Scheduler, Sequence, StepPlan
 from headspace.engine.weight_stream import device_weight_bytes, streamed_weight_bytes
 from headspace.errors import UserError
 from headspace.kv.block_table import GPU, HOST
+from headspace.kv.entry_table import block_manager
 from headspace.kv.host_store import HostKVArena
 from headspace.kv.spec import KVSpec
 from headspace.model.llama import LlamaModel
@@ -39,34 +45,6 @@ from headspace.planner.plan import Plan
 from headspace.planner.profile import Profile
 
 PROGRESS_MIN_TOKENS = 4096  # show a prefill progress bar from this prompt length on
-
-
-@dataclass
-class _Request:
-    seq: Sequence
-    params: SamplingParams
-    generator: torch.Generator | None
-    streamer: StopStringStreamer
-    submitted: float
-    prompt: str | list[int]  # as the caller gave it
-    first_token: float = 0.0
-    finished: float = 0.0
-    num_gpu_heads: int = 0
-    num_streamed_heads: int = 0
-    num_hybrid_heads: int = 0
-    kv_held: tuple[int, float] | None = None  # (bytes, share of the full KV) at its end
-    ended: str | None = None  # why, in words (GenerationStats.ended)
-    new_text: str = ""  # text of the step being read
-    num_sent: int = 0  # output tokens returned by earlier steps
-
-
-@dataclass
-class _Read:
-    """Tokens of one launched step on their way to the host."""
-
-    seq_ids: list[int]
-    tokens: torch.Tensor
-    ready: torch.cuda.Event | None
 
 
 class BatchGenerator:
@@ -96,23 +74,30 @@ class BatchGenerator:
             host_bytes = host_min(host_bytes)
         host = (hooks.host_arena or HostKVArena)(self.spec, dtype, pin=config.on_gpu,
                                                  budget=host_bytes)  # fmt: skip
-        self.runner = PagedRunner(model, config, self.spec, arena, host, 2 * config.max_batch,
-                                  max_context, profile, ranks.layout if ranks else None,
+        layout = ranks.layout if ranks else None
+        num_entries = None  # shared pages; else every (layer, kv head) of the rank in its own
+        if config.per_head_pages:
+            num_entries = self.spec.num_entries if layout is None else sum(layout.layer_heads)
+        blocks = block_manager(self.spec.page_size, num_entries)  # the scheduler's
+        self.runner = PagedRunner(model, config, self.spec, arena, host, blocks,
+                                  2 * config.max_batch, max_context, profile, layout,
                                   hooks.graphs, hooks.prefix_piece)  # fmt: skip
-        self.planner = BatchPlanner(model.config, config, self.spec, self.runner, weights,
-                                    streamed, ranks)  # fmt: skip
+        self.planner = BatchPlanner(model.config, config, self.spec, self.runner, blocks,
+                                    weights, streamed, ranks)  # fmt: skip
         own_pools = ranks is not None and config.per_head_pages  # pages per rank
-        # prompt tokens a step computes while others decode (a whole chunk when none does),
+        # the prompt work a step carries while others decode (a whole chunk when none does),
         # in whole pages
         page = self.spec.page_size
         step_tokens = max(page, config.prefill_step_tokens // page * page)
-        self.scheduler = Scheduler(self.runner.blocks, config.max_batch, 2 * config.max_batch,
+        self.scheduler = Scheduler(blocks, config.max_batch, 2 * config.max_batch,
                                    config.prefix_caching, all_agree if own_pools else bool,
-                                   self.chunk, step_tokens)  # fmt: skip
+                                   self.chunk, step_tokens, cfg.num_layers,
+                                   attention_prefix(cfg))  # fmt: skip
+        self._hidden: torch.Tensor | None = None  # a chunk's states between layer slices
         self._next_id = 0
         self.peak_pages = 0
-        self._by_id: dict[int, _Request] = {}  # the requests not finished or aborted
-        self._reads: deque[_Read] = deque()
+        self._by_id: dict[int, Request] = {}  # the requests not finished or aborted
+        self._reads: deque[TokenRead] = deque()
         self._bars: dict[int, tqdm] = {}  # the prefill progress of the prompt being computed
         self._aborted: list[RequestOutput] = []  # aborted requests, returned by the next step
 
@@ -138,7 +123,7 @@ class BatchGenerator:
         self._next_id += 1
         streamer = StopStringStreamer(self.tokenizer, params.stop)
         generator = make_generator(params, self.runner.device)
-        request = _Request(seq, params, generator, streamer, time.perf_counter(),
+        request = Request(seq, params, generator, streamer, time.perf_counter(),
                            prompt_ids if prompt is None else prompt)  # fmt: skip
         self._by_id[seq.seq_id] = request  # known before it is queued (abort_all finds it)
         self.scheduler.add(seq)
@@ -155,7 +140,8 @@ class BatchGenerator:
 
     def load(self) -> EngineLoad:
         """Requests by state, pages in use, the head map's entries by tier, swaps so far."""
-        scheduler, pools, plan = self.scheduler, self.runner.blocks.pools, self.runner.plan
+        scheduler, plan = self.scheduler, self.runner.plan
+        pools = scheduler.blocks.pools
         used = {tier: pool.num_pages - pool.num_free for tier, pool in pools.items()}
         entries = {t: plan.head_map.count(t) if plan else 0 for t in ("gpu", "stream", "hybrid")}
         reserved = torch.cuda.max_memory_reserved(self.config.device) if self.config.on_gpu else 0
@@ -215,7 +201,7 @@ class BatchGenerator:
         before = len(self._reads)
         self._launch()
         in_flight = 1 if len(self._reads) > before else 0  # this step's read, if it made one
-        advanced: dict[int, _Request] = {}
+        advanced: dict[int, Request] = {}
         while len(self._reads) > in_flight:
             for request in self._resolve(self._reads.popleft()):
                 advanced[request.seq.seq_id] = request
@@ -253,11 +239,11 @@ class BatchGenerator:
         if plan.decode:
             batch = plan.decode
             positions = [s.num_scheduled - 1 for s in batch]
-            logits, slots = self.runner.decode([s.seq_id for s in batch], positions,
-                                               [s.slot for s in batch])  # fmt: skip
+            seq_ids, slots = [s.seq_id for s in batch], [s.slot for s in batch]
+            logits, slots = self.runner.decode(seq_ids, positions, slots, plan.decode_pages)
             self._sample(batch, logits)
             sampled.append((batch, self.runner.tokens.index_select(0, slots)))
-            pool = self.runner.blocks.pool
+            pool = self.scheduler.blocks.pool
             self.peak_pages = max(self.peak_pages, pool.num_pages - pool.num_free)
         if plan.prefill is not None:
             first = self._prefill(plan.prefill)
@@ -265,7 +251,7 @@ class BatchGenerator:
                 sampled.append(first)
         if sampled:  # one read a step: the decode batch's tokens and a first token together
             seqs = [seq for batch, _ in sampled for seq in batch]
-            self._reads.append(self._read(seqs, torch.cat([t for _, t in sampled])))
+            self._reads.append(start_read(seqs, torch.cat([t for _, t in sampled])))
 
     def _admitted(self, seq: Sequence) -> None:
         """A request whose prefill begins: the tiers it runs on, its progress bar."""
@@ -283,13 +269,19 @@ class BatchGenerator:
         """One piece of a prompt; after its last, its sequence and first token (on the
         device)."""
         seq, recurs = piece.seq, piece.end - piece.start == piece.size
-        hidden = self.runner.prefill_chunk(seq, piece.start, piece.end, static=recurs)
+        carried = self._hidden if piece.layers[0] > 0 else None  # the slice before's states
+        hidden = self.runner.prefill_chunk(seq, piece.start, piece.end, piece.pages, recurs,
+                                           piece.layers, carried)  # fmt: skip
+        self._hidden = None if piece.through else hidden
+        if not piece.through:
+            return None
         bar = self._bars[seq.seq_id]
         bar.update(piece.end - piece.start)
         if not piece.last:
             return None
         bar.close()
         del self._bars[seq.seq_id]
+        self.scheduler.blocks.cache_full_pages(seq.seq_id, seq.prompt_ids)
         logits = self.runner.end_prefill(seq, hidden, seq.slot)
         self._sample([seq], logits[None])
         return [seq], self.runner.tokens[seq.slot : seq.slot + 1]
@@ -306,20 +298,7 @@ class BatchGenerator:
         if sampled and self.ranks is not None:
             broadcast_(self.runner.tokens)
 
-    def _read(self, batch: list[Sequence], tokens: torch.Tensor) -> _Read:
-        """Start copying ``tokens`` (a fresh tensor) of ``batch`` to the host; until they
-        are read, each sequence has one more token pending."""
-        for seq in batch:
-            seq.num_pending += 1
-        if not tokens.is_cuda:
-            return _Read([s.seq_id for s in batch], tokens, None)
-        host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
-        host.copy_(tokens, non_blocking=True)
-        ready = torch.cuda.Event()
-        ready.record()
-        return _Read([s.seq_id for s in batch], host, ready)
-
-    def _resolve(self, read: _Read) -> list[_Request]:
+    def _resolve(self, read: TokenRead) -> list[Request]:
         """Take the read tokens into their requests; the requests that advanced."""
         if read.ready is not None:
             read.ready.synchronize()
@@ -335,7 +314,7 @@ class BatchGenerator:
                 del self._by_id[seq_id]
         return advanced
 
-    def _accept(self, request: _Request, token: int) -> str:
+    def _accept(self, request: Request, token: int) -> str:
         """Append one read token; finish the request when done; return new text."""
         seq, params = request.seq, request.params
         if not seq.output_ids:
@@ -353,36 +332,21 @@ class BatchGenerator:
                 request.ended = "max_new_tokens" if len(seq.output_ids) >= params.max_new_tokens \
                     else "context"  # fmt: skip
         if reason:
-            request.kv_held = self.runner.kv_held(seq.seq_id)
+            if self.config.per_head_pages:  # (bytes held, share of the full KV)
+                held, full = self.scheduler.blocks.held(seq.seq_id)
+                request.kv_held = held * self.spec.entry_token_bytes, held / max(full, 1)
             self.scheduler.finish(seq, reason)
             request.finished = time.perf_counter()
             piece += request.streamer.finish()
-        elif self.runner.blocks.has_pages_to_cache(seq.seq_id, seq.num_tokens):
-            self.runner.blocks.cache_full_pages(seq.seq_id, seq.token_ids)  # once per page
+        elif self.scheduler.blocks.has_pages_to_cache(seq.seq_id, seq.num_tokens):
+            self.scheduler.blocks.cache_full_pages(seq.seq_id, seq.token_ids)  # once per page
         return piece
 
-    def _output(self, request: _Request, final: bool) -> RequestOutput:
+    def _output(self, request: Request, final: bool) -> RequestOutput:
         """The request as it stands; ``final``: with its whole stats (it has ended)."""
-        seq = request.seq
-        first = request.first_token or request.submitted  # (0 before its first token)
-        stats = GenerationStats(
-            prompt_tokens=len(seq.prompt_ids), generated_tokens=len(seq.output_ids),
-            prefill_seconds=first - request.submitted, ended=request.ended,
-            num_gpu_heads=request.num_gpu_heads, num_streamed_heads=request.num_streamed_heads,
-            num_hybrid_heads=request.num_hybrid_heads, num_swaps=seq.num_swaps,
-        )  # fmt: skip
-        if final:
-            self._final_stats(request, stats)
-        elif request.first_token:  # so far
-            stats.decode_seconds = time.perf_counter() - request.first_token
-        new_ids = seq.output_ids[request.num_sent :]
-        new_text, request.new_text = request.new_text, ""
-        request.num_sent = len(seq.output_ids)
-        return RequestOutput(request.prompt, request.streamer.text, list(seq.output_ids),
-                             seq.finish_reason, stats, seq.num_cached, seq.seq_id,
-                             new_text, new_ids)  # fmt: skip
+        return request.output(self._final_stats if final else None)
 
-    def _final_stats(self, request: _Request, stats: GenerationStats) -> None:
+    def _final_stats(self, request: Request, stats: GenerationStats) -> None:
         seq = request.seq
         stats.decode_seconds = request.finished - (request.first_token or request.finished)
         stats.cpu_kept_fraction = self.runner.kept_summary(seq.seq_id)
@@ -405,4 +369,5 @@ class BatchGenerator:
                        len(token_ids))  # fmt: skip
         self._next_id += 1
         self.prepare([seq])
-        return forced_logits(self.runner, self.planner.tiers, seq, token_ids, self.chunk)
+        return forced_logits(self.runner, self.scheduler.blocks, self.planner.tiers, seq,
+                             token_ids, self.chunk)  # fmt: skip

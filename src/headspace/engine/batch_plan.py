@@ -12,7 +12,7 @@ from headspace.engine.config import EngineConfig
 from headspace.engine.ranks import Ranks
 from headspace.engine.scheduler import Scheduler, Sequence
 from headspace.errors import UserError
-from headspace.kv.block_table import GPU, HOST
+from headspace.kv.block_table import GPU, HOST, BlockManager
 from headspace.kv.spec import KVSpec
 from headspace.parallel.dist import all_agree, host_min
 from headspace.planner.entry_offload import entry_step_seconds, plan_entries
@@ -25,13 +25,14 @@ from headspace.planner.sparsity import with_budgets
 
 class BatchPlanner:
     """Plans for a batch generator's arena (``runner``: its store, host pages, budget and
-    profile)."""
+    profile; ``blocks``: the page pools a layout resets)."""
 
     def __init__(self, model_config, config: EngineConfig, spec: KVSpec, runner,
-                 weight_bytes: int, streamed_bytes: int = 0,
+                 blocks: BlockManager, weight_bytes: int, streamed_bytes: int = 0,
                  ranks: Ranks | None = None):  # fmt: skip
         self.model_config, self.config, self.spec = model_config, config, spec
-        self.runner, self.weight_bytes, self.ranks = runner, weight_bytes, ranks
+        self.runner, self.blocks = runner, blocks
+        self.weight_bytes, self.ranks = weight_bytes, ranks
         self.streamed_bytes = streamed_bytes  # weights copied from the host per step
         # the planner's rates (no CPU attention where the kernel does not build); with
         # ``offload="auto"`` the hybrid tier is considered only on a GPU machine
@@ -136,15 +137,19 @@ class BatchPlanner:
         self.apply(best, scheduler)
 
     def apply(self, plan: Plan, scheduler: Scheduler | None = None) -> None:
-        """Make ``plan`` the runner's layout (nothing may hold pages) and tell
-        ``scheduler`` where sequences take pages and whether they may swap out."""
-        self.runner.apply(plan)
+        """Make ``plan`` the runner's layout and the page pools' (nothing may hold pages)
+        and tell ``scheduler`` where sequences take pages and whether they may swap out."""
+        self.ensure_host_pages(plan.num_host_pages)
+        pools = self.runner.apply(plan)
+        if pools is not None:
+            self.blocks.reset(pools)
         streams = plan.staging is not None
         self.tiers = ((GPU,) if plan.head_map.count("gpu") else ()) + ((HOST,) if streams else ())
         if self.config.per_head_pages:  # host pages are the entry table's, by entry
             self.tiers = (GPU,)
         if scheduler is not None:
             scheduler.tiers = self.tiers
+            scheduler.layer_slices = self.runner.layer_slices
             swaps = self.config.offload != "none" and not self.config.per_head_pages
             scheduler.optimistic = not streams and swaps
             scheduler.grow_host = self.grow_host
@@ -152,12 +157,19 @@ class BatchPlanner:
     def grow_host(self, num_pages: int) -> str | None:
         """Grow the host pool to ``num_pages`` free pages; None when it did (under torchrun
         on every rank alike), else why not."""
-        pool = self.runner.blocks.pools[HOST]
+        pool = self.blocks.pools[HOST]
         try:
-            self.runner.ensure_host_pages(pool.num_pages - pool.num_free + num_pages)
+            self.ensure_host_pages(pool.num_pages - pool.num_free + num_pages)
         except UserError as error:
             return str(error)
         return None
+
+    def ensure_host_pages(self, num_pages: int) -> None:
+        """A host pool of at least ``num_pages`` (the runner's arena grows first); raises
+        UserError, on every rank alike, when the arena cannot grow."""
+        pool = self.blocks.pools[HOST]
+        if num_pages > pool.num_pages:  # the same on every rank
+            self.blocks.grow_host(self.runner.grow_host(num_pages, keep=pool.num_kept > 0))
 
     def worth_joining(self, scheduler: Scheduler):
         """While heads stream, a sequence joins the batch only if the predicted throughput

@@ -46,8 +46,9 @@ class EngineConfig:
         None, "prompt tokens per prefill step (default: what the budget allows)"
     )
     prefill_step_tokens: int = _option(
-        8192, "while other requests decode: prompt tokens prefilled per step between their "
-        "tokens, at most (a step with no request decoding prefills a whole chunk)",
+        8192, "while other requests decode: a step carries at most the work of a prompt's "
+        "first this many tokens through every layer (a resident chunk runs a few layers a "
+        "step, other layouts shorter pieces; with none decoding, a whole chunk a step)",
     )  # fmt: skip
     max_context: int | None = _option(
         None, "longest sequence allowed (default: the model's trained context)"
@@ -171,8 +172,9 @@ class EngineConfig:
         self._check_patterns()
         self._check_budget()
         for name in ("page_size", "max_batch", "gpu_window", "prefill_step_tokens"):
-            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
-                raise UserError(f"{name} must be a positive integer, got {getattr(self, name)}")
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise UserError(f"{name} must be a positive integer, got {value}")
         for f in fields(self):
             choices = f.metadata.get("choices")
             if choices and getattr(self, f.name) not in choices:

@@ -9,25 +9,28 @@ import torch
 from headspace.engine.paged_runner import PagedRunner
 from headspace.engine.scheduler import Sequence
 from headspace.errors import UserError
+from headspace.kv.block_table import BlockManager
 from headspace.kv.page_pool import OutOfPages
 
 
-def forced_logits(runner: PagedRunner, tiers: tuple[str, ...], seq: Sequence,
-                  token_ids: list[int], chunk: int) -> torch.Tensor:  # fmt: skip
+def forced_logits(runner: PagedRunner, blocks: BlockManager, tiers: tuple[str, ...],
+                  seq: Sequence, token_ids: list[int], chunk: int) -> torch.Tensor:  # fmt: skip
     """fp32 logits ``[len(token_ids), vocab]`` (CPU): ``seq``'s prompt (the first tokens of
-    ``token_ids``) prefilled ``chunk`` at a time in ``tiers``, each later token through a
-    decode step fed it. The runner must be laid out for ``seq``; its pages are freed after."""
-    blocks = runner.blocks
+    ``token_ids``) prefilled ``chunk`` at a time in ``tiers`` of ``blocks``, each later token
+    through a decode step fed it. The runner must be laid out for ``seq``; its pages are
+    freed after."""
     try:
         blocks.allocate_prompt(seq.seq_id, seq.prompt_ids, tiers, reuse=False)
     except OutOfPages:
         raise UserError(f"{len(token_ids)} tokens do not fit the KV pool") from None
     try:
-        rows = [runner.prefill(seq, chunk, all_logits=True)]  # [prompt tokens, vocab]
+        pages = blocks.pages([seq.seq_id])
+        rows = [runner.prefill(seq, chunk, pages, all_logits=True)]  # [prompt tokens, vocab]
+        blocks.cache_full_pages(seq.seq_id, seq.prompt_ids)
         for position in range(len(seq.prompt_ids), len(token_ids)):
             blocks.append_token(seq.seq_id)
             runner.tokens[0] = token_ids[position]
-            logits, _ = runner.decode([seq.seq_id], [position], [0])
+            logits, _ = runner.decode([seq.seq_id], [position], [0], pages)
             rows.append(logits.float().cpu())
         return torch.cat(rows)
     finally:

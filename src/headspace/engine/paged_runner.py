@@ -1,10 +1,11 @@
 """Runs the model over the tiers of the current plan: per-sequence chunked prefill, batched
 decode, swapping sequences between the GPU pool and host pages.
 
-The runner holds the KV arena (GPU), the host pages and their block tables, and the tiers
-of the current plan (``tiers.table`` builds them). ``apply(plan)`` lays the arena out for a
-new head map (only when no sequence holds pages); the all-resident layout is always the
-same tensors, so its CUDA graphs survive a detour through streaming.
+The runner holds the KV arena (GPU), the host pages and the tiers of the current plan
+(``tiers.table`` builds them); the block tables are the scheduler's, and each step names
+the pages it runs over (``StepPlan``). ``apply(plan)`` lays the arena out for a new head map
+(only when no sequence holds pages) and says how the page pools follow; the all-resident
+layout is always the same tensors, so its CUDA graphs survive a detour through streaming.
 """
 
 from __future__ import annotations
@@ -15,8 +16,7 @@ import torch.distributed
 from headspace.budgets import KVBudget
 from headspace.engine.config import EngineConfig
 from headspace.errors import UserError
-from headspace.kv.block_table import GPU, HOST, BlockManager
-from headspace.kv.entry_table import EntryBlockManager
+from headspace.kv.block_table import BlockManager, Pages, PoolLayout
 from headspace.kv.host_store import HostKVArena
 from headspace.kv.paged_store import PagedKVStore
 from headspace.kv.spec import KVSpec
@@ -36,13 +36,14 @@ class PagedRunner:
     """Steps the model for sequences whose K/V live in the GPU pool and host pages."""
 
     def __init__(self, model: LlamaModel, config: EngineConfig, spec: KVSpec, arena_bytes: int,
-                 host: HostKVArena, max_slots: int, max_context: int,
+                 host: HostKVArena, blocks: BlockManager, max_slots: int, max_context: int,
                  profile: Profile | None = None, layout: RankLayout | None = None,
                  graphs_class: type | None = None,
                  prefix_piece: int | None = None):  # fmt: skip
-        """``graphs_class``: what captures decode steps in place of DecodeGraphs (tests'
-        CPU twin), ``prefix_piece``: prefix tokens a chunk gathers at a time (a test's small
-        pieces); both :class:`EngineHooks`."""
+        """``blocks``: the scheduler's block tables, which the tiers keep per-entry lengths
+        in (budgets compress them); ``graphs_class``: what captures decode steps in place of
+        DecodeGraphs (tests' CPU twin), ``prefix_piece``: prefix tokens a chunk gathers at a
+        time (a test's small pieces); both :class:`EngineHooks`."""
         self.model, self.config, self.spec, self.host = model, config, spec, host
         self.graphs_class = graphs_class
         # each layer's attention calls this when set: ``hook(layer, q, kv) -> out`` (a
@@ -56,17 +57,12 @@ class PagedRunner:
         if config.kv_budget is not None:
             self.budget = KVBudget(config.kv_budget, config.kv_policy, pool=config.kv_pool)
         self.profile = profile  # the engine's, checked against the model
-        if config.per_head_pages:  # every (layer, kv head) in its own pages (of this rank)
-            num_entries = spec.num_entries if layout is None else sum(layout.layer_heads)
-            self.blocks = EntryBlockManager(spec.page_size, 0, num_entries)
-        else:
-            self.blocks = BlockManager(spec.page_size, 0)
         # the last sampled token of each running sequence (+1 scratch slot for graph padding)
         self.tokens = torch.zeros(max_slots + 1, dtype=torch.long, device=self.device)
         self._compiled = config.compile and self.device.type == "cuda"
         self.plan: Plan | None = None
         self.site = TierSite(
-            self.store, host, self.blocks, spec, model.config.num_queries_per_kv,
+            self.store, host, blocks, spec, model.config.num_queries_per_kv,
             config.attention_backend, max_slots=self.tokens.numel(), max_context=max_context,
             per_entry_pages=config.per_head_pages, layout=layout, budget=self.budget,
             head_scores=None if profile is None else torch.tensor(profile.retrieval),
@@ -87,29 +83,31 @@ class PagedRunner:
     def streaming(self) -> bool:
         return self.plan is not None and self.plan.head_map.num_offloaded > 0
 
-    def apply(self, plan: Plan) -> None:
-        """Lay the arena out for ``plan`` and build its tiers (no sequence may hold pages)."""
-        self.ensure_host_pages(plan.num_host_pages)
+    def apply(self, plan: Plan) -> PoolLayout | None:
+        """Lay the arena out for ``plan`` and build its tiers (no sequence may hold pages;
+        the host arena already holds ``plan.num_host_pages``). Returns how the page pools
+        are reset for it, or None when the layout stays."""
         key = layout_key(plan)
         if key == self._layout:  # the same tensors; the map's budgets may be this batch's
             self.plan.head_map = plan.head_map
-            return
-        self._lay_out(plan, key)
+            return None
+        pools = self._lay_out(plan, key)
         self.tiers = build_tiers(plan, self.site)
+        return pools
 
-    def _lay_out(self, plan: Plan, key: tuple) -> None:
-        """The arena's layers for ``plan`` and its page pools (layout ``key``). Shared
-        pages: per layer the resident heads (this rank's own), then under torchrun its
-        copies (arena layers ``L..2L-1``), and staging slots; the host prefix cache survives
-        a map that stays. Per-entry pages: one plane; the offloaded entries' pages are
-        host pages."""
+    def _lay_out(self, plan: Plan, key: tuple) -> PoolLayout:
+        """The arena's layers for ``plan`` (layout ``key``) and how its page pools follow.
+        Shared pages: per layer the resident heads (this rank's own), then under torchrun
+        its copies (arena layers ``L..2L-1``), and staging slots; the host prefix cache
+        survives a map that stays. Per-entry pages: one plane; the offloaded entries' pages
+        are host pages."""
         spec, layout, site = self.spec, self.layout, self.site
         if self.config.per_head_pages:  # entries numbered layer by layer
             heads = [site.heads(layer) for layer in range(spec.num_layers)]
             first = [sum(map(len, heads[:layer])) for layer in range(spec.num_layers)]
             in_host = [first[layer] + place for layer, places in
                        enumerate(host_places(plan, heads)) for place in places]  # fmt: skip
-            self.blocks.reset(plan.num_gpu_pages, offloaded=in_host)
+            pools = PoolLayout(plan.num_gpu_pages, offloaded=tuple(in_host))
         else:
             resident = [head_ranges(plan, layer, site.own_heads(layer))[0]
                         for layer in range(spec.num_layers)]  # fmt: skip
@@ -117,9 +115,10 @@ class PagedRunner:
             self.store.layout([r[1] if r else 0 for r in resident] + copies, plan.num_gpu_pages,
                               staging_slots(plan))  # fmt: skip
             same_map = self._layout is not None and self._layout[0] == key[0]
-            self.blocks.reset(plan.num_gpu_pages, drop_host_cache=not same_map)
+            pools = PoolLayout(plan.num_gpu_pages, drop_host_cache=not same_map)
         self.plan, self._layout = plan, key
         self._layout_id = self._layout_ids.setdefault(key, len(self._layout_ids))
+        return pools
 
     @property
     def _sparse(self) -> SparseSelector | None:
@@ -139,16 +138,6 @@ class PagedRunner:
         the scheduler's to free)."""
         for tier in self.tiers:
             tier.forget(seq_id)
-
-    def kv_held(self, seq_id: int) -> tuple[int, float] | None:
-        """Per-head pages: (bytes of K/V ``seq_id`` holds, their share of its full KV); None
-        in other modes."""
-        if not self.config.per_head_pages:
-            return None
-        lengths = self.blocks.entries[seq_id].lengths
-        num_tokens = self.blocks.table(seq_id).num_tokens
-        held = sum(lengths)
-        return held * self.spec.entry_token_bytes, held / max(len(lengths) * num_tokens, 1)
 
     @property
     def has_graphs(self) -> bool:
@@ -191,25 +180,22 @@ class PagedRunner:
         cannot be captured), or the tests' twin in place of graphs."""
         return torch.distributed.get_backend() == "nccl" or self.graphs_class is not None
 
-    def ensure_host_pages(self, num_pages: int) -> None:
-        """Host pages for at least ``num_pages`` (grows the arena when needed, copying it
-        only while some page holds data; graphs that address the old one are then captured
-        again). Raises UserError when the arena cannot grow; under torchrun on every rank
-        alike (page-locking may fail on one), and every rank's pool grows to the same size,
-        so their schedulers decide alike."""
-        pool = self.blocks.pools[HOST]
-        if num_pages <= pool.num_pages:  # the same on every rank
-            return
+    def grow_host(self, num_pages: int, keep: bool) -> int:
+        """Host pages for at least ``num_pages`` (grows the arena, copying it when ``keep``:
+        some page holds data; graphs that address the old one are then captured again).
+        Returns the pages the host pool may hold now: under torchrun the same on every rank,
+        so their schedulers decide alike. Raises UserError when the arena cannot grow; under
+        torchrun on every rank alike (page-locking may fail on one)."""
         refused = None
         try:  # (an arena may stay larger than its pool)
-            self.host.ensure(num_pages, keep=pool.num_kept > 0)
+            self.host.ensure(num_pages, keep=keep)
         except UserError as error:
             refused = str(error)
         ranks = self.layout is not None
         refused = first_error(refused) if ranks else refused
         if refused is not None:
             raise UserError(refused)
-        self.blocks.grow_host(host_min(self.host.num_pages) if ranks else self.host.num_pages)
+        return host_min(self.host.num_pages) if ranks else self.host.num_pages
 
     # -- prefill -----------------------------------------------------------------------
     def _attention(self, layer: int, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
@@ -217,20 +203,17 @@ class PagedRunner:
             return self.attention_hook(layer, q, kv)
         return attend_tiers(self.tiers, layer, q, kv)
 
-    def _pages(self, seq_ids: list[int]) -> dict[str, list[list[int]]]:
-        tiers = self.blocks.tiers(seq_ids[0])
-        return {tier: [self.blocks.table(s, tier).pages for s in seq_ids] for tier in tiers}
-
     @torch.inference_mode()
-    def prefill(self, seq, chunk: int, *, all_logits: bool = False,
+    def prefill(self, seq, chunk: int, pages: Pages, *, all_logits: bool = False,
                 slot: int | None = None) -> torch.Tensor:  # fmt: skip
-        """The prompt tokens of ``seq`` not in the prefix cache, ``chunk`` at a time: the last
-        token's fp32 logits ``[vocab]`` on the device (its greedy pick into token ``slot``),
-        or with ``all_logits`` every computed token's ``[tokens, vocab]`` on the CPU."""
+        """The prompt tokens of ``seq`` not in the prefix cache, ``chunk`` at a time, over its
+        ``pages``: the last token's fp32 logits ``[vocab]`` on the device (its greedy pick
+        into token ``slot``), or with ``all_logits`` every computed token's ``[tokens,
+        vocab]`` on the CPU."""
         hidden, rows = None, []
         for start in range(seq.num_cached, len(seq.prompt_ids), chunk):
             end = min(start + chunk, len(seq.prompt_ids))
-            hidden = self.prefill_chunk(seq, start, end, static=end - start == chunk)
+            hidden = self.prefill_chunk(seq, start, end, pages, static=end - start == chunk)
             if all_logits:
                 rows.append(self.model.logits(hidden).cpu())
         if all_logits:
@@ -238,12 +221,24 @@ class PagedRunner:
             return torch.cat(rows)
         return self.end_prefill(seq, hidden, slot)
 
+    @property
+    def layer_slices(self) -> bool:
+        """Whether a prefill chunk may run a few layers a step under this layout (every
+        tier allows it; not with streamed weights or under torchrun)."""
+        if self.model.layer_source is not None or self.layout is not None:
+            return False
+        return all(tier.layer_slices for tier in self.tiers)
+
     @torch.inference_mode()
-    def prefill_chunk(self, seq, start: int, end: int, static: bool = True) -> torch.Tensor:
+    def prefill_chunk(self, seq, start: int, end: int, pages: Pages, static: bool = True,
+                      layers: tuple[int, int] | None = None,
+                      hidden: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
         """Compute prompt tokens ``start .. end-1`` of ``seq`` (those before are in its
-        pages); returns their last layer's hidden states ``[tokens, hidden]``. ``static``:
-        the chunk's length recurs (compiled once for it)."""
-        pages = self._pages([seq.seq_id])
+        ``pages``, one table per tier); returns their last layer's hidden states ``[tokens,
+        hidden]``. ``static``: the chunk's length recurs (compiled once for it). ``layers``
+        (first, end): only those decoder layers, from ``hidden`` (the previous slice's
+        result) where ``first`` > 0 (see :attr:`layer_slices`); the states returned are
+        final-normed only after the last layer."""
         ids = torch.tensor(seq.prompt_ids[start:end], device=self.device)
         positions = torch.arange(start, end, device=self.device)
         step = StepInputs(False, positions, [], pages, start=start, seq_ids=[seq.seq_id])
@@ -252,14 +247,13 @@ class PagedRunner:
         mode = "eager"
         if self._compiled:  # static shapes for full chunks: one compile per chunk size
             mode = "static" if static else "dynamic"
-        return self.model(ids, positions, self._attention, mode)
+        return self.model(ids, positions, self._attention, mode, layers, hidden)
 
     @torch.inference_mode()
     def end_prefill(self, seq, hidden: torch.Tensor | None, slot: int | None):
-        """After the last chunk of ``seq``: its full pages enter the prefix cache, per-head
-        budgets compress it; returns the last token's fp32 logits ``[vocab]`` from
-        ``hidden`` (its greedy pick goes into token ``slot``), or None without."""
-        self.blocks.cache_full_pages(seq.seq_id, seq.prompt_ids)
+        """After the last chunk of ``seq``: per-head budgets compress it; returns the last
+        token's fp32 logits ``[vocab]`` from ``hidden`` (its greedy pick goes into token
+        ``slot``), or None without."""
         for tier in self.tiers:  # budgets compress what the prompt left
             tier.after_prefill(seq.seq_id, len(seq.prompt_ids))
         if hidden is None:
@@ -271,12 +265,12 @@ class PagedRunner:
 
     # -- decode ------------------------------------------------------------------------
     @torch.inference_mode()
-    def decode(self, seq_ids: list[int], positions: list[int],
-               slots: list[int]) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-        """One token for each sequence: its input is token ``slots[i]``, at ``positions[i]``
-        (pages already allocated). Returns fp32 logits ``[seqs, vocab]`` and the slots on
-        the device; each greedy pick is written into its slot (sampled rows overwrite it)."""
-        pages = self._pages(seq_ids)
+    def decode(self, seq_ids: list[int], positions: list[int], slots: list[int],
+               pages: Pages) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        """One token for each sequence: its input is token ``slots[i]``, at ``positions[i]``,
+        over ``pages`` (per tier, one table per sequence, already holding the new token's
+        place). Returns fp32 logits ``[seqs, vocab]`` and the slots on the device; each
+        greedy pick is written into its slot (sampled rows overwrite it)."""
         for tier in self.tiers:  # per-entry tables on the device
             tier.before_decode(seq_ids, slots)
         graphs = self._graphs
@@ -293,7 +287,7 @@ class PagedRunner:
         self.tokens[slot_index] = logits.argmax(-1)
         return logits, slot_index
 
-    def _decode_inputs(self, positions: list[int], pages: dict) -> StepInputs:
+    def _decode_inputs(self, positions: list[int], pages: Pages) -> StepInputs:
         pos = device_ints(positions, self.device)
         tables = {}
         for tier, rows in pages.items():
@@ -312,4 +306,4 @@ class PagedRunner:
         swap_pages(self.store.kv, self.host.layer, places, pairs, to_host, self.page_size)
 
 
-__all__ = ["GPU", "HOST", "PagedRunner"]
+__all__ = ["PagedRunner"]

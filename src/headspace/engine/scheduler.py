@@ -17,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from headspace.errors import UserError
-from headspace.kv.block_table import GPU, HOST, BlockManager, OutOfPages
+from headspace.kv.block_table import GPU, HOST, BlockManager, OutOfPages, Pages
 
 
 @dataclass
@@ -56,28 +56,40 @@ class Sequence:
 
 @dataclass
 class PrefillPiece:
-    """Prompt tokens ``start .. end-1`` of ``seq`` to compute in this step; ``size``: the
+    """Prompt tokens ``start .. end-1`` of ``seq`` to compute in this step over its
+    ``pages``, through decoder ``layers`` (first, end) of ``num_layers``; ``size``: the
     piece length asked (a piece of that length recurs: one compiled shape)."""
 
     seq: Sequence
     start: int
     end: int
     size: int
+    pages: Pages = field(default_factory=dict)
+    layers: tuple[int, int] = (0, 1)
+    num_layers: int = 1
+
+    @property
+    def through(self) -> bool:
+        """Whether its tokens have passed every layer after this step."""
+        return self.layers[1] == self.num_layers
 
     @property
     def last(self) -> bool:
         """Whether the prompt is complete after it (its first token is sampled)."""
-        return self.end == len(self.seq.prompt_ids)
+        return self.through and self.end == len(self.seq.prompt_ids)
 
 
 @dataclass
 class StepPlan:
     """What one step runs, in order: page copies in, page copies out, one decode token for
-    each of ``decode``, a piece of a prompt. ``admitted``: whose prefill begins now."""
+    each of ``decode`` over ``decode_pages`` (their tables, the new token's place included),
+    a piece of a prompt. ``admitted``: whose prefill begins now. The only thing the
+    scheduler hands the runner: the block tables stay the scheduler's."""
 
     swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host page, GPU page)
     swap_out: list[tuple[int, int]] = field(default_factory=list)  # (GPU page, host page)
     decode: list[Sequence] = field(default_factory=list)
+    decode_pages: Pages = field(default_factory=dict)
     prefill: PrefillPiece | None = None
     admitted: Sequence | None = None
 
@@ -88,18 +100,27 @@ class Scheduler:
     ``tiers``: the tiers a sequence takes pages in under the current plan; ``optimistic``:
     admit on the prompt's pages and swap out on shortage (else reserve up to max_tokens);
     ``grow_host(n)``: grow the host pool to ``n`` free pages; None when it did, else why not
-    (the budget, page-locking). A prompt is prefilled one piece a step: ``chunk`` tokens
-    when no sequence decodes, at most ``step_tokens`` when some do (their tokens keep
-    coming); one prompt at a time.
+    (the budget, page-locking). A prompt is prefilled one piece a step, one prompt at a time:
+    ``chunk`` tokens through every layer when no sequence decodes. When some do (their
+    tokens keep coming), a step carries at most the work of a prompt's first
+    ``step_tokens`` tokens through every layer: with ``layer_slices`` (the layout allows
+    it) a chunk keeps its size and runs a few of its ``num_layers`` layers a step, as many
+    as that work allows at its position (a token's attention over ``attention_prefix``
+    earlier tokens costs as much as its linear layers), at least one; without, a piece is
+    ``step_tokens`` tokens through every layer.
     """
 
     def __init__(self, blocks: BlockManager, max_batch: int, num_slots: int,
                  prefix_caching: bool = True, agree: Callable[[bool], bool] = bool,
-                 chunk: int = 8192, step_tokens: int = 8192):  # fmt: skip
+                 chunk: int = 8192, step_tokens: int = 8192, num_layers: int = 1,
+                 attention_prefix: int = 1 << 30):  # fmt: skip
         self.blocks, self.max_batch, self.prefix_caching = blocks, max_batch, prefix_caching
         self.chunk, self.step_tokens = chunk, step_tokens
+        self.num_layers, self.attention_prefix = num_layers, attention_prefix
+        self.layer_slices = False  # whether the layout lets a chunk run a few layers a step
         self.prefilling: Sequence | None = None  # the prompt being computed, piece by piece
         self.prefill_next = 0  # its first token not yet computed
+        self.piece: PrefillPiece | None = None  # a piece part-way through its layers
         self.agree = agree  # whether a page check holds everywhere (ranks with own pools)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -149,20 +170,51 @@ class Scheduler:
         batch = [s for s in self.running if s.started and s.num_scheduled < s.max_tokens]
         if batch:
             plan.decode, plan.swap_out = self.grow(batch)
+        if plan.decode:
+            plan.decode_pages = self.blocks.pages([s.seq_id for s in plan.decode])
         if self.prefilling is not None:
-            seq = self.prefilling
-            size = min(self.chunk, self.step_tokens) if plan.decode else self.chunk
-            end = min(self.prefill_next + size, len(seq.prompt_ids))
-            plan.prefill = PrefillPiece(seq, self.prefill_next, end, size)
-            self.prefill_next = end
-            if plan.prefill.last:
-                self.prefilling = None
+            plan.prefill = self._next_piece(decoding=bool(plan.decode))
         return plan
+
+    def _next_piece(self, decoding: bool) -> PrefillPiece:
+        """The prompt work of this step: the rest of a piece's layers, or a new piece."""
+        seq, piece, slices = self.prefilling, self.piece, self.layer_slices
+        if piece is not None:  # part-way through its layers
+            start, end, size, first = piece.start, piece.end, piece.size, piece.layers[1]
+        else:
+            size = self.chunk
+            if decoding and not slices:
+                size = min(self.chunk, self.step_tokens)
+            start, first = self.prefill_next, 0
+            end = min(start + size, len(seq.prompt_ids))
+        count = self.num_layers - first
+        if decoding and slices:
+            count = min(count, self._layers_per_step(start, end))
+        pages = self.blocks.pages([seq.seq_id])
+        piece = PrefillPiece(seq, start, end, size, pages, (first, first + count),
+                             self.num_layers)  # fmt: skip
+        self.piece = None if piece.through else piece
+        if piece.through:
+            self.prefill_next = end
+            if piece.last:
+                self.prefilling = None
+        return piece
+
+    def _layers_per_step(self, start: int, end: int) -> int:
+        """Layers of tokens ``start .. end-1`` that fit one step's prompt work (at least
+        one): the work of tokens ``0 .. step_tokens-1`` through every layer."""
+        budget = self.num_layers * self._layer_cost(0, self.step_tokens)
+        return max(1, int(budget // self._layer_cost(start, end)))
+
+    def _layer_cost(self, start: int, end: int) -> float:
+        """Relative cost of tokens ``start .. end-1`` in one layer: their linear layers and
+        their attention over the tokens before (on average ``start`` + half of them)."""
+        return (end - start) * (1 + (start + end) / 2 / self.attention_prefix)
 
     def abort(self, seq: Sequence) -> None:
         """Drop ``seq`` wherever it is; its pages return to their pools."""
         if seq is self.prefilling:
-            self.prefilling = None
+            self.prefilling, self.piece = None, None
         if seq in self.waiting:
             self.waiting.remove(seq)
             seq.finish_reason = "abort"

@@ -16,6 +16,18 @@ from dataclasses import dataclass, field
 from headspace.kv.page_pool import OutOfPages, PagePool, page_hash
 
 GPU, HOST = "gpu", "host"
+Pages = dict[str, list[list[int]]]  # per tier, each sequence's pages in logical order
+
+
+@dataclass(frozen=True)
+class PoolLayout:
+    """How a layout of the arena splits the page pools: ``num_gpu_pages`` GPU pages; with
+    per-entry pages, the entries (numbered layer by layer) whose pages are host pages; whether
+    the host pages' cached prefixes are forgotten (the streamed entries changed)."""
+
+    num_gpu_pages: int
+    offloaded: tuple[int, ...] = ()
+    drop_host_cache: bool = True
 
 
 @dataclass
@@ -42,13 +54,13 @@ class BlockManager:
         """The GPU pool."""
         return self.pools[GPU]
 
-    def reset(self, num_gpu_pages: int, *, drop_host_cache: bool = True) -> None:
+    def reset(self, layout: PoolLayout) -> None:
         """A new GPU pool (a new layout of the GPU arena); no sequence may hold pages. Host
         pages keep their data; their cached prefixes are forgotten unless the streamed
-        entries stay the same (``drop_host_cache=False``)."""
+        entries stay the same (``layout.drop_host_cache`` False)."""
         assert not self.tables, "the layout can change only when no sequence holds pages"
-        self.pools[GPU] = PagePool(num_gpu_pages)
-        if drop_host_cache:
+        self.pools[GPU] = PagePool(layout.num_gpu_pages)
+        if layout.drop_host_cache:
             self.pools[HOST].drop_cache()
 
     def grow_host(self, num_pages: int) -> None:
@@ -62,6 +74,12 @@ class BlockManager:
 
     def tiers(self, seq_id: int) -> list[str]:
         return list(self.tables.get(seq_id, {}))
+
+    def pages(self, seq_ids: list[int]) -> Pages:
+        """The page lists of ``seq_ids`` (all in the same tiers) per tier, as they stand
+        (the lists themselves: they grow with their sequences)."""
+        tiers = self.tiers(seq_ids[0])
+        return {tier: [self.tables[s][tier].pages for s in seq_ids] for tier in tiers}
 
     def _prefix_hashes(self, token_ids: Sequence[int]) -> list[bytes]:
         """Chained hashes of the full pages that may be reused (the last token is always

@@ -23,7 +23,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from headspace.kv.block_table import GPU, HOST, BlockManager, BlockTable
+from headspace.kv.block_table import GPU, HOST, BlockManager, BlockTable, PoolLayout
 from headspace.kv.page_pool import OutOfPages
 
 
@@ -63,10 +63,10 @@ class EntryBlockManager(BlockManager):
         self.entries: dict[int, EntryLists] = {}
         self.offloaded: frozenset[int] = frozenset()
 
-    def reset(self, num_gpu_pages: int, *, offloaded=(), drop_host_cache: bool = True) -> None:
-        """A new GPU pool; ``offloaded``: the entries kept in host pages from now on."""
-        super().reset(num_gpu_pages, drop_host_cache=drop_host_cache)
-        self.offloaded = frozenset(offloaded)
+    def reset(self, layout: PoolLayout) -> None:
+        """A new GPU pool; ``layout.offloaded``: the entries kept in host pages from now on."""
+        super().reset(layout)
+        self.offloaded = frozenset(layout.offloaded)
 
     def _resident(self, entry: int) -> bool:
         return entry not in self.offloaded
@@ -75,6 +75,12 @@ class EntryBlockManager(BlockManager):
         """GPU pages of an uncompressed sequence of ``num_tokens`` (every resident entry
         holds them all)."""
         return (self.num_entries - len(self.offloaded)) * super().pages_for(num_tokens)
+
+    def held(self, seq_id: int) -> tuple[int, int]:
+        """(tokens ``seq_id``'s entries hold, summed over entries; what they would hold
+        uncompressed)."""
+        lengths = self.entries[seq_id].lengths
+        return sum(lengths), len(lengths) * self.table(seq_id).num_tokens
 
     def host_pages(self, seq_id: int) -> list[int]:
         """The host pages of ``seq_id``'s offloaded entries, in logical order."""
@@ -207,3 +213,11 @@ def _flat(pages: list[list[int]]) -> list[int]:
 
 
 __all__ = ["EntryBlockManager", "EntryLists"]
+
+
+def block_manager(page_size: int, num_entries: int | None) -> BlockManager:
+    """The block manager of a KV arena: pages shared by every (layer, kv head), or with
+    ``num_entries`` each entry in pages of its own."""
+    if num_entries is None:
+        return BlockManager(page_size, 0)
+    return EntryBlockManager(page_size, 0, num_entries)

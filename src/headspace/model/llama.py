@@ -190,21 +190,32 @@ class LlamaModel(nn.Module):
         positions: torch.Tensor,  # [tokens] int64, absolute positions
         attention: AttentionFn,
         blocks_mode: str = "eager",
+        layers: tuple[int, int] | None = None,
+        hidden: torch.Tensor | None = None,  # [tokens, hidden]
     ) -> torch.Tensor:
         """Final-normed hidden states ``[tokens, hidden]`` (call ``logits`` on the rows needed).
 
         ``blocks_mode`` (see :class:`Blocks`): "static" compiles per token count (the
         decode step, full prefill chunks: fastest kernels), "dynamic" once for any count.
+        ``layers`` (first, end): run decoder layers ``first .. end-1`` only, from ``hidden``
+        (the states after layer ``first - 1``; the embeddings when ``first`` is 0) to the
+        states after layer ``end - 1``, final-normed only after the model's last layer (a
+        prefill chunk computed a few layers a step). Not with streamed weights.
         """
         if blocks_mode not in self._blocks:
             self._blocks[blocks_mode] = Blocks(blocks_mode)
         blocks = self._blocks[blocks_mode]
-        x = self.embed_tokens(input_ids)
+        first, end = (0, len(self.layers)) if layers is None else layers
+        x = self.embed_tokens(input_ids) if first == 0 else hidden
         cos, sin = rope_cos_sin(self.inv_freq, positions, x.dtype)
-        layers = self.layers if self.layer_source is None else self.layer_source
-        for layer_idx, layer in enumerate(layers):
+        if self.layer_source is not None:  # yields every layer in order
+            assert (first, end) == (0, len(self.layers)), "streamed weights run every layer"
+            source = enumerate(self.layer_source)
+        else:
+            source = ((i, self.layers[i]) for i in range(first, end))
+        for layer_idx, layer in source:
             x = layer(layer_idx, x, cos, sin, attention, blocks)
-        return self.norm(x)
+        return self.norm(x) if end == len(self.layers) else x
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Vocabulary logits ``[tokens, vocab]`` in float32 from final hidden states."""

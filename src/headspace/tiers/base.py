@@ -150,11 +150,15 @@ class Tier:
     packs what a tier's decode step reads: ``stages_history`` (host pages staged into a
     slot) and ``entry_rows`` (per-entry tables on the device, no block table);
     ``runs_outside_graphs``: part of its decode step cannot be captured (CPU threads).
+    ``layer_slices``: a prefill chunk may run a few layers a step, other steps between its
+    slices (``begin`` is called again with the chunk's inputs before each slice; a tier
+    that stages the chunk's history ahead across layers cannot).
     """
 
     stages_history = False
     entry_rows = False
     runs_outside_graphs = False
+    layer_slices = False
 
     @classmethod
     def from_plan(cls, plan, site) -> Tier | None:

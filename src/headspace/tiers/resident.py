@@ -31,6 +31,8 @@ class ResidentTier(Tier):
     in place. A layer with ``patterns`` (one per query head of its range, None where
     all are full) gathers its keys and attends each head by its pattern at prefill."""
 
+    layer_slices = True  # each layer's prefill reads only the step's inputs and its pages
+
     def __init__(self, store: PagedKVStore, ranges: list[HeadRange | None], q_per_kv: int,
                  backend: str, patterns: list[list[Pattern] | None] | None = None,
                  piece: int | None = None):  # fmt: skip
