@@ -168,13 +168,14 @@ class NoText:
         return ""
 
 
-def make_engine(model, **options):
+def make_engine(model, hooks=None, **options):
     """The engine over a model built in memory, as ``LLM(...)`` builds it from a checkpoint
-    (the model's own context, default options unless given)."""
+    (the model's own context, default options unless given); ``hooks``: the benchmark's
+    :class:`headspace.engine.hooks.EngineHooks`, if any."""
     from headspace.engine.config import EngineConfig
     from headspace.engine.engine import Engine
 
-    return Engine.from_model(model, NoText(), EngineConfig(device="cuda", **options))
+    return Engine.from_model(model, NoText(), EngineConfig(device="cuda", **options), hooks)
 
 
 def prefill_once(engine, ids: list[int]) -> None:

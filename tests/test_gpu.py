@@ -77,10 +77,11 @@ class NoText:
         return ""
 
 
-def _engine(model, **options) -> Engine:
+def _engine(model, hooks=None, **options) -> Engine:
+    """The engine over ``model`` on its device (``hooks``: an EngineHooks, if any)."""
     device = str(model.lm_head.weight.device)
     options = {"page_size": 64, "prefill_chunk": 256, **options}
-    return Engine.from_model(model, NoText(), EngineConfig(device=device, **options))
+    return Engine.from_model(model, NoText(), EngineConfig(device=device, **options), hooks)
 
 
 def _arena_budget(model, arena: int, chunk: int = 256) -> int:
@@ -343,34 +344,27 @@ def test_streamed_weights_on_the_gpu_equal_resident_ones():
     assert (auto_logits - logits).abs().max().item() <= 2e-2 * logits.abs().max().item()
 
 
-@pytest.mark.parametrize("late", ["copies", "layers"])
-def test_streamed_weights_wait_for_their_copies_and_for_the_layers_before(monkeypatch, late):
+@pytest.mark.parametrize("late", ["copy", "layer"])
+def test_streamed_weights_wait_for_their_copies_and_for_the_layers_before(late):
     """Each copy delayed on the copy stream (a layer that did not wait for its copy would
     compute on the slot's previous layer), or each layer delayed on the compute stream (a
-    copy that did not wait for the slot's last layer would overwrite it mid-use): the
-    logits still equal the resident ones."""
-    from headspace.engine.weight_stream import WeightStream
+    copy that did not wait for the slot's last layer would overwrite it mid-use), through
+    ``EngineHooks.weight_delay``: the logits still equal the resident ones."""
+    from headspace.engine.hooks import EngineHooks
 
     prompt = torch.randint(0, 512, (300,), generator=torch.Generator().manual_seed(6)).tolist()
     logits = _engine(_tiny_model("cuda", torch.bfloat16, layers=5)).logits(prompt, 4)
-    fetch, layers = WeightStream._fetch, WeightStream.__iter__
+    delayed = []
 
-    def late_fetch(self, index):
-        with torch.cuda.stream(self.copy_stream):
+    def delay(what: str, layer: int) -> None:  # on the stream the hook is called on
+        if what == late:
             torch.cuda._sleep(2_000_000)  # ~1 ms: far longer than a tiny layer's work
-        fetch(self, index)
+            delayed.append(layer)
 
-    def late_layers(self):
-        for layer in layers(self):
-            torch.cuda._sleep(2_000_000)
-            yield layer
-
-    if late == "copies":
-        monkeypatch.setattr(WeightStream, "_fetch", late_fetch)
-    else:
-        monkeypatch.setattr(WeightStream, "__iter__", late_layers)
-    streamed = _engine(_tiny_model("cuda", torch.bfloat16, layers=5), weights="stream")
+    hooks = EngineHooks(weight_delay=delay)
+    streamed = _engine(_tiny_model("cuda", torch.bfloat16, layers=5), hooks, weights="stream")
     assert torch.equal(streamed.logits(prompt, 4), logits)
+    assert set(delayed) == set(range(5))  # every layer was late
 
 
 def test_call_ms_times_the_device_not_the_host_issuing():

@@ -185,6 +185,47 @@ def test_beta_one_attends_fewer_tokens(wide_llama, prompt, kernel_calls):
     assert 0 < before["dense"] + before["sparse"] < 0.9 * dense_tokens
 
 
+def _timed_run(checkpoint, prompt, timings, **options):
+    """Greedy tokens of ``prompt`` with the hybrid tier recording into ``timings``: its
+    decode steps and the number of layers with hybrid heads."""
+    from headspace.engine.hooks import EngineHooks
+
+    llm = make(checkpoint, arena=700 * 1024, hooks=EngineHooks(cpu_timings=timings),
+               **SPARSE, **options)  # fmt: skip
+    out = llm.generate(prompt, GREEDY)[0]
+    head_map = llm.engine.batch.runner.plan.head_map
+    layers = [layer for layer in range(head_map.num_layers) if head_map.offloaded_groups(layer)]
+    return len(out.token_ids) - 1, len(layers)
+
+
+def test_cpu_timings_record_every_kernel_call_and_wait(wide_llama, prompt):
+    """``EngineHooks.cpu_timings``: one entry per CPU job (each layer with hybrid heads, each
+    decode step), its K/V bytes; beta 0 keeps every token, so the sparse rows' calls read
+    the exact mode's bytes, call for call. Without ``track_weights`` nothing is tracked."""
+    from headspace.tiers.base import CpuTimings
+
+    exact = CpuTimings()
+    steps, layers = _timed_run(wide_llama, prompt, exact, cpu_share=1.0)
+    assert steps > 0 and layers > 0
+    exact_bytes = exact.jobs + [nbytes for _, nbytes in exact.kernel]  # native jobs, or not
+    assert len(exact_bytes) == len(exact.result) == steps * layers
+    assert min(exact_bytes) > 0 and exact.track == exact.begin == exact.tables == []
+    sparse = CpuTimings()
+    sparse_steps, _ = _timed_run(wide_llama, prompt, sparse, cpu_sparsity=0.0)
+    assert sparse_steps == steps and sparse.jobs == []  # the Python worker's calls
+    assert [nbytes for _, nbytes in sparse.kernel] == exact_bytes
+    assert all(seconds > 0 for seconds, _ in sparse.kernel)
+    assert len(sparse.query) == len(sparse.result) == steps * layers
+    assert len(sparse.begin) == steps and len(sparse.track) >= steps * layers
+    assert 0 < len(sparse.tables) < steps * layers  # the first steps are dense
+    untracked = CpuTimings(track_weights=False)
+    sparse.clear()
+    assert sparse.kernel == sparse.result == sparse.track == []
+    _timed_run(wide_llama, prompt, untracked, cpu_sparsity=0.0)
+    assert untracked.track == [] and len(untracked.kernel) == steps * layers
+    assert len(untracked.begin) == steps and len(untracked.tables) > 0
+
+
 def test_sparse_batch_equals_one_at_a_time(tiny_llama):
     prompts = _prompts([180, 12, 90, 7])
     params = SamplingParams(max_new_tokens=40, ignore_eos=True)

@@ -80,6 +80,51 @@ def test_each_layer_attends_with_its_successors_already_in_their_slots(depth):
     assert stream._holds == list(range(depth))  # the next pass's first layers, fetched
 
 
+def test_the_delay_hook_comes_before_each_copy_and_each_layer():
+    """``delay("copy", i)`` just before layer i's copy into its slot (each layer once a pass,
+    the next pass's first layers as a pass ends), ``delay("layer", i)`` just before layer i
+    computes, once per layer per pass; the outputs stay the resident ones."""
+    ids = torch.arange(9)
+    model = _model()
+    resident = _forward(model, ids)
+    calls, layers = [], []
+
+    def delay(what: str, index: int) -> None:
+        calls.append((what, index))
+        if what == "layer":  # its own copy has landed: the slot holds it
+            assert stream._holds[index % 2] == index
+
+    def attention(layer, q, kv):
+        layers.append(layer)
+        return dense_attention(layer, q, kv)
+
+    stream = WeightStream(model, "cpu", 2, delay=delay)
+    assert calls == []  # nothing copied before the first pass
+    assert torch.equal(_forward(model, ids), resident)
+    assert calls == [("copy", 0), ("copy", 1), ("layer", 0), ("copy", 2), ("layer", 1),
+                     ("copy", 3), ("layer", 2), ("copy", 4), ("layer", 3), ("layer", 4),
+                     ("copy", 0), ("copy", 1)]  # fmt: skip
+    calls.clear()
+    for _ in range(2):
+        assert torch.equal(_forward(model, ids, attention), resident)
+    assert [i for what, i in calls if what == "layer"] == layers == list(range(5)) * 2
+    assert sorted(i for what, i in calls if what == "copy") == sorted(list(range(5)) * 2)
+
+
+def test_the_engine_hands_the_delay_hook_to_its_stream(bias_llama, prompt):
+    from headspace.engine.hooks import EngineHooks
+
+    calls = []
+    hooks = EngineHooks(weight_delay=lambda what, index: calls.append((what, index)))
+    llm = LLM(str(bias_llama), weights="stream", prefill_chunk=64, page_size=16, hooks=hooks)
+    assert llm.engine.model.layer_source.delay is hooks.weight_delay
+    llm.generate(prompt[:40], SamplingParams(max_new_tokens=3, ignore_eos=True))
+    layers = [index for what, index in calls if what == "layer"]
+    num_layers = llm.engine.model.config.num_layers
+    assert layers == list(range(num_layers)) * (len(layers) // num_layers) and len(layers) >= 3
+    assert {index for what, index in calls if what == "copy"} == set(range(num_layers))
+
+
 def test_the_host_copy_is_the_only_copy_of_a_streamed_layer():
     model = _model()
     layer_bytes = sum(p.nbytes for p in model.layers[0].parameters())

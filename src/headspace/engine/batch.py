@@ -81,7 +81,7 @@ class BatchGenerator:
         blocks = block_manager(self.spec.page_size, num_entries)  # the scheduler's
         self.runner = PagedRunner(model, config, self.spec, arena, host, blocks,
                                   2 * config.max_batch, max_context, profile, layout,
-                                  hooks.graphs, hooks.prefix_piece)  # fmt: skip
+                                  hooks.graphs, hooks.prefix_piece, hooks.cpu_timings)  # fmt: skip
         self.planner = BatchPlanner(model.config, config, self.spec, self.runner, blocks,
                                     weights, streamed, ranks)  # fmt: skip
         own_pools = ranks is not None and config.per_head_pages  # pages per rank

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+
+from headspace.tiers.base import CpuTimings
 
 
 @dataclass
@@ -21,8 +24,21 @@ class EngineHooks:
     arena that cannot grow, as when page-locking fails on one rank). None: HostKVArena.
 
     ``prefix_piece``: prefix tokens a prefill chunk gathers from its pages at a time (a
-    test's small pieces end mid-chunk). None: :func:`headspace.tiers.base.prefix_piece`."""
+    test's small pieces end mid-chunk). None: :func:`headspace.tiers.base.prefix_piece`.
+
+    ``cpu_timings``: a :class:`headspace.tiers.base.CpuTimings` the hybrid tier's CPU side
+    fills as it runs (each kernel call's seconds and bytes, the waits for the query and the
+    result, the sparse selector's host time), and whose ``track_weights`` may switch the
+    sparse mode's moving averages off (a benchmark's profile). None: nothing recorded.
+
+    ``weight_delay``: ``delay(what, layer)`` with streamed weights
+    (:class:`headspace.engine.weight_stream.WeightStream`'s ``delay``): called on the copy
+    stream before each layer's copy (``"copy"``) and on the compute stream before each
+    layer computes (``"layer"``); a test's ``torch.cuda._sleep`` there makes the copies or
+    the layers late. None: none."""
 
     graphs: type | None = None
     host_arena: type | None = None
     prefix_piece: int | None = None
+    cpu_timings: CpuTimings | None = None
+    weight_delay: Callable[[str, int], None] | None = None

@@ -27,7 +27,7 @@ from headspace.parallel.placement import RankLayout
 from headspace.planner.plan import Plan
 from headspace.planner.profile import Profile
 from headspace.tiers import HybridSettings, StepInputs, Tier, TierSite, attend_tiers, build_tiers
-from headspace.tiers.base import MIN_WIDTH, block_table, bucket
+from headspace.tiers.base import MIN_WIDTH, CpuTimings, block_table, bucket
 from headspace.tiers.hybrid_sparse import SparseSelector
 from headspace.tiers.layout import head_ranges, host_places, layout_key, staging_slots
 
@@ -39,11 +39,13 @@ class PagedRunner:
                  host: HostKVArena, blocks: BlockManager, max_slots: int, max_context: int,
                  profile: Profile | None = None, layout: RankLayout | None = None,
                  graphs_class: type | None = None,
-                 prefix_piece: int | None = None):  # fmt: skip
+                 prefix_piece: int | None = None,
+                 cpu_timings: CpuTimings | None = None):  # fmt: skip
         """``blocks``: the scheduler's block tables, which the tiers keep per-entry lengths
         in (budgets compress them); ``graphs_class``: what captures decode steps in place of
         DecodeGraphs (tests' CPU twin), ``prefix_piece``: prefix tokens a chunk gathers at a
-        time (a test's small pieces); both :class:`EngineHooks`."""
+        time (a test's small pieces), ``cpu_timings``: the hybrid tier's CPU side's record
+        (a benchmark's); all but ``blocks`` :class:`EngineHooks`."""
         self.model, self.config, self.spec, self.host = model, config, spec, host
         self.graphs_class = graphs_class
         # each layer's attention calls this when set: ``hook(layer, q, kv) -> out`` (a
@@ -69,6 +71,7 @@ class PagedRunner:
             hybrid=HybridSettings(config.cpu_threads, config.cpu_sparsity, config.maw_alpha,
                                   config.gpu_window),
             prefix_piece=prefix_piece,
+            cpu_timings=cpu_timings,
         )  # fmt: skip
         self.tiers: list[Tier] = []  # the current plan's (tiers.table)
         self._layout: tuple | None = None

@@ -10,7 +10,7 @@ schedule, packing and views, so the CPU twin checks everything but the overlap.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 from torch import nn
@@ -61,14 +61,21 @@ def _stand_in(layer: DecoderLayer, slot: torch.Tensor, offsets: dict) -> Decoder
 class WeightStream:
     """The decoder layers of ``model`` in pinned host memory, streamed through ``depth``
     device slots. Iterating yields each layer ready on the device, in order; the next
-    layers' copies are already under way. Non-layer weights move to ``device``."""
+    layers' copies are already under way. Non-layer weights move to ``device``.
 
-    def __init__(self, model: LlamaModel, device: torch.device | str, depth: int = STREAM_DEPTH):
+    ``delay``: a test's hook (``EngineHooks.weight_delay``; None: none), called as
+    ``delay("copy", layer)`` on the copy stream just before each layer's copy into its slot
+    is issued, and ``delay("layer", layer)`` on the compute stream just before each layer
+    is handed to the model (e.g. ``torch.cuda._sleep`` there makes one side late)."""
+
+    def __init__(self, model: LlamaModel, device: torch.device | str, depth: int = STREAM_DEPTH,
+                 delay: Callable[[str, int], None] | None = None):  # fmt: skip
         if model.layer_source is not None:
             raise UserError("this model's layers already stream for another engine; "
                             "build or load the model again")  # fmt: skip
         self.device = torch.device(device)
         self.depth = depth = min(depth, len(model.layers))
+        self.delay = delay
         on_gpu = self.device.type == "cuda"
         self.host: list[torch.Tensor] = []  # [layer] flat page-locked weights
         layouts, was_on_gpu = [], False
@@ -121,11 +128,15 @@ class WeightStream:
         flat, target = self.host[index], self.slots[slot, : self.host[index].numel()]
         self._holds[slot] = index
         if self.copy_stream is None:
+            if self.delay is not None:
+                self.delay("copy", index)
             target.copy_(flat)
             return
         with torch.cuda.stream(self.copy_stream):
             if self._free[slot] is not None:
                 self.copy_stream.wait_event(self._free[slot])
+            if self.delay is not None:
+                self.delay("copy", index)
             target.copy_(flat, non_blocking=True)
             self._ready[slot] = torch.cuda.Event()
             self._ready[slot].record(self.copy_stream)
@@ -143,6 +154,8 @@ class WeightStream:
             slot = index % self.depth
             if compute is not None:
                 compute.wait_event(self._ready[slot])
+            if self.delay is not None:
+                self.delay("layer", index)
             try:
                 yield self.layers[index]
             finally:  # the slot is free once this layer's work (even a failed pass's) ends

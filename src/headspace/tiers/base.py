@@ -10,6 +10,8 @@ copies. ``tiers.table`` maps the head map's tiers to the classes that attend the
 
 from __future__ import annotations
 
+import functools
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -92,6 +94,61 @@ class HybridSettings:
 
 
 @dataclass
+class CpuTimings:
+    """What a benchmark profiling the hybrid tier's CPU side records (given as
+    ``EngineHooks.cpu_timings``; None, the default, records nothing and costs one check a
+    call). Filled as the engine runs, one entry per call; seconds are wall seconds
+    (``time.perf_counter``), bytes those of the K and V the kernel reads.
+
+    ``kernel``: (seconds, bytes) of each CPU kernel call on the Python worker (sparse mode,
+    or exact mode without the native runner). ``jobs``: bytes of each native background job
+    (exact mode; its kernel runs off Python, so only the wait in ``result`` is timed).
+    ``query``: the Python worker's wait for each query to land. ``result``: the GPU thread's
+    wait in each ``CpuAttention.result``. ``track``, ``begin``, ``tables``: host seconds in
+    each :class:`headspace.tiers.hybrid_sparse.SparseSelector` ``track``, ``begin`` and
+    ``token_tables`` call.
+
+    ``track_weights``: False skips the sparse mode's moving averages of the GPU-side tokens'
+    weights (their scores and their update), for profiling only (what tracking costs):
+    selections then keep only what the CPU side's own re-evaluations keep."""
+
+    kernel: list[tuple[float, int]] = field(default_factory=list)
+    jobs: list[int] = field(default_factory=list)
+    query: list[float] = field(default_factory=list)
+    result: list[float] = field(default_factory=list)
+    track: list[float] = field(default_factory=list)
+    begin: list[float] = field(default_factory=list)
+    tables: list[float] = field(default_factory=list)
+    track_weights: bool = True
+
+    def clear(self) -> None:
+        """Empty every record (after a warm-up, say); ``track_weights`` stays."""
+        for value in vars(self).values():
+            if isinstance(value, list):
+                value.clear()
+
+
+def timed(name: str):
+    """Decorates a method of an object with a ``timings`` attribute (a :class:`CpuTimings`
+    or None): when set, each call's wall seconds go to its list ``name``."""
+
+    def decorate(method):
+        @functools.wraps(method)
+        def call(self, *args, **options):
+            if self.timings is None:
+                return method(self, *args, **options)
+            start = time.perf_counter()
+            try:
+                return method(self, *args, **options)
+            finally:
+                getattr(self.timings, name).append(time.perf_counter() - start)
+
+        return call
+
+    return decorate
+
+
+@dataclass
 class TierCounters:
     """Running totals of what the tiers copied since the engine started (never reset; tests
     and benchmarks read them)."""
@@ -123,6 +180,7 @@ class TierSite:
     exchange: Callable[[torch.Tensor], torch.Tensor] = all_gather_stack
     prefix_piece: int | None = None  # prefix tokens gathered at a time (None: the rule)
     cpu_attention: CpuAttention | None = None  # the hybrid tier's threads, kept across plans
+    cpu_timings: CpuTimings | None = None  # a benchmark's profile of them (None: none)
     counters: TierCounters = field(default_factory=TierCounters)
 
     def own_heads(self, layer: int) -> Sequence[int]:

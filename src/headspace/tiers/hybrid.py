@@ -17,6 +17,7 @@ worker thread that waits for the query's event instead.
 
 from __future__ import annotations
 
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -26,7 +27,7 @@ from headspace.attention.cpu_decode import cpu_paged_decode
 from headspace.attention.cpu_jobs import BackgroundDecode
 from headspace.kv.host_store import HostKVArena
 from headspace.parallel.dist import rank_cores
-from headspace.tiers.base import HeadRange, TierSite
+from headspace.tiers.base import CpuTimings, HeadRange, TierSite, timed
 from headspace.tiers.hybrid_sparse import SparseSelector
 
 
@@ -43,10 +44,12 @@ def cpu_ends(lengths: list[int], cpu_share: float, gpu_window: int, page_size: i
 class CpuAttention:
     """Attention of query heads over host pages by CPU threads, one job per layer (all its
     hybrid heads, the whole batch). With ``sparse`` (set by the runner in sparse mode), rows
-    with a selection attend only their kept tokens."""
+    with a selection attend only their kept tokens. ``timings``: a benchmark's record of
+    the kernel calls and waits (:class:`CpuTimings`; None: nothing recorded)."""
 
-    def __init__(self, host: HostKVArena, num_threads: int | None = None):
-        self.host, self.num_threads = host, num_threads
+    def __init__(self, host: HostKVArena, num_threads: int | None = None,
+                 timings: CpuTimings | None = None):  # fmt: skip
+        self.host, self.num_threads, self.timings = host, num_threads, timings
         self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="headspace-cpu")
         self.sparse: SparseSelector | None = None
         self.tables: torch.Tensor | None = None
@@ -116,6 +119,8 @@ class CpuAttention:
                                         num_threads=self.num_threads, out=out, lse=lse)  # fmt: skip
         if q.is_cuda:
             self._landed[ticket] = landed
+        if self.timings is not None:
+            self.timings.jobs.append(_kv_bytes(kv[:, 0], self.ends))
         return ticket
 
     def _buffers(self, layer: int, shape: torch.Size) -> tuple[torch.Tensor, ...]:
@@ -133,8 +138,11 @@ class CpuAttention:
         return tuple(buffer[:seqs] for buffer in held)
 
     def _run(self, q: torch.Tensor, ready, layer: int, kv_range: tuple[int, int]):
+        start = time.perf_counter() if self.timings is not None else 0.0
         if ready is not None:
             ready.synchronize()
+        if self.timings is not None:
+            self.timings.query.append(time.perf_counter() - start)
         if self.sparse is None:
             out, lse = self._dense(q, layer, kv_range)
         else:
@@ -147,8 +155,17 @@ class CpuAttention:
         tables, ends = self.tables, self.ends
         if rows is not None:
             q, tables, ends = q[rows], tables[rows], ends[rows]
-        return cpu_paged_decode(q, kv[:, 0], kv[:, 1], tables, ends, self.host.spec.page_size,
-                                num_threads=self.num_threads, probs=probs)  # fmt: skip
+        return self._kernel(q, kv[:, 0], kv[:, 1], tables, ends, self.host.spec.page_size,
+                            probs=probs)  # fmt: skip
+
+    def _kernel(self, q, k, v, tables, ends, page_size: int, probs=None):
+        """:func:`cpu_paged_decode` on this object's threads, timed when ``timings`` is set."""
+        start = time.perf_counter() if self.timings is not None else 0.0
+        out = cpu_paged_decode(q, k, v, tables, ends, page_size, num_threads=self.num_threads,
+                               probs=probs)  # fmt: skip
+        if self.timings is not None:
+            self.timings.kernel.append((time.perf_counter() - start, _kv_bytes(k, ends)))
+        return out
 
     def _rows(self, q, layer: int, kv_range: tuple[int, int]):
         """Sparse mode: rows without a selection yet attend densely (the first of them also
@@ -171,13 +188,13 @@ class CpuAttention:
             tables, counts = sparse.token_tables(layer, kv_range, self.host_pages, slots,
                                                  self.host.spec.page_size)  # fmt: skip
             queries = q[rows].reshape(len(rows) * num_heads, -1, dim)
-            part, part_lse = cpu_paged_decode(queries, flat[:, : flat.shape[1] - slots],
-                                              flat[:, slots:], tables, counts, 1,
-                                              num_threads=self.num_threads)  # fmt: skip
+            part, part_lse = self._kernel(queries, flat[:, : flat.shape[1] - slots],
+                                          flat[:, slots:], tables, counts, 1)  # fmt: skip
             out[rows] = part.view(len(rows), -1, dim)
             lse[rows] = part_lse.view(len(rows), -1)
         return out, lse
 
+    @timed("result")
     def result(self, job: Future | int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """``out [seqs, heads, dim]`` fp32 and ``lse [seqs, heads]`` on ``device``."""
         if isinstance(job, int):
@@ -186,6 +203,12 @@ class CpuAttention:
         else:
             out, lse = job.result()
         return out.to(device, non_blocking=True), lse.to(device, non_blocking=True)
+
+
+def _kv_bytes(k: torch.Tensor, ends: torch.Tensor) -> int:
+    """Bytes of K and V a kernel call reads: ``ends`` tokens of each row (sequence, or a
+    sparse row's kept tokens) over the ``k.shape[0]`` kv heads of ``k [heads, slots, dim]``."""
+    return int(ends.sum()) * k.shape[0] * 2 * k.shape[-1] * k.element_size()
 
 
 @dataclass
@@ -207,9 +230,10 @@ def cpu_split(plan, site: TierSite, groups: list[list[HeadRange]]) -> CpuSplit |
     settings = site.hybrid
     if site.cpu_attention is None:
         threads = settings.threads or max(rank_cores() - 1, 1)
-        site.cpu_attention = CpuAttention(site.host, threads)
+        site.cpu_attention = CpuAttention(site.host, threads, site.cpu_timings)
     site.cpu_attention.sparse = None
     if settings.sparsity is not None:  # the CPU takes all before the window
         site.cpu_attention.sparse = SparseSelector.over_groups(
-            settings, site.spec, groups, site.max_slots, site.store.buffer.device)  # fmt: skip
+            settings, site.spec, groups, site.max_slots, site.store.buffer.device,
+            site.cpu_timings)  # fmt: skip
     return CpuSplit(site.cpu_attention, plan.cpu_share, settings.gpu_window)

@@ -26,6 +26,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from headspace.kv.transfer import device_ints
+from headspace.tiers.base import CpuTimings, timed
 
 SELECTION_DELAY = 2  # steps from the dense pass that writes the weights to the first sparse one
 
@@ -100,12 +101,16 @@ class SparseState:
 
 class SparseSelector:
     """MAW tracking on the device, selection on a background thread, and the CPU kernel's
-    token tables, for the sequences of the running batch."""
+    token tables, for the sequences of the running batch. ``timings``: a benchmark's record
+    of the host time in ``track``, ``begin`` and ``token_tables``, and whether the GPU side's
+    weights are tracked at all (:class:`CpuTimings`; None: nothing recorded, tracked)."""
 
     def __init__(self, beta: float, alpha: float, kv_heads: dict[int, range], num_layers: int,
                  num_kv_heads: int, window: int, page_size: int, max_rows: int,
-                 device: torch.device):  # fmt: skip
+                 device: torch.device, timings: CpuTimings | None = None):  # fmt: skip
         self.beta, self.alpha, self.kv_heads = beta, alpha, kv_heads
+        self.timings = timings
+        self.tracks = timings is None or timings.track_weights  # the GPU side's MAW updated
         self.ring = window + 2 * page_size  # the GPU side never spans more tokens
         self.maw = torch.full((max_rows, num_layers, num_kv_heads, self.ring), -1.0, device=device)
         self.states: dict[int, SparseState] = {}
@@ -118,9 +123,11 @@ class SparseSelector:
 
     @classmethod
     def over_groups(cls, settings, spec, groups: list[list[tuple[int, int]]], max_rows: int,
-                    device: torch.device) -> SparseSelector:  # fmt: skip
+                    device: torch.device,
+                    timings: CpuTimings | None = None) -> SparseSelector:  # fmt: skip
         """The selector of the hybrid tier's ``settings`` (``sparsity``, ``maw_alpha``,
-        ``gpu_window``) over each layer's offloaded kv-head ``groups`` (ranges)."""
+        ``gpu_window``) over each layer's offloaded kv-head ``groups`` (ranges); a
+        benchmark's ``timings``, if any."""
         kv_heads = {layer: range(ranges[0][0], ranges[-1][1])
                     for layer, ranges in enumerate(groups) if ranges}  # fmt: skip
         return cls(
@@ -133,9 +140,11 @@ class SparseSelector:
             spec.page_size,
             max_rows,
             device,
+            timings,
         )
 
     # -- the step ------------------------------------------------------------------------
+    @timed("begin")
     def begin(self, seq_ids: list[int], positions: list[int], cpu_ends: list[int]) -> None:
         """A decode step of ``seq_ids`` (new tokens at ``positions``, CPU tokens
         ``cpu_ends``): evicts the pages that left the window, sorts the rows into dense
@@ -197,6 +206,7 @@ class SparseSelector:
         return self.summaries.get(seq_id)
 
     # -- the GPU side --------------------------------------------------------------------
+    @timed("track")
     def track(self, layer: int, kv_range: tuple[int, int], probs: torch.Tensor,
               offsets: torch.Tensor, lengths: torch.Tensor) -> None:  # fmt: skip
         """Fold one step's weights of the GPU-side tokens into their MAW: ``probs [seqs,
@@ -237,6 +247,7 @@ class SparseSelector:
 
         self.worker.submit(select)
 
+    @timed("tables")
     def token_tables(
         self,
         layer: int,

@@ -355,7 +355,7 @@ class StreamedTier(Tier):
 
     def _decode(self, group: int, kv_range: HeadRange, q, kv, out):
         new_kv, target = (kv, out) if self.fused else (None, None)
-        tracked = self.cpu is not None and self.cpu.attention.sparse is not None
+        tracked = self.sparse is not None and self.sparse.tracks
         scores = []  # sparse mode: each piece's scores of its keys
 
         def piece_attention(piece: _Piece, k, v):
