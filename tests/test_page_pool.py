@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from headspace.errors import UserError
-from headspace.kv.block_table import GPU, HOST, BlockManager, OutOfPages
+from headspace.kv.block_table import GPU, HOST, BlockManager, OutOfPages, PoolLayout
 from headspace.kv.host_store import HostKVArena
 from headspace.kv.page_pool import PagePool
 from headspace.kv.spec import KVSpec
@@ -82,6 +82,30 @@ def test_two_tiers_share_the_prefix_and_swap_round_trips():
     assert [host for host, _ in back] == [host for _, host in pairs]
     assert blocks.tiers(2) == [GPU] and blocks.table(2, GPU).num_tokens == 6
     assert blocks.pools[HOST].num_free == 6
+
+
+def test_a_new_layout_keeps_swapped_out_sequences_and_attaches_them_to_both_tiers():
+    """A layout change while sequences run: they swap out to host pages, the GPU pool is
+    replaced, and each gets GPU pages beside its host pages (a layout that streams heads:
+    both tiers hold it from then on), one GPU page per host page."""
+    blocks = BlockManager(page_size=4, num_gpu_pages=6, num_host_pages=8)
+    blocks.allocate_prompt(0, list(range(10)))  # 3 pages
+    blocks.allocate_prompt(1, list(range(5)))  # 2 pages
+    with pytest.raises(AssertionError):  # GPU pages held: the pool cannot change
+        blocks.reset(PoolLayout(4))
+    for seq in (0, 1):
+        blocks.swap_out(seq)
+    blocks.reset(PoolLayout(5))
+    assert blocks.pool.num_pages == 5 and blocks.pools[HOST].num_free == 3
+    pairs = blocks.attach(0) + blocks.attach(1)
+    assert [h for h, _ in pairs] == blocks.table(0, HOST).pages + blocks.table(1, HOST).pages
+    assert sorted(g for _, g in pairs) == list(range(5)) and blocks.pool.num_free == 0
+    assert blocks.tiers(0) == [GPU, HOST] and blocks.table(0).num_tokens == 10
+    blocks.append_token(1)  # 6 tokens: still two pages, in both tiers
+    assert len(blocks.table(1).pages) == len(blocks.table(1, HOST).pages) == 2
+    for seq in (0, 1):
+        blocks.free(seq)
+    assert blocks.pool.num_free == 5 and blocks.pools[HOST].num_free == 8
 
 
 def test_grow_and_drop_cache():

@@ -155,6 +155,37 @@ def test_a_long_prompt_prefills_between_the_others_tokens(tiny_llama):
     assert _pools_full(engine)
 
 
+def test_a_prompt_that_needs_streaming_moves_the_running_ones_to_a_streamed_layout(tiny_llama):
+    """Two short requests decode in the all-resident layout; a prompt that fits only with
+    heads streamed arrives. The engine lays out for the three at once (the short ones' K/V
+    copied to host pages, their resident heads back to GPU pages) instead of waiting until
+    they end: its first token comes while they still decode, its chunks run a layer or
+    so a step there too (the stream tier stages a slice's layers), and every request's
+    tokens equal its own run alone."""
+    engine = _make(tiny_llama, arena_kib=150).engine  # 11 resident pages of 16 tokens
+    short, long_prompt = _prompts([20, 30], seed=3), _prompts([150], seed=4)[0]
+    params = SamplingParams(max_new_tokens=40, ignore_eos=True)
+    alone = [engine.run(p, params).token_ids for p in short + [long_prompt]]
+    ids = [engine.add_request(p, params) for p in short]
+    tokens: dict[int, list[int]] = {i: [] for i in ids}
+    while not all(tokens.values()):
+        for output in engine.step():
+            tokens[output.request_id] += output.new_token_ids
+    assert not engine.batch.runner.streaming  # they run all resident
+    ids.append(engine.add_request(long_prompt, params))
+    tokens[ids[-1]], first_token_beside, part_way = [], None, 0
+    while engine.has_unfinished():
+        part_way += engine.batch.scheduler.piece is not None
+        for output in engine.step():
+            tokens[output.request_id] += output.new_token_ids
+            if output.request_id == ids[-1] and first_token_beside is None:
+                first_token_beside = not all(len(tokens[i]) == 40 for i in ids[:2])
+    assert first_token_beside  # it did not wait for the short ones to end
+    assert engine.batch.runner.streaming and part_way >= 4  # 3 chunks of 3 layers
+    assert [tokens[i] for i in ids] == alone
+    assert _pools_full(engine)
+
+
 def test_step_outputs_add_up_to_the_final_text(tiny_llama):
     engine = _make(tiny_llama).engine
     request = engine.add_request(_prompts([40])[0], GREEDY)

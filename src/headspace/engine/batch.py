@@ -226,6 +226,8 @@ class BatchGenerator:
         scheduler = self.scheduler
         if scheduler.idle and scheduler.waiting:
             self.planner.replan(scheduler)
+        elif scheduler.waiting:  # one that cannot fit this layout may move the running ones
+            self.planner.relayout(scheduler)
         self._run(scheduler.schedule(self.planner.worth_joining(scheduler)))
 
     def _run(self, plan: StepPlan) -> None:

@@ -45,6 +45,7 @@ class BatchPlanner:
         self.hardware = Hardware() if has_kernel else Hardware(cpu_attention_bytes=0)
         self.tiers: tuple[str, ...] = (GPU,)  # where a sequence takes pages in the layout
         self.planned: set[int] | None = None  # the sequences entry staging is sized for
+        self.relaid_for: int | None = None  # the sequence the running ones moved for
 
     def plan(self, seqs: list[Sequence]) -> Plan:
         """The plan for ``seqs`` running together (UserError with the numbers if none)."""
@@ -136,6 +137,40 @@ class BatchPlanner:
         self.planned = {s.seq_id for s in planned} if best.entry_staging else None
         self.apply(best, scheduler)
 
+    def relayout(self, scheduler: Scheduler) -> bool:
+        """While requests run in the all-resident layout and the request next in line can
+        never fit it: plan for it together with the running ones (heads streamed) and move
+        them there. Every running sequence's K/V is copied to host pages, the arena takes
+        the new layout, and their resident entries are copied back into GPU pages beside
+        their host pages (copies queued in order on the device). False when nothing moves:
+        a prompt is part-way through its prefill, some are swapped out, the layout already
+        streams, the mode keeps state per sequence (per-entry pages, sparse hybrid, ranks),
+        or no plan holds them all."""
+        config, runner, running = self.config, self.runner, scheduler.running
+        if not running or not scheduler.waiting or scheduler.prefilling is not None:
+            return False
+        if scheduler.swapped or runner.streaming or config.offload == "none":
+            return False
+        if config.per_head_pages or config.cpu_sparsity is not None or self.ranks is not None:
+            return False
+        head = scheduler.waiting[0]
+        if self.blocks.pages_for(head.max_tokens) <= self.blocks.pool.num_pages:
+            return False  # it fits this layout once pages free up
+        try:
+            plan = self.plan(running + [head])
+        except UserError:
+            return False
+        if plan.staging is None:
+            return False
+        self.ensure_host_pages(plan.num_host_pages)
+        out = [pair for seq in running for pair in self.blocks.swap_out(seq.seq_id)]
+        runner.swap(out, to_host=True)  # under the old layout's views
+        self.planned, self.relaid_for = None, head.seq_id
+        self.apply(plan, scheduler)
+        back = [pair for seq in running for pair in self.blocks.attach(seq.seq_id)]
+        runner.swap(back, to_host=False)
+        return True
+
     def apply(self, plan: Plan, scheduler: Scheduler | None = None) -> None:
         """Make ``plan`` the runner's layout and the page pools' (nothing may hold pages)
         and tell ``scheduler`` where sequences take pages and whether they may swap out."""
@@ -180,6 +215,8 @@ class BatchPlanner:
             running = scheduler.running
             if self.planned is not None:  # the staging slots hold what was planned
                 return seq.seq_id in self.planned
+            if seq.seq_id == self.relaid_for:  # the layout was made for it
+                return True
             if plan.staging is None or not running:
                 return True
             return self.rate(plan, running + [seq]) >= self.rate(plan, running)

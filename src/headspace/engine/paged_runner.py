@@ -244,7 +244,9 @@ class PagedRunner:
         final-normed only after the last layer."""
         ids = torch.tensor(seq.prompt_ids[start:end], device=self.device)
         positions = torch.arange(start, end, device=self.device)
-        step = StepInputs(False, positions, [], pages, start=start, seq_ids=[seq.seq_id])
+        first_layer = 0 if layers is None else layers[0]
+        step = StepInputs(False, positions, [], pages, start=start, seq_ids=[seq.seq_id],
+                          first_layer=first_layer)  # fmt: skip
         for tier in self.tiers:
             tier.begin(step)
         mode = "eager"

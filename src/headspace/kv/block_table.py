@@ -55,10 +55,12 @@ class BlockManager:
         return self.pools[GPU]
 
     def reset(self, layout: PoolLayout) -> None:
-        """A new GPU pool (a new layout of the GPU arena); no sequence may hold pages. Host
-        pages keep their data; their cached prefixes are forgotten unless the streamed
-        entries stay the same (``layout.drop_host_cache`` False)."""
-        assert not self.tables, "the layout can change only when no sequence holds pages"
+        """A new GPU pool (a new layout of the GPU arena); no sequence may hold GPU pages
+        (sequences swapped out to host pages stay). Host pages keep their data; their cached
+        prefixes are forgotten unless the streamed entries stay the same
+        (``layout.drop_host_cache`` False)."""
+        assert all(GPU not in tables for tables in self.tables.values()), \
+            "the layout can change only when no sequence holds GPU pages"  # fmt: skip
         self.pools[GPU] = PagePool(layout.num_gpu_pages)
         if layout.drop_host_cache:
             self.pools[HOST].drop_cache()
@@ -184,6 +186,18 @@ class BlockManager:
         """Move a swapped-out ``seq_id`` back into the GPU pool: (host page, GPU page) pairs.
         Raises OutOfPages when the GPU pool cannot hold it."""
         return self._move(seq_id, HOST, GPU)
+
+    def attach(self, seq_id: int) -> list[tuple[int, int]]:
+        """Give a swapped-out ``seq_id`` GPU pages for its tokens beside its host pages (a
+        layout that streams heads: the resident entries in GPU pages, every entry in host
+        pages): (host page, GPU page) pairs whose resident entries the caller copies.
+        Raises OutOfPages when the GPU pool cannot hold it."""
+        host, pool = self.tables[seq_id][HOST], self.pools[GPU]
+        if len(host.pages) > pool.num_free:
+            raise OutOfPages(f"the GPU pool cannot hold sequence {seq_id}")
+        gpu = BlockTable([pool.allocate() for _ in host.pages], host.num_tokens)
+        self.tables[seq_id] = {GPU: gpu, HOST: host}
+        return list(zip(host.pages, gpu.pages, strict=True))
 
     def _move(self, seq_id: int, source: str, target: str) -> list[tuple[int, int]]:
         old, pool = self.tables[seq_id][source], self.pools[target]

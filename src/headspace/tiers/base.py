@@ -66,9 +66,10 @@ class StepInputs:
     """One forward pass, as the tiers see it.
 
     Prefill (one sequence): ``positions [tokens]``, ``start`` its first position, ``pages``
-    the sequence's pages per tier. Decode (one token per sequence): ``positions`` per
-    sequence, ``tables`` per tier ``[seqs, width]`` int32 and ``lengths [seqs]`` (positions
-    + 1) on the device, ``pages`` per tier and sequence.
+    the sequence's pages per tier, ``first_layer`` the first decoder layer this pass runs
+    (a chunk run a few layers a step: ``Tier.layer_slices``). Decode (one token per
+    sequence): ``positions`` per sequence, ``tables`` per tier ``[seqs, width]`` int32 and
+    ``lengths [seqs]`` (positions + 1) on the device, ``pages`` per tier and sequence.
     """
 
     decode: bool
@@ -79,6 +80,7 @@ class StepInputs:
     lengths: torch.Tensor | None = None
     start: int = 0
     seq_ids: list[int] = field(default_factory=list)
+    first_layer: int = 0
 
 
 @dataclass

@@ -12,8 +12,6 @@ place. On the CPU the same code runs synchronously.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from headspace.attention import attend, merge_attention
@@ -25,48 +23,16 @@ from headspace.attention.paged import (
 from headspace.kv.host_store import HostKVArena
 from headspace.kv.transfer import as_heads, copy_pages, device_ints, write_tokens
 from headspace.tiers.base import (
-    MIN_WIDTH,
     HeadRange,
     StepInputs,
     Tier,
     TierSite,
-    bucket,
     q_heads,
 )
 from headspace.tiers.hybrid import CpuSplit, cpu_ends, cpu_split
 from headspace.tiers.hybrid_sparse import SparseSelector
 from headspace.tiers.layout import head_ranges
-
-MAX_COPY_RUNS = 16  # a piece in at most this many runs of adjacent pages uses the copy engine
-
-
-@dataclass
-class _Piece:
-    """History pages gathered together: host ``pages`` (on the device), the same as runs of
-    adjacent pages (first host page, first staging page, count), and at decode each
-    sequence's staging pages (``tables``) and keys in the piece (``lengths``)."""
-
-    pages: torch.Tensor
-    num_tokens: int
-    tables: torch.Tensor | None = None
-    lengths: torch.Tensor | None = None
-    runs: list[tuple[int, int, int]] | None = None
-    count: torch.Tensor | None = None  # pages in use, on the device (CUDA-graph steps)
-    offsets: torch.Tensor | None = None  # at decode: each sequence's first position in it
-    width: int = 0  # at decode: the most keys of one sequence in it
-    slots: torch.Tensor | None = None  # sparse hybrid: staging slots of its keys [seqs, width]
-
-
-def page_runs(pages: list[int]) -> list[tuple[int, int, int]]:
-    """``pages`` as runs of adjacent pages: (first page, index of it in the list, count)."""
-    runs = []
-    for index, page in enumerate(pages):
-        if runs and page == runs[-1][0] + runs[-1][2]:
-            first, at, count = runs[-1]
-            runs[-1] = (first, at, count + 1)
-        else:
-            runs.append((page, index, 1))
-    return runs
+from headspace.tiers.pieces import MAX_COPY_RUNS, Piece, decode_pieces, history_pieces
 
 
 class StreamedTier(Tier):
@@ -145,16 +111,18 @@ class StreamedTier(Tier):
                 if self.cpu.attention.sparse is not None:
                     self.cpu.attention.sparse.begin(step.seq_ids, step.positions_list, ends)
                 first_pages = [end // size for end in ends]
-            self.pieces = self._decode_pieces(step, first_pages)
+            self.pieces, self.fused = decode_pieces(step, first_pages, self.piece_pages,
+                                                    self.page_size, self.device)  # fmt: skip
             rows = zip(step.pages["host"], step.positions_list, strict=True)
             slots = [pages[pos // size] * size + pos % size for pages, pos in rows]
             self.new_slots = device_ints(slots, self.device)
         else:
             pages = step.pages["host"][0]
-            self.pieces = self._pieces(pages[: -(-step.start // size)], step.start)
+            self.pieces = history_pieces(pages[: -(-step.start // size)], step.start,
+                                         self.piece_pages, size, self.device)  # fmt: skip
             host_pages = device_ints(pages, self.device)
             self.new_slots = host_pages[step.positions // size] * size + step.positions % size
-        self._start()
+        self._start(self._first_item(step.first_layer))
 
     def begin_graph(self, step: StepInputs, views: dict[str, torch.Tensor], key: tuple) -> None:
         self.begin_static(step, views["pages"], views["count"], views["new_slots"])
@@ -166,66 +134,30 @@ class StreamedTier(Tier):
         in use), ``step.tables["host"]`` into the staging slot, the new tokens' host
         ``new_slots``; the kernel appends each new token in staging."""
         self.step, self.fused = step, True
-        self.pieces = [_Piece(pages, 0, step.tables["host"], step.lengths, count=count)]
+        self.pieces = [Piece(pages, 0, step.tables["host"], step.lengths, count=count)]
         self.new_slots = new_slots
         self._start()
 
-    def _start(self) -> None:
+    @property
+    def layer_slices(self) -> bool:
+        """A prefill chunk may run a few layers a step (not in sparse mode)."""
+        return self.sparse is None
+
+    def _first_item(self, layer: int) -> int:
+        """The first (group, piece) item of ``layer`` or a later one (their count: none)."""
+        group = next((g for g, (at, _) in enumerate(self.order) if at >= layer), len(self.order))
+        return group * len(self.pieces)
+
+    def _start(self, first: int = 0) -> None:
+        """Items in order from item ``first`` (the pass's first layer) on, the first ones
+        issued ahead."""
         self.items = [(g, p) for g in range(len(self.order)) for p in range(len(self.pieces))]
         self._arrived: dict[int, torch.cuda.Event] = {}
         self._released: list[torch.cuda.Event | None] = [None] * self.depth
         if self.copy_stream is not None:  # history written by earlier passes is complete
             self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
-            for i in range(self.depth - 1):
+            for i in range(first, first + self.depth - 1):
                 self._issue(i)
-
-    def _pieces(self, pages: list[int], num_tokens: int) -> list[_Piece]:
-        """One sequence's history of ``num_tokens`` in ``pages``, in runs of one slot."""
-        pieces, size = [], self.piece_pages * self.page_size
-        for first in range(0, len(pages), self.piece_pages):
-            run = pages[first : first + self.piece_pages]
-            tokens = min(size, num_tokens - first * self.page_size)
-            pieces.append(_Piece(device_ints(run, self.device), tokens, runs=page_runs(run)))
-        return pieces
-
-    def _decode_pieces(self, step: StepInputs, first_pages: list[int]) -> list[_Piece]:
-        """Every sequence's pages from ``first_pages`` on, concatenated, in runs of one slot.
-        When all of it fits one slot, the page of the new token comes along and the kernel
-        appends it in staging."""
-        positions, host, size = step.positions_list, step.pages["host"], self.page_size
-        staged = [
-            -(-(p + 1) // size) - first for p, first in zip(positions, first_pages, strict=True)
-        ]
-        self.fused = sum(staged) <= self.piece_pages
-        lengths = [p + 1 for p in positions] if self.fused else positions
-        flat, owners = [], []  # each page and its (sequence, index in the sequence)
-        for row, (pages, length) in enumerate(zip(host, lengths, strict=True)):
-            num_pages = -(-length // size)
-            flat += pages[first_pages[row] : num_pages]
-            owners += [(row, j) for j in range(first_pages[row], num_pages)]
-        pieces = []
-        for first in range(0, len(flat), self.piece_pages):
-            run = flat[first : first + self.piece_pages]
-            first_page, counts, rows = {}, [0] * len(positions), [[] for _ in positions]
-            for slot_page, (row, j) in enumerate(owners[first : first + self.piece_pages]):
-                first_page.setdefault(row, j)
-                rows[row].append(slot_page)
-                counts[row] += 1
-            tables = torch.zeros(len(positions), bucket(max(counts), MIN_WIDTH), dtype=torch.int32)
-            for row, slot_pages in enumerate(rows):
-                tables[row, : len(slot_pages)] = torch.tensor(slot_pages, dtype=torch.int32)
-            seq_lengths = [
-                min(lengths[row], (first_page[row] + counts[row]) * size) - first_page[row] * size
-                if counts[row] else 0
-                for row in range(len(positions))
-            ]  # fmt: skip
-            offsets = [first_page.get(row, 0) * size for row in range(len(positions))]
-            seq_lengths_on, offsets_on = device_ints([seq_lengths, offsets], self.device)
-            pieces.append(_Piece(device_ints(run, self.device), 0,
-                                 device_ints(tables, self.device, torch.int32), seq_lengths_on,
-                                 runs=page_runs(run), offsets=offsets_on,
-                                 width=max(seq_lengths)))  # fmt: skip
-        return pieces
 
     # -- staging -------------------------------------------------------------------------
     def _gather(self, i: int) -> None:
@@ -358,7 +290,7 @@ class StreamedTier(Tier):
         tracked = self.sparse is not None and self.sparse.tracks
         scores = []  # sparse mode: each piece's scores of its keys
 
-        def piece_attention(piece: _Piece, k, v):
+        def piece_attention(piece: Piece, k, v):
             if tracked and piece.slots is None:  # the same for every group
                 piece.slots = paged_token_slots(piece.tables, piece.width, self.page_size)
             if k.is_cuda:
