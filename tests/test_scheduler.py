@@ -151,3 +151,14 @@ def test_an_abort_part_way_through_a_chunks_layers_starts_the_next_prompt_afresh
     plan = scheduler.schedule()
     assert plan.prefill.seq is short and plan.prefill.layers == (0, 2)  # 30 a layer, 64 a step
     assert (plan.prefill.start, plan.prefill.end) == (0, 30)
+
+
+def test_attention_prefix_of_llama3_8b_by_hand():
+    """A prompt token's linear layers in one layer of Llama-3-8B: 2 x (4096 x 48 x 128
+    (q/k/v) + 4096 x 4096 (o) + 3 x 4096 x 14336 (MLP)) = 436,207,616 FLOPs; its attention:
+    4 x 32 x 128 = 16,384 FLOPs a key, so the two match at a prefix of 26,624 tokens."""
+    from headspace.engine.memory import attention_prefix
+    from headspace.model.config import config_from_dict
+    from test_planner import LLAMA3_8B
+
+    assert attention_prefix(config_from_dict(LLAMA3_8B)) == 26624

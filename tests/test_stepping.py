@@ -186,6 +186,35 @@ def test_a_prompt_that_needs_streaming_moves_the_running_ones_to_a_streamed_layo
     assert _pools_full(engine)
 
 
+def test_swapped_out_requests_move_to_the_streamed_layout_and_run_again(tiny_llama):
+    """Three resident requests outgrow the pool and one is swapped out to host pages; a
+    prompt that fits only with heads streamed arrives. The new layout holds all four: the
+    swapped-out request gets GPU pages beside its host pages and decodes again at once,
+    and every request's tokens equal its own run alone."""
+    engine = _make(tiny_llama, arena_kib=150).engine  # 11 resident pages of 16 tokens
+    short, long_prompt = _prompts([40, 41, 42], seed=5), _prompts([150], seed=6)[0]
+    params = SamplingParams(max_new_tokens=40, ignore_eos=True)
+    alone = [engine.run(p, params).token_ids for p in short + [long_prompt]]
+    scheduler = engine.batch.scheduler
+    ids = [engine.add_request(p, params) for p in short]
+    tokens: dict[int, list[int]] = {i: [] for i in ids}
+    while not scheduler.swapped:
+        for output in engine.step():
+            tokens[output.request_id] += output.new_token_ids
+    assert not engine.batch.runner.streaming
+    ids.append(engine.add_request(long_prompt, params))
+    tokens[ids[-1]] = []
+    for output in engine.step():
+        tokens[output.request_id] += output.new_token_ids
+    assert engine.batch.runner.streaming and not scheduler.swapped
+    assert len(scheduler.running) == 4  # the arrival admitted beside all three
+    while engine.has_unfinished():
+        for output in engine.step():
+            tokens[output.request_id] += output.new_token_ids
+    assert [tokens[i] for i in ids] == alone
+    assert _pools_full(engine)
+
+
 def test_step_outputs_add_up_to_the_final_text(tiny_llama):
     engine = _make(tiny_llama).engine
     request = engine.add_request(_prompts([40])[0], GREEDY)

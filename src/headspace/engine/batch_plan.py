@@ -139,25 +139,27 @@ class BatchPlanner:
 
     def relayout(self, scheduler: Scheduler) -> bool:
         """While requests run in the all-resident layout and the request next in line can
-        never fit it: plan for it together with the running ones (heads streamed) and move
-        them there. Every running sequence's K/V is copied to host pages, the arena takes
-        the new layout, and their resident entries are copied back into GPU pages beside
-        their host pages (copies queued in order on the device). False when nothing moves:
-        a prompt is part-way through its prefill, some are swapped out, the layout already
-        streams, the mode keeps state per sequence (per-entry pages, sparse hybrid, ranks),
-        or no plan holds them all."""
+        never fit it: plan for it together with the requests that hold pages (heads
+        streamed) and move them there. Every running sequence's K/V is copied to host pages
+        (swapped-out ones are there already), the arena takes the new layout, and their
+        resident entries are copied back into GPU pages beside their host pages (copies
+        queued in order on the device); the swapped-out ones run again. False when nothing
+        moves: a prompt is part-way through its prefill, the layout already streams, the
+        mode keeps state per sequence (per-entry pages, sparse hybrid, ranks), or no plan
+        holds them all."""
         config, runner, running = self.config, self.runner, scheduler.running
         if not running or not scheduler.waiting or scheduler.prefilling is not None:
             return False
-        if scheduler.swapped or runner.streaming or config.offload == "none":
+        if runner.streaming or config.offload == "none":
             return False
         if config.per_head_pages or config.cpu_sparsity is not None or self.ranks is not None:
             return False
         head = scheduler.waiting[0]
         if self.blocks.pages_for(head.max_tokens) <= self.blocks.pool.num_pages:
             return False  # it fits this layout once pages free up
+        holding = running + list(scheduler.swapped)
         try:
-            plan = self.plan(running + [head])
+            plan = self.plan(holding + [head])
         except UserError:
             return False
         if plan.staging is None:
@@ -167,13 +169,15 @@ class BatchPlanner:
         runner.swap(out, to_host=True)  # under the old layout's views
         self.planned, self.relaid_for = None, head.seq_id
         self.apply(plan, scheduler)
-        back = [pair for seq in running for pair in self.blocks.attach(seq.seq_id)]
+        back = [pair for seq in holding for pair in self.blocks.attach(seq.seq_id)]
         runner.swap(back, to_host=False)
+        scheduler.resume_all()
         return True
 
     def apply(self, plan: Plan, scheduler: Scheduler | None = None) -> None:
-        """Make ``plan`` the runner's layout and the page pools' (nothing may hold pages)
-        and tell ``scheduler`` where sequences take pages and whether they may swap out."""
+        """Make ``plan`` the runner's layout and the page pools' (no sequence may hold GPU
+        pages) and tell ``scheduler`` where sequences take pages and whether they may swap
+        out."""
         self.ensure_host_pages(plan.num_host_pages)
         pools = self.runner.apply(plan)
         if pools is not None:

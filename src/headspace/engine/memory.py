@@ -117,8 +117,8 @@ def prefill_chunk_size(config: ModelConfig, engine_config, weight_bytes: int,
 def attention_prefix(config: ModelConfig) -> int:
     """The prefix (tokens) at which a prompt token's attention in a layer (scores and
     weighted values over the keys before it: 4 x heads x head_dim FLOPs a key) costs as
-    many FLOPs as its linear layers there (q/k/v, o, gate/up and down projections): about
-    27K for Llama-3.1-8B. The scheduler sizes a step's layers of a prompt chunk by it."""
+    many FLOPs as its linear layers there (q/k/v, o, gate/up and down projections): 26,624
+    for Llama-3.1-8B. The scheduler sizes a step's layers of a prompt chunk by it."""
     c = config
     qkv = c.hidden_size * (c.num_heads + 2 * c.num_kv_heads) * c.head_dim
     linear = 2 * (qkv + c.num_heads * c.head_dim * c.hidden_size

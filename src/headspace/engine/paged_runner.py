@@ -4,7 +4,7 @@ decode, swapping sequences between the GPU pool and host pages.
 The runner holds the KV arena (GPU), the host pages and the tiers of the current plan
 (``tiers.table`` builds them); the block tables are the scheduler's, and each step names
 the pages it runs over (``StepPlan``). ``apply(plan)`` lays the arena out for a new head map
-(only when no sequence holds pages) and says how the page pools follow; the all-resident
+(only when no sequence holds GPU pages) and says how the page pools follow; the all-resident
 layout is always the same tensors, so its CUDA graphs survive a detour through streaming.
 """
 
@@ -87,8 +87,8 @@ class PagedRunner:
         return self.plan is not None and self.plan.head_map.num_offloaded > 0
 
     def apply(self, plan: Plan) -> PoolLayout | None:
-        """Lay the arena out for ``plan`` and build its tiers (no sequence may hold pages;
-        the host arena already holds ``plan.num_host_pages``). Returns how the page pools
+        """Lay the arena out for ``plan`` and build its tiers (no sequence may hold GPU
+        pages; the host arena already holds ``plan.num_host_pages``). Returns how the page pools
         are reset for it, or None when the layout stays."""
         key = layout_key(plan)
         if key == self._layout:  # the same tensors; the map's budgets may be this batch's

@@ -289,6 +289,12 @@ class Scheduler:
         self.running.append(seq)
         return seq, pairs
 
+    def resume_all(self) -> None:
+        """Every swapped-out sequence runs again (a new layout gave it pages in every tier,
+        its K/V copied back by the caller)."""
+        self.running += self.swapped
+        self.swapped.clear()
+
     def finish(self, seq: Sequence, reason: str) -> None:
         """``seq`` ended: its pages and slot go back (once; a second call does nothing)."""
         if seq in self.running:
