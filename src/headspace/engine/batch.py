@@ -162,6 +162,8 @@ class BatchGenerator:
         bar = self._bars.pop(seq.seq_id, None)
         if bar is not None:
             bar.close()
+        if seq is self.scheduler.prefilling:  # a chunk part-way through its layers goes too
+            self._hidden = None
         self.scheduler.abort(seq)
         request.ended, request.finished = "aborted", time.perf_counter()
         request.new_text = ""

@@ -46,6 +46,7 @@ class BatchPlanner:
         self.tiers: tuple[str, ...] = (GPU,)  # where a sequence takes pages in the layout
         self.planned: set[int] | None = None  # the sequences entry staging is sized for
         self.relaid_for: int | None = None  # the sequence the running ones moved for
+        self._refused: tuple[int, int] | None = None  # (head, requests holding pages): no plan
 
     def plan(self, seqs: list[Sequence]) -> Plan:
         """The plan for ``seqs`` running together (UserError with the numbers if none)."""
@@ -158,9 +159,12 @@ class BatchPlanner:
         if self.blocks.pages_for(head.max_tokens) <= self.blocks.pool.num_pages:
             return False  # it fits this layout once pages free up
         holding = running + list(scheduler.swapped)
+        if self._refused == (head.seq_id, len(holding)):  # nothing changed since
+            return False
         try:
             plan = self.plan(holding + [head])
         except UserError:
+            self._refused = (head.seq_id, len(holding))
             return False
         if plan.staging is None:
             return False
