@@ -215,6 +215,36 @@ def test_swapped_out_requests_move_to_the_streamed_layout_and_run_again(tiny_lla
     assert _pools_full(engine)
 
 
+def test_once_the_long_request_ends_the_others_move_back_to_the_resident_layout(tiny_llama):
+    """A long arrival moves two decoding requests to a streamed layout; once it ends, the
+    two fit the all-resident layout again and move back (their resident heads copied into
+    their host pages, then every page back into the GPU pool) while they still decode; every
+    request's tokens equal its own run alone and every page is back at the end."""
+    engine = _make(tiny_llama, arena_kib=150).engine  # 11 resident pages of 16 tokens
+    # the two short ones fit the pool together (5 pages each), the long one never (12)
+    short, long_prompt = _prompts([10, 12], seed=3), _prompts([150], seed=4)[0]
+    many, few = (SamplingParams(max_new_tokens=n, ignore_eos=True) for n in (60, 30))
+    alone = [engine.run(p, many).token_ids for p in short] + [
+        engine.run(long_prompt, few).token_ids
+    ]
+    ids = [engine.add_request(p, many) for p in short]
+    tokens: dict[int, list[int]] = {i: [] for i in ids}
+    while not all(tokens.values()):
+        for output in engine.step():
+            tokens[output.request_id] += output.new_token_ids
+    ids.append(engine.add_request(long_prompt, few))
+    tokens[ids[-1]], layouts = [], []
+    while engine.has_unfinished():
+        for output in engine.step():
+            tokens[output.request_id] += output.new_token_ids
+        long_done = len(tokens[ids[-1]]) == 30
+        layouts.append((engine.batch.runner.streaming, long_done, len(tokens[ids[0]]) < 60))
+    assert (True, False, True) in layouts  # streamed while the long one ran
+    assert (False, True, True) in layouts  # resident again while the others still decode
+    assert [tokens[i] for i in ids] == alone
+    assert _pools_full(engine)
+
+
 def test_step_outputs_add_up_to_the_final_text(tiny_llama):
     engine = _make(tiny_llama).engine
     request = engine.add_request(_prompts([40])[0], GREEDY)

@@ -228,7 +228,7 @@ class BatchGenerator:
         scheduler = self.scheduler
         if scheduler.idle and scheduler.waiting:
             self.planner.replan(scheduler)
-        elif scheduler.waiting:  # one that cannot fit this layout may move the running ones
+        else:  # the running ones may move for one that cannot fit, or back once it ends
             self.planner.relayout(scheduler)
         self._run(scheduler.schedule(self.planner.worth_joining(scheduler)))
 

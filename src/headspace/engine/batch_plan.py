@@ -47,6 +47,7 @@ class BatchPlanner:
         self.planned: set[int] | None = None  # the sequences entry staging is sized for
         self.relaid_for: int | None = None  # the sequence the running ones moved for
         self._refused: tuple[int, int] | None = None  # (head, requests holding pages): no plan
+        self._alone: tuple[int, bool] | None = None  # (a request, whether it fits resident)
 
     def plan(self, seqs: list[Sequence]) -> Plan:
         """The plan for ``seqs`` running together (UserError with the numbers if none)."""
@@ -139,44 +140,84 @@ class BatchPlanner:
         self.apply(best, scheduler)
 
     def relayout(self, scheduler: Scheduler) -> bool:
-        """While requests run in the all-resident layout and the request next in line can
-        never fit it: plan for it together with the requests that hold pages (heads
-        streamed) and move them there. Every running sequence's K/V is copied to host pages
-        (swapped-out ones are there already), the arena takes the new layout, and their
-        resident entries are copied back into GPU pages beside their host pages (copies
-        queued in order on the device); the swapped-out ones run again. False when nothing
-        moves: a prompt is part-way through its prefill, the layout already streams, the
-        mode keeps state per sequence (per-entry pages, sparse hybrid, ranks), or no plan
-        holds them all."""
-        config, runner, running = self.config, self.runner, scheduler.running
-        if not running or not scheduler.waiting or scheduler.prefilling is not None:
-            return False
-        if runner.streaming or config.offload == "none":
+        """Move the requests that hold pages to another layout while they run, when the
+        queue needs it (copies queued in order on the device): to a layout that streams
+        heads when the request next in line can never fit the all-resident one
+        (:meth:`_to_streamed`), back to the all-resident one once everything holding pages
+        and the request next in line fit it (:meth:`_to_resident`). False when nothing
+        moves; never while a prompt is part-way through its prefill, nor in the modes that
+        keep state per sequence (per-entry pages, sparse hybrid, ranks)."""
+        config = self.config
+        if not scheduler.running or scheduler.prefilling is not None or config.offload == "none":
             return False
         if config.per_head_pages or config.cpu_sparsity is not None or self.ranks is not None:
             return False
-        head = scheduler.waiting[0]
+        if self.runner.streaming:
+            return self._to_resident(scheduler)
+        return bool(scheduler.waiting) and self._to_streamed(scheduler)
+
+    def _to_streamed(self, scheduler: Scheduler) -> bool:
+        """Plan for the request next in line together with every request holding pages;
+        the running ones' K/V is copied to host pages (swapped-out ones are there already),
+        the arena takes the new layout, their resident entries are copied back into GPU
+        pages beside their host pages, and the swapped-out ones run again."""
+        head, running = scheduler.waiting[0], scheduler.running
         if self.blocks.pages_for(head.max_tokens) <= self.blocks.pool.num_pages:
             return False  # it fits this layout once pages free up
         holding = running + list(scheduler.swapped)
-        if self._refused == (head.seq_id, len(holding)):  # nothing changed since
-            return False
-        try:
-            plan = self.plan(holding + [head])
-        except UserError:
-            self._refused = (head.seq_id, len(holding))
-            return False
-        if plan.staging is None:
+        plan = self._plan_once(holding + [head], (head.seq_id, len(holding)))
+        if plan is None or plan.staging is None:
             return False
         self.ensure_host_pages(plan.num_host_pages)
         out = [pair for seq in running for pair in self.blocks.swap_out(seq.seq_id)]
-        runner.swap(out, to_host=True)  # under the old layout's views
+        self.runner.swap(out, to_host=True)  # under the old layout's views
         self.planned, self.relaid_for = None, head.seq_id
         self.apply(plan, scheduler)
-        back = [pair for seq in holding for pair in self.blocks.attach(seq.seq_id)]
-        runner.swap(back, to_host=False)
+        if GPU in self.tiers:  # (a layout that streams every head keeps host pages only)
+            back = [pair for seq in holding for pair in self.blocks.attach(seq.seq_id)]
+            self.runner.swap(back, to_host=False)
         scheduler.resume_all()
         return True
+
+    def _to_resident(self, scheduler: Scheduler) -> bool:
+        """Each running request's resident entries are copied into its host pages (which
+        then hold all of it), the arena takes the all-resident layout, and each request's
+        pages come back into the GPU pool."""
+        running = scheduler.running
+        if scheduler.swapped:
+            return False
+        if scheduler.waiting and not self._fits_resident(scheduler.waiting[0]):
+            return False
+        plan = self._plan_once(running, (-1, len(running)))
+        if plan is None or plan.staging is not None:
+            self._refused = (-1, len(running))
+            return False
+        out = [pair for seq in running for pair in self.blocks.detach(seq.seq_id)]
+        self.runner.swap(out, to_host=True)  # the streamed layout's resident heads
+        self.planned = self.relaid_for = None
+        self.apply(plan, scheduler)
+        back = [pair for seq in running for pair in self.blocks.swap_in(seq.seq_id)]
+        self.runner.swap(back, to_host=False)
+        return True
+
+    def _plan_once(self, seqs: list[Sequence], key: tuple[int, int]) -> Plan | None:
+        """The plan for ``seqs``, or None when there is none; a refusal is remembered under
+        ``key`` (the request next in line, the requests holding pages) and not planned again
+        until the key changes."""
+        if self._refused == key:
+            return None
+        try:
+            return self.plan(seqs)
+        except UserError:
+            self._refused = key
+            return None
+
+    def _fits_resident(self, seq: Sequence) -> bool:
+        """Whether ``seq`` alone runs all resident (remembered for one request)."""
+        if self._alone is None or self._alone[0] != seq.seq_id:
+            plan = self._plan_once([seq], (seq.seq_id, 0))
+            self._alone = (seq.seq_id, plan is not None and plan.staging is None)
+        return self._alone[1]
 
     def apply(self, plan: Plan, scheduler: Scheduler | None = None) -> None:
         """Make ``plan`` the runner's layout and the page pools' (no sequence may hold GPU

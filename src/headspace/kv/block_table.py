@@ -199,6 +199,21 @@ class BlockManager:
         self.tables[seq_id] = {GPU: gpu, HOST: host}
         return list(zip(host.pages, gpu.pages, strict=True))
 
+    def detach(self, seq_id: int) -> list[tuple[int, int]]:
+        """Release the GPU pages of ``seq_id``, held in both tiers (a layout that streams
+        heads), keeping its host pages: (GPU page, host page) pairs whose resident entries
+        the caller copies first, so that its host pages hold every entry (as a swapped-out
+        sequence's do). No pairs when it holds no GPU pages (a layout that streams every
+        head)."""
+        if GPU not in self.tables[seq_id]:
+            return []
+        gpu, host = self.tables[seq_id][GPU], self.tables[seq_id][HOST]
+        pairs = list(zip(gpu.pages, host.pages, strict=True))
+        for page in reversed(gpu.pages):
+            self.pools[GPU].release(page)
+        self.tables[seq_id] = {HOST: host}
+        return pairs
+
     def _move(self, seq_id: int, source: str, target: str) -> list[tuple[int, int]]:
         old, pool = self.tables[seq_id][source], self.pools[target]
         if len(old.pages) > pool.num_free:
