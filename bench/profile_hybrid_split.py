@@ -1,12 +1,15 @@
-"""Where the hybrid tier's decode step goes, per layer, across CPU shares and thread counts,
-on one engine and one sequence (decode steps over allocated pages: an exact step's work
-does not depend on the values in them, so no prefill is needed).
+"""Where the hybrid tier's decode step goes, per layer, across CPU shares, on one engine and
+one sequence (decode steps over allocated pages: an exact step's work does not depend on
+the values in them, so no prefill is needed).
 
     PYTHONPATH=src python bench/profile_hybrid_split.py [--length 131008] [--steps 6]
 
-For each variant (share, kernel threads, the CPU job on the native thread or on a Python worker), in
-two rounds of alternating order: the step's wall time and, summed over its layers, what the
-thread driving the GPU does (see ``_breakdown``). Writes
+For each variant (share; the CPU job on the native thread or on a Python worker), at
+``--threads`` kernel threads (the engine's ``cpu_threads``), in two rounds of alternating
+order: the step's wall time and, summed over its layers, what the thread driving the GPU
+does (see ``_breakdown``; recorded by the engine, ``EngineHooks(cpu_timings=...)``). No
+engine option picks the share or the native thread per step, so each variant sets them on
+the built engine's CPU side (``CpuSplit.share``, ``CpuAttention.background``). Writes
 ``profile_hybrid_split_<gpu>_<date>.json`` (to $OUT when set).
 """
 
@@ -21,7 +24,6 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-import headspace.tiers.hybrid as hybrid  # noqa: E402
 from common import (  # noqa: E402
     LLAMA31_8B,
     environment,
@@ -30,58 +32,43 @@ from common import (  # noqa: E402
     random_model,
     write_result,
 )
+from headspace.engine.hooks import EngineHooks  # noqa: E402
 from headspace.engine.scheduler import Sequence  # noqa: E402
+from headspace.tiers.base import CpuTimings  # noqa: E402
 from hybrid import BUDGET, CAP_GIB  # noqa: E402
 from offload_runs import gpu_cap  # noqa: E402
 
-EVENTS: list[tuple[str, float]] = []  # (what, perf_counter seconds), in layer order
 
-
-def _instrument() -> None:
-    submit, result = hybrid.CpuAttention.submit, hybrid.CpuAttention.result
-
-    def timed_submit(self, layer, kv_range, q):
-        EVENTS.append(("submit", time.perf_counter()))
-        return submit(self, layer, kv_range, q)
-
-    def timed_result(self, job, device):
-        EVENTS.append(("wait", time.perf_counter()))
-        out = result(self, job, device)
-        EVENTS.append(("done", time.perf_counter()))
-        return out
-
-    hybrid.CpuAttention.submit, hybrid.CpuAttention.result = timed_submit, timed_result
-
-
-def _breakdown(events: list[tuple[str, float]]) -> dict[str, float]:
-    """Milliseconds per step, summed over layers, of the GPU thread: launching the layer's
-    GPU part after handing the CPU its job (``launch``), waiting for the CPU result
-    (``gpu_waits_cpu``), and from the result to the next layer's job (``between``: the
-    merge, the rest of the layer, the next layer up to its query)."""
-    times = {"submit": [], "wait": [], "done": []}
-    for what, t in events:
-        times[what].append(t)
+def _breakdown(timings: CpuTimings) -> dict[str, float]:
+    """Milliseconds per step (``timings`` of one step), summed over layers, of the GPU
+    thread: launching the layer's GPU part after handing the CPU its job (``launch``),
+    waiting for the CPU result (``gpu_waits_cpu``), and from the result to the next layer's
+    job (``between``: the merge, the rest of the layer, the next layer up to its query)."""
+    jobs = list(zip(timings.submitted, timings.result, timings.collected, strict=True))
     sums = {"launch": 0.0, "gpu_waits_cpu": 0.0, "between": 0.0}
-    for i, (s, w, d) in enumerate(zip(times["submit"], times["wait"], times["done"], strict=True)):
-        sums["launch"] += w - s
-        sums["gpu_waits_cpu"] += d - w
-        if i + 1 < len(times["submit"]):
-            sums["between"] += times["submit"][i + 1] - d
+    for i, (submitted, wait, done) in enumerate(jobs):  # perf_counter seconds, seconds
+        sums["launch"] += done - wait - submitted
+        sums["gpu_waits_cpu"] += wait
+        if i + 1 < len(jobs):
+            sums["between"] += jobs[i + 1][0] - done
     return {k: 1000 * v for k, v in sums.items()}
 
 
-def measure(runner, blocks, seq_id: int, position: int, steps: int) -> dict:
+def measure(runner, blocks, timings: CpuTimings, seq_id: int, position: int, steps: int) -> dict:
+    """``steps`` decode steps of ``seq_id`` from ``position``: each step's wall milliseconds
+    and their median, and the median of each part of :func:`_breakdown` over the steps whose
+    CPU side ran jobs."""
     times, parts, pages = [], [], blocks.pages([seq_id])
     for step in range(steps):
         blocks.append_token(seq_id)
         torch.cuda.synchronize()
-        EVENTS.clear()
+        timings.clear()
         start = time.perf_counter()
         runner.decode([seq_id], [position + step], [0], pages)
         torch.cuda.synchronize()
         times.append(1000 * (time.perf_counter() - start))
-        if EVENTS:
-            parts.append(_breakdown(EVENTS))
+        if timings.submitted:
+            parts.append(_breakdown(timings))
     row = {"step_ms": times, "median_ms": statistics.median(times)}
     if parts:
         row |= {k: statistics.median(p[k] for p in parts) for k in parts[0]}
@@ -93,13 +80,14 @@ def main() -> None:
     parser.add_argument("--length", type=int, default=128 * 1024 - 64)
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--shares", type=float, nargs="+", default=[1.0, 0.6, 0.5, 0.4, 0.3, 0.0])
-    parser.add_argument("--threads", type=int, nargs="+", default=[15])
+    parser.add_argument("--threads", type=int, default=15, help="cpu_threads")
     args = parser.parse_args()
     model = random_model(LLAMA31_8B)
-    _instrument()
+    timings = CpuTimings()
     result = {"env": environment(), "config": LLAMA31_8B, "length": args.length, "rows": []}
     with gpu_cap(CAP_GIB):
-        engine = make_engine(model, gpu_memory=BUDGET, offload="hybrid",
+        engine = make_engine(model, EngineHooks(cpu_timings=timings), gpu_memory=BUDGET,
+                             offload="hybrid", cpu_threads=args.threads,
                              max_context=args.length + 256)  # fmt: skip
         generator = engine.batch
         seq = Sequence(10**9, [0] * args.length, args.length + 256)
@@ -112,18 +100,17 @@ def main() -> None:
         result["staging"] = plan.to_dict()["staging_depth"], plan.staging.piece_pages
         split = runner.tiers[-1].cpu
         position = args.length
-        measure(runner, blocks, seq.seq_id, position, 2)  # warm-up: compiles, pins
+        measure(runner, blocks, timings, seq.seq_id, position, 2)  # warm-up: compiles, pins
         position += 2
         native = split.attention.background
-        variants = [(s, t, True) for s in args.shares for t in args.threads]
-        variants += [(s, args.threads[0], False) for s in (1.0, 0.5)]
+        variants = [(s, True) for s in args.shares] + [(s, False) for s in (1.0, 0.5)]
         for round_ in range(2):
-            for share, threads, background in variants[:: 1 if round_ == 0 else -1]:
-                split.share, split.attention.num_threads = share, threads
+            for share, background in variants[:: 1 if round_ == 0 else -1]:
+                split.share = share
                 split.attention.background = native if background else None
-                row = measure(runner, blocks, seq.seq_id, position, args.steps)
+                row = measure(runner, blocks, timings, seq.seq_id, position, args.steps)
                 position += args.steps
-                row |= {"share": share, "threads": threads, "native": background,
+                row |= {"share": share, "threads": args.threads, "native": background,
                         "round": round_}  # fmt: skip
                 result["rows"].append(row)
                 print({k: (round(v, 1) if isinstance(v, float) else v)

@@ -130,23 +130,10 @@ def wide_llama(tmp_path_factory, embedded_dir):
 
 
 @pytest.fixture
-def cpu_calls(monkeypatch):
-    """Counts the tokens the CPU kernel attends (called in place, or as background jobs)."""
-    seen = {"calls": 0, "tokens": 0, "jobs": 0}
-    import headspace.tiers.hybrid as hybrid
+def cpu_timings():
+    """An empty record of the hybrid tier's CPU side, for a test to give its engine as
+    ``EngineHooks(cpu_timings=...)`` and read back: each kernel call and background job in
+    ``calls`` (:class:`headspace.tiers.base.CpuCall`: tokens, kv heads, page size)."""
+    from headspace.tiers.base import CpuTimings
 
-    kernel, submit = hybrid.cpu_paged_decode, hybrid.BackgroundDecode.submit
-
-    def counting(q, k, v, tables, ends, page_size, **options):
-        seen["calls"] += 1
-        seen["tokens"] += int(ends.sum())
-        return kernel(q, k, v, tables, ends, page_size, **options)
-
-    def counting_jobs(self, q, k, v, tables, ends, *args, **options):
-        seen["jobs"] += 1
-        seen["tokens"] += int(ends.sum())
-        return submit(self, q, k, v, tables, ends, *args, **options)
-
-    monkeypatch.setattr(hybrid, "cpu_paged_decode", counting)
-    monkeypatch.setattr(hybrid.BackgroundDecode, "submit", counting_jobs)
-    return seen
+    return CpuTimings()

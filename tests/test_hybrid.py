@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from headspace import SamplingParams, UserError
+from headspace.engine.hooks import EngineHooks
 from headspace.planner.memory import balanced_share
 from headspace.tiers.hybrid import cpu_ends
 from test_offload import GREEDY, _prompts, make
@@ -26,6 +27,12 @@ def test_balanced_share_finishes_both_together():
     assert share == pytest.approx(1 / 3)
     history = 9e9  # bytes: the CPU's part at its rate takes as long as PCIe's at its own
     assert share * history / 30e9 == pytest.approx((1 - share) * history / 60e9)
+
+
+def cpu_tokens(timings) -> int:
+    """Tokens the CPU kernel attended per kv head, over every call and background job of a
+    :class:`headspace.tiers.base.CpuTimings`."""
+    return sum(call.tokens for call in timings.calls)
 
 
 def decode_logits(llm, prompt: list[int], steps: int) -> torch.Tensor:
@@ -54,37 +61,40 @@ def decode_logits(llm, prompt: list[int], steps: int) -> torch.Tensor:
         (10, {"cpu_share": 1.0, "gpu_window": 16}),  # every entry offloaded
     ],
 )
-def test_hybrid_equals_all_resident(wide_llama, prompt, cpu_calls, arena_kib, options):
+def test_hybrid_equals_all_resident(wide_llama, prompt, cpu_timings, arena_kib, options):
     resident = make(wide_llama)
     expected = resident.generate(prompt, GREEDY)[0].token_ids
-    llm = make(wide_llama, arena=arena_kib * 1024, offload="hybrid", **options)
+    llm = make(wide_llama, arena=arena_kib * 1024, offload="hybrid",
+               hooks=EngineHooks(cpu_timings=cpu_timings), **options)  # fmt: skip
     out = llm.generate(prompt, GREEDY)[0]
     assert out.token_ids == expected
     plan = llm.engine.batch.runner.plan
     assert plan.offload == "hybrid" and plan.head_map.count("stream") == 0
     assert out.stats.num_hybrid_heads == plan.head_map.count("hybrid") > 0
     assert f"{out.stats.num_hybrid_heads} hybrid" in out.stats.summary()
-    assert cpu_calls["tokens"] > 0  # the CPU attended part of every decode step
+    assert cpu_tokens(cpu_timings) > 0  # the CPU attended part of every decode step
     gap = decode_logits(llm, prompt, 64) - decode_logits(resident, prompt, 64)
     assert gap.abs().max().item() < 1e-4  # every decode step's logits, not only the argmax
 
 
-def test_cpu_share_zero_streams_everything(wide_llama, prompt, cpu_calls):
+def test_cpu_share_zero_streams_everything(wide_llama, prompt, cpu_timings):
     expected = make(wide_llama).generate(prompt, GREEDY)[0].token_ids
-    llm = make(wide_llama, arena=700 * 1024, offload="hybrid", cpu_share=0.0)
+    llm = make(wide_llama, arena=700 * 1024, offload="hybrid", cpu_share=0.0,
+               hooks=EngineHooks(cpu_timings=cpu_timings))  # fmt: skip
     assert llm.generate(prompt, GREEDY)[0].token_ids == expected
-    assert cpu_calls["calls"] == cpu_calls["jobs"] == 0
+    assert cpu_timings.calls == []  # no kernel call, no background job
 
 
-def test_hybrid_batch_equals_one_at_a_time(tiny_llama, cpu_calls):
+def test_hybrid_batch_equals_one_at_a_time(tiny_llama, cpu_timings):
     prompts = _prompts([180, 12, 30, 7, 25])
     params = SamplingParams(max_new_tokens=40, ignore_eos=True)
     resident = make(tiny_llama)
     expected = [resident.generate(p, params)[0].token_ids for p in prompts]
-    llm = make(tiny_llama, arena=60 * 1024, offload="hybrid", cpu_share=1.0, gpu_window=16)
+    llm = make(tiny_llama, arena=60 * 1024, offload="hybrid", cpu_share=1.0, gpu_window=16,
+               hooks=EngineHooks(cpu_timings=cpu_timings))  # fmt: skip
     outs = llm.generate(prompts, params)
     assert [o.token_ids for o in outs] == expected
-    assert any(o.stats.num_hybrid_heads > 0 for o in outs) and cpu_calls["tokens"] > 0
+    assert any(o.stats.num_hybrid_heads > 0 for o in outs) and cpu_tokens(cpu_timings) > 0
 
 
 @pytest.mark.parametrize(

@@ -6,10 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-import headspace.tiers.hybrid as hybrid
 from headspace import SamplingParams, UserError
 from headspace.attention.paged import paged_token_probs
 from headspace.attention.reference import reference_attention
+from headspace.engine.hooks import EngineHooks
+from headspace.tiers.base import CpuTimings
 from headspace.tiers.hybrid_sparse import SparseSelector, SparseState, salient
 from test_hybrid import decode_logits
 from test_offload import GREEDY, _prompts, make
@@ -140,56 +141,44 @@ def test_token_probs_are_the_softmax_weights():
     assert (probs[1, :, 9:] == 0).all()
 
 
-@pytest.fixture
-def kernel_calls(monkeypatch):
-    """(token, kv head) pairs the CPU kernel attends, by page size (1: the sparse rows' token
-    tables, one row per sequence and kv head)."""
-    seen = {"dense": 0, "sparse": 0}
-    kernel, submit = hybrid.cpu_paged_decode, hybrid.BackgroundDecode.submit
-
-    def counting(q, k, v, tables, ends, page_size, **options):
-        seen["sparse" if page_size == 1 else "dense"] += int(ends.sum()) * k.shape[0]
-        return kernel(q, k, v, tables, ends, page_size, **options)
-
-    def counting_jobs(self, q, k, v, tables, ends, *args, **options):  # the exact mode's
-        seen["dense"] += int(ends.sum()) * k.shape[0]
-        return submit(self, q, k, v, tables, ends, *args, **options)
-
-    monkeypatch.setattr(hybrid, "cpu_paged_decode", counting)
-    monkeypatch.setattr(hybrid.BackgroundDecode, "submit", counting_jobs)
-    return seen
+def _pairs(timings: CpuTimings, sparse: bool) -> int:
+    """(token, kv head) pairs the CPU kernel attended in ``timings``' calls: the sparse rows'
+    (token tables, page size 1: one row per sequence and kv head), or the dense ones'."""
+    return sum(call.tokens * call.kv_heads for call in timings.calls
+               if (call.page_size == 1) == sparse)  # fmt: skip
 
 
-def test_beta_zero_keeps_everything_and_equals_exact(wide_llama, prompt, kernel_calls):
+def test_beta_zero_keeps_everything_and_equals_exact(wide_llama, prompt, cpu_timings):
     resident = make(wide_llama)
     expected = resident.generate(prompt, GREEDY)[0].token_ids
-    llm = make(wide_llama, arena=700 * 1024, cpu_sparsity=0.0, **SPARSE)
+    llm = make(wide_llama, arena=700 * 1024, cpu_sparsity=0.0,
+               hooks=EngineHooks(cpu_timings=cpu_timings), **SPARSE)  # fmt: skip
     out = llm.generate(prompt, GREEDY)[0]
     assert out.token_ids == expected
     assert out.stats.cpu_kept_fraction == (1.0, 1.0, 1.0)
     assert "CPU kept 100.0% median" in out.stats.summary()
-    assert kernel_calls["sparse"] > 0  # after the first steps, through the kept tokens
+    assert _pairs(cpu_timings, sparse=True) > 0  # after the first steps, the kept tokens
     gap = decode_logits(llm, prompt, 48) - decode_logits(resident, prompt, 48)
     assert gap.abs().max().item() < 1e-4
 
 
-def test_beta_one_attends_fewer_tokens(wide_llama, prompt, kernel_calls):
-    llm = make(wide_llama, arena=700 * 1024, cpu_sparsity=1.0, **SPARSE)
+def test_beta_one_attends_fewer_tokens(wide_llama, prompt, cpu_timings):
+    llm = make(wide_llama, arena=700 * 1024, cpu_sparsity=1.0,
+               hooks=EngineHooks(cpu_timings=cpu_timings), **SPARSE)  # fmt: skip
     out = llm.generate(prompt, GREEDY)[0]
     low, median, high = out.stats.cpu_kept_fraction
     assert 0 < low <= median <= high and median < 0.9
-    dense = make(wide_llama, arena=700 * 1024, **SPARSE, cpu_share=1.0)
-    before = dict(kernel_calls)
+    exact = CpuTimings()
+    dense = make(wide_llama, arena=700 * 1024, hooks=EngineHooks(cpu_timings=exact), **SPARSE,
+                 cpu_share=1.0)  # fmt: skip
     dense.generate(prompt, GREEDY)
-    dense_tokens = kernel_calls["dense"] - before["dense"]
-    assert 0 < before["dense"] + before["sparse"] < 0.9 * dense_tokens
+    sparse_pairs = _pairs(cpu_timings, sparse=False) + _pairs(cpu_timings, sparse=True)
+    assert 0 < sparse_pairs < 0.9 * _pairs(exact, sparse=False)
 
 
 def _timed_run(checkpoint, prompt, timings, **options):
     """Greedy tokens of ``prompt`` with the hybrid tier recording into ``timings``: its
     decode steps and the number of layers with hybrid heads."""
-    from headspace.engine.hooks import EngineHooks
-
     llm = make(checkpoint, arena=700 * 1024, hooks=EngineHooks(cpu_timings=timings),
                **SPARSE, **options)  # fmt: skip
     out = llm.generate(prompt, GREEDY)[0]
@@ -202,8 +191,6 @@ def test_cpu_timings_record_every_kernel_call_and_wait(wide_llama, prompt):
     """``EngineHooks.cpu_timings``: one entry per CPU job (each layer with hybrid heads, each
     decode step), its K/V bytes; beta 0 keeps every token, so the sparse rows' calls read
     the exact mode's bytes, call for call. Without ``track_weights`` nothing is tracked."""
-    from headspace.tiers.base import CpuTimings
-
     exact = CpuTimings()
     steps, layers = _timed_run(wide_llama, prompt, exact, cpu_share=1.0)
     assert steps > 0 and layers > 0

@@ -27,9 +27,10 @@ class EngineHooks:
     test's small pieces end mid-chunk). None: :func:`headspace.tiers.base.prefix_piece`.
 
     ``cpu_timings``: a :class:`headspace.tiers.base.CpuTimings` the hybrid tier's CPU side
-    fills as it runs (each kernel call's seconds and bytes, the waits for the query and the
-    result, the sparse selector's host time), and whose ``track_weights`` may switch the
-    sparse mode's moving averages off (a benchmark's profile). None: nothing recorded.
+    fills as it runs (each kernel call's seconds, bytes and tokens, the waits for the query
+    and the result and when jobs start and end, the sparse selector's host time), and whose
+    ``track_weights`` may switch the sparse mode's moving averages off (a benchmark's
+    profile). None: nothing recorded.
 
     ``weight_delay``: ``delay(what, layer)`` with streamed weights
     (:class:`headspace.engine.weight_stream.WeightStream`'s ``delay``): called on the copy

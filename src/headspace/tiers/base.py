@@ -14,7 +14,7 @@ import functools
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
@@ -95,6 +95,18 @@ class HybridSettings:
     gpu_window: int = 0
 
 
+class CpuCall(NamedTuple):
+    """One call of the hybrid tier's CPU kernel: ``tokens`` summed over its rows (sequences,
+    or a sparse row's kept tokens: ``int(ends.sum())``), each over ``kv_heads`` kv heads (K's
+    first dimension), in pages of ``page_size`` tokens (1: the sparse rows' token tables);
+    ``background``: a native background job (exact mode), else a call on the Python worker."""
+
+    tokens: int
+    kv_heads: int
+    page_size: int
+    background: bool
+
+
 @dataclass
 class CpuTimings:
     """What a benchmark profiling the hybrid tier's CPU side records (given as
@@ -110,6 +122,11 @@ class CpuTimings:
     each :class:`headspace.tiers.hybrid_sparse.SparseSelector` ``track``, ``begin`` and
     ``token_tables`` call.
 
+    ``calls``: what each kernel call and native job attends (:class:`CpuCall`), as they
+    are made. ``submitted``: the GPU thread's ``time.perf_counter()`` (seconds) at each
+    ``CpuAttention.submit`` that starts a CPU job; ``collected``: at each ``result``'s return
+    (its wait began ``result`` seconds before).
+
     ``track_weights``: False skips the sparse mode's moving averages of the GPU-side tokens'
     weights (their scores and their update), for profiling only (what tracking costs):
     selections then keep only what the CPU side's own re-evaluations keep."""
@@ -121,6 +138,9 @@ class CpuTimings:
     track: list[float] = field(default_factory=list)
     begin: list[float] = field(default_factory=list)
     tables: list[float] = field(default_factory=list)
+    calls: list[CpuCall] = field(default_factory=list)
+    submitted: list[float] = field(default_factory=list)
+    collected: list[float] = field(default_factory=list)
     track_weights: bool = True
 
     def clear(self) -> None:
@@ -130,9 +150,10 @@ class CpuTimings:
                 value.clear()
 
 
-def timed(name: str):
+def timed(name: str, stamps: str | None = None):
     """Decorates a method of an object with a ``timings`` attribute (a :class:`CpuTimings`
-    or None): when set, each call's wall seconds go to its list ``name``."""
+    or None): when set, each call's wall seconds go to its list ``name``, and the
+    ``time.perf_counter()`` at its return (seconds) to its list ``stamps``, if given."""
 
     def decorate(method):
         @functools.wraps(method)
@@ -143,7 +164,10 @@ def timed(name: str):
             try:
                 return method(self, *args, **options)
             finally:
-                getattr(self.timings, name).append(time.perf_counter() - start)
+                end = time.perf_counter()
+                getattr(self.timings, name).append(end - start)
+                if stamps is not None:
+                    getattr(self.timings, stamps).append(end)
 
         return call
 

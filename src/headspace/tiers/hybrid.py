@@ -27,7 +27,7 @@ from headspace.attention.cpu_decode import cpu_paged_decode
 from headspace.attention.cpu_jobs import BackgroundDecode
 from headspace.kv.host_store import HostKVArena
 from headspace.parallel.dist import rank_cores
-from headspace.tiers.base import CpuTimings, HeadRange, TierSite, timed
+from headspace.tiers.base import CpuCall, CpuTimings, HeadRange, TierSite, timed
 from headspace.tiers.hybrid_sparse import SparseSelector
 
 
@@ -82,6 +82,8 @@ class CpuAttention:
         """Start attending ``q [seqs, heads, dim]`` (the query heads of ``kv_range``)."""
         if not self.any:
             return None
+        if self.timings is not None:
+            self.timings.submitted.append(time.perf_counter())
         if self.sparse is None and self.background is not None:
             return self._submit_background(layer, kv_range, q)
         if q.is_cuda:
@@ -121,6 +123,7 @@ class CpuAttention:
             self._landed[ticket] = landed
         if self.timings is not None:
             self.timings.jobs.append(_kv_bytes(kv[:, 0], self.ends))
+            self.timings.calls.append(_call(kv[:, 0], self.ends, self.host.spec.page_size, True))
         return ticket
 
     def _buffers(self, layer: int, shape: torch.Size) -> tuple[torch.Tensor, ...]:
@@ -165,6 +168,7 @@ class CpuAttention:
                                probs=probs)  # fmt: skip
         if self.timings is not None:
             self.timings.kernel.append((time.perf_counter() - start, _kv_bytes(k, ends)))
+            self.timings.calls.append(_call(k, ends, page_size, False))
         return out
 
     def _rows(self, q, layer: int, kv_range: tuple[int, int]):
@@ -194,7 +198,7 @@ class CpuAttention:
             lse[rows] = part_lse.view(len(rows), -1)
         return out, lse
 
-    @timed("result")
+    @timed("result", stamps="collected")
     def result(self, job: Future | int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """``out [seqs, heads, dim]`` fp32 and ``lse [seqs, heads]`` on ``device``."""
         if isinstance(job, int):
@@ -209,6 +213,12 @@ def _kv_bytes(k: torch.Tensor, ends: torch.Tensor) -> int:
     """Bytes of K and V a kernel call reads: ``ends`` tokens of each row (sequence, or a
     sparse row's kept tokens) over the ``k.shape[0]`` kv heads of ``k [heads, slots, dim]``."""
     return int(ends.sum()) * k.shape[0] * 2 * k.shape[-1] * k.element_size()
+
+
+def _call(k: torch.Tensor, ends: torch.Tensor, page_size: int, background: bool) -> CpuCall:
+    """The record of a kernel call over ``k [heads, slots, dim]`` up to ``ends`` tokens of
+    each row, in pages of ``page_size`` tokens."""
+    return CpuCall(int(ends.sum()), k.shape[0], page_size, background)
 
 
 @dataclass
