@@ -152,7 +152,7 @@ class BatchPlanner:
             return False
         if config.per_head_pages or config.cpu_sparsity is not None or self.ranks is not None:
             return False
-        if self.runner.streaming:
+        if self.runner.plan.staging is not None:  # heads stream (no per-entry count a step)
             return self._to_resident(scheduler)
         return bool(scheduler.waiting) and self._to_streamed(scheduler)
 
@@ -170,12 +170,10 @@ class BatchPlanner:
             return False
         self.ensure_host_pages(plan.num_host_pages)
         out = [pair for seq in running for pair in self.blocks.swap_out(seq.seq_id)]
-        self.runner.swap(out, to_host=True)  # under the old layout's views
-        self.planned, self.relaid_for = None, head.seq_id
-        self.apply(plan, scheduler)
-        if GPU in self.tiers:  # (a layout that streams every head keeps host pages only)
-            back = [pair for seq in holding for pair in self.blocks.attach(seq.seq_id)]
-            self.runner.swap(back, to_host=False)
+        # (a layout that streams every head keeps host pages only)
+        self._switch(plan, scheduler, out, self.blocks.attach if GPU in self.tiers else None,
+                     holding)  # fmt: skip
+        self.relaid_for = head.seq_id
         scheduler.resume_all()
         return True
 
@@ -193,12 +191,20 @@ class BatchPlanner:
             self._refused = (-1, len(running))
             return False
         out = [pair for seq in running for pair in self.blocks.detach(seq.seq_id)]
-        self.runner.swap(out, to_host=True)  # the streamed layout's resident heads
+        self._switch(plan, scheduler, out, self.blocks.swap_in, running)
+        return True
+
+    def _switch(self, plan: Plan, scheduler: Scheduler, out: list[tuple[int, int]],
+                back, seqs: list[Sequence]) -> None:  # fmt: skip
+        """Copy the (GPU page, host page) pairs ``out`` to the host under the layout in
+        force, make ``plan`` the layout, then copy back the (host page, GPU page) pairs
+        that ``back(seq_id)`` gives each of ``seqs`` (None: nothing comes back)."""
+        self.runner.swap(out, to_host=True)
         self.planned = self.relaid_for = None
         self.apply(plan, scheduler)
-        back = [pair for seq in running for pair in self.blocks.swap_in(seq.seq_id)]
-        self.runner.swap(back, to_host=False)
-        return True
+        if back is not None:
+            pairs = [pair for seq in seqs for pair in back(seq.seq_id)]
+            self.runner.swap(pairs, to_host=False)
 
     def _plan_once(self, seqs: list[Sequence], key: tuple[int, int]) -> Plan | None:
         """The plan for ``seqs``, or None when there is none; a refusal is remembered under
@@ -215,8 +221,11 @@ class BatchPlanner:
     def _fits_resident(self, seq: Sequence) -> bool:
         """Whether ``seq`` alone runs all resident (remembered for one request)."""
         if self._alone is None or self._alone[0] != seq.seq_id:
-            plan = self._plan_once([seq], (seq.seq_id, 0))
-            self._alone = (seq.seq_id, plan is not None and plan.staging is None)
+            try:
+                fits = self.plan([seq]).staging is None
+            except UserError:
+                fits = False
+            self._alone = (seq.seq_id, fits)
         return self._alone[1]
 
     def apply(self, plan: Plan, scheduler: Scheduler | None = None) -> None:
