@@ -12,8 +12,9 @@ the loop adds each request once its arrival time has passed, between steps. Repo
 throughput against offline, time to first token and time per output token per prompt-length
 bucket (p50 / p99), the inter-token times of running requests while a prompt of 32K or more
 is being prefilled, and peak reserved memory against the budget. ``--step-tokens`` sets
-``prefill_step_tokens`` (a step beside decoding requests carries at most the work of a
-prompt's first this many tokens: a resident chunk's layers are spread over steps). Writes
+``prefill_step_tokens`` for both runs (a step beside decoding requests carries at most the
+work of a prompt's first this many tokens: a resident chunk's layers are spread over
+steps; by default the engine's, smaller for requests arriving than for a batch). Writes
 ``arrivals_llama3-8b_<gpu>_<date>.json`` (to $OUT when set).
 """
 
@@ -166,7 +167,8 @@ def main() -> None:
     offline_tok_s = generated / offline_seconds
     result = {
         "env": env, "config": LLAMA31_8B, "gpu_memory": f"{BUDGET_GIB}GiB",
-        "prefill_step_tokens": engine.config.prefill_step_tokens,
+        "prefill_step_tokens": engine.config.step_tokens(at_once=False),
+        "prefill_step_tokens_at_once": engine.config.step_tokens(at_once=True),
         "workload": {"prompt_lengths": lengths, "new_tokens": NEW_TOKENS, "load": LOAD,
                      "arrival_rate_per_s": rate, "arrivals_s": arrivals},
         "head_map": engine.batch.runner.plan.head_map.summary(),

@@ -162,3 +162,31 @@ def test_attention_prefix_of_llama3_8b_by_hand():
     from test_planner import LLAMA3_8B
 
     assert attention_prefix(config_from_dict(LLAMA3_8B)) == 26624
+
+
+def test_deep_in_a_long_prompt_a_chunk_is_halved_until_one_layer_fits_a_step():
+    """Beside a decoding sequence, a chunk whose single layer would cost more than a step's
+    prompt work is halved (down to a page), so that no step carries more than its work;
+    halved pieces are not the recurring shape (they run the shape compiled for any
+    length)."""
+    scheduler = _scheduler(gpu_pages=128, step_tokens=16)
+    scheduler.num_layers, scheduler.attention_prefix, scheduler.layer_slices = 2, 16, True
+    first = Sequence(0, list(range(20)), 200)
+    _until_first_token(scheduler, first)
+    long = Sequence(1, list(range(256)), 260)
+    plans = _until_first_token(scheduler, long)
+    work = 2 * 16 * (1 + 8 / 16)  # tokens 0..15 through both layers: 48
+    pieces = [p.prefill for p in plans]
+    # tokens 0..63: a layer costs 64 x (1 + 32/16) = 192 > 48, 32 tokens 32 x 2 = 64 > 48,
+    # 16 tokens 16 x 1.5 = 24: one page, two layers a step
+    assert (pieces[0].start, pieces[0].end, pieces[0].layers) == (0, 16, (0, 2))
+    assert not pieces[0].recurs
+    for piece in pieces:
+        first_layer, end_layer = piece.layers
+        cost = (piece.end - piece.start) * (1 + (piece.start + piece.end) / 2 / 16)
+        assert (end_layer - first_layer) * cost <= work or piece.end - piece.start == PAGE
+    # deep in the prompt a page's single layer exceeds the work: one page, one layer a step
+    assert all(p.end - p.start == PAGE and p.layers[1] - p.layers[0] == 1 for p in pieces[-4:])
+    assert [(p.start, p.end) for p in pieces if p.through] == [
+        (s, s + PAGE) for s in range(0, 256, PAGE)
+    ]

@@ -245,6 +245,27 @@ def test_once_the_long_request_ends_the_others_move_back_to_the_resident_layout(
     assert _pools_full(engine)
 
 
+def test_step_budget_defaults_to_the_pace_of_arrivals_and_to_throughput_for_a_batch(
+    tiny_llama,
+):
+    """Unset, ``prefill_step_tokens`` is 512 for requests added one by one and 8192 while
+    ``generate`` runs a batch given at once (back to 512 after it); set, it is both (in
+    whole pages)."""
+    from headspace.engine.config import ARRIVING_STEP_TOKENS, AT_ONCE_STEP_TOKENS
+
+    assert (ARRIVING_STEP_TOKENS, AT_ONCE_STEP_TOKENS) == (512, 8192)
+    llm = LLM(str(tiny_llama), page_size=PAGE)
+    scheduler, during = llm.engine.batch.scheduler, []
+    assert scheduler.step_tokens == 512
+    llm.engine.generate_batch(_prompts([20, 30]), [GREEDY] * 2,
+                              on_finish=lambda: during.append(scheduler.step_tokens))  # fmt: skip
+    assert during == [8192, 8192] and scheduler.step_tokens == 512
+    asked = LLM(str(tiny_llama), page_size=PAGE, prefill_step_tokens=40).engine  # whole pages
+    assert asked.batch.scheduler.step_tokens == 32
+    with pytest.raises(UserError, match="prefill_step_tokens must be a positive integer"):
+        LLM(str(tiny_llama), prefill_step_tokens=0)
+
+
 def test_step_outputs_add_up_to_the_final_text(tiny_llama):
     engine = _make(tiny_llama).engine
     request = engine.add_request(_prompts([40])[0], GREEDY)

@@ -85,13 +85,9 @@ class BatchGenerator:
         self.planner = BatchPlanner(model.config, config, self.spec, self.runner, blocks,
                                     weights, streamed, ranks)  # fmt: skip
         own_pools = ranks is not None and config.per_head_pages  # pages per rank
-        # the prompt work a step carries while others decode (a whole chunk when none does),
-        # in whole pages
-        page = self.spec.page_size
-        step_tokens = max(page, config.prefill_step_tokens // page * page)
         self.scheduler = Scheduler(blocks, config.max_batch, 2 * config.max_batch,
                                    config.prefix_caching, all_agree if own_pools else bool,
-                                   self.chunk, step_tokens, cfg.num_layers,
+                                   self.chunk, self._step_tokens(False), cfg.num_layers,
                                    attention_prefix(cfg))  # fmt: skip
         self._hidden: torch.Tensor | None = None  # a chunk's states between layer slices
         self._next_id = 0
@@ -100,6 +96,17 @@ class BatchGenerator:
         self._reads: deque[TokenRead] = deque()
         self._bars: dict[int, tqdm] = {}  # the prefill progress of the prompt being computed
         self._aborted: list[RequestOutput] = []  # aborted requests, returned by the next step
+
+    def _step_tokens(self, at_once: bool) -> int:
+        """The prompt work a step carries while others decode (a whole chunk when none
+        does), in whole pages."""
+        page = self.spec.page_size
+        return max(page, self.config.step_tokens(at_once) // page * page)
+
+    def given_at_once(self, at_once: bool) -> None:
+        """Whether the requests now added come as one batch (``generate``: the step budget
+        for throughput) or one by one (a server: for the running requests' pace)."""
+        self.scheduler.step_tokens = self._step_tokens(at_once)
 
     # -- planning ------------------------------------------------------------------------
     def plan(self, seqs: list[Sequence]) -> Plan:
@@ -272,9 +279,9 @@ class BatchGenerator:
     def _prefill(self, piece: PrefillPiece) -> tuple[list[Sequence], torch.Tensor] | None:
         """One piece of a prompt; after its last, its sequence and first token (on the
         device)."""
-        seq, recurs = piece.seq, piece.end - piece.start == piece.size
+        seq = piece.seq
         carried = self._hidden if piece.layers[0] > 0 else None  # the slice before's states
-        hidden = self.runner.prefill_chunk(seq, piece.start, piece.end, piece.pages, recurs,
+        hidden = self.runner.prefill_chunk(seq, piece.start, piece.end, piece.pages, piece.recurs,
                                            piece.layers, carried)  # fmt: skip
         self._hidden = None if piece.through else hidden
         if not piece.through:

@@ -20,6 +20,10 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 
 RUNTIME, MEMORY, BUDGETS = "runtime", "memory and tiers", "budgets and patterns"
+# a step's prompt work beside decoding requests, by default: small while requests arrive one
+# by one (their time per output token stays within a few times its usual value), large for
+# a batch given at once (fewer, fuller steps), as vLLM sizes its token budget by usage
+ARRIVING_STEP_TOKENS, AT_ONCE_STEP_TOKENS = 512, 8192
 
 
 def _option(default, help: str, *, group: str = RUNTIME, choices=None, cli_default=None):
@@ -45,10 +49,13 @@ class EngineConfig:
     prefill_chunk: int | None = _option(
         None, "prompt tokens per prefill step (default: what the budget allows)"
     )
-    prefill_step_tokens: int = _option(
-        8192, "while other requests decode: a step carries at most the work of a prompt's "
+    prefill_step_tokens: int | None = _option(
+        None, "while other requests decode: a step carries at most the work of a prompt's "
         "first this many tokens through every layer (a resident chunk runs a few layers a "
-        "step, other layouts shorter pieces; with none decoding, a whole chunk a step)",
+        "step, other layouts shorter pieces; with none decoding, a whole chunk a step). "
+        f"Default: {ARRIVING_STEP_TOKENS} for requests added one by one (a server: the "
+        f"others' tokens keep their pace), {AT_ONCE_STEP_TOKENS} for a batch given at once "
+        "(generate: throughput first)",
     )  # fmt: skip
     max_context: int | None = _option(
         None, "longest sequence allowed (default: the model's trained context)"
@@ -161,7 +168,8 @@ class EngineConfig:
             raise UserError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
         if self.device.startswith("cuda") and not torch.cuda.is_available():
             raise UserError(f"device {self.device!r} requested but no CUDA GPU is available")
-        for name in ("prefill_chunk", "max_context", "head_group", "num_kv_pages", "cpu_threads"):
+        for name in ("prefill_chunk", "max_context", "head_group", "num_kv_pages", "cpu_threads",
+                     "prefill_step_tokens"):  # fmt: skip
             value = getattr(self, name)
             if value is not None and (type(value) is not int or value < 1):
                 raise UserError(f"{name} must be a positive integer, got {value}")
@@ -171,7 +179,7 @@ class EngineConfig:
         self._check_sparsity()
         self._check_patterns()
         self._check_budget()
-        for name in ("page_size", "max_batch", "gpu_window", "prefill_step_tokens"):
+        for name in ("page_size", "max_batch", "gpu_window"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise UserError(f"{name} must be a positive integer, got {value}")
@@ -236,6 +244,13 @@ class EngineConfig:
         """The hybrid tier's CPU share as asked: 1 in sparse mode (the CPU takes all before
         the window), else ``cpu_share`` (None: the balance of the planner's rates)."""
         return 1.0 if self.cpu_sparsity is not None else self.cpu_share
+
+    def step_tokens(self, at_once: bool) -> int:
+        """``prefill_step_tokens`` as asked, else its default for requests given at once
+        (``at_once``) or added one by one."""
+        if self.prefill_step_tokens is not None:
+            return self.prefill_step_tokens
+        return AT_ONCE_STEP_TOKENS if at_once else ARRIVING_STEP_TOKENS
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -170,6 +170,7 @@ class Engine:
         if self.config.on_gpu:
             torch.cuda.reset_peak_memory_stats(self.config.device)
         finals: dict[int, RequestOutput] = {}
+        self.batch.given_at_once(True)
         try:
             ids = [self.add_request(p, q) for p, q in zip(prompts, params, strict=True)]
             while self.has_unfinished():
@@ -180,6 +181,7 @@ class Engine:
                             on_finish()
         finally:  # stopped early (an error, Ctrl-C): every page goes back
             self.batch.abort_all()
+            self.batch.given_at_once(False)
         return [finals[i] for i in ids]
 
     def stream(self, prompt_ids: list[int], params: SamplingParams) -> Iterator[str]:

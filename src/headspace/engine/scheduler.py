@@ -58,7 +58,9 @@ class Sequence:
 class PrefillPiece:
     """Prompt tokens ``start .. end-1`` of ``seq`` to compute in this step over its
     ``pages``, through decoder ``layers`` (first, end) of ``num_layers``; ``size``: the
-    piece length asked (a piece of that length recurs: one compiled shape)."""
+    piece length asked; ``recurs``: pieces of its length recur (one compiled shape: a whole
+    chunk, or a step's tokens), where a short last piece or a chunk halved deep in a long
+    prompt runs the shape compiled for any length."""
 
     seq: Sequence
     start: int
@@ -67,6 +69,7 @@ class PrefillPiece:
     pages: Pages = field(default_factory=dict)
     layers: tuple[int, int] = (0, 1)
     num_layers: int = 1
+    recurs: bool = True
 
     @property
     def through(self) -> bool:
@@ -106,8 +109,9 @@ class Scheduler:
     ``step_tokens`` tokens through every layer: with ``layer_slices`` (the layout allows
     it) a chunk keeps its size and runs a few of its ``num_layers`` layers a step, as many
     as that work allows at its position (a token's attention over ``attention_prefix``
-    earlier tokens costs as much as its linear layers), at least one; without, a piece is
-    ``step_tokens`` tokens through every layer.
+    earlier tokens costs as much as its linear layers), at least one, the chunk halved
+    where one layer of it would cost more; without, a piece is ``step_tokens`` tokens
+    through every layer.
     """
 
     def __init__(self, blocks: BlockManager, max_batch: int, num_slots: int,
@@ -179,20 +183,20 @@ class Scheduler:
     def _next_piece(self, decoding: bool) -> PrefillPiece:
         """The prompt work of this step: the rest of a piece's layers, or a new piece."""
         seq, piece, slices = self.prefilling, self.piece, self.layer_slices
+        whole = min(self.chunk, self.step_tokens) if decoding and not slices else self.chunk
         if piece is not None:  # part-way through its layers
             start, end, size, first = piece.start, piece.end, piece.size, piece.layers[1]
         else:
-            size = self.chunk
-            if decoding and not slices:
-                size = min(self.chunk, self.step_tokens)
             start, first = self.prefill_next, 0
+            size = self._slice_size(start) if decoding and slices else whole
             end = min(start + size, len(seq.prompt_ids))
         count = self.num_layers - first
         if decoding and slices:
             count = min(count, self._layers_per_step(start, end))
         pages = self.blocks.pages([seq.seq_id])
+        recurs = end - start == size == whole
         piece = PrefillPiece(seq, start, end, size, pages, (first, first + count),
-                             self.num_layers)  # fmt: skip
+                             self.num_layers, recurs)  # fmt: skip
         self.piece = None if piece.through else piece
         if piece.through:
             self.prefill_next = end
@@ -200,11 +204,25 @@ class Scheduler:
                 self.prefilling = None
         return piece
 
+    def _step_work(self) -> float:
+        """One step's prompt work beside decoding sequences: tokens ``0 .. step_tokens-1``
+        through every layer."""
+        return self.num_layers * self._layer_cost(0, self.step_tokens)
+
     def _layers_per_step(self, start: int, end: int) -> int:
         """Layers of tokens ``start .. end-1`` that fit one step's prompt work (at least
-        one): the work of tokens ``0 .. step_tokens-1`` through every layer."""
-        budget = self.num_layers * self._layer_cost(0, self.step_tokens)
-        return max(1, int(budget // self._layer_cost(start, end)))
+        one)."""
+        return max(1, int(self._step_work() // self._layer_cost(start, end)))
+
+    def _slice_size(self, start: int) -> int:
+        """The length of a chunk run in layer slices from ``start``: ``chunk``, halved (down
+        to a page) while one layer of it costs more than a step's prompt work, so that deep
+        in a long prompt a step still fits its work (each halving one more compiled
+        shape, at most log2(chunk / page) of them)."""
+        size, page = self.chunk, self.blocks.page_size
+        while size > page and self._layer_cost(start, start + size) > self._step_work():
+            size = max(page, size // 2 // page * page)
+        return size
 
     def _layer_cost(self, start: int, end: int) -> float:
         """Relative cost of tokens ``start .. end-1`` in one layer: their linear layers and
