@@ -58,9 +58,9 @@ class Sequence:
 class PrefillPiece:
     """Prompt tokens ``start .. end-1`` of ``seq`` to compute in this step over its
     ``pages``, through decoder ``layers`` (first, end) of ``num_layers``; ``size``: the
-    piece length asked; ``recurs``: pieces of its length recur (one compiled shape: a whole
-    chunk, or a step's tokens), where a short last piece or a chunk halved deep in a long
-    prompt runs the shape compiled for any length."""
+    piece length asked; ``recurs``: it is a whole chunk (compiled once for that length),
+    where a shorter piece (the last, a step's tokens beside decoding sequences, a chunk
+    halved deep in a long prompt) runs the shape compiled for any length."""
 
     seq: Sequence
     start: int
@@ -183,18 +183,20 @@ class Scheduler:
     def _next_piece(self, decoding: bool) -> PrefillPiece:
         """The prompt work of this step: the rest of a piece's layers, or a new piece."""
         seq, piece, slices = self.prefilling, self.piece, self.layer_slices
-        whole = min(self.chunk, self.step_tokens) if decoding and not slices else self.chunk
         if piece is not None:  # part-way through its layers
             start, end, size, first = piece.start, piece.end, piece.size, piece.layers[1]
         else:
-            start, first = self.prefill_next, 0
-            size = self._slice_size(start) if decoding and slices else whole
+            start, first, size = self.prefill_next, 0, self.chunk
+            if decoding and not slices:
+                size = min(self.chunk, self.step_tokens)
+            elif decoding:
+                size = self._slice_size(start)
             end = min(start + size, len(seq.prompt_ids))
         count = self.num_layers - first
         if decoding and slices:
             count = min(count, self._layers_per_step(start, end))
         pages = self.blocks.pages([seq.seq_id])
-        recurs = end - start == size == whole
+        recurs = end - start == size == self.chunk
         piece = PrefillPiece(seq, start, end, size, pages, (first, first + count),
                              self.num_layers, recurs)  # fmt: skip
         self.piece = None if piece.through else piece
