@@ -167,8 +167,8 @@ def main() -> None:
     offline_tok_s = generated / offline_seconds
     result = {
         "env": env, "config": LLAMA31_8B, "gpu_memory": f"{BUDGET_GIB}GiB",
-        "prefill_step_tokens": engine.config.step_tokens(at_once=False),
-        "prefill_step_tokens_at_once": engine.config.step_tokens(at_once=True),
+        "prefill_step_tokens": engine.config.runtime.step_tokens(at_once=False),
+        "prefill_step_tokens_at_once": engine.config.runtime.step_tokens(at_once=True),
         "workload": {"prompt_lengths": lengths, "new_tokens": NEW_TOKENS, "load": LOAD,
                      "arrival_rate_per_s": rate, "arrivals_s": arrivals},
         "head_map": engine.batch.runner.plan.head_map.summary(),

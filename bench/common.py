@@ -175,7 +175,7 @@ def make_engine(model, hooks=None, **options):
     from headspace.engine.config import EngineConfig
     from headspace.engine.engine import Engine
 
-    return Engine.from_model(model, NoText(), EngineConfig(device="cuda", **options), hooks)
+    return Engine.from_model(model, NoText(), EngineConfig.of(device="cuda", **options), hooks)
 
 
 def prefill_once(engine, ids: list[int]) -> None:

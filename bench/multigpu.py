@@ -165,13 +165,12 @@ def run_solver(solver: str, args, profile: str) -> dict | None:
     from headspace.engine.ranks import join
     from headspace.engine.sampling import SamplingParams
     from headspace.parallel.balance import balanced_phases
-    from headspace.parallel.config import ParallelConfig
 
     options = SCENARIOS[args.scenario]
-    parallel = ParallelConfig(balance=solver, balance_phase=args.balance_phase)
-    config = join(EngineConfig(device="cuda", profile=profile, **options, parallel=parallel))
+    config = join(EngineConfig.of(device="cuda", profile=profile, balance=solver,
+                                  balance_phase=args.balance_phase, **options))  # fmt: skip
     cfg = model_config(args.model, args.layers)
-    model = random_model(cfg, device=config.device)
+    model = random_model(cfg, device=config.runtime.device)
     sharpen_heads(model, args.sharpen)
     engine = Engine.from_model(model, NoText(), config)
     params = SamplingParams(max_new_tokens=args.decode, ignore_eos=True)
@@ -243,7 +242,7 @@ def predicted_loads(engine, config, world: int, batch: int) -> dict:
     assignments = assignments_of(engine.ranks.head_map)
     loads = {}
     for phase in ("prefill", "decode"):
-        costs = head_costs(priced, CostShape.of(shape, config.torch_dtype.itemsize), hw,
+        costs = head_costs(priced, CostShape.of(shape, config.runtime.torch_dtype.itemsize), hw,
                            phase=phase, context=engine.max_context,
                            chunk=engine.batch.chunk, profile=engine.profile,
                            batch=batch if phase == "decode" else 1)  # fmt: skip

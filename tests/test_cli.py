@@ -245,9 +245,9 @@ def test_console_script_prints_one_line_and_no_traceback(tmp_path):
     assert "Traceback" not in result.stderr and result.stdout == ""
 
 
-def _non_default(f):
-    """A value other than the command line's default for an EngineConfig field, as a flag
-    argument and as parsed."""
+def _non_default(name, f):
+    """A value other than the command line's default for the engine option ``name`` (its
+    field ``f``), as a flag argument and as parsed."""
     values = {
         "device": ("cuda:1", "cuda:1"),
         "dtype": ("bfloat16", "bfloat16"),
@@ -265,22 +265,22 @@ def _non_default(f):
         "weights": ("stream", "stream"),
         "kv_budget": ("64tok", 64),
     }  # a token count says so (a bare 7 is refused)
-    if f.name in values:
-        return values[f.name]
+    if name in values:
+        return values[name]
     if f.type == "bool":
         return None, not f.metadata.get("cli_default", f.default)
     return "7", 7
 
 
 def _engine_flags() -> dict:
-    """Every flag a command running the engine derives from a config field: the
-    EngineConfig fields with help text, and the head-parallel ones (ParallelConfig's)."""
+    """Every flag a command running the engine derives from a config field: the fields of
+    the engine's option groups, and the head-parallel ones (ParallelConfig's)."""
     from dataclasses import fields
 
-    from headspace.engine.config import EngineConfig
+    from headspace.engine.config import GROUPS, flat_name
     from headspace.parallel.config import ENGINE_FIELDS, ParallelConfig
 
-    flags = {f.name: f for f in fields(EngineConfig) if "help" in f.metadata}
+    flags = {flat_name(f): f for group in GROUPS.values() for f in fields(group)}
     return flags | {f.name: f for f in fields(ParallelConfig) if f.name in ENGINE_FIELDS}
 
 
@@ -288,7 +288,7 @@ def _engine_flags() -> dict:
 @pytest.mark.parametrize("field", list(_engine_flags()))
 def test_every_engine_flag_reaches_the_engine(monkeypatch, capsys, field, command):
     f = _engine_flags()[field]
-    argument, expected = _non_default(f)
+    argument, expected = _non_default(field, f)
     flag = "--" + field.replace("_", "-")
     if argument is None:  # a boolean: --flag or --no-flag
         flag = flag if expected else "--no-" + field.replace("_", "-")
@@ -337,11 +337,14 @@ def test_ctrl_c_during_decode_ends_the_line_and_prints_the_summary():
     command = [sys.executable, "-m", "headspace", "generate", "--no-warm-up",
                "--max-new-tokens", "400", "--prompt", "Count from 1 to 1000: 1, 2, 3,"]  # fmt: skip
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    os.set_blocking(process.stdout.fileno(), False)
+    fd = process.stdout.fileno()
+    os.set_blocking(fd, False)
     printed, deadline = b"", time.monotonic() + 120
     while printed.count(b",") < 3 and time.monotonic() < deadline and process.poll() is None:
-        printed += process.stdout.read() or b""
-        time.sleep(0.05)
+        try:  # the raw descriptor: what has arrived, never held in a buffer
+            printed += os.read(fd, 1 << 16)
+        except BlockingIOError:
+            time.sleep(0.05)
     process.send_signal(signal.SIGINT)
     rest, err = process.communicate(timeout=60)
     text, err = (printed + rest).decode(), err.decode()

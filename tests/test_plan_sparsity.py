@@ -130,14 +130,14 @@ def test_the_keys_a_patterned_prefill_gathers_come_out_of_the_kv_arena(tmp_path)
 
     config = config_from_dict(LLAMA3_8B)
     spec, weights = KVSpec.of(config, 128, 2), weight_bytes(config, 2)
-    exact = EngineConfig(gpu_memory="40GiB", dtype="bfloat16")
-    patterned = EngineConfig(gpu_memory="40GiB", dtype="bfloat16", profile=str(tmp_path),
+    exact = EngineConfig.of(gpu_memory="40GiB", dtype="bfloat16")
+    patterned = EngineConfig.of(gpu_memory="40GiB", dtype="bfloat16", profile=str(tmp_path),
                              retrieval_heads=0.5, sparse_pattern="block_sparse(8)")  # fmt: skip
     gathered = gathered_bytes(8, 4, 128, 2, 2**19)
     assert gathered == 2 * (2 * 8 * 2**19 * 128 * 2) + (4 * 4 * 4 + 1) * 64 * 2**19  # 4 + 2.03 GiB
     arenas = [kv_arena_bytes(config, c, spec, weights, 8192, 2**19) for c in (exact, patterned)]
     assert arenas[0] - arenas[1] == gathered
-    small = EngineConfig(gpu_memory="19GiB", dtype="bfloat16", kv_budget=0.25)
+    small = EngineConfig.of(gpu_memory="19GiB", dtype="bfloat16", kv_budget=0.25)
     with pytest.raises(UserError, match="gathers with patterns or KV budgets"):
         kv_arena_bytes(config, small, spec, weights, 8192, 2**19)
     with pytest.raises(UserError, match="gathers with patterns or KV budgets"):  # plan too
@@ -164,7 +164,7 @@ def test_the_cpu_arena_without_a_budget_stays_within_half_the_host_memory():
     from headspace.engine.memory import host_budget, kv_arena_bytes
     from headspace.kv.spec import KVSpec
 
-    cpu = EngineConfig(dtype="float32")
+    cpu = EngineConfig.of(dtype="float32")
     config = config_from_dict(LLAMA3_8B)
     spec = KVSpec.of(config, 128, 4)
     arena = kv_arena_bytes(config, cpu, spec, 0, 1024, 2**17)

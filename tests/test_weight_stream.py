@@ -189,7 +189,7 @@ def test_a_bad_weights_option_is_one_line_with_exit_code_2(capsys):
     from headspace.cli.main import main
 
     with pytest.raises(UserError, match="weights must be one of auto, gpu, stream, got 'disk'"):
-        EngineConfig(weights="disk")
+        EngineConfig.of(weights="disk")
     assert main(["generate", "--prompt", "x", "--weights", "disk"]) == 2
     assert "invalid choice: 'disk'" in capsys.readouterr().err
 

@@ -13,9 +13,7 @@ from headspace.engine.engine import Engine, RequestOutput
 from headspace.engine.hooks import EngineHooks
 from headspace.engine.ranks import join
 from headspace.engine.sampling import SamplingParams
-from headspace.errors import UserError
 from headspace.model.source import resolve_model_dir
-from headspace.parallel.config import ENGINE_FIELDS, ParallelConfig
 from headspace.parallel.dist import rank_zero_first
 
 
@@ -25,10 +23,12 @@ class LLM:
     ``model``: a checkpoint directory (config.json + safetensors + tokenizer), a ``.gguf``
     file, or None for the embedded SmolLM2-135M-Instruct. ``device``: "cpu" or "cuda[:N]".
     ``dtype``: "float32", "bfloat16" or "float16" (default: float32 on CPU, bfloat16 on GPU).
-    Other keyword options are fields of :class:`headspace.engine.config.EngineConfig`, or
-    of :class:`headspace.parallel.config.ParallelConfig` (``balance``, ``replicas``,
-    ``balance_phase``: how kv heads are spread over the ranks when the script runs under
-    ``torchrun``, which sets their number). ``hooks``: seams for tests and benchmarks
+    Other keyword options are the fields of the engine's option groups, given flat
+    (:meth:`headspace.engine.config.EngineConfig.of`: ``offload``, ``gpu_memory``,
+    ``kv_budget``, ...), and ``balance``, ``replicas``, ``balance_phase``,
+    ``copy_seconds`` of :class:`headspace.parallel.config.ParallelConfig` (how kv heads
+    are spread over the ranks when the script runs under ``torchrun``, which sets their
+    number). ``hooks``: seams for tests and benchmarks
     (:class:`headspace.engine.hooks.EngineHooks`).
     """
 
@@ -40,17 +40,12 @@ class LLM:
         hooks: EngineHooks | None = None,
         **engine_options,
     ):
-        parallel_names = set(ENGINE_FIELDS)
-        unknown = set(engine_options) - set(EngineConfig.__dataclass_fields__) - parallel_names
-        if unknown:
-            raise UserError(f"unknown engine option(s): {', '.join(sorted(unknown))}")
-        parallel = {k: engine_options.pop(k) for k in parallel_names & set(engine_options)}
-        if parallel:
-            engine_options["parallel"] = ParallelConfig(**parallel)
         # under torchrun: the process group and this rank's GPU; rank 0 converts a model
         # (the embedded one for a new dtype, a .gguf) before the others look for it
-        self.config = join(EngineConfig(device=device, dtype=dtype, **engine_options))
-        self.model_dir = rank_zero_first(lambda: resolve_model_dir(model, self.config.dtype))
+        self.config = join(EngineConfig.of(device=device, dtype=dtype, **engine_options))
+        self.model_dir = rank_zero_first(
+            lambda: resolve_model_dir(model, self.config.runtime.dtype)
+        )
         self.engine = Engine(self.model_dir, self.config, hooks)
         self.last_output: RequestOutput | None = None
 

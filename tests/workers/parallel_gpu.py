@@ -101,11 +101,11 @@ def main(out_path: str, balance: str, kv_budget: str = "", backend: str = "gloo"
         budget.update(offload=offload, num_kv_pages=4)
     parallel = ParallelConfig(balance=balance, copy_seconds=0.0)  # this tiny model's heads
     # cost less than a copy adds: priced free, its copies are made and run
-    config = EngineConfig(device=device, dtype="float32", page_size=64, prefill_chunk=256,
+    config = EngineConfig.of(device=device, dtype="float32", page_size=64, prefill_chunk=256,
                           gpu_memory="2GiB",  # ranks may share the GPU
                           parallel=parallel, **budget)  # fmt: skip
     config = join(config)  # under torchrun: the process group (NCCL), this rank's GPU
-    engine = Engine.from_model(build(config.device), NoText(), config, hooks)
+    engine = Engine.from_model(build(config.runtime.device), NoText(), config, hooks)
     result = run(engine, prompt, batch, num_new)
     if not dist.is_initialized() or dist.get_rank() == 0:
         torch.save(result, out_path)

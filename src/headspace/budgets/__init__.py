@@ -14,20 +14,23 @@ is always kept and counts towards it.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal, get_args
 
 import torch
 
 from headspace.budgets import ada_snapkv, headkv, snapkv
 from headspace.budgets.scores import POOL, WINDOW, observation_scores
 
+PolicyName = Literal["snapkv", "ada_snapkv", "headkv"]
 POLICIES = {"snapkv": snapkv.allocate, "ada_snapkv": ada_snapkv.allocate,
             "headkv": headkv.allocate}  # fmt: skip
+assert tuple(POLICIES) == get_args(PolicyName)
 # a layer's counts follow from its own scores alone (headkv's from the profile and the
 # shapes of every layer's: known before any is scored)
 LAYER_LOCAL = {"snapkv", "ada_snapkv"}
 
-__all__ = ["LAYER_LOCAL", "POLICIES", "KVBudget", "kept_positions", "observation_scores",
-           "selected_counts", "POOL", "WINDOW"]  # fmt: skip
+__all__ = ["LAYER_LOCAL", "POLICIES", "PolicyName", "KVBudget", "kept_positions",
+           "observation_scores", "selected_counts", "POOL", "WINDOW"]  # fmt: skip
 
 
 @dataclass(frozen=True)

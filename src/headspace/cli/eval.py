@@ -173,7 +173,7 @@ def _check_modes(mode_options: list[dict]) -> None:
     from headspace.parallel.config import ENGINE_FIELDS
 
     for options in mode_options:
-        EngineConfig(**{k: v for k, v in options.items() if k not in ENGINE_FIELDS})
+        EngineConfig.of(**{k: v for k, v in options.items() if k not in ENGINE_FIELDS})
 
 
 def run_eval(args, options: dict) -> None:

@@ -1,13 +1,14 @@
-"""Command-line flags derived from the documented fields of :class:`EngineConfig` and
-:class:`ParallelConfig`."""
+"""Command-line flags derived from the documented fields of the engine's option groups
+(:mod:`headspace.engine.config`) and :class:`ParallelConfig`."""
 
 from __future__ import annotations
 
 import argparse
 import re
 from dataclasses import fields
+from typing import get_args, get_type_hints
 
-from headspace.engine.config import EngineConfig
+from headspace.engine.config import GROUPS, choices, flat_fields, flat_name
 from headspace.errors import UserError
 
 MEMORY_FLAGS = ("gpu_memory", "host_memory")
@@ -62,9 +63,12 @@ def join_negative_values(argv: list[str]) -> list[str]:
 
 
 def add_engine_options(p, names: tuple[str, ...] | None = None, defaults: dict | None = None):
-    """One flag per :class:`EngineConfig` field (``names``: only these), its documentation
-    the help text; ``defaults`` overrides the command line's default of some."""
-    add_config_options(p, EngineConfig, names, defaults)
+    """One flag per field of the engine's option groups (``names``: only these flat
+    names), its documentation the help text, one help section per group; ``defaults``
+    overrides the command line's default of some."""
+    sections: dict = {}  # the memory and host-tier groups share a section
+    for group in GROUPS.values():
+        add_config_options(p, group, names, defaults, sections=sections)
 
 
 def add_parallel_options(p) -> None:
@@ -75,35 +79,50 @@ def add_parallel_options(p) -> None:
 
 
 def add_config_options(p, config_class, names: tuple[str, ...] | None = None,
-                       defaults: dict | None = None, hidden: bool = False) -> None:  # fmt: skip
+                       defaults: dict | None = None, hidden: bool = False,
+                       sections: dict | None = None) -> None:  # fmt: skip
     """One flag per documented field of the dataclass ``config_class``, in the help
-    section its ``group`` names, with its default; ``hidden``: taken but not listed."""
-    defaults, sections = defaults or {}, {}
+    section it names (``SECTION``; ``sections``: those made so far, by title), with its
+    default and its ``Literal`` choices; ``hidden``: taken but not listed."""
+    defaults, section = defaults or {}, None
+    sections = {} if sections is None else sections
+    hints, allowed = get_type_hints(config_class), choices(config_class)
     for f in fields(config_class):
-        if (names is not None and f.name not in names) or "help" not in f.metadata:
-            continue  # a field without help (a nested config) has its own flags
-        flag = "--" + f.name.replace("_", "-")
-        default = defaults.get(f.name, f.metadata.get("cli_default", f.default))
+        name = flat_name(f)
+        if (names is not None and name not in names) or "help" not in f.metadata:
+            continue
+        if section is None and hidden:
+            section = p
+        elif section is None:
+            title = config_class.SECTION
+            section = sections.setdefault(title, None) or p.add_argument_group(title)
+            sections[title] = section
+        default = defaults.get(name, f.metadata.get("cli_default", f.default))
         help_text = f.metadata["help"].replace("%", "%%")
-        if f.name in defaults:
+        is_bool = hints[f.name] is bool
+        if name in defaults:
             help_text += f"; here {default}"
-        elif f.type == "bool":
+        elif is_bool:
             help_text += f" (default: {'on' if default else 'off'})"
         elif default is not None and "default" not in help_text:
             help_text += f" (default: {default})"
         if hidden:
             help_text = argparse.SUPPRESS
-        group = f.metadata.get("group", "options")
-        if group not in sections:
-            sections[group] = p if hidden else p.add_argument_group(group)
-        section = sections[group]
-        if f.type == "bool":
+        flag = "--" + name.replace("_", "-")
+        if is_bool:
             section.add_argument(flag, action=argparse.BooleanOptionalAction, default=default,
-                                 help=help_text)  # fmt: skip
+                                 help=help_text, dest=name)  # fmt: skip
             continue
-        kind = {"int": int, "float": float}.get(f.type.split(" ")[0], str)
-        section.add_argument(flag, type=FLAG_TYPES.get(f.name, kind), default=default,
-                             choices=f.metadata.get("choices"), help=help_text)  # fmt: skip
+        section.add_argument(flag, type=FLAG_TYPES.get(name, _value_type(hints[f.name])),
+                             default=default, choices=allowed.get(f.name), help=help_text,
+                             dest=name)  # fmt: skip
+
+
+def _value_type(hint):
+    """What a flag's text is read as: the first type its hint allows, where an int or a
+    float; else text (a ``Literal``'s choices are text)."""
+    first = next(kind for kind in (get_args(hint) or (hint,)) if kind is not type(None))
+    return first if first in (int, float) else str
 
 
 def add_engine_parallel_options(p) -> None:
@@ -122,9 +141,9 @@ def add_engine_parallel_options(p) -> None:
 def engine_options(args) -> dict:
     """LLM keyword arguments: every EngineConfig flag, as parsed, and the head-parallel
     ones where the command has them."""
-    options = {f.name: getattr(args, f.name) for f in fields(EngineConfig) if "help" in f.metadata}
     from headspace.parallel.config import ENGINE_FIELDS
 
+    options = {name: getattr(args, name) for name in flat_fields()}
     options.update({name: getattr(args, name) for name in ENGINE_FIELDS if hasattr(args, name)})
     return options
 

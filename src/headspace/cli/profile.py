@@ -38,8 +38,8 @@ def run_profile(args) -> None:
     lengths = [parse_tokens(x) for x in args.lengths.split(",") if x.strip()]
     contexts = [parse_tokens(x) for x in args.contexts.split(",") if x.strip()]
     depths = [float(x) for x in args.depths.split(",") if x.strip()]
-    config = EngineConfig(device=args.device, dtype=args.dtype)
-    model_dir = resolve_model_dir(args.model, config.dtype)
+    config = EngineConfig.of(device=args.device, dtype=args.dtype)
+    model_dir = resolve_model_dir(args.model, config.runtime.dtype)
     engine = Engine(model_dir, config)
     model_config = engine.model.config
 

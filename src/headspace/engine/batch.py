@@ -56,8 +56,8 @@ class BatchGenerator:
         hooks = hooks or EngineHooks()
         self.model, self.tokenizer, self.config = model, tokenizer, config
         self.eos_token_ids, self.max_context, self.ranks = eos_token_ids, max_context, ranks
-        cfg, dtype = model.config, config.torch_dtype
-        self.spec = KVSpec.of(cfg, config.page_size, dtype.itemsize)
+        cfg, dtype = model.config, config.runtime.torch_dtype
+        self.spec = KVSpec.of(cfg, config.cache.page_size, dtype.itemsize)
         self.weight_bytes = weights = device_weight_bytes(model)  # on the device
         streamed = streamed_weight_bytes(model)
         self.chunk = prefill_chunk_size(cfg, config, weights, max_context, streamed > 0)
@@ -67,26 +67,28 @@ class BatchGenerator:
         if ranks is not None:  # the same pages on every rank
             self.spec, arena = ranks.pages(self.spec, arena)
         # (the machine's budget, divided between its ranks, the same on every rank)
-        host_bytes = rank_host_bytes(config.host_memory, ranks.on_host if ranks else 1)
-        if config.host_memory is None and not config.on_gpu:  # the arena is host memory too
+        host_bytes = rank_host_bytes(config.cache.host_memory, ranks.on_host if ranks else 1)
+        if (
+            config.cache.host_memory is None and not config.runtime.on_gpu
+        ):  # the arena is host memory too
             host_bytes = max(host_bytes - arena, 0)
         if ranks is not None:
             host_bytes = host_min(host_bytes)
-        host = (hooks.host_arena or HostKVArena)(self.spec, dtype, pin=config.on_gpu,
+        host = (hooks.host_arena or HostKVArena)(self.spec, dtype, pin=config.runtime.on_gpu,
                                                  budget=host_bytes)  # fmt: skip
         layout = ranks.layout if ranks else None
         num_entries = None  # shared pages; else every (layer, kv head) of the rank in its own
-        if config.per_head_pages:
+        if config.budgets.per_head_pages:
             num_entries = self.spec.num_entries if layout is None else sum(layout.layer_heads)
         blocks = block_manager(self.spec.page_size, num_entries)  # the scheduler's
         self.runner = PagedRunner(model, config, self.spec, arena, host, blocks,
-                                  2 * config.max_batch, max_context, profile, layout,
+                                  2 * config.runtime.max_batch, max_context, profile, layout,
                                   hooks.graphs, hooks.prefix_piece, hooks.cpu_timings)  # fmt: skip
         self.planner = BatchPlanner(model.config, config, self.spec, self.runner, blocks,
                                     weights, streamed, ranks)  # fmt: skip
-        own_pools = ranks is not None and config.per_head_pages  # pages per rank
-        self.scheduler = Scheduler(blocks, config.max_batch, 2 * config.max_batch,
-                                   config.prefix_caching, all_agree if own_pools else bool,
+        own_pools = ranks is not None and config.budgets.per_head_pages  # pages per rank
+        self.scheduler = Scheduler(blocks, config.runtime.max_batch, 2 * config.runtime.max_batch,
+                                   config.cache.prefix_caching, all_agree if own_pools else bool,
                                    self.chunk, self._step_tokens(False), cfg.num_layers,
                                    attention_prefix(cfg))  # fmt: skip
         self._hidden: torch.Tensor | None = None  # a chunk's states between layer slices
@@ -101,7 +103,7 @@ class BatchGenerator:
         """The prompt work a step carries while others decode (a whole chunk when none
         does), in whole pages."""
         page = self.spec.page_size
-        return max(page, self.config.step_tokens(at_once) // page * page)
+        return max(page, self.config.runtime.step_tokens(at_once) // page * page)
 
     def given_at_once(self, at_once: bool) -> None:
         """Whether the requests now added come as one batch (``generate``: the step budget
@@ -151,7 +153,11 @@ class BatchGenerator:
         pools = scheduler.blocks.pools
         used = {tier: pool.num_pages - pool.num_free for tier, pool in pools.items()}
         entries = {t: plan.head_map.count(t) if plan else 0 for t in ("gpu", "stream", "hybrid")}
-        reserved = torch.cuda.max_memory_reserved(self.config.device) if self.config.on_gpu else 0
+        reserved = (
+            torch.cuda.max_memory_reserved(self.config.runtime.device)
+            if self.config.runtime.on_gpu
+            else 0
+        )
         return EngineLoad(running=len(scheduler.running), waiting=len(scheduler.waiting),
                           swapped=len(scheduler.swapped), gpu_pages_used=used[GPU],
                           host_pages_used=used[HOST], resident_entries=entries["gpu"],
@@ -272,7 +278,7 @@ class BatchGenerator:
         request.num_streamed_heads = head_map.count("stream")
         request.num_hybrid_heads = head_map.count("hybrid")
         total = len(seq.prompt_ids) - seq.num_cached
-        show = self.config.progress and total >= PROGRESS_MIN_TOKENS
+        show = self.config.runtime.progress and total >= PROGRESS_MIN_TOKENS
         self._bars[seq.seq_id] = tqdm(total=total, desc="prefill", unit="tok", disable=not show,
                                       leave=False)  # fmt: skip
 
@@ -343,7 +349,7 @@ class BatchGenerator:
                 request.ended = "max_new_tokens" if len(seq.output_ids) >= params.max_new_tokens \
                     else "context"  # fmt: skip
         if reason:
-            if self.config.per_head_pages:  # (bytes held, share of the full KV)
+            if self.config.budgets.per_head_pages:  # (bytes held, share of the full KV)
                 held, full = self.scheduler.blocks.held(seq.seq_id)
                 request.kv_held = held * self.spec.entry_token_bytes, held / max(full, 1)
             self.scheduler.finish(seq, reason)
@@ -364,9 +370,9 @@ class BatchGenerator:
         self.runner.forget(seq.seq_id)
         if request.kv_held is not None:
             stats.kv_held_bytes, stats.kv_held_fraction = request.kv_held
-        if self.config.on_gpu:
-            stats.peak_gpu_bytes = torch.cuda.max_memory_allocated(self.config.device)
-            stats.peak_reserved_bytes = torch.cuda.max_memory_reserved(self.config.device)
+        if self.config.runtime.on_gpu:
+            stats.peak_gpu_bytes = torch.cuda.max_memory_allocated(self.config.runtime.device)
+            stats.peak_reserved_bytes = torch.cuda.max_memory_reserved(self.config.runtime.device)
 
     def logits(self, token_ids: list[int], decode_tokens: int = 0) -> torch.Tensor:
         """fp32 logits ``[len(token_ids), vocab]`` (CPU) through the paged prefill path; the

@@ -55,32 +55,32 @@ class BatchPlanner:
         what = f"{len(seqs)} requests of {sum(s.max_tokens for s in seqs)} tokens"
         if len(seqs) == 1:
             what = f"a request of up to {seqs[0].max_tokens} tokens"
-        config = self.config
-        if config.per_head_pages:
+        if self.config.budgets.per_head_pages:
             return self._entry_plan(seqs, what)
-        plan = plan_batch(self.spec, self.runner.store.num_bytes, total, offload=config.offload,
-                          head_group=config.head_group, host_budget=self.runner.host.budget,
-                          what=what, hw=self.hardware, cpu_share=config.hybrid_cpu_share,
-                          gpu_window=config.gpu_window, num_seqs=len(seqs),
-                          auto_hybrid=config.on_gpu)  # fmt: skip
+        host = self.config.offload
+        plan = plan_batch(self.spec, self.runner.store.num_bytes, total, offload=host.mode,
+                          head_group=host.head_group, host_budget=self.runner.host.budget,
+                          what=what, hw=self.hardware, cpu_share=host.hybrid_cpu_share,
+                          gpu_window=host.gpu_window, num_seqs=len(seqs),
+                          auto_hybrid=self.config.runtime.on_gpu)  # fmt: skip
         if self.ranks is not None:  # sized for the widest rank; the whole map, with its ranks
             return self.ranks.spread(plan, what)
-        if config.retrieval_heads is not None:  # the profile's heads that retrieve keep all
+        if self.config.budgets.retrieval_heads is not None:  # retrieval heads keep all
             plan.head_map = self._with_patterns(plan.head_map)
         return plan
 
     def _with_patterns(self, head_map: HeadMap) -> HeadMap:
         """The profile's retrieval heads keep every token; the others take the pattern."""
-        config = self.config
-        return with_patterns(head_map, self.runner.profile.retrieval, config.retrieval_heads,
-                             config.sparse_pattern)  # fmt: skip
+        budgets = self.config.budgets
+        return with_patterns(head_map, self.runner.profile.retrieval, budgets.retrieval_heads,
+                             budgets.sparse_pattern)  # fmt: skip
 
     def _entry_plan(self, seqs: list[Sequence], what: str) -> Plan:
         """Per-entry pages (budgets, streaming heads): patterns and budgets first, then
         which entries live in host pages if the batch does not fit (never a ring)."""
         config, spec, budget = self.config, self.spec, self.runner.budget
         head_map = HeadMap.all_gpu(spec.num_layers, spec.num_kv_heads)
-        if config.retrieval_heads is not None:
+        if config.budgets.retrieval_heads is not None:
             head_map = self._with_patterns(head_map)
         kept = None if budget is None else max(budget.tokens(len(s.prompt_ids)) for s in seqs)
         parts = None
@@ -89,7 +89,7 @@ class BatchPlanner:
         head_map = with_budgets(head_map, kept)  # rings keep their sink and window
         return plan_entries(spec, self.runner.store.num_bytes, head_map,
                             [s.max_tokens for s in seqs], self.bounds(seqs),
-                            offload=config.offload, host_budget=self.runner.host.budget,
+                            offload=config.offload.mode, host_budget=self.runner.host.budget,
                             what=what, parts=parts)  # fmt: skip
 
     def bounds(self, seqs: list[Sequence]) -> list[int]:
@@ -115,7 +115,7 @@ class BatchPlanner:
                 plan = replace(plan, head_map=plan.rank_map)
             seconds, _ = step_seconds(self.model_config, plan, sum(s.max_tokens for s in seqs),
                                       self.spec.dtype_bytes, self.hardware,
-                                      self.config.hybrid_cpu_share,
+                                      self.config.offload.hybrid_cpu_share,
                                       streamed_weights=self.streamed_bytes)  # fmt: skip
         return len(seqs) / seconds
 
@@ -123,7 +123,7 @@ class BatchPlanner:
     def replan(self, scheduler: Scheduler) -> None:
         """Lay out for the sequences next in line: all resident if the first fits, else the
         streaming plan for the first k that maximises the predicted throughput."""
-        queue = list(scheduler.waiting)[: self.config.max_batch]
+        queue = list(scheduler.waiting)[: self.config.runtime.max_batch]
         best, best_rate, planned = self.plan(queue[:1]), 0.0, queue[:1]
         if best.staging is not None or best.entry_staging:
             best_rate = self.rate(best, planned)
@@ -148,9 +148,17 @@ class BatchPlanner:
         moves; never while a prompt is part-way through its prefill, nor in the modes that
         keep state per sequence (per-entry pages, sparse hybrid, ranks)."""
         config = self.config
-        if not scheduler.running or scheduler.prefilling is not None or config.offload == "none":
+        if (
+            not scheduler.running
+            or scheduler.prefilling is not None
+            or config.offload.mode == "none"
+        ):
             return False
-        if config.per_head_pages or config.cpu_sparsity is not None or self.ranks is not None:
+        if (
+            config.budgets.per_head_pages
+            or config.offload.cpu_sparsity is not None
+            or self.ranks is not None
+        ):
             return False
         if self.runner.plan.staging is not None:  # heads stream (no per-entry count a step)
             return self._to_resident(scheduler)
@@ -238,12 +246,12 @@ class BatchPlanner:
             self.blocks.reset(pools)
         streams = plan.staging is not None
         self.tiers = ((GPU,) if plan.head_map.count("gpu") else ()) + ((HOST,) if streams else ())
-        if self.config.per_head_pages:  # host pages are the entry table's, by entry
+        if self.config.budgets.per_head_pages:  # host pages are the entry table's, by entry
             self.tiers = (GPU,)
         if scheduler is not None:
             scheduler.tiers = self.tiers
             scheduler.layer_slices = self.runner.layer_slices
-            swaps = self.config.offload != "none" and not self.config.per_head_pages
+            swaps = self.config.offload.mode != "none" and not self.config.budgets.per_head_pages
             scheduler.optimistic = not streams and swaps
             scheduler.grow_host = self.grow_host
 

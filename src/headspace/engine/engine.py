@@ -48,11 +48,13 @@ class Engine:
         # one as it loads (the whole model never sits on its GPU)
         ranks = plan_ranks(model_cfg, config, self.profile, self._max_context(model_cfg, config))
         streamed = weights_streamed(model_cfg, config, ranks)  # then layers stay on the host
-        model = load_model(model_dir, config.device, config.torch_dtype,
+        model = load_model(model_dir, config.runtime.device, config.runtime.torch_dtype,
                            None if ranks is None else ranks.keep_heads,
                            "cpu" if streamed else None)  # fmt: skip
         if streamed:
-            WeightStream(model, config.device, delay=None if hooks is None else hooks.weight_delay)
+            WeightStream(
+                model, config.runtime.device, delay=None if hooks is None else hooks.weight_delay
+            )
         self._setup(model, tokenizer, config, ranks, hooks)
 
     @classmethod
@@ -67,19 +69,21 @@ class Engine:
         ranks = setup_ranks(model, config, engine.profile, max_context)
         on_device = sum(p.nbytes for p in model.parameters() if p.device.type != "cpu")
         if weights_streamed(model.config, config, ranks, on_device):
-            WeightStream(model, config.device, delay=None if hooks is None else hooks.weight_delay)
+            WeightStream(
+                model, config.runtime.device, delay=None if hooks is None else hooks.weight_delay
+            )
         engine._setup(model, tokenizer, config, ranks, hooks)
         return engine
 
     def _read_profile(self, model_cfg, config: EngineConfig) -> None:
         self.profile = None  # read once; one of another model is refused now, in one line
-        if config.profile is not None:
-            self.profile = Profile.load(config.profile)
+        if config.budgets.profile is not None:
+            self.profile = Profile.load(config.budgets.profile)
             self.profile.check(model_cfg.num_layers, model_cfg.num_kv_heads)
 
     @staticmethod
     def _max_context(model_cfg, config: EngineConfig) -> int:
-        return config.max_context or model_cfg.max_context
+        return config.runtime.max_context or model_cfg.max_context
 
     def _setup(self, model: LlamaModel, tokenizer, config: EngineConfig, ranks,
                hooks: EngineHooks | None) -> None:  # fmt: skip
@@ -167,8 +171,8 @@ class Engine:
         if self.batch.has_running():
             raise UserError("requests added with add_request are still running: step them "
                             "to the end (or abort them) before generate")  # fmt: skip
-        if self.config.on_gpu:
-            torch.cuda.reset_peak_memory_stats(self.config.device)
+        if self.config.runtime.on_gpu:
+            torch.cuda.reset_peak_memory_stats(self.config.runtime.device)
         finals: dict[int, RequestOutput] = {}
         self.batch.given_at_once(True)
         try:
@@ -191,8 +195,8 @@ class Engine:
         if self.batch.has_running():
             raise UserError("requests added with add_request are still running: step them "
                             "to the end (or abort them) before stream")  # fmt: skip
-        if self.config.on_gpu:
-            torch.cuda.reset_peak_memory_stats(self.config.device)
+        if self.config.runtime.on_gpu:
+            torch.cuda.reset_peak_memory_stats(self.config.runtime.device)
         self.add_request(prompt_ids, params)
         self.stream_output = None
         try:

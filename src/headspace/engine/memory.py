@@ -92,9 +92,9 @@ def rank_host_bytes(value: str | float | None, ranks_on_host: int = 1,
 def gpu_budget(engine_config, weight_bytes: int) -> int | None:
     """Bytes the engine may hold on its device: the user's budget, else on a GPU the weights
     plus 90% of what is free now; None on the CPU without a budget."""
-    device = torch.device(engine_config.device)
-    if engine_config.gpu_memory is not None:
-        return parse_memory(engine_config.gpu_memory, device_total_bytes(device))
+    device = torch.device(engine_config.runtime.device)
+    if engine_config.cache.gpu_memory is not None:
+        return parse_memory(engine_config.cache.gpu_memory, device_total_bytes(device))
     if device.type == "cuda":
         return int(FREE_MEMORY_SHARE * torch.cuda.mem_get_info(device)[0]) + weight_bytes
     return None
@@ -105,13 +105,13 @@ def prefill_chunk_size(config: ModelConfig, engine_config, weight_bytes: int,
     """Prompt tokens per prefill step: the user's choice, else what fits the budget (on a
     GPU, or on the CPU with a budget; 1024 on the CPU without one); ``weight_bytes`` on the
     device, the layers ``streamed`` from the host or not."""
-    if engine_config.prefill_chunk:
-        return engine_config.prefill_chunk
+    if engine_config.runtime.prefill_chunk:
+        return engine_config.runtime.prefill_chunk
     budget = gpu_budget(engine_config, weight_bytes)
     if budget is None:
         return CPU_PREFILL_CHUNK
     return prefill_chunk(config, budget - weight_bytes, max_context,
-                         engine_config.torch_dtype.itemsize, streamed=streamed)  # fmt: skip
+                         engine_config.runtime.torch_dtype.itemsize, streamed=streamed)  # fmt: skip
 
 
 def attention_prefix(config: ModelConfig) -> int:
@@ -133,15 +133,15 @@ def kv_arena_bytes(config: ModelConfig, engine_config, spec: KVSpec, weight_byte
     batched decode, and with patterns or budgets the keys a layer's prefill gathers
     (UserError when nothing is left); on the CPU without a budget, room for four full
     contexts within half the host memory available now."""
-    if engine_config.num_kv_pages:
-        return (engine_config.num_kv_pages + 1) * spec.full_page_bytes
+    if engine_config.cache.num_kv_pages:
+        return (engine_config.cache.num_kv_pages + 1) * spec.full_page_bytes
     budget = gpu_budget(engine_config, weight_bytes)
     if budget is None:  # the arena is host memory: at most half of what is available
         contexts = (4 * spec.pages_for(max_context) + 1) * spec.full_page_bytes
         return min(contexts, host_budget(None) // 2 // spec.full_page_bytes * spec.full_page_bytes)
     split = split_gpu_budget(config, budget, weight_bytes, chunk, spec.dtype_bytes,
-                             engine_config.max_batch)  # fmt: skip
-    if engine_config.per_head_pages or engine_config.retrieval_heads is not None:
+                             engine_config.runtime.max_batch)  # fmt: skip
+    if engine_config.budgets.per_head_pages or engine_config.budgets.retrieval_heads is not None:
         gathered = gathered_bytes(spec.num_kv_heads, config.num_queries_per_kv, spec.head_dim,
                                   spec.dtype_bytes, max_context)  # fmt: skip
         return arena_after_gathers(split.arena, gathered, max_context)

@@ -53,23 +53,29 @@ class PagedRunner:
         self.attention_hook = None
         self.layout = layout  # one rank's heads under torch.distributed (None: all heads)
         self.max_context = max_context
-        self.device = torch.device(config.device)
-        self.store = PagedKVStore(spec, arena_bytes, dtype=config.torch_dtype, device=self.device)
+        self.device = torch.device(config.runtime.device)
+        self.store = PagedKVStore(
+            spec, arena_bytes, dtype=config.runtime.torch_dtype, device=self.device
+        )
         self.budget = None
-        if config.kv_budget is not None:
-            self.budget = KVBudget(config.kv_budget, config.kv_policy, pool=config.kv_pool)
+        if config.budgets.kv_budget is not None:
+            self.budget = KVBudget(
+                config.budgets.kv_budget, config.budgets.kv_policy, pool=config.budgets.kv_pool
+            )
         self.profile = profile  # the engine's, checked against the model
         # the last sampled token of each running sequence (+1 scratch slot for graph padding)
         self.tokens = torch.zeros(max_slots + 1, dtype=torch.long, device=self.device)
-        self._compiled = config.compile and self.device.type == "cuda"
+        self._compiled = config.runtime.compile and self.device.type == "cuda"
         self.plan: Plan | None = None
+        offload = config.offload
         self.site = TierSite(
             self.store, host, blocks, spec, model.config.num_queries_per_kv,
-            config.attention_backend, max_slots=self.tokens.numel(), max_context=max_context,
-            per_entry_pages=config.per_head_pages, layout=layout, budget=self.budget,
+            config.runtime.attention_backend, max_slots=self.tokens.numel(),
+            max_context=max_context,
+            per_entry_pages=config.budgets.per_head_pages, layout=layout, budget=self.budget,
             head_scores=None if profile is None else torch.tensor(profile.retrieval),
-            hybrid=HybridSettings(config.cpu_threads, config.cpu_sparsity, config.maw_alpha,
-                                  config.gpu_window),
+            hybrid=HybridSettings(offload.cpu_threads, offload.cpu_sparsity, offload.maw_alpha,
+                                  offload.gpu_window),
             prefix_piece=prefix_piece,
             cpu_timings=cpu_timings,
         )  # fmt: skip
@@ -105,7 +111,7 @@ class PagedRunner:
         survives a map that stays. Per-entry pages: one plane; the offloaded entries' pages
         are host pages."""
         spec, layout, site = self.spec, self.layout, self.site
-        if self.config.per_head_pages:  # entries numbered layer by layer
+        if self.config.budgets.per_head_pages:  # entries numbered layer by layer
             heads = [site.heads(layer) for layer in range(spec.num_layers)]
             first = [sum(map(len, heads[:layer])) for layer in range(spec.num_layers)]
             in_host = [first[layer] + place for layer, places in
@@ -152,7 +158,7 @@ class PagedRunner:
         """The CUDA graphs of this layout's decode step, None without CUDA graphs (kept per
         layout while the host pages they address stay where they are)."""
         twin = self.graphs_class  # a CPU stand-in in tests; None: real graphs, on a GPU only
-        if (twin is None and self.device.type != "cuda") or not self.config.cuda_graph:
+        if (twin is None and self.device.type != "cuda") or not self.config.runtime.cuda_graph:
             return None
         if self.plan is None or self.model.layer_source is not None:  # streamed weights
             return None
@@ -171,7 +177,7 @@ class PagedRunner:
         mode = "static" if self._compiled else "eager"
         graphs = (twin or DecodeGraphs)(
             self.model, self.tiers, self.tokens, self.page_size, self.store.num_pages,
-            self.host.scratch_slot, self.config.max_batch, mode, self._graph_pool,
+            self.host.scratch_slot, self.config.runtime.max_batch, mode, self._graph_pool,
             self.attention_hook,  # a benchmark's timed attention, if it set one
         )  # fmt: skip
         self._graph_cache[self._layout_id] = (generation, graphs)

@@ -94,17 +94,17 @@ def join(config):
     """Under torchrun: join the process group and give a plain ``cuda`` device this rank's
     GPU (``LOCAL_RANK``); returns the config to build the engine with. A named GPU stays
     under a gloo group made beforehand (ranks sharing one GPU, as tests do)."""
-    _, world = init_from_env(config.device)
-    if world == 1 or not config.on_gpu:
+    _, world = init_from_env(config.runtime.device)
+    if world == 1 or not config.runtime.on_gpu:
         return config
     device = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}"
-    if config.device != "cuda" and dist.get_backend() != "nccl":  # gloo ranks may share one
+    if config.runtime.device != "cuda" and dist.get_backend() != "nccl":  # gloo ranks may share one
         return config
-    if config.device not in ("cuda", device):
+    if config.runtime.device not in ("cuda", device):
         raise UserError(f"under torchrun each rank uses the GPU of its LOCAL_RANK ({device}): "
-                        f"pass --device cuda, not {config.device}")  # fmt: skip
+                        f"pass --device cuda, not {config.runtime.device}")  # fmt: skip
     torch.cuda.set_device(device)  # also where the process group was made elsewhere
-    return replace(config, device=device)
+    return config.on(device)
 
 
 def costed_map(cfg, config, profile: Profile | None, max_context: int) -> HeadMap:
@@ -112,34 +112,36 @@ def costed_map(cfg, config, profile: Profile | None, max_context: int) -> HeadMa
     per-entry pages what each entry keeps at ``max_context`` tokens (budgeted entries by the
     profile's measured shares of the policy, where it has them)."""
     head_map = HeadMap.all_gpu(cfg.num_layers, cfg.num_kv_heads)
-    if config.retrieval_heads is not None:
-        head_map = with_patterns(head_map, profile.retrieval, config.retrieval_heads,
-                                 config.sparse_pattern)  # fmt: skip
+    if config.budgets.retrieval_heads is not None:
+        head_map = with_patterns(head_map, profile.retrieval, config.budgets.retrieval_heads,
+                                 config.budgets.sparse_pattern)  # fmt: skip
     tokens, shares = None, None
-    if config.kv_budget is not None:
-        budget = KVBudget(config.kv_budget, config.kv_policy, pool=config.kv_pool)
+    if config.budgets.kv_budget is not None:
+        budget = KVBudget(
+            config.budgets.kv_budget, config.budgets.kv_policy, pool=config.budgets.kv_pool
+        )
         tokens = budget.tokens(max_context)
         shares = profile and profile.budget_shares.get(budget_key(budget.policy, budget.value))
-    return priced_map(head_map, config.per_head_pages, tokens, shares)
+    return priced_map(head_map, config.budgets.per_head_pages, tokens, shares)
 
 
 def plan_ranks(cfg, config, profile: Profile | None, max_context: int) -> Ranks | None:
     """Under torchrun with several ranks: the balanced head map (solved on rank 0 on the
     model config ``cfg``'s costs, the same everywhere) and this rank's part of it; None in
     one process."""
-    rank, world = init_from_env(config.device)
+    rank, world = init_from_env(config.runtime.device)
     if world == 1:
         return None
     head_map = costed_map(cfg, config, profile, max_context)
     if rank == 0:
         parallel = replace(config.parallel, gpus=world)
-        shape = CostShape.of(cfg, config.torch_dtype.itemsize)
+        shape = CostShape.of(cfg, config.runtime.torch_dtype.itemsize)
         head_map = balance_heads(
             head_map,
             shape,
             parallel,
             context=max_context,
-            chunk=config.prefill_chunk,
+            chunk=config.runtime.prefill_chunk,
             profile=profile,
         ).head_map
     head_map = broadcast_object(head_map)
@@ -156,6 +158,6 @@ def setup_ranks(model: LlamaModel, config, profile: Profile | None,
         layout = ranks.layout
         shard_model(model, ranks.head_map, layout.rank, layout.world, all_reduce_sum,
                     heads=[layout.heads(index) for index in range(layout.num_layers)])  # fmt: skip
-        if config.on_gpu:
+        if config.runtime.on_gpu:
             torch.cuda.empty_cache()  # the other ranks' weights, freed
     return ranks

@@ -167,15 +167,17 @@ class WeightStream:
 
 
 def weights_streamed(model_config, config, ranks=None, on_device_bytes: int = 0) -> bool:
-    """Whether decoder layers stream from host memory (``config.weights``; with "auto" when
-    resident weights leave no room for KV in the GPU budget, which ``on_device_bytes`` of
+    """Whether decoder layers stream from host memory (``config.cache.weights``; with "auto"
+    when resident weights leave no room for KV in the GPU budget, which ``on_device_bytes`` of
     weights already on the device count toward; never on the CPU). Under torchrun every
     rank decides alike: all stream if one must."""
-    budget = gpu_budget(config, on_device_bytes) if config.on_gpu else None
+    budget = gpu_budget(config, on_device_bytes) if config.runtime.on_gpu else None
     shard = {} if ranks is None else {"world": ranks.layout.world, "kv_heads": ranks.most_heads}
-    streamed = streams_weights(config.weights, model_config, budget, config.torch_dtype.itemsize,
-                               config.max_batch, config.prefill_chunk, **shard)  # fmt: skip
-    if ranks is not None and config.weights == "auto":
+    runtime = config.runtime
+    streamed = streams_weights(config.cache.weights, model_config, budget,
+                               runtime.torch_dtype.itemsize, runtime.max_batch,
+                               runtime.prefill_chunk, **shard)  # fmt: skip
+    if ranks is not None and config.cache.weights == "auto":
         streamed = not all_agree(not streamed)
     return streamed
 

@@ -4,41 +4,43 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import ClassVar, Literal, get_args
 
 from headspace.errors import UserError
 from headspace.parallel.solvers import SOLVERS
 
-PHASES = ("auto", "prefill", "decode")
+Balance = Literal["uniform", "random", "greedy", "ga", "fairkv", "exact"]
+Phase = Literal["auto", "prefill", "decode"]
+PHASES = get_args(Phase)
+assert get_args(Balance) == tuple(SOLVERS)
 # the fields the engine takes as options under torchrun (``gpus`` is the world size there,
 # and ``seed`` would read as sampling's)
 ENGINE_FIELDS = ("balance", "replicas", "balance_phase", "copy_seconds")
 
 
-def _option(default, help: str, *, choices=None):
-    meta = {"help": help, "choices": choices}
-    meta["group"] = "multi-GPU (under torchrun)"
-    return field(default=default, metadata={k: v for k, v in meta.items() if v is not None})
+def _option(default, help: str):
+    return field(default=default, metadata={"help": help})
 
 
 @dataclass
 class ParallelConfig:
     """How kv heads are spread over ranks (each field is also a command-line flag)."""
 
+    SECTION: ClassVar[str] = "multi-GPU (under torchrun)"
     gpus: int = _option(1, "GPUs the kv heads are spread over (plan prints each one's load)")
-    balance: str = _option(
+    balance: Balance = _option(
         "fairkv", "head-to-GPU solver: uniform (tensor-parallel blocks), random, greedy "
         "(longest first, then moves), ga (genetic search), fairkv (greedy, then fair-copying "
-        "within --replicas), exact (branch and bound, small layers)", choices=tuple(SOLVERS),
+        "within --replicas), exact (branch and bound, small layers)",
     )  # fmt: skip
     replicas: int = _option(
         2, "fairkv: extra copies of heavy heads a layer may make; the copies divide the head's "
         "attention (token ranges merged by log-sum-exp)",
     )  # fmt: skip
-    balance_phase: str = _option(
+    balance_phase: Phase = _option(
         "auto", "which step's costs to balance: prefill (a chunk's attention, which patterns "
         "change), decode (the KV each head reads, which budgets change), or auto (both at "
         "once, each phase's slowest ranks weighed by one over the phase's total)",
-        choices=PHASES,
     )  # fmt: skip
     copy_seconds: float | None = _option(
         None, "seconds each copy of a divided kv head adds to its rank's step in the solvers' "

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Literal, get_args
 
 from headspace.errors import UserError
 from headspace.kv.spec import GiB
@@ -113,7 +114,8 @@ def weight_bytes(config: ModelConfig, dtype_bytes: int) -> int:
     return layers + outer_weight_bytes(config, dtype_bytes)
 
 
-WEIGHT_MODES = ("auto", "gpu", "stream")
+WeightMode = Literal["auto", "gpu", "stream"]
+WEIGHT_MODES = get_args(WeightMode)
 STREAM_DEPTH = 2  # GPU slots of streamed layers: one computes while the next arrives
 
 

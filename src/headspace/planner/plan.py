@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
+from typing import Literal, get_args
 
 from headspace.errors import UserError
 from headspace.kv.spec import GiB, KVSpec
@@ -18,7 +19,8 @@ from headspace.model.config import ModelConfig
 from headspace.planner.head_map import HeadEntry, HeadMap
 from headspace.planner.memory import Hardware, hybrid_share, offloaded_seconds, weight_bytes
 
-OFFLOAD_MODES = ("auto", "none", "layer", "head", "hybrid")
+OffloadMode = Literal["auto", "none", "layer", "head", "hybrid"]
+OFFLOAD_MODES = get_args(OffloadMode)
 # a streamed group moves at least this much per gather (0.6 ms at 54 GB/s): fewer, larger
 # gathers (Llama-3.1-8B at 32K on an H100: groups of two heads decoded in 84 ms a graph
 # step, of one in 96), and an eager step's copies outlast the host's work per group
