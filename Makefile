@@ -5,6 +5,8 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip --disable-pip-version-check -q
 # The CPU build on machines without a GPU; an existing CUDA torch (>=2.11) is kept.
 TORCH_SPEC ?= torch==2.13.0
+# test files spread over this many processes (each test file runs whole in one)
+TEST_WORKERS ?= $(shell $(PYTHON) -c "import os; print(min(4, os.cpu_count() or 1))")
 
 .PHONY: setup demo test lint clean
 
@@ -28,7 +30,7 @@ demo: setup
 test: setup
 	$(VENV)/bin/ruff check src tests bench
 	$(VENV)/bin/ruff format --check src tests bench
-	$(PY) -m pytest
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile
 
 lint: setup
 	$(VENV)/bin/ruff check --fix src tests bench

@@ -11,6 +11,9 @@ import torch
 
 if not torch.cuda.is_available():  # run Triton kernels on CPU tensors through the interpreter
     os.environ.setdefault("TRITON_INTERPRET", "1")
+if "PYTEST_XDIST_WORKER_COUNT" in os.environ:  # workers share the cores, a part each
+    workers = int(os.environ["PYTEST_XDIST_WORKER_COUNT"])
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
 
 from headspace.model.source import resolve_model_dir  # noqa: E402
 

@@ -336,7 +336,12 @@ def test_ctrl_c_during_decode_ends_the_line_and_prints_the_summary():
 
     command = [sys.executable, "-m", "headspace", "generate", "--no-warm-up",
                "--max-new-tokens", "400", "--prompt", "Count from 1 to 1000: 1, 2, 3,"]  # fmt: skip
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+    def ctrl_c_as_at_a_terminal() -> None:  # a suite started in the background ignores it
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               preexec_fn=ctrl_c_as_at_a_terminal)  # fmt: skip
     fd = process.stdout.fileno()
     os.set_blocking(fd, False)
     printed, deadline = b"", time.monotonic() + 120
