@@ -5,14 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from gpu_models import GREEDY, arena_budget, greedy, make_engine, stepped, tiny_model
 from headspace.attention import attend, reference_attention
-from headspace.engine.config import EngineConfig
-from headspace.engine.engine import Engine
 from headspace.engine.hooks import EngineHooks
-from headspace.engine.sampling import SamplingParams
-from headspace.model.config import config_from_dict
-from headspace.model.loader import build_model
-from headspace.planner.memory import decode_bytes, working_bytes
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -53,86 +48,25 @@ def test_sdpa_gpu_matches_reference(num_q, num_kv):
             assert out.transpose(0, 1).is_contiguous()
 
 
-def _tiny_model(device: str, dtype: torch.dtype, layers: int = 4):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    hf_config = LlamaConfig(
-        vocab_size=512,
-        hidden_size=256,
-        intermediate_size=512,
-        num_hidden_layers=layers,
-        num_attention_heads=8,
-        num_key_value_heads=2,
-        head_dim=32,
-        max_position_embeddings=4096,
-        architectures=["LlamaForCausalLM"],
-    )
-    torch.manual_seed(0)
-    state = LlamaForCausalLM(hf_config).state_dict()
-    state = {k: (v + 0.02 * torch.randn_like(v)) for k, v in state.items()}
-    return build_model(config_from_dict(hf_config.to_dict()), state.__getitem__, device, dtype)
-
-
-class NoText:
-    def decode(self, ids, **_):
-        return ""
-
-
-def _engine(model, hooks=None, **options) -> Engine:
-    """The engine over ``model`` on its device (``hooks``: an EngineHooks, if any)."""
-    device = str(model.lm_head.weight.device)
-    options = {"page_size": 64, "prefill_chunk": 256, **options}
-    return Engine.from_model(model, NoText(), EngineConfig.of(device=device, **options), hooks)
-
-
-def _arena_budget(model, arena: int, chunk: int = 256) -> int:
-    """A GPU budget whose KV arena is ``arena`` bytes."""
-    cfg, itemsize = model.config, model.lm_head.weight.element_size()
-    weights = sum(p.nbytes for p in model.parameters())
-    return weights + working_bytes(cfg, chunk, itemsize) + decode_bytes(cfg, 64, itemsize) + arena
-
-
-GREEDY = SamplingParams(max_new_tokens=64, ignore_eos=True)
-
-
-def _greedy(engine: Engine, prompts) -> list[list[int]]:
-    return [o.token_ids for o in engine.generate_batch([p.tolist() for p in prompts],
-                                                        [GREEDY] * len(prompts))]  # fmt: skip
-
-
-def _stepped(engine: Engine, prompts) -> tuple[list[list[int]], list]:
-    """Each prompt's greedy tokens, all added at once and stepped to the end, and the plans
-    the runner took on the way (a layout that streams moves back to the resident one once
-    the long request ends)."""
-    ids = [engine.add_request(p.tolist(), GREEDY) for p in prompts]
-    tokens, plans = {}, []
-    while engine.has_unfinished():
-        tokens |= {o.request_id: o.token_ids for o in engine.step() if o.finished}
-        plan = engine.batch.runner.plan
-        if all(plan is not seen for seen in plans):
-            plans.append(plan)
-    return [tokens[i] for i in ids], plans
-
-
 def test_gpu_engine_matches_cpu_reference():
     prompt = torch.randint(0, 512, (700,), generator=torch.Generator().manual_seed(1))
-    cpu = _engine(_tiny_model("cpu", torch.float32))
+    cpu = make_engine(tiny_model("cpu", torch.float32))
     ref_logits = cpu.logits(prompt.tolist())
-    gpu = _engine(_tiny_model("cuda", torch.float32), dtype="float32")
+    gpu = make_engine(tiny_model("cuda", torch.float32), dtype="float32")
     assert (gpu.logits(prompt.tolist()) - ref_logits).abs().max().item() < 1e-3
-    assert _greedy(gpu, [prompt]) == _greedy(cpu, [prompt])
-    bf16_logits = _engine(_tiny_model("cuda", torch.bfloat16)).logits(prompt.tolist())
+    assert greedy(gpu, [prompt]) == greedy(cpu, [prompt])
+    bf16_logits = make_engine(tiny_model("cuda", torch.bfloat16)).logits(prompt.tolist())
     assert (bf16_logits - ref_logits).abs().max().item() <= 2e-2 * ref_logits.abs().max().item()
 
 
 def test_graph_decode_equals_eager_decode_and_batches_equal_one_at_a_time():
     generator = torch.Generator().manual_seed(2)
     prompts = [torch.randint(0, 512, (n,), generator=generator) for n in (30, 300, 129, 700)]
-    model = _tiny_model("cuda", torch.float32)
-    graphed = _engine(model, dtype="float32")
-    eager = _engine(model, dtype="float32", cuda_graph=False, compile=False)
-    batched = _greedy(graphed, prompts)
-    assert batched == [_greedy(eager, [p])[0] for p in prompts]
+    model = tiny_model("cuda", torch.float32)
+    graphed = make_engine(model, dtype="float32")
+    eager = make_engine(model, dtype="float32", cuda_graph=False, compile=False)
+    batched = greedy(graphed, prompts)
+    assert batched == [greedy(eager, [p])[0] for p in prompts]
     assert graphed.batch.runner._graphs is not None
 
 
@@ -151,13 +85,13 @@ def test_decode_steps_never_wait_for_the_gpu(case):
     stream in the per-entry tables' and the streamed pieces' copies), passes every step of
     a second run (the first captured the graphs, where there are graphs)."""
     options = dict(NO_WAIT_CASES[case])
-    model = _tiny_model("cuda", torch.float32, layers=8)
+    model = tiny_model("cuda", torch.float32, layers=8)
     if "arena_kib" in options:
-        options["gpu_memory"] = _arena_budget(model, options.pop("arena_kib") * 1024)
-    engine = _engine(model, dtype="float32", **options)
+        options["gpu_memory"] = arena_budget(model, options.pop("arena_kib") * 1024)
+    engine = make_engine(model, dtype="float32", **options)
     prompts = [torch.randint(0, 512, (n,), generator=torch.Generator().manual_seed(n))
                for n in (900, 300)]  # fmt: skip
-    expected = _greedy(engine, prompts)
+    expected = greedy(engine, prompts)
     runner = engine.batch.runner
     step, checked = runner.decode, []
 
@@ -170,7 +104,7 @@ def test_decode_steps_never_wait_for_the_gpu(case):
             checked.append(len(runner._graphs._graphs) if runner._graphs else 0)
 
     runner.decode = no_waits
-    tokens, plans = _stepped(engine, prompts)
+    tokens, plans = stepped(engine, prompts)
     assert tokens == expected
     assert len(checked) >= 20 and set(checked) == {checked[0]}  # no step captured a graph
     if options.get("offload"):
@@ -211,14 +145,14 @@ def test_paged_paths_on_gpu_match_reference():
 def test_streamed_heads_on_gpu_equal_resident(arena_kib, pieces):
     """Gather kernels over page-locked host pages, staging slots and the copy stream, for a
     batch (a long request and short ones joining it) against the all-resident run."""
-    model = _tiny_model("cuda", torch.float32, layers=8)
+    model = tiny_model("cuda", torch.float32, layers=8)
     generator = torch.Generator().manual_seed(3)
     prompts = [torch.randint(0, 512, (n,), generator=generator) for n in (900, 40, 70)]
-    resident = _engine(model, dtype="float32")
-    expected = [_greedy(resident, [p])[0] for p in prompts]
-    streamed = _engine(model, dtype="float32", gpu_memory=_arena_budget(model, arena_kib * 1024),
+    resident = make_engine(model, dtype="float32")
+    expected = [greedy(resident, [p])[0] for p in prompts]
+    streamed = make_engine(model, dtype="float32", gpu_memory=arena_budget(model, arena_kib * 1024),
                        offload="head")  # fmt: skip
-    tokens, plans = _stepped(streamed, prompts)
+    tokens, plans = stepped(streamed, prompts)
     assert tokens == expected
     plan = plans[0]  # the long one first: heads stream
     assert plan.head_map.count("stream") > 0 and streamed.batch.runner.host.data.is_pinned()
@@ -231,15 +165,15 @@ def test_streamed_heads_on_gpu_equal_resident(arena_kib, pieces):
 @pytest.mark.parametrize("share,arena_kib", [(1.0, 2048), (0.5, 2048), (0.5, 96)])
 def test_hybrid_on_gpu_equals_resident(share, arena_kib, cpu_timings):
     """CPU threads over page-locked host pages, merged on the GPU with the streamed part."""
-    model = _tiny_model("cuda", torch.float32, layers=8)
+    model = tiny_model("cuda", torch.float32, layers=8)
     generator = torch.Generator().manual_seed(5)
     prompts = [torch.randint(0, 512, (n,), generator=generator) for n in (900, 40, 300)]
-    resident = _engine(model, dtype="float32")
-    expected = [_greedy(resident, [p])[0] for p in prompts]
-    hybrid = _engine(model, EngineHooks(cpu_timings=cpu_timings), dtype="float32",
-                     gpu_memory=_arena_budget(model, arena_kib * 1024), offload="hybrid",
+    resident = make_engine(model, dtype="float32")
+    expected = [greedy(resident, [p])[0] for p in prompts]
+    hybrid = make_engine(model, EngineHooks(cpu_timings=cpu_timings), dtype="float32",
+                     gpu_memory=arena_budget(model, arena_kib * 1024), offload="hybrid",
                      cpu_share=share, gpu_window=128)  # fmt: skip
-    tokens, plans = _stepped(hybrid, prompts)
+    tokens, plans = stepped(hybrid, prompts)
     assert tokens == expected
     jobs = [call for call in cpu_timings.calls if call.background]
     assert plans[0].offload == "hybrid" and len(jobs) > 0
@@ -249,28 +183,28 @@ def test_hybrid_on_gpu_equals_resident(share, arena_kib, cpu_timings):
 def test_sparse_hybrid_on_gpu():
     """Sparse mode on the GPU: moving averages on the device, selection on the host; beta 0
     keeps every token and equals the resident run, beta 2 keeps fewer."""
-    model = _tiny_model("cuda", torch.float32, layers=8)
+    model = tiny_model("cuda", torch.float32, layers=8)
     generator = torch.Generator().manual_seed(5)
     prompts = [torch.randint(0, 512, (n,), generator=generator) for n in (900, 300)]
-    expected = [_greedy(_engine(model, dtype="float32"), [p])[0] for p in prompts]
-    budget = _arena_budget(model, 100 * 1024)
-    exact = _engine(model, dtype="float32", gpu_memory=budget, offload="hybrid",
+    expected = [greedy(make_engine(model, dtype="float32"), [p])[0] for p in prompts]
+    budget = arena_budget(model, 100 * 1024)
+    exact = make_engine(model, dtype="float32", gpu_memory=budget, offload="hybrid",
                     cpu_sparsity=0.0, gpu_window=128)  # fmt: skip
     outs = exact.generate_batch([p.tolist() for p in prompts], [GREEDY] * 2)
     assert [o.token_ids for o in outs] == expected
     assert all(o.stats.cpu_kept_fraction == (1.0, 1.0, 1.0) for o in outs)
-    sparse = _engine(model, dtype="float32", gpu_memory=budget, offload="hybrid",
+    sparse = make_engine(model, dtype="float32", gpu_memory=budget, offload="hybrid",
                      cpu_sparsity=2.0, gpu_window=128)  # fmt: skip
     out = sparse.generate_batch([prompts[0].tolist()], [GREEDY])[0]
     assert out.stats.cpu_kept_fraction[1] < 0.9
 
 
 def test_swap_out_and_in_on_gpu_keeps_outputs():
-    model = _tiny_model("cuda", torch.float32)
+    model = tiny_model("cuda", torch.float32)
     generator = torch.Generator().manual_seed(4)
     prompts = [torch.randint(0, 512, (n,), generator=generator) for n in (200, 150, 230, 100)]
-    expected = [_greedy(_engine(model, dtype="float32"), [p])[0] for p in prompts]
-    small = _engine(model, dtype="float32", num_kv_pages=8)  # two fit, then one must go
+    expected = [greedy(make_engine(model, dtype="float32"), [p])[0] for p in prompts]
+    small = make_engine(model, dtype="float32", num_kv_pages=8)  # two fit, then one must go
     outs = small.generate_batch([p.tolist() for p in prompts], [GREEDY] * 4)
     assert [o.token_ids for o in outs] == expected
     assert sum(o.stats.num_swaps for o in outs) > 0
@@ -281,15 +215,15 @@ def test_requests_arriving_and_aborted_between_graph_steps(options):
     """The stepping engine on the GPU (graphs, swaps, streamed heads): requests added at
     different steps equal each alone, a long prompt prefills in pieces while the others
     decode, and an aborted request's pages all come back."""
-    model = _tiny_model("cuda", torch.float32)
+    model = tiny_model("cuda", torch.float32)
     generator = torch.Generator().manual_seed(6)
     prompts = [torch.randint(0, 512, (n,), generator=generator).tolist()
                for n in (200, 150, 900, 100)]  # fmt: skip
-    expected = [_greedy(_engine(model, dtype="float32"), [torch.tensor(p)])[0] for p in prompts]
+    expected = [greedy(make_engine(model, dtype="float32"), [torch.tensor(p)])[0] for p in prompts]
     arena = options.pop("arena_kib", None)
     if arena is not None:
-        options["gpu_memory"] = _arena_budget(model, arena * 1024)
-    engine = _engine(model, dtype="float32", prefill_step_tokens=64, **options)
+        options["gpu_memory"] = arena_budget(model, arena * 1024)
+    engine = make_engine(model, dtype="float32", prefill_step_tokens=64, **options)
     arrivals, ids, finals = {0: [0, 1], 5: [2], 9: [3]}, {}, {}
     victim = engine.add_request(prompts[0], GREEDY)
     for step in range(10_000):
@@ -307,82 +241,6 @@ def test_requests_arriving_and_aborted_between_graph_steps(options):
     assert [finals[i] for i in range(4)] == expected
     blocks = engine.batch.scheduler.blocks
     assert all(pool.num_free == pool.num_pages for pool in blocks.pools.values())
-
-
-def test_transfer_kernels_read_and_write_page_locked_host_pages():
-    from headspace.kv.host_store import HostKVArena
-    from headspace.kv.spec import KVSpec
-    from headspace.kv.transfer import as_heads, copy_pages, write_tokens
-
-    spec = KVSpec(2, 4, 128, 128, 2)
-    host = HostKVArena(spec, torch.bfloat16, pin=True, budget=None)
-    host.ensure(10)
-    assert host.data.is_pinned() and host.num_pages == 15  # half again as spare
-    assert host.num_bytes == (15 + 1) * spec.full_page_bytes  # + scratch
-    host.data.normal_()
-    twin = host.data.clone()
-    staging = torch.zeros(2, 3, 6 * 128, 128, device="cuda", dtype=torch.bfloat16)
-    pages, heads = torch.tensor([7, 2, 9]), torch.tensor([1, 2, 3])
-    copy_pages(host.layer(1), as_heads(staging, True), pages.cuda(), torch.arange(3).cuda(),
-               heads.cuda(), torch.arange(3).cuda(), 128)  # fmt: skip
-    expected = torch.zeros(2, 3, 6 * 128, 128, dtype=torch.bfloat16)
-    copy_pages(twin[1], as_heads(expected, True), pages, torch.arange(3), heads,
-               torch.arange(3), 128)  # fmt: skip
-    assert torch.equal(staging.cpu(), expected)
-    kv = torch.randn(2, 5, 2, 128, device="cuda", dtype=torch.bfloat16)
-    slots = torch.tensor([3, 4, 900, 901, 1279])
-    write_tokens(host.layer(0), torch.tensor([0, 3]).cuda(), slots.cuda(), kv)
-    torch.cuda.synchronize()
-    write_tokens(twin[0], torch.tensor([0, 3]), slots, kv.cpu())
-    assert torch.equal(host.data, twin)
-
-
-def test_streamed_weights_on_the_gpu_equal_resident_ones():
-    """Layers copied on a side stream while the one before computes (compiled blocks,
-    eager decode): the same logits and tokens as resident weights decoding eagerly too (a
-    CUDA graph's step pads the batch to a bucket, and bf16 GEMMs over other row counts
-    round differently: a batch's greedy tokens then part where two logits nearly tie), an
-    odd layer count so the slots wrap; the auto mode streams when a budget cannot hold the
-    weights."""
-    from headspace.engine.weight_stream import WeightStream, streamed_weight_bytes
-
-    generator = torch.Generator().manual_seed(4)
-    prompts = [torch.randint(0, 512, (n,), generator=generator) for n in (700, 90, 300)]
-    resident = _engine(_tiny_model("cuda", torch.bfloat16, layers=5), cuda_graph=False)
-    logits, tokens = resident.logits(prompts[0].tolist(), 8), _greedy(resident, prompts)
-    streamed = _engine(_tiny_model("cuda", torch.bfloat16, layers=5), weights="stream")
-    stream = streamed.model.layer_source
-    assert isinstance(stream, WeightStream) and stream.copy_stream is not None
-    assert all(p.device.type == "cpu" and p.is_pinned() for p in streamed.model.layers.parameters())
-    assert torch.equal(streamed.logits(prompts[0].tolist(), 8), logits)
-    assert _greedy(streamed, prompts) == tokens
-    model = _tiny_model("cuda", torch.bfloat16, layers=5)
-    weights = sum(p.nbytes for p in model.parameters())
-    auto = _engine(model, gpu_memory=_arena_budget(model, 0) - weights // 2)
-    assert streamed_weight_bytes(auto.model) > 0  # its KV tiers differ: bf16 sums too
-    auto_logits = auto.logits(prompts[0].tolist(), 8)
-    assert (auto_logits - logits).abs().max().item() <= 2e-2 * logits.abs().max().item()
-
-
-@pytest.mark.parametrize("late", ["copy", "layer"])
-def test_streamed_weights_wait_for_their_copies_and_for_the_layers_before(late):
-    """Each copy delayed on the copy stream (a layer that did not wait for its copy would
-    compute on the slot's previous layer), or each layer delayed on the compute stream (a
-    copy that did not wait for the slot's last layer would overwrite it mid-use), through
-    ``EngineHooks.weight_delay``: the logits still equal the resident ones."""
-    prompt = torch.randint(0, 512, (300,), generator=torch.Generator().manual_seed(6)).tolist()
-    logits = _engine(_tiny_model("cuda", torch.bfloat16, layers=5)).logits(prompt, 4)
-    delayed = []
-
-    def delay(what: str, layer: int) -> None:  # on the stream the hook is called on
-        if what == late:
-            torch.cuda._sleep(2_000_000)  # ~1 ms: far longer than a tiny layer's work
-            delayed.append(layer)
-
-    hooks = EngineHooks(weight_delay=delay)
-    streamed = _engine(_tiny_model("cuda", torch.bfloat16, layers=5), hooks, weights="stream")
-    assert torch.equal(streamed.logits(prompt, 4), logits)
-    assert set(delayed) == set(range(5))  # every layer was late
 
 
 def test_call_ms_times_the_device_not_the_host_issuing():

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from test_gpu import GREEDY, _arena_budget, _engine, _greedy, _tiny_model
+from gpu_models import GREEDY, arena_budget, greedy, make_engine, tiny_model
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -38,13 +38,13 @@ def test_entry_decode_on_gpu_matches_the_cpu_twin():
 
 def test_kv_budget_on_gpu():
     """A budget covering the prompt equals the resident run; a quarter holds less."""
-    model = _tiny_model("cuda", torch.float32, layers=8)
+    model = tiny_model("cuda", torch.float32, layers=8)
     generator = torch.Generator().manual_seed(9)
     prompts = [torch.randint(0, 512, (n,), generator=generator) for n in (900, 300)]
-    expected = _greedy(_engine(model, dtype="float32"), prompts)
-    whole = _engine(model, dtype="float32", kv_budget=1.0, kv_policy="ada_snapkv")
-    assert _greedy(whole, prompts) == expected
-    quarter = _engine(model, dtype="float32", kv_budget=0.25)
+    expected = greedy(make_engine(model, dtype="float32"), prompts)
+    whole = make_engine(model, dtype="float32", kv_budget=1.0, kv_policy="ada_snapkv")
+    assert greedy(whole, prompts) == expected
+    quarter = make_engine(model, dtype="float32", kv_budget=0.25)
     outs = quarter.generate_batch([p.tolist() for p in prompts], [GREEDY] * 2)
     assert all(o.stats.kv_held_fraction < 0.4 for o in outs)
 
@@ -62,23 +62,23 @@ def test_offloaded_budget_entries_on_gpu_equal_the_resident_budget(policy, min_r
 
     if min_run is not None:
         monkeypatch.setattr(EntryStaging, "MIN_RUN_PAGES", min_run)
-    model = _tiny_model("cuda", torch.float32, layers=8)
+    model = tiny_model("cuda", torch.float32, layers=8)
     generator = torch.Generator().manual_seed(13)
     prompts = [torch.randint(0, 512, (n,), generator=generator) for n in (900, 300)]
     options = {"dtype": "float32", "kv_budget": 0.25, "kv_policy": policy}
-    resident = _engine(model, **options)
-    expected = _greedy(resident, prompts)
+    resident = make_engine(model, **options)
+    expected = greedy(resident, prompts)
     spec, cfg = resident.batch.spec, model.config
     pages = spec.pages_for(900 + 64)  # half the entries of the longer request, two slots
     gathered = gathered_bytes(spec.num_kv_heads, cfg.num_queries_per_kv, spec.head_dim, 4,
                               resident.batch.max_context)  # fmt: skip
     plane = spec.num_entries // 2 * pages + 2 * spec.num_kv_heads * pages + 1
-    offloaded = _engine(model, gpu_memory=_arena_budget(model, plane * spec.entry_page_bytes
+    offloaded = make_engine(model, gpu_memory=arena_budget(model, plane * spec.entry_page_bytes
                                                         + gathered), **options)  # fmt: skip
     runner, plans = offloaded.batch.runner, []
     apply = runner.apply
     runner.apply = lambda plan: (plans.append(plan), apply(plan))[1]
-    assert _greedy(offloaded, prompts) == expected
+    assert greedy(offloaded, prompts) == expected
     assert max(p.head_map.count("stream") for p in plans) > 0 and runner.host.data.is_pinned()
     paths = {None: (False, True), 1: (True, False), 2: (True, True)}[min_run]  # (runs, kernel)
     staged = runner.site.counters  # pages staged by the copy engine and by the kernel
@@ -90,7 +90,7 @@ def test_streaming_heads_on_gpu_equal_the_cpu_run(tmp_path):
     of two, against the same engine on the CPU."""
     from headspace.planner.profile import Profile
 
-    cpu_model = _tiny_model("cpu", torch.float32, layers=8)
+    cpu_model = tiny_model("cpu", torch.float32, layers=8)
     cfg = cpu_model.config
     scores = torch.rand(
         cfg.num_layers, cfg.num_kv_heads, generator=torch.Generator().manual_seed(3)
@@ -101,8 +101,8 @@ def test_streaming_heads_on_gpu_equal_the_cpu_run(tmp_path):
                "sparse_pattern": "streaming(4,100)"}  # fmt: skip
     generator = torch.Generator().manual_seed(11)
     prompts = [torch.randint(0, 512, (n,), generator=generator) for n in (900, 300)]
-    expected = _greedy(_engine(cpu_model, **options), prompts)
-    gpu = _engine(_tiny_model("cuda", torch.float32, layers=8), **options)
+    expected = greedy(make_engine(cpu_model, **options), prompts)
+    gpu = make_engine(tiny_model("cuda", torch.float32, layers=8), **options)
     outs = gpu.generate_batch([p.tolist() for p in prompts], [GREEDY] * 2)
     assert [o.token_ids for o in outs] == expected
     assert all(0.5 < o.stats.kv_held_fraction < 0.7 for o in outs)
@@ -114,7 +114,7 @@ def test_prefill_patterns_on_gpu_equal_the_cpu_run(tmp_path, pattern):
     against the same engine on the CPU (there equal to the masked dense model)."""
     from headspace.planner.profile import Profile
 
-    cpu_model = _tiny_model("cpu", torch.float32, layers=8)
+    cpu_model = tiny_model("cpu", torch.float32, layers=8)
     cfg = cpu_model.config
     scores = torch.rand(cfg.num_layers, cfg.num_kv_heads,
                         generator=torch.Generator().manual_seed(4))  # fmt: skip
@@ -124,10 +124,10 @@ def test_prefill_patterns_on_gpu_equal_the_cpu_run(tmp_path, pattern):
                "sparse_pattern": pattern, "prefill_chunk": 256}  # fmt: skip
     generator = torch.Generator().manual_seed(12)
     prompts = [torch.randint(0, 512, (n,), generator=generator) for n in (900, 300)]
-    expected = _greedy(_engine(cpu_model, **options), prompts)
-    gpu = _engine(_tiny_model("cuda", torch.float32, layers=8), **options)
-    assert _greedy(gpu, prompts) == expected
-    assert expected != _greedy(_engine(cpu_model, dtype="float32"), prompts)
+    expected = greedy(make_engine(cpu_model, **options), prompts)
+    gpu = make_engine(tiny_model("cuda", torch.float32, layers=8), **options)
+    assert greedy(gpu, prompts) == expected
+    assert expected != greedy(make_engine(cpu_model, dtype="float32"), prompts)
 
 
 def test_entry_decode_on_gpu_stores_ring_rows_at_their_index_and_empty_rows_nowhere():
