@@ -91,12 +91,11 @@ def add_config_options(p, config_class, names: tuple[str, ...] | None = None,
         name = flat_name(f)
         if (names is not None and name not in names) or "help" not in f.metadata:
             continue
-        if section is None and hidden:
-            section = p
-        elif section is None:
+        if section is None:  # made on the first flag it lists
             title = config_class.SECTION
-            section = sections.setdefault(title, None) or p.add_argument_group(title)
-            sections[title] = section
+            if title not in sections:
+                sections[title] = p if hidden else p.add_argument_group(title)
+            section = sections[title]
         default = defaults.get(name, f.metadata.get("cli_default", f.default))
         help_text = f.metadata["help"].replace("%", "%%")
         is_bool = hints[f.name] is bool
@@ -139,7 +138,7 @@ def add_engine_parallel_options(p) -> None:
 
 
 def engine_options(args) -> dict:
-    """LLM keyword arguments: every EngineConfig flag, as parsed, and the head-parallel
+    """LLM keyword arguments: every engine option's flag, as parsed, and the head-parallel
     ones where the command has them."""
     from headspace.parallel.config import ENGINE_FIELDS
 
