@@ -45,6 +45,10 @@ def test_literal_types_are_the_choices_and_refuse_others():
         EngineConfig.of(offload="sideways")
     with pytest.raises(UserError, match="dtype must be one of float32, bfloat16, float16"):
         EngineConfig.of(dtype="int8")
+    for name in ("offload", "weights", "attention_backend", "kv_policy"):  # never None
+        with pytest.raises(UserError, match=f"{name} must be one of .*, got None"):
+            EngineConfig.of(**{name: None})
+    assert EngineConfig.of(dtype=None).runtime.dtype == "float32"  # None: by the device
 
 
 def test_unknown_options_and_checks_across_groups_are_refused():

@@ -190,3 +190,27 @@ def test_deep_in_a_long_prompt_a_chunk_is_halved_until_one_layer_fits_a_step():
     assert [(p.start, p.end) for p in pieces if p.through] == [
         (s, s + PAGE) for s in range(0, 256, PAGE)
     ]
+
+
+def test_a_short_prompt_beside_decoding_ones_is_not_halved_for_tokens_it_lacks():
+    """The halving prices what the chunk covers: 40 tokens left of a 64-token chunk cost
+    40, within a step's work of 48, so they run as one piece (not 32 + 8)."""
+    scheduler = _scheduler(gpu_pages=64, step_tokens=48)
+    scheduler.layer_slices = True  # one layer; attention priced as free (a huge prefix)
+    first = Sequence(0, list(range(20)), 200)
+    _until_first_token(scheduler, first)
+    plans = _until_first_token(scheduler, Sequence(1, list(range(40)), 60))
+    assert _pieces(plans) == [(0, 40)] and plans[0].decode == [first]
+
+
+def test_where_the_prefix_streams_a_chunk_is_never_halved():
+    """A streamed layout stages each piece's whole prefix from host pages: halving would
+    multiply what crosses PCIe, so chunks keep their size (a layer a step deep in)."""
+    scheduler = _scheduler(gpu_pages=128, step_tokens=16)
+    scheduler.num_layers, scheduler.attention_prefix, scheduler.layer_slices = 2, 16, True
+    scheduler.prefix_streams = True
+    _until_first_token(scheduler, Sequence(0, list(range(20)), 200))
+    plans = _until_first_token(scheduler, Sequence(1, list(range(256)), 260))
+    pieces = [p.prefill for p in plans]
+    assert {(p.start, p.end) for p in pieces} == {(s, s + 64) for s in range(0, 256, 64)}
+    assert all(p.layers[1] - p.layers[0] == 1 and p.recurs for p in pieces)

@@ -249,8 +249,9 @@ def test_step_budget_defaults_to_the_pace_of_arrivals_and_to_throughput_for_a_ba
     tiny_llama,
 ):
     """Unset, ``prefill_step_tokens`` is 512 for requests added one by one and 8192 while
-    ``generate`` runs a batch given at once (back to 512 after it); set, it is both (in
-    whole pages)."""
+    ``generate`` runs a batch given at once (back to 512 after it); a piece through every
+    layer (layouts without layer slices) is 8192 tokens in both; set, it is all of them
+    (in whole pages)."""
     from headspace.engine.config import ARRIVING_STEP_TOKENS, AT_ONCE_STEP_TOKENS
 
     assert (ARRIVING_STEP_TOKENS, AT_ONCE_STEP_TOKENS) == (512, 8192)
@@ -260,8 +261,9 @@ def test_step_budget_defaults_to_the_pace_of_arrivals_and_to_throughput_for_a_ba
     llm.engine.generate_batch(_prompts([20, 30]), [GREEDY] * 2,
                               on_finish=lambda: during.append(scheduler.step_tokens))  # fmt: skip
     assert during == [8192, 8192] and scheduler.step_tokens == 512
+    assert scheduler.piece_tokens == 8192
     asked = LLM(str(tiny_llama), page_size=PAGE, prefill_step_tokens=40).engine  # whole pages
-    assert asked.batch.scheduler.step_tokens == 32
+    assert asked.batch.scheduler.step_tokens == asked.batch.scheduler.piece_tokens == 32
     with pytest.raises(UserError, match="prefill_step_tokens must be a positive integer"):
         LLM(str(tiny_llama), prefill_step_tokens=0)
 

@@ -18,7 +18,6 @@ from headspace.engine.ranks import join
 from headspace.engine.sampling import SamplingParams
 from headspace.model.config import config_from_dict
 from headspace.model.loader import build_model
-from headspace.parallel.config import ParallelConfig
 
 sys.path.insert(0, str(Path(__file__).parents[1]))  # the tests' graph twin
 from graph_twin import EagerGraphTwin  # noqa: E402
@@ -99,11 +98,11 @@ def main(out_path: str, balance: str, kv_budget: str = "", backend: str = "gloo"
         batch, num_new = [prompt[:150], prompt[150:270], prompt[270:440], prompt[440:540]], 64
     elif offload and not resident:
         budget.update(offload=offload, num_kv_pages=4)
-    parallel = ParallelConfig(balance=balance, copy_seconds=0.0)  # this tiny model's heads
-    # cost less than a copy adds: priced free, its copies are made and run
+    # copy_seconds 0: this tiny model's heads cost less than a copy adds; priced free, its
+    # copies are made and run
     config = EngineConfig.of(device=device, dtype="float32", page_size=64, prefill_chunk=256,
-                          gpu_memory="2GiB",  # ranks may share the GPU
-                          parallel=parallel, **budget)  # fmt: skip
+                             gpu_memory="2GiB",  # ranks may share the GPU
+                             balance=balance, copy_seconds=0.0, **budget)  # fmt: skip
     config = join(config)  # under torchrun: the process group (NCCL), this rank's GPU
     engine = Engine.from_model(build(config.runtime.device), NoText(), config, hooks)
     result = run(engine, prompt, batch, num_new)

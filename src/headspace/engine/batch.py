@@ -90,7 +90,8 @@ class BatchGenerator:
         self.scheduler = Scheduler(blocks, config.runtime.max_batch, 2 * config.runtime.max_batch,
                                    config.cache.prefix_caching, all_agree if own_pools else bool,
                                    self.chunk, self._step_tokens(False), cfg.num_layers,
-                                   attention_prefix(cfg))  # fmt: skip
+                                   attention_prefix(cfg),
+                                   self._step_tokens(False, slices=False))  # fmt: skip
         self._hidden: torch.Tensor | None = None  # a chunk's states between layer slices
         self._next_id = 0
         self.peak_pages = 0
@@ -99,16 +100,17 @@ class BatchGenerator:
         self._bars: dict[int, tqdm] = {}  # the prefill progress of the prompt being computed
         self._aborted: list[RequestOutput] = []  # aborted requests, returned by the next step
 
-    def _step_tokens(self, at_once: bool) -> int:
+    def _step_tokens(self, at_once: bool, slices: bool = True) -> int:
         """The prompt work a step carries while others decode (a whole chunk when none
         does), in whole pages."""
         page = self.spec.page_size
-        return max(page, self.config.runtime.step_tokens(at_once) // page * page)
+        return max(page, self.config.runtime.step_tokens(at_once, slices) // page * page)
 
     def given_at_once(self, at_once: bool) -> None:
         """Whether the requests now added come as one batch (``generate``: the step budget
         for throughput) or one by one (a server: for the running requests' pace)."""
         self.scheduler.step_tokens = self._step_tokens(at_once)
+        self.scheduler.piece_tokens = self._step_tokens(at_once, slices=False)
 
     # -- planning ------------------------------------------------------------------------
     def plan(self, seqs: list[Sequence]) -> Plan:

@@ -251,6 +251,7 @@ class BatchPlanner:
         if scheduler is not None:
             scheduler.tiers = self.tiers
             scheduler.layer_slices = self.runner.layer_slices
+            scheduler.prefix_streams = streams  # a halved chunk would stage its prefix again
             swaps = self.config.offload.mode != "none" and not self.config.budgets.per_head_pages
             scheduler.optimistic = not streams and swaps
             scheduler.grow_host = self.grow_host

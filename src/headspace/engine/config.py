@@ -24,8 +24,10 @@ DType = Literal["float32", "bfloat16", "float16"]
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 KV_POLICIES = get_args(PolicyName)
 # a step's prompt work beside decoding requests, by default: small while requests arrive one
-# by one (their time per output token stays within a few times its usual value), large for
-# a batch given at once (fewer, fuller steps), as vLLM sizes its token budget by usage
+# by one and a chunk runs in layer slices (their time per output token stays within a few
+# times its usual value), large for a batch given at once (fewer, fuller steps) and for
+# pieces through every layer (each re-reads the prompt's prefix), as vLLM sizes its token
+# budget by usage
 ARRIVING_STEP_TOKENS, AT_ONCE_STEP_TOKENS = 512, 8192
 
 
@@ -37,24 +39,26 @@ def _option(default, help: str, *, flag: str | None = None, cli_default=None):
     return field(default=default, metadata={k: v for k, v in meta.items() if v is not None})
 
 
-def choices(config_class) -> dict[str, tuple]:
-    """Each field of ``config_class`` typed by a ``Literal``: its allowed values."""
+def choices(config_class, optional: bool = False) -> dict[str, tuple]:
+    """Each field of ``config_class`` typed by a ``Literal``: its allowed values (with
+    ``optional``, None too where the type allows it)."""
     found = {}
     for name, hint in get_type_hints(config_class).items():
         options = [hint] + list(get_args(hint))  # Literal[...] or Literal[...] | None
         literal = next((o for o in options if get_origin(o) is Literal), None)
         if literal is not None:
-            found[name] = get_args(literal)
+            found[name] = get_args(literal) + ((None,) if optional and None in options else ())
     return found
 
 
 def check_choices(config) -> None:
-    """UserError naming the first field whose value its Literal does not allow."""
-    for name, allowed in choices(type(config)).items():
+    """UserError naming the first field whose value its type does not allow."""
+    for name, allowed in choices(type(config), optional=True).items():
         value = getattr(config, name)
-        if value is not None and value not in allowed:
+        if value not in allowed:
             flag = flat_name(next(f for f in fields(config) if f.name == name))
-            raise UserError(f"{flag} must be one of {', '.join(allowed)}, got {value!r}")
+            named = ", ".join(str(a) for a in allowed if a is not None)
+            raise UserError(f"{flag} must be one of {named}, got {value!r}")
 
 
 def flat_name(f) -> str:
@@ -97,11 +101,12 @@ class RuntimeConfig:
     )
     prefill_step_tokens: int | None = _option(
         None, "while other requests decode: a step carries at most the work of a prompt's "
-        "first this many tokens through every layer (a resident chunk runs a few layers a "
-        "step, other layouts shorter pieces; with none decoding, a whole chunk a step). "
-        f"Default: {ARRIVING_STEP_TOKENS} for requests added one by one (a server: the "
-        f"others' tokens keep their pace), {AT_ONCE_STEP_TOKENS} for a batch given at once "
-        "(generate: throughput first)",
+        "first this many tokens through every layer (where the layout allows, a chunk runs "
+        "a few layers a step; elsewhere a piece is this many tokens; with none decoding, a "
+        f"whole chunk a step). Default: {ARRIVING_STEP_TOKENS} for requests added one by one "
+        "where a chunk runs in layer slices (a server: the others' tokens keep their pace), "
+        f"else {AT_ONCE_STEP_TOKENS} (a batch given at once, generate: throughput first; "
+        "pieces of other layouts: each re-reads the prompt's prefix)",
     )  # fmt: skip
 
     def __post_init__(self):
@@ -115,12 +120,13 @@ class RuntimeConfig:
         _positive_ints(self, ("max_batch",), optional=False)
         _positive_ints(self, ("max_context", "prefill_chunk", "prefill_step_tokens"), True)
 
-    def step_tokens(self, at_once: bool) -> int:
+    def step_tokens(self, at_once: bool, slices: bool = True) -> int:
         """``prefill_step_tokens`` as asked, else its default for requests given at once
-        (``at_once``) or added one by one."""
+        (``at_once``) or added one by one, in a layout where a chunk runs in layer slices
+        (``slices``) or one where a piece runs through every layer."""
         if self.prefill_step_tokens is not None:
             return self.prefill_step_tokens
-        return AT_ONCE_STEP_TOKENS if at_once else ARRIVING_STEP_TOKENS
+        return ARRIVING_STEP_TOKENS if slices and not at_once else AT_ONCE_STEP_TOKENS
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -184,8 +184,10 @@ class Engine:
                         if on_finish:
                             on_finish()
         finally:  # stopped early (an error, Ctrl-C): every page goes back
-            self.batch.abort_all()
-            self.batch.given_at_once(False)
+            try:
+                self.batch.abort_all()
+            finally:
+                self.batch.given_at_once(False)
         return [finals[i] for i in ids]
 
     def stream(self, prompt_ids: list[int], params: SamplingParams) -> Iterator[str]:

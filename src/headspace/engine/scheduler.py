@@ -110,18 +110,20 @@ class Scheduler:
     it) a chunk keeps its size and runs a few of its ``num_layers`` layers a step, as many
     as that work allows at its position (a token's attention over ``attention_prefix``
     earlier tokens costs as much as its linear layers), at least one, the chunk halved
-    where one layer of it would cost more; without, a piece is ``step_tokens`` tokens
-    through every layer.
+    where one layer of it would cost more (unless ``prefix_streams``); without, a piece is
+    ``piece_tokens`` tokens (default ``step_tokens``) through every layer.
     """
 
     def __init__(self, blocks: BlockManager, max_batch: int, num_slots: int,
                  prefix_caching: bool = True, agree: Callable[[bool], bool] = bool,
                  chunk: int = 8192, step_tokens: int = 8192, num_layers: int = 1,
-                 attention_prefix: int = 1 << 30):  # fmt: skip
+                 attention_prefix: int = 1 << 30, piece_tokens: int | None = None):  # fmt: skip
         self.blocks, self.max_batch, self.prefix_caching = blocks, max_batch, prefix_caching
         self.chunk, self.step_tokens = chunk, step_tokens
+        self.piece_tokens = step_tokens if piece_tokens is None else piece_tokens
         self.num_layers, self.attention_prefix = num_layers, attention_prefix
         self.layer_slices = False  # whether the layout lets a chunk run a few layers a step
+        self.prefix_streams = False  # whether a piece's prefix is staged from host pages
         self.prefilling: Sequence | None = None  # the prompt being computed, piece by piece
         self.prefill_next = 0  # its first token not yet computed
         self.piece: PrefillPiece | None = None  # a piece part-way through its layers
@@ -188,9 +190,9 @@ class Scheduler:
         else:
             start, first, size = self.prefill_next, 0, self.chunk
             if decoding and not slices:
-                size = min(self.chunk, self.step_tokens)
+                size = min(self.chunk, self.piece_tokens)
             elif decoding:
-                size = self._slice_size(start)
+                size = self._slice_size(start, len(seq.prompt_ids))
             end = min(start + size, len(seq.prompt_ids))
         count = self.num_layers - first
         if decoding and slices:
@@ -216,13 +218,18 @@ class Scheduler:
         one)."""
         return max(1, int(self._step_work() // self._layer_cost(start, end)))
 
-    def _slice_size(self, start: int) -> int:
-        """The length of a chunk run in layer slices from ``start``: ``chunk``, halved (down
-        to a page) while one layer of it costs more than a step's prompt work, so that deep
-        in a long prompt a step still fits its work (each halving one more compiled
-        shape, at most log2(chunk / page) of them)."""
+    def _slice_size(self, start: int, num_tokens: int) -> int:
+        """The length of a chunk run in layer slices from ``start`` (of a prompt of
+        ``num_tokens``): ``chunk``, halved (down to a page) while one layer of what it
+        covers costs more than a step's prompt work, so that deep in a long prompt a step
+        still fits its work. Never halved where the prefix streams from host pages: each
+        piece stages its whole prefix, so halving would multiply what crosses PCIe."""
         size, page = self.chunk, self.blocks.page_size
-        while size > page and self._layer_cost(start, start + size) > self._step_work():
+        while (
+            size > page
+            and not self.prefix_streams
+            and (self._layer_cost(start, min(start + size, num_tokens)) > self._step_work())
+        ):
             size = max(page, size // 2 // page * page)
         return size
 
