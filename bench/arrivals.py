@@ -60,11 +60,13 @@ def _prompt(length: int, index: int, vocab: int) -> list[int]:
 
 def run_online(engine, prompts: list[list[int]], arrivals: list[float]) -> dict:
     """Add each prompt once its arrival time (seconds from the start) has passed; step
-    until all end. Per request: arrival, token times; the prefill windows of long ones."""
+    until all end. Per request: arrival, token times; the prefill windows of long ones and
+    the layouts their steps ran in."""
     params = SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True)
     times: dict[int, list[float]] = {}
     arrived: dict[int, float] = {}
     long_windows, long_id, long_start = [], None, 0.0
+    layouts = {"resident": 0, "streamed": 0, "hybrid": 0}  # steps while a long one prefills
     start, next_index = time.perf_counter(), 0
     while next_index < len(prompts) or engine.has_unfinished():
         now = time.perf_counter() - start
@@ -76,6 +78,10 @@ def run_online(engine, prompts: list[list[int]], arrivals: list[float]) -> dict:
         if not engine.has_unfinished():  # idle until the next arrival
             time.sleep(max(arrivals[next_index] - now, 0))
             continue
+        if long_id is not None:
+            load = engine.load()
+            layout = "hybrid" if load.hybrid_entries else "resident"
+            layouts["streamed" if load.streamed_entries else layout] += 1
         outputs = engine.step()
         now = time.perf_counter() - start
         for output in outputs:
@@ -89,7 +95,8 @@ def run_online(engine, prompts: list[list[int]], arrivals: list[float]) -> dict:
                 long_id = prefilling
     ids = sorted(times)
     return {"arrived": [arrived[i] for i in ids], "times": [times[i] for i in ids],
-            "long_windows": long_windows, "seconds": time.perf_counter() - start}  # fmt: skip
+            "long_windows": long_windows, "long_prefill_layouts": layouts,
+            "seconds": time.perf_counter() - start}  # fmt: skip
 
 
 def _index(arrived: dict[int, float], request_id: int) -> int:
@@ -180,6 +187,7 @@ def main() -> None:
         "peak_reserved_gib": torch.cuda.max_memory_reserved() / 2**30,
         "budget_gib": BUDGET_GIB, "buckets": stats["buckets"],
         "online_seconds": online["seconds"], "offline_seconds": offline_seconds,
+        "steps_during_long_prefill_by_layout": online["long_prefill_layouts"],
     }  # fmt: skip
     step = "" if args.step_tokens is None else f"_step{args.step_tokens}"
     path = write_result(f"arrivals_llama3-8b_{gpu_tag(env)}{step}_{env['date']}.json", result)
