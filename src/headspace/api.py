@@ -43,9 +43,8 @@ class LLM:
         # under torchrun: the process group and this rank's GPU; rank 0 converts a model
         # (the embedded one for a new dtype, a .gguf) before the others look for it
         self.config = join(EngineConfig.of(device=device, dtype=dtype, **engine_options))
-        self.model_dir = rank_zero_first(
-            lambda: resolve_model_dir(model, self.config.runtime.dtype)
-        )
+        dtype = self.config.runtime.dtype
+        self.model_dir = rank_zero_first(lambda: resolve_model_dir(model, dtype))
         self.engine = Engine(self.model_dir, self.config, hooks)
         self.last_output: RequestOutput | None = None
 

@@ -68,13 +68,12 @@ class BatchGenerator:
             self.spec, arena = ranks.pages(self.spec, arena)
         # (the machine's budget, divided between its ranks, the same on every rank)
         host_bytes = rank_host_bytes(config.cache.host_memory, ranks.on_host if ranks else 1)
-        if (
-            config.cache.host_memory is None and not config.runtime.on_gpu
-        ):  # the arena is host memory too
+        on_gpu = config.runtime.on_gpu
+        if config.cache.host_memory is None and not on_gpu:  # the arena is host memory too
             host_bytes = max(host_bytes - arena, 0)
         if ranks is not None:
             host_bytes = host_min(host_bytes)
-        host = (hooks.host_arena or HostKVArena)(self.spec, dtype, pin=config.runtime.on_gpu,
+        host = (hooks.host_arena or HostKVArena)(self.spec, dtype, pin=on_gpu,
                                                  budget=host_bytes)  # fmt: skip
         layout = ranks.layout if ranks else None
         num_entries = None  # shared pages; else every (layer, kv head) of the rank in its own
@@ -155,11 +154,8 @@ class BatchGenerator:
         pools = scheduler.blocks.pools
         used = {tier: pool.num_pages - pool.num_free for tier, pool in pools.items()}
         entries = {t: plan.head_map.count(t) if plan else 0 for t in ("gpu", "stream", "hybrid")}
-        reserved = (
-            torch.cuda.max_memory_reserved(self.config.runtime.device)
-            if self.config.runtime.on_gpu
-            else 0
-        )
+        runtime = self.config.runtime
+        reserved = torch.cuda.max_memory_reserved(runtime.device) if runtime.on_gpu else 0
         return EngineLoad(running=len(scheduler.running), waiting=len(scheduler.waiting),
                           swapped=len(scheduler.swapped), gpu_pages_used=used[GPU],
                           host_pages_used=used[HOST], resident_entries=entries["gpu"],
@@ -372,9 +368,10 @@ class BatchGenerator:
         self.runner.forget(seq.seq_id)
         if request.kv_held is not None:
             stats.kv_held_bytes, stats.kv_held_fraction = request.kv_held
-        if self.config.runtime.on_gpu:
-            stats.peak_gpu_bytes = torch.cuda.max_memory_allocated(self.config.runtime.device)
-            stats.peak_reserved_bytes = torch.cuda.max_memory_reserved(self.config.runtime.device)
+        runtime = self.config.runtime
+        if runtime.on_gpu:
+            stats.peak_gpu_bytes = torch.cuda.max_memory_allocated(runtime.device)
+            stats.peak_reserved_bytes = torch.cuda.max_memory_reserved(runtime.device)
 
     def logits(self, token_ids: list[int], decode_tokens: int = 0) -> torch.Tensor:
         """fp32 logits ``[len(token_ids), vocab]`` (CPU) through the paged prefill path; the

@@ -147,18 +147,10 @@ class BatchPlanner:
         and the request next in line fit it (:meth:`_to_resident`). False when nothing
         moves; never while a prompt is part-way through its prefill, nor in the modes that
         keep state per sequence (per-entry pages, sparse hybrid, ranks)."""
-        config = self.config
-        if (
-            not scheduler.running
-            or scheduler.prefilling is not None
-            or config.offload.mode == "none"
-        ):
+        offload, budgets = self.config.offload, self.config.budgets
+        if not scheduler.running or scheduler.prefilling is not None or offload.mode == "none":
             return False
-        if (
-            config.budgets.per_head_pages
-            or config.offload.cpu_sparsity is not None
-            or self.ranks is not None
-        ):
+        if budgets.per_head_pages or offload.cpu_sparsity is not None or self.ranks is not None:
             return False
         if self.runner.plan.staging is not None:  # heads stream (no per-entry count a step)
             return self._to_resident(scheduler)

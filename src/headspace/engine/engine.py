@@ -52,9 +52,7 @@ class Engine:
                            None if ranks is None else ranks.keep_heads,
                            "cpu" if streamed else None)  # fmt: skip
         if streamed:
-            WeightStream(
-                model, config.runtime.device, delay=None if hooks is None else hooks.weight_delay
-            )
+            WeightStream(model, config.runtime.device, delay=hooks and hooks.weight_delay)
         self._setup(model, tokenizer, config, ranks, hooks)
 
     @classmethod
@@ -69,9 +67,7 @@ class Engine:
         ranks = setup_ranks(model, config, engine.profile, max_context)
         on_device = sum(p.nbytes for p in model.parameters() if p.device.type != "cpu")
         if weights_streamed(model.config, config, ranks, on_device):
-            WeightStream(
-                model, config.runtime.device, delay=None if hooks is None else hooks.weight_delay
-            )
+            WeightStream(model, config.runtime.device, delay=hooks and hooks.weight_delay)
         engine._setup(model, tokenizer, config, ranks, hooks)
         return engine
 

@@ -54,14 +54,11 @@ class PagedRunner:
         self.layout = layout  # one rank's heads under torch.distributed (None: all heads)
         self.max_context = max_context
         self.device = torch.device(config.runtime.device)
-        self.store = PagedKVStore(
-            spec, arena_bytes, dtype=config.runtime.torch_dtype, device=self.device
-        )
+        dtype, budgets = config.runtime.torch_dtype, config.budgets
+        self.store = PagedKVStore(spec, arena_bytes, dtype=dtype, device=self.device)
         self.budget = None
-        if config.budgets.kv_budget is not None:
-            self.budget = KVBudget(
-                config.budgets.kv_budget, config.budgets.kv_policy, pool=config.budgets.kv_pool
-            )
+        if budgets.kv_budget is not None:
+            self.budget = KVBudget(budgets.kv_budget, budgets.kv_policy, pool=budgets.kv_pool)
         self.profile = profile  # the engine's, checked against the model
         # the last sampled token of each running sequence (+1 scratch slot for graph padding)
         self.tokens = torch.zeros(max_slots + 1, dtype=torch.long, device=self.device)

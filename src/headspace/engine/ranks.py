@@ -111,18 +111,16 @@ def costed_map(cfg, config, profile: Profile | None, max_context: int) -> HeadMa
     """The head map whose costs the solver balances: the profile's patterns, and with
     per-entry pages what each entry keeps at ``max_context`` tokens (budgeted entries by the
     profile's measured shares of the policy, where it has them)."""
-    head_map = HeadMap.all_gpu(cfg.num_layers, cfg.num_kv_heads)
-    if config.budgets.retrieval_heads is not None:
-        head_map = with_patterns(head_map, profile.retrieval, config.budgets.retrieval_heads,
-                                 config.budgets.sparse_pattern)  # fmt: skip
+    head_map, budgets = HeadMap.all_gpu(cfg.num_layers, cfg.num_kv_heads), config.budgets
+    if budgets.retrieval_heads is not None:
+        head_map = with_patterns(head_map, profile.retrieval, budgets.retrieval_heads,
+                                 budgets.sparse_pattern)  # fmt: skip
     tokens, shares = None, None
-    if config.budgets.kv_budget is not None:
-        budget = KVBudget(
-            config.budgets.kv_budget, config.budgets.kv_policy, pool=config.budgets.kv_pool
-        )
+    if budgets.kv_budget is not None:
+        budget = KVBudget(budgets.kv_budget, budgets.kv_policy, pool=budgets.kv_pool)
         tokens = budget.tokens(max_context)
         shares = profile and profile.budget_shares.get(budget_key(budget.policy, budget.value))
-    return priced_map(head_map, config.budgets.per_head_pages, tokens, shares)
+    return priced_map(head_map, budgets.per_head_pages, tokens, shares)
 
 
 def plan_ranks(cfg, config, profile: Profile | None, max_context: int) -> Ranks | None:
