@@ -232,3 +232,40 @@ def test_summary_sums_each_layers_slowest_rank():
     assert balanced["imbalance_max_over_mean"] == pytest.approx(1.5)  # one head each: no better
     copied = balance_summary(costs, solve_layers("fairkv", costs, 2, replicas=1), 2)
     assert copied["step_seconds"] == pytest.approx(4.0) and copied["extra_copies"] == 2
+
+
+def test_copy_search_enumerates_every_scheme_within_the_budget():
+    """FairKV's Algorithm 1: three heads, one extra copy over two ranks: no copy, or one of
+    the three heads in two copies; a head never takes more copies than there are ranks."""
+    from headspace.parallel.solvers.copy_search import schemes
+
+    assert list(schemes(3, 1, 2)) == [(1, 1, 1), (1, 1, 2), (1, 2, 1), (2, 1, 1)]
+    assert max(max(counts) for counts in schemes(2, 5, 3)) == 3
+    assert all(sum(counts) - 4 <= 2 for counts in schemes(4, 2, 4))
+    assert len(list(schemes(4, 2, 4))) == 1 + 4 + 4 + 6  # none, one head +1 or +2, two +1
+
+
+def test_copy_search_finds_a_scheme_the_greedy_copier_misses():
+    """Heads of 12 and 2 over four ranks with two extra copies: the 12 in three copies of 4
+    beside the 2 makes every rank 4 or less, where copying one copy at a time stops at 6."""
+    costs = [HeadCost(2.0), HeadCost(12.0)]
+    searched = solve("copy_search", costs, 4, replicas=1)
+    check_assignment(searched, 2, 4, 1)
+    assert makespan(costs, searched, 4) == pytest.approx(4.0)
+    assert makespan(costs, solve("fairkv", costs, 4, replicas=1), 4) == pytest.approx(6.0)
+
+
+@settings(max_examples=40, deadline=None)
+@given(costs=two_phases(max_heads=6), num_ranks=st.integers(1, 4), replicas=st.integers(0, 2))
+def test_copy_search_is_never_worse_than_fairkv_or_exact(costs, num_ranks, replicas):
+    searched = makespan(costs, solve("copy_search", costs, num_ranks, replicas=replicas),
+                        num_ranks)  # fmt: skip
+    fair = makespan(costs, solve("fairkv", costs, num_ranks, replicas=replicas), num_ranks)
+    exact = makespan(costs, solve("exact", costs, num_ranks), num_ranks)
+    assert searched <= fair * (1 + 1e-9) + 1e-12
+    assert searched <= exact * (1 + 1e-9) + 1e-12
+
+
+def test_copy_search_refuses_layers_too_large_to_search():
+    with pytest.raises(ValueError, match="copy search takes at most 16"):
+        solve("copy_search", _random_costs(15, 0), 4, replicas=2)

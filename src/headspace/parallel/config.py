@@ -9,7 +9,7 @@ from typing import ClassVar, Literal, get_args
 from headspace.errors import UserError
 from headspace.parallel.solvers import SOLVERS
 
-Balance = Literal["uniform", "random", "greedy", "ga", "fairkv", "exact"]
+Balance = Literal["uniform", "random", "greedy", "ga", "fairkv", "exact", "copy_search"]
 Phase = Literal["auto", "prefill", "decode"]
 PHASES = get_args(Phase)
 assert get_args(Balance) == tuple(SOLVERS)
@@ -31,7 +31,9 @@ class ParallelConfig:
     balance: Balance = _option(
         "fairkv", "head-to-GPU solver: uniform (tensor-parallel blocks), random, greedy "
         "(longest first, then moves), ga (genetic search), fairkv (greedy, then fair-copying "
-        "within --replicas), exact (branch and bound, small layers)",
+        "within --replicas), exact (branch and bound, small layers), copy_search (FairKV's "
+        "Algorithms 1 and 2: every copy scheme within --replicas, each placed by branch and "
+        "bound; small layers)",
     )  # fmt: skip
     replicas: int = _option(
         2, "fairkv: extra copies of heavy heads a layer may make; the copies divide the head's "

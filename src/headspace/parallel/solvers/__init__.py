@@ -2,7 +2,8 @@
 
 Every solver is ``solve(costs, num_ranks, *, replicas=0, seed=0) -> LayerAssignment`` over
 the layer's ``HeadCost`` list, or its ``LayerCosts`` (several phases balanced at once); only
-fairkv uses ``replicas`` (extra copies a layer may make); uniform, and greedy, ga and exact
+fairkv and copy_search use ``replicas`` (extra copies a layer may make); uniform, and
+greedy, ga and exact
 where uniform's assignment is better, copy heads only when the ranks outnumber them
 (``copy_budget``).
 """
@@ -12,10 +13,19 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from headspace.parallel.assignment import Costs, LayerAssignment
-from headspace.parallel.solvers import exact, fairkv, genetic, greedy, random_assign, uniform
+from headspace.parallel.solvers import (
+    copy_search,
+    exact,
+    fairkv,
+    genetic,
+    greedy,
+    random_assign,
+    uniform,
+)
 
 SOLVERS = {"uniform": uniform.solve, "random": random_assign.solve, "greedy": greedy.solve,
-           "ga": genetic.solve, "fairkv": fairkv.solve, "exact": exact.solve}  # fmt: skip
+           "ga": genetic.solve, "fairkv": fairkv.solve, "exact": exact.solve,
+           "copy_search": copy_search.solve}  # fmt: skip
 
 
 def solve(name: str, costs: Costs, num_ranks: int, *, replicas: int = 0,
