@@ -57,15 +57,14 @@ class Sequence:
 @dataclass
 class PrefillPiece:
     """Prompt tokens ``start .. end-1`` of ``seq`` to compute in this step over its
-    ``pages``, through decoder ``layers`` (first, end) of ``num_layers``; ``size``: the
-    piece length asked; ``recurs``: it is a whole chunk (compiled once for that length),
-    where a shorter piece (the last, a step's tokens beside decoding sequences, a chunk
-    halved deep in a long prompt) runs the shape compiled for any length."""
+    ``pages``, through decoder ``layers`` (first, end) of ``num_layers``; ``recurs``: it is
+    a whole chunk (compiled once for that length), where a shorter piece (the last, a
+    step's tokens beside decoding sequences, a chunk halved deep in a long prompt) runs the
+    shape compiled for any length."""
 
     seq: Sequence
     start: int
     end: int
-    size: int
     pages: Pages = field(default_factory=dict)
     layers: tuple[int, int] = (0, 1)
     num_layers: int = 1
@@ -186,7 +185,7 @@ class Scheduler:
         """The prompt work of this step: the rest of a piece's layers, or a new piece."""
         seq, piece, slices = self.prefilling, self.piece, self.layer_slices
         if piece is not None:  # part-way through its layers
-            start, end, size, first = piece.start, piece.end, piece.size, piece.layers[1]
+            start, end, first = piece.start, piece.end, piece.layers[1]
         else:
             start, first, size = self.prefill_next, 0, self.chunk
             if decoding and not slices:
@@ -198,9 +197,8 @@ class Scheduler:
         if decoding and slices:
             count = min(count, self._layers_per_step(start, end))
         pages = self.blocks.pages([seq.seq_id])
-        recurs = end - start == size == self.chunk
-        piece = PrefillPiece(seq, start, end, size, pages, (first, first + count),
-                             self.num_layers, recurs)  # fmt: skip
+        piece = PrefillPiece(seq, start, end, pages, (first, first + count), self.num_layers,
+                             end - start == self.chunk)  # fmt: skip
         self.piece = None if piece.through else piece
         if piece.through:
             self.prefill_next = end
@@ -224,12 +222,10 @@ class Scheduler:
         covers costs more than a step's prompt work, so that deep in a long prompt a step
         still fits its work. Never halved where the prefix streams from host pages: each
         piece stages its whole prefix, so halving would multiply what crosses PCIe."""
-        size, page = self.chunk, self.blocks.page_size
-        while (
-            size > page
-            and not self.prefix_streams
-            and (self._layer_cost(start, min(start + size, num_tokens)) > self._step_work())
-        ):
+        size, page, work = self.chunk, self.blocks.page_size, self._step_work()
+        if self.prefix_streams:
+            return size
+        while size > page and self._layer_cost(start, min(start + size, num_tokens)) > work:
             size = max(page, size // 2 // page * page)
         return size
 

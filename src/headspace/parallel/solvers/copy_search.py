@@ -2,12 +2,13 @@
 fairkv solver copies one head at a time. Algorithm 1: every way to give the layer's heads
 extra copies within its budget (a head in ``n`` copies on ``n`` distinct ranks, each taking
 ``1/n`` of its divisible work). Algorithm 2: each scheme's copies placed over the ranks and
-the best scheme kept; here the placement is a branch and bound on the score the other
-solvers use (the sum of each phase's most loaded rank, a divided head's ``copy`` seconds on
-each rank that holds it), where the paper compares the spread between the heaviest and the
-lightest group. The winner's shares are then levelled (:func:`fill_shares`). Seeded with
-fairkv's assignment, so never worse than it. For small layers: the schemes grow as
-``heads ** copies`` and each placement as ``ranks ** (heads + copies)``."""
+the best scheme kept; here the placement is exact's branch and bound (:func:`place`) on
+the score the other solvers use (the sum of each phase's most loaded rank, a divided
+head's ``copy`` seconds on each rank that holds it), where the paper compares the spread
+between the heaviest and the lightest group. The winner's shares are then levelled
+(:func:`fill_shares`). Seeded with fairkv's assignment, so never worse than it. For small
+layers: the schemes grow as ``heads ** copies`` and each placement as ``ranks ** (heads +
+copies)``."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from headspace.parallel.assignment import (
     makespan,
 )
 from headspace.parallel.solvers import fairkv
+from headspace.parallel.solvers.exact import place
 
 MAX_COPIES = 16  # heads and extra copies of a layer: above this, refuse rather than search
 
@@ -62,56 +64,3 @@ def schemes(num_heads: int, budget: int, num_ranks: int) -> Iterator[tuple[int, 
         counts[head] = 1
 
     yield from backtrack(0, budget)
-
-
-def place(layer: LayerCosts, counts: tuple[int, ...], num_ranks: int,
-          bound: float) -> LayerAssignment | None:  # fmt: skip
-    """Algorithm 2 for one scheme: head ``h``'s ``counts[h]`` copies, each with ``1 /
-    counts[h]`` of its divisible work, on distinct ranks so that the sum of each phase's
-    most loaded rank is least; None if no placement beats ``bound``. Branch and bound:
-    copies in decreasing work, a branch cut once it reaches the best found, an empty rank
-    tried once (empty ranks are interchangeable)."""
-    items = []  # (head, work [phase]) per copy
-    for head, phases in enumerate(zip(*layer.phases, strict=True)):
-        n = counts[head]
-        work = [w * (c.fixed + c.split / n + (c.copy if n > 1 else 0.0))
-                for w, c in zip(layer.weights, phases, strict=True)]  # fmt: skip
-        items += [(head, work)] * n
-    items.sort(key=lambda item: -sum(item[1]))
-    loads = [[0.0] * layer.num_phases for _ in range(num_ranks)]  # [rank][phase]
-    sizes = [0] * num_ranks  # copies on each rank
-    holders: list[set[int]] = [set() for _ in range(layer.num_heads)]
-    chosen = [0] * len(items)
-    best: list = [bound * (1 - 1e-12), None]  # (cost to beat, ranks of the copies)
-
-    def search(index: int, peaks: list[float]) -> None:
-        if sum(peaks) >= best[0]:
-            return
-        if index == len(items):
-            best[0], best[1] = sum(peaks), list(chosen)
-            return
-        head, work = items[index]
-        seen_empty = False
-        for rank in range(num_ranks):
-            if rank in holders[head]:
-                continue
-            if sizes[rank] == 0:
-                if seen_empty:
-                    continue
-                seen_empty = True
-            loads[rank] = [x + w for x, w in zip(loads[rank], work, strict=True)]
-            sizes[rank] += 1
-            holders[head].add(rank)
-            chosen[index] = rank
-            search(index + 1, [max(p, x) for p, x in zip(peaks, loads[rank], strict=True)])
-            loads[rank] = [x - w for x, w in zip(loads[rank], work, strict=True)]
-            sizes[rank] -= 1
-            holders[head].discard(rank)
-
-    search(0, [0.0] * layer.num_phases)
-    if best[1] is None:
-        return None
-    copies: list[list] = [[] for _ in range(layer.num_heads)]
-    for (head, _), rank in zip(items, best[1], strict=True):
-        copies[head].append((rank, 1.0 / counts[head]))
-    return tuple(tuple(head_copies) for head_copies in copies)
