@@ -99,12 +99,14 @@ def run_mode(model, mode: str, lengths: list[int], h2d: float) -> dict:
     }  # fmt: skip
 
 
-def long_decode(model, mode: str, length: int, h2d: float, steps: int = 4) -> dict:
+def long_decode(model, mode: str, length: int, h2d: float, steps: int = 4,
+                budget: str = BUDGET) -> dict:  # fmt: skip
     """Decode steps at ``length`` over freshly allocated (zero) pages, the engine built as a
-    user builds it for that context (``max_context``)."""
+    user builds it for that context (``max_context``) under ``budget``."""
     from headspace.engine.scheduler import Sequence
 
-    engine = make_engine(model, gpu_memory=BUDGET, max_context=length + 64, **MODES[mode])
+    options = {"max_context": length + 64} if length + 64 > model.config.max_context else {}
+    engine = make_engine(model, gpu_memory=budget, **options, **MODES[mode])
     generator = engine.batch
     seq = Sequence(10**9, [0] * length, length + steps + 1)
     plan = generator.prepare([seq])

@@ -1,0 +1,143 @@
+"""A million exact tokens on one GPU capped at 24 GiB (HeadInfer's headline): Llama-3-8B
+with a 1M-token context (Llama-3.1-8B's weight shapes, random bf16 weights), run on one GPU
+of a two-GPU machine, whose 256 GiB host holds the 128 GiB of KV in page-locked memory.
+
+    CUDA_VISIBLE_DEVICES=0 PYTHONPATH=src python bench/million.py [--length N] [--steps N]
+
+The engine is built as a user builds it: the model's own context, ``gpu_memory="24GiB"``,
+every other option default (``offload="auto"`` picks the tier; recorded as ``auto_picks``).
+The process's CUDA allocations are capped at 24 GiB too, so the peak cannot borrow from the
+rest of the card. One warm-up compiles the shapes (the prompt's last chunk over an
+uncomputed history, two decode steps), then the measured request: the whole prompt's
+prefill and ``--steps`` decode steps. Measured in the same run: the pinned host-to-device
+bandwidth (the PCIe floor: the offloaded heads' K and V over it per token), the GEMM and
+attention rates (the prefill roofline), and the decode step of the other exact tier
+(``offload="head"``: every offloaded head streamed) over pages allocated without a prefill
+(an exact decode step's work does not depend on the values in its pages; a second 1M
+prefill would take as long as the first). Writes ``million_llama3-8b_<gpu>_<date>.json``
+(to $OUT when set), rewritten after each part so that a run cut short keeps what it has.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from common import (  # noqa: E402
+    LLAMA3_8B,
+    environment,
+    gpu_tag,
+    make_engine,
+    pinned_h2d_bandwidth,
+    random_model,
+    write_result,
+)
+from headspace.engine.sampling import SamplingParams  # noqa: E402
+from hybrid import auto_choice, long_decode  # noqa: E402
+from offload_runs import compute_rates, gpu_cap, prefill_roofline_tok_s, warm_up  # noqa: E402
+
+GiB = 2**30
+MILLION = 2**20
+CAP_GIB, BUDGET = 24, "24GiB"
+LLAMA3_8B_1M = {  # Llama-3-8B's shapes with a 1M-token context (rope base raised, as the
+    **LLAMA3_8B,  # 1048K-context fine-tunes of Llama-3-8B do)
+    "max_position_embeddings": MILLION,
+    "rope_theta": 3580165449.0,
+}
+
+
+def exact_run(model, length: int, steps: int, h2d: float) -> dict:
+    """The default engine under the budget: warm-up, then one request's prefill of
+    ``length`` random tokens and ``steps`` decode steps."""
+    engine = make_engine(model, gpu_memory=BUDGET, progress=True)
+    generator = engine.batch
+    vocab = LLAMA3_8B["vocab_size"]
+    start = time.perf_counter()
+    warm_up(generator, length, length + steps + 1, generator.chunk, vocab)
+    warm_s = time.perf_counter() - start
+    print(f"warm-up {warm_s:.1f} s (chunk {generator.chunk})", flush=True)
+    ids = torch.randint(0, vocab, (length,), generator=torch.Generator().manual_seed(0))
+    params = SamplingParams(max_new_tokens=steps + 1, ignore_eos=True)
+    out = engine.generate_batch([ids.tolist()], [params])[0]
+    stats, plan = out.stats, generator.runner.plan
+    offloaded = stats.num_streamed_heads + stats.num_hybrid_heads
+    floor_s = offloaded * 2 * length * model.config.head_dim * 2 / h2d
+    decode_s = stats.decode_seconds / steps
+    split = getattr(generator.runner.tiers[-1], "cpu", None)
+    row = {
+        "prefill_s": stats.prefill_seconds, "prefill_tok_s": stats.prefill_tok_s,
+        "warm_up_s": warm_s, "prefill_chunk": generator.chunk,
+        "decode_ms": 1000 * decode_s, "pcie_floor_ms": 1000 * floor_s,
+        "decode_ratio_vs_pcie_floor": decode_s / floor_s, "decode_steps": steps,
+        "auto_picks": auto_choice(generator, [length]), "head_map": plan.head_map.summary(),
+        "cpu_share": split.share if split else None,
+        "host_pages_gib": generator.runner.host.num_bytes / GiB,
+        "summary": stats.summary(),
+    }  # fmt: skip
+    del engine, generator
+    return row
+
+
+def _release() -> None:
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--length", type=int, default=MILLION - 64, help="prompt tokens")
+    parser.add_argument("--steps", type=int, default=8, help="decode steps measured")
+    args = parser.parse_args()
+    env = environment()
+    h2d = pinned_h2d_bandwidth()
+    rates = compute_rates()
+    roofline = prefill_roofline_tok_s(args.length, rates)
+    result = {"env": env, "config": LLAMA3_8B_1M, "context_tokens": args.length + args.steps,
+              "prompt_tokens": args.length, "exact": True, "gpu_memory_budget_gib": CAP_GIB,
+              "gpu_cap_gib": CAP_GIB, "h2d_bytes_per_s": h2d, "compute_rates": rates,
+              "prefill_roofline_tok_s": roofline}  # fmt: skip
+    name = f"million_llama3-8b_{gpu_tag(env)}_{env['date']}.json"
+    print({k: v for k, v in result.items() if k != "config"}, flush=True)
+    model = random_model(LLAMA3_8B_1M)
+    with gpu_cap(CAP_GIB):
+        torch.cuda.reset_peak_memory_stats()
+        row = exact_run(model, args.length, args.steps, h2d)
+        result["peak_reserved_gib"] = torch.cuda.max_memory_reserved() / GiB
+        result["peak_allocated_gib"] = torch.cuda.max_memory_allocated() / GiB
+        mode = row["auto_picks"]
+        result.update({"prefill_s": row["prefill_s"],
+                       "prefill_overhead_vs_roofline": roofline / row["prefill_tok_s"] - 1,
+                       "decode_ms": {mode: row["decode_ms"]},
+                       "decode_ratio_vs_pcie_floor": {mode: row["decode_ratio_vs_pcie_floor"]},
+                       "runs": {mode: row}})  # fmt: skip
+        write_result(name, result)
+        print(mode, row, flush=True)
+        _release()
+        other = "head" if mode != "head" else "hybrid"
+        long = long_decode(model, "stream" if other == "head" else "hybrid_split", args.length,
+                           h2d, steps=args.steps, budget=BUDGET)  # fmt: skip
+        result["peak_reserved_gib"] = torch.cuda.max_memory_reserved() / GiB
+        result["decode_ms"][other] = long["decode_ms"]
+        result["decode_ratio_vs_pcie_floor"][other] = 1 / long["speedup_vs_pcie_floor"]
+        result["runs"][other] = {**long, "over": "pages allocated without a prefill"}
+        write_result(name, result)
+    _print(result)
+
+
+def _print(result: dict) -> None:
+    print(f"\n{result['context_tokens']:,} tokens exact, GPU budget {BUDGET}: prefill "
+          f"{result['prefill_s']:.0f} s ({result['prefill_overhead_vs_roofline']:+.0%} over the "
+          f"roofline), peak reserved {result['peak_reserved_gib']:.2f} GiB")  # fmt: skip
+    print(f"{'tier':>8} {'ms/token':>9} {'x PCIe floor':>13}")
+    for mode, ms in result["decode_ms"].items():
+        print(f"{mode:>8} {ms:>9.1f} {result['decode_ratio_vs_pcie_floor'][mode]:>13.2f}")
+
+
+if __name__ == "__main__":
+    main()
