@@ -11,7 +11,7 @@ from headspace.attention.paged import paged_token_probs
 from headspace.attention.reference import reference_attention
 from headspace.engine.hooks import EngineHooks
 from headspace.tiers.base import CpuTimings
-from headspace.tiers.hybrid_sparse import SparseSelector, SparseState, salient
+from headspace.tiers.hybrid_sparse import SparseSelector, SparseState, renormalise, salient
 from test_hybrid import decode_logits
 from test_offload import GREEDY, _prompts, make
 
@@ -53,6 +53,78 @@ def test_reevaluation_reinstates_a_token_whose_weight_rises():
     state.reevaluate(0, range(1), risen, 1.0)
     state.apply()
     assert state.kept(0, 0).tolist() == [2]
+
+
+def test_kept_weights_are_renormalised_to_sum_to_one():
+    """HGCA's 3.2.2 by hand: weights 0.5, 0.25, 0.125, 0.125 (multiples of 1/4: 2, 1, 0.5,
+    0.5); beta 1 keeps the first alone, whose weight becomes 1 (multiple 4); the dropped
+    keep theirs. A head that keeps nothing is left as it was."""
+    maw = torch.tensor([[2.0, 1.0, 0.5, 0.5], [1.0, 1.0, 1.0, 1.0]])
+    keep = salient(maw, 1.0, 1)
+    assert keep.tolist() == [[True, False, False, False], [False] * 4]
+    assert renormalise(maw, keep).tolist() == [[4.0, 1.0, 0.5, 0.5], [1.0, 1.0, 1.0, 1.0]]
+    keep = salient(maw, 0.4, 1)  # 2 + 1 + 0.5 + 0.5 = 4: already summing to 1
+    assert renormalise(maw, keep).tolist() == maw.tolist()
+
+
+def test_a_token_any_reevaluation_found_salient_stays_kept():
+    """The running maximum: a later query that gives a token nothing does not drop it, and a
+    token it finds is added (one query's weights are not the next ones')."""
+    state = SparseState([0], cpu_end=4)
+    state.reevaluate(0, range(1), torch.tensor([[0.7, 0.1, 0.1, 0.1]]), 1.0)
+    state.apply()
+    assert state.kept(0, 0).tolist() == [0]
+    state.reevaluate(0, range(1), torch.tensor([[0.0, 0.1, 0.8, 0.05, 0.05]]), 1.0)
+    state.apply()
+    assert state.kept(0, 0).tolist() == [0, 2]
+
+
+def test_a_first_selection_takes_the_most_any_prompt_query_gives():
+    """The prompt's last queries, observed chunk by chunk (the last ``OBSERVED_QUERIES``
+    kept), weigh the first selection beside the step's own query: per kv head the largest
+    weight over its query heads and the queries."""
+    from headspace.tiers.hybrid_sparse import OBSERVED_QUERIES
+
+    selector = _selector()
+    q = torch.arange(40 * 4 * 3, dtype=torch.float32).view(40, 4, 3)
+    selector.observe(7, 0, q[:30])
+    selector.observe(7, 0, q[30:])  # a second chunk: the last 32 of both
+    selector.begin([7], [20], [12])
+    assert selector.prompt_queries(0, 0).tolist() == q[-OBSERVED_QUERIES:].tolist()
+    assert selector.prompt_queries(0, 0) is None  # once
+    step = torch.full((4, 12), 1 / 12)  # the step's query: nothing above uniform
+    prompt = torch.zeros(3, 4, 12)
+    prompt[:, :, 0] = 1.0  # every prompt query: token 0 ...
+    prompt[2, 3, 0], prompt[2, 3, 9] = 0.5, 0.5  # ... but one, of kv head 1, also token 9
+    selector.reevaluate(0, 0, (0, 2), step, 12, prompt)
+    selector.reevaluate(0, 1, (0, 2), step, 12)
+    selector.drain()
+    selector.states[7].apply()
+    assert selector.states[7].kept(0, 0).tolist() == [0]
+    assert selector.states[7].kept(0, 1).tolist() == [0, 9]
+    assert selector.states[7].kept(1, 0).tolist() == []  # no prompt queries: the step's
+
+
+def test_prompt_queries_weigh_the_cpu_side_tokens_as_softmax_does():
+    """The weights of the prompt's queries over a sequence's CPU-side tokens (a few queries
+    a kernel call, as query heads of their kv head) equal each query's softmax."""
+    from headspace.kv.host_store import HostKVArena
+    from headspace.kv.spec import KVSpec
+    from headspace.tiers.hybrid import CpuAttention
+
+    torch.manual_seed(0)
+    arena = HostKVArena(KVSpec(1, 2, 16, 4, 4), torch.float32, pin=False, budget=None)
+    arena.ensure(8)
+    arena.layer(0).normal_()
+    attention = CpuAttention(arena, num_threads=1)
+    pages = [5, 2, 7]
+    attention.begin([pages], [11])
+    queries = torch.randn(40, 6, 16)  # 40 queries, 3 query heads per kv head: 2 calls
+    probs = attention._query_probs(queries, 0, (0, 2), 0)
+    slots = torch.cat([torch.arange(p * 4, p * 4 + 4) for p in pages])[:11]
+    keys = arena.layer(0)[:, 0, slots].float()  # [kv heads, tokens, dim]
+    scores = torch.einsum("qhd,htd->qht", queries, keys.repeat_interleave(3, 0)) / 4.0
+    assert torch.allclose(probs, torch.softmax(scores, -1), atol=1e-5)
 
 
 def test_each_append_is_reevaluated_and_taken_over_a_fixed_number_of_steps_later():

@@ -27,6 +27,9 @@ from headspace.model.source import cache_root
 SOURCES = [Path(__file__).with_name(name) for name in ("cpu_kernel.cpp", "cpu_jobs.cpp")]
 FLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-fopenmp", "-pthread"]
 BLOCK_TOKENS = 256  # tokens per task: K and V of a block stay in the core's L2
+# query heads per kv head one call takes at BLOCK_TOKENS (the kernel's kMaxGroup, and its
+# kMaxScores over the block)
+MAX_KERNEL_GROUP = min(64, 16384 // BLOCK_TOKENS)
 ISA_NAMES = {0: "portable", 1: "x86-64", 2: "AVX2", 3: "AVX-512"}
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 

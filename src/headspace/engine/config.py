@@ -191,7 +191,8 @@ class OffloadConfig:
         "token, exact; needs offload hybrid, where the CPU then takes all before the window)"
     )  # fmt: skip
     maw_alpha: float = _option(
-        0.1, "hybrid sparse: weight of each step in the moving average of attention weights"
+        0.1, "hybrid sparse: weight of each step in the moving average of attention weights "
+        "of the tokens in the GPU window"
     )
     cpu_threads: int | None = _option(
         None, "hybrid: CPU threads of the attention kernel (default: the cores less one)"

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from headspace.attention.cpu_decode import cpu_paged_decode
+from headspace.attention.cpu_decode import MAX_KERNEL_GROUP, cpu_paged_decode
 from headspace.attention.cpu_jobs import BackgroundDecode
 from headspace.kv.host_store import HostKVArena
 from headspace.parallel.dist import rank_cores
@@ -184,7 +184,11 @@ class CpuAttention:
             out[rows], lse[rows] = self._dense(q, layer, kv_range, rows, probs)
             for j, row in enumerate(sparse.dense):
                 if row in sparse.weigh:
-                    sparse.reevaluate(row, layer, kv_range, probs[j], int(self.ends[row]))
+                    queries = sparse.prompt_queries(row, layer)
+                    prompt = None if queries is None else \
+                        self._query_probs(queries, layer, kv_range, row)  # fmt: skip
+                    sparse.reevaluate(row, layer, kv_range, probs[j], int(self.ends[row]),
+                                      prompt)  # fmt: skip
         if sparse.sparse:
             rows, num_heads, dim = torch.tensor(sparse.sparse), hi - lo, q.shape[-1]
             kv = self.host.layer(layer)  # [heads, 2, slots, dim], flat rows below
@@ -197,6 +201,30 @@ class CpuAttention:
             out[rows] = part.view(len(rows), -1, dim)
             lse[rows] = part_lse.view(len(rows), -1)
         return out, lse
+
+    def _query_probs(self, queries, layer: int, kv_range, row: int) -> torch.Tensor:
+        """Softmax weights ``[queries, heads, end]`` of ``row``'s CPU-side tokens for each of
+        ``queries [queries, heads, dim]`` (the prompt's last, which come after every one of
+        those tokens: no mask). Each kernel call takes a few queries of a kv head as its
+        query heads, so that it reads the K/V once for them all (once per sequence: not in
+        ``timings``, which records the steps' attention)."""
+        kv = self.host.layer(layer)[kv_range[0] : kv_range[1]]  # [heads, 2, slots, dim]
+        num_queries, num_heads, dim = queries.shape
+        num_kv = kv_range[1] - kv_range[0]
+        group, end = num_heads // num_kv, max(int(self.ends[row]), 1)
+        probs = torch.empty(num_queries, num_heads, end)
+        step = max(1, MAX_KERNEL_GROUP // group)  # queries per call
+        for first in range(0, num_queries, step):
+            part = queries[first : first + step]  # [n, heads, dim]
+            n = part.shape[0]
+            folded = part.view(n, num_kv, group, dim).transpose(0, 1).reshape(1, -1, dim)
+            got = torch.empty(1, folded.shape[1], end)
+            cpu_paged_decode(folded, kv[:, 0], kv[:, 1], self.tables[row : row + 1],
+                             self.ends[row : row + 1], self.host.spec.page_size,
+                             num_threads=self.num_threads, probs=got)  # fmt: skip
+            probs[first : first + n] = got.view(num_kv, n, group, end).transpose(0, 1) \
+                .reshape(n, num_heads, end)  # fmt: skip
+        return probs
 
     @timed("result", stamps="collected")
     def result(self, job: Future | int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:

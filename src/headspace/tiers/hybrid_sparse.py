@@ -8,10 +8,14 @@ weight on. When the window moves past a page, the page's tokens leave with their
 kept for the CPU when ``maw > beta / n`` (``n``: the tokens on the GPU side then).
 
 After each append (a prompt, then every page that leaves the window), the CPU attends the
-whole history once, densely and exactly, writing every token's weight ``A_cpu``; a background
-thread folds it into the CPU side's own MAW (a token's first weight starts it) and keeps, per
-(layer, kv head), the tokens with ``maw > beta / n`` (``n``: the CPU-side tokens; the
-CPU side's MAW is kept in multiples of ``1 / n``, as ``n`` grows between re-evaluations).
+whole history once, densely and exactly, writing every token's weight ``A_cpu``. One query's
+weights miss the tokens later queries attend (the embedded model lost 9% of perplexity that
+way), so a token's weight is the most any of several queries gives it: the step's query, at a
+sequence's first selection also the prompt's last ``OBSERVED_QUERIES`` queries (SnapKV's
+observation window, kept as the prompt's last chunk ran), and the largest weight of every
+earlier re-evaluation (a running maximum, in multiples of ``1 / n`` as ``n``, the CPU-side
+tokens, grows). A background thread keeps, per (layer, kv head), the tokens with ``maw >
+beta / n`` and re-normalises their MAW to sum to 1 (HGCA's 3.2.2).
 The new selection takes over ``SELECTION_DELAY`` steps later (waiting for it if it
 is late, so that results never depend on thread timing); until the first one the steps are
 dense. Nothing is freed: a dropped token stays in its host page, so a later re-evaluation
@@ -25,6 +29,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
+from headspace.budgets.scores import WINDOW as OBSERVED_QUERIES
 from headspace.kv.transfer import device_ints
 from headspace.tiers.base import CpuTimings, timed
 
@@ -36,12 +41,21 @@ def salient(weights: torch.Tensor, beta: float, count: int) -> torch.Tensor:
     return weights > beta / max(count, 1)
 
 
+def renormalise(maw: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    """HGCA's re-normalisation after selection: the kept tokens' MAW ``[heads, n]`` (in
+    multiples of the uniform weight ``1 / n``) scaled so that their weights sum to 1 per
+    head; dropped tokens keep theirs (a later re-evaluation may reinstate them)."""
+    kept = torch.where(keep, maw, 0.0).sum(-1, keepdim=True)  # [heads, 1]
+    scale = torch.where(kept > 0, maw.shape[-1] / kept.clamp_min(1e-30), 1.0)
+    return torch.where(keep, maw * scale, maw)
+
+
 class SparseState:
     """One sequence's kept positions per (layer, kv head): the last re-evaluation's (``base``,
     over tokens ``0 .. end - 1``) and, after it, what each page leaving the window kept."""
 
-    def __init__(self, layers: list[int], cpu_end: int, alpha: float = 1.0):
-        self.layers, self.alpha = layers, alpha  # the layers that have hybrid heads
+    def __init__(self, layers: list[int], cpu_end: int):
+        self.layers = layers  # the layers that have hybrid heads
         self.base: dict[int, tuple[int, dict[int, torch.Tensor]]] = {}  # layer -> (end, heads)
         self.chunks: list[tuple[int, torch.Tensor]] = []  # (first position, keep [L, H, n])
         self.evicted_end = cpu_end  # tokens 0 .. evicted_end - 1 are on the CPU side
@@ -58,16 +72,16 @@ class SparseState:
 
     def reevaluate(self, layer: int, heads: range, weights: torch.Tensor, beta: float) -> None:
         """A new selection for ``layer`` from each kv head's weights ``[heads, n]`` of tokens
-        ``0 .. n - 1`` (normalised over them), folded into their MAW, pending until
-        :meth:`apply`."""
+        ``0 .. n - 1`` (each normalised over them; the most any query gave), folded into
+        their running maximum, pending until :meth:`apply`."""
         count = weights.shape[1]
         maw = weights.float() * count  # in multiples of the uniform weight, as n grows
         prior = self.maw.get((layer, heads.start))  # [heads, tokens weighed before]
         if prior is not None and prior.shape[0] == len(heads):
             seen = min(prior.shape[1], count)
-            maw[:, :seen] = (1 - self.alpha) * prior[:, :seen] + self.alpha * maw[:, :seen]
-        self.maw[(layer, heads.start)] = maw
+            maw[:, :seen] = torch.maximum(prior[:, :seen], maw[:, :seen])
         keep = salient(maw, beta, 1)
+        self.maw[(layer, heads.start)] = renormalise(maw, keep)
         self.pending[layer] = (count, {h: keep[i].nonzero()[:, 0].int()
                                        for i, h in enumerate(heads)})  # fmt: skip
 
@@ -118,6 +132,7 @@ class SparseSelector:
         self.summaries: dict[int, tuple[float, float, float]] = {}
         self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="headspace-select")
         self._tables: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.observed: dict[int, dict[int, tuple]] = {}
         self._aranges: dict[tuple[int, int], torch.Tensor] = {}
         self.step = 0
 
@@ -172,11 +187,36 @@ class SparseSelector:
         rows = [self.rows[s] for s in seq_ids]
         self.row_index = device_ints(rows, self.maw.device)
 
+    def observe(self, seq_id: int, layer: int, q: torch.Tensor) -> None:
+        """A prefill chunk's queries ``q [tokens, heads, dim]`` of ``layer``'s hybrid heads:
+        the last ``OBSERVED_QUERIES`` so far are kept (the prompt's, once its last chunk
+        ran), on the device until the sequence's first selection reads them."""
+        held = self.observed.setdefault(seq_id, {})
+        before = held.get(layer)
+        tail = q if before is None else torch.cat([before[0], q])
+        tail = tail[-OBSERVED_QUERIES:].clone()
+        ready = None
+        if tail.is_cuda:
+            ready = torch.cuda.Event()
+            ready.record(torch.cuda.current_stream(tail.device))
+        held[layer] = (tail, ready)
+
+    def prompt_queries(self, row: int, layer: int) -> torch.Tensor | None:
+        """The prompt's last queries ``[queries, heads, dim]`` (fp32, host) of ``layer`` for
+        this step's ``row``, once (None after, or where no prefill ran here)."""
+        held = self.observed.get(self.seq_ids[row], {}).pop(layer, None)
+        if held is None:
+            return None
+        tail, ready = held
+        if ready is not None:
+            ready.synchronize()  # the clone is done (the copy below runs on this thread)
+        return tail.float().cpu()
+
     def _admit(self, seq_id: int, cpu_end: int) -> None:
         row = min(set(range(self.maw.shape[0])) - set(self.rows.values()))
         self.rows[seq_id] = row
         self.maw[row] = -1.0
-        self.states[seq_id] = SparseState(list(self.kv_heads), cpu_end, self.alpha)
+        self.states[seq_id] = SparseState(list(self.kv_heads), cpu_end)
 
     def _evict(self, seq_id: int, state: SparseState, end: int, num_gpu_tokens: int) -> None:
         start = state.evicted_end
@@ -188,6 +228,7 @@ class SparseSelector:
 
     def release(self, seq_id: int) -> None:
         """Forget a sequence that left the batch (its kept shares stay for its summary)."""
+        self.observed.pop(seq_id, None)
         state = self.states.pop(seq_id)
         self.summaries[seq_id] = _summary(state.fractions(self.kv_heads))
         self.rows.pop(seq_id)
@@ -195,6 +236,7 @@ class SparseSelector:
     def forget(self, seq_id: int) -> None:
         """Drop all of a sequence that ended or was aborted (its summary too)."""
         self.drain()  # selections in flight read its state
+        self.observed.pop(seq_id, None)
         if seq_id in self.states:
             self.release(seq_id)
         self.summaries.pop(seq_id, None)
@@ -232,17 +274,22 @@ class SparseSelector:
         return self._aranges[key]
 
     # -- the CPU side (worker thread) ----------------------------------------------------
-    def reevaluate(self, row: int, layer: int, kv_range: tuple[int, int],
-                   probs: torch.Tensor, end: int) -> None:  # fmt: skip
+    def reevaluate(self, row: int, layer: int, kv_range: tuple[int, int], probs: torch.Tensor,
+                   end: int, prompt_probs: torch.Tensor | None = None) -> None:  # fmt: skip
         """Select on the background thread from ``probs [heads, >= end]`` (row ``row`` of
-        this step's dense pass, which attended tokens ``0 .. end - 1``)."""
+        this step's dense pass, which attended tokens ``0 .. end - 1``) and, at a first
+        selection, the prompt's last queries' ``prompt_probs [queries, heads, >= end]``."""
         state, heads = self.states[self.seq_ids[row]], range(*kv_range)
         if state.apply_at is None:  # the step's first layer
             state.apply_at, state.stale = self.step + SELECTION_DELAY, False
 
         def select():
             group = probs.shape[0] // len(heads)
-            weights = probs[:, :end].view(len(heads), group, end).amax(1)
+            weights = probs[:, :end].view(len(heads), group, end).amax(1)  # [kv heads, end]
+            if prompt_probs is not None:
+                queries = prompt_probs.shape[0]
+                prompt = prompt_probs[:, :, :end].view(queries, len(heads), group, end)
+                weights = torch.maximum(weights, prompt.amax(2).amax(0))
             state.reevaluate(layer, heads, weights, self.beta)
 
         self.worker.submit(select)
