@@ -58,18 +58,22 @@ def test_reevaluation_reinstates_a_token_whose_weight_rises():
 def test_kept_weights_are_renormalised_to_sum_to_one():
     """HGCA's 3.2.2 by hand: weights 0.5, 0.25, 0.125, 0.125 (multiples of 1/4: 2, 1, 0.5,
     0.5); beta 1 keeps the first alone, whose weight becomes 1 (multiple 4); the dropped
-    keep theirs. A head that keeps nothing is left as it was."""
+    keep theirs. A head that keeps nothing is left as it was, and so are kept weights that
+    already sum to 1 or more (maxima over queries can): never lowered."""
     maw = torch.tensor([[2.0, 1.0, 0.5, 0.5], [1.0, 1.0, 1.0, 1.0]])
     keep = salient(maw, 1.0, 1)
     assert keep.tolist() == [[True, False, False, False], [False] * 4]
     assert renormalise(maw, keep).tolist() == [[4.0, 1.0, 0.5, 0.5], [1.0, 1.0, 1.0, 1.0]]
     keep = salient(maw, 0.4, 1)  # 2 + 1 + 0.5 + 0.5 = 4: already summing to 1
     assert renormalise(maw, keep).tolist() == maw.tolist()
+    maxima = torch.tensor([[1.2, 1.2, 1.2, 1.2]])  # weights 0.3 each: 1.2 in all
+    assert renormalise(maxima, salient(maxima, 1.0, 1)).tolist() == maxima.tolist()
 
 
 def test_a_token_any_reevaluation_found_salient_stays_kept():
     """The running maximum: a later query that gives a token nothing does not drop it, and a
-    token it finds is added (one query's weights are not the next ones')."""
+    token it finds is added (one query's weights are not the next ones'); also where the
+    weights are maxima over queries, summing past 1."""
     state = SparseState([0], cpu_end=4)
     state.reevaluate(0, range(1), torch.tensor([[0.7, 0.1, 0.1, 0.1]]), 1.0)
     state.apply()
@@ -77,25 +81,33 @@ def test_a_token_any_reevaluation_found_salient_stays_kept():
     state.reevaluate(0, range(1), torch.tensor([[0.0, 0.1, 0.8, 0.05, 0.05]]), 1.0)
     state.apply()
     assert state.kept(0, 0).tolist() == [0, 2]
+    state = SparseState([0], cpu_end=4)
+    state.reevaluate(0, range(1), torch.tensor([[0.3, 0.3, 0.3, 0.3]]), 1.0)
+    state.reevaluate(0, range(1), torch.tensor([[0.1, 0.1, 0.1, 0.1, 0.6]]), 1.0)
+    state.apply()
+    assert state.kept(0, 0).tolist() == [0, 1, 2, 3, 4]
 
 
 def test_a_first_selection_takes_the_most_any_prompt_query_gives():
     """The prompt's last queries, observed chunk by chunk (the last ``OBSERVED_QUERIES``
-    kept), weigh the first selection beside the step's own query: per kv head the largest
-    weight over its query heads and the queries."""
+    kept, with their positions), weigh the first selection beside the step's own query:
+    per kv head the largest weight over its query heads and the queries. Only queries that
+    see every CPU-side token are taken."""
     from headspace.tiers.hybrid_sparse import OBSERVED_QUERIES
 
     selector = _selector()
-    q = torch.arange(40 * 4 * 3, dtype=torch.float32).view(40, 4, 3)
-    selector.observe(7, 0, q[:30])
-    selector.observe(7, 0, q[30:])  # a second chunk: the last 32 of both
-    selector.begin([7], [20], [12])
-    assert selector.prompt_queries(0, 0).tolist() == q[-OBSERVED_QUERIES:].tolist()
-    assert selector.prompt_queries(0, 0) is None  # once
+    q = torch.arange(40 * 4 * 3, dtype=torch.float32).view(40, 4, 3)  # positions 0 .. 39
+    selector.observe(7, 0, q[:30], 30)
+    selector.observe(7, 0, q[30:], 40)  # a second chunk: the last 32 of both
+    selector.observe(7, 1, q, 40)
+    selector.begin([7], [41], [12])
+    assert selector.prompt_queries(0, 0, 9).tolist() == q[-OBSERVED_QUERIES:].tolist()
+    assert selector.prompt_queries(0, 0, 9) is None  # once
+    assert selector.prompt_queries(0, 1, 20).tolist() == q[19:].tolist()  # positions >= 19
     step = torch.full((4, 12), 1 / 12)  # the step's query: nothing above uniform
     prompt = torch.zeros(3, 4, 12)
     prompt[:, :, 0] = 1.0  # every prompt query: token 0 ...
-    prompt[2, 3, 0], prompt[2, 3, 9] = 0.5, 0.5  # ... but one, of kv head 1, also token 9
+    prompt[2, 2, 0], prompt[2, 2, 9] = 0.5, 0.5  # ... but one, of kv head 1, also token 9
     selector.reevaluate(0, 0, (0, 2), step, 12, prompt)
     selector.reevaluate(0, 1, (0, 2), step, 12)
     selector.drain()
@@ -103,6 +115,27 @@ def test_a_first_selection_takes_the_most_any_prompt_query_gives():
     assert selector.states[7].kept(0, 0).tolist() == [0]
     assert selector.states[7].kept(0, 1).tolist() == [0, 9]
     assert selector.states[7].kept(1, 0).tolist() == []  # no prompt queries: the step's
+
+
+def test_the_prompt_queries_of_every_hybrid_layer_reach_the_first_selection(wide_llama, prompt):
+    """Through the engine: once the prompt is prefilled, the selector holds its last 32
+    queries for every layer with hybrid heads; the first decode step takes them all."""
+    llm = make(wide_llama, arena=700 * 1024, cpu_sparsity=1.0, **SPARSE)
+    engine = llm.engine
+    engine.add_request(prompt, SamplingParams(max_new_tokens=8, ignore_eos=True))
+    runner = engine.batch.runner
+    held = {}
+    while engine.has_unfinished():
+        engine.step()
+        tier = next((t for t in runner.tiers if getattr(t, "sparse", None)), None)
+        if tier is not None and any(tier.sparse.observed.values()):  # the last step with them
+            held = {seq: dict(layers) for seq, layers in tier.sparse.observed.items()}
+    head_map = runner.plan.head_map
+    layers = [layer for layer in range(head_map.num_layers) if head_map.offloaded_groups(layer)]
+    assert len(held) == 1 and sorted(next(iter(held.values()))) == layers
+    for tail, _, end in next(iter(held.values())).values():
+        assert tail.shape[0] == 32 and end == len(prompt)
+    assert tier.sparse.observed == {}  # read by the first selection, or forgotten at the end
 
 
 def test_prompt_queries_weigh_the_cpu_side_tokens_as_softmax_does():
@@ -234,12 +267,14 @@ def test_beta_zero_keeps_everything_and_equals_exact(wide_llama, prompt, cpu_tim
     assert gap.abs().max().item() < 1e-4
 
 
-def test_beta_one_attends_fewer_tokens(wide_llama, prompt, cpu_timings):
-    llm = make(wide_llama, arena=700 * 1024, cpu_sparsity=1.0,
+def test_a_larger_beta_attends_fewer_tokens(wide_llama, prompt, cpu_timings):
+    """Beta 3: only tokens some query weighs at three times the uniform weight (a random
+    model attends nearly uniformly, so most tokens pass beta 1 for one of 32 queries)."""
+    llm = make(wide_llama, arena=700 * 1024, cpu_sparsity=3.0,
                hooks=EngineHooks(cpu_timings=cpu_timings), **SPARSE)  # fmt: skip
     out = llm.generate(prompt, GREEDY)[0]
     low, median, high = out.stats.cpu_kept_fraction
-    assert 0 < low <= median <= high and median < 0.9
+    assert 0 <= low <= median <= high and median < 0.9 and high > 0
     exact = CpuTimings()
     dense = make(wide_llama, arena=700 * 1024, hooks=EngineHooks(cpu_timings=exact), **SPARSE,
                  cpu_share=1.0)  # fmt: skip

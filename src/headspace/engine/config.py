@@ -193,7 +193,7 @@ class OffloadConfig:
     maw_alpha: float = _option(
         0.1, "hybrid sparse: weight of each step in the moving average of attention weights "
         "of the tokens in the GPU window"
-    )
+    )  # fmt: skip
     cpu_threads: int | None = _option(
         None, "hybrid: CPU threads of the attention kernel (default: the cores less one)"
     )

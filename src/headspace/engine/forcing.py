@@ -34,4 +34,5 @@ def forced_logits(runner: PagedRunner, blocks: BlockManager, tiers: tuple[str, .
             rows.append(logits.float().cpu())
         return torch.cat(rows)
     finally:
+        runner.forget(seq.seq_id)  # what the tiers keep of it (the sparse mode's queries)
         blocks.free(seq.seq_id)

@@ -184,7 +184,7 @@ class CpuAttention:
             out[rows], lse[rows] = self._dense(q, layer, kv_range, rows, probs)
             for j, row in enumerate(sparse.dense):
                 if row in sparse.weigh:
-                    queries = sparse.prompt_queries(row, layer)
+                    queries = sparse.prompt_queries(row, layer, int(self.ends[row]))
                     prompt = None if queries is None else \
                         self._query_probs(queries, layer, kv_range, row)  # fmt: skip
                     sparse.reevaluate(row, layer, kv_range, probs[j], int(self.ends[row]),
@@ -204,10 +204,10 @@ class CpuAttention:
 
     def _query_probs(self, queries, layer: int, kv_range, row: int) -> torch.Tensor:
         """Softmax weights ``[queries, heads, end]`` of ``row``'s CPU-side tokens for each of
-        ``queries [queries, heads, dim]`` (the prompt's last, which come after every one of
-        those tokens: no mask). Each kernel call takes a few queries of a kv head as its
-        query heads, so that it reads the K/V once for them all (once per sequence: not in
-        ``timings``, which records the steps' attention)."""
+        ``queries [queries, heads, dim]`` (the prompt's last, each of which sees all those
+        tokens: no mask). Each kernel call takes a few queries of a kv head as its query
+        heads, so that it reads the K/V once for them all (once per sequence and layer: not
+        in ``timings``, which records the steps' attention)."""
         kv = self.host.layer(layer)[kv_range[0] : kv_range[1]]  # [heads, 2, slots, dim]
         num_queries, num_heads, dim = queries.shape
         num_kv = kv_range[1] - kv_range[0]

@@ -44,9 +44,11 @@ def salient(weights: torch.Tensor, beta: float, count: int) -> torch.Tensor:
 def renormalise(maw: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
     """HGCA's re-normalisation after selection: the kept tokens' MAW ``[heads, n]`` (in
     multiples of the uniform weight ``1 / n``) scaled so that their weights sum to 1 per
-    head; dropped tokens keep theirs (a later re-evaluation may reinstate them)."""
+    head; dropped tokens keep theirs (a later re-evaluation may reinstate them). Weights
+    here are the most any of several queries gave, whose kept sum can pass 1: those are
+    left as they are, never lowered under the threshold that kept them."""
     kept = torch.where(keep, maw, 0.0).sum(-1, keepdim=True)  # [heads, 1]
-    scale = torch.where(kept > 0, maw.shape[-1] / kept.clamp_min(1e-30), 1.0)
+    scale = (maw.shape[-1] / kept.clamp_min(1e-30)).clamp_min(1.0)
     return torch.where(keep, maw * scale, maw)
 
 
@@ -132,7 +134,8 @@ class SparseSelector:
         self.summaries: dict[int, tuple[float, float, float]] = {}
         self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="headspace-select")
         self._tables: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
-        self.observed: dict[int, dict[int, tuple]] = {}
+        self.observed: dict[int, dict[int, tuple]] = {}  # seq -> layer -> (q, event, end)
+        self._copies: torch.cuda.Stream | None = None  # the prompt queries' copies
         self._aranges: dict[tuple[int, int], torch.Tensor] = {}
         self.step = 0
 
@@ -187,30 +190,43 @@ class SparseSelector:
         rows = [self.rows[s] for s in seq_ids]
         self.row_index = device_ints(rows, self.maw.device)
 
-    def observe(self, seq_id: int, layer: int, q: torch.Tensor) -> None:
-        """A prefill chunk's queries ``q [tokens, heads, dim]`` of ``layer``'s hybrid heads:
-        the last ``OBSERVED_QUERIES`` so far are kept (the prompt's, once its last chunk
-        ran), on the device until the sequence's first selection reads them."""
+    def observe(self, seq_id: int, layer: int, q: torch.Tensor, end: int) -> None:
+        """A prefill chunk's queries ``q [tokens, heads, dim]`` of ``layer``'s hybrid heads,
+        at positions ``end - tokens .. end - 1``: the last ``OBSERVED_QUERIES`` so far are
+        kept (the prompt's, once its last chunk ran), on the device, until the sequence's
+        first selection reads them or it ends."""
         held = self.observed.setdefault(seq_id, {})
         before = held.get(layer)
-        tail = q if before is None else torch.cat([before[0], q])
-        tail = tail[-OBSERVED_QUERIES:].clone()
+        tail = q[-OBSERVED_QUERIES:].clone()  # [<= 32, heads, dim]
+        if before is not None:  # a short chunk: the one before's last queries lead
+            tail = torch.cat([before[0], tail])[-OBSERVED_QUERIES:]
         ready = None
         if tail.is_cuda:
             ready = torch.cuda.Event()
             ready.record(torch.cuda.current_stream(tail.device))
-        held[layer] = (tail, ready)
+        held[layer] = (tail, ready, end)
 
-    def prompt_queries(self, row: int, layer: int) -> torch.Tensor | None:
-        """The prompt's last queries ``[queries, heads, dim]`` (fp32, host) of ``layer`` for
-        this step's ``row``, once (None after, or where no prefill ran here)."""
-        held = self.observed.get(self.seq_ids[row], {}).pop(layer, None)
+    def prompt_queries(self, row: int, layer: int, end: int) -> torch.Tensor | None:
+        """This step's ``row``'s prompt queries ``[queries, heads, dim]`` (fp32, host) of
+        ``layer`` that see every one of its first ``end`` tokens (at positions ``end - 1``
+        on), once (None after, or where none was observed or none sees them all)."""
+        seq_id = self.seq_ids[row]
+        held = self.observed.get(seq_id, {}).pop(layer, None)
         if held is None:
             return None
-        tail, ready = held
-        if ready is not None:
-            ready.synchronize()  # the clone is done (the copy below runs on this thread)
-        return tail.float().cpu()
+        if not self.observed[seq_id]:
+            del self.observed[seq_id]
+        tail, ready, last_end = held
+        tail = tail[max(0, end - 1 - (last_end - len(tail))) :]  # positions >= end - 1
+        if not len(tail):
+            return None
+        if ready is None:
+            return tail.float()
+        ready.synchronize()  # the clone is done; the copy runs on a stream of its own, so
+        if self._copies is None:  # it does not wait for the step queued on the main one
+            self._copies = torch.cuda.Stream(tail.device)
+        with torch.cuda.stream(self._copies):
+            return tail.float().cpu()
 
     def _admit(self, seq_id: int, cpu_end: int) -> None:
         row = min(set(range(self.maw.shape[0])) - set(self.rows.values()))

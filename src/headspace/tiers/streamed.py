@@ -223,7 +223,8 @@ class StreamedTier(Tier):
             self._cpu_job = self.cpu.attention.submit(layer, heads, q_part)
         if self.sparse is not None and not self.step.decode and self.groups[layer]:
             heads = (self.groups[layer][0][0], self.groups[layer][-1][1])  # a first selection's
-            self.sparse.observe(self.step.seq_ids[0], layer, q[:, q_heads(heads, self.q_per_kv)])
+            self.sparse.observe(self.step.seq_ids[0], layer, q[:, q_heads(heads, self.q_per_kv)],
+                                self.step.start + q.shape[0])  # fmt: skip
         for kv_range in self.groups[layer]:
             heads = q_heads(kv_range, self.q_per_kv)
             q_part, kv_part = q[:, heads], kv[:, :, slice(*kv_range)]
