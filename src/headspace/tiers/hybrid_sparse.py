@@ -15,7 +15,7 @@ sequence's first selection also the prompt's last ``OBSERVED_QUERIES`` queries (
 observation window, kept as the prompt's last chunk ran), and the largest weight of every
 earlier re-evaluation (a running maximum, in multiples of ``1 / n`` as ``n``, the CPU-side
 tokens, grows). A background thread keeps, per (layer, kv head), the tokens with ``maw >
-beta / n`` and re-normalises their MAW to sum to 1 (HGCA's 3.2.2).
+beta / n`` and re-normalises their MAW to sum to 1 (HGCA's 3.2.2; never lowering them).
 The new selection takes over ``SELECTION_DELAY`` steps later (waiting for it if it
 is late, so that results never depend on thread timing); until the first one the steps are
 dense. Nothing is freed: a dropped token stays in its host page, so a later re-evaluation
