@@ -222,9 +222,10 @@ class Scheduler:
         covers costs more than a step's prompt work, so that deep in a long prompt a step
         still fits its work. Never halved where the prefix streams from host pages: each
         piece stages its whole prefix, so halving would multiply what crosses PCIe."""
-        size, page, work = self.chunk, self.blocks.page_size, self._step_work()
+        size, page = self.chunk, self.blocks.page_size
         if self.prefix_streams:
             return size
+        work = self._step_work()
         while size > page and self._layer_cost(start, min(start + size, num_tokens)) > work:
             size = max(page, size // 2 // page * page)
         return size

@@ -197,9 +197,9 @@ class SparseSelector:
         first selection reads them or it ends."""
         held = self.observed.setdefault(seq_id, {})
         before = held.get(layer)
-        tail = q[-OBSERVED_QUERIES:].clone()  # [<= 32, heads, dim]
-        if before is not None:  # a short chunk: the one before's last queries lead
-            tail = torch.cat([before[0], tail])[-OBSERVED_QUERIES:]
+        # [<= 32, heads, dim]; after a short chunk, the one before's last queries lead
+        tail = q[-OBSERVED_QUERIES:].clone() if before is None else \
+            torch.cat([before[0], q[-OBSERVED_QUERIES:]])[-OBSERVED_QUERIES:]  # fmt: skip
         ready = None
         if tail.is_cuda:
             ready = torch.cuda.Event()

@@ -216,15 +216,14 @@ class StreamedTier(Tier):
         """Attend every streamed group of ``layer``; results go into their heads of ``out``
         (the hybrid tier's CPU part is merged in at :meth:`collect`)."""
         results = []
-        if self.cpu is not None and self.step.decode and self.groups[layer]:
-            # the CPU starts first, with one job for all the layer's groups (adjacent heads)
+        if self.cpu is not None and self.groups[layer]:  # the layer's hybrid heads (adjacent)
             heads = (self.groups[layer][0][0], self.groups[layer][-1][1])
             q_part = q[:, q_heads(heads, self.q_per_kv)]
-            self._cpu_job = self.cpu.attention.submit(layer, heads, q_part)
-        if self.sparse is not None and not self.step.decode and self.groups[layer]:
-            heads = (self.groups[layer][0][0], self.groups[layer][-1][1])  # a first selection's
-            self.sparse.observe(self.step.seq_ids[0], layer, q[:, q_heads(heads, self.q_per_kv)],
-                                self.step.start + q.shape[0])  # fmt: skip
+            if self.step.decode:  # the CPU starts first, with one job for all the groups
+                self._cpu_job = self.cpu.attention.submit(layer, heads, q_part)
+            elif self.sparse is not None:  # the prompt's queries, for a first selection
+                self.sparse.observe(self.step.seq_ids[0], layer, q_part,
+                                    self.step.start + q.shape[0])  # fmt: skip
         for kv_range in self.groups[layer]:
             heads = q_heads(kv_range, self.q_per_kv)
             q_part, kv_part = q[:, heads], kv[:, :, slice(*kv_range)]

@@ -3,9 +3,8 @@
 Every solver is ``solve(costs, num_ranks, *, replicas=0, seed=0) -> LayerAssignment`` over
 the layer's ``HeadCost`` list, or its ``LayerCosts`` (several phases balanced at once); only
 fairkv and copy_search use ``replicas`` (extra copies a layer may make); uniform, and
-greedy, ga and exact
-where uniform's assignment is better, copy heads only when the ranks outnumber them
-(``copy_budget``).
+greedy, ga and exact where uniform's assignment is better, copy heads only when the ranks
+outnumber them (``copy_budget``).
 """
 
 from __future__ import annotations
