@@ -100,20 +100,22 @@ def run_mode(model, mode: str, lengths: list[int], h2d: float) -> dict:
 
 
 def long_decode(model, mode: str, length: int, h2d: float, steps: int = 4,
-                budget: str = BUDGET) -> dict:  # fmt: skip
+                budget: str = BUDGET, **extra) -> dict:  # fmt: skip
     """Decode steps at ``length`` over freshly allocated (zero) pages, the engine built as a
-    user builds it for that context (``max_context``) under ``budget``."""
+    user builds it for that context (``max_context``) under ``budget`` (``extra``: options
+    beside the mode's). ``staged_bytes_per_step``: the KV the steps after the first copied
+    from host pages to the GPU (staged, or filled into the GPU window), per step."""
     from headspace.engine.scheduler import Sequence
 
     options = {"max_context": length + 64} if length + 64 > model.config.max_context else {}
-    engine = make_engine(model, gpu_memory=budget, **options, **MODES[mode])
+    engine = make_engine(model, gpu_memory=budget, **options, **MODES[mode], **extra)
     generator = engine.batch
     seq = Sequence(10**9, [0] * length, length + steps + 1)
     plan = generator.prepare([seq])
     blocks, runner = generator.scheduler.blocks, generator.runner
     blocks.allocate_prompt(seq.seq_id, seq.prompt_ids, generator.planner.tiers, reuse=False)
     pages = blocks.pages([seq.seq_id])
-    times = []
+    times, counters, copied = [], runner.site.counters, []
     for step in range(steps + 1):
         blocks.append_token(seq.seq_id)
         torch.cuda.synchronize()
@@ -121,15 +123,19 @@ def long_decode(model, mode: str, length: int, h2d: float, steps: int = 4,
         runner.decode([seq.seq_id], [length + step], [0], pages)
         torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
+        copied.append(counters.staged_entry_pages + counters.window_fill_pages)
     blocks.free(seq.seq_id)
+    runner.forget(seq.seq_id)
     cfg, offloaded = model.config, plan.head_map.num_offloaded
     floor_s = offloaded * 2 * length * cfg.head_dim * 2 / h2d
     decode_s = sorted(times[1:])[len(times[1:]) // 2]  # the median after the first step
     split = getattr(runner.tiers[-1], "cpu", None)
+    staged = (copied[-1] - copied[0]) * runner.spec.entry_page_bytes / steps
     return {"decode_ms": 1000 * decode_s, "pcie_floor_ms": 1000 * floor_s,
             "speedup_vs_pcie_floor": floor_s / decode_s, "step_ms": [1000 * t for t in times],
             "offloaded_heads": offloaded, "gpu_heads": plan.head_map.count("gpu"),
-            "cpu_share": split.share if split else None}  # fmt: skip
+            "cpu_share": split.share if split else None, "staged_bytes_per_step": staged,
+            "gpu_window_pages": plan.gpu_window.pages if plan.gpu_window else 0}  # fmt: skip
 
 
 def _agreement(tokens: list[list[int]], reference: list[list[int]]) -> float:

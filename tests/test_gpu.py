@@ -180,6 +180,23 @@ def test_hybrid_on_gpu_equals_resident(share, arena_kib, cpu_timings):
     assert sum(call.tokens for call in cpu_timings.calls) > 0
 
 
+@pytest.mark.parametrize("share", [1.0, 0.5])
+def test_hybrid_window_kept_on_gpu_equals_staged(share):
+    """The GPU window in GPU pages (filled once by the page kernel from page-locked host
+    pages, each new token appended by the decode kernel) against the window staged every
+    step: the same greedy tokens in fp32, and at share 1 nothing staged after the fill."""
+    model = tiny_model("cuda", torch.float32, layers=8)
+    prompt = torch.randint(0, 512, (900,), generator=torch.Generator().manual_seed(5))
+    options = {"dtype": "float32", "gpu_memory": arena_budget(model, 2048 * 1024),
+               "offload": "hybrid", "cpu_share": share, "gpu_window": 128}  # fmt: skip
+    kept = make_engine(model, **options)
+    staged = make_engine(model, window_on_gpu=False, **options)
+    assert greedy(kept, [prompt]) == greedy(staged, [prompt])
+    counters = kept.batch.runner.site.counters
+    assert kept.batch.runner.plan.gpu_window is not None and counters.window_fill_pages > 0
+    assert (counters.staged_entry_pages == 0) == (share == 1.0)
+
+
 def test_sparse_hybrid_on_gpu():
     """Sparse mode on the GPU: moving averages on the device, selection on the host; beta 0
     keeps every token and equals the resident run, beta 2 keeps fewer."""

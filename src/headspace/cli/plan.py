@@ -29,9 +29,10 @@ def add_plan_parser(subparsers) -> None:
     )
     p.add_argument("--context", required=True, help="context length, e.g. 131072, 128K, 1M")
     # the engine's own flags for what a plan depends on (the GPU's memory unless given)
-    planned = ("gpu_memory", "host_memory", "offload", "cpu_share", "gpu_window", "head_group",
-               "prefill_chunk", "page_size", "dtype", "profile", "retrieval_heads",
-               "sparse_pattern", "kv_budget", "kv_policy", "weights")  # fmt: skip
+    planned = ("gpu_memory", "host_memory", "offload", "cpu_share", "gpu_window",
+               "window_on_gpu", "head_group", "prefill_chunk", "page_size", "dtype", "profile",
+               "retrieval_heads", "sparse_pattern", "kv_budget", "kv_policy",
+               "weights")  # fmt: skip
     add_engine_options(p, planned, {"dtype": "bfloat16", "retrieval_heads": 0.5})
     add_parallel_options(p)
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
@@ -106,6 +107,7 @@ def _request(args, config, profile, context: int, gpu: int):
     return PlanRequest(context, gpu, 0, 4 if args.dtype == "float32" else 2, args.offload,
                        args.head_group, args.prefill_chunk, args.page_size, args.cpu_share,
                        args.gpu_window, budget_tokens, entry_bound, weights=args.weights,
+                       window_on_gpu=args.window_on_gpu,
                        **_patterns(args, config, profile))  # fmt: skip
 
 
@@ -207,6 +209,7 @@ def format_plan(config, request, plan, gpus: int = 1) -> str:
         f"{'  held after the prompt':<34}{m['kv_held'] / GiB:>10.2f}",
         f"{'KV pages on the host':<34}{'':>10}{m['host_kv'] / GiB:>10.2f}",
         f"{'staging (streamed groups)':<34}{m['staging'] / GiB:>10.2f}",
+        f"{'GPU window (hybrid heads)':<34}{m['gpu_window'] / GiB:>10.2f}",
         f"{f'activations ({plan.prefill_chunk}-token chunk)':<34}{m['activations'] / GiB:>10.2f}",
         f"{'allocator slack':<34}{m['allocator_slack'] / GiB:>10.2f}",
         f"{'batched decode':<34}{m['decode'] / GiB:>10.2f}",

@@ -62,6 +62,7 @@ class BatchPlanner:
                           head_group=host.head_group, host_budget=self.runner.host.budget,
                           what=what, hw=self.hardware, cpu_share=host.hybrid_cpu_share,
                           gpu_window=host.gpu_window, num_seqs=len(seqs),
+                          window_on_gpu=host.window_on_gpu,
                           auto_hybrid=self.config.runtime.on_gpu)  # fmt: skip
         if self.ranks is not None:  # sized for the widest rank; the whole map, with its ranks
             return self.ranks.spread(plan, what)

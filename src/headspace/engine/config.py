@@ -185,6 +185,11 @@ class OffloadConfig:
         "1 = CPU only)"
     )  # fmt: skip
     gpu_window: int = _option(1024, "hybrid: most recent tokens always attended on the GPU")
+    window_on_gpu: bool = _option(
+        True, "hybrid: keep each offloaded head's GPU window in GPU pages, so that a step "
+        "sends only the query and the CPU's result over PCIe (off: stage it from host pages "
+        "every step)"
+    )  # fmt: skip
     cpu_sparsity: float | None = _option(
         None, "hybrid: HGCA's beta; CPU threads attend only the older tokens whose moving "
         "average of attention weights exceeds beta / n, per (layer, kv head) (default: every "

@@ -29,7 +29,13 @@ from headspace.planner.profile import Profile
 from headspace.tiers import HybridSettings, StepInputs, Tier, TierSite, attend_tiers, build_tiers
 from headspace.tiers.base import MIN_WIDTH, CpuTimings, block_table, bucket
 from headspace.tiers.hybrid_sparse import SparseSelector
-from headspace.tiers.layout import head_ranges, host_places, layout_key, staging_slots
+from headspace.tiers.layout import (
+    head_ranges,
+    host_places,
+    layout_key,
+    staging_slots,
+    window_slots,
+)
 
 
 class PagedRunner:
@@ -119,7 +125,7 @@ class PagedRunner:
                         for layer in range(spec.num_layers)]  # fmt: skip
             copies = [] if layout is None else [len(c) for c in layout.copies]
             self.store.layout([r[1] if r else 0 for r in resident] + copies, plan.num_gpu_pages,
-                              staging_slots(plan))  # fmt: skip
+                              staging_slots(plan), window_slots(plan, spec.page_size))  # fmt: skip
             same_map = self._layout is not None and self._layout[0] == key[0]
             pools = PoolLayout(plan.num_gpu_pages, drop_host_cache=not same_map)
         self.plan, self._layout = plan, key

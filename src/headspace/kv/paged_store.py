@@ -25,8 +25,9 @@ class PagedKVStore:
     After :meth:`layout`, ``kv[layer]`` is ``[2, resident_heads, (num_pages + 1) * page_size,
     head_dim]`` (K then V; the last page is the scratch page of padded graph rows) and
     ``staging[i]`` is ``[2, group, (piece_pages + 1) * page_size, head_dim]`` (the last page
-    is the slot's scratch page). Token slot ``page *
-    page_size + offset`` holds the token at ``offset`` of ``page``.
+    is the slot's scratch page); with a GPU window (the hybrid tier's), ``window[layer]``
+    is ``[2, heads, slots, head_dim]``. Token slot ``page * page_size + offset`` holds the
+    token at ``offset`` of ``page``.
     """
 
     def __init__(self, spec: KVSpec, num_bytes: int, *, dtype: torch.dtype,
@@ -35,8 +36,9 @@ class PagedKVStore:
         self.buffer = torch.zeros(num_bytes // dtype.itemsize, dtype=dtype, device=device)
         self.kv: list[torch.Tensor] = []
         self.staging: list[torch.Tensor] = []
+        self.window: list[torch.Tensor] = []
         self.num_pages = 0
-        self._views: dict[tuple, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+        self._views: dict[tuple, tuple[list[torch.Tensor], ...]] = {}
 
     @property
     def page_size(self) -> int:
@@ -47,17 +49,19 @@ class PagedKVStore:
         return self.buffer.nbytes
 
     def layout(self, heads_per_layer: list[int], num_pages: int,
-               staging: tuple[int, int, int] | None = None) -> None:  # fmt: skip
+               staging: tuple[int, int, int] | None = None,
+               window: tuple[int, int, int] | None = None) -> None:  # fmt: skip
         """View the arena as ``num_pages`` (+1 scratch) pages of ``heads_per_layer`` resident
-        heads and ``staging = (depth, group, piece_pages)`` slots after them. The same
-        layout returns the same tensors (CUDA graphs captured over them stay valid)."""
-        key = (tuple(heads_per_layer), num_pages, staging)
+        heads, ``staging = (depth, group, piece_pages)`` slots after them and ``window =
+        (layers, heads, slots)`` after those. The same layout returns the same tensors (CUDA
+        graphs captured over them stay valid)."""
+        key = (tuple(heads_per_layer), num_pages, staging, window)
         if key not in self._views:
-            self._views[key] = self._carve(heads_per_layer, num_pages, staging)
-        self.kv, self.staging = self._views[key]
+            self._views[key] = self._carve(heads_per_layer, num_pages, staging, window)
+        self.kv, self.staging, self.window = self._views[key]
         self.num_pages = num_pages
 
-    def _carve(self, heads_per_layer, num_pages, staging):
+    def _carve(self, heads_per_layer, num_pages, staging, window):
         spec, offset = self.spec, 0
         slots = (num_pages + 1) * spec.page_size
 
@@ -77,7 +81,11 @@ class PagedKVStore:
             depth, group, piece_pages = staging
             slots_staging = [take(2, group, (piece_pages + 1) * spec.page_size, spec.head_dim)
                              for _ in range(depth)]  # fmt: skip
-        return kv, slots_staging
+        window_pages = []
+        if window is not None:
+            layers, heads, window_slots = window
+            window_pages = [take(2, heads, window_slots, spec.head_dim) for _ in range(layers)]
+        return kv, slots_staging, window_pages
 
     def slots(self, pages: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Slots ``[tokens]`` of logical ``positions`` in a sequence whose pages are ``pages``."""

@@ -70,6 +70,7 @@ class PlanRequest:
     sparse_pattern: str = "streaming(4,1024)"  # the others' pattern
     weights: str = "auto"  # decoder layers resident ("gpu"), streamed, or as they fit
     ranks: RankShape | None = None  # head parallelism: plan the widest rank's part
+    window_on_gpu: bool = True  # hybrid: the GPU window's pages kept on the GPU
 
     @property
     def gathers(self) -> bool:
@@ -133,7 +134,8 @@ def make_plan(config: ModelConfig, request: PlanRequest, hw: Hardware | None = N
         plan = plan_batch(spec, arena, spec.pages_for(context),
                           offload=request.offload, head_group=request.head_group,
                           host_budget=request.host_memory, what=what, hw=hw,
-                          cpu_share=request.cpu_share, gpu_window=request.gpu_window)  # fmt: skip
+                          cpu_share=request.cpu_share, gpu_window=request.gpu_window,
+                          window_on_gpu=request.window_on_gpu)  # fmt: skip
         if ranks is None:  # a rank's map gets the patterns where it is spread
             plan.head_map = request.with_patterns(plan.head_map)
     plan.prefill_chunk = chunk
@@ -157,13 +159,15 @@ def _memory_table(spec: KVSpec, split: GpuSplit, plan: Plan, context: int, gathe
     else:
         pool = (plan.num_gpu_pages + 1) * resident_page
         staging = plan.staging.num_bytes if plan.staging else 0
+    window = plan.gpu_window.num_bytes if plan.gpu_window else 0
     host = plan.num_host_pages * spec.full_page_bytes
     working = split.activations + split.allocator_slack + split.decode
     return {
         "weights": split.weights, "gpu_kv": spec.pages_for(context) * resident_page,
-        "gpu_pool": pool, "staging": staging, "activations": split.activations,
-        "allocator_slack": split.allocator_slack, "decode": split.decode,
-        "gathered": gathered, "total_gpu": split.weights + pool + staging + working + gathered,
+        "gpu_pool": pool, "staging": staging, "gpu_window": window,
+        "activations": split.activations, "allocator_slack": split.allocator_slack,
+        "decode": split.decode, "gathered": gathered,
+        "total_gpu": split.weights + pool + staging + window + working + gathered,
         "weights_host": weights_host, "host_kv": host, "total_host": host + weights_host,
     }  # fmt: skip
 

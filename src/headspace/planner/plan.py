@@ -45,6 +45,35 @@ class Staging:
         return self.depth * self.group * (self.piece_pages + 1) * self.entry_page_bytes
 
 
+@dataclass(frozen=True)
+class GpuWindowPages:
+    """The hybrid tier's GPU window kept in GPU pages (HGCA): for each of ``num_layers``
+    layers, ``heads`` kv heads (the most any layer offloads) x ``rows`` sequences x ``pages``
+    pages (the window's, and the one its split at a page boundary adds)."""
+
+    num_layers: int
+    heads: int
+    rows: int
+    pages: int
+    entry_page_bytes: int
+
+    @property
+    def num_bytes(self) -> int:
+        return self.num_layers * self.heads * self.rows * self.pages * self.entry_page_bytes
+
+
+def gpu_window_pages(spec: KVSpec, window: int, num_seqs: int, heads: int,
+                     total_pages: int | None = None) -> GpuWindowPages:  # fmt: skip
+    """GPU pages for the last ``window`` tokens of ``heads`` kv heads a layer and
+    ``num_seqs`` sequences (of at most ``total_pages`` pages each, where given): a
+    sequence's GPU side starts at a page boundary at most ``window`` tokens before its new
+    token, so it spans at most ``ceil(window / page) + 1`` pages."""
+    pages = -(-window // spec.page_size)
+    if total_pages is not None:
+        pages = min(pages, total_pages)
+    return GpuWindowPages(spec.num_layers, heads, num_seqs, pages + 1, spec.entry_page_bytes)
+
+
 @dataclass
 class Plan:
     """The planner's answer; ``memory`` in bytes, predictions in tok/s and ms."""
@@ -61,6 +90,7 @@ class Plan:
     decode_pcie_floor_ms: float = 0.0
     cpu_share: float = 0.0  # hybrid: share of each history before the window on the CPU
     entry_staging: int = 0  # per-entry pages: entry pages of one staging slot
+    gpu_window: GpuWindowPages | None = None  # hybrid: the window kept in GPU pages
     # under torchrun with heads in host pages: the map the planner sized, one rank's heads as
     # wide as the widest rank's layer (``head_map`` is then the whole map, every rank's)
     rank_map: HeadMap | None = None
@@ -81,6 +111,7 @@ class Plan:
             "prefill_tok_s": self.prefill_tok_s, "decode_ms": self.decode_ms,
             "decode_pcie_floor_ms": self.decode_pcie_floor_ms,
             "entry_staging_pages": self.entry_staging,
+            "gpu_window_pages": self.gpu_window.pages if self.gpu_window else 0,
             "head_map_summary": self.head_map.summary(), "head_map": self.head_map.to_dict(),
         }  # fmt: skip
 
@@ -139,9 +170,40 @@ def _hybrid_staging(spec: KVSpec, arena: int, total_pages: int, resident: list[i
 
 def _hybrid_layout(spec: KVSpec, arena: int, total_pages: int, staging: Staging,
                    resident: list[int], share: float, window: int, num_seqs: int,
-                   head_group: int | None) -> tuple[Staging, list[int]]:  # fmt: skip
-    """Staging and resident heads per layer of the hybrid tier (see :func:`_hybrid_staging`;
-    the streamed layout's where its slots do not fit)."""
+                   head_group: int | None, window_on_gpu: bool) -> tuple:  # fmt: skip
+    """Staging, resident heads per layer and GPU window pages (None: staged) of the hybrid
+    tier (see :func:`_hybrid_staging`; the streamed layout's where its slots do not fit).
+    The window's pages hold as many heads as a layer offloads, and leave fewer resident:
+    sized again until that count holds."""
+    sizes = (total_pages, staging, resident, share, window, num_seqs, head_group)
+    staged = _hybrid_slots(spec, arena, *sizes)
+    (staging, resident), heads, pages = staged, 0, None
+    while window_on_gpu:
+        offloaded = max(spec.num_kv_heads - n for n in resident)
+        if pages is not None and offloaded <= heads:  # what they hold suffices
+            return staging, resident, replace(pages, heads=offloaded)
+        heads = offloaded
+        pages = _window_on_gpu(spec, arena, window, num_seqs, total_pages, heads)
+        if pages is None:  # more than the arena can spare
+            break
+        staging, resident = _hybrid_slots(spec, arena - pages.num_bytes, *sizes)
+        if not _holds(spec, arena - pages.num_bytes, staging, resident, total_pages):
+            break  # the streamed layout's fallback was sized without the window's pages
+    return *staged, None
+
+
+def _holds(spec: KVSpec, arena: int, staging: Staging, resident: list[int],
+           total_pages: int) -> bool:  # fmt: skip
+    """Whether ``arena`` holds ``staging`` and the resident entries' ``total_pages`` pages
+    (and the scratch page)."""
+    per_page = sum(resident) * spec.entry_page_bytes
+    return arena - staging.num_bytes >= (total_pages + 1) * per_page
+
+
+def _hybrid_slots(spec: KVSpec, arena: int, total_pages: int, staging: Staging,
+                  resident: list[int], share: float, window: int, num_seqs: int,
+                  head_group: int | None) -> tuple[Staging, list[int]]:  # fmt: skip
+    """Staging and resident heads per layer of the hybrid tier within ``arena``."""
     for _ in range(2):  # twice: its slots may leave fewer heads resident
         slots = _hybrid_staging(spec, arena, total_pages, resident, share, window, num_seqs,
                                 head_group)  # fmt: skip
@@ -152,6 +214,15 @@ def _hybrid_layout(spec: KVSpec, arena: int, total_pages: int, staging: Staging,
     if staging.group > offloaded:  # fewer heads resident than planned: smaller slots suffice
         staging = replace(staging, group=offloaded)
     return staging, resident
+
+
+def _window_on_gpu(spec: KVSpec, arena: int, window: int, num_seqs: int, total_pages: int,
+                   heads: int) -> GpuWindowPages | None:  # fmt: skip
+    """The hybrid tier's GPU window pages for ``heads`` kv heads a layer; None where they
+    would take more than half the arena (as the staging may: the window is then staged from
+    host pages every step)."""
+    pages = gpu_window_pages(spec, window, num_seqs, heads, total_pages)
+    return pages if pages.num_bytes <= arena // STAGING_SHARE else None
 
 
 def _num_resident(spec: KVSpec, arena: int, staging: Staging, total_pages: int,
@@ -208,7 +279,7 @@ def plan_batch(spec: KVSpec, arena: int, total_pages: int, *, offload: str = "au
                head_group: int | None = None, host_budget: int | None = None,
                what: str = "the batch", hw: Hardware | None = None,
                cpu_share: float | None = None, gpu_window: int = 1024, num_seqs: int = 1,
-               auto_hybrid: bool = True) -> Plan:  # fmt: skip
+               auto_hybrid: bool = True, window_on_gpu: bool = False) -> Plan:  # fmt: skip
     """Head map, pool sizes and staging for ``num_seqs`` sequences that may reach
     ``total_pages`` pages in all, within ``arena`` bytes of GPU memory for KV (see
     :func:`split_gpu_budget`).
@@ -218,7 +289,8 @@ def plan_batch(spec: KVSpec, arena: int, total_pages: int, *, offload: str = "au
     host pages (``host_budget`` bytes at most): streamed, or hybrid where asked or, with
     ``auto`` and ``auto_hybrid``, where ``hw``'s rates predict it faster (with the hybrid
     tier's ``cpu_share`` and ``gpu_window``, which size its staging; the share used is in
-    the plan). Raises UserError with the numbers.
+    the plan; ``window_on_gpu``: the window's pages are kept on the GPU, beside the
+    staging, where they take at most half the arena). Raises UserError with the numbers.
     """
     if offload not in OFFLOAD_MODES:
         raise UserError(f"offload must be one of {', '.join(OFFLOAD_MODES)}, got {offload!r}")
@@ -241,21 +313,23 @@ def plan_batch(spec: KVSpec, arena: int, total_pages: int, *, offload: str = "au
         and _hybrid_faster(spec, resident, total_pages, hw, cpu_share)
     )  # fmt: skip
     share = hybrid_share(cpu_share, hw) if hybrid else 0.0
+    window = None
     if hybrid:
-        staging, resident = _hybrid_layout(spec, arena, total_pages, staging, resident, share,
-                                           gpu_window, num_seqs, head_group)  # fmt: skip
+        staging, resident, window = _hybrid_layout(spec, arena, total_pages, staging, resident,
+                                                   share, gpu_window, num_seqs, head_group,
+                                                   window_on_gpu)  # fmt: skip
     head_map = _head_map(spec, resident, staging.group, "hybrid" if hybrid else "stream")
     num_resident = head_map.count("gpu")
-    gpu_pages = (arena - staging.num_bytes) // (num_resident * epb) - 1 if num_resident else 0
+    free = arena - staging.num_bytes - (window.num_bytes if window else 0)
+    gpu_pages = free // (num_resident * epb) - 1 if num_resident else 0
     host_bytes = total_pages * full
     if host_budget is not None and host_bytes > host_budget:
         raise UserError(
             f"{what} needs {host_bytes / GiB:.2f} GiB of host memory for its KV pages, "
             f"more than the {host_budget / GiB:.2f} GiB host budget"
         )
-    return Plan(
-        head_map, "hybrid" if hybrid else mode, gpu_pages, total_pages, staging, 0, cpu_share=share
-    )
+    return Plan(head_map, "hybrid" if hybrid else mode, gpu_pages, total_pages, staging, 0,
+                cpu_share=share, gpu_window=window)  # fmt: skip
 
 
 def step_seconds(config: ModelConfig, plan: Plan, tokens: int, dtype_bytes: int,

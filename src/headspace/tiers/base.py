@@ -181,6 +181,10 @@ class TierCounters:
 
     run_pages: int = 0  # host pages per-entry staging copied by the copy engine, in runs
     kernel_pages: int = 0  # host pages per-entry staging gathered by the page kernel
+    # entry pages (one kv head's page) the stream and hybrid tiers staged at decode, and
+    # their GPU windows' fills (eager steps: a CUDA graph's copies are not counted)
+    staged_entry_pages: int = 0
+    window_fill_pages: int = 0
 
 
 @dataclass

@@ -15,7 +15,8 @@ def layout_key(plan: Plan) -> tuple:
     """What the arena's layout and tiers depend on: each entry's tier and group, the GPU
     page count, the staging slots and the mode (the same key gives the same tensors)."""
     tiers = tuple((e.tier, e.group) for e in plan.head_map.entries)
-    return tiers, plan.num_gpu_pages, plan.staging, plan.offload, plan.entry_staging
+    return tiers, plan.num_gpu_pages, plan.staging, plan.offload, plan.entry_staging, \
+        plan.gpu_window  # fmt: skip
 
 
 def head_ranges(
@@ -46,6 +47,15 @@ def staging_slots(plan: Plan) -> tuple[int, int, int] | None:
     """The staging slots' (depth, group, piece pages) of ``plan``, None when none stream."""
     staging = plan.staging
     return (staging.depth, staging.group, staging.piece_pages) if staging else None
+
+
+def window_slots(plan: Plan, page_size: int) -> tuple[int, int, int] | None:
+    """The hybrid tier's GPU window (layers, heads, token slots) of ``plan``, None when its
+    window is staged."""
+    window = plan.gpu_window
+    if window is None:
+        return None
+    return window.num_layers, window.heads, window.rows * window.pages * page_size
 
 
 def prefill_patterns(plan: Plan, layer: int, kv_heads: Iterable[int],

@@ -56,17 +56,19 @@ def history_pieces(pages: list[int], num_tokens: int, piece_pages: int, page_siz
 
 
 def decode_pieces(step: StepInputs, first_pages: list[int], piece_pages: int, page_size: int,
-                  device: torch.device) -> tuple[list[Piece], bool]:  # fmt: skip
-    """Every sequence's host pages from ``first_pages`` on, concatenated, in runs of one slot;
-    and whether all of it fits one slot, the page of the new token included (the kernel
-    then appends it in staging: *fused*)."""
+                  device: torch.device,
+                  last_pages: list[int] | None = None) -> tuple[list[Piece], bool]:  # fmt: skip
+    """Every sequence's host pages from ``first_pages`` on (up to ``last_pages``, exclusive,
+    where given: the rest is in the GPU window), concatenated, in runs of one slot; and
+    whether all of it fits one slot, the page of the new token included (the kernel then
+    appends it in staging: *fused*; never with ``last_pages``)."""
     positions, host, size = step.positions_list, step.pages["host"], page_size
     staged = [-(-(p + 1) // size) - first for p, first in zip(positions, first_pages, strict=True)]
-    fused = sum(staged) <= piece_pages
+    fused = last_pages is None and sum(staged) <= piece_pages
     lengths = [p + 1 for p in positions] if fused else positions
     flat, owners = [], []  # each page and its (sequence, index in the sequence)
     for row, (pages, length) in enumerate(zip(host, lengths, strict=True)):
-        num_pages = -(-length // size)
+        num_pages = -(-length // size) if last_pages is None else last_pages[row]
         flat += pages[first_pages[row] : num_pages]
         owners += [(row, j) for j in range(first_pages[row], num_pages)]
     pieces = []

@@ -26,11 +26,13 @@ from headspace.tiers.base import (
     HeadRange,
     StepInputs,
     Tier,
+    TierCounters,
     TierSite,
     q_heads,
 )
 from headspace.tiers.hybrid import CpuSplit, cpu_ends, cpu_split
 from headspace.tiers.hybrid_sparse import SparseSelector
+from headspace.tiers.hybrid_window import GpuWindow
 from headspace.tiers.layout import head_ranges
 from headspace.tiers.pieces import MAX_COPY_RUNS, Piece, decode_pieces, history_pieces
 
@@ -42,11 +44,16 @@ class StreamedTier(Tier):
 
     def __init__(self, host: HostKVArena, staging: list[torch.Tensor],
                  groups: list[list[HeadRange]], q_per_kv: int, page_size: int,
-                 backend: str, cpu: CpuSplit | None, sized: tuple[int, int]):  # fmt: skip
+                 backend: str, cpu: CpuSplit | None, sized: tuple[int, int],
+                 window: GpuWindow | None = None,
+                 counters: TierCounters | None = None):  # fmt: skip
         """``sized``: the streamed entries and groups a CUDA graph's step is weighed by
-        (under torchrun the most any rank may stream, so that every rank decides alike)."""
+        (under torchrun the most any rank may stream, so that every rank decides alike);
+        ``window``: the hybrid tier's GPU window kept in GPU pages (None: staged)."""
         self.host, self.staging, self.q_per_kv = host, staging, q_per_kv
         self.cpu = cpu  # the hybrid tier: CPU threads attend the older part of the history
+        self.window, self.window_piece = window, None
+        self.counters = counters or TierCounters()
         self.page_size, self.backend = page_size, backend
         self.groups = groups  # per layer: contiguous kv-head ranges, one per group
         self.num_heads, self.num_groups = sized
@@ -79,9 +86,13 @@ class StreamedTier(Tier):
         groups = [head_ranges(plan, layer, site.own_heads(layer))[1]
                   for layer in range(site.spec.num_layers)]  # fmt: skip
         sized = plan.head_map if plan.rank_map is None else plan.rank_map
+        cpu, window = cpu_split(plan, site, groups), None
+        if cpu is not None and plan.gpu_window is not None:
+            window = GpuWindow.over_groups(site.store.window, groups, plan.gpu_window.pages,
+                                           cpu.gpu_window, site.host)  # fmt: skip
         return cls(site.host, site.store.staging, groups, site.q_per_kv, site.spec.page_size,
-                   site.backend, cpu_split(plan, site, groups),
-                   sized=(sized.num_offloaded, sized.num_offloaded_groups))  # fmt: skip
+                   site.backend, cpu, sized=(sized.num_offloaded, sized.num_offloaded_groups),
+                   window=window, counters=site.counters)  # fmt: skip
 
     @property
     def sparse(self) -> SparseSelector | None:
@@ -91,6 +102,8 @@ class StreamedTier(Tier):
     def forget(self, seq_id: int) -> None:
         if self.sparse is not None:
             self.sparse.forget(seq_id)
+        if self.window is not None:
+            self.window.forget(seq_id)
 
     def _arange(self, n: int, start: int = 0) -> torch.Tensor:
         key = (n, start)
@@ -101,18 +114,23 @@ class StreamedTier(Tier):
     # -- the pass ----------------------------------------------------------------------
     def begin(self, step: StepInputs) -> None:
         self.step = step
-        self.fused = False
+        self.fused, self.window_piece = False, None
         size = self.page_size
         if step.decode:
-            first_pages = [0] * len(step.positions_list)
+            first_pages, last_pages = [0] * len(step.positions_list), None
             if self.cpu is not None:  # tokens 0 .. end-1 of each sequence go to the CPU
                 ends = cpu_ends(step.positions_list, self.cpu.share, self.cpu.gpu_window, size)
                 self.cpu.attention.begin(step.pages["host"], ends)
                 if self.cpu.attention.sparse is not None:
                     self.cpu.attention.sparse.begin(step.seq_ids, step.positions_list, ends)
                 first_pages = [end // size for end in ends]
+            if self.window is not None:  # the rest before the window streams
+                last_pages = self.window.begin(step.seq_ids, step.positions_list,
+                                               step.pages["host"], first_pages)  # fmt: skip
+                self.window_piece = self.window.piece
             self.pieces, self.fused = decode_pieces(step, first_pages, self.piece_pages,
-                                                    self.page_size, self.device)  # fmt: skip
+                                                    self.page_size, self.device,
+                                                    last_pages)  # fmt: skip
             rows = zip(step.pages["host"], step.positions_list, strict=True)
             slots = [pages[pos // size] * size + pos % size for pages, pos in rows]
             self.new_slots = device_ints(slots, self.device)
@@ -167,6 +185,8 @@ class StreamedTier(Tier):
         layer, (lo, hi) = self.order[group]
         piece, slot = self.pieces[piece_index], self.staging[i % self.depth]
         host = self.host.layer(layer)
+        if self.step.decode and piece.count is None:
+            self.counters.staged_entry_pages += piece.pages.numel() * (hi - lo)
         if self.copy_stream is not None and piece.runs and len(piece.runs) <= MAX_COPY_RUNS:
             size = self.page_size
             for first, at, count in piece.runs:
@@ -224,6 +244,8 @@ class StreamedTier(Tier):
             elif self.sparse is not None:  # the prompt's queries, for a first selection
                 self.sparse.observe(self.step.seq_ids[0], layer, q_part,
                                     self.step.start + q.shape[0])  # fmt: skip
+        if self.window_piece is not None:
+            self.counters.window_fill_pages += self.window.fill(layer)
         for kv_range in self.groups[layer]:
             heads = q_heads(kv_range, self.q_per_kv)
             q_part, kv_part = q[:, heads], kv[:, :, slice(*kv_range)]
@@ -289,11 +311,15 @@ class StreamedTier(Tier):
         return out, lse
 
     def _decode(self, group: int, kv_range: HeadRange, q, kv, out):
-        new_kv, target = (kv, out) if self.fused else (None, None)
+        """The group's staged pieces of the history, then its GPU window (hybrid, kept in
+        GPU pages), merged by LSE; the new token is in the one piece that holds it all
+        (*fused*: staged with it), or the window, or attended apart."""
+        window = self.window_piece
+        final = self.fused or (window is not None and not self.pieces)  # one part: ``out``
         tracked = self.sparse is not None and self.sparse.tracks
         scores = []  # sparse mode: each piece's scores of its keys
 
-        def piece_attention(piece: Piece, k, v):
+        def piece_attention(piece: Piece, k, v, new_kv=None, target=None):
             if tracked and piece.slots is None:  # the same for every group
                 piece.slots = paged_token_slots(piece.tables, piece.width, self.page_size)
             if k.is_cuda:
@@ -311,18 +337,29 @@ class StreamedTier(Tier):
                 scores.append(paged_token_scores(q, k, piece.slots))
             return result
 
-        outs, lses = self._history(group, kv_range[1] - kv_range[0], piece_attention)
-        if self.fused:  # one piece held the whole history and the new token: final in ``out``
+        fused = (kv, out) if self.fused else (None, None)
+
+        def staged(piece: Piece, k, v):
+            return piece_attention(piece, k, v, *fused)
+
+        outs, lses = self._history(group, kv_range[1] - kv_range[0], staged)
+        if window is not None:  # the window's keys, the new token appended there
+            k, v = self.window.keys(self.order[group][0], kv_range)
+            result = piece_attention(window, k, v, kv, out if final else None)
+            outs.append(result[0])
+            lses.append(result[1])
+        if final:
             lse = lses[0].transpose(0, 1)
         else:
-            scale = q.shape[-1] ** -0.5  # the new token's own key: softmax over one score
-            k_new = kv[0].repeat_interleave(self.q_per_kv, dim=1).float()
-            outs.append(kv[1].repeat_interleave(self.q_per_kv, dim=1).to(q.dtype))
-            lses.append((q.float() * k_new).sum(-1) * scale)
+            if window is None:  # the new token's own key: softmax over one score
+                scale = q.shape[-1] ** -0.5
+                k_new = kv[0].repeat_interleave(self.q_per_kv, dim=1).float()
+                outs.append(kv[1].repeat_interleave(self.q_per_kv, dim=1).to(q.dtype))
+                lses.append((q.float() * k_new).sum(-1) * scale)
+                scores.append(lses[-1][..., None])  # the new token's score
             merged, lse = merge_attention([o.transpose(0, 1) for o in outs],
                                           [x.transpose(0, 1) for x in lses])  # fmt: skip
             out.copy_(merged.transpose(0, 1))
-            scores.append(lses[-1][..., None])  # the new token's score
         if tracked:
             self._scored.append((kv_range, scores, lse.transpose(0, 1)))
         return out, lse
@@ -334,10 +371,11 @@ class StreamedTier(Tier):
         kv_range = (scored[0][0][0], scored[-1][0][1])
         lse = torch.cat([s[2] for s in scored], dim=1).float()[..., None]  # [seqs, heads, 1]
         tracker = self.cpu.attention.sparse
-        for p, piece in enumerate(self.pieces):
+        pieces = self.pieces + ([self.window_piece] if self.window_piece is not None else [])
+        for p, piece in enumerate(pieces):
             probs = torch.exp(torch.cat([s[1][p] for s in scored], dim=1) - lse)
             tracker.track(layer, kv_range, probs, piece.offsets, piece.lengths)
-        if not self.fused:  # the new token, at its position
+        if not self.fused and self.window_piece is None:  # the new token, at its position
             probs = torch.exp(torch.cat([s[1][-1] for s in scored], dim=1) - lse)
             tracker.track(layer, kv_range, probs, self.step.positions,
                           torch.ones_like(self.step.lengths))  # fmt: skip
