@@ -10,11 +10,12 @@ from collections.abc import Callable
 
 import torch
 
+from headspace.attention.flex import flex_attention_dense
 from headspace.attention.merge import merge_attention
 from headspace.attention.reference import reference_attention
 from headspace.attention.sdpa import sdpa_attention
 
-BACKENDS = {"reference": reference_attention, "sdpa": sdpa_attention}
+BACKENDS = {"reference": reference_attention, "sdpa": sdpa_attention, "flex": flex_attention_dense}
 
 __all__ = ["BACKENDS", "attend", "decode_attend", "merge_attention", "reference_attention"]
 

@@ -39,18 +39,24 @@ def entry_decode(
     new_kv: torch.Tensor | None = None,  # [2, seqs, kv_heads, dim]: the step's new token
     new_index: torch.Tensor | None = None,  # [seqs * kv_heads]: where it goes (length - 1)
     reference: bool = False,
+    flex: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One query token per sequence against each (sequence, kv head) row's own tokens,
     ``new_kv`` stored first at ``new_index`` (a ring row's slot of its oldest window token;
     default the row's last). Returns ``out [seqs, heads, dim]`` (q's dtype) and fp32 ``lse
     [seqs, heads]``; a row with no token gives out 0 and lse -inf. ``reference`` runs the
-    CPU twin."""
+    CPU twin, ``flex`` FlexAttention over the pages (the ``flex`` backend)."""
     num_seqs, num_heads, dim = q.shape
     num_rows = tables.shape[0]
     tables, lengths = tables.contiguous(), lengths.contiguous()  # rows sliced from others
     rows_new = None if new_kv is None else new_kv.reshape(2, num_rows, 1, dim)
     q_rows = entry_rows(q, num_rows).contiguous()
-    if q.is_cuda and not reference:  # the kernel stores the new token (not in empty rows)
+    if flex:
+        from headspace.attention.flex import flex_paged_decode
+
+        out, lse = flex_paged_decode(q_rows, k[None], v[None], tables, lengths, page_size,
+                                     new_kv=rows_new, new_index=new_index)  # fmt: skip
+    elif q.is_cuda and not reference:  # the kernel stores the new token (not in empty rows)
         from headspace.attention.triton_decode import paged_decode_attention
 
         out, lse = paged_decode_attention(q_rows, k[None], v[None], tables, lengths, page_size,

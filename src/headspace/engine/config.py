@@ -86,9 +86,11 @@ class RuntimeConfig:
     dtype: DType | None = _option(
         None, "weights and KV dtype (default: float32 on CPU, bfloat16 on GPU)"
     )
-    attention_backend: Literal["sdpa", "reference"] = _option(
-        "sdpa", "attention kernels: fused (sdpa) or the fp32 reference"
-    )
+    attention_backend: Literal["sdpa", "flex", "reference"] = _option(
+        "sdpa", "attention kernels: fused (sdpa: cuDNN prefill over gathered pages, Triton "
+        "decode), FlexAttention over the pages in place (flex; no CUDA graphs), or the fp32 "
+        "reference"
+    )  # fmt: skip
     cuda_graph: bool = _option(True, "capture the decode step in CUDA graphs (GPU)")
     compile: bool = _option(True, "fuse each layer's elementwise work with torch.compile (GPU)")
     progress: bool = _option(False, "progress bars on long prefills", cli_default=True)

@@ -163,6 +163,8 @@ class PagedRunner:
         twin = self.graphs_class  # a CPU stand-in in tests; None: real graphs, on a GPU only
         if (twin is None and self.device.type != "cuda") or not self.config.runtime.cuda_graph:
             return None
+        if self.config.runtime.attention_backend == "flex":  # its block masks sync the host
+            return None
         if self.plan is None or self.model.layer_source is not None:  # streamed weights
             return None
         if self.layout is not None and not self._graphs_under_ranks:

@@ -235,7 +235,8 @@ class BudgetTier(Tier):
         k, v = self.plane[0], self.plane[1]
         newest = None if self.newest is None else self.newest[layer]
         result, lse = entry_decode(q, k, v, self.tables[layer], self.lengths[layer],
-                                   self.page_size, new_kv=kv, new_index=newest)  # fmt: skip
+                                   self.page_size, new_kv=kv, new_index=newest,
+                                   flex=self.backend == "flex")  # fmt: skip
         out.copy_(result)
         self._results[layer] = (out, lse.transpose(0, 1))
 

@@ -7,6 +7,7 @@ import torch
 from headspace.attention import attend, merge_attention
 from headspace.attention.cpu_decode import cpu_paged_decode
 from headspace.attention.entry_decode import new_token_slots
+from headspace.attention.flex import flex_paged_decode, flex_paged_prefill
 from headspace.attention.paged import gather_pages
 from headspace.attention.sparse_prefill import prefill_with_patterns
 from headspace.kv.paged_store import PagedKVStore
@@ -28,8 +29,10 @@ class ResidentTier(Tier):
     """Entries resident in the GPU pool's pages: at prefill the fused causal kernel over the
     chunk and over the prefix gathered from the pages in pieces; at decode the Triton
     split-K paged kernel (which also appends the new K/V), or the CPU kernel over the pages
-    in place. A layer with ``patterns`` (one per query head of its range, None where
-    all are full) gathers its keys and attends each head by its pattern at prefill."""
+    in place. The ``flex`` backend attends over the pages in place at both (FlexAttention
+    through a block mask of physical pages). A layer with ``patterns`` (one per query head
+    of its range, None where all are full) gathers its keys and attends each head by its
+    pattern at prefill."""
 
     layer_slices = True  # each layer's prefill reads only the step's inputs and its pages
 
@@ -97,6 +100,11 @@ class ResidentTier(Tier):
             out, lse = prefill_with_patterns(q_heads_first, keys[0], keys[1], self.num_keys,
                                              patterns, backend=self.backend)  # fmt: skip
             return out.transpose(0, 1), lse
+        if self.backend == "flex":  # the chunk over its sequence's pages, in place
+            store_kv = self.store.kv[layer]
+            out, lse = flex_paged_prefill(q_heads_first, store_kv[0], store_kv[1], self.pages,
+                                          self.step.start, self.page_size)  # fmt: skip
+            return out.transpose(0, 1), lse
         k, v = kv[0].transpose(0, 1), kv[1].transpose(0, 1)
         out, lse = attend(q_heads_first, k, v, causal=True, backend=self.backend)
         if self.step.start > 0:
@@ -122,6 +130,11 @@ class ResidentTier(Tier):
 
     def _decode(self, layer: int, q, kv, out):
         store_kv, step = self.store.kv[layer], self.step
+        if self.backend == "flex":  # it stores the new K/V itself too
+            _, lse = flex_paged_decode(q, store_kv[0], store_kv[1], step.tables["gpu"],
+                                       step.lengths, self.page_size, new_kv=kv,
+                                       out=out)  # fmt: skip
+            return out, lse.transpose(0, 1)
         if self.on_gpu:  # the kernel appends the new K/V itself
             from headspace.attention.triton_decode import paged_decode_attention
 

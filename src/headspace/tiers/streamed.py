@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from headspace.attention import attend, merge_attention
+from headspace.attention.flex import flex_paged_decode
 from headspace.attention.paged import (
     paged_decode_reference,
     paged_token_scores,
@@ -322,7 +323,10 @@ class StreamedTier(Tier):
         def piece_attention(piece: Piece, k, v, new_kv=None, target=None):
             if tracked and piece.slots is None:  # the same for every group
                 piece.slots = paged_token_slots(piece.tables, piece.width, self.page_size)
-            if k.is_cuda:
+            if self.backend == "flex":
+                result = flex_paged_decode(q, k, v, piece.tables, piece.lengths,
+                                           self.page_size, new_kv=new_kv, out=target)  # fmt: skip
+            elif k.is_cuda:
                 from headspace.attention.triton_decode import paged_decode_attention
 
                 size = self.page_size

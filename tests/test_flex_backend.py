@@ -1,0 +1,111 @@
+"""The ``flex`` attention backend: FlexAttention over pages in place (a prefill chunk over its
+sequence's pages, a decode step over each sequence's), equal to the fp32 reference alone and
+to the reference backend through the engine in every tier mode."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from headspace import SamplingParams
+from headspace.attention import attend, reference_attention
+from headspace.attention.entry_decode import entry_decode
+from headspace.attention.flex import flex_paged_decode, flex_paged_prefill
+from headspace.attention.paged import paged_decode_reference
+from test_hybrid import decode_logits
+from test_offload import _prompts, make
+from test_streaming_heads import _profile
+
+FP32 = 1e-5
+
+
+@settings(max_examples=20, deadline=None)
+@given(num_q=st.integers(1, 40), extra=st.integers(0, 60), causal=st.booleans())
+def test_dense_flex_equals_the_reference(num_q, extra, causal):
+    generator = torch.Generator().manual_seed(num_q * 100 + extra)
+    q = torch.randn(4, num_q, 16, generator=generator)
+    k, v = torch.randn(2, 2, num_q + extra, 16, generator=generator)
+    out, lse = attend(q, k, v, causal=causal, backend="flex")
+    ref_out, ref_lse = attend(q, k, v, causal=causal, backend="reference")
+    assert (out - ref_out).abs().max() < FP32 and (lse - ref_lse).abs().max() < FP32
+
+
+def test_paged_decode_stores_the_new_token_and_equals_the_reference():
+    generator = torch.Generator().manual_seed(0)
+    pool = torch.randn(2, 2, 12 * 8, 16, generator=generator)
+    tables = torch.tensor([[3, 1, 7, 0], [5, 2, 0, 0], [4, 0, 0, 0]], dtype=torch.int32)
+    lengths = torch.tensor([20, 9, 1])
+    q, new = torch.randn(3, 4, 16, generator=generator), torch.randn(2, 3, 2, 16)
+    ours, theirs = pool.clone(), pool.clone()
+    out, lse = flex_paged_decode(q, ours[0], ours[1], tables, lengths, 8, new_kv=new)
+    ref_out, ref_lse = paged_decode_reference(q, theirs[0], theirs[1], tables,
+                                              lengths.tolist(), 8, new_kv=new)  # fmt: skip
+    assert torch.equal(ours, theirs)  # the new tokens at positions 19, 8 and 0
+    assert (out - ref_out).abs().max() < FP32 and (lse - ref_lse).abs().max() < FP32
+
+
+def test_entry_rows_with_a_ring_index_and_no_token_equal_the_reference():
+    generator = torch.Generator().manual_seed(1)
+    plane = torch.randn(2, 10 * 4, 8, generator=generator)
+    tables = torch.tensor([[2, 5, 0], [7, 0, 0], [1, 3, 9], [0, 0, 0]], dtype=torch.int32)
+    lengths = torch.tensor([6, 3, 10, 0], dtype=torch.int32)  # the last row holds nothing
+    ring = torch.tensor([2, 2, 9, 0])  # the first row's new token overwrites position 2
+    q, new = torch.randn(2, 4, 8, generator=generator), torch.randn(2, 2, 2, 8)
+    ours, theirs = plane.clone(), plane.clone()
+    out, lse = entry_decode(q, ours[0], ours[1], tables, lengths, 4, new_kv=new,
+                            new_index=ring, flex=True)  # fmt: skip
+    ref_out, ref_lse = entry_decode(q, theirs[0], theirs[1], tables, lengths, 4, new_kv=new,
+                                    new_index=ring, reference=True)  # fmt: skip
+    assert torch.equal(ours, theirs)
+    assert (out - ref_out).abs().max() < FP32
+    assert torch.equal(lse.isinf(), ref_lse.isinf())  # the empty row: lse -inf
+    assert (lse - ref_lse)[~lse.isinf()].abs().max() < FP32
+
+
+def test_paged_prefill_over_prefix_pages_equals_the_reference():
+    generator = torch.Generator().manual_seed(2)
+    pool = torch.randn(2, 2, 10 * 8, 16, generator=generator)
+    pages = torch.tensor([3, 1, 7])  # positions 0..23; a chunk of 9 from position 10
+    q = torch.randn(4, 9, 16, generator=generator)
+    out, lse = flex_paged_prefill(q, pool[0], pool[1], pages, 10, 8)
+    slots = (pages[:, None] * 8 + torch.arange(8)).flatten()[:19]
+    ref_out, ref_lse = reference_attention(q, pool[0][:, slots], pool[1][:, slots], causal=True)
+    assert (out - ref_out).abs().max() < FP32 and (lse - ref_lse).abs().max() < FP32
+
+
+def _both(checkpoint, **options):
+    return (make(checkpoint, attention_backend="flex", **options),
+            make(checkpoint, attention_backend="reference", **options))  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {},  # resident
+        {"arena": 60 * 1024, "offload": "head"},  # streamed from host pages
+        {"arena": 60 * 1024, "offload": "hybrid", "cpu_share": 0.5, "gpu_window": 16},
+        {"kv_budget": 0.5, "kv_policy": "ada_snapkv"},  # per-entry pages
+    ],
+)
+def test_every_tier_mode_equals_the_reference_backend(tiny_llama, options):
+    prompt = _prompts([150], seed=7)[0]
+    flex, reference = _both(tiny_llama, **options)
+    gap = decode_logits(flex, prompt, 24) - decode_logits(reference, prompt, 24)
+    assert gap.abs().max().item() < 1e-4  # every decode step's logits, fp32
+
+
+def test_patterns_and_batches_with_a_shared_prefix_equal_the_reference(tiny_llama, tmp_path):
+    exact = make(tiny_llama)
+    profile = _profile(tmp_path / "p.json", exact)
+    flex, reference = _both(tiny_llama, profile=profile, retrieval_heads=0.5,
+                            sparse_pattern="streaming(4,24)")  # fmt: skip
+    prefix = _prompts([90], seed=8)[0]
+    prompts = [prefix + tail for tail in _prompts([20, 35, 5], seed=9)]  # pages shared
+    params = SamplingParams(max_new_tokens=24, ignore_eos=True)
+    ours = [o.token_ids for o in flex.generate(prompts, params)]
+    assert ours == [o.token_ids for o in reference.generate(prompts, params)]
+    assert ours == [flex.generate(p, params)[0].token_ids for p in prompts]  # one at a time
+    gap = decode_logits(flex, prompts[1], 24) - decode_logits(reference, prompts[1], 24)
+    assert gap.abs().max().item() < 1e-4
