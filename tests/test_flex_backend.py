@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from headspace import SamplingParams
 from headspace.attention import attend, reference_attention
 from headspace.attention.entry_decode import entry_decode
-from headspace.attention.flex import flex_paged_decode, flex_paged_prefill
+from headspace.attention.flex import chunk_block_mask, flex_paged_decode, flex_paged_prefill
 from headspace.attention.paged import paged_decode_reference
 from test_hybrid import decode_logits
 from test_offload import _prompts, make
@@ -69,10 +69,28 @@ def test_paged_prefill_over_prefix_pages_equals_the_reference():
     pool = torch.randn(2, 2, 10 * 8, 16, generator=generator)
     pages = torch.tensor([3, 1, 7])  # positions 0..23; a chunk of 9 from position 10
     q = torch.randn(4, 9, 16, generator=generator)
-    out, lse = flex_paged_prefill(q, pool[0], pool[1], pages, 10, 8)
+    mask = chunk_block_mask(pages, 10, 9, pool.shape[2], 8)
+    out, lse = flex_paged_prefill(q, pool[0], pool[1], mask)
     slots = (pages[:, None] * 8 + torch.arange(8)).flatten()[:19]
     ref_out, ref_lse = reference_attention(q, pool[0][:, slots], pool[1][:, slots], causal=True)
     assert (out - ref_out).abs().max() < FP32 and (lse - ref_lse).abs().max() < FP32
+
+
+@settings(max_examples=25, deadline=None)
+@given(start=st.integers(0, 300), num_q=st.integers(1, 300), page=st.sampled_from([8, 16, 64]))
+def test_a_chunks_block_mask_covers_its_causal_pairs_over_any_pages(start, num_q, page):
+    """Query blocks of 128 over pages of any size, chunks across page and block boundaries;
+    the pages in a shuffled order, a spare page in the pool."""
+    generator = torch.Generator().manual_seed(start * 1000 + num_q)
+    num_pages = -(-(start + num_q) // page)
+    order = torch.randperm(num_pages + 2, generator=generator)[:num_pages]
+    pool = torch.randn(2, 2, (num_pages + 2) * page, 16, generator=generator)
+    q = torch.randn(4, num_q, 16, generator=generator)
+    mask = chunk_block_mask(order, start, num_q, pool.shape[2], page)
+    out, lse = flex_paged_prefill(q, pool[0], pool[1], mask)
+    slots = (order[:, None] * page + torch.arange(page)).flatten()[: start + num_q]
+    ref_out, ref_lse = reference_attention(q, pool[0][:, slots], pool[1][:, slots], causal=True)
+    assert (out - ref_out).abs().max() < 1e-4 and (lse - ref_lse).abs().max() < 1e-4
 
 
 def _both(checkpoint, **options):

@@ -130,6 +130,17 @@ def test_rings_fill_once_and_rows_pass_to_new_sequences():
     assert window.piece is None and 7 not in window.held
 
 
+def test_a_span_wider_than_the_rings_stages_the_window():
+    """Rings sized for a short context (3 pages) and a window of 8 pages: a longer
+    sequence's window would wrap onto itself, so the step stages it."""
+    window = _window(rows=1, ring_pages=3)
+    window.window = 32
+    host_pages = [list(range(10))]
+    assert window.begin([1], [9], host_pages, [0]) == [0]  # pages 0..2: they fit
+    assert window.begin([1], [12], host_pages, [0]) is None  # pages 0..3 would not
+    assert window.piece is None and 1 not in window.held
+
+
 def test_a_window_longer_than_the_history_holds_all_of_it():
     window = _window(rows=1, ring_pages=3)  # a window of 8 tokens: at most 3 pages
     host_pages = [list(range(10))]

@@ -258,6 +258,10 @@ def test_cli_generate_under_torchrun(tiny_llama):
     assert bad.returncode != 0
     errors = [line for line in bad.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "replicas must be an integer >= 0" in errors[0]
+    flex = torchrun(2, "-m", "headspace.cli", "generate", *args, "--attention-backend", "flex")
+    errors = [line for line in flex.stderr.splitlines() if line.startswith("error:")]
+    assert flex.returncode != 0 and len(errors) == 1, flex.stderr[-2000:]
+    assert "flex does not run over several GPUs" in errors[0]
 
 
 def _map(num_layers: int, ranks: list[list[tuple[int, ...]]]) -> HeadMap:

@@ -16,7 +16,7 @@ import functools
 import torch
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask
 
-from headspace.attention.paged import flex_paged_attention, physical_block_mask
+from headspace.attention.paged import Q_BLOCK, flex_paged_attention, physical_block_mask
 
 
 @functools.lru_cache(maxsize=64)  # a few shapes a run: chunks, pieces, steps
@@ -50,22 +50,70 @@ def flex_attention_dense(
     return out[0], lse[0].float()
 
 
+def chunk_block_mask(
+    pages: torch.Tensor,  # [pages] int, one sequence's pages in logical order
+    start: int,  # the chunk's first position
+    num_queries: int,  # the chunk's tokens
+    num_slots: int,  # pages in the pool times page size
+    page_size: int,
+) -> BlockMask:
+    """The BlockMask of a prefill chunk's causal attention over its sequence's pages (the
+    prefix and itself), built from block indices directly (no dense mask is evaluated:
+    cheap at any length, and the same for every layer of the chunk). Query block ``i``
+    (positions ``start + 128 i ..``) takes every page before its first position as full and
+    the pages up to its last position as masked by position."""
+    device = pages.device
+    num_q_blocks, num_pages = -(-num_queries // Q_BLOCK), num_slots // page_size
+    first = start + torch.arange(num_q_blocks, device=device) * Q_BLOCK  # [q blocks]
+    last = torch.clamp(first + Q_BLOCK, max=start + num_queries) - 1
+    num_full = (first + 1) // page_size  # pages wholly before the block's first query
+    num_partial = last // page_size + 1 - num_full
+    used = -(-(start + num_queries) // page_size)
+    padded = torch.zeros(num_pages, dtype=torch.int32, device=device)
+    padded[:used] = pages[:used].to(torch.int32)
+    columns = torch.arange(num_pages, device=device)
+    full_indices = padded.expand(num_q_blocks, -1)[None, None]  # [1, 1, q blocks, pages]
+    shifted = (num_full[:, None] + columns).clamp(max=num_pages - 1)
+    indices = padded[shifted][None, None]
+    logical_page = torch.full((num_pages,), -1, dtype=torch.long, device=device)
+    logical_page[pages[:used].long()] = torch.arange(used, device=device)
+    start_t = torch.tensor(start, device=device)  # a tensor: no recompile per chunk
+
+    def causal_pages(b, h, q_idx, slot):  # exact everywhere; blocks only skip work
+        page = logical_page[slot // page_size]
+        return (page >= 0) & (page * page_size + slot % page_size <= start_t + q_idx)
+
+    def counts(n: torch.Tensor) -> torch.Tensor:
+        return n.to(torch.int32)[None, None]  # [1, 1, q blocks]
+
+    return BlockMask.from_kv_blocks(
+        counts(num_partial), indices, counts(num_full), full_indices,
+        BLOCK_SIZE=(Q_BLOCK, page_size), mask_mod=causal_pages,
+        seq_lengths=(num_queries, num_slots),
+    )  # fmt: skip
+
+
 def flex_paged_prefill(
-    q: torch.Tensor,  # [heads, tokens, dim]: a chunk's queries, positions start .. start + n - 1
+    q: torch.Tensor,  # [heads, tokens, dim]: a chunk's queries
     k: torch.Tensor,  # [kv_heads, slots, dim]: the pool, the chunk's own K/V already stored
     v: torch.Tensor,
-    pages: torch.Tensor,  # [pages] the sequence's pages in logical order
-    start: int,
-    page_size: int,
+    block_mask: BlockMask,  # :func:`chunk_block_mask` of the chunk
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """A prefill chunk's causal attention over its sequence's pages (the prefix and itself):
     ``out [heads, tokens, dim]`` and ``lse [heads, tokens]``."""
-    device, num_q = q.device, q.shape[1]
-    as_one = torch.tensor([start], device=device), torch.tensor([num_q], device=device)
-    mask = physical_block_mask(pages[None].int(), as_one[0], as_one[1], as_one[0] + num_q,
-                               num_q, k.shape[1], page_size)  # fmt: skip
-    out, lse = flex_paged_attention(q[None], k, v, mask)
+    out, lse = flex_paged_attention(q[None], k, v, block_mask)
     return out[0], lse[0].float()
+
+
+def decode_block_mask(block_tables: torch.Tensor, lengths: torch.Tensor, num_slots: int,
+                      page_size: int) -> BlockMask:  # fmt: skip
+    """The BlockMask of a decode step: one query per sequence over its ``lengths`` keys in
+    the pages of ``block_tables [seqs, width]`` (no wider than the ``num_slots`` pool's
+    pages), the same for every layer whose pages these tables address."""
+    lengths = lengths.long()
+    tables = block_tables[:, : num_slots // page_size].int()
+    return physical_block_mask(tables, lengths - 1, torch.ones_like(lengths), lengths, 1,
+                               num_slots, page_size)  # fmt: skip
 
 
 def flex_paged_decode(
@@ -79,6 +127,7 @@ def flex_paged_decode(
     new_kv: torch.Tensor | None = None,  # [2, seqs, kv_heads, dim], stored at length - 1
     new_index: torch.Tensor | None = None,  # [seqs]: where new_kv goes instead (a ring's)
     out: torch.Tensor | None = None,
+    block_mask: BlockMask | None = None,  # :func:`decode_block_mask` of these tables, if built
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The ``flex`` twin of ``paged_decode_attention``: stores ``new_kv``, then attends
     each sequence's ``lengths`` keys through its pages: ``out [seqs, heads, dim]`` (into
@@ -92,10 +141,9 @@ def flex_paged_decode(
         position = index[rows]
         slots = tables[rows, position // page_size].long() * page_size + position % page_size
         k[:, slots], v[:, slots] = new_kv[0, rows].transpose(0, 1), new_kv[1, rows].transpose(0, 1)
-    ones = torch.ones_like(lengths)
-    mask = physical_block_mask(tables.int(), lengths - 1, ones, lengths, 1, k.shape[1],
-                               page_size)  # fmt: skip
-    result, lse = flex_paged_attention(q[:, :, None], k, v, mask)
+    if block_mask is None:
+        block_mask = decode_block_mask(tables, lengths, k.shape[1], page_size)
+    result, lse = flex_paged_attention(q[:, :, None], k, v, block_mask)
     result, lse = result[:, :, 0], lse[:, :, 0].float()
     if out is not None:
         out.copy_(result)

@@ -52,6 +52,9 @@ class PagedRunner:
         DecodeGraphs (tests' CPU twin), ``prefix_piece``: prefix tokens a chunk gathers at a
         time (a test's small pieces), ``cpu_timings``: the hybrid tier's CPU side's record
         (a benchmark's); all but ``blocks`` :class:`EngineHooks`."""
+        if layout is not None and config.runtime.attention_backend == "flex":
+            raise UserError("attention_backend flex does not run over several GPUs yet (copied "
+                            "heads decode through their own kernels); use sdpa")  # fmt: skip
         self.model, self.config, self.spec, self.host = model, config, spec, host
         self.graphs_class = graphs_class
         # each layer's attention calls this when set: ``hook(layer, q, kv) -> out`` (a

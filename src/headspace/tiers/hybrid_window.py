@@ -10,8 +10,10 @@ than the ring. The decode kernel appends each new token in the ring (as it does 
 slot) and the tier writes it to host pages as before; a page that leaves the window is
 simply no longer read, its host copy already there. A sequence's ring is filled from host
 pages once, at its first decode step (or whenever its length is not the one its ring was
-left at: a prompt continued, a step that raised); a sequence without a free row, where
-rows held by sequences outside the step cannot be taken, has its window staged instead.
+left at: a prompt continued, a step that raised). A step whose sequences find no free row
+(rows held by sequences outside the step are taken first), or whose window spans more pages
+than the rings hold (a window wider than the context the plan was sized for, and a longer
+request joined), has its window staged instead.
 """
 
 from __future__ import annotations
@@ -73,6 +75,10 @@ class GpuWindow:
         size, ring = self.page_size, self.ring_pages
         firsts = [max(cpu, max(n - self.window, 0) // size) for n, cpu in
                   zip(lengths, cpu_pages, strict=True)]  # fmt: skip
+        if any(n // size - first + 1 > ring for n, first in zip(lengths, firsts, strict=True)):
+            for seq_id in seq_ids:  # a sequence longer than the plan sized the rings for
+                self.held.pop(seq_id, None)
+            return None
         fill_host, fill_ring, tables = [], [], []
         for seq_id, n, first, pages in zip(seq_ids, lengths, firsts, host_pages, strict=True):
             base = self.row_of[seq_id] * ring

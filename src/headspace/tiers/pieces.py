@@ -29,6 +29,7 @@ class Piece:
     offsets: torch.Tensor | None = None  # at decode: each sequence's first position in it
     width: int = 0  # at decode: the most keys of one sequence in it
     slots: torch.Tensor | None = None  # sparse hybrid: staging slots of its keys [seqs, width]
+    block_mask: object = None  # the flex backend's mask of its decode, built at first use
 
 
 def page_runs(pages: list[int]) -> list[tuple[int, int, int]]:

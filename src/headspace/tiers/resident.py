@@ -7,7 +7,12 @@ import torch
 from headspace.attention import attend, merge_attention
 from headspace.attention.cpu_decode import cpu_paged_decode
 from headspace.attention.entry_decode import new_token_slots
-from headspace.attention.flex import flex_paged_decode, flex_paged_prefill
+from headspace.attention.flex import (
+    chunk_block_mask,
+    decode_block_mask,
+    flex_paged_decode,
+    flex_paged_prefill,
+)
 from headspace.attention.paged import gather_pages
 from headspace.attention.sparse_prefill import prefill_with_patterns
 from headspace.kv.paged_store import PagedKVStore
@@ -64,10 +69,18 @@ class ResidentTier(Tier):
         device = self.store.buffer.device
         if not step.decode:
             self.pages, self.slots = chunk_slots(self.store, step)
+            if self.backend == "flex":  # one mask for every layer of the chunk
+                slots = self.store.kv[0].shape[2]
+                self.chunk_mask = chunk_block_mask(self.pages, step.start, len(step.positions),
+                                                   slots, self.page_size)  # fmt: skip
             if any(self.patterns):
                 self.num_keys = step.start + len(step.positions)
                 positions = padded_positions(self.num_keys, device)
                 self.key_slots = self.store.slots(self.pages, positions)
+        elif self.backend == "flex" and "gpu" in step.tables:  # one mask for every layer
+            slots = self.store.kv[0].shape[2]
+            self.step_mask = decode_block_mask(step.tables["gpu"], step.lengths, slots,
+                                               self.page_size)  # fmt: skip
         elif not self.on_gpu and "gpu" in step.tables:  # the CPU kernel's inputs, per step
             self.ends = step.lengths.to(torch.int32)
             self.table = step.tables["gpu"].to(torch.int32).contiguous()  # (graphs': int64)
@@ -102,8 +115,8 @@ class ResidentTier(Tier):
             return out.transpose(0, 1), lse
         if self.backend == "flex":  # the chunk over its sequence's pages, in place
             store_kv = self.store.kv[layer]
-            out, lse = flex_paged_prefill(q_heads_first, store_kv[0], store_kv[1], self.pages,
-                                          self.step.start, self.page_size)  # fmt: skip
+            out, lse = flex_paged_prefill(q_heads_first, store_kv[0], store_kv[1],
+                                          self.chunk_mask)  # fmt: skip
             return out.transpose(0, 1), lse
         k, v = kv[0].transpose(0, 1), kv[1].transpose(0, 1)
         out, lse = attend(q_heads_first, k, v, causal=True, backend=self.backend)
@@ -132,8 +145,8 @@ class ResidentTier(Tier):
         store_kv, step = self.store.kv[layer], self.step
         if self.backend == "flex":  # it stores the new K/V itself too
             _, lse = flex_paged_decode(q, store_kv[0], store_kv[1], step.tables["gpu"],
-                                       step.lengths, self.page_size, new_kv=kv,
-                                       out=out)  # fmt: skip
+                                       step.lengths, self.page_size, new_kv=kv, out=out,
+                                       block_mask=self.step_mask)  # fmt: skip
             return out, lse.transpose(0, 1)
         if self.on_gpu:  # the kernel appends the new K/V itself
             from headspace.attention.triton_decode import paged_decode_attention

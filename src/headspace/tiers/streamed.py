@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from headspace.attention import attend, merge_attention
-from headspace.attention.flex import flex_paged_decode
+from headspace.attention.flex import decode_block_mask, flex_paged_decode
 from headspace.attention.paged import (
     paged_decode_reference,
     paged_token_scores,
@@ -323,9 +323,13 @@ class StreamedTier(Tier):
         def piece_attention(piece: Piece, k, v, new_kv=None, target=None):
             if tracked and piece.slots is None:  # the same for every group
                 piece.slots = paged_token_slots(piece.tables, piece.width, self.page_size)
-            if self.backend == "flex":
+            if self.backend == "flex":  # one mask per piece, for every group and layer
+                if piece.block_mask is None:
+                    piece.block_mask = decode_block_mask(piece.tables, piece.lengths,
+                                                         k.shape[1], self.page_size)  # fmt: skip
                 result = flex_paged_decode(q, k, v, piece.tables, piece.lengths,
-                                           self.page_size, new_kv=new_kv, out=target)  # fmt: skip
+                                           self.page_size, new_kv=new_kv, out=target,
+                                           block_mask=piece.block_mask)  # fmt: skip
             elif k.is_cuda:
                 from headspace.attention.triton_decode import paged_decode_attention
 
