@@ -16,6 +16,7 @@ import functools
 import torch
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask
 
+from headspace.attention.entry_decode import new_token_slots
 from headspace.attention.paged import Q_BLOCK, flex_paged_attention, physical_block_mask
 
 
@@ -137,9 +138,8 @@ def flex_paged_decode(
     tables = block_tables.to(q.device)[:, : k.shape[1] // page_size]  # no wider than the pages
     if new_kv is not None:  # a sequence of length 0 stores nothing
         rows = torch.nonzero(lengths > 0)[:, 0]
-        index = lengths - 1 if new_index is None else new_index.to(q.device).long()
-        position = index[rows]
-        slots = tables[rows, position // page_size].long() * page_size + position % page_size
+        index = lengths - 1 if new_index is None else new_index.to(q.device)
+        slots = new_token_slots(tables[rows], index[rows], page_size)
         k[:, slots], v[:, slots] = new_kv[0, rows].transpose(0, 1), new_kv[1, rows].transpose(0, 1)
     if block_mask is None:
         block_mask = decode_block_mask(tables, lengths, k.shape[1], page_size)

@@ -22,7 +22,7 @@ import torch
 
 from headspace.kv.host_store import HostKVArena
 from headspace.kv.transfer import as_heads, copy_pages, device_ints
-from headspace.tiers.base import MIN_WIDTH, HeadRange, bucket
+from headspace.tiers.base import MIN_WIDTH, HeadRange, block_table, bucket
 from headspace.tiers.pieces import Piece
 
 
@@ -68,16 +68,13 @@ class GpuWindow:
         pages between stream), or None when a sequence finds no row (the window is staged
         this step). Plans the rings' fills and builds :attr:`piece`."""
         self.piece, self._fills = None, None
-        if not self._assign(seq_ids):
-            for seq_id in seq_ids:  # their rings miss this step's token
-                self.held.pop(seq_id, None)
-            return None
         size, ring = self.page_size, self.ring_pages
         firsts = [max(cpu, max(n - self.window, 0) // size) for n, cpu in
                   zip(lengths, cpu_pages, strict=True)]  # fmt: skip
-        if any(n // size - first + 1 > ring for n, first in zip(lengths, firsts, strict=True)):
-            for seq_id in seq_ids:  # a sequence longer than the plan sized the rings for
-                self.held.pop(seq_id, None)
+        spans = (n // size - first + 1 for n, first in zip(lengths, firsts, strict=True))
+        if max(spans) > ring or not self._assign(seq_ids):  # a sequence longer than the
+            for seq_id in seq_ids:  # rings were sized for, or no row: staged, and their
+                self.held.pop(seq_id, None)  # rings miss this step's token
             return None
         fill_host, fill_ring, tables = [], [], []
         for seq_id, n, first, pages in zip(seq_ids, lengths, firsts, host_pages, strict=True):
@@ -115,10 +112,7 @@ class GpuWindow:
         """The step's window as a piece: ring ``tables``, each sequence's keys from page
         ``firsts`` on, its new token included."""
         size = self.page_size
-        table = torch.zeros(len(tables), bucket(max(map(len, tables)), MIN_WIDTH),
-                            dtype=torch.int32)  # fmt: skip
-        for row, pages in enumerate(tables):
-            table[row, : len(pages)] = torch.tensor(pages, dtype=torch.int32)
+        table = block_table(tables, bucket(max(map(len, tables)), MIN_WIDTH))
         keys = [n + 1 - first * size for n, first in zip(lengths, firsts, strict=True)]
         keys_on, offsets_on = device_ints([keys, [f * size for f in firsts]], self.device)
         return Piece(torch.empty(0, dtype=torch.int32), 0, device_ints(table, self.device,
