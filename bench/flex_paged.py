@@ -10,8 +10,9 @@ block mask, built once per chunk for every layer, timed apart),
 ``flex_contiguous`` (the same attention over contiguous K/V: the paper's baseline) and
 ``cudnn_gather`` (the default: the chunk's causal block by cuDNN, the prefix gathered from
 the pages in 32K pieces, attended by cuDNN, merged by LSE); and a decode step of ``--batch``
-sequences by ``flex_paged``, ``flex_contiguous`` (each sequence's contiguous K/V) and
-``triton`` (the default split-K kernel over the pages). Times are medians of CUDA-event
+sequences by ``flex_paged``, ``flex_contiguous`` (one call over the batch's contiguous K/V) and
+``triton`` (the default split-K kernel over the pages); the decode block mask, built once
+per step for every layer, timed apart. Times are medians of CUDA-event
 timings after a warm-up (which compiles). ``flex_paged_vs_contiguous``: the paper's overhead
 of paging, time over time (target within 1.10 at prefill). Writes
 ``flex_paged_<gpu>_<date>.json`` (to $OUT when set).
@@ -24,12 +25,14 @@ import sys
 from pathlib import Path
 
 import torch
+from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
 sys.path.insert(0, str(Path(__file__).parent))
 from common import cuda_time, environment, gpu_tag, write_result  # noqa: E402
 from headspace.attention import attend, merge_attention  # noqa: E402
 from headspace.attention.flex import (  # noqa: E402
     chunk_block_mask,
+    decode_block_mask,
     flex_attention_dense,
     flex_paged_decode,
     flex_paged_prefill,
@@ -40,6 +43,7 @@ from headspace.attention.triton_decode import paged_decode_attention  # noqa: E4
 K = 1024
 HEADS, KV_HEADS, DIM, PAGE, CHUNK, PIECE = 32, 8, 128, 128, 8 * K, 32 * K
 DTYPE = torch.bfloat16
+COMPILED_FLEX = torch.compile(flex_attention, dynamic=False)
 
 
 def pool_of(num_pages: int) -> torch.Tensor:
@@ -91,19 +95,28 @@ def decode_row(length: int, batch: int) -> dict:
     lengths = torch.full((batch,), length, device="cuda", dtype=torch.int32)
     q = torch.randn(batch, HEADS, DIM, device="cuda", dtype=DTYPE)
     contiguous = [gather_pages(pool, tables[b], length, PAGE) for b in range(batch)]
+    k, v = (torch.stack([kv[i] for kv in contiguous]) for i in (0, 1))  # [batch, kv_heads, ..]
+    del contiguous
+    every_key = create_block_mask(lambda b, h, q_idx, kv_idx: kv_idx >= 0, batch, None, 1,
+                                  length, device="cuda")  # fmt: skip
+    mask = decode_block_mask(tables, lengths, pool.shape[2], PAGE)  # once a step, all layers
 
-    def flex_contiguous():
-        return [flex_attention_dense(q[b][:, None], k, v) for b, (k, v) in enumerate(contiguous)]
+    def flex_contiguous():  # one call over the batch's contiguous K/V
+        return COMPILED_FLEX(q[:, :, None], k, v, block_mask=every_key, enable_gqa=True)
 
     def flex_paged():
-        return flex_paged_decode(q, pool[0], pool[1], tables, lengths, PAGE)
+        return flex_paged_decode(q, pool[0], pool[1], tables, lengths, PAGE, block_mask=mask)
 
     def triton():
         return paged_decode_attention(q, pool[0], pool[1], tables, lengths, PAGE)
 
+    def mask_build():
+        return decode_block_mask(tables, lengths, pool.shape[2], PAGE)
+
     return {"flex_paged": 1000 * cuda_time(flex_paged),
             "flex_contiguous": 1000 * cuda_time(flex_contiguous),
-            "triton": 1000 * cuda_time(triton)}  # fmt: skip
+            "triton": 1000 * cuda_time(triton),
+            "flex_paged_mask_build": 1000 * cuda_time(mask_build)}  # fmt: skip
 
 
 def main() -> None:
@@ -129,14 +142,15 @@ def main() -> None:
     }  # fmt: skip
     write_result(f"flex_paged_{gpu_tag(env)}_{env['date']}.json", result)
     print(f"\n{'length':>7} {'part':>8} {'flex paged':>11} {'flex contig':>12} {'default':>9}"
-          f" {'paged/contig':>13}")  # fmt: skip
+          f" {'paged/contig':>13} {'mask build':>11}")  # fmt: skip
     for label, row in result["lengths"].items():
         for part, default in (("prefill", "cudnn_gather"), ("decode", "triton")):
             times = row[f"{part}_ms"]
             ratio = result["flex_paged_vs_contiguous"][label][part]
             print(
                 f"{label:>7} {part:>8} {times['flex_paged']:>11.2f} "
-                f"{times['flex_contiguous']:>12.2f} {times[default]:>9.2f} {ratio:>13.2f}"
+                f"{times['flex_contiguous']:>12.2f} {times[default]:>9.2f} {ratio:>13.2f} "
+                f"{times['flex_paged_mask_build']:>11.2f}"
             )
 
 

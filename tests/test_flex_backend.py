@@ -12,7 +12,12 @@ from hypothesis import strategies as st
 from headspace import SamplingParams
 from headspace.attention import attend, reference_attention
 from headspace.attention.entry_decode import entry_decode
-from headspace.attention.flex import chunk_block_mask, flex_paged_decode, flex_paged_prefill
+from headspace.attention.flex import (
+    chunk_block_mask,
+    decode_block_mask,
+    flex_paged_decode,
+    flex_paged_prefill,
+)
 from headspace.attention.paged import paged_decode_reference
 from test_hybrid import decode_logits
 from test_offload import _prompts, make
@@ -127,3 +132,55 @@ def test_patterns_and_batches_with_a_shared_prefix_equal_the_reference(tiny_llam
     assert ours == [flex.generate(p, params)[0].token_ids for p in prompts]  # one at a time
     gap = decode_logits(flex, prompts[1], 24) - decode_logits(reference, prompts[1], 24)
     assert gap.abs().max().item() < 1e-4
+
+
+def test_block_masks_list_each_page_once_in_contiguous_indices():
+    """The compiled kernel reads block indices row by row whatever their strides (an
+    expanded view gave wrong sums on a GPU). A decode step lists every page a sequence
+    uses as a masked block (no full block: the decode kernel then splits the sequence's
+    own blocks), and a chunk its whole pages before each query block as full ones."""
+    tables = torch.tensor([[3, 1, 7, 0], [5, 2, 0, 0], [4, 6, 0, 0]], dtype=torch.int32)
+    decode = decode_block_mask(tables, torch.tensor([20, 9, 16]), 8 * 8, 8)
+    chunk = chunk_block_mask(torch.tensor([3, 1, 7]), 10, 9, 8 * 8, 8)
+    for indices in (decode.kv_indices, chunk.kv_indices, chunk.full_kv_indices):
+        assert indices.is_contiguous() and indices.dtype == torch.int32
+    assert decode.full_kv_num_blocks is None
+    assert decode.kv_num_blocks.flatten().tolist() == [3, 2, 2]
+    assert decode.kv_indices[0, 0, 0, :3].tolist() == [3, 1, 7]
+    assert chunk.full_kv_num_blocks.flatten().tolist() == [1]  # page 3: positions 0-7
+
+
+@settings(max_examples=30, deadline=None)
+@given(seed=st.integers(0, 10**6), num_seqs=st.integers(1, 5), page=st.sampled_from([4, 8]))
+def test_the_decode_mask_for_listed_pages_equals_the_exact_one_there(seed, num_seqs, page):
+    """The GPU's decode mask (cheap: the last page's bound only) agrees with the exact one
+    at every slot of the pages each sequence lists: the only slots the kernel evaluates."""
+    generator = torch.Generator().manual_seed(seed)
+    num_pages = 6 * num_seqs
+    lengths = torch.randint(0, 6 * page + 1, (num_seqs,), generator=generator)
+    tables = torch.randperm(num_pages, generator=generator).view(num_seqs, 6).int()
+    cheap = decode_block_mask(tables, lengths, num_pages * page, page, listed_only=True)
+    exact = decode_block_mask(tables, lengths, num_pages * page, page, listed_only=False)
+    zero = torch.tensor(0)
+    for b in range(num_seqs):
+        for n in range(int(cheap.kv_num_blocks[b, 0, 0])):
+            page_id = int(cheap.kv_indices[b, 0, 0, n])
+            for slot in range(page_id * page, (page_id + 1) * page):
+                args = (torch.tensor(b), zero, zero, torch.tensor(slot))
+                assert bool(cheap.mask_mod(*args)) == bool(exact.mask_mod(*args))
+
+
+def test_the_flex_backends_pool_stays_within_int32_indices():
+    """A pool past 2**31 elements a K plane (a tiny model on a large GPU) would need the
+    int64 decode kernel, which fails to compile: the flex backend's arena stops short."""
+    from headspace.engine.config import EngineConfig
+    from headspace.engine.memory import flex_pool_pages, kv_arena_bytes
+    from headspace.kv.spec import KVSpec
+
+    spec = KVSpec(num_layers=4, num_kv_heads=2, head_dim=32, page_size=64, dtype_bytes=4)
+    for backend in ("flex", "sdpa"):
+        config = EngineConfig.of(num_kv_pages=10**8, attention_backend=backend)
+        pages = kv_arena_bytes(None, config, spec, 0, 256, 4096) // spec.full_page_bytes - 1
+        planes = pages * spec.page_size * spec.num_kv_heads * spec.head_dim
+        assert (planes < 2**31) == (backend == "flex")
+        assert pages == (flex_pool_pages(spec) if backend == "flex" else 10**8)

@@ -17,7 +17,7 @@ import torch
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask
 
 from headspace.attention.entry_decode import new_token_slots
-from headspace.attention.paged import Q_BLOCK, flex_paged_attention, physical_block_mask
+from headspace.attention.paged import Q_BLOCK, flex_paged_attention
 
 
 @functools.lru_cache(maxsize=64)  # a few shapes a run: chunks, pieces, steps
@@ -73,7 +73,9 @@ def chunk_block_mask(
     padded = torch.zeros(num_pages, dtype=torch.int32, device=device)
     padded[:used] = pages[:used].to(torch.int32)
     columns = torch.arange(num_pages, device=device)
-    full_indices = padded.expand(num_q_blocks, -1)[None, None]  # [1, 1, q blocks, pages]
+    # [1, 1, q blocks, pages]; contiguous: the compiled kernel reads the indices by rows of
+    # the pool's page count, whatever their strides (an expanded view reads past its end)
+    full_indices = padded.expand(num_q_blocks, -1)[None, None].contiguous()
     shifted = (num_full[:, None] + columns).clamp(max=num_pages - 1)
     indices = padded[shifted][None, None]
     logical_page = torch.full((num_pages,), -1, dtype=torch.long, device=device)
@@ -107,14 +109,50 @@ def flex_paged_prefill(
 
 
 def decode_block_mask(block_tables: torch.Tensor, lengths: torch.Tensor, num_slots: int,
-                      page_size: int) -> BlockMask:  # fmt: skip
+                      page_size: int, *, listed_only: bool | None = None) -> BlockMask:  # fmt: skip
     """The BlockMask of a decode step: one query per sequence over its ``lengths`` keys in
     the pages of ``block_tables [seqs, width]`` (no wider than the ``num_slots`` pool's
-    pages), the same for every layer whose pages these tables address."""
-    lengths = lengths.long()
-    tables = block_tables[:, : num_slots // page_size].int()
-    return physical_block_mask(tables, lengths - 1, torch.ones_like(lengths), lengths, 1,
-                               num_slots, page_size)  # fmt: skip
+    pages), the same for every layer whose pages these tables address. Built from block
+    indices on the device, with no host sync.
+
+    Every page a sequence uses is a masked block, none a full one: FlexAttention's decode
+    kernel splits a sequence's work by its blocks only when there are no full blocks (with
+    full blocks it splits the whole pool's length, idling most of the GPU). The mask is
+    then cheap where the kernel evaluates it, in the listed pages (``listed_only``, the
+    default on a GPU: every page but the sequence's last is wholly visible, the last up to
+    the length), and exact at every slot otherwise (the eager kernel, on the CPU,
+    evaluates it everywhere)."""
+    device = block_tables.device
+    lengths = lengths.to(device).long()
+    num_pages = num_slots // page_size
+    tables = block_tables[:, :num_pages].long()  # [seqs, width]
+    num_seqs, width = tables.shape
+    num_used = (lengths + page_size - 1) // page_size  # [seqs]
+    wide = torch.zeros(num_seqs, num_pages, dtype=torch.long, device=device)
+    wide[:, :width] = tables
+    last_page = wide.gather(1, (num_used - 1).clamp(min=0)[:, None])[:, 0]  # [seqs]
+    in_last = lengths - (num_used - 1).clamp(min=0) * page_size  # keys in the last page
+    if listed_only if listed_only is not None else device.type == "cuda":
+
+        def visible(b, h, q_idx, slot):
+            return (slot // page_size != last_page[b]) | (slot % page_size < in_last[b])
+
+    else:
+        columns = torch.arange(width, device=device)  # a column past the pool: unused entries
+        used = columns[None] < num_used[:, None]
+        logical = torch.full((num_seqs, num_pages + 1), -1, dtype=torch.long, device=device)
+        logical.scatter_(1, torch.where(used, tables, num_pages), columns.expand_as(tables))
+        logical[:, num_pages] = -1
+
+        def visible(b, h, q_idx, slot):
+            page = logical[b, slot // page_size]
+            return (page >= 0) & (page * page_size + slot % page_size < lengths[b])
+
+    return BlockMask.from_kv_blocks(
+        num_used.to(torch.int32).reshape(num_seqs, 1, 1),
+        wide.to(torch.int32).reshape(num_seqs, 1, 1, num_pages),  # [seqs, 1, 1, pages]
+        BLOCK_SIZE=(Q_BLOCK, page_size), mask_mod=visible, seq_lengths=(1, num_slots),
+    )  # fmt: skip
 
 
 def flex_paged_decode(

@@ -132,7 +132,25 @@ def kv_arena_bytes(config: ModelConfig, engine_config, spec: KVSpec, weight_byte
     else what the budget leaves after weights, a chunk's activations with allocator slack,
     batched decode, and with patterns or budgets the keys a layer's prefill gathers
     (UserError when nothing is left); on the CPU without a budget, room for four full
-    contexts within half the host memory available now."""
+    contexts within half the host memory available now. Under the ``flex`` backend, at most
+    :func:`flex_pool_pages` pages."""
+    arena = _arena_bytes(config, engine_config, spec, weight_bytes, chunk, max_context)
+    if engine_config.runtime.attention_backend == "flex":  # the pool indexed in int32
+        return min(arena, (flex_pool_pages(spec) + 1) * spec.full_page_bytes)
+    return arena
+
+
+def flex_pool_pages(spec: KVSpec) -> int:
+    """The most pages a pool holds under the ``flex`` backend: one layer's K plane ``[kv
+    heads, slots, dim]`` under 2**31 elements, which FlexAttention's kernels index in int32
+    (past it, torch 2.11 fails to compile the int64 decode kernel). Two million tokens for
+    Llama-3.1-8B's 8 kv heads of 128: far past one GPU's memory; tiny models on a large
+    GPU reach it."""
+    return (2**31 - 1) // (spec.num_kv_heads * spec.head_dim * spec.page_size) - 1
+
+
+def _arena_bytes(config: ModelConfig, engine_config, spec: KVSpec, weight_bytes: int,
+                 chunk: int, max_context: int) -> int:  # fmt: skip
     if engine_config.cache.num_kv_pages:
         return (engine_config.cache.num_kv_pages + 1) * spec.full_page_bytes
     budget = gpu_budget(engine_config, weight_bytes)
