@@ -13,8 +13,10 @@ from headspace import SamplingParams
 from headspace.attention import attend, reference_attention
 from headspace.attention.entry_decode import entry_decode
 from headspace.attention.flex import (
+    bucket,
     chunk_block_mask,
     decode_block_mask,
+    flex_attention_dense,
     flex_paged_decode,
     flex_paged_prefill,
 )
@@ -26,15 +28,22 @@ from test_streaming_heads import _profile
 FP32 = 1e-5
 
 
-@settings(max_examples=20, deadline=None)
-@given(num_q=st.integers(1, 40), extra=st.integers(0, 60), causal=st.booleans())
-def test_dense_flex_equals_the_reference(num_q, extra, causal):
+@settings(max_examples=30, deadline=None)
+@given(num_q=st.integers(1, 40), extra=st.integers(0, 160), causal=st.booleans(),
+       padded=st.booleans())  # fmt: skip
+def test_dense_flex_equals_the_reference(num_q, extra, causal, padded):
+    """Also with K/V padded to the bucket's length, as on a GPU (the padded keys masked)."""
     generator = torch.Generator().manual_seed(num_q * 100 + extra)
     q = torch.randn(4, num_q, 16, generator=generator)
     k, v = torch.randn(2, 2, num_q + extra, 16, generator=generator)
-    out, lse = attend(q, k, v, causal=causal, backend="flex")
+    out, lse = flex_attention_dense(q, k, v, causal=causal, padded=padded)
     ref_out, ref_lse = attend(q, k, v, causal=causal, backend="reference")
     assert (out - ref_out).abs().max() < FP32 and (lse - ref_lse).abs().max() < FP32
+
+
+def test_dense_lengths_share_a_bucket_up_to_the_next_power_of_two():
+    assert [bucket(n) for n in (1, 128, 129, 4000, 4096, 4097)] == [128, 128, 256, 4096,
+                                                                    4096, 8192]  # fmt: skip
 
 
 def test_paged_decode_stores_the_new_token_and_equals_the_reference():

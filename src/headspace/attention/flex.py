@@ -20,19 +20,29 @@ from headspace.attention.entry_decode import new_token_slots
 from headspace.attention.paged import Q_BLOCK, flex_paged_attention
 
 
+def bucket(num_kv: int) -> int:
+    """The key length a dense call runs at on a GPU: the next power of two, at least 128.
+    The kernel is compiled once per shape, and the stream tier's staged prefix pieces take
+    every length; padded keys are masked, and their blocks skipped (no work, a copy)."""
+    return max(128, 1 << (num_kv - 1).bit_length())
+
+
 @functools.lru_cache(maxsize=64)  # a few shapes a run: chunks, pieces, steps
-def _dense_mask(num_q: int, num_kv: int, causal: bool, device: str) -> BlockMask:
-    """A BlockMask of ``num_q`` queries over ``num_kv`` keys: every pair, or causal aligned
-    to the keys' end (query ``i`` sees keys ``j <= i + num_kv - num_q``)."""
-    offset = num_kv - num_q
+def _dense_mask(num_q: int, num_kv: int, padded_kv: int, causal: bool, device: str) -> BlockMask:
+    """A BlockMask of ``num_q`` queries over the first ``num_kv`` of ``padded_kv`` keys:
+    every pair, or causal aligned to the keys' end (query ``i`` sees keys ``j <= i + num_kv
+    - num_q``). The lengths are captured as tensors: one compiled kernel serves every
+    length of a bucket."""
+    num_kv_t = torch.tensor(num_kv, device=device)
+    offset_t = torch.tensor(num_kv - num_q, device=device)
 
     def causal_mod(b, h, q_idx, kv_idx):
-        return kv_idx <= q_idx + offset
+        return kv_idx <= q_idx + offset_t  # (below num_kv: q_idx < num_q)
 
     def full_mod(b, h, q_idx, kv_idx):
-        return kv_idx >= 0
+        return kv_idx < num_kv_t
 
-    return create_block_mask(causal_mod if causal else full_mod, None, None, num_q, num_kv,
+    return create_block_mask(causal_mod if causal else full_mod, None, None, num_q, padded_kv,
                              device=device)  # fmt: skip
 
 
@@ -43,10 +53,16 @@ def flex_attention_dense(
     *,
     causal: bool = False,
     scale: float | None = None,
+    padded: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """FlexAttention over contiguous K/V: ``out [heads, q_tokens, dim]`` (q's dtype) and fp32
-    ``lse [heads, q_tokens]`` (natural log)."""
-    mask = _dense_mask(q.shape[1], k.shape[1], causal, str(q.device))
+    ``lse [heads, q_tokens]`` (natural log). ``padded`` (default: on a GPU): K/V padded to
+    :func:`bucket`'s length, so that one compile serves every length of its bucket."""
+    num_kv = k.shape[1]
+    padded_kv = bucket(num_kv) if (q.is_cuda if padded is None else padded) else num_kv
+    if padded_kv > num_kv:  # [kv_heads, padded, dim]
+        k, v = (torch.nn.functional.pad(t, (0, 0, 0, padded_kv - num_kv)) for t in (k, v))
+    mask = _dense_mask(q.shape[1], num_kv, padded_kv, causal, str(q.device))
     out, lse = flex_paged_attention(q[None], k, v, mask, scale=scale)
     return out[0], lse[0].float()
 
