@@ -13,12 +13,12 @@ from headspace import SamplingParams
 from headspace.attention import attend, reference_attention
 from headspace.attention.entry_decode import entry_decode
 from headspace.attention.flex import (
-    bucket,
     chunk_block_mask,
     decode_block_mask,
     flex_attention_dense,
     flex_paged_decode,
     flex_paged_prefill,
+    kv_bucket,
 )
 from headspace.attention.paged import paged_decode_reference
 from test_hybrid import decode_logits
@@ -42,7 +42,7 @@ def test_dense_flex_equals_the_reference(num_q, extra, causal, padded):
 
 
 def test_dense_lengths_share_a_bucket_up_to_the_next_power_of_two():
-    assert [bucket(n) for n in (1, 128, 129, 4000, 4096, 4097)] == [128, 128, 256, 4096,
+    assert [kv_bucket(n) for n in (1, 128, 129, 4000, 4096, 4097)] == [128, 128, 256, 4096,
                                                                     4096, 8192]  # fmt: skip
 
 
@@ -170,10 +170,14 @@ def test_the_decode_mask_for_listed_pages_equals_the_exact_one_there(seed, num_s
     tables = torch.randperm(num_pages, generator=generator).view(num_seqs, 6).int()
     cheap = decode_block_mask(tables, lengths, num_pages * page, page, listed_only=True)
     exact = decode_block_mask(tables, lengths, num_pages * page, page, listed_only=False)
-    zero = torch.tensor(0)
+    zero, slots = torch.tensor(0), torch.arange(num_pages * page)
     for b in range(num_seqs):
-        for n in range(int(cheap.kv_num_blocks[b, 0, 0])):
-            page_id = int(cheap.kv_indices[b, 0, 0, n])
+        listed = cheap.kv_indices[b, 0, 0, : int(cheap.kv_num_blocks[b, 0, 0])].tolist()
+        seen = exact.mask_mod(torch.tensor(b), zero, zero, slots)  # [slots]
+        # the pages listed are those the sequence sees a key in, and no more
+        assert sorted(listed) == sorted(set((slots[seen] // page).tolist()))
+        assert int(seen.sum()) == int(lengths[b])
+        for page_id in listed:
             for slot in range(page_id * page, (page_id + 1) * page):
                 args = (torch.tensor(b), zero, zero, torch.tensor(slot))
                 assert bool(cheap.mask_mod(*args)) == bool(exact.mask_mod(*args))
@@ -185,6 +189,7 @@ def test_the_flex_backends_pool_stays_within_int32_indices():
     from headspace.engine.config import EngineConfig
     from headspace.engine.memory import flex_pool_pages, kv_arena_bytes
     from headspace.kv.spec import KVSpec
+    from headspace.planner.plan import plan_batch
 
     spec = KVSpec(num_layers=4, num_kv_heads=2, head_dim=32, page_size=64, dtype_bytes=4)
     for backend in ("flex", "sdpa"):
@@ -193,3 +198,16 @@ def test_the_flex_backends_pool_stays_within_int32_indices():
         planes = pages * spec.page_size * spec.num_kv_heads * spec.head_dim
         assert (planes < 2**31) == (backend == "flex")
         assert pages == (flex_pool_pages(spec) if backend == "flex" else 10**8)
+        # per-entry pages: one plane [2, slots, dim] of every entry's pages
+        config = EngineConfig.of(num_kv_pages=10**8, attention_backend=backend, kv_budget=0.5)
+        arena = kv_arena_bytes(None, config, spec, 0, 256, 4096)
+        assert (arena // spec.entry_page_bytes * spec.page_size * spec.head_dim < 2**31) == (
+            backend == "flex"
+        )
+    # offloaded: one resident head a layer takes twice the pages; capped all the same
+    arena = 2 * (flex_pool_pages(spec) + 1) * spec.full_page_bytes
+    for cap in (None, flex_pool_pages(spec)):
+        plan = plan_batch(spec, arena, 3 * flex_pool_pages(spec), offload="head",
+                          max_gpu_pages=cap)  # fmt: skip
+        assert plan.head_map.count("gpu") > 0
+        assert (plan.num_gpu_pages <= flex_pool_pages(spec)) == (cap is not None)

@@ -20,10 +20,11 @@ from headspace.attention.entry_decode import new_token_slots
 from headspace.attention.paged import Q_BLOCK, flex_paged_attention
 
 
-def bucket(num_kv: int) -> int:
+def kv_bucket(num_kv: int) -> int:
     """The key length a dense call runs at on a GPU: the next power of two, at least 128.
     The kernel is compiled once per shape, and the stream tier's staged prefix pieces take
-    every length; padded keys are masked, and their blocks skipped (no work, a copy)."""
+    every length; padded keys are masked, and their blocks skipped (no work, a copy).
+    Causal blocks are a chunk's own keys, square, their length the chunk's: not padded."""
     return max(128, 1 << (num_kv - 1).bit_length())
 
 
@@ -57,9 +58,12 @@ def flex_attention_dense(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """FlexAttention over contiguous K/V: ``out [heads, q_tokens, dim]`` (q's dtype) and fp32
     ``lse [heads, q_tokens]`` (natural log). ``padded`` (default: on a GPU): K/V padded to
-    :func:`bucket`'s length, so that one compile serves every length of its bucket."""
+    :func:`kv_bucket`'s length, so that one compile serves every length of its bucket
+    (default: on a GPU, where not ``causal``)."""
     num_kv = k.shape[1]
-    padded_kv = bucket(num_kv) if (q.is_cuda if padded is None else padded) else num_kv
+    if padded is None:
+        padded = q.is_cuda and not causal
+    padded_kv = kv_bucket(num_kv) if padded else num_kv
     if padded_kv > num_kv:  # [kv_heads, padded, dim]
         k, v = (torch.nn.functional.pad(t, (0, 0, 0, padded_kv - num_kv)) for t in (k, v))
     mask = _dense_mask(q.shape[1], num_kv, padded_kv, causal, str(q.device))
@@ -144,18 +148,21 @@ def decode_block_mask(block_tables: torch.Tensor, lengths: torch.Tensor, num_slo
     tables = block_tables[:, :num_pages].long()  # [seqs, width]
     num_seqs, width = tables.shape
     num_used = (lengths + page_size - 1) // page_size  # [seqs]
+    columns = torch.arange(width, device=device)
+    used = columns[None] < num_used[:, None]  # [seqs, width]
     wide = torch.zeros(num_seqs, num_pages, dtype=torch.long, device=device)
-    wide[:, :width] = tables
+    wide[:, :width] = torch.where(used, tables, 0)
     last_page = wide.gather(1, (num_used - 1).clamp(min=0)[:, None])[:, 0]  # [seqs]
     in_last = lengths - (num_used - 1).clamp(min=0) * page_size  # keys in the last page
-    if listed_only if listed_only is not None else device.type == "cuda":
+    if listed_only is None:  # the compiled kernel, unless dynamo is off (the eager one)
+        listed_only = device.type == "cuda" and not torch._dynamo.config.disable
+    if listed_only:
 
         def visible(b, h, q_idx, slot):
             return (slot // page_size != last_page[b]) | (slot % page_size < in_last[b])
 
     else:
-        columns = torch.arange(width, device=device)  # a column past the pool: unused entries
-        used = columns[None] < num_used[:, None]
+        # each page's logical index, -1 where unused (a column past the pool takes those)
         logical = torch.full((num_seqs, num_pages + 1), -1, dtype=torch.long, device=device)
         logical.scatter_(1, torch.where(used, tables, num_pages), columns.expand_as(tables))
         logical[:, num_pages] = -1

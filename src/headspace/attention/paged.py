@@ -128,8 +128,12 @@ def prefix_block_mask(
 @functools.cache
 def _compiled_flex():
     # one compile per shape (padded queries, resident heads of a layer, pool slots); past the
-    # limit dynamo would fall back to the eager kernel, which materialises every score
-    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 1024)
+    # limit dynamo would fall back to the eager kernel, which materialises every score and
+    # evaluates the mask at every slot (where a decode mask exact only in its listed pages
+    # is wrong): limits far past a run's shapes (dense lengths share power-of-two buckets)
+    config = torch._dynamo.config
+    config.recompile_limit = max(config.recompile_limit, 1024)
+    config.accumulated_recompile_limit = max(config.accumulated_recompile_limit, 4096)
     return torch.compile(flex_attention, dynamic=False)
 
 

@@ -9,6 +9,7 @@ from dataclasses import replace
 
 from headspace.attention.cpu_decode import kernel_isa
 from headspace.engine.config import EngineConfig
+from headspace.engine.memory import flex_pool_pages
 from headspace.engine.ranks import Ranks
 from headspace.engine.scheduler import Scheduler, Sequence
 from headspace.errors import UserError
@@ -43,6 +44,9 @@ class BatchPlanner:
             self.weight_bytes = -host_min(-weight_bytes)
             self.streamed_bytes = -host_min(-streamed_bytes)
         self.hardware = Hardware() if has_kernel else Hardware(cpu_attention_bytes=0)
+        self.max_gpu_pages = None  # under flex, a layer's pool within int32 indices
+        if config.runtime.attention_backend == "flex":
+            self.max_gpu_pages = flex_pool_pages(spec)
         self.tiers: tuple[str, ...] = (GPU,)  # where a sequence takes pages in the layout
         self.planned: set[int] | None = None  # the sequences entry staging is sized for
         self.relaid_for: int | None = None  # the sequence the running ones moved for
@@ -63,7 +67,8 @@ class BatchPlanner:
                           what=what, hw=self.hardware, cpu_share=host.hybrid_cpu_share,
                           gpu_window=host.gpu_window, num_seqs=len(seqs),
                           window_on_gpu=host.window_on_gpu,
-                          auto_hybrid=self.config.runtime.on_gpu)  # fmt: skip
+                          auto_hybrid=self.config.runtime.on_gpu,
+                          max_gpu_pages=self.max_gpu_pages)  # fmt: skip
         if self.ranks is not None:  # sized for the widest rank; the whole map, with its ranks
             return self.ranks.spread(plan, what)
         if self.config.budgets.retrieval_heads is not None:  # retrieval heads keep all

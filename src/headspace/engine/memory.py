@@ -135,18 +135,26 @@ def kv_arena_bytes(config: ModelConfig, engine_config, spec: KVSpec, weight_byte
     contexts within half the host memory available now. Under the ``flex`` backend, at most
     :func:`flex_pool_pages` pages."""
     arena = _arena_bytes(config, engine_config, spec, weight_bytes, chunk, max_context)
-    if engine_config.runtime.attention_backend == "flex":  # the pool indexed in int32
-        return min(arena, (flex_pool_pages(spec) + 1) * spec.full_page_bytes)
-    return arena
+    if engine_config.runtime.attention_backend != "flex":
+        return arena
+    budgets = engine_config.budgets  # per-entry pages: one plane [2, slots, dim] of them all
+    if budgets.per_head_pages or budgets.retrieval_heads is not None:
+        return min(arena, FLEX_INDEX_LIMIT // (spec.head_dim * spec.page_size)
+                   * spec.entry_page_bytes)  # fmt: skip
+    return min(arena, (flex_pool_pages(spec) + 1) * spec.full_page_bytes)
+
+
+FLEX_INDEX_LIMIT = 2**31 - 1  # elements of a K tensor FlexAttention's kernels index in int32
 
 
 def flex_pool_pages(spec: KVSpec) -> int:
-    """The most pages a pool holds under the ``flex`` backend: one layer's K plane ``[kv
-    heads, slots, dim]`` under 2**31 elements, which FlexAttention's kernels index in int32
-    (past it, torch 2.11 fails to compile the int64 decode kernel). Two million tokens for
-    Llama-3.1-8B's 8 kv heads of 128: far past one GPU's memory; tiny models on a large
-    GPU reach it."""
-    return (2**31 - 1) // (spec.num_kv_heads * spec.head_dim * spec.page_size) - 1
+    """The most pages a layer's pool holds under the ``flex`` backend: its K plane ``[kv
+    heads, slots, dim]`` within int32 indices (past them, torch 2.11 fails to compile the
+    int64 decode kernel), counted for every kv head, whatever a layer holds. Two million
+    tokens for Llama-3.1-8B's 8 kv heads of 128, far past one GPU's memory; tiny models on
+    a large GPU reach it. Per-entry pages (budgets) share one plane: at most
+    ``FLEX_INDEX_LIMIT`` elements of K in all (8 GiB of bf16 K/V)."""
+    return FLEX_INDEX_LIMIT // (spec.num_kv_heads * spec.head_dim * spec.page_size) - 1
 
 
 def _arena_bytes(config: ModelConfig, engine_config, spec: KVSpec, weight_bytes: int,

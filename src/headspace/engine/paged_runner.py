@@ -166,7 +166,7 @@ class PagedRunner:
         twin = self.graphs_class  # a CPU stand-in in tests; None: real graphs, on a GPU only
         if (twin is None and self.device.type != "cuda") or not self.config.runtime.cuda_graph:
             return None
-        if self.config.runtime.attention_backend == "flex":  # its block masks sync the host
+        if self.config.runtime.attention_backend == "flex":  # a new block mask each step
             return None
         if self.plan is None or self.model.layer_source is not None:  # streamed weights
             return None

@@ -279,7 +279,8 @@ def plan_batch(spec: KVSpec, arena: int, total_pages: int, *, offload: str = "au
                head_group: int | None = None, host_budget: int | None = None,
                what: str = "the batch", hw: Hardware | None = None,
                cpu_share: float | None = None, gpu_window: int = 1024, num_seqs: int = 1,
-               auto_hybrid: bool = True, window_on_gpu: bool = False) -> Plan:  # fmt: skip
+               auto_hybrid: bool = True, window_on_gpu: bool = False,
+               max_gpu_pages: int | None = None) -> Plan:  # fmt: skip
     """Head map, pool sizes and staging for ``num_seqs`` sequences that may reach
     ``total_pages`` pages in all, within ``arena`` bytes of GPU memory for KV (see
     :func:`split_gpu_budget`).
@@ -290,7 +291,8 @@ def plan_batch(spec: KVSpec, arena: int, total_pages: int, *, offload: str = "au
     ``auto`` and ``auto_hybrid``, where ``hw``'s rates predict it faster (with the hybrid
     tier's ``cpu_share`` and ``gpu_window``, which size its staging; the share used is in
     the plan; ``window_on_gpu``: the window's pages are kept on the GPU, beside the
-    staging, where they take at most half the arena). Raises UserError with the numbers.
+    staging, where they take at most half the arena; ``max_gpu_pages``: the most pages a
+    layer's pool may hold, where its kernels bound it). Raises UserError with the numbers.
     """
     if offload not in OFFLOAD_MODES:
         raise UserError(f"offload must be one of {', '.join(OFFLOAD_MODES)}, got {offload!r}")
@@ -322,6 +324,8 @@ def plan_batch(spec: KVSpec, arena: int, total_pages: int, *, offload: str = "au
     num_resident = head_map.count("gpu")
     free = arena - staging.num_bytes - (window.num_bytes if window else 0)
     gpu_pages = free // (num_resident * epb) - 1 if num_resident else 0
+    if max_gpu_pages is not None:  # fewer heads a layer take more pages each, up to this
+        gpu_pages = min(gpu_pages, max_gpu_pages)
     host_bytes = total_pages * full
     if host_budget is not None and host_bytes > host_budget:
         raise UserError(
