@@ -57,9 +57,9 @@ def flex_attention_dense(
     padded: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """FlexAttention over contiguous K/V: ``out [heads, q_tokens, dim]`` (q's dtype) and fp32
-    ``lse [heads, q_tokens]`` (natural log). ``padded`` (default: on a GPU): K/V padded to
-    :func:`kv_bucket`'s length, so that one compile serves every length of its bucket
-    (default: on a GPU, where not ``causal``)."""
+    ``lse [heads, q_tokens]`` (natural log). ``padded``: K/V padded to :func:`kv_bucket`'s
+    length, so that one compile serves every length of its bucket (default: on a GPU,
+    where not ``causal``)."""
     num_kv = k.shape[1]
     if padded is None:
         padded = q.is_cuda and not causal

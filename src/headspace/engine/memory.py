@@ -15,6 +15,7 @@ from headspace.planner.memory import prefill_chunk, split_gpu_budget
 from headspace.planner.sparsity import arena_after_gathers, gathered_bytes
 
 CPU_PREFILL_CHUNK = 1024
+FLEX_INDEX_LIMIT = 2**31 - 1  # elements of a K tensor FlexAttention's kernels index in int32
 FREE_MEMORY_SHARE = 0.9  # of what is free on the GPU, without a budget
 
 _UNITS = {"": 1, "B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12,
@@ -133,7 +134,7 @@ def kv_arena_bytes(config: ModelConfig, engine_config, spec: KVSpec, weight_byte
     batched decode, and with patterns or budgets the keys a layer's prefill gathers
     (UserError when nothing is left); on the CPU without a budget, room for four full
     contexts within half the host memory available now. Under the ``flex`` backend, at most
-    :func:`flex_pool_pages` pages."""
+    :func:`flex_pool_pages` pages (per-entry pages: ``FLEX_INDEX_LIMIT`` elements of K)."""
     arena = _arena_bytes(config, engine_config, spec, weight_bytes, chunk, max_context)
     if engine_config.runtime.attention_backend != "flex":
         return arena
@@ -142,9 +143,6 @@ def kv_arena_bytes(config: ModelConfig, engine_config, spec: KVSpec, weight_byte
         return min(arena, FLEX_INDEX_LIMIT // (spec.head_dim * spec.page_size)
                    * spec.entry_page_bytes)  # fmt: skip
     return min(arena, (flex_pool_pages(spec) + 1) * spec.full_page_bytes)
-
-
-FLEX_INDEX_LIMIT = 2**31 - 1  # elements of a K tensor FlexAttention's kernels index in int32
 
 
 def flex_pool_pages(spec: KVSpec) -> int:
