@@ -185,25 +185,36 @@ def test_the_decode_mask_for_listed_pages_equals_the_exact_one_there(seed, num_s
 
 def test_the_flex_backends_pool_stays_within_int32_indices():
     """A pool past 2**31 elements a K plane (a tiny model on a large GPU) would need the
-    int64 decode kernel, which fails to compile: the flex backend's arena stops short."""
+    int64 decode kernel, which fails to compile: the flex backend's arena stops short of
+    it (a page count asked past it is refused in one line), and so do the pages a layer's
+    pool holds in offload layouts."""
     from headspace.engine.config import EngineConfig
     from headspace.engine.memory import flex_pool_pages, kv_arena_bytes
+    from headspace.errors import UserError
     from headspace.kv.spec import KVSpec
     from headspace.planner.plan import plan_batch
 
     spec = KVSpec(num_layers=4, num_kv_heads=2, head_dim=32, page_size=64, dtype_bytes=4)
-    for backend in ("flex", "sdpa"):
-        config = EngineConfig.of(num_kv_pages=10**8, attention_backend=backend)
-        pages = kv_arena_bytes(None, config, spec, 0, 256, 4096) // spec.full_page_bytes - 1
-        planes = pages * spec.page_size * spec.num_kv_heads * spec.head_dim
-        assert (planes < 2**31) == (backend == "flex")
-        assert pages == (flex_pool_pages(spec) if backend == "flex" else 10**8)
-        # per-entry pages: one plane [2, slots, dim] of every entry's pages
-        config = EngineConfig.of(num_kv_pages=10**8, attention_backend=backend, kv_budget=0.5)
-        arena = kv_arena_bytes(None, config, spec, 0, 256, 4096)
-        assert (arena // spec.entry_page_bytes * spec.page_size * spec.head_dim < 2**31) == (
-            backend == "flex"
-        )
+    big = 2**31 // (spec.num_kv_heads * spec.head_dim * spec.page_size) + 1  # pages
+    config = EngineConfig.of(num_kv_pages=big, attention_backend="sdpa")
+    assert kv_arena_bytes(None, config, spec, 0, 256, 4096) == (big + 1) * spec.full_page_bytes
+    with pytest.raises(UserError, match="--num-kv-pages"):  # asked for: refused in a line
+        kv_arena_bytes(None, EngineConfig.of(num_kv_pages=big, attention_backend="flex"),
+                       spec, 0, 256, 4096)  # fmt: skip
+    config = EngineConfig.of(num_kv_pages=flex_pool_pages(spec), attention_backend="flex")
+    assert kv_arena_bytes(None, config, spec, 0, 256, 4096) // spec.full_page_bytes - 1 == (
+        flex_pool_pages(spec)
+    )
+    # per-entry pages (budgets) share one plane [2, slots, dim]: a quarter as many here
+    plane_pages = 2**31 // (spec.head_dim * spec.page_size) // spec.num_entries
+    for backend, budget in (("flex", None), ("sdpa", 0.5)):
+        config = EngineConfig.of(num_kv_pages=plane_pages + 8, attention_backend=backend,
+                                 kv_budget=budget)  # fmt: skip
+        kv_arena_bytes(None, config, spec, 0, 256, 4096)  # within their bounds
+    with pytest.raises(UserError, match="--num-kv-pages"):
+        config = EngineConfig.of(num_kv_pages=plane_pages + 8, attention_backend="flex",
+                                 kv_budget=0.5)  # fmt: skip
+        kv_arena_bytes(None, config, spec, 0, 256, 4096)
     # offloaded: one resident head a layer takes twice the pages; capped all the same
     arena = 2 * (flex_pool_pages(spec) + 1) * spec.full_page_bytes
     for cap in (None, flex_pool_pages(spec)):

@@ -140,9 +140,15 @@ def kv_arena_bytes(config: ModelConfig, engine_config, spec: KVSpec, weight_byte
         return arena
     budgets = engine_config.budgets  # per-entry pages: one plane [2, slots, dim] of them all
     if budgets.per_head_pages or budgets.retrieval_heads is not None:
-        return min(arena, FLEX_INDEX_LIMIT // (spec.head_dim * spec.page_size)
-                   * spec.entry_page_bytes)  # fmt: skip
-    return min(arena, (flex_pool_pages(spec) + 1) * spec.full_page_bytes)
+        most = FLEX_INDEX_LIMIT // (spec.head_dim * spec.page_size) * spec.entry_page_bytes
+    else:
+        most = (flex_pool_pages(spec) + 1) * spec.full_page_bytes
+    asked = engine_config.cache.num_kv_pages
+    if asked and arena > most:
+        raise UserError(f"--num-kv-pages {asked} is more than the flex attention backend "
+                        f"indexes ({most // spec.full_page_bytes - 1} pages); ask for fewer "
+                        "or use --attention-backend sdpa")  # fmt: skip
+    return min(arena, most)
 
 
 def flex_pool_pages(spec: KVSpec) -> int:
