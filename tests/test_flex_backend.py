@@ -18,9 +18,9 @@ from headspace.attention.flex import (
     flex_attention_dense,
     flex_paged_decode,
     flex_paged_prefill,
-    kv_bucket,
 )
 from headspace.attention.paged import paged_decode_reference
+from headspace.kv.spec import padded_length
 from test_hybrid import decode_logits
 from test_offload import _prompts, make
 from test_streaming_heads import _profile
@@ -42,7 +42,7 @@ def test_dense_flex_equals_the_reference(num_q, extra, causal, padded):
 
 
 def test_dense_lengths_share_a_bucket_up_to_the_next_power_of_two():
-    assert [kv_bucket(n) for n in (1, 128, 129, 4000, 4096, 4097)] == [128, 128, 256, 4096,
+    assert [padded_length(n) for n in (1, 128, 129, 4000, 4096, 4097)] == [128, 128, 256, 4096,
                                                                     4096, 8192]  # fmt: skip
 
 

@@ -2,9 +2,10 @@
 
 Dense blocks (:func:`flex_attention_dense`, the backend's entry in ``attention.BACKENDS``:
 a staged piece, a chunk's own keys) and, where K/V lie in pages, attention over the pages in
-place through a block mask converted from logical to physical pages
-(:func:`flex_paged_prefill`: a prefill chunk's queries over its sequence's pages;
-:func:`flex_paged_decode`: a decode step of a batch, storing each new token first). This is
+place through a block mask of physical pages built from the block tables
+(:func:`flex_paged_prefill` with :func:`chunk_block_mask`: a prefill chunk's queries over
+its sequence's pages; :func:`flex_paged_decode` with :func:`decode_block_mask`: a decode
+step of a batch, storing each new token first). This is
 "paged attention meets FlexAttention": no page is gathered into a dense copy. Compiled on a
 GPU (one compile per shape); on the CPU FlexAttention's eager path runs, for tests.
 """
@@ -18,14 +19,7 @@ from torch.nn.attention.flex_attention import BlockMask, create_block_mask
 
 from headspace.attention.entry_decode import new_token_slots
 from headspace.attention.paged import Q_BLOCK, flex_paged_attention
-
-
-def kv_bucket(num_kv: int) -> int:
-    """The key length a dense call runs at on a GPU: the next power of two, at least 128.
-    The kernel is compiled once per shape, and the stream tier's staged prefix pieces take
-    every length; padded keys are masked, and their blocks skipped (no work, a copy).
-    Causal blocks are a chunk's own keys, square, their length the chunk's: not padded."""
-    return max(128, 1 << (num_kv - 1).bit_length())
+from headspace.kv.spec import padded_length
 
 
 @functools.lru_cache(maxsize=64)  # a few shapes a run: chunks, pieces, steps
@@ -57,13 +51,14 @@ def flex_attention_dense(
     padded: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """FlexAttention over contiguous K/V: ``out [heads, q_tokens, dim]`` (q's dtype) and fp32
-    ``lse [heads, q_tokens]`` (natural log). ``padded``: K/V padded to :func:`kv_bucket`'s
-    length, so that one compile serves every length of its bucket (default: on a GPU,
-    where not ``causal``)."""
+    ``lse [heads, q_tokens]`` (natural log). ``padded``: K/V padded to a power of two
+    (:func:`padded_length`), the padded keys masked and their blocks skipped, so that one
+    compile serves the staged prefix pieces of every length up to it (default: on a GPU,
+    where not ``causal``; a causal block is a chunk's own keys, of the chunk's length)."""
     num_kv = k.shape[1]
     if padded is None:
         padded = q.is_cuda and not causal
-    padded_kv = kv_bucket(num_kv) if padded else num_kv
+    padded_kv = padded_length(num_kv) if padded else num_kv
     if padded_kv > num_kv:  # [kv_heads, padded, dim]
         k, v = (torch.nn.functional.pad(t, (0, 0, 0, padded_kv - num_kv)) for t in (k, v))
     mask = _dense_mask(q.shape[1], num_kv, padded_kv, causal, str(q.device))
