@@ -5,7 +5,8 @@ against uniform's, scaling over GPU counts, and the cost model's predicted atten
 against the measured one.
 
     PYTHONPATH=src python bench/multigpu.py [--gpus 1 2 4] [--context 131072]
-        [--solvers uniform greedy ga fairkv] [--scenario duo|ada_snapkv|patterns]
+        [--solvers uniform greedy ga fairkv copy_search uniform-again]
+        [--scenario duo|ada_snapkv|patterns|copies] [--copy-cost PATH]
         [--sharpen 0.25 4] [--batch 1] [--balance-phase auto|prefill|decode] [--work DIR]
         [--model llama3-8b|llama3-70b] [--layers N]
 
@@ -19,6 +20,11 @@ The driver first measures the heads' uneven loads on this model (``--scenario``)
   and window only) and the others under Ada-SnapKV at ``kv_budget=0.25``.
 - ``ada_snapkv``: every head under Ada-SnapKV at ``kv_budget=0.25``.
 - ``patterns``: half the heads ``vertical_slash(1000,2048)`` at prefill.
+- ``copies``: FairKV's regime, every head under Ada-SnapKV at 1,024 tokens a head on
+  average, for a batch of up to 128 prompts (``--batch 128 --context 4096``): attention a
+  large part of the decode step. Its result is ``multigpu_copies_<model>_<gpu>x<N>_<date>``
+  with ``copy_cost_us`` from ``bench/copy_cost.py``'s result (``--copy-cost PATH``, measured
+  on the same machine) and ``run_to_run_spread`` (``uniform-again`` against ``uniform``).
 
 Budgets come with FairKV's statistical profile: the tokens the policy gives each (layer, kv
 head) over a prompt of the context's length (another seed than the benchmark's), written as
@@ -86,8 +92,11 @@ SCENARIOS = {
             "sparse_pattern": "streaming(4,1024)"},
     "ada_snapkv": {"kv_budget": 0.25, "kv_policy": "ada_snapkv"},
     "patterns": {"retrieval_heads": 0.5, "sparse_pattern": "vertical_slash(1000,2048)"},
+    # FairKV's regime: small absolute budgets, a large batch (attention a large part of it)
+    "copies": {"kv_budget": 1024, "kv_policy": "ada_snapkv", "max_batch": 128},
 }  # fmt: skip
-SOLVERS = ("uniform", "greedy", "ga", "fairkv")
+# ``uniform-again``: uniform run a second time on a fresh engine (the run-to-run spread)
+SOLVERS = ("uniform", "greedy", "ga", "fairkv", "copy_search", "uniform-again")
 
 
 # -- the profile (one GPU) -------------------------------------------------------------------
@@ -167,7 +176,8 @@ def run_solver(solver: str, args, profile: str) -> dict | None:
     from headspace.parallel.balance import balanced_phases
 
     options = SCENARIOS[args.scenario]
-    config = join(EngineConfig.of(device="cuda", profile=profile, balance=solver,
+    balance = solver.removesuffix("-again")
+    config = join(EngineConfig.of(device="cuda", profile=profile, balance=balance,
                                   balance_phase=args.balance_phase, **options))  # fmt: skip
     cfg = model_config(args.model, args.layers)
     model = random_model(cfg, device=config.runtime.device)
@@ -250,6 +260,21 @@ def predicted_loads(engine, config, world: int, batch: int) -> dict:
     return loads
 
 
+def copies_keys(copy_cost: str | None, runs: list[dict]) -> dict:
+    """``copy_cost_us`` (before/after, from ``bench/copy_cost.py``'s result) and the
+    run-to-run spread of decode and prefill (``uniform-again`` over ``uniform``), where
+    measured."""
+    keys = {}
+    if copy_cost:
+        keys["copy_cost_us"] = json.loads(Path(copy_cost).read_text())["copy_cost_us"]
+    by_solver = {r["solver"]: r for r in runs}
+    if {"uniform", "uniform-again"} <= set(by_solver):
+        again, first = by_solver["uniform-again"], by_solver["uniform"]
+        keys["run_to_run_spread"] = {p: again[f"{p}_tok_s"] / first[f"{p}_tok_s"]
+                                     for p in ("prefill", "decode")}  # fmt: skip
+    return keys
+
+
 def describe(model: str, num_layers: int | None) -> str:
     """The result's words for the model: its architecture, layers kept and weights."""
     full = MODELS[model]["num_hidden_layers"]
@@ -302,7 +327,7 @@ def main() -> None:
     parser.add_argument("--gpus", type=int, nargs="+", default=[1, 2, 4])
     parser.add_argument("--context", type=int, default=131072)
     parser.add_argument("--decode", type=int, default=32)
-    parser.add_argument("--solvers", nargs="+", default=list(SOLVERS), choices=SOLVERS)
+    parser.add_argument("--solvers", nargs="+", default=list(SOLVERS[:4]), choices=SOLVERS)
     parser.add_argument("--scenario", default="duo", choices=tuple(SCENARIOS))
     parser.add_argument(
         "--sharpen",
@@ -325,6 +350,7 @@ def main() -> None:
     )
     parser.add_argument("--model", default="llama3-8b", choices=tuple(MODELS))
     parser.add_argument("--layers", type=int, help="the model's first LAYERS layers only")
+    parser.add_argument("--copy-cost", help="bench/copy_cost.py's result, for copy_cost_us")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     parser.add_argument("--profile", help=argparse.SUPPRESS)
@@ -350,6 +376,8 @@ def main() -> None:
     variant += f"-{args.balance_phase}" if args.balance_phase != "auto" else ""
     tag = model_tag(args.model, args.layers)
     name = f"multigpu_{tag}-{args.scenario}{variant}_{gpu}x{most}_{env['date']}"
+    if args.scenario == "copies":
+        name = f"multigpu_copies_{tag}{variant}_{gpu}x{most}_{env['date']}"
     result = {
         "environment": env,
         # the machine that measured the profile and the first GPU counts' runs (--work)
@@ -360,6 +388,7 @@ def main() -> None:
                    "balance_phase": args.balance_phase,
                    "scenario": args.scenario, "options": SCENARIOS[args.scenario]},
         "profile": measured,
+        **copies_keys(args.copy_cost, runs[most]),
         **summarise(runs),
         "runs": {str(n): rs for n, rs in runs.items()},
     }  # fmt: skip

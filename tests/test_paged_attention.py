@@ -148,3 +148,66 @@ def test_triton_paged_decode_ring_token_replaces_its_slot():
         assert (lse[b].cpu() - ref_lse[:, 0]).abs().max().item() < 1e-5
         page, offset = int(tables[b, at // PAGE]), at % PAGE
         assert torch.equal(pool[:, :, page * PAGE + offset], new_kv[:, b])
+
+
+@pytest.mark.parametrize("ring", [False, True])
+def test_triton_paged_decode_attends_each_copy_range_and_stores_every_token(ring):
+    """With ``key_shares`` each (sequence, kv head) row attends only its range of the keys,
+    cut from its length and shares inside the kernel as the host cuts them
+    (:func:`copy_keys`), and its lse is that range's (-inf, out 0, for an empty range); every
+    row stores the new token whether or not its range holds it. The CPU twin
+    (``entry_decode`` off the GPU) attends the same ranges."""
+    from headspace.attention.entry_decode import entry_decode
+    from headspace.attention.triton_decode import paged_decode_attention
+    from headspace.parallel.placement import copy_keys
+
+    seq_lens = [5, 37, 70, 16, 65]
+    q, pool, tables, dense = _ragged_batch(seq_lens, [1] * 5, seed=5)
+    generator = torch.Generator().manual_seed(6)
+    new_kv = torch.randn(2, len(seq_lens), KV_HEADS, DIM, generator=generator)
+    at = [2, 36, 33, 0, 64] if ring else [n - 1 for n in seq_lens]
+    for b, index in enumerate(at):
+        dense[b][:, :, index] = new_kv[:, b]
+        pool[:, :, int(tables[b, index // PAGE]) * PAGE + index % PAGE] = float("nan")
+    # kv head 0: the first of two copies by shares 0.3 / 0.7; kv head 1: the second
+    shares = (0.3, 0.7)
+    key_shares = torch.tensor([[0.0, 0.3], [0.3, 1.0]], dtype=torch.float64)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    new_index = torch.tensor(at, dtype=torch.int32, device=device) if ring else None
+    moved = [t.to(device) for t in (q, pool, tables, new_kv, key_shares)]
+    q_d, pool_d, tables_d, new_d, shares_d = moved
+    lengths = torch.tensor(seq_lens, device=device)
+    out, lse = paged_decode_attention(q_d[:, :, 0], pool_d[0], pool_d[1], tables_d, lengths,
+                                      PAGE, new_kv=new_d, new_index=new_index, num_splits=3,
+                                      block_n=16, key_shares=shares_d)  # fmt: skip
+    group = HEADS // KV_HEADS
+    tolerance = 5e-3 if q_d.is_cuda else 1e-5
+    for b, length in enumerate(seq_lens):
+        for head in range(KV_HEADS):
+            lo, hi = copy_keys(length, shares, head, PAGE)
+            rows = slice(head * group, (head + 1) * group)
+            got_out, got_lse = out[b, rows].cpu().float(), lse[b, rows].cpu()
+            if hi == lo:
+                assert (got_lse == -torch.inf).all() and (got_out == 0).all()
+                continue
+            kv = dense[b][:, head : head + 1, lo:hi]
+            ref_out, ref_lse = reference_attention(q[b, rows, :1], kv[0], kv[1])
+            assert (got_out - ref_out[:, 0]).abs().max().item() < tolerance
+            assert (got_lse - ref_lse[:, 0]).abs().max().item() < tolerance
+        slot = int(tables[b, at[b] // PAGE]) * PAGE + at[b] % PAGE
+        assert torch.equal(pool_d[:, :, slot].cpu(), new_kv[:, b])  # both rows stored it
+    # the CPU twin: the same rows as entry rows (one kv head each), shares cycling per head
+    # entry rows read one plane: the heads' pools end to end, each row's pages offset to
+    # its head's
+    plane = torch.cat(pool.unbind(1), dim=1)  # [2, kv_heads x slots, dim]
+    offsets = torch.arange(KV_HEADS).repeat(len(seq_lens)) * (pool.shape[2] // PAGE)
+    rows_tables = (tables.repeat_interleave(KV_HEADS, 0) + offsets[:, None]).int()
+    rows_lengths = torch.tensor(seq_lens).repeat_interleave(KV_HEADS).int()
+    rows_index = None if not ring else torch.tensor(at).repeat_interleave(KV_HEADS).int()
+    twin_out, twin_lse = entry_decode(q[:, :, 0], plane[0], plane[1], rows_tables, rows_lengths,
+                                      PAGE, new_kv=new_kv, new_index=rows_index,
+                                      key_shares=key_shares)  # fmt: skip
+    assert (twin_out - out.cpu().float()).abs().max().item() < tolerance
+    finite = twin_lse.isfinite()
+    assert torch.equal(finite, lse.cpu().isfinite())
+    assert (twin_lse[finite] - lse.cpu()[finite]).abs().max().item() < tolerance

@@ -17,11 +17,11 @@ from hypothesis import strategies as st
 
 from conftest import make_tiny_checkpoint
 from headspace.api import LLM
+from headspace.attention.entry_decode import share_cut
 from headspace.engine.sampling import SamplingParams
-from headspace.parallel.placement import copy_keys, copy_rows, rank_layout
+from headspace.parallel.placement import copy_keys, copy_rows, cumulative_shares, rank_layout
 from headspace.planner.head_map import HeadEntry, HeadMap
 from headspace.planner.profile import Profile
-from headspace.tiers.copies import copy_key_bounds
 from workers.parallel_engine import batch
 
 WORKER = Path(__file__).parent / "workers" / "parallel_engine.py"
@@ -321,12 +321,13 @@ def test_copy_keys_tile_the_sequence_at_pages(length, page_size, weights):
 @given(st.lists(st.integers(0, 100_000), min_size=1, max_size=8), st.sampled_from([16, 128]),
        st.lists(st.floats(0.05, 1.0), min_size=2, max_size=4))  # fmt: skip
 def test_copy_key_bounds_on_the_device_cut_as_the_host_does(lengths, page_size, weights):
-    """The per-entry copies find their key ranges on the device (a CUDA graph replays them):
-    the same cuts as :func:`copy_keys`, every length at once."""
+    """Copies find their key ranges on the device (a CUDA graph replays them): the same
+    cuts as :func:`copy_keys`, every length at once."""
     shares = tuple(w / sum(weights) for w in weights)
     for index in range(len(shares)):
-        lo, hi = copy_key_bounds(torch.tensor(lengths, dtype=torch.int32), shares, index,
-                                 page_size)  # fmt: skip
+        bounds = torch.tensor(cumulative_shares(shares, index), dtype=torch.float64)
+        counts = torch.tensor(lengths, dtype=torch.int32)
+        lo, hi = (share_cut(fraction, counts, page_size) for fraction in bounds)
         want = [copy_keys(n, shares, index, page_size) for n in lengths]
         assert list(zip(lo.tolist(), hi.tolist(), strict=True)) == want
 
@@ -336,8 +337,6 @@ def test_merge_of_a_row_no_copy_attends_is_zero_not_nan():
     0, and a real row's copies weigh by their share of the log-sum-exp."""
     from headspace.tiers.copies import merge_copies
 
-    head_map = _map(1, [[(0, 1)]])  # one kv head, copied on ranks 0 and 1
-    layout = rank_layout(head_map, 0, 2)
     lse = torch.tensor([[0.5, 1.0], [-torch.inf, -torch.inf]])  # [seqs, q_per_kv] on rank 0
     theirs = torch.tensor([[0.5, 0.0], [-torch.inf, -torch.inf]])  # rank 1's
     out = torch.ones(2, 2, 3)  # [seqs, q_per_kv, dim]
@@ -345,7 +344,7 @@ def test_merge_of_a_row_no_copy_attends_is_zero_not_nan():
     def exchange(mine: torch.Tensor) -> torch.Tensor:
         return torch.stack([mine, theirs[:, None]])
 
-    merge_copies(layout, 0, [lse], out, exchange, 2, 2, torch.device("cpu"))
+    merge_copies(lse, out, torch.tensor([0]), 1, exchange, 2, 2, torch.device("cpu"))
     assert not out.isnan().any() and (out[1] == 0).all()
     weight = torch.sigmoid(lse[0] - theirs[0])  # e^a / (e^a + e^b)
     torch.testing.assert_close(out[0], weight[:, None].expand(2, 3))

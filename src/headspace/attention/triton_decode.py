@@ -32,20 +32,34 @@ def _running_max(m_i, candidate):
 
 
 @triton.jit
+def _share_cut(fraction, length, PAGE_SIZE: tl.constexpr):
+    """The key where a copy's cumulative ``fraction`` of a ``length``-key row ends: whole
+    pages, rounded half up, the row's end from 1.0 on (``parallel.placement.copy_keys``)."""
+    pages = tl.floor(fraction * length.to(tl.float64) / PAGE_SIZE + 0.5).to(tl.int32)
+    return tl.where(fraction >= 1.0, length, tl.minimum(length, pages * PAGE_SIZE))
+
+
+@triton.jit
 def _partial_kernel(
-    Q, K, V, TABLE, LENGTHS, NEW_K, NEW_V, NEW_INDEX, OUT, LSE, scale_log2,
+    Q, K, V, TABLE, LENGTHS, NEW_K, NEW_V, NEW_INDEX, KEY_SHARES, OUT, LSE, scale_log2,
     stride_qb, stride_qh, stride_kh, stride_kt, stride_vh, stride_vt, stride_tb,
     stride_nb, stride_nh, stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr, TOKENS_PER_SPLIT: tl.constexpr, APPEND: tl.constexpr,
-    AT_INDEX: tl.constexpr, PRECISION: tl.constexpr,
+    AT_INDEX: tl.constexpr, PRECISION: tl.constexpr, SHARE_PERIOD: tl.constexpr,
 ):  # fmt: skip
     kv_head = tl.program_id(0)
     split = tl.program_id(1)
     seq = tl.program_id(2)
     length = tl.load(LENGTHS + seq)
-    start = split * TOKENS_PER_SPLIT
-    end = tl.minimum(start + TOKENS_PER_SPLIT, length)
+    first, last = 0, length  # the keys [first, last) this (sequence, kv head) attends
+    if SHARE_PERIOD > 0:  # a copy of a head shared with other ranks: its range of the keys,
+        # cut by its cumulative shares (row r's are KEY_SHARES[r % SHARE_PERIOD])
+        row = (seq * tl.num_programs(0) + kv_head) % SHARE_PERIOD
+        first = _share_cut(tl.load(KEY_SHARES + 2 * row), length, PAGE_SIZE)
+        last = _share_cut(tl.load(KEY_SHARES + 2 * row + 1), length, PAGE_SIZE)
+    start = first + split * TOKENS_PER_SPLIT
+    end = tl.minimum(start + TOKENS_PER_SPLIT, last)
     offs_g = tl.arange(0, GROUP_PAD)
     offs_d = tl.arange(0, DIM)
     heads = kv_head * GROUP + offs_g
@@ -61,17 +75,20 @@ def _partial_kernel(
     new_pos = length - 1
     if AT_INDEX:  # a ring row's new token goes over its oldest window token
         new_pos = tl.load(NEW_INDEX + seq)
-    if APPEND:  # the new token's K/V: stored by the slice that owns its position for later
-        # steps; this step masks that slot out of its loads and adds the token's term from
-        # registers after the loop (a select on every K/V block instead held the kernel to
-        # 2.2 of 3.8 TB/s: bench/entry_splits.py --append)
+    if APPEND:  # the new token's K/V: stored for later steps by the slice whose place in the
+        # row holds its position (a copy stores it whether or not its range has it); the
+        # slice that attends it masks its slot out of the loads and adds the token's term
+        # from registers after the loop (a select on every K/V block instead held the
+        # kernel to 2.2 of 3.8 TB/s: bench/entry_splits.py --append)
         new_k = tl.load(NEW_K + seq * stride_nb + kv_head * stride_nh + offs_d)
         new_v = tl.load(NEW_V + seq * stride_nb + kv_head * stride_nh + offs_d)
         owner = (new_pos >= start) & (new_pos < end)
-        new_page = tl.load(table + new_pos // PAGE_SIZE, mask=owner, other=0).to(tl.int64)
+        place = split * TOKENS_PER_SPLIT
+        stores = (new_pos >= place) & (new_pos < place + TOKENS_PER_SPLIT) & (new_pos < length)
+        new_page = tl.load(table + new_pos // PAGE_SIZE, mask=stores, other=0).to(tl.int64)
         new_slot = new_page * PAGE_SIZE + new_pos % PAGE_SIZE
-        tl.store(k_base + new_slot * stride_kt + offs_d, new_k, mask=(offs_d < DIM) & owner)
-        tl.store(v_base + new_slot * stride_vt + offs_d, new_v, mask=(offs_d < DIM) & owner)
+        tl.store(k_base + new_slot * stride_kt + offs_d, new_k, mask=(offs_d < DIM) & stores)
+        tl.store(v_base + new_slot * stride_vt + offs_d, new_v, mask=(offs_d < DIM) & stores)
     else:
         new_pos = -1  # no slot masked out
     # A slice wholly past its row's end (rows under a KV budget differ in length) skips its
@@ -186,6 +203,7 @@ def paged_decode_attention(
     num_warps: int = 4,
     num_stages: int = 3,
     out: torch.Tensor | None = None,
+    key_shares: torch.Tensor | None = None,  # [period, 2] float64: copies' share bounds
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Decode attention of a batch of sequences over pages: ``out [seqs, heads, dim]``, ``lse``.
 
@@ -196,6 +214,11 @@ def paged_decode_attention(
     nothing). ``num_splits`` key slices per (sequence, kv head) (default:
     :func:`num_splits_for`), ``block_n`` keys per inner step; the rest are Triton launch
     settings. ``out`` (e.g. a head range of a larger tensor) receives the result in place.
+    With ``key_shares`` each (sequence, kv head) row ``r = seq * kv_heads + kv_head``
+    attends only its keys ``[cut(before), cut(through))`` for ``(before, through) =
+    key_shares[r % period]`` (a copy's part of a head shared with other ranks, cut at whole
+    pages as :func:`~headspace.parallel.placement.copy_keys` cuts; ``(0, 1)``: every key),
+    and a row with no key in its range gives out 0 and lse -inf.
     """
     num_seqs, num_heads, dim = q.shape
     num_kv_heads = k.shape[0]
@@ -217,7 +240,8 @@ def paged_decode_attention(
     new_k, new_v = (new_kv[0], new_kv[1]) if new_kv is not None else (q, q)
     _partial_kernel[(num_kv_heads, num_splits, num_seqs)](
         q, k, v, block_tables, lengths, new_k, new_v,
-        new_index if new_index is not None else lengths, part_out, part_lse, scale * LOG2E,
+        new_index if new_index is not None else lengths,
+        key_shares if key_shares is not None else part_lse, part_out, part_lse, scale * LOG2E,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         block_tables.stride(0), new_k.stride(0), new_k.stride(1),
         part_out.stride(0), part_out.stride(1), part_out.stride(2),
@@ -227,6 +251,7 @@ def paged_decode_attention(
         APPEND=new_kv is not None, AT_INDEX=new_kv is not None and new_index is not None,
         num_warps=num_warps, num_stages=num_stages,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",  # float32 stays exact
+        SHARE_PERIOD=0 if key_shares is None else key_shares.shape[0],
     )  # fmt: skip
     if out is None:
         out = torch.empty(num_seqs, num_heads, dim, device=q.device, dtype=q.dtype)

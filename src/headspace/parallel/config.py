@@ -46,8 +46,8 @@ class ParallelConfig:
     )  # fmt: skip
     copy_seconds: float | None = _option(
         None, "seconds each copy of a divided kv head adds to its rank's step in the solvers' "
-        "cost model (its own launches and merge; default: the planner's measured figure, 90 "
-        "us); 0 prices copies as free, so every copy that levels the ranks is made",
+        "cost model (its part of the layer's merge; default: the planner's measured figure, "
+        "20 us); 0 prices copies as free, so every copy that levels the ranks is made",
     )  # fmt: skip
     seed: int = _option(0, "seed of the random and genetic solvers")
 

@@ -50,7 +50,12 @@ def rank_zero_first(work):
 
 
 def all_gather_stack(part: torch.Tensor) -> torch.Tensor:
-    """Every rank's ``part`` (same shape everywhere), stacked: ``[world, *part.shape]``."""
+    """Every rank's ``part`` (same shape everywhere), stacked: ``[world, *part.shape]``
+    (NCCL gathers into the stack itself: one collective, no copies after it)."""
+    if dist.get_backend() == "nccl":
+        stacked = part.new_empty(dist.get_world_size(), *part.shape)
+        dist.all_gather_into_tensor(stacked, part.contiguous())
+        return stacked
     parts = [torch.empty_like(part) for _ in range(dist.get_world_size())]
     dist.all_gather(parts, part.contiguous())
     return torch.stack(parts)

@@ -51,6 +51,13 @@ class RankLayout:
         """``[layers]`` the kv heads this rank holds in each layer (own and copies)."""
         return [len(own) + len(copies) for own, copies in zip(self.own, self.copies, strict=True)]
 
+    def key_shares(self, layer: int) -> list[tuple[float, float]]:
+        """``[heads]`` in weight order, the cumulative shares ``(before, through)`` of each
+        head's keys this rank attends at decode: ``(0, 1)`` for its own heads, a copy's
+        bounds for its copies (:func:`copy_keys` cuts them at whole pages)."""
+        own = [(0.0, 1.0)] * len(self.own[layer])
+        return own + [cumulative_shares(c.shares, c.index) for c in self.copies[layer]]
+
     @property
     def most_heads(self) -> int:
         """The most kv heads this rank holds in one layer."""
@@ -96,13 +103,14 @@ def copy_rows(start: int, num_rows: int, shares: tuple[float, ...],
 def copy_keys(length: int, shares: tuple[float, ...], index: int,
               page_size: int) -> tuple[int, int]:  # fmt: skip
     """Keys ``[lo, hi)`` of a ``length``-token sequence that copy ``index`` attends at decode:
-    cut at whole pages by the cumulative shares (the last copy takes the tail, with the
-    newest token). Copies' ranges tile ``0 .. length``."""
+    cut at whole pages by the cumulative shares, rounded half up (the last copy takes the
+    tail, with the newest token). Copies' ranges tile ``0 .. length``. The decode kernel
+    cuts on the device with the same float64 arithmetic."""
 
     def cut(fraction: float) -> int:
         if fraction >= 1.0:
             return length
-        return min(length, round(fraction * length / page_size) * page_size)
+        return min(length, math.floor(fraction * length / page_size + 0.5) * page_size)
 
     before, through = cumulative_shares(shares, index)
     return cut(before), cut(through)

@@ -36,10 +36,11 @@ class Hardware:
     # next query's copy); measured on an H200 host at 128K (bench/profile_hybrid_split.py)
     graph_gather_share: float = 0.8  # of ``h2d_bytes``: a CUDA-graph decode step's gather
     # kernels beside its attention (the copy engine needs copy sizes known on the host)
-    copy_seconds: float = 90e-6  # what each copy of a divided kv head adds to its rank's
-    # step (its key range, its own decode launches, its part of the log-sum-exp merge): 73-100
-    # us a copy at decode on four H100s (bench/multigpu.py, fairkv against greedy at 2 and 4
-    # GPUs, 2026-11-26); charged at prefill too, where a copy likewise runs its own calls
+    copy_seconds: float = 20e-6  # what each copy of a divided kv head adds to its rank's
+    # step: at decode its rows join the own heads' kernel launch and the layer's merge is a
+    # fixed few kernels and one lse all-gather (bench/copy_cost.py); 73-100 us a copy when
+    # each copy ran its own key range, launch and merge (four H100s, 2026-11-26); charged at
+    # prefill too, where a copy runs its own calls
     eager_step_seconds: float = 48e-3  # the host's work of an eager decode step: per step
     eager_group_seconds: float = 0.35e-3  # ... and per streamed group (its copies, attention
     # and write launches): 0.25-0.6 ms on the H100 hosts measured (Llama-3.1-8B; bench/NOTES.md

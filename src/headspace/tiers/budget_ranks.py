@@ -10,8 +10,10 @@ What differs from one process (:class:`~headspace.tiers.budget.BudgetTier`):
   of a head keeps the same tokens.
 - **A copied head** keeps its whole K/V on each copy. At prefill each copy attends only its
   share of the chunk's rows (a patterned copy every row, keeping its own); at decode every
-  copy stores the new token, attends its page-aligned range of the head's kept tokens, and
-  the copies merge by log-sum-exp (:func:`~headspace.tiers.copies.merge_copies`) before o_proj's
+  copy stores the new token and attends its page-aligned range of the head's kept tokens, in
+  the same kernel launch as the rank's own heads (the kernel cuts each copy's range from the
+  row's length and the copy's shares), and the copies merge by log-sum-exp
+  (:func:`~headspace.tiers.copies.merge_copies`, scaling o_proj's input) before o_proj's
   all-reduce sums them.
 """
 
@@ -21,12 +23,12 @@ from collections.abc import Callable
 
 import torch
 
-from headspace.attention.entry_decode import entry_decode, new_token_slots
+from headspace.attention.entry_decode import entry_decode
 from headspace.parallel.dist import host_min
 from headspace.parallel.placement import RankLayout, copy_rows, rank_layout
 from headspace.planner.head_map import HeadMap
 from headspace.tiers.budget import BudgetTier
-from headspace.tiers.copies import copy_key_range, merge_copies
+from headspace.tiers.copies import copy_columns, merge_copies
 
 
 class RankBudgetTier(BudgetTier):
@@ -43,7 +45,14 @@ class RankBudgetTier(BudgetTier):
         self.sources = [[(e.rank[0], layouts[e.rank[0]].heads(layer).index(e.kv_head))
                          for e in head_map.layer(layer)]
                         for layer in range(head_map.num_layers)]  # fmt: skip
-        self._parts: dict[int, tuple[list[torch.Tensor], torch.Tensor]] = {}
+        device = self.plane.device
+        # [layer] -> each of its heads' key shares [heads, 2] (float64; own heads (0, 1)),
+        # and its copies' columns among the layer's copied heads
+        self.key_shares = [torch.tensor(layout.key_shares(layer), dtype=torch.float64,
+                                        device=device).view(-1, 2)
+                           for layer in range(layout.num_layers)]  # fmt: skip
+        self.merge_columns = copy_columns(layout, device)
+        self._parts: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     @classmethod
     def from_plan(cls, plan, site) -> RankBudgetTier:
@@ -72,9 +81,10 @@ class RankBudgetTier(BudgetTier):
     def collect(self, layer: int):
         """At decode, the layer's log-sum-exp exchange (every rank, when any copies it)."""
         if self.step.decode and self.layout.num_copied[layer]:
-            lses, out = self._parts.pop(layer, (None, None))
-            merge_copies(self.layout, layer, lses, out, self.exchange, len(self.step.positions),
-                         self.q_per_kv, self.plane.device)  # fmt: skip
+            lse, out = self._parts.pop(layer, (None, None))
+            merge_copies(lse, out, self.merge_columns[layer], self.layout.num_copied[layer],
+                         self.exchange, len(self.step.positions), self.q_per_kv,
+                         self.plane.device)  # fmt: skip
         return super().collect(layer)
 
     def _prefill(self, layer: int, q: torch.Tensor, kv: torch.Tensor):
@@ -116,47 +126,18 @@ class RankBudgetTier(BudgetTier):
 
     def _decode_with_copies(self, layer: int, q: torch.Tensor, kv: torch.Tensor,
                             out: torch.Tensor) -> None:  # fmt: skip
-        """Own rows as in one process; every copy stores the new token, then attends its key
-        range (its part and lse kept for the merge)."""
-        num_own, num_seqs = len(self.layout.own[layer]), q.shape[0]
-        num_heads = self.layer_heads[layer]
-        tables = self.tables[layer].view(num_seqs, num_heads, -1)
-        lengths = self.lengths[layer].view(num_seqs, num_heads)
-        newest = None if self.newest is None else self.newest[layer].view(num_seqs, num_heads)
-        k, v = self.plane[0], self.plane[1]
+        """Own rows and copies in one launch: every row stores the new token; own rows
+        attend every key, each copy its range of the head's kept tokens (cut inside the
+        kernel from the lengths and shares), and the copies' parts and lse wait for the
+        merge."""
+        num_own, newest = len(self.layout.own[layer]), self.newest
+        result, lse = entry_decode(q, self.plane[0], self.plane[1], self.tables[layer],
+                                   self.lengths[layer], self.page_size, new_kv=kv,
+                                   new_index=None if newest is None else newest[layer],
+                                   key_shares=self.key_shares[layer])  # fmt: skip
+        out.copy_(result)
         split = num_own * self.q_per_kv
-        if num_own:
-            index = None if newest is None else newest[:, :num_own].flatten()
-            result, _ = entry_decode(q[:, :split], k, v, tables[:, :num_own].flatten(0, 1),
-                                     lengths[:, :num_own].flatten(), self.page_size,
-                                     new_kv=kv[:, :, :num_own], new_index=index)  # fmt: skip
-            out[:, :split] = result
-        index = lengths[:, num_own:] - 1 if newest is None else newest[:, num_own:]
-        slots = new_token_slots(tables[:, num_own:].flatten(0, 1), index.flatten(),
-                                self.page_size)  # fmt: skip
-        # a graph's padding rows hold no token: their write goes to the plane's last page,
-        # which the entry plan leaves out of the pool and the staging slots
-        scratch = self.plane.shape[1] - self.page_size
-        slots = torch.where(lengths[:, num_own:].flatten() > 0, slots, scratch)
-        self.plane[:, slots] = kv[:, :, num_own:].flatten(1, 2)  # [2, seqs x copies, dim]
-        table, range_lengths = self._key_ranges(layer, tables[:, num_own:], lengths[:, num_own:])
-        part, lse = entry_decode(q[:, split:], k, v, table, range_lengths, self.page_size)
-        empty = (range_lengths == 0).view(num_seqs, -1).repeat_interleave(self.q_per_kv, 1)
-        lse = lse.float().masked_fill(empty, -torch.inf)  # a copy with no key of a sequence
-        out[:, split:] = part
-        q_per_kv = self.q_per_kv
-        lses = [lse[:, j * q_per_kv : (j + 1) * q_per_kv] for j in range(num_heads - num_own)]
-        self._parts[layer] = lses, out[:, split:]
-
-    def _key_ranges(self, layer: int, tables: torch.Tensor,
-                    lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-        """Each (sequence, copy) row's pages from its first key on and its number of keys,
-        from the copies' ``tables [seqs, copies, width]`` and ``lengths [seqs, copies]``: ``([seqs
-        x copies, width], [seqs x copies] int32)``, on the device (a CUDA graph replays it)."""
-        ranges = [copy_key_range(tables[:, j], lengths[:, j], copy, self.page_size)
-                  for j, copy in enumerate(self.layout.copies[layer])]  # fmt: skip
-        shifted, counts = (torch.stack(parts, 1) for parts in zip(*ranges, strict=True))
-        return shifted.flatten(0, 1), counts.flatten()  # rows: sequence-major, then copy
+        self._parts[layer] = lse[:, split:], out[:, split:]
 
     def _ranked_scores(self, layer: int, scores: torch.Tensor) -> torch.Tensor:
         """Every rank's scores of ``layer`` gathered: ``[kv heads of the model, prompt -

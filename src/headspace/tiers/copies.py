@@ -17,12 +17,12 @@ import torch
 
 from headspace.attention import attend
 from headspace.attention.cpu_decode import cpu_paged_decode
-from headspace.attention.entry_decode import new_token_slots
+from headspace.attention.entry_decode import new_token_slots, share_ranges
 from headspace.attention.paged import gather_pages
 from headspace.attention.sparse_prefill import prefill_with_patterns
 from headspace.kv.paged_store import PagedKVStore
 from headspace.kv.spec import Pattern
-from headspace.parallel.placement import Copy, RankLayout, copy_rows, cumulative_shares
+from headspace.parallel.placement import Copy, RankLayout, copy_rows
 from headspace.tiers.base import (
     StepInputs,
     Tier,
@@ -43,8 +43,14 @@ class CopyTier(Tier):
         self.store, self.layout, self.q_per_kv, self.backend = store, layout, q_per_kv, backend
         self.patterns, self.exchange = patterns, exchange  # patterns: [layer][copy]
         self.page_size = store.page_size
-        # layer -> (each copy's lse [seqs, q_per_kv], the copies' heads of the output)
-        self._parts: dict[int, tuple[list[torch.Tensor], torch.Tensor]] = {}
+        device = store.buffer.device
+        # [layer] -> the copies' key shares [copies, 2] (float64) and merge columns [copies]
+        self.shares = [torch.tensor(layout.key_shares(layer)[len(layout.own[layer]):],
+                                    dtype=torch.float64, device=device).view(-1, 2)
+                       for layer in range(layout.num_layers)]  # fmt: skip
+        self.merge_columns = copy_columns(layout, device)
+        # layer -> (the copies' lse [seqs, copies x q_per_kv], their heads of the output)
+        self._parts: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     @classmethod
     def from_plan(cls, plan, site: TierSite) -> CopyTier | None:
@@ -67,9 +73,9 @@ class CopyTier(Tier):
         if not step.decode:
             self.pages, self.slots = chunk_slots(self.store, step)
             self.num_keys = step.start + len(step.positions)
-            return
-        self.new_slots = new_token_slots(step.tables["gpu"], step.lengths - 1, self.page_size)
-        self._ranges: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+        elif not self.store.buffer.is_cuda:  # (the GPU's kernel stores the new token)
+            self.new_slots = new_token_slots(step.tables["gpu"], step.lengths - 1,
+                                             self.page_size)  # fmt: skip
 
     def submit(self, layer: int, q: torch.Tensor, kv: torch.Tensor, out: torch.Tensor) -> None:
         """``q [tokens, heads, dim]``, ``kv [2, tokens, kv_heads, dim]`` of this rank's heads of
@@ -82,8 +88,7 @@ class CopyTier(Tier):
         q_part, kv_part, out_part = q[:, heads], kv[:, :, first:], out[:, heads]
         store_kv = self._store_kv(layer)
         if self.step.decode:
-            store_kv[:, :, self.new_slots] = kv_part.transpose(1, 2)  # [2, copies, seqs, dim]
-            self._parts[layer] = self._decode(store_kv, copies, q_part, out_part), out_part
+            self._parts[layer] = self._decode(layer, store_kv, q_part, kv_part, out_part), out_part
         else:
             store_kv.index_copy_(2, self.slots, kv_part.transpose(1, 2))
             for j, copy in enumerate(copies):
@@ -95,8 +100,8 @@ class CopyTier(Tier):
         each copy's part scaled by its weight in the merge."""
         if self.layout.num_copied[layer] and self.step.decode:  # (no step in a graph)
             lse, out = self._parts.pop(layer, (None, None))
-            merge_copies(self.layout, layer, lse, out, self.exchange,
-                         len(self.step.positions), self.q_per_kv,
+            merge_copies(lse, out, self.merge_columns[layer], self.layout.num_copied[layer],
+                         self.exchange, len(self.step.positions), self.q_per_kv,
                          self.store.buffer.device)  # fmt: skip
 
     def _prefill(self, layer: int, j: int, copy: Copy, store_kv: torch.Tensor,
@@ -123,82 +128,76 @@ class CopyTier(Tier):
         result[lo:hi] = out.transpose(0, 1)
         return result
 
-    def _decode(self, store_kv: torch.Tensor, copies: tuple[Copy, ...], q: torch.Tensor,
-                out: torch.Tensor) -> list[torch.Tensor]:  # fmt: skip
-        """Each copy over its key range of every sequence, into ``out``; returns each copy's
-        lse ``[seqs, q_per_kv]``."""
-        lses = []
-        for j, copy in enumerate(copies):
-            table, lengths = self._key_range(copy)
-            cols = slice(j * self.q_per_kv, (j + 1) * self.q_per_kv)
-            k, v = store_kv[0, j : j + 1], store_kv[1, j : j + 1]
-            if q.is_cuda:
-                from headspace.attention.triton_decode import paged_decode_attention
+    def _decode(self, layer: int, store_kv: torch.Tensor, q: torch.Tensor, kv: torch.Tensor,
+                out: torch.Tensor) -> torch.Tensor:  # fmt: skip
+        """Every copy of ``layer`` stores the new token ``kv [2, seqs, copies, dim]`` and
+        attends its key range of each sequence, into ``out``: on the GPU one launch that cuts
+        the ranges itself from the lengths and shares. Returns the lse ``[seqs, copies x
+        q_per_kv]``."""
+        table, lengths, shares = self.step.tables["gpu"], self.step.lengths, self.shares[layer]
+        if q.is_cuda:
+            from headspace.attention.triton_decode import paged_decode_attention
 
-                part, lse = paged_decode_attention(q[:, cols].contiguous(), k, v, table, lengths,
-                                                   self.page_size)  # fmt: skip
-                empty = (lengths == 0)[:, None]  # a copy with no key of a sequence
-                lse = lse.masked_fill(empty, -torch.inf)
-            else:
-                part, lse = cpu_paged_decode(q[:, cols], k, v, table, lengths,
-                                             self.page_size)  # fmt: skip
+            _, lse = paged_decode_attention(q, store_kv[0], store_kv[1], table, lengths,
+                                            self.page_size, new_kv=kv, out=out,
+                                            key_shares=shares)  # fmt: skip
+            return lse
+        store_kv[:, :, self.new_slots] = kv.transpose(1, 2)  # [2, copies, seqs, dim]
+        lses = []
+        for j in range(store_kv.shape[1]):
+            cols = slice(j * self.q_per_kv, (j + 1) * self.q_per_kv)
+            rows, counts = share_ranges(table, lengths, shares[j : j + 1], self.page_size)
+            part, lse = cpu_paged_decode(q[:, cols], store_kv[0, j : j + 1],
+                                         store_kv[1, j : j + 1], rows, counts,
+                                         self.page_size)  # fmt: skip
             out[:, cols] = part.to(out.dtype)
             lses.append(lse.float())
-        return lses
-
-    def _key_range(self, copy: Copy) -> tuple[torch.Tensor, torch.Tensor]:
-        """The block table of each sequence's pages from the copy's first key on, and the
-        number of its keys: ``([seqs, width], [seqs])``, found on the device from the step's
-        tables and lengths (a CUDA graph replays it)."""
-        key = (copy.shares, copy.index)
-        if key not in self._ranges:
-            self._ranges[key] = copy_key_range(self.step.tables["gpu"], self.step.lengths, copy,
-                                               self.page_size)  # fmt: skip
-        return self._ranges[key]
+        return torch.cat(lses, 1)
 
 
-def merge_copies(layout: RankLayout, layer: int, lses: list[torch.Tensor] | None,
-                 out: torch.Tensor | None, exchange: Callable[[torch.Tensor], torch.Tensor],
+def merge_copies(lse: torch.Tensor | None, out: torch.Tensor | None,
+                 columns: torch.Tensor | None, num_copied: int,
+                 exchange: Callable[[torch.Tensor], torch.Tensor],
                  num_seqs: int, q_per_kv: int, device: torch.device) -> None:  # fmt: skip
-    """Scale this rank's decode parts of ``layer``'s copied heads by their weights in the
-    merge with the other copies: ``lses`` one ``[seqs, q_per_kv]`` per copy of the rank,
-    ``out [seqs, copies x q_per_kv, dim]`` their parts (both None where the rank holds no
-    copy of the layer; every rank calls it where any does, for the lse all-gather)."""
-    copies = layout.copies[layer]
-    mine = torch.full((num_seqs, layout.num_copied[layer], q_per_kv), -torch.inf,
-                      device=device)  # fmt: skip
-    for j, copy in enumerate(copies):
-        mine[:, copy.slot] = lses[j]
-    total = torch.logsumexp(exchange(mine), dim=0)  # [seqs, copied, q_per_kv]
-    for j, copy in enumerate(copies):
-        # a row no copy attends (a graph's padding) has total -inf: weight 0, not NaN
-        weight = torch.exp(mine[:, copy.slot] - total[:, copy.slot]).nan_to_num(0.0)[..., None]
-        cols = slice(j * q_per_kv, (j + 1) * q_per_kv)
-        out[:, cols] = (out[:, cols].float().nan_to_num(0.0) * weight).to(out.dtype)
+    """Scale this rank's decode parts of a layer's copied heads by their weights in the
+    merge with the other copies, in place in ``out`` (o_proj's input): ``lse [seqs, copies x
+    q_per_kv]`` and ``out [seqs, copies x q_per_kv, dim]`` of the rank's copies, whose
+    columns of the layer's ``num_copied`` copied heads are ``columns [copies]`` (all three
+    None where the rank holds no copy of the layer; every rank calls it where any does, for
+    the lse all-gather). A fixed few kernels a layer, however many copies: the lse placed,
+    gathered, and the weights found and applied in one compiled kernel on the GPU."""
+    mine = torch.full((num_seqs, num_copied, q_per_kv), -torch.inf, device=device)
+    if lse is not None:
+        lse = lse.float().view(num_seqs, -1, q_per_kv)  # [seqs, copies, q_per_kv]
+        mine.index_copy_(1, columns, lse)
+    every = exchange(mine)  # [world, seqs, copied, q_per_kv]
+    if out is None:
+        return
+    parts = out.view(num_seqs, -1, q_per_kv, out.shape[-1])  # [seqs, copies, q_per_kv, dim]
+    scale = _scale_by_merge_weight
+    if out.is_cuda:
+        global _compiled_scale
+        if _compiled_scale is None:
+            _compiled_scale = torch.compile(_scale_by_merge_weight, fullgraph=True)
+        scale = _compiled_scale
+    scale(every, lse, columns, parts)
 
 
-def copy_key_bounds(lengths: torch.Tensor, shares: tuple[float, ...], index: int,
-                    page_size: int) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    """:func:`~headspace.parallel.placement.copy_keys` of each of ``lengths [rows]`` on the
-    device: the keys ``[lo, hi)`` copy ``index`` attends (int64, the same cuts)."""
-    lengths = lengths.long()
-
-    def cut(fraction: float) -> torch.Tensor:
-        if fraction >= 1.0:
-            return lengths
-        pages = torch.round(fraction * lengths.double() / page_size).long()
-        return torch.minimum(lengths, pages * page_size)
-
-    before, through = cumulative_shares(shares, index)
-    return cut(before), cut(through)
+_compiled_scale = None
 
 
-def copy_key_range(tables: torch.Tensor, lengths: torch.Tensor, copy: Copy,
-                   page_size: int) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    """What ``copy`` attends of each row at decode, on the device (a CUDA graph replays it):
-    ``tables [rows, width]`` shifted to start at its first key's page (int32), and its number
-    of keys ``[rows]`` (int32), from each row's ``lengths [rows]``."""
-    lo, hi = copy_key_bounds(lengths, copy.shares, copy.index, page_size)
-    width = tables.shape[-1]
-    columns = torch.arange(width, device=tables.device) + (lo // page_size)[:, None]
-    return tables.gather(1, columns.clamp(max=width - 1)).int(), (hi - lo).int()
+def _scale_by_merge_weight(every: torch.Tensor, lse: torch.Tensor, columns: torch.Tensor,
+                           parts: torch.Tensor) -> None:  # fmt: skip
+    """``parts [seqs, copies, q_per_kv, dim]`` times each copy's weight in its head's merge,
+    ``exp(lse - logsumexp over every rank's copies)``; a row no copy attends (a graph's
+    padding: every lse -inf) gets weight 0, not NaN."""
+    total = torch.logsumexp(every, dim=0).index_select(1, columns)  # [seqs, copies, q_per_kv]
+    weight = torch.exp(lse - total).nan_to_num(0.0)
+    parts.copy_((parts.float() * weight[..., None]).nan_to_num(0.0))
+
+
+def copy_columns(layout: RankLayout, device: torch.device) -> list[torch.Tensor | None]:
+    """``[layer]`` the columns of the layer's copied heads that this rank's copies are (int64
+    ``[copies]``; None where it holds none): where :func:`merge_copies` puts their lse."""
+    return [torch.tensor([c.slot for c in copies], device=device) if copies else None
+            for copies in layout.copies]  # fmt: skip
