@@ -21,10 +21,13 @@ The driver first measures the heads' uneven loads on this model (``--scenario``)
 - ``ada_snapkv``: every head under Ada-SnapKV at ``kv_budget=0.25``.
 - ``patterns``: half the heads ``vertical_slash(1000,2048)`` at prefill.
 - ``copies``: FairKV's regime, every head under Ada-SnapKV at 1,024 tokens a head on
-  average, for a batch of up to 128 prompts (``--batch 128 --context 4096``): attention a
-  large part of the decode step. Its result is ``multigpu_copies_<model>_<gpu>x<N>_<date>``
-  with ``copy_cost_us`` from ``bench/copy_cost.py``'s result (``--copy-cost PATH``, measured
-  on the same machine) and ``run_to_run_spread`` (``uniform-again`` against ``uniform``).
+  average, for a batch of up to 128 prompts (``--batch 64 --decode 160 --context 4096``):
+  attention a large part of the decode step. A prompt's prefill takes at least a step, in
+  which the prompts before it decode, so ``--decode`` must exceed ``--batch`` for the whole
+  batch to decode together (the steps timed). Its result is
+  ``multigpu_copies_<model>_<gpu>x<N>_<date>`` with ``copy_cost_us`` from
+  ``bench/copy_cost.py``'s result (``--copy-cost PATH``, measured on the same machine) and
+  ``run_to_run_spread`` (``uniform-again`` against ``uniform``).
 
 Budgets come with FairKV's statistical profile: the tokens the policy gives each (layer, kv
 head) over a prompt of the context's length (another seed than the benchmark's), written as
@@ -204,6 +207,9 @@ def run_solver(solver: str, args, profile: str) -> dict | None:
     else:  # every prompt's prefill (the first ones' decode steps mixed in), then the steps
         # that decode the whole batch
         prefill_s = max(st.prefill_seconds for st in every)
+        if not steps:  # each prompt's prefill takes a step, in which the others decode
+            raise SystemExit(f"no decode step ran all {batch} prompts together: raise "
+                             f"--decode above --batch ({args.decode})")  # fmt: skip
         decode_tok_s = batch / statistics.median(steps)
         engine.batch.runner.__dict__.pop("decode")  # the timing wrapper
     weight_bytes = sum(p.nbytes for p in engine.model.parameters())
