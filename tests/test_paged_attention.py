@@ -211,3 +211,53 @@ def test_triton_paged_decode_attends_each_copy_range_and_stores_every_token(ring
     finite = twin_lse.isfinite()
     assert torch.equal(finite, lse.cpu().isfinite())
     assert (twin_lse[finite] - lse.cpu()[finite]).abs().max().item() < tolerance
+
+
+@pytest.mark.parametrize("shares", [(0.25, 0.5, 0.25), (0.3, 0.3, 0.4), (1 / 3, 1 / 3, 1 / 3)])
+def test_triton_copy_ranges_cut_as_the_host_and_tile_every_row(shares):
+    """Three copies of a head (one kv head each) over rows of 0-200 keys, ties at half pages
+    included, with the new token at the row's end or anywhere in it (a ring): each copy
+    attends exactly the keys :func:`copy_keys` gives it (with q = 0 its lse is the log of
+    their count and its output their mean position), the copies tile the row, and every
+    copy stores the new token."""
+    from headspace.attention.triton_decode import paged_decode_attention
+    from headspace.parallel.placement import copy_keys, cumulative_shares
+
+    page, dim, copies = 16, 16, len(shares)
+    generator = torch.Generator().manual_seed(7)
+    lengths = [0, 1, 15, 16, 17, 32, 33, 48, 63, 64, 80, 96, 100, 128]
+    lengths += torch.randint(0, 200, (6,), generator=generator).tolist()
+    width = max(lengths) // page + 1
+    tables = torch.arange(len(lengths) * width, dtype=torch.int32).view(len(lengths), width)
+    slots = len(lengths) * width * page
+    k = torch.zeros(copies, slots, dim)
+    v = torch.zeros(copies, slots, dim)
+    v[:, :, 0] = (torch.arange(slots) % (width * page)).float()  # each key's position
+    v[:, :, 1] = 1.0
+    key_shares = torch.tensor([cumulative_shares(shares, i) for i in range(copies)],
+                              dtype=torch.float64)  # fmt: skip
+    rows = torch.tensor(lengths)
+    ring = torch.tensor([int(torch.randint(0, max(n, 1), (1,), generator=generator))
+                         for n in lengths], dtype=torch.int32)  # fmt: skip
+    for new_index in (None, ring):
+        at = (rows - 1).clamp(min=0) if new_index is None else new_index
+        new_kv = torch.zeros(2, len(lengths), copies, dim)
+        new_kv[1, :, :, 0], new_kv[1, :, :, 1] = at.float()[:, None], 1.0
+        k_run, v_run = k.clone(), v.clone()
+        out, lse = paged_decode_attention(torch.zeros(len(lengths), copies, dim), k_run, v_run,
+                                          tables, rows, page, new_kv=new_kv,
+                                          new_index=new_index, num_splits=3, block_n=16,
+                                          key_shares=key_shares)  # fmt: skip
+        for s, length in enumerate(lengths):
+            cuts = [copy_keys(length, shares, c, page) for c in range(copies)]
+            assert sum(hi - lo for lo, hi in cuts) == length
+            for c, (lo, hi) in enumerate(cuts):
+                count = lse[s, c].exp().item()
+                assert abs(count - (hi - lo)) < 1e-3, (length, c, count, lo, hi)
+                if hi > lo:
+                    assert abs(out[s, c, 0].item() - (lo + hi - 1) / 2) < 1e-3
+                else:
+                    assert (out[s, c] == 0).all()
+            if length:
+                slot = int(tables[s, int(at[s]) // page]) * page + int(at[s]) % page
+                assert (v_run[:, slot, 0] == at[s]).all() and (v_run[:, slot, 1] == 1).all()

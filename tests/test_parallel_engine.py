@@ -320,9 +320,10 @@ def test_copy_keys_tile_the_sequence_at_pages(length, page_size, weights):
 @settings(max_examples=100, deadline=None)
 @given(st.lists(st.integers(0, 100_000), min_size=1, max_size=8), st.sampled_from([16, 128]),
        st.lists(st.floats(0.05, 1.0), min_size=2, max_size=4))  # fmt: skip
-def test_copy_key_bounds_on_the_device_cut_as_the_host_does(lengths, page_size, weights):
-    """Copies find their key ranges on the device (a CUDA graph replays them): the same
-    cuts as :func:`copy_keys`, every length at once."""
+def test_share_cut_in_torch_cuts_as_the_host_does(lengths, page_size, weights):
+    """The CPU twin of the decode kernel's range cut (``share_cut``, float64 torch ops):
+    the same cuts as :func:`copy_keys`, every length at once (the kernel's own cut:
+    ``test_triton_copy_ranges_cut_as_the_host_and_tile_every_row``)."""
     shares = tuple(w / sum(weights) for w in weights)
     for index in range(len(shares)):
         bounds = torch.tensor(cumulative_shares(shares, index), dtype=torch.float64)
@@ -348,3 +349,31 @@ def test_merge_of_a_row_no_copy_attends_is_zero_not_nan():
     assert not out.isnan().any() and (out[1] == 0).all()
     weight = torch.sigmoid(lse[0] - theirs[0])  # e^a / (e^a + e^b)
     torch.testing.assert_close(out[0], weight[:, None].expand(2, 3))
+
+
+def test_merge_of_several_copies_into_a_wider_output():
+    """Two copies of a rank, in columns 2 and 0 of a layer's three copied heads, scaled in
+    place in their part of a wider output (own heads first): each by ``exp(lse - total)``
+    over every rank's lse of its head; the own heads' part untouched."""
+    from headspace.tiers.copies import merge_copies
+
+    generator = torch.Generator().manual_seed(3)
+    seqs, q_per_kv, dim, own = 2, 2, 4, 3
+    out = torch.randn(seqs, (own + 2) * q_per_kv, dim, generator=generator)
+    before = out.clone()
+    lse = torch.randn(seqs, 2 * q_per_kv, generator=generator)  # this rank's two copies
+    theirs = torch.randn(seqs, 3, q_per_kv, generator=generator)  # the other rank's table
+    columns = torch.tensor([2, 0])
+    split = own * q_per_kv
+
+    def exchange(mine: torch.Tensor) -> torch.Tensor:
+        return torch.stack([mine, theirs])
+
+    merge_copies(lse[:, :], out[:, split:], columns, 3, exchange, seqs, q_per_kv,
+                 torch.device("cpu"))  # fmt: skip
+    assert torch.equal(out[:, :split], before[:, :split])
+    for j, column in enumerate(columns.tolist()):
+        mine = lse[:, j * q_per_kv : (j + 1) * q_per_kv]
+        weight = torch.sigmoid(mine - theirs[:, column])  # e^a / (e^a + e^b)
+        cols = slice(split + j * q_per_kv, split + (j + 1) * q_per_kv)
+        torch.testing.assert_close(out[:, cols], before[:, cols] * weight[..., None])

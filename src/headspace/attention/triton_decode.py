@@ -228,6 +228,9 @@ def paged_decode_attention(
     if q.dtype == torch.float32:  # fp32 blocks of 128 keys overflow shared memory
         block_n = min(block_n, 64)
     assert page_size % block_n == 0, "the page size must be a multiple of the key block"
+    if key_shares is not None:  # the cuts must be every rank's: float64 (before, through) rows
+        assert key_shares.dtype == torch.float64 and key_shares.is_contiguous()
+        assert key_shares.shape[1:] == (2,) and key_shares.device == q.device
     capacity = block_tables.shape[1] * page_size
     num_splits = num_splits or num_splits_for(capacity, num_seqs * num_kv_heads)
     tokens_per_split = triton.cdiv(triton.cdiv(capacity, num_splits), block_n) * block_n

@@ -39,8 +39,9 @@ class Hardware:
     copy_seconds: float = 20e-6  # what each copy of a divided kv head adds to its rank's
     # step: at decode its rows join the own heads' kernel launch and the layer's merge is a
     # fixed few kernels and one lse all-gather (bench/copy_cost.py); 73-100 us a copy when
-    # each copy ran its own key range, launch and merge (four H100s, 2026-11-26); charged at
-    # prefill too, where a copy runs its own calls
+    # each copy ran its own key range, launch and merge (four H100s, 2026-11-26). The merge
+    # is now a cost per layer (every rank's, once any copies) priced here per copy; charged
+    # at prefill too, where a copy still runs its own calls (not measured there)
     eager_step_seconds: float = 48e-3  # the host's work of an eager decode step: per step
     eager_group_seconds: float = 0.35e-3  # ... and per streamed group (its copies, attention
     # and write launches): 0.25-0.6 ms on the H100 hosts measured (Llama-3.1-8B; bench/NOTES.md

@@ -177,7 +177,11 @@ def merge_copies(lse: torch.Tensor | None, out: torch.Tensor | None,
     scale = _scale_by_merge_weight
     if out.is_cuda:
         global _compiled_scale
-        if _compiled_scale is None:
+        if _compiled_scale is None:  # a graph per batch size and copy layout: more than
+            # dynamo's default 8 recompiles, past which a fullgraph function raises
+            config = torch._dynamo.config
+            config.recompile_limit = max(config.recompile_limit, 1024)
+            config.accumulated_recompile_limit = max(config.accumulated_recompile_limit, 4096)
             _compiled_scale = torch.compile(_scale_by_merge_weight, fullgraph=True)
         scale = _compiled_scale
     scale(every, lse, columns, parts)
