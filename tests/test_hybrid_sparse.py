@@ -269,8 +269,9 @@ def test_beta_zero_keeps_everything_and_equals_exact(wide_llama, prompt, cpu_tim
 
 def test_a_larger_beta_attends_fewer_tokens(wide_llama, prompt, cpu_timings):
     """Beta 3: only tokens some query weighs at three times the uniform weight (a random
-    model attends nearly uniformly, so most tokens pass beta 1 for one of 32 queries)."""
-    llm = make(wide_llama, arena=700 * 1024, cpu_sparsity=3.0,
+    model attends nearly uniformly, so most tokens pass beta 1 for one of 32 queries). No
+    query-aware blocks: 16 of them would cover this short history."""
+    llm = make(wide_llama, arena=700 * 1024, cpu_sparsity=3.0, cpu_query_blocks=0,
                hooks=EngineHooks(cpu_timings=cpu_timings), **SPARSE)  # fmt: skip
     out = llm.generate(prompt, GREEDY)[0]
     low, median, high = out.stats.cpu_kept_fraction
@@ -335,8 +336,39 @@ def test_sparse_batch_equals_one_at_a_time(tiny_llama):
 @pytest.mark.parametrize(
     "options",
     [{"cpu_sparsity": -1.0}, {"cpu_sparsity": "1"}, {"cpu_sparsity": 1.0, "offload": "head"},
-     {"cpu_sparsity": 1.0, "cpu_share": 0.5}, {"maw_alpha": 0.0}, {"maw_alpha": 1.5}],
+     {"cpu_sparsity": 1.0, "cpu_share": 0.5}, {"maw_alpha": 0.0}, {"maw_alpha": 1.5},
+     {"cpu_query_blocks": -1}, {"cpu_query_blocks": 1.5}],
 )  # fmt: skip
 def test_bad_sparse_options_are_refused(tiny_llama, options):
     with pytest.raises(UserError):
         make(tiny_llama, **{"offload": "hybrid", **options})
+
+
+def test_query_blocks_join_the_kept_tokens_of_each_row():
+    """With query-aware blocks a sparse row attends its kept tokens and the blocks whose key
+    boxes bound highest for the step's query: a block of keys along the query's direction
+    (none of whose tokens the moving averages kept) comes in, and so do the tokens after
+    the last full block; each position once."""
+    from headspace.tiers.hybrid_blocks import BLOCK
+
+    selector = _selector(query_blocks=1, window=8, page_size=4)
+    selector.begin([7], [60], [0])
+    state = selector.states[7]
+    state.evicted_end = 52  # tokens 0..51 on the CPU side: 3 full blocks and 4 more
+    state.base[0] = (52, {0: torch.tensor([1, 40], dtype=torch.int32),
+                          1: torch.tensor([2], dtype=torch.int32)})  # fmt: skip
+    selector.sparse, selector.seq_ids = [0], [7]
+    dim, slots = 8, 64
+    host_kv = torch.randn(2, 2, slots, dim) * 0.01  # [kv heads, 2, slots, dim]
+    q = torch.zeros(1, 4, dim)  # [rows, 2 kv heads x 2 query heads, dim]
+    q[0, :2, 0] = q[0, 2:, 1] = 1.0
+    pages = [list(range(16))]  # position p in slot p
+    host_kv[0, 0, BLOCK : 2 * BLOCK, 0] = 5.0  # kv head 0: block 1 along its query
+    host_kv[1, 0, 2 * BLOCK : 3 * BLOCK, 1] = 5.0  # kv head 1: block 2
+    tables, counts = selector.token_tables(0, (0, 2), pages, slots, 4, q, host_kv)
+    tail = list(range(3 * BLOCK, 52))
+    want = [sorted({1, 40, *range(BLOCK, 2 * BLOCK), *tail}),
+            sorted({2, *range(2 * BLOCK, 3 * BLOCK), *tail})]  # fmt: skip
+    for head, positions in enumerate(want):
+        got = tables[head, : counts[head]] - 2 * head * slots
+        assert got.tolist() == positions

@@ -201,6 +201,11 @@ class OffloadConfig:
         0.1, "hybrid sparse: weight of each step in the moving average of attention weights "
         "of the tokens in the GPU window"
     )  # fmt: skip
+    cpu_query_blocks: int = _option(
+        16, "hybrid sparse: blocks of 16 tokens each (sequence, kv head) also attends every "
+        "step, those whose keys could weigh most for the step's own query (Quest's bound "
+        "over each block's key box; 0: the tokens the moving averages keep, alone)"
+    )  # fmt: skip
     cpu_threads: int | None = _option(
         None, "hybrid: CPU threads of the attention kernel (default: the cores less one)"
     )
@@ -209,6 +214,9 @@ class OffloadConfig:
         check_choices(self)
         _positive_ints(self, ("gpu_window",), optional=False)
         _positive_ints(self, ("head_group", "cpu_threads"), optional=True)
+        blocks = self.cpu_query_blocks
+        if isinstance(blocks, bool) or not isinstance(blocks, int) or blocks < 0:
+            raise UserError(f"cpu_query_blocks must be an integer >= 0, got {blocks!r}")
         share, beta, alpha = self.cpu_share, self.cpu_sparsity, self.maw_alpha
         if share is not None and (not _is_number(share) or not 0 <= share <= 1):
             raise UserError(f"cpu_share must be between 0 and 1, got {share}")

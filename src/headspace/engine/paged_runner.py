@@ -81,7 +81,7 @@ class PagedRunner:
             per_entry_pages=config.budgets.per_head_pages, layout=layout, budget=self.budget,
             head_scores=None if profile is None else torch.tensor(profile.retrieval),
             hybrid=HybridSettings(offload.cpu_threads, offload.cpu_sparsity, offload.maw_alpha,
-                                  offload.gpu_window),
+                                  offload.gpu_window, offload.cpu_query_blocks),
             prefix_piece=prefix_piece,
             cpu_timings=cpu_timings,
         )  # fmt: skip

@@ -86,13 +86,14 @@ class StepInputs:
 @dataclass
 class HybridSettings:
     """The hybrid tier's CPU side: ``threads`` (None: the rank's cores but one), sparse mode's
-    ``sparsity`` (beta; None: exact) and ``maw_alpha``, and the ``gpu_window`` of recent
-    tokens always attended on the GPU."""
+    ``sparsity`` (beta; None: exact), ``maw_alpha`` and ``query_blocks`` (blocks each step's
+    query adds), and the ``gpu_window`` of recent tokens always attended on the GPU."""
 
     threads: int | None = None
     sparsity: float | None = None
     maw_alpha: float = 0.9
     gpu_window: int = 0
+    query_blocks: int = 0
 
 
 class CpuCall(NamedTuple):

@@ -194,7 +194,8 @@ class CpuAttention:
             kv = self.host.layer(layer)  # [heads, 2, slots, dim], flat rows below
             slots, flat = kv.shape[2], kv.view(1, -1, dim)
             tables, counts = sparse.token_tables(layer, kv_range, self.host_pages, slots,
-                                                 self.host.spec.page_size)  # fmt: skip
+                                                 self.host.spec.page_size, q[rows],
+                                                 kv)  # fmt: skip
             queries = q[rows].reshape(len(rows) * num_heads, -1, dim)
             part, part_lse = self._kernel(queries, flat[:, : flat.shape[1] - slots],
                                           flat[:, slots:], tables, counts, 1)  # fmt: skip

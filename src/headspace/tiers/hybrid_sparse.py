@@ -32,6 +32,7 @@ import torch
 from headspace.budgets.scores import WINDOW as OBSERVED_QUERIES
 from headspace.kv.transfer import device_ints
 from headspace.tiers.base import CpuTimings, timed
+from headspace.tiers.hybrid_blocks import KeyBoxes, query_positions
 
 SELECTION_DELAY = 2  # steps from the dense pass that writes the weights to the first sparse one
 
@@ -66,6 +67,7 @@ class SparseState:
         self.stale = True  # appended to since the last re-evaluation was asked for
         self.version = 0
         self.maw: dict[tuple[int, int], torch.Tensor] = {}  # (layer, first head) -> [heads, n]
+        self.boxes = KeyBoxes()  # its CPU-side keys' boxes, for the query-aware blocks
 
     @property
     def ready(self) -> bool:
@@ -123,8 +125,10 @@ class SparseSelector:
 
     def __init__(self, beta: float, alpha: float, kv_heads: dict[int, range], num_layers: int,
                  num_kv_heads: int, window: int, page_size: int, max_rows: int,
-                 device: torch.device, timings: CpuTimings | None = None):  # fmt: skip
+                 device: torch.device, timings: CpuTimings | None = None,
+                 query_blocks: int = 0):  # fmt: skip
         self.beta, self.alpha, self.kv_heads = beta, alpha, kv_heads
+        self.query_blocks = query_blocks  # blocks each step's query adds (hybrid_blocks)
         self.timings = timings
         self.tracks = timings is None or timings.track_weights  # the GPU side's MAW updated
         self.ring = window + 2 * page_size  # the GPU side never spans more tokens
@@ -159,6 +163,7 @@ class SparseSelector:
             max_rows,
             device,
             timings,
+            settings.query_blocks,
         )
 
     # -- the step ------------------------------------------------------------------------
@@ -318,10 +323,18 @@ class SparseSelector:
         host_pages: list[list[int]],
         slots_per_head: int,
         page_size: int,
+        q: torch.Tensor | None = None,
+        host_kv: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The kernel's inputs for this step's sparse rows, one row per (sequence, kv head):
         int32 tables of rows ``2 h slots_per_head + slot`` into a layer's flat ``[heads * 2
-        * slots, dim]`` K view (V: ``slots_per_head`` rows on), and the kept counts."""
+        * slots, dim]`` K view (V: ``slots_per_head`` rows on), and the kept counts. With
+        ``query_blocks``, each row's kept tokens and the blocks the step's query ``q [sparse
+        rows, query heads of kv_range, dim]`` bounds highest (keys boxed from the layer's
+        host pages ``host_kv [kv heads, 2, slots, dim]``)."""
+        if self.query_blocks and q is not None:
+            return self._query_tables(layer, kv_range, host_pages, slots_per_head, page_size,
+                                      q, host_kv)  # fmt: skip
         states = [self.states[self.seq_ids[i]] for i in self.sparse]
         key = (layer, kv_range, slots_per_head, tuple(self.seq_ids[i] for i in self.sparse),
                tuple(s.version for s in states))  # fmt: skip
@@ -340,6 +353,34 @@ class SparseSelector:
                 tables[j, : len(r)] = r
             self._tables[key] = (tables, counts)
         return self._tables[key]
+
+    def _query_tables(self, layer, kv_range, host_pages, slots_per_head, page_size, q,
+                      host_kv):  # fmt: skip
+        """:meth:`token_tables` with each step's query-aware blocks (never cached)."""
+        lo, hi = kv_range
+        group = q.shape[1] // (hi - lo)
+        rows = []
+        for j, i in enumerate(self.sparse):
+            state = self.states[self.seq_ids[i]]
+            pages, end = torch.tensor(host_pages[i], dtype=torch.int64), state.evicted_end
+
+            def slots_of(positions: torch.Tensor, pages=pages) -> torch.Tensor:
+                return pages[positions // page_size] * page_size + positions % page_size
+
+            def keys(start: int, stop: int, slots_of=slots_of) -> torch.Tensor:
+                return host_kv[lo:hi, 0, slots_of(torch.arange(start, stop))]
+
+            centre, radius = state.boxes.grow(layer, end, keys)
+            found = query_positions(q[j].view(hi - lo, group, -1), centre, radius,
+                                    self.query_blocks, end)  # fmt: skip
+            for h, extra in zip(range(lo, hi), found, strict=True):
+                positions = torch.cat([state.kept(layer, h).long(), extra]).unique()
+                rows.append((slots_of(positions) + 2 * h * slots_per_head).int())
+        counts = torch.tensor([len(r) for r in rows], dtype=torch.int32)
+        tables = torch.zeros(len(rows), max(1, int(counts.max())), dtype=torch.int32)
+        for j, r in enumerate(rows):
+            tables[j, : len(r)] = r
+        return tables, counts
 
     def drain(self) -> None:
         """Wait for the selections in flight (tests, and before reading summaries)."""

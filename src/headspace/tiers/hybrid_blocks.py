@@ -1,0 +1,71 @@
+"""Query-aware blocks for the hybrid tier's sparse mode: each step, per (sequence, kv head),
+the CPU also attends the blocks of ``BLOCK`` tokens whose keys could weigh most for the
+step's own query, besides the tokens the moving averages kept.
+
+The kept tokens are chosen from the weights earlier queries gave; a token no earlier query
+weighed (a needle's rare words, first wanted by the query that predicts them) is dropped
+and stays dropped. Quest's bound finds it from the query itself: a block whose keys lie in a
+box ``[lo, hi]`` per dimension has ``q . k <= q . c + |q| . r`` for every key in it (``c``
+the box's centre, ``r`` its half-width), so the blocks with the highest bound for a query are
+those that can hold its largest weights. The boxes cost ``2 dim`` floats per block (1/8 of
+the block's K and V in bf16 for blocks of 16), are found once as the CPU side grows, and
+the bound for all of a sequence's blocks is two matrix products per kv head.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+BLOCK = 16  # tokens per block whose keys one box bounds
+
+
+class KeyBoxes:
+    """One sequence's key boxes: per layer, centre and half-width ``[kv heads, blocks, dim]``
+    (fp32) of its CPU-side keys in blocks of ``BLOCK`` positions, grown block by block."""
+
+    def __init__(self):
+        self.boxes: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def grow(self, layer: int, end: int, keys: Callable[[int, int], torch.Tensor]):
+        """The boxes of ``layer``'s full blocks below position ``end``, those not yet boxed
+        read through ``keys(start, stop)`` (the keys ``[kv heads, stop - start, dim]`` of
+        positions ``start .. stop - 1``)."""
+        centre, radius = self.boxes.get(layer, (None, None))
+        done = 0 if centre is None else centre.shape[1]
+        full = end // BLOCK
+        if full > done or centre is None:  # (no full block yet: boxes of none)
+            new = keys(done * BLOCK, full * BLOCK).float()  # [heads, tokens, dim]
+            new = new.view(new.shape[0], full - done, BLOCK, new.shape[-1])
+            lo, hi = new.amin(2), new.amax(2)  # [heads, blocks, dim]
+            parts = ((hi + lo) / 2, (hi - lo) / 2)
+            if centre is not None:
+                parts = (torch.cat([centre, parts[0]], 1), torch.cat([radius, parts[1]], 1))
+            self.boxes[layer] = parts
+        return self.boxes[layer]
+
+
+def block_bounds(q: torch.Tensor, centre: torch.Tensor, radius: torch.Tensor) -> torch.Tensor:
+    """The most any key of each block can score for each kv head's queries: ``q [kv heads,
+    group, dim]`` against boxes ``[kv heads, blocks, dim]`` -> ``[kv heads, blocks]`` (the
+    largest over the group's query heads)."""
+    q = q.float()
+    # [heads, group, blocks]
+    bound = q @ centre.transpose(1, 2) + q.abs() @ radius.transpose(1, 2)
+    return bound.amax(1)
+
+
+def query_positions(q: torch.Tensor, centre: torch.Tensor, radius: torch.Tensor, count: int,
+                    end: int) -> list[torch.Tensor]:  # fmt: skip
+    """Per kv head, the positions (int64, ascending) of the ``count`` blocks with the
+    highest bound for ``q [kv heads, group, dim]``, and of the tokens after the last full
+    block up to ``end`` (no box bounds them yet)."""
+    num_blocks = centre.shape[1]
+    tail = torch.arange(num_blocks * BLOCK, end)
+    if not num_blocks or count <= 0:
+        return [tail] * q.shape[0]
+    top = block_bounds(q, centre, radius).topk(min(count, num_blocks), dim=1).indices
+    offsets = torch.arange(BLOCK)
+    return [torch.cat([(blocks.sort().values[:, None] * BLOCK + offsets).flatten(), tail])
+            for blocks in top]  # fmt: skip
