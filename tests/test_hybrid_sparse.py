@@ -348,7 +348,7 @@ def test_query_blocks_join_the_kept_tokens_of_each_row():
     """With query-aware blocks a sparse row attends its kept tokens and the blocks whose key
     boxes bound highest for the step's query: a block of keys along the query's direction
     (none of whose tokens the moving averages kept) comes in, and so do the tokens after
-    the last full block; each position once."""
+    the last full block; each position once, and the next step's blocks replace them."""
     from headspace.tiers.hybrid_blocks import BLOCK
 
     selector = _selector(query_blocks=1, window=8, page_size=4)
@@ -361,14 +361,17 @@ def test_query_blocks_join_the_kept_tokens_of_each_row():
     dim, slots = 8, 64
     host_kv = torch.randn(2, 2, slots, dim) * 0.01  # [kv heads, 2, slots, dim]
     q = torch.zeros(1, 4, dim)  # [rows, 2 kv heads x 2 query heads, dim]
-    q[0, :2, 0] = q[0, 2:, 1] = 1.0
+    q[0, :2, 0] = q[0, 2:, 1] = 1.0  # kv head 0's queries along dimension 0, head 1's 1
     pages = [list(range(16))]  # position p in slot p
-    host_kv[0, 0, BLOCK : 2 * BLOCK, 0] = 5.0  # kv head 0: block 1 along its query
-    host_kv[1, 0, 2 * BLOCK : 3 * BLOCK, 1] = 5.0  # kv head 1: block 2
-    tables, counts = selector.token_tables(0, (0, 2), pages, slots, 4, q, host_kv)
+    for head in range(2):  # each head: block 1 along dimension 0, block 2 along dimension 1
+        host_kv[head, 0, BLOCK : 2 * BLOCK, 0] = 5.0
+        host_kv[head, 0, 2 * BLOCK : 3 * BLOCK, 1] = 5.0
     tail = list(range(3 * BLOCK, 52))
-    want = [sorted({1, 40, *range(BLOCK, 2 * BLOCK), *tail}),
-            sorted({2, *range(2 * BLOCK, 3 * BLOCK), *tail})]  # fmt: skip
-    for head, positions in enumerate(want):
-        got = tables[head, : counts[head]] - 2 * head * slots
-        assert got.tolist() == positions
+    block = [range(BLOCK, 2 * BLOCK), range(2 * BLOCK, 3 * BLOCK)]
+    for swap in (False, True):  # a later step (the kept tokens' table reused), other queries
+        step_q = q[:, [2, 3, 0, 1]] if swap else q
+        tables, counts = selector.token_tables(0, (0, 2), pages, slots, 4, step_q, host_kv)
+        want = [{1, 40, *block[swap], *tail}, {2, *block[not swap], *tail}]
+        for head, positions in enumerate(want):
+            got = (tables[head, : counts[head]] - 2 * head * slots).tolist()
+            assert sorted(got) == sorted(positions) and len(got) == len(positions)

@@ -69,3 +69,17 @@ def query_positions(q: torch.Tensor, centre: torch.Tensor, radius: torch.Tensor,
     offsets = torch.arange(BLOCK)
     return [torch.cat([(blocks.sort().values[:, None] * BLOCK + offsets).flatten(), tail])
             for blocks in top]  # fmt: skip
+
+
+def spare_columns(count: int) -> int:
+    """Most positions :func:`query_positions` gives a head: ``count`` blocks and a tail."""
+    return count * BLOCK + BLOCK - 1
+
+
+def not_in(positions: torch.Tensor, kept: torch.Tensor) -> torch.Tensor:
+    """``positions`` not among ``kept`` (ascending int64): a binary search each, so a step
+    adds its blocks without touching the kept tokens' table."""
+    if not len(kept):
+        return positions
+    index = torch.searchsorted(kept, positions).clamp(max=len(kept) - 1)
+    return positions[kept[index] != positions]

@@ -32,7 +32,7 @@ import torch
 from headspace.budgets.scores import WINDOW as OBSERVED_QUERIES
 from headspace.kv.transfer import device_ints
 from headspace.tiers.base import CpuTimings, timed
-from headspace.tiers.hybrid_blocks import KeyBoxes, query_positions
+from headspace.tiers.hybrid_blocks import KeyBoxes, not_in, query_positions, spare_columns
 
 SELECTION_DELAY = 2  # steps from the dense pass that writes the weights to the first sparse one
 
@@ -332,34 +332,40 @@ class SparseSelector:
         ``query_blocks``, each row's kept tokens and the blocks the step's query ``q [sparse
         rows, query heads of kv_range, dim]`` bounds highest (keys boxed from the layer's
         host pages ``host_kv [kv heads, 2, slots, dim]``)."""
-        if self.query_blocks and q is not None:
-            return self._query_tables(layer, kv_range, host_pages, slots_per_head, page_size,
-                                      q, host_kv)  # fmt: skip
+        blocks = self.query_blocks if q is not None else 0
         states = [self.states[self.seq_ids[i]] for i in self.sparse]
         key = (layer, kv_range, slots_per_head, tuple(self.seq_ids[i] for i in self.sparse),
-               tuple(s.version for s in states))  # fmt: skip
+               tuple(s.version for s in states), blocks)  # fmt: skip
         if key not in self._tables:
             self._tables = {k: v for k, v in self._tables.items() if k[:4] != key[:4]}
-            rows = []
+            rows, kept = [], []
             for i, state in zip(self.sparse, states, strict=True):
                 pages = torch.tensor(host_pages[i], dtype=torch.int64)
                 for h in range(*kv_range):
-                    positions = state.kept(layer, h).long()
+                    positions = state.kept(layer, h).long()  # ascending
                     slots = pages[positions // page_size] * page_size + positions % page_size
                     rows.append((slots + 2 * h * slots_per_head).int())
+                    kept.append(positions)
             counts = torch.tensor([len(r) for r in rows], dtype=torch.int32)
-            tables = torch.zeros(len(rows), max(1, int(counts.max())), dtype=torch.int32)
+            # with query blocks, room after each row's kept tokens for the step's blocks
+            width = int(counts.max()) + (spare_columns(blocks) if blocks else 0)
+            tables = torch.zeros(len(rows), max(1, width), dtype=torch.int32)
             for j, r in enumerate(rows):
                 tables[j, : len(r)] = r
-            self._tables[key] = (tables, counts)
-        return self._tables[key]
+            self._tables[key] = (tables, counts, kept)
+        tables, counts, kept = self._tables[key]
+        if not blocks:
+            return tables, counts
+        return tables, self._add_query_blocks(
+            layer, kv_range, host_pages, slots_per_head, page_size, q, host_kv, tables, counts, kept
+        )
 
-    def _query_tables(self, layer, kv_range, host_pages, slots_per_head, page_size, q,
-                      host_kv):  # fmt: skip
-        """:meth:`token_tables` with each step's query-aware blocks (never cached)."""
+    def _add_query_blocks(self, layer, kv_range, host_pages, slots_per_head, page_size, q,
+                          host_kv, tables, counts, kept) -> torch.Tensor:  # fmt: skip
+        """Each row's step blocks (those not kept already) written after its kept tokens in
+        ``tables``; returns this step's counts."""
         lo, hi = kv_range
-        group = q.shape[1] // (hi - lo)
-        rows = []
+        group, step_counts, row = q.shape[1] // (hi - lo), counts.clone(), 0
         for j, i in enumerate(self.sparse):
             state = self.states[self.seq_ids[i]]
             pages, end = torch.tensor(host_pages[i], dtype=torch.int64), state.evicted_end
@@ -373,14 +379,13 @@ class SparseSelector:
             centre, radius = state.boxes.grow(layer, end, keys)
             found = query_positions(q[j].view(hi - lo, group, -1), centre, radius,
                                     self.query_blocks, end)  # fmt: skip
-            for h, extra in zip(range(lo, hi), found, strict=True):
-                positions = torch.cat([state.kept(layer, h).long(), extra]).unique()
-                rows.append((slots_of(positions) + 2 * h * slots_per_head).int())
-        counts = torch.tensor([len(r) for r in rows], dtype=torch.int32)
-        tables = torch.zeros(len(rows), max(1, int(counts.max())), dtype=torch.int32)
-        for j, r in enumerate(rows):
-            tables[j, : len(r)] = r
-        return tables, counts
+            for h, positions in zip(range(lo, hi), found, strict=True):
+                extra = not_in(positions, kept[row])
+                first = int(counts[row])
+                tables[row, first : first + len(extra)] = slots_of(extra) + 2 * h * slots_per_head
+                step_counts[row] = first + len(extra)
+                row += 1
+        return step_counts
 
     def drain(self) -> None:
         """Wait for the selections in flight (tests, and before reading summaries)."""
