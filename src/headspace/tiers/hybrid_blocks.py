@@ -36,9 +36,9 @@ class KeyBoxes:
         done = 0 if centre is None else centre.shape[1]
         full = end // BLOCK
         if full > done or centre is None:  # (no full block yet: boxes of none)
-            new = keys(done * BLOCK, full * BLOCK).float()  # [heads, tokens, dim]
-            new = new.view(new.shape[0], full - done, BLOCK, new.shape[-1])
-            lo, hi = new.amin(2), new.amax(2)  # [heads, blocks, dim]
+            new = keys(done * BLOCK, full * BLOCK)  # [heads, tokens, dim], the cache's dtype
+            new = new.reshape(new.shape[0], full - done, BLOCK, new.shape[-1])
+            lo, hi = new.amin(2).float(), new.amax(2).float()  # [heads, blocks, dim]
             parts = ((hi + lo) / 2, (hi - lo) / 2)
             if centre is not None:
                 parts = (torch.cat([centre, parts[0]], 1), torch.cat([radius, parts[1]], 1))

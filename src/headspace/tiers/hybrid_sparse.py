@@ -373,8 +373,17 @@ class SparseSelector:
             def slots_of(positions: torch.Tensor, pages=pages) -> torch.Tensor:
                 return pages[positions // page_size] * page_size + positions % page_size
 
-            def keys(start: int, stop: int, slots_of=slots_of) -> torch.Tensor:
-                return host_kv[lo:hi, 0, slots_of(torch.arange(start, stop))]
+            def keys(start: int, stop: int, pages=pages) -> torch.Tensor:  # whole pages,
+                first, last = start // page_size, -(-stop // page_size)  # a head at a time
+                k = torch.stack(
+                    [
+                        host_kv[h, 0]
+                        .unflatten(0, (-1, page_size))
+                        .index_select(0, pages[first:last])
+                        for h in range(lo, hi)
+                    ]
+                )
+                return k.flatten(1, 2)[:, start - first * page_size : stop - first * page_size]
 
             centre, radius = state.boxes.grow(layer, end, keys)
             found = query_positions(q[j].view(hi - lo, group, -1), centre, radius,
