@@ -83,3 +83,41 @@ def not_in(positions: torch.Tensor, kept: torch.Tensor) -> torch.Tensor:
         return positions
     index = torch.searchsorted(kept, positions).clamp(max=len(kept) - 1)
     return positions[kept[index] != positions]
+
+
+def add_query_blocks(rows: list, layer: int, kv_range: tuple[int, int], slots_per_head: int,
+                     page_size: int, q: torch.Tensor, host_kv: torch.Tensor, cached: tuple,
+                     count: int) -> torch.Tensor:  # fmt: skip
+    """Each sparse row's ``count`` query blocks (those not kept already) written after its
+    kept tokens in the cached ``(tables, counts, kept positions)`` of the hybrid tier's
+    token tables; returns this step's counts. ``rows``: per sequence, its sparse state (its
+    CPU-side ``evicted_end`` and key ``boxes``) and its host pages; ``q [sequences, query
+    heads of kv_range, dim]``; ``host_kv [kv heads, 2, slots, dim]`` the layer's host pages."""
+    tables, counts, kept = cached
+    lo, hi = kv_range
+    group, step_counts, row = q.shape[1] // (hi - lo), counts.clone(), 0
+    for j, (state, host_pages) in enumerate(rows):
+        pages, end = torch.tensor(host_pages, dtype=torch.int64), state.evicted_end
+
+        def slots_of(positions: torch.Tensor, pages=pages) -> torch.Tensor:
+            return pages[positions // page_size] * page_size + positions % page_size
+
+        def keys(start: int, stop: int, pages=pages) -> torch.Tensor:  # whole pages, a head
+            first, last = start // page_size, -(-stop // page_size)  # at a time
+            k = torch.stack(
+                [
+                    host_kv[h, 0].unflatten(0, (-1, page_size)).index_select(0, pages[first:last])
+                    for h in range(lo, hi)
+                ]
+            )
+            return k.flatten(1, 2)[:, start - first * page_size : stop - first * page_size]
+
+        centre, radius = state.boxes.grow(layer, end, keys)
+        found = query_positions(q[j].view(hi - lo, group, -1), centre, radius, count, end)
+        for h, positions in zip(range(lo, hi), found, strict=True):
+            extra = not_in(positions, kept[row])
+            first = int(counts[row])
+            tables[row, first : first + len(extra)] = slots_of(extra) + 2 * h * slots_per_head
+            step_counts[row] = first + len(extra)
+            row += 1
+    return step_counts

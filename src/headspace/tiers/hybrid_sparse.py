@@ -32,7 +32,7 @@ import torch
 from headspace.budgets.scores import WINDOW as OBSERVED_QUERIES
 from headspace.kv.transfer import device_ints
 from headspace.tiers.base import CpuTimings, timed
-from headspace.tiers.hybrid_blocks import KeyBoxes, not_in, query_positions, spare_columns
+from headspace.tiers.hybrid_blocks import KeyBoxes, add_query_blocks, spare_columns
 
 SELECTION_DELAY = 2  # steps from the dense pass that writes the weights to the first sparse one
 
@@ -356,45 +356,9 @@ class SparseSelector:
         tables, counts, kept = self._tables[key]
         if not blocks:
             return tables, counts
-        return tables, self._add_query_blocks(
-            layer, kv_range, host_pages, slots_per_head, page_size, q, host_kv, tables, counts, kept
-        )
-
-    def _add_query_blocks(self, layer, kv_range, host_pages, slots_per_head, page_size, q,
-                          host_kv, tables, counts, kept) -> torch.Tensor:  # fmt: skip
-        """Each row's step blocks (those not kept already) written after its kept tokens in
-        ``tables``; returns this step's counts."""
-        lo, hi = kv_range
-        group, step_counts, row = q.shape[1] // (hi - lo), counts.clone(), 0
-        for j, i in enumerate(self.sparse):
-            state = self.states[self.seq_ids[i]]
-            pages, end = torch.tensor(host_pages[i], dtype=torch.int64), state.evicted_end
-
-            def slots_of(positions: torch.Tensor, pages=pages) -> torch.Tensor:
-                return pages[positions // page_size] * page_size + positions % page_size
-
-            def keys(start: int, stop: int, pages=pages) -> torch.Tensor:  # whole pages,
-                first, last = start // page_size, -(-stop // page_size)  # a head at a time
-                k = torch.stack(
-                    [
-                        host_kv[h, 0]
-                        .unflatten(0, (-1, page_size))
-                        .index_select(0, pages[first:last])
-                        for h in range(lo, hi)
-                    ]
-                )
-                return k.flatten(1, 2)[:, start - first * page_size : stop - first * page_size]
-
-            centre, radius = state.boxes.grow(layer, end, keys)
-            found = query_positions(q[j].view(hi - lo, group, -1), centre, radius,
-                                    self.query_blocks, end)  # fmt: skip
-            for h, positions in zip(range(lo, hi), found, strict=True):
-                extra = not_in(positions, kept[row])
-                first = int(counts[row])
-                tables[row, first : first + len(extra)] = slots_of(extra) + 2 * h * slots_per_head
-                step_counts[row] = first + len(extra)
-                row += 1
-        return step_counts
+        rows = [(states[j], host_pages[i]) for j, i in enumerate(self.sparse)]
+        return tables, add_query_blocks(rows, layer, kv_range, slots_per_head, page_size, q,
+                                        host_kv, (tables, counts, kept), blocks)  # fmt: skip
 
     def drain(self) -> None:
         """Wait for the selections in flight (tests, and before reading summaries)."""
