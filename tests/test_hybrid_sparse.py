@@ -267,6 +267,16 @@ def test_beta_zero_keeps_everything_and_equals_exact(wide_llama, prompt, cpu_tim
     assert gap.abs().max().item() < 1e-4
 
 
+def test_query_blocks_covering_the_history_equal_exact(wide_llama, prompt):
+    """Beta 3 keeps few tokens, but 64 query blocks cover this history whole: every
+    CPU-side token is attended once (kept or in a block), so decode equals the exact run."""
+    resident = make(wide_llama)
+    llm = make(wide_llama, arena=700 * 1024, cpu_sparsity=3.0, cpu_query_blocks=64, **SPARSE)
+    assert llm.generate(prompt, GREEDY)[0].stats.cpu_kept_fraction[1] < 0.9
+    gap = decode_logits(llm, prompt, 48) - decode_logits(resident, prompt, 48)
+    assert gap.abs().max().item() < 1e-4
+
+
 def test_a_larger_beta_attends_fewer_tokens(wide_llama, prompt, cpu_timings):
     """Beta 3: only tokens some query weighs at three times the uniform weight (a random
     model attends nearly uniformly, so most tokens pass beta 1 for one of 32 queries). No
@@ -324,7 +334,8 @@ def test_cpu_timings_record_every_kernel_call_and_wait(wide_llama, prompt):
 def test_sparse_batch_equals_one_at_a_time(tiny_llama):
     prompts = _prompts([180, 12, 90, 7])
     params = SamplingParams(max_new_tokens=40, ignore_eos=True)
-    options = {"arena": 10 * 1024, "cpu_sparsity": 2.0, **SPARSE}  # every entry hybrid
+    # every entry hybrid; one query block a step (16 would cover these short histories)
+    options = {"arena": 10 * 1024, "cpu_sparsity": 2.0, "cpu_query_blocks": 1, **SPARSE}
     expected = [make(tiny_llama, **options).generate(p, params)[0] for p in prompts]
     outs = make(tiny_llama, **options).generate(prompts, params)
     assert [o.token_ids for o in outs] == [e.token_ids for e in expected]

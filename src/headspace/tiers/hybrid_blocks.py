@@ -57,23 +57,28 @@ def block_bounds(q: torch.Tensor, centre: torch.Tensor, radius: torch.Tensor) ->
 
 
 def query_positions(q: torch.Tensor, centre: torch.Tensor, radius: torch.Tensor, count: int,
-                    end: int) -> list[torch.Tensor]:  # fmt: skip
+                    end: int, whole: torch.Tensor | None = None) -> list[torch.Tensor]:  # fmt: skip
     """Per kv head, the positions (int64, ascending) of the ``count`` blocks with the
     highest bound for ``q [kv heads, group, dim]``, and of the tokens after the last full
-    block up to ``end`` (no box bounds them yet)."""
+    block up to ``end`` (no box bounds them yet). ``whole [kv heads, blocks]``: blocks
+    already attended in full (every token kept), passed over."""
     num_blocks = centre.shape[1]
     tail = torch.arange(num_blocks * BLOCK, end)
     if not num_blocks or count <= 0:
         return [tail] * q.shape[0]
-    top = block_bounds(q, centre, radius).topk(min(count, num_blocks), dim=1).indices
+    bound = block_bounds(q, centre, radius)
+    if whole is not None:
+        bound = bound.masked_fill(whole, -torch.inf)
+    top = bound.topk(min(count, num_blocks), dim=1).indices
     offsets = torch.arange(BLOCK)
     return [torch.cat([(blocks.sort().values[:, None] * BLOCK + offsets).flatten(), tail])
             for blocks in top]  # fmt: skip
 
 
-def spare_columns(count: int) -> int:
-    """Most positions :func:`query_positions` gives a head: ``count`` blocks and a tail."""
-    return count * BLOCK + BLOCK - 1
+def spare_columns(count: int, end: int) -> int:
+    """Most positions :func:`query_positions` gives a head of ``end`` CPU-side tokens:
+    ``count`` of its full blocks and the tail."""
+    return min(count, end // BLOCK) * BLOCK + end % BLOCK
 
 
 def not_in(positions: torch.Tensor, kept: torch.Tensor) -> torch.Tensor:
@@ -113,7 +118,11 @@ def add_query_blocks(rows: list, layer: int, kv_range: tuple[int, int], slots_pe
             return k.flatten(1, 2)[:, start - first * page_size : stop - first * page_size]
 
         centre, radius = state.boxes.grow(layer, end, keys)
-        found = query_positions(q[j].view(hi - lo, group, -1), centre, radius, count, end)
+        num_blocks = centre.shape[1]
+        whole = torch.stack([torch.bincount(kept[row + h] // BLOCK, minlength=num_blocks + 1)
+                             [:num_blocks] == BLOCK for h in range(hi - lo)])  # fmt: skip
+        found = query_positions(q[j].view(hi - lo, group, -1), centre, radius, count, end,
+                                whole)  # fmt: skip
         for h, positions in zip(range(lo, hi), found, strict=True):
             extra = not_in(positions, kept[row])
             first = int(counts[row])

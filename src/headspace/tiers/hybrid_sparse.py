@@ -68,6 +68,7 @@ class SparseState:
         self.version = 0
         self.maw: dict[tuple[int, int], torch.Tensor] = {}  # (layer, first head) -> [heads, n]
         self.boxes = KeyBoxes()  # its CPU-side keys' boxes, for the query-aware blocks
+        self.admission = 0  # which admission to the selector this is (tables' cache key)
 
     @property
     def ready(self) -> bool:
@@ -137,7 +138,10 @@ class SparseSelector:
         self.rows: dict[int, int] = {}
         self.summaries: dict[int, tuple[float, float, float]] = {}
         self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="headspace-select")
-        self._tables: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+        # (layer, kv range, slots, sequences, their admissions and versions, query blocks)
+        # -> (tables, kept counts, kept positions per row): the current batch's only
+        self._tables: dict[tuple, tuple[torch.Tensor, torch.Tensor, list]] = {}
+        self._admissions = 0
         self.observed: dict[int, dict[int, tuple]] = {}  # seq -> layer -> (q, event, end)
         self._copies: torch.cuda.Stream | None = None  # the prompt queries' copies
         self._aranges: dict[tuple[int, int], torch.Tensor] = {}
@@ -148,8 +152,9 @@ class SparseSelector:
                     device: torch.device,
                     timings: CpuTimings | None = None) -> SparseSelector:  # fmt: skip
         """The selector of the hybrid tier's ``settings`` (``sparsity``, ``maw_alpha``,
-        ``gpu_window``) over each layer's offloaded kv-head ``groups`` (ranges); a
-        benchmark's ``timings``, if any."""
+        ``gpu_window``, ``query_blocks``) over each layer's offloaded kv-head ``groups``
+        (ranges); a benchmark's ``timings`` (whose ``tables`` include the query blocks'
+        bound and boxes), if any."""
         kv_heads = {layer: range(ranges[0][0], ranges[-1][1])
                     for layer, ranges in enumerate(groups) if ranges}  # fmt: skip
         return cls(
@@ -238,6 +243,8 @@ class SparseSelector:
         self.rows[seq_id] = row
         self.maw[row] = -1.0
         self.states[seq_id] = SparseState(list(self.kv_heads), cpu_end)
+        self._admissions += 1
+        self.states[seq_id].admission = self._admissions
 
     def _evict(self, seq_id: int, state: SparseState, end: int, num_gpu_tokens: int) -> None:
         start = state.evicted_end
@@ -335,9 +342,10 @@ class SparseSelector:
         blocks = self.query_blocks if q is not None else 0
         states = [self.states[self.seq_ids[i]] for i in self.sparse]
         key = (layer, kv_range, slots_per_head, tuple(self.seq_ids[i] for i in self.sparse),
-               tuple(s.version for s in states), blocks)  # fmt: skip
-        if key not in self._tables:
-            self._tables = {k: v for k, v in self._tables.items() if k[:4] != key[:4]}
+               tuple((s.admission, s.version) for s in states), blocks)  # fmt: skip
+        if key not in self._tables:  # (a sequence swapped out and back is admitted anew)
+            self._tables = {k: v for k, v in self._tables.items()
+                            if k[3:5] == key[3:5] and k[:3] != key[:3]}  # fmt: skip
             rows, kept = [], []
             for i, state in zip(self.sparse, states, strict=True):
                 pages = torch.tensor(host_pages[i], dtype=torch.int64)
@@ -348,7 +356,8 @@ class SparseSelector:
                     kept.append(positions)
             counts = torch.tensor([len(r) for r in rows], dtype=torch.int32)
             # with query blocks, room after each row's kept tokens for the step's blocks
-            width = int(counts.max()) + (spare_columns(blocks) if blocks else 0)
+            spare = max(spare_columns(blocks, state.evicted_end) for state in states)
+            width = int(counts.max()) + (spare if blocks else 0)
             tables = torch.zeros(len(rows), max(1, width), dtype=torch.int32)
             for j, r in enumerate(rows):
                 tables[j, : len(r)] = r
