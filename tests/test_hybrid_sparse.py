@@ -386,3 +386,53 @@ def test_query_blocks_join_the_kept_tokens_of_each_row():
         for head, positions in enumerate(want):
             got = (tables[head, : counts[head]] - 2 * head * slots).tolist()
             assert sorted(got) == sorted(positions) and len(got) == len(positions)
+
+
+def test_query_blocks_over_shuffled_pages_of_two_sequences():
+    """Two sequences in shuffled host pages, the layer's kv heads 1 and 2 of three: each
+    (sequence, head) row gets the block along its own query, read from its own pages; after
+    the CPU side grows (a page leaves the window), the new full block is boxed and picked."""
+    from headspace.tiers.hybrid_blocks import BLOCK
+
+    selector = _selector(query_blocks=1, kv_heads={0: range(1, 3)}, num_kv_heads=3,
+                         num_layers=1, window=8, page_size=8)  # fmt: skip
+    selector.begin([7, 8], [100, 100], [0, 0])
+    states = [selector.states[7], selector.states[8]]
+    for state in states:
+        state.evicted_end = 40  # blocks 0 and 1, tail 32..39
+        state.base[0] = (40, {1: torch.tensor([3], dtype=torch.int32),
+                              2: torch.tensor([], dtype=torch.int32)})  # fmt: skip
+    selector.sparse, selector.seq_ids = [0, 1], [7, 8]
+    page, dim = 8, 8
+    pages = [[5, 0, 9, 2, 7, 11, 1, 3], [4, 10, 6, 12, 8, 13, 14, 15]]  # 8 pages each
+    slots = 16 * page
+    host_kv = torch.randn(3, 2, slots, dim, generator=torch.Generator().manual_seed(0)) * 0.01
+
+    def plant(seq: int, head: int, block: int, along: int) -> None:
+        for position in range(block * BLOCK, (block + 1) * BLOCK):
+            slot = pages[seq][position // page] * page + position % page
+            host_kv[head, 0, slot, along] = 5.0
+
+    plant(0, 1, 1, 0)  # sequence 7, head 1: block 1 along dimension 0
+    plant(0, 2, 0, 1)
+    plant(1, 1, 0, 2)
+    plant(1, 2, 2, 3)  # sequence 8, head 2: block 2, a full block only once the side grows
+    q = torch.zeros(2, 4, dim)  # [sequences, 2 kv heads x 2 query heads, dim]
+    q[0, :2, 0] = q[0, 2:, 1] = q[1, :2, 2] = q[1, 2:, 3] = 1.0
+
+    def attended(tables, counts, row: int, head: int) -> list[int]:
+        seq_pages = torch.tensor(pages[row // 2])
+        got = tables[row, : counts[row]] - 2 * head * slots
+        positions = [int((seq_pages == s // page).nonzero()) * page + s % page for s in got]
+        assert len(set(positions)) == len(positions)
+        return sorted(positions)
+
+    tables, counts = selector.token_tables(0, (1, 3), pages, slots, page, q, host_kv)
+    tail = list(range(32, 40))
+    assert attended(tables, counts, 0, 1) == sorted({3, *range(16, 32), *tail})
+    assert attended(tables, counts, 1, 2) == [*range(0, 16), *tail]
+    assert attended(tables, counts, 2, 1) == [*range(0, 16), *tail]
+    assert len(attended(tables, counts, 3, 2)) == 16 + len(tail)  # block 2 not full yet
+    states[1].evicted_end, states[1].version = 48, states[1].version + 1  # a page leaves
+    tables, counts = selector.token_tables(0, (1, 3), pages, slots, page, q, host_kv)
+    assert attended(tables, counts, 3, 2) == list(range(32, 48))  # boxed, picked; no tail
