@@ -18,6 +18,8 @@ from collections.abc import Callable
 
 import torch
 
+from headspace.kv.paged_store import token_slots
+
 BLOCK = 16  # tokens per block whose keys one box bounds
 
 
@@ -104,9 +106,6 @@ def add_query_blocks(rows: list, layer: int, kv_range: tuple[int, int], slots_pe
     for j, (state, host_pages) in enumerate(rows):
         pages, end = torch.tensor(host_pages, dtype=torch.int64), state.evicted_end
 
-        def slots_of(positions: torch.Tensor, pages=pages) -> torch.Tensor:
-            return pages[positions // page_size] * page_size + positions % page_size
-
         def keys(start: int, stop: int, pages=pages) -> torch.Tensor:  # whole pages, a head
             first, last = start // page_size, -(-stop // page_size)  # at a time
             k = torch.stack(
@@ -126,7 +125,9 @@ def add_query_blocks(rows: list, layer: int, kv_range: tuple[int, int], slots_pe
         for h, positions in zip(range(lo, hi), found, strict=True):
             extra = not_in(positions, kept[row])
             first = int(counts[row])
-            tables[row, first : first + len(extra)] = slots_of(extra) + 2 * h * slots_per_head
+            tables[row, first : first + len(extra)] = (
+                token_slots(pages, extra, page_size) + 2 * h * slots_per_head
+            )
             step_counts[row] = first + len(extra)
             row += 1
     return step_counts

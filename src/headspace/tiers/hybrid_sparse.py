@@ -30,6 +30,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from headspace.budgets.scores import WINDOW as OBSERVED_QUERIES
+from headspace.kv.paged_store import token_slots
 from headspace.kv.transfer import device_ints
 from headspace.tiers.base import CpuTimings, timed
 from headspace.tiers.hybrid_blocks import KeyBoxes, add_query_blocks, spare_columns
@@ -351,7 +352,7 @@ class SparseSelector:
                 pages = torch.tensor(host_pages[i], dtype=torch.int64)
                 for h in range(*kv_range):
                     positions = state.kept(layer, h).long()  # ascending
-                    slots = pages[positions // page_size] * page_size + positions % page_size
+                    slots = token_slots(pages, positions, page_size)
                     rows.append((slots + 2 * h * slots_per_head).int())
                     kept.append(positions)
             counts = torch.tensor([len(r) for r in rows], dtype=torch.int32)
