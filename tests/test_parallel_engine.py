@@ -143,9 +143,17 @@ def test_four_ranks_equal_one_process(tiny_llama, wide_llama, prompt, tmp_path):
                                    "sparse_pattern": "block_sparse(2)", "max_context": 4096,
                                    "balance_phase": "prefill", **FREE_COPIES}),
         # decode as the CUDA graphs run it (their CPU twin): three prompts, a padding row
-        {**_case(tiny_llama, prompt, FREE_COPIES), "batch": [150, 75, 100], "graph_twin": True},
+        # ... and the group left as at exit: graphs released first (NCCL hangs otherwise)
+        {**_case(tiny_llama, prompt, FREE_COPIES), "batch": [150, 75, 100], "graph_twin": True,
+         "leave": True},
     ]  # fmt: skip
     results = _check(run_cases(4, cases, tmp_path), cases)
+    assert results[2]["left"] == {
+        "had_graphs": True,
+        "group_alive_at_release": [True],
+        "graphs_after": False,
+        "group_after": False,
+    }
     assert "ranks [0, 1, 2, 3]" in results[0]["summary"]
     assert "6 entries copied" in results[0]["summary"]
     assert _uneven(results[1]["heads"])

@@ -18,7 +18,7 @@ from headspace.engine.paged_runner import PagedRunner
 from headspace.engine.sampling import SamplingParams
 from headspace.errors import UserError
 from headspace.kv.host_store import HostKVArena
-from headspace.parallel.dist import is_first_rank
+from headspace.parallel.dist import is_first_rank, leave
 from headspace.tiers.budget_ranks import RankBudgetTier
 from headspace.tiers.entry_staging import EntryStaging
 
@@ -29,6 +29,7 @@ WIDTHS: list[int] = []  # the table width of every per-entry decode step on this
 SWAPS: list[int] = []  # pages each swap moved, out to host pages (+) and back (-)
 STAGED: list[int] = []  # bytes each decode step staged from this rank's host pages
 GRAPH_DECISIONS: list[tuple] = []  # (streamed bytes, groups) each graph-or-eager choice
+RELEASED: list[bool] = []  # at each graphs' release: whether the process group still stood
 
 
 def _record(cls, name: str, note) -> None:
@@ -69,6 +70,10 @@ def deciding_twin(bound: int | None) -> type:
                 return super().step_faster(streamed_bytes, num_groups)
             return streamed_bytes <= bound
 
+        def release(self) -> None:
+            RELEASED.append(torch.distributed.is_initialized())
+            super().release()
+
     return DecidingTwin
 
 
@@ -102,13 +107,31 @@ def run_case(case: dict) -> dict:
     planner = llm.engine.batch.planner  # the weights every rank's rate predictions weigh
     weighed = every_rank((planner.weight_bytes, planner.streamed_bytes))
     graphs = every_rank(llm.engine.batch.runner.has_graphs)  # decode steps as graphs
-    return {"logits": logits, "tokens": [o.token_ids for o in outputs],
+    result = {"logits": logits, "tokens": [o.token_ids for o in outputs],
             "summary": ranks.head_map.summary(), "heads": heads, "widths": widths,
             "graphs": graphs[0], "graphs_all": graphs,
             "graph_decisions": every_rank(GRAPH_DECISIONS), "weighed": weighed,
             "swaps": list(SWAPS), "staged": staged, "errors": errors, "after": after,
             "tiers": [tiers(o.stats) for o in outputs], "arrivals": arrivals,
             "streamed": llm.engine.model.layer_source is not None}  # fmt: skip
+    if case.get("leave"):  # the last case: the group goes as at exit, graphs released first
+        result["left"] = left(llm)
+    return result
+
+
+def left(llm: LLM) -> dict:
+    """What ``leave()`` (the exit's) does on this rank: the runner's decode graphs freed
+    (each twin's ``release``) before the process group is destroyed."""
+    runner = llm.engine.batch.runner
+    had = runner.has_graphs
+    RELEASED.clear()
+    leave()
+    return {
+        "had_graphs": had,
+        "group_alive_at_release": list(RELEASED),
+        "graphs_after": runner.has_graphs,
+        "group_after": torch.distributed.is_initialized(),
+    }
 
 
 def arrive(llm: LLM, case: dict) -> list[list[int]]:

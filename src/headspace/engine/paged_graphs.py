@@ -177,6 +177,14 @@ class DecodeGraphs:
             staging_width = bucket(widest, MIN_WIDTH)
         return bucket(len(positions)), gpu_width, staging_width
 
+    def release(self) -> None:
+        """Free every captured graph now (before the process group goes: see
+        :func:`headspace.parallel.dist.release_before_leaving`); later steps capture anew."""
+        for captured in self._graphs.values():
+            if captured.graph is not None:
+                captured.graph.reset()
+        self._graphs.clear()
+
     @torch.inference_mode()
     def run(self, slots: list[int], positions: list[int],
             pages: dict[str, list[list[int]]]) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip

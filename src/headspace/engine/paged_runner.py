@@ -22,7 +22,7 @@ from headspace.kv.paged_store import PagedKVStore
 from headspace.kv.spec import KVSpec
 from headspace.kv.transfer import device_ints, swap_pages
 from headspace.model.llama import LlamaModel
-from headspace.parallel.dist import first_error, host_min
+from headspace.parallel.dist import first_error, host_min, release_before_leaving
 from headspace.parallel.placement import RankLayout
 from headspace.planner.plan import Plan
 from headspace.planner.profile import Profile
@@ -188,8 +188,16 @@ class PagedRunner:
             self.host.scratch_slot, self.config.runtime.max_batch, mode, self._graph_pool,
             self.attention_hook,  # a benchmark's timed attention, if it set one
         )  # fmt: skip
+        if self.layout is not None and not self._graph_cache:  # graphs with collectives
+            release_before_leaving(self.release_graphs)
         self._graph_cache[self._layout_id] = (generation, graphs)
         return graphs
+
+    def release_graphs(self) -> None:
+        """Free the decode steps' graphs of every layout (the next step captures anew)."""
+        for _, graphs in self._graph_cache.values():
+            graphs.release()
+        self._graph_cache.clear()
 
     @property
     def _graphs_under_ranks(self) -> bool:

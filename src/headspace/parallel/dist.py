@@ -5,9 +5,15 @@ from __future__ import annotations
 
 import atexit
 import os
+import weakref
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
+
+# what must go before the process group does (weak references: a runner that is gone is
+# passed over)
+_RELEASES: list[weakref.WeakMethod] = []
 
 
 def init_from_env(device: str = "cpu") -> tuple[int, int]:
@@ -21,11 +27,24 @@ def init_from_env(device: str = "cpu") -> tuple[int, int]:
         if backend == "nccl":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
         dist.init_process_group(backend)
-        atexit.register(_leave)
+        atexit.register(leave)
     return dist.get_rank(), dist.get_world_size()
 
 
-def _leave() -> None:
+def release_before_leaving(release: Callable[[], None]) -> None:
+    """Call ``release`` (a bound method, held weakly) before the process group is destroyed
+    at exit. CUDA graphs that captured NCCL collectives must be released first: destroying
+    the group while they exist hangs the process (NCCL waits on the graphs' resources)."""
+    _RELEASES.append(weakref.WeakMethod(release))
+
+
+def leave() -> None:
+    """Release what :func:`release_before_leaving` registered, then destroy the process
+    group (at exit; a program may call it sooner)."""
+    while _RELEASES:
+        release = _RELEASES.pop(0)()
+        if release is not None:
+            release()
     if dist.is_initialized():
         dist.destroy_process_group()
 
