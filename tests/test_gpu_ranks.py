@@ -48,6 +48,18 @@ def test_ranks_over_two_gpus_equal_one_process(tmp_path, balance, kv_budget):
     assert got["tokens"] == ref["tokens"]
 
 
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+@pytest.mark.parametrize("kv_budget", ["", "0.5"])
+def test_copies_in_graphs_over_two_gpus_equal_one_process(tmp_path, kv_budget):
+    """Two GPUs through NCCL over three kv heads: fairkv copies one head a layer, so the
+    decode graphs capture the copies' key ranges cut in the kernel, their lse all-gather
+    and the compiled merge; logits and tokens of one process."""
+    ref, got = _one_and_ranks(tmp_path, 2, "fairkv", kv_budget, "nccl", "", "3")
+    assert got["graphs"] and "4 entries copied" in got["summary"]
+    assert (got["logits"] - ref["logits"]).abs().max().item() <= 1e-4
+    assert got["tokens"] == ref["tokens"]
+
+
 @pytest.mark.parametrize(
     "world,balance,kv_budget,backend",
     [(2, "uniform", "", "gloo"), (4, "fairkv", "", "gloo"), (4, "fairkv", "0.5", "gloo"),

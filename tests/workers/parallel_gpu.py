@@ -26,6 +26,8 @@ CONFIG = {"architectures": ["LlamaForCausalLM"], "vocab_size": 512, "hidden_size
           "intermediate_size": 512, "num_hidden_layers": 4, "num_attention_heads": 8,
           "num_key_value_heads": 2, "head_dim": 64, "max_position_embeddings": 4096,
           "rms_norm_eps": 1e-5}  # fmt: skip
+# three kv heads (of six query heads): two ranks balance them only by copying one
+CONFIGS = {"2": CONFIG, "3": {**CONFIG, "num_attention_heads": 6, "num_key_value_heads": 3}}
 
 
 class NoText:
@@ -33,15 +35,16 @@ class NoText:
         return ""
 
 
-def build(device: str):
+def build(device: str, config_dict: dict = CONFIG):
     """The same random model in every process (weights from a fixed seed)."""
     generator = torch.Generator().manual_seed(0)
-    config = config_from_dict(CONFIG)
+    config = config_from_dict(config_dict)
+    heads, kv = config_dict["num_attention_heads"], config_dict["num_key_value_heads"]
     shapes = {}
 
     def weight(name: str) -> torch.Tensor:
         if name not in shapes:
-            shapes[name] = torch.randn(_shape(name), generator=generator) * 0.05
+            shapes[name] = torch.randn(_shape(name, heads, kv), generator=generator) * 0.05
             if "norm" in name:
                 shapes[name] = 1 + shapes[name]
         return shapes[name]
@@ -49,8 +52,8 @@ def build(device: str):
     return build_model(config, weight, device, torch.float32)
 
 
-def _shape(name: str) -> tuple[int, ...]:
-    hidden, inter, heads, kv, dim = 256, 512, 8, 2, 64
+def _shape(name: str, heads: int, kv: int) -> tuple[int, ...]:
+    hidden, inter, dim = 256, 512, 64
     table = {"embed_tokens": (512, hidden), "lm_head": (512, hidden), "norm": (hidden,),
              "q_proj": (heads * dim, hidden), "k_proj": (kv * dim, hidden),
              "v_proj": (kv * dim, hidden), "o_proj": (hidden, heads * dim),
@@ -67,12 +70,14 @@ def run(engine: Engine, prompt: list[int], batch: list[list[int]], num_new: int)
     outputs = engine.generate_batch(batch, [params] * len(batch))
     graphs = engine.batch.runner.has_graphs  # decode steps replayed as CUDA graphs
     offloaded = outputs[0].stats.num_streamed_heads + outputs[0].stats.num_hybrid_heads
+    summary = engine.ranks.head_map.summary() if engine.ranks is not None else ""
     return {"logits": logits, "tokens": [o.token_ids for o in outputs], "graphs": graphs,
-            "offloaded": offloaded, "swaps": [o.stats.num_swaps for o in outputs]}  # fmt: skip
+            "offloaded": offloaded, "swaps": [o.stats.num_swaps for o in outputs],
+            "summary": summary}  # fmt: skip
 
 
 def main(out_path: str, balance: str, kv_budget: str = "", backend: str = "gloo",
-         offload: str = "") -> None:  # fmt: skip
+         offload: str = "", kv_heads: str = "2") -> None:  # fmt: skip
     """``backend``: gloo, every rank on GPU 0 (NCCL refuses two ranks on one GPU); nccl, a
     GPU each (decode steps as CUDA graphs, their collectives captured); gloo-twin, gloo with
     decode steps through the graphs' eager twin (the graphs' compiled static blocks, run
@@ -81,7 +86,8 @@ def main(out_path: str, balance: str, kv_budget: str = "", backend: str = "gloo"
     (the prompt's twelve do not fit a rank's half-width pages); ``swap``: the default host
     tier in six full pages, where the prompt fits but four shorter ones (disjoint slices of
     it: no shared prefix) outgrow them as they generate 64 tokens, so sequences swap out to
-    host pages and back."""
+    host pages and back. ``kv_heads``: 2, or 3 (six query heads), which two ranks balance
+    by copying one."""
     device, hooks = "cuda:0", EngineHooks()
     if backend == "gloo-twin":
         hooks, backend = EngineHooks(graphs=EagerGraphTwin), "gloo"
@@ -104,7 +110,8 @@ def main(out_path: str, balance: str, kv_budget: str = "", backend: str = "gloo"
                              gpu_memory="2GiB",  # ranks may share the GPU
                              balance=balance, copy_seconds=0.0, **budget)  # fmt: skip
     config = join(config)  # under torchrun: the process group (NCCL), this rank's GPU
-    engine = Engine.from_model(build(config.runtime.device), NoText(), config, hooks)
+    model = build(config.runtime.device, CONFIGS[kv_heads])
+    engine = Engine.from_model(model, NoText(), config, hooks)
     result = run(engine, prompt, batch, num_new)
     if not dist.is_initialized() or dist.get_rank() == 0:
         torch.save(result, out_path)
