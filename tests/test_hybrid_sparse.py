@@ -11,6 +11,7 @@ from headspace.attention.paged import paged_token_probs
 from headspace.attention.reference import reference_attention
 from headspace.engine.hooks import EngineHooks
 from headspace.tiers.base import CpuTimings
+from headspace.tiers.hybrid_blocks import box_bytes_per_kv_byte
 from headspace.tiers.hybrid_sparse import SparseSelector, SparseState, renormalise, salient
 from test_hybrid import decode_logits
 from test_offload import GREEDY, _prompts, make
@@ -436,3 +437,15 @@ def test_query_blocks_over_shuffled_pages_of_two_sequences():
     states[1].evicted_end, states[1].version = 48, states[1].version + 1  # a page leaves
     tables, counts = selector.token_tables(0, (1, 3), pages, slots, page, q, host_kv)
     assert attended(tables, counts, 3, 2) == list(range(32, 48))  # boxed, picked; no tail
+
+
+@pytest.mark.parametrize("query_blocks", [0, 16])
+def test_key_boxes_are_counted_in_the_host_budget(tiny_llama, query_blocks):
+    """With query blocks, the host pages leave room for their key boxes (fp32 here: 1/16 of
+    the K and V they bound), so pages and boxes together stay within ``host_memory``."""
+    llm = make(tiny_llama, arena=700 * 1024, host_memory="64MB", cpu_sparsity=1.0,
+               cpu_query_blocks=query_blocks, **SPARSE)  # fmt: skip
+    host = llm.engine.batch.runner.host
+    boxes = box_bytes_per_kv_byte(4) if query_blocks else 0.0  # fp32 on the CPU: 1/16
+    assert host.budget == (64_000_000 * 16 // 17 if query_blocks else 64_000_000)
+    assert 64_000_000 - 1 <= host.budget * (1 + boxes) <= 64_000_000

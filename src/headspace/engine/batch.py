@@ -43,6 +43,7 @@ from headspace.model.llama import LlamaModel
 from headspace.parallel.dist import all_agree, broadcast_, host_min
 from headspace.planner.plan import Plan
 from headspace.planner.profile import Profile
+from headspace.tiers.hybrid_blocks import box_bytes_per_kv_byte
 
 PROGRESS_MIN_TOKENS = 4096  # show a prefill progress bar from this prompt length on
 
@@ -71,6 +72,9 @@ class BatchGenerator:
         on_gpu = config.runtime.on_gpu
         if config.cache.host_memory is None and not on_gpu:  # the arena is host memory too
             host_bytes = max(host_bytes - arena, 0)
+        if config.offload.cpu_sparsity is not None and config.offload.cpu_query_blocks:
+            # the sparse mode's key boxes, beside the host pages they bound
+            host_bytes = int(host_bytes / (1 + box_bytes_per_kv_byte(dtype.itemsize)))
         if ranks is not None:
             host_bytes = host_min(host_bytes)
         host = (hooks.host_arena or HostKVArena)(self.spec, dtype, pin=on_gpu,

@@ -23,6 +23,13 @@ from headspace.kv.paged_store import token_slots
 BLOCK = 16  # tokens per block whose keys one box bounds
 
 
+def box_bytes_per_kv_byte(itemsize: int) -> float:
+    """Host bytes of key boxes (fp32 centre and half-width: ``2 dim`` floats a block of
+    ``BLOCK`` tokens) per byte of the CPU side's K and V, ``itemsize`` bytes an element: 1/8
+    in bf16, 1/16 in fp32."""
+    return 2 * 4 / (BLOCK * 2 * itemsize)
+
+
 class KeyBoxes:
     """One sequence's key boxes: per layer, centre and half-width ``[kv heads, blocks, dim]``
     (fp32) of its CPU-side keys in blocks of ``BLOCK`` positions, grown block by block."""
