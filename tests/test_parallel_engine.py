@@ -148,12 +148,9 @@ def test_four_ranks_equal_one_process(tiny_llama, wide_llama, prompt, tmp_path):
          "leave": True},
     ]  # fmt: skip
     results = _check(run_cases(4, cases, tmp_path), cases)
-    assert results[2]["left"] == {
-        "had_graphs": True,
-        "group_alive_at_release": [True],
-        "graphs_after": False,
-        "group_after": False,
-    }
+    left = results[2]["left"]  # every graph released while the group stood, then it went
+    assert left["had_graphs"] and not left["graphs_after"] and not left["group_after"]
+    assert left["group_alive_at_release"] and all(left["group_alive_at_release"])
     assert "ranks [0, 1, 2, 3]" in results[0]["summary"]
     assert "6 entries copied" in results[0]["summary"]
     assert _uneven(results[1]["heads"])

@@ -79,7 +79,9 @@ def rank_host_bytes(value: str | float | None, ranks_on_host: int = 1,
     :func:`host_budget` of ``value``, less (with no budget given) ``unloaded_weight_bytes``
     of decoder layers that will stream from host memory but are not loaded yet (a plan made
     without the model; the engine measures after loading them), divided between the
-    ``ranks_on_host`` ranks of the machine. UserError when the layers leave nothing."""
+    ``ranks_on_host`` ranks of the machine (the engine then leaves room in it for the sparse
+    mode's key boxes, which ``plan`` does not model). UserError when the layers leave
+    nothing."""
     budget = host_budget(value)
     if value is None and unloaded_weight_bytes:
         if unloaded_weight_bytes >= budget:

@@ -89,6 +89,8 @@ class PagedRunner:
         self._layout: tuple | None = None
         self._layout_ids: dict[tuple, int] = {}  # a small key per layout seen, for the graphs
         self._graph_cache, self._graph_pool = {}, None
+        if layout is not None:  # its graphs capture collectives: they go before the group
+            release_before_leaving(self.release_graphs)
 
     @property
     def page_size(self) -> int:
@@ -188,8 +190,6 @@ class PagedRunner:
             self.host.scratch_slot, self.config.runtime.max_batch, mode, self._graph_pool,
             self.attention_hook,  # a benchmark's timed attention, if it set one
         )  # fmt: skip
-        if self.layout is not None and not self._graph_cache:  # graphs with collectives
-            release_before_leaving(self.release_graphs)
         self._graph_cache[self._layout_id] = (generation, graphs)
         return graphs
 

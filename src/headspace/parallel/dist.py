@@ -34,19 +34,25 @@ def init_from_env(device: str = "cpu") -> tuple[int, int]:
 def release_before_leaving(release: Callable[[], None]) -> None:
     """Call ``release`` (a bound method, held weakly) before the process group is destroyed
     at exit. CUDA graphs that captured NCCL collectives must be released first: destroying
-    the group while they exist hangs the process (NCCL waits on the graphs' resources)."""
+    the group while they exist hangs the process (NCCL waits on the graphs' resources; a
+    known PyTorch issue, pytorch/pytorch#115388)."""
+    _RELEASES[:] = [ref for ref in _RELEASES if ref() is not None]  # of objects still here
     _RELEASES.append(weakref.WeakMethod(release))
 
 
 def leave() -> None:
     """Release what :func:`release_before_leaving` registered, then destroy the process
     group (at exit; a program may call it sooner)."""
-    while _RELEASES:
-        release = _RELEASES.pop(0)()
-        if release is not None:
-            release()
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    global _CPU_GROUP
+    try:
+        while _RELEASES:
+            release = _RELEASES.pop(0)()
+            if release is not None:
+                release()
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        _CPU_GROUP = None
 
 
 def all_reduce_sum(partial: torch.Tensor) -> torch.Tensor:
