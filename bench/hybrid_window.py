@@ -66,10 +66,13 @@ def sparse_rows(model, h2d: float) -> dict:
 
 
 def perplexity_change(beta: float) -> dict:
-    """The embedded model's committed perplexity change under the sparse mode at ``beta``,
-    by (text, context)."""
+    """The embedded model's committed perplexity change under the sparse mode at ``beta``
+    with the default query blocks (what the GPU run measures), by (text, context)."""
+    from headspace.engine.config import OffloadConfig
+
+    mode = f"hybrid-sparse:{beta:g}+query_blocks:{OffloadConfig().cpu_query_blocks}"
     with PPL_FILE.open() as f:
-        rows = [row for row in csv.DictReader(f) if row["mode"] == f"hybrid-sparse:{beta:g}"]
+        rows = [row for row in csv.DictReader(f) if row["mode"] == mode]
     return {f"{row['text']}@{row['context']}": row["delta_vs_none"] for row in rows}
 
 
