@@ -28,7 +28,7 @@ from headspace.parallel.dist import host_min
 from headspace.parallel.placement import RankLayout, copy_rows, rank_layout
 from headspace.planner.head_map import HeadMap
 from headspace.tiers.budget import BudgetTier
-from headspace.tiers.copies import copy_columns, merge_copies
+from headspace.tiers.copies import copy_columns, key_share_tables, merge_copies
 
 
 class RankBudgetTier(BudgetTier):
@@ -48,9 +48,7 @@ class RankBudgetTier(BudgetTier):
         device = self.plane.device
         # [layer] -> each of its heads' key shares [heads, 2] (float64; own heads (0, 1)),
         # and its copies' columns among the layer's copied heads
-        self.key_shares = [torch.tensor(layout.key_shares(layer), dtype=torch.float64,
-                                        device=device).view(-1, 2)
-                           for layer in range(layout.num_layers)]  # fmt: skip
+        self.key_shares = key_share_tables(layout, device)
         self.merge_columns = copy_columns(layout, device)
         self._parts: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 

@@ -45,9 +45,7 @@ class CopyTier(Tier):
         self.page_size = store.page_size
         device = store.buffer.device
         # [layer] -> the copies' key shares [copies, 2] (float64) and merge columns [copies]
-        self.shares = [torch.tensor(layout.key_shares(layer)[len(layout.own[layer]):],
-                                    dtype=torch.float64, device=device).view(-1, 2)
-                       for layer in range(layout.num_layers)]  # fmt: skip
+        self.shares = key_share_tables(layout, device, copies_only=True)
         self.merge_columns = copy_columns(layout, device)
         # layer -> (the copies' lse [seqs, copies x q_per_kv], their heads of the output)
         self._parts: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -198,6 +196,18 @@ def _scale_by_merge_weight(every: torch.Tensor, lse: torch.Tensor, columns: torc
     total = torch.logsumexp(every, dim=0).index_select(1, columns)  # [seqs, copies, q_per_kv]
     weight = torch.exp(lse - total).nan_to_num(0.0)
     parts.copy_((parts.float() * weight[..., None]).nan_to_num(0.0))
+
+
+def key_share_tables(layout: RankLayout, device: torch.device,
+                     copies_only: bool = False) -> list[torch.Tensor]:  # fmt: skip
+    """``[layer]`` the rank's heads' cumulative key shares ``[heads, 2]`` (float64, weight
+    order; own heads ``(0, 1)``), or with ``copies_only`` its copies' rows alone: the
+    decode kernel's ``key_shares``."""
+    tables = []
+    for layer in range(layout.num_layers):
+        shares = layout.key_shares(layer)[len(layout.own[layer]) if copies_only else 0 :]
+        tables.append(torch.tensor(shares, dtype=torch.float64, device=device).view(-1, 2))
+    return tables
 
 
 def copy_columns(layout: RankLayout, device: torch.device) -> list[torch.Tensor | None]:
