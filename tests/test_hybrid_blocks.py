@@ -13,6 +13,7 @@ from headspace.tiers.hybrid_blocks import (
     KeyBoxes,
     block_bounds,
     box_bytes_per_kv_byte,
+    full_blocks,
     query_positions,
 )
 from test_hybrid_sparse import _selector
@@ -128,6 +129,42 @@ def test_query_blocks_join_the_kept_tokens_of_each_row():
         for head, positions in enumerate(want):
             got = (tables[head, : counts[head]] - 2 * head * slots).tolist()
             assert sorted(got) == sorted(positions) and len(got) == len(positions)
+
+
+def test_full_blocks_of_kept_positions():
+    """A block counts as full only when every one of its tokens is kept."""
+    kept = [torch.tensor([*range(BLOCK), 2 * BLOCK - 1, *range(2 * BLOCK, 3 * BLOCK)]),
+            torch.tensor([], dtype=torch.int64)]  # fmt: skip
+    assert full_blocks(kept, 3).tolist() == [[True, False, True], [False] * 3]
+    assert full_blocks(kept, 2).tolist() == [[True, False], [False, False]]
+
+
+def test_a_block_kept_whole_is_passed_over_at_every_step():
+    """The block the query points at is kept whole already, so each step (the second from
+    the cached table and its cached full blocks) brings in another block instead, and so
+    does the step after the CPU side grows (the tables and full blocks found anew)."""
+    selector = _selector(query_blocks=1, window=8, page_size=4)
+    selector.begin([7], [60], [0])
+    state = selector.states[7]
+    state.evicted_end = 52  # 3 full blocks, then 4 tokens
+    whole = torch.arange(BLOCK, 2 * BLOCK, dtype=torch.int32)
+    state.base[0] = (52, {0: whole, 1: torch.tensor([2], dtype=torch.int32)})
+    selector.sparse, selector.seq_ids = [0], [7]
+    dim, slots = 8, 64
+    host_kv = torch.randn(2, 2, slots, dim, generator=torch.Generator().manual_seed(1)) * 0.01
+    host_kv[0, 0, BLOCK : 2 * BLOCK, 0] = 5.0  # kv head 0: block 1 along its query
+    q = torch.zeros(1, 4, dim)
+    q[0, :2, 0] = 1.0
+    pages = [list(range(16))]
+    for end in (52, 52, 56):
+        if end != state.evicted_end:  # a page leaves the window: the tables are rebuilt
+            state.evicted_end, state.version = end, state.version + 1
+        tables, counts = selector.token_tables(0, (0, 2), pages, slots, 4, q, host_kv)
+        got = set(tables[0, : counts[0]].tolist())
+        assert len(got) == counts[0] == BLOCK + BLOCK + end % BLOCK
+        assert set(whole.tolist()) <= got  # the kept block, once
+        others = got - set(whole.tolist()) - set(range(end - end % BLOCK, end))
+        assert len(others) == BLOCK and not others & set(range(BLOCK, 2 * BLOCK))
 
 
 def test_query_blocks_over_shuffled_pages_of_two_sequences():

@@ -202,7 +202,7 @@ class OffloadConfig:
         "of the tokens in the GPU window"
     )  # fmt: skip
     cpu_query_blocks: int = _option(
-        16, "hybrid sparse: blocks of 16 tokens each (sequence, kv head) also attends every "
+        64, "hybrid sparse: blocks of 16 tokens each (sequence, kv head) also attends every "
         "step, those whose keys could weigh most for the step's own query (Quest's bound "
         "over each block's key box; 0: the tokens the moving averages keep, alone)"
     )  # fmt: skip

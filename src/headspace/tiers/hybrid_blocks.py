@@ -99,15 +99,24 @@ def not_in(positions: torch.Tensor, kept: torch.Tensor) -> torch.Tensor:
     return positions[kept[index] != positions]
 
 
+def full_blocks(kept: list[torch.Tensor], num_blocks: int) -> torch.Tensor:
+    """Per row of ``kept`` positions (one a kv head), which of the first ``num_blocks``
+    blocks it keeps every token of: ``[rows, num_blocks]`` bool."""
+    return torch.stack([torch.bincount(positions // BLOCK, minlength=num_blocks + 1)
+                        [:num_blocks] == BLOCK for positions in kept])  # fmt: skip
+
+
 def add_query_blocks(rows: list, layer: int, kv_range: tuple[int, int], slots_per_head: int,
                      page_size: int, q: torch.Tensor, host_kv: torch.Tensor, cached: tuple,
                      count: int) -> torch.Tensor:  # fmt: skip
     """Each sparse row's ``count`` query blocks (those not kept already) written after its
-    kept tokens in the cached ``(tables, counts, kept positions)`` of the hybrid tier's
-    token tables; returns this step's counts. ``rows``: per sequence, its sparse state (its
-    CPU-side ``evicted_end`` and key ``boxes``) and its host pages; ``q [sequences, query
-    heads of kv_range, dim]``; ``host_kv [kv heads, 2, slots, dim]`` the layer's host pages."""
-    tables, counts, kept = cached
+    kept tokens in the cached ``(tables, counts, kept positions, full blocks)`` of the hybrid
+    tier's token tables (full blocks: each sequence's :func:`full_blocks`, by its first row,
+    filled here as the boxes grow); returns this step's counts. ``rows``: per sequence, its
+    sparse state (its CPU-side ``evicted_end`` and key ``boxes``) and its host pages;
+    ``q [sequences, query heads of kv_range, dim]``; ``host_kv [kv heads, 2, slots, dim]`` the
+    layer's host pages."""
+    tables, counts, kept, full = cached
     lo, hi = kv_range
     group, step_counts, row = q.shape[1] // (hi - lo), counts.clone(), 0
     for j, (state, host_pages) in enumerate(rows):
@@ -125,8 +134,9 @@ def add_query_blocks(rows: list, layer: int, kv_range: tuple[int, int], slots_pe
 
         centre, radius = state.boxes.grow(layer, end, keys)
         num_blocks = centre.shape[1]
-        whole = torch.stack([torch.bincount(kept[row + h] // BLOCK, minlength=num_blocks + 1)
-                             [:num_blocks] == BLOCK for h in range(hi - lo)])  # fmt: skip
+        whole = full.get(row)
+        if whole is None or whole.shape[1] != num_blocks:  # (kept is fixed until re-cached)
+            whole = full[row] = full_blocks(kept[row : row + hi - lo], num_blocks)
         found = query_positions(q[j].view(hi - lo, group, -1), centre, radius, count, end,
                                 whole)  # fmt: skip
         for h, positions in zip(range(lo, hi), found, strict=True):

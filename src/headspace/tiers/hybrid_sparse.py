@@ -362,13 +362,13 @@ class SparseSelector:
             tables = torch.zeros(len(rows), max(1, width), dtype=torch.int32)
             for j, r in enumerate(rows):
                 tables[j, : len(r)] = r
-            self._tables[key] = (tables, counts, kept)
-        tables, counts, kept = self._tables[key]
+            self._tables[key] = (tables, counts, kept, {})
+        tables, counts, kept, full = self._tables[key]
         if not blocks:
             return tables, counts
         rows = [(states[j], host_pages[i]) for j, i in enumerate(self.sparse)]
         return tables, add_query_blocks(rows, layer, kv_range, slots_per_head, page_size, q,
-                                        host_kv, (tables, counts, kept), blocks)  # fmt: skip
+                                        host_kv, (tables, counts, kept, full), blocks)  # fmt: skip
 
     def drain(self) -> None:
         """Wait for the selections in flight (tests, and before reading summaries)."""
