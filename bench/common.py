@@ -213,6 +213,26 @@ def random_model(config_dict: dict, device: str = "cuda"):
     return build_model(config, tensor, device, torch.bfloat16)
 
 
+def sharpen_heads(model, sharpen: list[float] | None, seed: int = 5) -> None:
+    """Scale each (layer, kv head)'s key rows of the fused q/k/v projection by a factor drawn
+    log-uniformly from ``sharpen`` (low, high): its attention logits scale alike (RoPE is
+    linear), from flatter to sharper than the random weights' own. None: unchanged."""
+    if not sharpen:
+        return
+    cfg = model.config
+    low, high = torch.tensor(sharpen, dtype=torch.float64).log().tolist()
+    generator = torch.Generator().manual_seed(seed)
+    shape = (cfg.num_layers, cfg.num_kv_heads)
+    factors = torch.rand(shape, generator=generator, dtype=torch.float64) * (high - low) + low
+    q_size = cfg.num_heads * cfg.head_dim
+    with torch.no_grad():
+        for layer, row in zip(model.layers, factors.exp().tolist(), strict=True):
+            keys = layer.qkv_proj.weight[q_size : q_size + cfg.num_kv_heads * cfg.head_dim]
+            keys.view(cfg.num_kv_heads, cfg.head_dim, -1).mul_(
+                torch.tensor(row, device=keys.device, dtype=keys.dtype)[:, None, None]
+            )
+
+
 def _hf_shapes(config) -> dict[str, tuple[int, ...]]:
     hidden, inter = config.hidden_size, config.intermediate_size
     q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim

@@ -2,7 +2,7 @@
 at 128K and 512K on Llama-3.1-8B with random bf16 weights, the GPU capped at 24 GiB (23 GiB
 budget), in one run.
 
-    PYTHONPATH=src python bench/hybrid_window.py [--lengths 128 512] [--steps 6]
+    PYTHONPATH=src python bench/hybrid_window.py [--lengths 128 512] [--steps 6] [--sharpen 3.5]
 
 For each length and each exact hybrid mode (``hybrid_cpu``: the CPU attends all before the
 window; ``hybrid_split``: the default split by the CPU's and PCIe's rates), an engine built
@@ -12,15 +12,20 @@ are allocated without a prefill (an exact decode step's work does not depend on 
 in its pages). Per step: the KV copied from host pages to the GPU (``pcie_bytes_per_step``;
 the query and the CPU's ``(out, lse)`` add kilobytes), and the median decode step against
 the same-run PCIe floor of streaming every offloaded head (``speedup_vs_pcie_floor``). Then
-the sparse mode (``cpu_sparsity=1``) at 128K through a real prefill, before and after, with
-the share of CPU-side tokens kept, beside its perplexity change on the embedded model (the
-committed CPU result). Writes ``hybrid_window_<gpu>_<date>.json`` (to $OUT when set).
+the sparse mode (``cpu_sparsity=1``, default query blocks) at 128K through a real prefill
+beside the exact mode it thins (``hybrid_cpu``), with the share of CPU-side tokens kept, on
+keys scaled by ``--sharpen`` (on random weights every token passes the threshold for some
+query, so the mode would keep all), beside its perplexity change on the embedded model (the
+committed CPU result). ``--lengths`` with no value runs the sparse part alone.
+Writes ``hybrid_window_<gpu>_<date>.json`` (to $OUT when set).
 """
 
 from __future__ import annotations
 
 import argparse
 import csv
+import gc
+import statistics
 import sys
 from pathlib import Path
 
@@ -31,12 +36,18 @@ from common import (  # noqa: E402
     LLAMA31_8B,
     environment,
     gpu_tag,
+    make_engine,
     pinned_h2d_bandwidth,
     random_model,
+    sharpen_heads,
     write_result,
 )
-from hybrid import BUDGET, CAP_GIB, MODES, long_decode, run_mode  # noqa: E402
-from offload_runs import gpu_cap  # noqa: E402
+from headspace.engine.hooks import EngineHooks  # noqa: E402
+from headspace.engine.sampling import SamplingParams  # noqa: E402
+from headspace.tiers.base import CpuTimings  # noqa: E402
+from hybrid import BUDGET, CAP_GIB, MODES, _prompt, long_decode  # noqa: E402
+from offload_runs import gpu_cap, warm_up  # noqa: E402
+from profile_hybrid import _time_steps  # noqa: E402
 
 K = 1024
 WINDOW = {"before": {"window_on_gpu": False}, "after": {}}
@@ -54,14 +65,40 @@ def exact_rows(model, length: int, steps: int, h2d: float) -> dict:
     return rows
 
 
-def sparse_rows(model, h2d: float) -> dict:
-    """The sparse mode at 128K through a real prefill, before and after."""
-    rows = {}
-    for when, extra in WINDOW.items():
-        MODES[f"sparse_{when}"] = {"offload": "hybrid", "cpu_sparsity": SPARSE_BETA, **extra}
-        row = run_mode(model, f"sparse_{when}", [128 * K - 64], h2d)
-        rows[when] = {k: v for k, v in row.items() if k != "tokens"}
+def sparse_rows(model, h2d: float, sharpen: float, tokens: int = 24) -> dict:
+    """The sparse mode at 128K through a real prefill beside the exact mode it thins (the CPU
+    attends all before the window), both with the window on the GPU, on ``model`` with every
+    kv head's keys scaled by ``sharpen``: random weights attend so evenly that the most any of
+    the prompt's last queries gives a token passes the uniform weight for nearly every token,
+    and the mode would keep them all. Each decode step timed (synchronised); ``decode_ms`` is
+    their median (the first steps attend densely and box the prompt's keys)."""
+    sharpen_heads(model, [sharpen, sharpen])
+    MODES["sparse"] = {"offload": "hybrid", "cpu_sparsity": SPARSE_BETA}
+    rows, length = {}, 128 * K - 64
+    for mode in ("hybrid_cpu", "sparse"):
+        timings = CpuTimings()
+        engine = make_engine(model, EngineHooks(cpu_timings=timings), gpu_memory=BUDGET,
+                             **MODES[mode])  # fmt: skip
+        generator = engine.batch
+        warm_up(generator, length, length + tokens, 2 * K, LLAMA31_8B["vocab_size"])
+        timings.clear()
+        steps_ms = _time_steps(generator.runner)
+        params = SamplingParams(max_new_tokens=tokens, ignore_eos=True)
+        out = engine.generate_batch([_prompt(length, 0)], [params])[0]
+        floor_ms = 1000 * out.stats.num_hybrid_heads * 2 * length * 128 * 2 / h2d
+        rows[mode] = {
+            "decode_ms": statistics.median(steps_ms), "step_ms": steps_ms,
+            "pcie_floor_ms": floor_ms,
+            "speedup_vs_pcie_floor": floor_ms / statistics.median(steps_ms),
+            "tables_ms_per_step": 1000 * sum(timings.tables) / len(steps_ms),
+            "cpu_kept_fraction_min_median_max": out.stats.cpu_kept_fraction,
+            "plan": generator.runner.plan.head_map.summary(), "summary": out.stats.summary(),
+        }  # fmt: skip
+        generator.runner.__dict__.pop("decode")  # the timing wrapper
+        del engine, generator
+        gc.collect()  # the engine's cycles hold its arena until collected
         torch.cuda.empty_cache()
+    sharpen_heads(model, [1 / sharpen, 1 / sharpen])
     return rows
 
 
@@ -96,12 +133,19 @@ def main() -> None:
                         help="contexts in K tokens")  # fmt: skip
     parser.add_argument("--steps", type=int, default=6, help="decode steps timed per run")
     parser.add_argument("--no-sparse", action="store_true", help="skip the sparse mode")
+    parser.add_argument(
+        "--sharpen",
+        type=float,
+        default=3.5,
+        help="the sparse runs' key scale (random weights attend evenly)",
+    )
     args = parser.parse_args()
     env = environment()
     h2d = pinned_h2d_bandwidth()
     result = {"env": env, "config": LLAMA31_8B, "budget": BUDGET, "gpu_cap_gib": CAP_GIB,
               "h2d_bytes_per_s": h2d, "runs": {}}  # fmt: skip
-    name = f"hybrid_window_{gpu_tag(env)}_{env['date']}.json"
+    part = "" if args.lengths else "_sparse"  # the sparse part alone: a file of its own
+    name = f"hybrid_window{part}_{gpu_tag(env)}_{env['date']}.json"
     model = random_model(LLAMA31_8B)
     with gpu_cap(CAP_GIB):
         for length in args.lengths:
@@ -111,9 +155,12 @@ def main() -> None:
             write_result(name, result)
             _print(result)
         if not args.no_sparse:
-            change = perplexity_change(SPARSE_BETA)
-            result["sparse"] = {"beta": SPARSE_BETA, "at_128K": sparse_rows(model, h2d),
-                                "perplexity_change_embedded_cpu": change}  # fmt: skip
+            rows = sparse_rows(model, h2d, args.sharpen)
+            speedup = rows["hybrid_cpu"]["decode_ms"] / rows["sparse"]["decode_ms"]
+            result["sparse"] = {"beta": SPARSE_BETA, "keys_sharpened": args.sharpen,
+                                "at_128K": rows, "speedup_vs_exact": speedup,
+                                "perplexity_change_embedded_cpu": perplexity_change(
+                                    SPARSE_BETA)}  # fmt: skip
             write_result(name, result)
     _print(result)
 
@@ -126,8 +173,8 @@ def _print(result: dict) -> None:
             print(f"{label:>5} {mode:>20} {row['decode_ms']:>9.1f} "
                   f"{row['speedup_vs_pcie_floor']:>8.2f} {staged_mb:>15.1f}"
                   f"  {row['gpu_heads']} gpu / {row['offloaded_heads']} offloaded")  # fmt: skip
-    for when, row in result.get("sparse", {}).get("at_128K", {}).items():
-        print(f"sparse beta {SPARSE_BETA:g} {when}: {row['decode_ms']:.1f} ms/token, "
+    for mode, row in result.get("sparse", {}).get("at_128K", {}).items():
+        print(f"128K {mode} (beta {SPARSE_BETA:g}): {row['decode_ms']:.1f} ms/token, "
               f"x{row['speedup_vs_pcie_floor']:.2f} floor, kept "
               f"{row['cpu_kept_fraction_min_median_max']}")  # fmt: skip
 

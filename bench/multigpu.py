@@ -6,7 +6,7 @@ against the measured one.
 
     PYTHONPATH=src python bench/multigpu.py [--gpus 1 2 4] [--context 131072]
         [--solvers uniform greedy ga fairkv copy_search uniform-again]
-        [--scenario duo|ada_snapkv|patterns|copies] [--copy-cost PATH]
+        [--scenario duo|ada_snapkv|patterns|copies] [--copy-cost PATH] [--copy-seconds S]
         [--sharpen 0.25 4] [--batch 1] [--balance-phase auto|prefill|decode] [--work DIR]
         [--model llama3-8b|llama3-70b] [--layers N]
 
@@ -27,7 +27,9 @@ The driver first measures the heads' uneven loads on this model (``--scenario``)
   batch to decode together (the steps timed). Its result is
   ``multigpu_copies_<model>_<gpu>x<N>_<date>`` with ``copy_cost_us`` from
   ``bench/copy_cost.py``'s result (``--copy-cost PATH``, measured on the same machine) and
-  ``run_to_run_spread`` (``uniform-again`` against ``uniform``).
+  ``run_to_run_spread`` (``uniform-again`` against ``uniform``). ``--copy-seconds S`` sets the
+  engine's ``copy_seconds`` (0: copies priced as free), the result named ``...-copy<S in
+  us>us_...``.
 
 Budgets come with FairKV's statistical profile: the tokens the policy gives each (layer, kv
 head) over a prompt of the context's length (another seed than the benchmark's), written as
@@ -83,6 +85,7 @@ from common import (  # noqa: E402
     model_config,
     model_tag,
     random_model,
+    sharpen_heads,
     write_result,
 )
 from headspace.parallel.config import PHASES  # noqa: E402
@@ -147,26 +150,6 @@ def _prompt(cfg: dict, length: int, seed: int) -> list[int]:
     return torch.randint(0, cfg["vocab_size"], (length,), generator=generator).tolist()
 
 
-def sharpen_heads(model, sharpen: list[float] | None, seed: int = 5) -> None:
-    """Scale each (layer, kv head)'s key rows of the fused q/k/v projection by a factor drawn
-    log-uniformly from ``sharpen`` (low, high): its attention logits scale alike (RoPE is
-    linear), from flatter to sharper than the random weights' own. None: unchanged."""
-    if not sharpen:
-        return
-    cfg = model.config
-    low, high = torch.tensor(sharpen, dtype=torch.float64).log().tolist()
-    generator = torch.Generator().manual_seed(seed)
-    shape = (cfg.num_layers, cfg.num_kv_heads)
-    factors = torch.rand(shape, generator=generator, dtype=torch.float64) * (high - low) + low
-    q_size = cfg.num_heads * cfg.head_dim
-    with torch.no_grad():
-        for layer, row in zip(model.layers, factors.exp().tolist(), strict=True):
-            keys = layer.qkv_proj.weight[q_size : q_size + cfg.num_kv_heads * cfg.head_dim]
-            keys.view(cfg.num_kv_heads, cfg.head_dim, -1).mul_(
-                torch.tensor(row, device=keys.device, dtype=keys.dtype)[:, None, None]
-            )
-
-
 # -- a worker (one rank under torchrun) ------------------------------------------------------
 def run_solver(solver: str, args, profile: str) -> dict | None:
     """One solver's run on this rank; rank 0 returns what every rank measured."""
@@ -178,7 +161,9 @@ def run_solver(solver: str, args, profile: str) -> dict | None:
     from headspace.engine.sampling import SamplingParams
     from headspace.parallel.balance import balanced_phases
 
-    options = SCENARIOS[args.scenario]
+    options = dict(SCENARIOS[args.scenario])
+    if args.copy_seconds is not None:  # the solvers' price of a copy, in place of the model's
+        options["copy_seconds"] = args.copy_seconds
     balance = solver.removesuffix("-again")
     config = join(EngineConfig.of(device="cuda", profile=profile, balance=balance,
                                   balance_phase=args.balance_phase, **options))  # fmt: skip
@@ -325,6 +310,7 @@ def launch(num_gpus: int, args, out: Path, solvers: list[str]) -> None:
     command += ["--solvers", *solvers] if num_gpus > 1 else []
     command += ["--layers", str(args.layers)] if args.layers else []
     command += ["--sharpen", *map(str, args.sharpen)] if args.sharpen else []
+    command += ["--copy-seconds", str(args.copy_seconds)] if args.copy_seconds is not None else []
     subprocess.run(command, check=True, env={**os.environ, "OMP_NUM_THREADS": "4"})
 
 
@@ -357,6 +343,12 @@ def main() -> None:
     parser.add_argument("--model", default="llama3-8b", choices=tuple(MODELS))
     parser.add_argument("--layers", type=int, help="the model's first LAYERS layers only")
     parser.add_argument("--copy-cost", help="bench/copy_cost.py's result, for copy_cost_us")
+    parser.add_argument(
+        "--copy-seconds",
+        type=float,
+        help="the engine's copy_seconds: what the solvers charge a copy (0 forces copies in "
+        "wherever they level a layer; default: the cost model's)",
+    )
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     parser.add_argument("--profile", help=argparse.SUPPRESS)
@@ -380,6 +372,7 @@ def main() -> None:
     most = max(gpus)
     variant = ("-sharp" if args.sharpen else "") + (f"-b{args.batch}" if args.batch > 1 else "")
     variant += f"-{args.balance_phase}" if args.balance_phase != "auto" else ""
+    variant += f"-copy{args.copy_seconds * 1e6:g}us" if args.copy_seconds is not None else ""
     tag = model_tag(args.model, args.layers)
     name = f"multigpu_{tag}-{args.scenario}{variant}_{gpu}x{most}_{env['date']}"
     if args.scenario == "copies":
@@ -391,7 +384,7 @@ def main() -> None:
         "config": {"model": describe(args.model, args.layers), "model_config": cfg,
                    "context": args.context, "decode_tokens": args.decode,
                    "batch": args.batch, "sharpen": args.sharpen,
-                   "balance_phase": args.balance_phase,
+                   "balance_phase": args.balance_phase, "copy_seconds": args.copy_seconds,
                    "scenario": args.scenario, "options": SCENARIOS[args.scenario]},
         "profile": measured,
         **copies_keys(args.copy_cost, runs[most]),

@@ -19,6 +19,7 @@ RUN_KEYS = (
     "sharpen",
     "batch",
     "balance_phase",
+    "copy_seconds",
 )
 
 
