@@ -197,15 +197,17 @@ def test_summary_says_why_generation_ended(capsys, tiny_dir):
     assert code == 0 and err.strip().endswith("ended: max_new_tokens")
 
 
-def test_warm_up_is_reported_on_its_own_line(capsys, tiny_dir):
-    """The warm-up request runs first and is timed apart: the summary counts the user's
-    prompt alone, as it does without a warm-up."""
+def test_load_and_warm_up_are_reported_on_their_own_lines(capsys, tiny_dir):
+    """Loading the weights, then the warm-up request, each timed apart on its own line: the
+    summary counts the user's prompt alone, as it does without a warm-up."""
     args = ("generate", "--model", str(tiny_dir), "--prompt", "x y z", "--max-new-tokens", "3")
     code, out, err = _run(capsys, *args)
-    first, *_, summary = err.strip().splitlines()
-    assert code == 0 and re.fullmatch(r"warm-up \d+\.\d s \(compilation, graph capture\)", first)
+    load, warm, *_, summary = err.strip().splitlines()
+    assert code == 0 and re.fullmatch(r"load \d+\.\d s \(0\.\d\d GB of weights\)", load)
+    assert re.fullmatch(r"warm-up \d+\.\d s \(compilation, graph capture\)", warm)
     code, cold_out, cold_err = _run(capsys, *args, "--no-warm-up")
     assert code == 0 and "warm-up" not in cold_err and cold_out == out
+    assert cold_err.startswith("load ")
     assert summary.split(" | ")[0] == cold_err.strip().splitlines()[-1].split(" | ")[0]
 
 

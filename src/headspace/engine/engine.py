@@ -48,9 +48,11 @@ class Engine:
         # one as it loads (the whole model never sits on its GPU)
         ranks = plan_ranks(model_cfg, config, self.profile, self._max_context(model_cfg, config))
         streamed = weights_streamed(model_cfg, config, ranks)  # then layers stay on the host
+        started = time.perf_counter()
         model = load_model(model_dir, config.runtime.device, config.runtime.torch_dtype,
                            None if ranks is None else ranks.keep_heads,
                            "cpu" if streamed else None)  # fmt: skip
+        self.load_seconds = time.perf_counter() - started  # reading and placing the weights
         if streamed:
             WeightStream(model, config.runtime.device, delay=hooks and hooks.weight_delay)
         self._setup(model, tokenizer, config, ranks, hooks)
@@ -62,6 +64,7 @@ class Engine:
         tokenizer needs only ``decode`` when prompts are token ids. Under torchrun the model
         is sharded in place; its layers move to pinned host memory if they stream."""
         engine = cls.__new__(cls)
+        engine.load_seconds = 0.0  # built in memory: nothing read
         engine._read_profile(model.config, config)
         max_context = cls._max_context(model.config, config)
         ranks = setup_ranks(model, config, engine.profile, max_context)

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+import os
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -58,26 +60,33 @@ def build_model(
     dtype: torch.dtype,
     keep: Callable[[int, torch.nn.Module], None] | None = None,
     layer_device: str | torch.device | None = None,
+    read_ahead: int = 0,
 ) -> LlamaModel:
     """Build a LlamaModel on ``device``/``dtype`` from HF-named tensors given by ``get_tensor``;
     its decoder layers on ``layer_device`` (default ``device``; "cpu" to stream them).
 
     ``keep(i, layer)`` is called on each decoder layer once its weights are in place in host
     memory, before they move to ``layer_device``: a rank that keeps only its part of each
-    layer never holds the whole model on its GPU (nor more than one whole layer on the host)."""
+    layer never holds the whole model on its GPU (nor more than one whole layer on the host).
+    ``read_ahead``: tensors read and moved by that many threads ahead of the one placed
+    (``get_tensor`` then called from them, in no set order); 0 reads them in turn."""
     layer_device = device if layer_device is None else layer_device
     with torch.device("meta"):
         model = LlamaModel(config)
     params = dict(model.named_parameters())
     layer_of = {name: int(name.split(".")[1]) for name in params if name.startswith("layers.")}
     pending = None  # the layer whose weights are in host memory, waiting for ``keep``
-    for name, sources in checkpoint_layout(config).items():
+
+    def read(name: str, sources: list[str]) -> list[torch.Tensor]:
+        index = layer_of.get(name)
+        target = device if index is None else "cpu" if keep is not None else layer_device
+        return [get_tensor(src).to(device=target, dtype=dtype) for src in sources]
+
+    for name, sources, parts in _in_order(checkpoint_layout(config), read, read_ahead):
         index = layer_of.get(name)
         if pending is not None and index != pending:
             _finish_layer(model.layers[pending], pending, keep, layer_device)
             pending = None
-        target = device if index is None else "cpu" if keep is not None else layer_device
-        parts = [get_tensor(src).to(device=target, dtype=dtype) for src in sources]
         value = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
         if value.shape != params[name].shape:
             raise UserError(
@@ -94,6 +103,25 @@ def build_model(
     inv_freq = inverse_frequencies(config.rope, config.head_dim).to(device)
     model.register_buffer("inv_freq", inv_freq, persistent=False)
     return model.eval()
+
+
+def _in_order(layout: dict[str, list[str]], read: Callable, threads: int) -> Iterator[tuple]:
+    """``(name, sources, read(name, sources))`` for each of ``layout`` in order; with
+    ``threads``, read by that many threads, at most twice as many ahead of the one yielded
+    (reading a file and copying it to the GPU overlap, and so do the copies of several)."""
+    items = list(layout.items())
+    if threads <= 0:
+        for name, sources in items:
+            yield name, sources, read(name, sources)
+        return
+    with ThreadPoolExecutor(threads, thread_name_prefix="headspace-load") as pool:
+        ahead = [pool.submit(read, *item) for item in items[: 2 * threads]]
+        for i, (name, sources) in enumerate(items):
+            parts = ahead[i].result()
+            ahead[i] = None  # placed: its tensors now belong to the model
+            if i + 2 * threads < len(items):
+                ahead.append(pool.submit(read, *items[i + 2 * threads]))
+            yield name, sources, parts
 
 
 def _finish_layer(layer: torch.nn.Module, index: int, keep, device) -> None:
@@ -136,4 +164,6 @@ def load_model(
     files = sorted(Path(model_dir).glob("*.safetensors"))
     if not files:
         raise UserError(f"model directory {model_dir} has no .safetensors weights")
-    return build_model(config, _safetensors_reader(files), device, dtype, keep, layer_device)
+    threads = min(8, os.cpu_count() or 1)
+    return build_model(config, _safetensors_reader(files), device, dtype, keep, layer_device,
+                       read_ahead=threads)  # fmt: skip
