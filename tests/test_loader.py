@@ -1,5 +1,6 @@
-"""The checkpoint loader: tensors read ahead by threads give the model read in turn, in the
-same order of placement, and a bad tensor met by a thread is the same one-line error."""
+"""Loading a checkpoint: tensors read ahead by threads give the model read in turn, in the
+same order of placement, and a bad tensor met by a thread is the same one-line error; a
+fast tokenizer loads through its own class, as AutoTokenizer would load it."""
 
 from __future__ import annotations
 
@@ -56,3 +57,36 @@ def test_a_missing_tensor_read_ahead_is_one_line_error(embedded_state):
 
     with pytest.raises(UserError, match="up_proj.weight not found"):
         build_model(config, get_tensor, "cpu", torch.float32, read_ahead=4)
+
+
+def test_a_fast_tokenizer_loads_without_auto_classes_and_encodes_alike(embedded_dir, tmp_path):
+    """A directory that saves a fast tokenizer (tokenizer.json, its class named so) loads
+    it through that class, in a process that then has not imported transformers' model
+    auto-classes; its encodings and chat template equal AutoTokenizer's. A directory naming
+    another class goes through AutoTokenizer."""
+    import json
+    import shutil
+    import subprocess
+    import sys
+
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    from headspace.engine.engine import _load_tokenizer, _tokenizer_class
+
+    assert _tokenizer_class(embedded_dir) is PreTrainedTokenizerFast
+    direct, auto = _load_tokenizer(embedded_dir), AutoTokenizer.from_pretrained(embedded_dir)
+    texts = ["Hello, world!", "  two  spaces\nand a line", "Ünïcode ✓ 数字 123"]
+    assert [direct(t).input_ids for t in texts] == [auto(t).input_ids for t in texts]
+    chat = [{"role": "user", "content": "What is 2 + 2?"}]
+    assert direct.apply_chat_template(chat, add_generation_prompt=True) == \
+        auto.apply_chat_template(chat, add_generation_prompt=True)  # fmt: skip
+    code = ("import sys; from pathlib import Path; from headspace.engine.engine import "
+            f"_load_tokenizer; _load_tokenizer(Path({str(embedded_dir)!r})); "
+            "print('transformers.models.auto.modeling_auto' in sys.modules)")  # fmt: skip
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0 and out.stdout.strip() == "False", out.stderr[-2000:]
+    other = tmp_path / "other"
+    shutil.copytree(embedded_dir, other, ignore=shutil.ignore_patterns("*.safetensors"))
+    saved = json.loads((other / "tokenizer_config.json").read_text())
+    (other / "tokenizer_config.json").write_text(json.dumps({**saved, "tokenizer_class": "X"}))
+    assert _tokenizer_class(other) is AutoTokenizer

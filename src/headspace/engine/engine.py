@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -24,14 +25,35 @@ from headspace.planner.profile import Profile
 __all__ = ["Engine", "EngineLoad", "GenerationStats", "RequestOutput"]
 
 
-def _load_tokenizer(model_dir: Path):
+# the class names a tokenizer.json-backed tokenizer is saved under (transformers 4 and 5)
+FAST_TOKENIZER_CLASSES = ("PreTrainedTokenizerFast", "TokenizersBackend")
+
+
+def _tokenizer_class(model_dir: Path):
+    """The class :func:`_load_tokenizer` builds from: the fast tokenizer class itself where
+    the directory saves one with its ``tokenizer.json`` (the class ``AutoTokenizer`` would
+    resolve to, without importing transformers' model and generation modules, seconds at
+    start-up), else ``AutoTokenizer``."""
+    try:
+        saved = json.loads((model_dir / "tokenizer_config.json").read_text())
+    except (OSError, ValueError):
+        saved = {}
+    if (model_dir / "tokenizer.json").is_file() and \
+            saved.get("tokenizer_class") in FAST_TOKENIZER_CLASSES:  # fmt: skip
+        from transformers import PreTrainedTokenizerFast
+
+        return PreTrainedTokenizerFast
     from transformers import AutoTokenizer
 
+    return AutoTokenizer
+
+
+def _load_tokenizer(model_dir: Path):
     names = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "vocab.json")
     if not any((model_dir / name).is_file() for name in names):
         raise UserError(f"model directory {model_dir} has no tokenizer files")
     try:
-        return AutoTokenizer.from_pretrained(str(model_dir))
+        return _tokenizer_class(model_dir).from_pretrained(str(model_dir))
     except Exception as exc:  # transformers raises several kinds for a bad tokenizer
         raise UserError(f"cannot load the tokenizer from {model_dir}: {exc}") from None
 
