@@ -203,7 +203,9 @@ def test_load_and_warm_up_are_reported_on_their_own_lines(capsys, tiny_dir):
     args = ("generate", "--model", str(tiny_dir), "--prompt", "x y z", "--max-new-tokens", "3")
     code, out, err = _run(capsys, *args)
     load, warm, *_, summary = err.strip().splitlines()
-    assert code == 0 and re.fullmatch(r"load \d+\.\d s \(0\.\d\d GB of weights\)", load)
+    assert code == 0 and re.fullmatch(
+        r"load \d+\.\d s \(0\.\d\d GB of weights read in \d+\.\d s\)", load
+    )
     assert re.fullmatch(r"warm-up \d+\.\d s \(compilation, graph capture\)", warm)
     code, cold_out, cold_err = _run(capsys, *args, "--no-warm-up")
     assert code == 0 and "warm-up" not in cold_err and cold_out == out

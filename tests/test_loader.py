@@ -1,9 +1,11 @@
 """Loading a checkpoint: tensors read ahead by threads give the model read in turn, in the
 same order of placement, and a bad tensor met by a thread is the same one-line error; a
-fast tokenizer loads through its own class, as AutoTokenizer would load it."""
+fast tokenizer loads through its own class, as AutoTokenizer would load it; the compile
+cache is kept under the headspace cache."""
 
 from __future__ import annotations
 
+import os
 import threading
 
 import pytest
@@ -59,11 +61,42 @@ def test_a_missing_tensor_read_ahead_is_one_line_error(embedded_state):
         build_model(config, get_tensor, "cpu", torch.float32, read_ahead=4)
 
 
+def test_a_malformed_tensor_stops_the_reads_ahead(embedded_state):
+    """A tensor of the wrong shape, found as it is placed, is one line naming it, and no
+    tensor is read past the parameters queued ahead of it (twice the threads)."""
+    config, state = embedded_state
+    bad = "model.layers.1.self_attn.o_proj.weight"
+    reads: list[str] = []
+
+    def get_tensor(name: str) -> torch.Tensor:
+        reads.append(name)
+        return state[name][:-1] if name == bad else state[name]
+
+    with pytest.raises(UserError, match=f"malformed checkpoint: {bad} has shape"):
+        build_model(config, get_tensor, "cpu", torch.float32, read_ahead=2)
+    layout = list(checkpoint_layout(config).values())
+    at = next(i for i, sources in enumerate(layout) if bad in sources)
+    queued = sum(len(sources) for sources in layout[: at + 1 + 2 * 2])
+    assert bad in reads and len(reads) <= queued
+
+
+def test_a_plain_cuda_device_is_the_callers_current_gpu(monkeypatch):
+    """The readers' threads start on GPU 0, so a plain ``cuda`` is pinned to the caller's
+    current GPU before they place anything; other devices stay as given."""
+    from headspace.model.loader import _on_current_gpu
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    assert _on_current_gpu("cuda") == torch.device("cuda", 3)
+    assert _on_current_gpu("cuda:1") == torch.device("cuda", 1)
+    assert _on_current_gpu("cpu") == torch.device("cpu")
+
+
 def test_a_fast_tokenizer_loads_without_auto_classes_and_encodes_alike(embedded_dir, tmp_path):
-    """A directory that saves a fast tokenizer (tokenizer.json, its class named so) loads
-    it through that class, in a process that then has not imported transformers' model
-    auto-classes; its encodings and chat template equal AutoTokenizer's. A directory naming
-    another class goes through AutoTokenizer."""
+    """A llama directory that saves a fast tokenizer (tokenizer.json, its class named so)
+    loads it through that class, in a process that then has not imported transformers'
+    model auto-classes; its encodings, decodings and chat template equal AutoTokenizer's.
+    Another class, or a model type whose own tokenizer AutoTokenizer builds (qwen2), goes
+    through AutoTokenizer."""
     import json
     import shutil
     import subprocess
@@ -76,7 +109,9 @@ def test_a_fast_tokenizer_loads_without_auto_classes_and_encodes_alike(embedded_
     assert _tokenizer_class(embedded_dir) is PreTrainedTokenizerFast
     direct, auto = _load_tokenizer(embedded_dir), AutoTokenizer.from_pretrained(embedded_dir)
     texts = ["Hello, world!", "  two  spaces\nand a line", "Ünïcode ✓ 数字 123"]
-    assert [direct(t).input_ids for t in texts] == [auto(t).input_ids for t in texts]
+    ids = [direct(t).input_ids for t in texts]
+    assert ids == [auto(t).input_ids for t in texts]
+    assert [direct.decode(i) for i in ids] == [auto.decode(i) for i in ids]
     chat = [{"role": "user", "content": "What is 2 + 2?"}]
     assert direct.apply_chat_template(chat, add_generation_prompt=True) == \
         auto.apply_chat_template(chat, add_generation_prompt=True)  # fmt: skip
@@ -85,8 +120,24 @@ def test_a_fast_tokenizer_loads_without_auto_classes_and_encodes_alike(embedded_
             "print('transformers.models.auto.modeling_auto' in sys.modules)")  # fmt: skip
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert out.returncode == 0 and out.stdout.strip() == "False", out.stderr[-2000:]
-    other = tmp_path / "other"
-    shutil.copytree(embedded_dir, other, ignore=shutil.ignore_patterns("*.safetensors"))
-    saved = json.loads((other / "tokenizer_config.json").read_text())
-    (other / "tokenizer_config.json").write_text(json.dumps({**saved, "tokenizer_class": "X"}))
-    assert _tokenizer_class(other) is AutoTokenizer
+    for name, changes in (("class", {"tokenizer_config.json": {"tokenizer_class": "X"}}),
+                          ("qwen2", {"config.json": {"model_type": "qwen2"}})):  # fmt: skip
+        other = tmp_path / name
+        shutil.copytree(embedded_dir, other, ignore=shutil.ignore_patterns("*.safetensors"))
+        for file, change in changes.items():
+            saved = json.loads((other / file).read_text())
+            (other / file).write_text(json.dumps({**saved, **change}))
+        assert _tokenizer_class(other) is AutoTokenizer, name
+
+
+def test_compile_caches_are_kept_under_the_headspace_cache(monkeypatch, tmp_path):
+    """Inductor's cache goes under the headspace cache unless one is named already."""
+    from headspace.engine.engine import keep_compile_caches
+
+    monkeypatch.setenv("HEADSPACE_CACHE", str(tmp_path))
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    keep_compile_caches()
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "compile" / "inductor")
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "/elsewhere")
+    keep_compile_caches()
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == "/elsewhere"

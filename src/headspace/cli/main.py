@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 
 from headspace.cli.eval import add_eval_parser, run_eval
 from headspace.cli.options import (
@@ -96,13 +97,15 @@ def _generate(args) -> None:
         stop=args.stop,
     )
     prompt = _read_prompt(args)
+    started = time.perf_counter()
     llm = LLM(args.model, **engine_options(args))
+    load_seconds = time.perf_counter() - started
     prompt_ids = llm.engine.encode(prompt, chat=args.chat)
     llm.engine.check_request(prompt_ids, params)  # bad input refused before the warm-up
     # after the check, so that an error stays the one line on stderr
     weights = sum(p.nbytes for p in llm.engine.model.parameters())
-    print(f"load {llm.engine.load_seconds:.1f} s ({weights / 1e9:.2f} GB of weights)",
-          file=sys.stderr)  # fmt: skip
+    print(f"load {load_seconds:.1f} s ({weights / 1e9:.2f} GB of weights read in "
+          f"{llm.engine.load_seconds:.1f} s)", file=sys.stderr)  # fmt: skip
     if args.warm_up:  # on its own line: the summary's prefill is the prompt's alone
         seconds = llm.engine.warm_up(len(prompt_ids))
         print(f"warm-up {seconds:.1f} s (compilation, graph capture)", file=sys.stderr)

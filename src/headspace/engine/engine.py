@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,32 +21,48 @@ from headspace.errors import UserError
 from headspace.model.config import load_config
 from headspace.model.llama import LlamaModel
 from headspace.model.loader import load_model
+from headspace.model.source import cache_root
 from headspace.planner.profile import Profile
 
 __all__ = ["Engine", "EngineLoad", "GenerationStats", "RequestOutput"]
 
 
-# the class names a tokenizer.json-backed tokenizer is saved under (transformers 4 and 5)
+# the class names a tokenizer.json-backed tokenizer is saved under (transformers 4 and 5), and
+# the model types for which AutoTokenizer then builds that class itself (for others, such as
+# qwen2, it builds the model's own tokenizer class)
 FAST_TOKENIZER_CLASSES = ("PreTrainedTokenizerFast", "TokenizersBackend")
+FAST_TOKENIZER_MODELS = ("llama", "mistral")
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
 
 
 def _tokenizer_class(model_dir: Path):
     """The class :func:`_load_tokenizer` builds from: the fast tokenizer class itself where
-    the directory saves one with its ``tokenizer.json`` (the class ``AutoTokenizer`` would
-    resolve to, without importing transformers' model and generation modules, seconds at
-    start-up), else ``AutoTokenizer``."""
-    try:
-        saved = json.loads((model_dir / "tokenizer_config.json").read_text())
-    except (OSError, ValueError):
-        saved = {}
-    if (model_dir / "tokenizer.json").is_file() and \
-            saved.get("tokenizer_class") in FAST_TOKENIZER_CLASSES:  # fmt: skip
+    ``AutoTokenizer`` would build it too (a ``tokenizer.json`` saved under that class, for a
+    llama or mistral model), without importing the model and generation modules
+    ``AutoTokenizer`` imports (seconds at start-up); else ``AutoTokenizer``."""
+    saved = _read_json(model_dir / "tokenizer_config.json").get("tokenizer_class")
+    model_type = _read_json(model_dir / "config.json").get("model_type")
+    if (model_dir / "tokenizer.json").is_file() and saved in FAST_TOKENIZER_CLASSES \
+            and model_type in FAST_TOKENIZER_MODELS:  # fmt: skip
         from transformers import PreTrainedTokenizerFast
 
         return PreTrainedTokenizerFast
     from transformers import AutoTokenizer
 
     return AutoTokenizer
+
+
+def keep_compile_caches() -> None:
+    """Inductor's compile cache (its Triton kernels included) under the headspace cache
+    (``compile/inductor``), which outlives the temporary directory torch's default lies in,
+    unless the user or an earlier compilation in this process named one."""
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_root() / "compile" / "inductor"))
 
 
 def _load_tokenizer(model_dir: Path):
@@ -109,6 +126,8 @@ class Engine:
     def _setup(self, model: LlamaModel, tokenizer, config: EngineConfig, ranks,
                hooks: EngineHooks | None) -> None:  # fmt: skip
         self.config, self.model, self.tokenizer, self.ranks = config, model, tokenizer, ranks
+        if config.runtime.on_gpu:  # before anything compiles
+            keep_compile_caches()
         self.hooks = hooks
         model_cfg = model.config
         self.max_context = self._max_context(model_cfg, config)

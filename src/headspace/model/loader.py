@@ -67,10 +67,14 @@ def build_model(
 
     ``keep(i, layer)`` is called on each decoder layer once its weights are in place in host
     memory, before they move to ``layer_device``: a rank that keeps only its part of each
-    layer never holds the whole model on its GPU (nor more than one whole layer on the host).
-    ``read_ahead``: tensors read and moved by that many threads ahead of the one placed
-    (``get_tensor`` then called from them, in no set order); 0 reads them in turn."""
-    layer_device = device if layer_device is None else layer_device
+    layer never holds the whole model on its GPU (nor more than one whole layer on the host,
+    besides the tensors read ahead).
+    ``read_ahead``: tensors read and moved by that many threads ahead of the one placed, at
+    most twice as many at once (``get_tensor`` then called from them, in no set order); 0
+    reads them in turn."""
+    # a plain "cuda" names this thread's current GPU: the readers' threads start on GPU 0
+    device = _on_current_gpu(device)
+    layer_device = device if layer_device is None else _on_current_gpu(layer_device)
     with torch.device("meta"):
         model = LlamaModel(config)
     params = dict(model.named_parameters())
@@ -105,6 +109,14 @@ def build_model(
     return model.eval()
 
 
+def _on_current_gpu(device: str | torch.device) -> torch.device:
+    """``device``, with a GPU of no index given the calling thread's current one."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
 def _in_order(layout: dict[str, list[str]], read: Callable, threads: int) -> Iterator[tuple]:
     """``(name, sources, read(name, sources))`` for each of ``layout`` in order; with
     ``threads``, read by that many threads, at most twice as many ahead of the one yielded
@@ -114,7 +126,8 @@ def _in_order(layout: dict[str, list[str]], read: Callable, threads: int) -> Ite
         for name, sources in items:
             yield name, sources, read(name, sources)
         return
-    with ThreadPoolExecutor(threads, thread_name_prefix="headspace-load") as pool:
+    pool = ThreadPoolExecutor(threads, thread_name_prefix="headspace-load")
+    try:
         ahead = [pool.submit(read, *item) for item in items[: 2 * threads]]
         for i, (name, sources) in enumerate(items):
             parts = ahead[i].result()
@@ -122,6 +135,8 @@ def _in_order(layout: dict[str, list[str]], read: Callable, threads: int) -> Ite
             if i + 2 * threads < len(items):
                 ahead.append(pool.submit(read, *items[i + 2 * threads]))
             yield name, sources, parts
+    finally:  # on an error or an early stop, the reads not yet begun are dropped
+        pool.shutdown(wait=True, cancel_futures=True)
 
 
 def _finish_layer(layer: torch.nn.Module, index: int, keep, device) -> None:
