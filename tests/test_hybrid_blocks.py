@@ -164,7 +164,40 @@ def test_a_block_kept_whole_is_passed_over_at_every_step():
         assert len(got) == counts[0] == BLOCK + BLOCK + end % BLOCK
         assert set(whole.tolist()) <= got  # the kept block, once
         others = got - set(whole.tolist()) - set(range(end - end % BLOCK, end))
-        assert len(others) == BLOCK and not others & set(range(BLOCK, 2 * BLOCK))
+        assert len(others) == BLOCK and {p // BLOCK for p in others} <= {0, 2}
+
+
+def test_full_blocks_are_found_once_per_table_and_anew_as_blocks_grow():
+    """:func:`add_query_blocks` takes each sequence's full blocks from the table's cache
+    where it holds them for the current block count (a block marked full there is passed
+    over, whatever the kept positions say), and finds and stores them where the cache has
+    none or an older count."""
+    from types import SimpleNamespace
+
+    from headspace.tiers.hybrid_blocks import add_query_blocks
+
+    dim, slots, page = 8, 64, 4
+    host_kv = torch.randn(1, 2, slots, dim, generator=torch.Generator().manual_seed(2)) * 0.01
+    host_kv[0, 0, BLOCK : 2 * BLOCK, 0] = 5.0  # block 1 along the query
+    q = torch.zeros(1, 2, dim)
+    q[0, :, 0] = 1.0
+    state = SimpleNamespace(evicted_end=48, boxes=KeyBoxes())
+    kept = [torch.tensor([0], dtype=torch.int64)]
+
+    def step(full: dict) -> set[int]:
+        tables = torch.zeros(1, 64, dtype=torch.int32)
+        counts = torch.tensor([1], dtype=torch.int32)
+        count = add_query_blocks([(state, list(range(16)))], 0, (0, 1), slots, page, q,
+                                 host_kv, (tables, counts, kept, full), 1)  # fmt: skip
+        return set(tables[0, 1 : count[0]].tolist())
+
+    full: dict = {}
+    assert step(full) == set(range(BLOCK, 2 * BLOCK))  # block 1, the one along the query
+    assert full[0].tolist() == [[False, False, False]]  # found and stored
+    full[0] = torch.tensor([[False, True, False]])  # the cache says block 1 is kept whole
+    assert {p // BLOCK for p in step(full)} <= {0, 2}  # so it is passed over
+    state.evicted_end = 64  # a fourth block: the cached count is older, found anew
+    assert step(full) == set(range(BLOCK, 2 * BLOCK)) and full[0].shape == (1, 4)
 
 
 def test_query_blocks_over_shuffled_pages_of_two_sequences():

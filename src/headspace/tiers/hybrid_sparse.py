@@ -140,8 +140,9 @@ class SparseSelector:
         self.summaries: dict[int, tuple[float, float, float]] = {}
         self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="headspace-select")
         # (layer, kv range, slots, sequences, their admissions and versions, query blocks)
-        # -> (tables, kept counts, kept positions per row): the current batch's only
-        self._tables: dict[tuple, tuple[torch.Tensor, torch.Tensor, list]] = {}
+        # -> (tables, kept counts, kept positions per row, full blocks per sequence's first
+        # row): the current batch's only
+        self._tables: dict[tuple, tuple[torch.Tensor, torch.Tensor, list, dict]] = {}
         self._admissions = 0
         self.observed: dict[int, dict[int, tuple]] = {}  # seq -> layer -> (q, event, end)
         self._copies: torch.cuda.Stream | None = None  # the prompt queries' copies
