@@ -112,6 +112,26 @@ def _phases(engine: str, checkpoint: str, prompt_file: str, caches: Path, device
     return {"wall_s": wall, **json.loads(stdout.strip().splitlines()[-1])}
 
 
+def _runs(cli: list[str], checkpoint: str, prompt: str, device: str, scratch: Path) -> dict:
+    """Each engine's first and second process, the compile caches under ``scratch``:
+    transformers' steps; the headspace command, then its steps in a process of their own
+    (the first over caches of their own, the second over those the command's runs filled)."""
+    runs: dict[str, dict] = {"headspace_cli": {}, "headspace": {}, "transformers": {}}
+    for engine in ("transformers", "headspace"):
+        caches = scratch / engine
+        for which in ("first", "second"):
+            if engine == "headspace":
+                wall, _, tail = _child(cli, caches)
+                runs["headspace_cli"][which] = {"wall_s": wall, "stderr": tail}
+                print("headspace cli", which, f"{wall:.1f} s", tail, flush=True)
+                own = caches if which == "second" else scratch / "headspace_steps"
+                runs[engine][which] = _phases(engine, checkpoint, prompt, own, device)
+            else:
+                runs[engine][which] = _phases(engine, checkpoint, prompt, caches, device)
+            print(engine, which, runs[engine][which], flush=True)
+    return runs
+
+
 def _prepare(checkpoint: Path, tokens: int) -> Path:
     """The checkpoint (saved once) and a prompt file of ``tokens`` words, each one token;
     every file of the checkpoint read once so that each run finds them in the page cache."""
@@ -150,22 +170,8 @@ def main() -> None:
     prompt = str(_prepare(checkpoint, args.tokens))
     cli = [sys.executable, "-m", "headspace", "generate", "--model", str(checkpoint),
            "--prompt-file", prompt, "--max-new-tokens", "1", "--device", args.device]  # fmt: skip
-    runs: dict[str, dict] = {"headspace_cli": {}, "headspace": {}, "transformers": {}}
-    for engine in ("transformers", "headspace"):
-        caches = Path(tempfile.mkdtemp(prefix=f"cold_{engine}_"))
-        for which in ("first", "second"):
-            if engine == "headspace":
-                wall, _, tail = _child(cli, caches)
-                runs["headspace_cli"][which] = {"wall_s": wall, "stderr": tail}
-                print("headspace cli", which, f"{wall:.1f} s", tail, flush=True)
-                caches_phases = Path(tempfile.mkdtemp(prefix="cold_phases_"))
-                if which == "second":  # the phases over the caches the CLI's runs filled
-                    caches_phases = caches
-                runs["headspace"][which] = _phases(engine, str(checkpoint), prompt,
-                                                   caches_phases, args.device)  # fmt: skip
-            else:
-                runs[engine][which] = _phases(engine, str(checkpoint), prompt, caches, args.device)
-            print(engine, which, runs[engine][which], flush=True)
+    with tempfile.TemporaryDirectory(prefix="cold_start_") as scratch:  # the compile caches
+        runs = _runs(cli, str(checkpoint), prompt, args.device, Path(scratch))
     result = {
         "env": env, "config": {"model": "llama3-8b (random bf16)", "prompt_tokens": args.tokens,
                                "max_new_tokens": 1},
@@ -189,7 +195,7 @@ def _print(result: dict) -> None:
     for engine in ("headspace", "transformers"):
         for which, row in result["runs"][engine].items():
             print(f"{which:>7} {engine:>13} {row['wall_s']:>7.1f} {row['imports_s']:>8.1f} "
-                  f"{row['load_s']:>6.1f} {row.get('weights_s', row['load_s']):>8.1f} "
+                  f"{row['load_s']:>6.1f} {row.get('weights_s', float('nan')):>8.1f} "
                   f"{row.get('warm_up_s', 0.0):>8.1f} "
                   f"{row['request_s']:>8.1f}")  # fmt: skip
     for which, ratio in result["ttft_ratio_vs_transformers"].items():

@@ -68,38 +68,51 @@ def exact_rows(model, length: int, steps: int, h2d: float) -> dict:
 def sparse_rows(model, h2d: float, sharpen: float, tokens: int = 24) -> dict:
     """The sparse mode at 128K through a real prefill beside the exact mode it thins (the CPU
     attends all before the window), both with the window on the GPU, on ``model`` with every
-    kv head's keys scaled by ``sharpen``: random weights attend so evenly that the most any of
-    the prompt's last queries gives a token passes the uniform weight for nearly every token,
-    and the mode would keep them all. Each decode step timed (synchronised); ``decode_ms`` is
-    their median (the first steps attend densely and box the prompt's keys)."""
+    kv head's keys scaled by ``sharpen`` (restored after): random weights attend so evenly
+    that the most any of the prompt's last queries gives a token passes the uniform weight
+    for nearly every token, and the mode would keep them all. Each decode step timed
+    (synchronised); ``decode_ms`` is their median (the first steps attend densely and box
+    the prompt's keys); ``tables_ms`` each call of the selector's host work (one a layer)."""
+    saved = [layer.qkv_proj.weight.detach().cpu() for layer in model.layers]
     sharpen_heads(model, [sharpen, sharpen])
     MODES["sparse"] = {"offload": "hybrid", "cpu_sparsity": SPARSE_BETA}
-    rows, length = {}, 128 * K - 64
-    for mode in ("hybrid_cpu", "sparse"):
-        timings = CpuTimings()
-        engine = make_engine(model, EngineHooks(cpu_timings=timings), gpu_memory=BUDGET,
-                             **MODES[mode])  # fmt: skip
-        generator = engine.batch
-        warm_up(generator, length, length + tokens, 2 * K, LLAMA31_8B["vocab_size"])
-        timings.clear()
-        steps_ms = _time_steps(generator.runner)
-        params = SamplingParams(max_new_tokens=tokens, ignore_eos=True)
-        out = engine.generate_batch([_prompt(length, 0)], [params])[0]
-        floor_ms = 1000 * out.stats.num_hybrid_heads * 2 * length * 128 * 2 / h2d
-        rows[mode] = {
-            "decode_ms": statistics.median(steps_ms), "step_ms": steps_ms,
-            "pcie_floor_ms": floor_ms,
-            "speedup_vs_pcie_floor": floor_ms / statistics.median(steps_ms),
-            "tables_ms_per_step": 1000 * sum(timings.tables) / len(steps_ms),
-            "cpu_kept_fraction_min_median_max": out.stats.cpu_kept_fraction,
-            "plan": generator.runner.plan.head_map.summary(), "summary": out.stats.summary(),
-        }  # fmt: skip
-        generator.runner.__dict__.pop("decode")  # the timing wrapper
-        del engine, generator
-        gc.collect()  # the engine's cycles hold its arena until collected
-        torch.cuda.empty_cache()
-    sharpen_heads(model, [1 / sharpen, 1 / sharpen])
+    rows = {}
+    try:
+        for mode in ("hybrid_cpu", "sparse"):
+            rows[mode] = _timed_run(model, mode, h2d, tokens)
+            gc.collect()  # the engine's cycles hold its arena until collected
+            torch.cuda.empty_cache()
+    finally:
+        with torch.no_grad():
+            for layer, weight in zip(model.layers, saved, strict=True):
+                layer.qkv_proj.weight.copy_(weight)
     return rows
+
+
+def _timed_run(model, mode: str, h2d: float, tokens: int) -> dict:
+    """One engine of ``mode``: warm-up, then a 128K prompt and ``tokens`` tokens, each decode
+    step timed."""
+    timings, length, cfg = CpuTimings(), 128 * K - 64, model.config
+    engine = make_engine(model, EngineHooks(cpu_timings=timings), gpu_memory=BUDGET,
+                         **MODES[mode])  # fmt: skip
+    generator = engine.batch
+    warm_up(generator, length, length + tokens, 2 * K, cfg.vocab_size)
+    timings.clear()
+    steps_ms = _time_steps(generator.runner)
+    params = SamplingParams(max_new_tokens=tokens, ignore_eos=True)
+    out = engine.generate_batch([_prompt(length, 0)], [params])[0]
+    kv_bytes = 2 * length * cfg.head_dim * model.embed_tokens.weight.element_size()
+    floor_ms = 1000 * out.stats.num_hybrid_heads * kv_bytes / h2d
+    generator.runner.__dict__.pop("decode")  # the timing wrapper
+    return {
+        "decode_ms": statistics.median(steps_ms), "step_ms": steps_ms,
+        "pcie_floor_ms": floor_ms,
+        "speedup_vs_pcie_floor": floor_ms / statistics.median(steps_ms),
+        "tables_ms_per_step": 1000 * sum(timings.tables) / len(steps_ms),
+        "tables_ms": [1000 * t for t in timings.tables],
+        "cpu_kept_fraction_min_median_max": out.stats.cpu_kept_fraction,
+        "plan": generator.runner.plan.head_map.summary(), "summary": out.stats.summary(),
+    }  # fmt: skip
 
 
 def perplexity_change(beta: float) -> dict:

@@ -346,8 +346,8 @@ def main() -> None:
     parser.add_argument(
         "--copy-seconds",
         type=float,
-        help="the engine's copy_seconds: what the solvers charge a copy (0 forces copies in "
-        "wherever they level a layer; default: the cost model's)",
+        help="the engine's copy_seconds: what the solvers charge a copy (0: nothing, so they "
+        "make each copy their cost model says levels a layer; default: the cost model's)",
     )
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
