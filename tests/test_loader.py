@@ -131,13 +131,19 @@ def test_a_fast_tokenizer_loads_without_auto_classes_and_encodes_alike(embedded_
 
 
 def test_compile_caches_are_kept_under_the_headspace_cache(monkeypatch, tmp_path):
-    """Inductor's cache goes under the headspace cache unless one is named already."""
+    """Inductor's cache goes under the headspace cache unless one is named already, or the
+    headspace cache cannot be written (torch's default then stays)."""
     from headspace.engine.engine import keep_compile_caches
 
-    monkeypatch.setenv("HEADSPACE_CACHE", str(tmp_path))
     monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    (tmp_path / "a-file").write_text("")
+    monkeypatch.setenv("HEADSPACE_CACHE", str(tmp_path / "a-file"))  # no folder can go there
+    keep_compile_caches()
+    assert "TORCHINDUCTOR_CACHE_DIR" not in os.environ
+    monkeypatch.setenv("HEADSPACE_CACHE", str(tmp_path))
     keep_compile_caches()
     assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "compile" / "inductor")
+    assert (tmp_path / "compile" / "inductor").is_dir()
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "/elsewhere")
     keep_compile_caches()
     assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == "/elsewhere"

@@ -61,8 +61,16 @@ def _tokenizer_class(model_dir: Path):
 def keep_compile_caches() -> None:
     """Inductor's compile cache (its Triton kernels included) under the headspace cache
     (``compile/inductor``), which outlives the temporary directory torch's default lies in,
-    unless the user or an earlier compilation in this process named one."""
-    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_root() / "compile" / "inductor"))
+    unless the user or an earlier compilation in this process named one, or the headspace
+    cache cannot be written (torch's default stays)."""
+    if "TORCHINDUCTOR_CACHE_DIR" in os.environ:
+        return
+    folder = cache_root() / "compile" / "inductor"
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError:
+        return
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(folder)
 
 
 def _load_tokenizer(model_dir: Path):
