@@ -16,8 +16,8 @@ the sparse mode (``cpu_sparsity=1``, default query blocks) at 128K through a rea
 beside the exact mode it thins (``hybrid_cpu``), with the share of CPU-side tokens kept, on
 keys scaled by ``--sharpen`` (on random weights every token passes the threshold for some
 query, so the mode would keep all), beside its perplexity change on the embedded model (the
-committed CPU result). ``--lengths`` with no value runs the sparse part alone.
-Writes ``hybrid_window_<gpu>_<date>.json`` (to $OUT when set).
+committed CPU result). Writes ``hybrid_window_<gpu>_<date>.json`` (to $OUT when set);
+``--lengths`` with no value runs the sparse part alone, into ``hybrid_window_sparse_...``.
 """
 
 from __future__ import annotations

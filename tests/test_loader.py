@@ -106,8 +106,10 @@ def test_a_fast_tokenizer_loads_without_auto_classes_and_encodes_alike(embedded_
 
     from headspace.engine.engine import _load_tokenizer, _tokenizer_class
 
-    assert _tokenizer_class(embedded_dir) is PreTrainedTokenizerFast
-    direct, auto = _load_tokenizer(embedded_dir), AutoTokenizer.from_pretrained(embedded_dir)
+    family = load_config(embedded_dir).family
+    assert _tokenizer_class(embedded_dir, family) is PreTrainedTokenizerFast
+    direct = _load_tokenizer(embedded_dir, family)
+    auto = AutoTokenizer.from_pretrained(embedded_dir)
     texts = ["Hello, world!", "  two  spaces\nand a line", "Ünïcode ✓ 数字 123"]
     ids = [direct(t).input_ids for t in texts]
     assert ids == [auto(t).input_ids for t in texts]
@@ -116,18 +118,20 @@ def test_a_fast_tokenizer_loads_without_auto_classes_and_encodes_alike(embedded_
     assert direct.apply_chat_template(chat, add_generation_prompt=True) == \
         auto.apply_chat_template(chat, add_generation_prompt=True)  # fmt: skip
     code = ("import sys; from pathlib import Path; from headspace.engine.engine import "
-            f"_load_tokenizer; _load_tokenizer(Path({str(embedded_dir)!r})); "
+            f"_load_tokenizer; _load_tokenizer(Path({str(embedded_dir)!r}), {family!r}); "
             "print('transformers.models.auto.modeling_auto' in sys.modules)")  # fmt: skip
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert out.returncode == 0 and out.stdout.strip() == "False", out.stderr[-2000:]
-    for name, changes in (("class", {"tokenizer_config.json": {"tokenizer_class": "X"}}),
-                          ("qwen2", {"config.json": {"model_type": "qwen2"}})):  # fmt: skip
+    for name, changes in (
+        ("class", {"tokenizer_config.json": {"tokenizer_class": "X"}}),
+        ("qwen2", {"config.json": {"model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"]}}),
+    ):
         other = tmp_path / name
         shutil.copytree(embedded_dir, other, ignore=shutil.ignore_patterns("*.safetensors"))
         for file, change in changes.items():
             saved = json.loads((other / file).read_text())
             (other / file).write_text(json.dumps({**saved, **change}))
-        assert _tokenizer_class(other) is AutoTokenizer, name
+        assert _tokenizer_class(other, load_config(other).family) is AutoTokenizer, name
 
 
 def test_compile_caches_are_kept_under_the_headspace_cache(monkeypatch, tmp_path):

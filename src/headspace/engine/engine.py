@@ -28,28 +28,24 @@ __all__ = ["Engine", "EngineLoad", "GenerationStats", "RequestOutput"]
 
 
 # the class names a tokenizer.json-backed tokenizer is saved under (transformers 4 and 5), and
-# the model types for which AutoTokenizer then builds that class itself (for others, such as
-# qwen2, it builds the model's own tokenizer class)
+# the model families for which AutoTokenizer then builds that class itself (for others, such
+# as qwen2, it builds the model's own tokenizer class)
 FAST_TOKENIZER_CLASSES = ("PreTrainedTokenizerFast", "TokenizersBackend")
-FAST_TOKENIZER_MODELS = ("llama", "mistral")
+FAST_TOKENIZER_FAMILIES = ("llama", "mistral")
 
 
-def _read_json(path: Path) -> dict:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}
-
-
-def _tokenizer_class(model_dir: Path):
+def _tokenizer_class(model_dir: Path, family: str):
     """The class :func:`_load_tokenizer` builds from: the fast tokenizer class itself where
     ``AutoTokenizer`` would build it too (a ``tokenizer.json`` saved under that class, for a
-    llama or mistral model), without importing the model and generation modules
-    ``AutoTokenizer`` imports (seconds at start-up); else ``AutoTokenizer``."""
-    saved = _read_json(model_dir / "tokenizer_config.json").get("tokenizer_class")
-    model_type = _read_json(model_dir / "config.json").get("model_type")
-    if (model_dir / "tokenizer.json").is_file() and saved in FAST_TOKENIZER_CLASSES \
-            and model_type in FAST_TOKENIZER_MODELS:  # fmt: skip
+    model of a ``family`` in FAST_TOKENIZER_FAMILIES), without importing the model and
+    generation modules ``AutoTokenizer`` imports (seconds at start-up); else
+    ``AutoTokenizer``."""
+    try:
+        saved = json.loads((model_dir / "tokenizer_config.json").read_text())
+    except (OSError, ValueError):
+        saved = {}
+    if (model_dir / "tokenizer.json").is_file() and family in FAST_TOKENIZER_FAMILIES \
+            and saved.get("tokenizer_class") in FAST_TOKENIZER_CLASSES:  # fmt: skip
         from transformers import PreTrainedTokenizerFast
 
         return PreTrainedTokenizerFast
@@ -73,12 +69,12 @@ def keep_compile_caches() -> None:
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(folder)
 
 
-def _load_tokenizer(model_dir: Path):
+def _load_tokenizer(model_dir: Path, family: str):
     names = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "vocab.json")
     if not any((model_dir / name).is_file() for name in names):
         raise UserError(f"model directory {model_dir} has no tokenizer files")
     try:
-        return _tokenizer_class(model_dir).from_pretrained(str(model_dir))
+        return _tokenizer_class(model_dir, family).from_pretrained(str(model_dir))
     except Exception as exc:  # transformers raises several kinds for a bad tokenizer
         raise UserError(f"cannot load the tokenizer from {model_dir}: {exc}") from None
 
@@ -89,7 +85,7 @@ class Engine:
     def __init__(self, model_dir: Path, config: EngineConfig, hooks: EngineHooks | None = None):
         model_cfg = load_config(model_dir)  # refuse a bad directory before the slower loads
         config = join(config)  # under torchrun: the process group, this rank's GPU
-        tokenizer = _load_tokenizer(model_dir)
+        tokenizer = _load_tokenizer(model_dir, model_cfg.family)
         self._read_profile(model_cfg, config)
         # under torchrun: the heads balanced over the ranks; each layer sharded for this
         # one as it loads (the whole model never sits on its GPU)

@@ -43,6 +43,11 @@ class ModelConfig:
     sliding_window: int | None = None
 
     @property
+    def family(self) -> str:
+        """The model type of its architecture: llama, mistral or qwen2."""
+        return SUPPORTED_ARCHITECTURES[self.architecture]
+
+    @property
     def num_queries_per_kv(self) -> int:
         return self.num_heads // self.num_kv_heads
 
