@@ -150,13 +150,15 @@ def compute_rates() -> dict:
     return {"gemm_flops": gemm, "attention_flops": attention}
 
 
-def prefill_roofline_tok_s(length: int, rates: dict) -> float:
-    """Tokens/s of a prefill of ``length`` if GEMMs and attention ran at the measured rates."""
+def prefill_roofline_tok_s(length: int, rates: dict, attention_share: float = 1.0) -> float:
+    """Tokens/s of a prefill of ``length`` if GEMMs and attention (``attention_share`` of
+    full causal attention's, as the heads' patterns compute it) ran at the measured rates."""
     from headspace.model.config import config_from_dict
     from headspace.planner.memory import Hardware, prefill_compute_seconds
 
     hw = Hardware(gemm_flops=rates["gemm_flops"], attention_flops=rates["attention_flops"])
-    return length / prefill_compute_seconds(config_from_dict(LLAMA3_8B), length, hw)
+    config = config_from_dict(LLAMA3_8B)
+    return length / prefill_compute_seconds(config, length, hw, attention_share)
 
 
 def planner_limit(mode: str, budget: str) -> dict:

@@ -117,6 +117,12 @@ def test_entry_decode_equals_the_reference_over_each_rows_tokens(num_kv_heads, g
 # -- compression ----------------------------------------------------------------------------
 
 
+def _entry_slots(tier, seq_id: int, num_positions: int) -> torch.Tensor:
+    """Plane slots ``[entries, positions]`` of every entry of ``seq_id``."""
+    slots = tier._slots(seq_id, num_positions)
+    return torch.stack([slots.entry(e) for e in range(len(tier.blocks.entries[seq_id].pages))])
+
+
 @pytest.mark.parametrize("policy", sorted(POLICIES))
 def test_compression_moves_exactly_the_policys_tokens_to_the_front(policy):
     torch.manual_seed(1)
@@ -126,11 +132,11 @@ def test_compression_moves_exactly_the_policys_tokens_to_the_front(policy):
     plane = torch.randn(2, 200 * page_size, dim)
     head_scores = torch.rand(num_layers, num_kv_heads)
     budget = KVBudget(0.4, policy, window=8)
-    executor = BudgetTier(plane, blocks, num_kv_heads, group, "reference", budget, 2, 20,
-                              head_scores)  # fmt: skip
+    executor = BudgetTier(plane, blocks, num_kv_heads, group, "reference", budget, 2,
+                          head_scores)  # fmt: skip
     executor.window_q = {layer: torch.randn(budget.window, num_kv_heads * group, dim)
                          for layer in range(num_layers)}  # fmt: skip
-    slots = executor._slots(7, torch.arange(prompt))  # [entries, prompt]
+    slots = _entry_slots(executor, 7, prompt)  # [entries, prompt]
     original = plane[:, slots].clone()  # [2, entries, prompt, dim]
     keys = original[0].view(num_layers, num_kv_heads, prompt, dim)
     scores = [observation_scores(executor.window_q[layer].transpose(0, 1), keys[layer])
@@ -143,7 +149,7 @@ def test_compression_moves_exactly_the_policys_tokens_to_the_front(policy):
     for entry, positions in enumerate(expected):
         front = blocks.entries[7].pages[entry]
         assert len(front) == -(-len(positions) // page_size)
-        held = executor._slots(7, torch.arange(len(positions)))[entry]
+        held = _entry_slots(executor, 7, len(positions))[entry]
         torch.testing.assert_close(plane[:, held], original[:, entry, positions])
     assert blocks.pool.num_free == 200 - sum(-(-n // page_size) for n in counts)
 
@@ -290,8 +296,9 @@ def test_offloaded_entries_equal_the_all_resident_budget(tiny_llama, policy, min
     "page,lo,hi,width", [(16, 0, 100, 128), (48, 0, 40, 128), (16, 37, 90, None)]
 )
 def test_keys_gathered_from_both_tiers_are_each_positions_keys(page, lo, hi, width):
-    """Resident heads from the plane, offloaded ones from shuffled host pages; columns past
-    ``hi - 1`` repeat it (a padded capacity), whatever the page size."""
+    """Resident heads from the plane, offloaded ones from shuffled host pages (the host
+    page's rows hold only the offloaded heads); columns past ``hi - 1`` repeat it (a padded
+    capacity), whatever the page size."""
     from types import SimpleNamespace
 
     from headspace.tiers.entry_staging import EntryStaging
@@ -299,7 +306,7 @@ def test_keys_gathered_from_both_tiers_are_each_positions_keys(page, lo, hi, wid
     generator = torch.Generator().manual_seed(page + lo)
     heads, dim, num_pages = 3, 8, 8
     host_pages = torch.randperm(num_pages, generator=generator)[: -(-hi // page)].tolist()
-    host = torch.randn(heads, 2, num_pages * page, dim, generator=generator)  # one layer
+    host = torch.randn(1, 2, num_pages * page, dim, generator=generator)  # one layer, one row
     plane = torch.randn(2, heads * num_pages * page, dim, generator=generator)
     plane_slots = torch.randperm(plane.shape[1], generator=generator)[: heads * hi].view(heads, hi)
     arena = SimpleNamespace(layer=lambda layer: host)
@@ -308,5 +315,5 @@ def test_keys_gathered_from_both_tiers_are_each_positions_keys(page, lo, hi, wid
     columns = torch.arange(lo, lo + (width or hi - lo)).clamp(max=hi - 1)
     host_slots = torch.tensor(host_pages)[columns // page] * page + columns % page
     for h in range(heads):
-        want = host[h][:, host_slots] if h == 1 else plane[:, plane_slots[h, columns]]
+        want = host[0][:, host_slots] if h == 1 else plane[:, plane_slots[h, columns]]
         assert torch.equal(keys[:, h], want)

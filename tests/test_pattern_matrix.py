@@ -15,10 +15,10 @@ import torch
 from headspace import SamplingParams, UserError
 from headspace.attention.patterns import estimate
 from headspace.attention.reference import reference_attention
-from headspace.kv.spec import KVSpec, Pattern
+from headspace.kv.spec import KVSpec, Pattern, prefill_ring
 from headspace.model.config import load_config
 from headspace.planner.profile import Profile
-from headspace.planner.sparsity import gathered_bytes
+from headspace.planner.sparsity import prefill_gathers
 from test_offload import CHUNK, PAGE, _prompts, make
 
 PATTERNS = ["full", "streaming(4,40)", "vertical_slash(6,70)", "block_sparse(1)"]
@@ -85,7 +85,10 @@ def _options(pattern: str, policy: str | None, offload: str, profile: str,
     own_pages = policy is not None or pattern.startswith("streaming")
     pages = spec.pages_for(PROMPT + STEPS) if spec else 0
     if offload != "none" and own_pages:  # per-head pages: 3 of 6 entries, and two slots of one
-        options["arena"] = (3 * pages + 2 * pages + 1) * spec.entry_page_bytes
+        held = pages  # (the 3 streaming entries, each its prefill ring at most: no budget)
+        if pattern.startswith("streaming") and policy is None:
+            held = min(pages, sum(prefill_ring(PAGE, *Pattern.parse(pattern).params, CHUNK)))
+        options["arena"] = (3 * held + 2 * pages + 1) * spec.entry_page_bytes
     elif offload != "none":  # an arena of half the request's pages: some heads stream
         options["arena"] = pages // 2 * spec.full_page_bytes
     if pattern != "full":
@@ -106,8 +109,10 @@ def test_pattern_policy_offload_matrix(tiny_llama, tmp_path, pattern, policy, of
     options = _options(pattern, policy, offload, profile, spec)
     own_pages = policy is not None or pattern.startswith("streaming")
     if "arena" in options and (pattern != "full" or own_pages):  # less what a layer gathers
-        options["arena"] += gathered_bytes(config.num_kv_heads, config.num_queries_per_kv,
-                                           config.head_dim, 4, config.max_context)  # fmt: skip
+        options["arena"] += prefill_gathers(config.num_kv_heads, config.num_queries_per_kv,
+                                            config.head_dim, 4, config.max_context, CHUNK,
+                                            budgets=policy is not None,
+                                            pattern=options.get("sparse_pattern"))  # fmt: skip
     if own_pages and offload == "layer":  # per-head pages offload single heads
         with pytest.raises(UserError, match="offload"):
             make(tiny_llama, **options)
@@ -119,6 +124,11 @@ def test_pattern_policy_offload_matrix(tiny_llama, tmp_path, pattern, policy, of
     assert (offload == "none") == (head_map.num_offloaded == 0)
     offloaded = [e.pattern for e in head_map.entries if e.tier != "gpu"]
     assert not any(p.startswith("streaming") for p in offloaded)  # rings stay resident
+    if own_pages and offloaded:  # host pages hold the offloaded entries' rows, no more
+        most = max(sum(e.tier != "gpu" for e in head_map.layer(layer))
+                   for layer in range(head_map.num_layers))  # fmt: skip
+        host = llm.engine.batch.runner.host
+        assert host.rows == most < config.num_kv_heads and host.data.shape[1] == most
     if not own_pages:  # shared pages: offloaded heads attend in full
         assert set(offloaded) <= {"full"}
     if policy is None:  # every step: the oracle over the same tokens

@@ -115,7 +115,7 @@ def test_a_budget_that_does_not_fit_plans_entries_in_host_pages_priced_by_what_t
     assert budget.decode_pcie_floor_ms == pytest.approx(floor_ms)
     assert budget.decode_ms < 0.4 * full.decode_ms
     scores = tuple(tuple(random.Random(layer).random() for _ in range(8)) for layer in range(32))
-    rings = make_plan(config, PlanRequest(2**18, 48 * GiB, 400 * GiB, retrieval=scores), hw)
+    rings = make_plan(config, PlanRequest(2**19, 48 * GiB, 400 * GiB, retrieval=scores), hw)
     tiers = {(e.tier, e.pattern) for e in rings.head_map.entries}
     assert ("stream", "full") in tiers and ("gpu", "streaming(4,1024)") in tiers
     assert ("stream", "streaming(4,1024)") not in tiers

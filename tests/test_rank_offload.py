@@ -247,7 +247,7 @@ def test_budget_entries_in_host_memory_two_ranks(wide_llama, prompt, tmp_path):
         {**_case(wide_llama, prompt, {**streaming, "num_kv_pages": 3, "kv_budget": 64,
                                       "kv_policy": "ada_snapkv", **FREE_COPIES}),
          "single": RESIDENT, "batch": [150, 75, 100]},
-        {**_case(wide_llama, prompt, {**streaming, "num_kv_pages": 4, "kv_budget": 0.5,
+        {**_case(wide_llama, prompt, {**streaming, "num_kv_pages": 3, "kv_budget": 0.5,
                                       "balance": "greedy", "replicas": 0}), "single": RESIDENT},
     ]  # fmt: skip
     results = _check(run_cases(2, cases, tmp_path), cases)

@@ -52,8 +52,8 @@ _record(EntryStaging, "begin_decode", lambda self, *_, **__: STAGED.append(self.
 class RefusingArena(HostKVArena):
     """Host pages of a rank whose arena cannot grow (page-locking failed)."""
 
-    def ensure(self, num_pages: int, *, keep: bool = True) -> bool:
-        if num_pages > self.num_pages:
+    def ensure(self, num_pages: int, *, keep: bool = True, rows: int | None = None) -> bool:
+        if num_pages > self.num_pages or rows not in (None, self.rows):
             raise UserError("cannot page-lock host memory on this rank")
         return False
 

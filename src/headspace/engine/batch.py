@@ -88,7 +88,7 @@ class BatchGenerator:
                                   2 * config.runtime.max_batch, max_context, profile, layout,
                                   hooks.graphs, hooks.prefix_piece, hooks.cpu_timings)  # fmt: skip
         self.planner = BatchPlanner(model.config, config, self.spec, self.runner, blocks,
-                                    weights, streamed, ranks)  # fmt: skip
+                                    weights, self.chunk, streamed, ranks)  # fmt: skip
         own_pools = ranks is not None and config.budgets.per_head_pages  # pages per rank
         self.scheduler = Scheduler(blocks, config.runtime.max_batch, 2 * config.runtime.max_batch,
                                    config.cache.prefix_caching, all_agree if own_pools else bool,

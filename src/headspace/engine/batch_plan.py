@@ -26,13 +26,14 @@ from headspace.planner.sparsity import with_budgets
 
 class BatchPlanner:
     """Plans for a batch generator's arena (``runner``: its store, host pages, budget and
-    profile; ``blocks``: the page pools a layout resets)."""
+    profile; ``blocks``: the page pools a layout resets; ``chunk``: prompt tokens a prefill
+    step runs at most)."""
 
     def __init__(self, model_config, config: EngineConfig, spec: KVSpec, runner,
-                 blocks: BlockManager, weight_bytes: int, streamed_bytes: int = 0,
+                 blocks: BlockManager, weight_bytes: int, chunk: int, streamed_bytes: int = 0,
                  ranks: Ranks | None = None):  # fmt: skip
         self.model_config, self.config, self.spec = model_config, config, spec
-        self.runner, self.blocks = runner, blocks
+        self.runner, self.blocks, self.chunk = runner, blocks, chunk
         self.weight_bytes, self.ranks = weight_bytes, ranks
         self.streamed_bytes = streamed_bytes  # weights copied from the host per step
         # the planner's rates (no CPU attention where the kernel does not build); with
@@ -96,7 +97,8 @@ class BatchPlanner:
         return plan_entries(spec, self.runner.store.num_bytes, head_map,
                             [s.max_tokens for s in seqs], self.bounds(seqs),
                             offload=config.offload.mode, host_budget=self.runner.host.budget,
-                            what=what, parts=parts)  # fmt: skip
+                            what=what, parts=parts,
+                            ring_chunk=self.chunk if budget is None else None)  # fmt: skip
 
     def bounds(self, seqs: list[Sequence]) -> list[int]:
         """Most tokens one entry of each sequence holds after its prompt."""
@@ -238,7 +240,7 @@ class BatchPlanner:
         """Make ``plan`` the runner's layout and the page pools' (no sequence may hold GPU
         pages) and tell ``scheduler`` where sequences take pages and whether they may swap
         out."""
-        self.ensure_host_pages(plan.num_host_pages)
+        self.ensure_host_pages(plan.num_host_pages, plan.host_rows or None)
         pools = self.runner.apply(plan)
         if pools is not None:
             self.blocks.reset(pools)
@@ -264,10 +266,20 @@ class BatchPlanner:
             return str(error)
         return None
 
-    def ensure_host_pages(self, num_pages: int) -> None:
-        """A host pool of at least ``num_pages`` (the runner's arena grows first); raises
-        UserError, on every rank alike, when the arena cannot grow."""
+    def ensure_host_pages(self, num_pages: int, rows: int | None = None) -> None:
+        """A host pool of at least ``num_pages`` (the runner's arena grows first), of
+        ``rows`` kv heads a layer when given (a new arena and pool when that changes, for
+        per-entry pages); raises UserError, on every rank alike, when the arena cannot
+        grow."""
         pool = self.blocks.pools[HOST]
+        if rows is not None and rows != self.runner.host.rows:  # nothing in host pages
+            try:
+                pages = self.runner.grow_host(num_pages, keep=False, rows=rows)
+            except UserError:  # the arena was dropped: so are the pool's pages
+                self.blocks.reset_host(0)
+                raise
+            self.blocks.reset_host(pages)
+            return
         if num_pages > pool.num_pages:  # the same on every rank
             self.blocks.grow_host(self.runner.grow_host(num_pages, keep=pool.num_kept > 0))
 

@@ -12,7 +12,7 @@ from headspace.errors import UserError
 from headspace.kv.spec import GiB, KVSpec
 from headspace.model.config import ModelConfig
 from headspace.planner.memory import prefill_chunk, split_gpu_budget
-from headspace.planner.sparsity import arena_after_gathers, gathered_bytes
+from headspace.planner.sparsity import arena_after_gathers, prefill_gathers
 
 CPU_PREFILL_CHUNK = 1024
 FLEX_INDEX_LIMIT = 2**31 - 1  # elements of a K tensor FlexAttention's kernels index in int32
@@ -173,8 +173,12 @@ def _arena_bytes(config: ModelConfig, engine_config, spec: KVSpec, weight_bytes:
         return min(contexts, host_budget(None) // 2 // spec.full_page_bytes * spec.full_page_bytes)
     split = split_gpu_budget(config, budget, weight_bytes, chunk, spec.dtype_bytes,
                              engine_config.runtime.max_batch)  # fmt: skip
-    if engine_config.budgets.per_head_pages or engine_config.budgets.retrieval_heads is not None:
-        gathered = gathered_bytes(spec.num_kv_heads, config.num_queries_per_kv, spec.head_dim,
-                                  spec.dtype_bytes, max_context)  # fmt: skip
+    budgets = engine_config.budgets
+    if budgets.per_head_pages or budgets.retrieval_heads is not None:
+        pattern = None if budgets.retrieval_heads is None else budgets.sparse_pattern
+        gathered = prefill_gathers(spec.num_kv_heads, config.num_queries_per_kv, spec.head_dim,
+                                   spec.dtype_bytes, max_context, chunk,
+                                   budgets=budgets.kv_budget is not None,
+                                   pattern=pattern)  # fmt: skip
         return arena_after_gathers(split.arena, gathered, max_context)
     return split.arena

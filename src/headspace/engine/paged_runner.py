@@ -33,6 +33,7 @@ from headspace.tiers.layout import (
     head_ranges,
     host_places,
     layout_key,
+    prefill_rings,
     staging_slots,
     window_slots,
 )
@@ -77,7 +78,6 @@ class PagedRunner:
         self.site = TierSite(
             self.store, host, blocks, spec, model.config.num_queries_per_kv,
             config.runtime.attention_backend, max_slots=self.tokens.numel(),
-            max_context=max_context,
             per_entry_pages=config.budgets.per_head_pages, layout=layout, budget=self.budget,
             head_scores=None if profile is None else torch.tensor(profile.retrieval),
             hybrid=HybridSettings(offload.cpu_threads, offload.cpu_sparsity, offload.maw_alpha,
@@ -124,7 +124,8 @@ class PagedRunner:
             first = [sum(map(len, heads[:layer])) for layer in range(spec.num_layers)]
             in_host = [first[layer] + place for layer, places in
                        enumerate(host_places(plan, heads)) for place in places]  # fmt: skip
-            pools = PoolLayout(plan.num_gpu_pages, offloaded=tuple(in_host))
+            rings = prefill_rings(plan, heads, spec.page_size)
+            pools = PoolLayout(plan.num_gpu_pages, offloaded=tuple(in_host), rings=rings)
         else:
             resident = [head_ranges(plan, layer, site.own_heads(layer))[0]
                         for layer in range(spec.num_layers)]  # fmt: skip
@@ -176,12 +177,18 @@ class PagedRunner:
             return None
         if self.plan.entry_staging:  # offloaded entries stage by their lengths, step by step
             return None
-        generation = self.host.generation if self.plan.staging else 0  # graphs address host
+        generation = (
+            self.host.generation if self.plan.staging else 0,  # graphs address host
+            tuple(tier.graph_version for tier in self.tiers),
+        )  # and tiers' tensors
         cached = self._graph_cache.get(self._layout_id)
         if cached is not None and cached[0] == generation:
             return cached[1]
         from headspace.engine.paged_graphs import DecodeGraphs
 
+        if cached is not None:  # they address tensors that moved: freed now, and their
+            cached[1].release()  # pool too once unused (a capture must not reuse it)
+            self._graph_pool = None
         if self._graph_pool is None and twin is None:
             self._graph_pool = torch.cuda.graph_pool_handle()
         mode = "static" if self._compiled else "eager"
@@ -205,15 +212,16 @@ class PagedRunner:
         cannot be captured), or the tests' twin in place of graphs."""
         return torch.distributed.get_backend() == "nccl" or self.graphs_class is not None
 
-    def grow_host(self, num_pages: int, keep: bool) -> int:
+    def grow_host(self, num_pages: int, keep: bool, rows: int | None = None) -> int:
         """Host pages for at least ``num_pages`` (grows the arena, copying it when ``keep``:
-        some page holds data; graphs that address the old one are then captured again).
+        some page holds data; graphs that address the old one are then captured again), of
+        ``rows`` kv heads a layer when given (per-entry pages: a new arena).
         Returns the pages the host pool may hold now: under torchrun the same on every rank,
         so their schedulers decide alike. Raises UserError when the arena cannot grow; under
         torchrun on every rank alike (page-locking may fail on one)."""
         refused = None
         try:  # (an arena may stay larger than its pool)
-            self.host.ensure(num_pages, keep=keep)
+            self.host.ensure(num_pages, keep=keep, rows=rows)
         except UserError as error:
             refused = str(error)
         ranks = self.layout is not None

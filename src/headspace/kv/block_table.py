@@ -22,12 +22,15 @@ Pages = dict[str, list[list[int]]]  # per tier, each sequence's pages in logical
 @dataclass(frozen=True)
 class PoolLayout:
     """How a layout of the arena splits the page pools: ``num_gpu_pages`` GPU pages; with
-    per-entry pages, the entries (numbered layer by layer) whose pages are host pages; whether
-    the host pages' cached prefixes are forgotten (the streamed entries changed)."""
+    per-entry pages, the entries (numbered layer by layer) whose pages are host pages and
+    the streaming entries' prefill rings (entry, sink pages, ring pages:
+    :func:`~headspace.kv.spec.prefill_ring`); whether the host pages' cached prefixes are
+    forgotten (the streamed entries changed)."""
 
     num_gpu_pages: int
     offloaded: tuple[int, ...] = ()
     drop_host_cache: bool = True
+    rings: tuple[tuple[int, int, int], ...] = ()
 
 
 @dataclass
@@ -67,6 +70,13 @@ class BlockManager:
 
     def grow_host(self, num_pages: int) -> None:
         self.pools[HOST].grow(num_pages)
+
+    def reset_host(self, num_pages: int) -> None:
+        """A new host pool of ``num_pages`` free pages (its arena was laid out anew); no
+        sequence may hold host pages."""
+        pool = self.pools[HOST]
+        assert pool.num_free == pool.num_pages, "host pages in use"
+        self.pools[HOST] = PagePool(num_pages)
 
     def pages_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.page_size)

@@ -7,7 +7,10 @@ tokens of one entry (K and V of one head), so a prompt of ``n`` tokens takes ``e
 ceil(n / page_size)`` pages until it is compressed; afterwards each entry holds
 ``ceil(kept / page_size)`` pages and grows by one token per decode step, except a ring
 entry (a ``streaming(sink, window)`` head), which stops at ``sink + window`` tokens and then
-writes each new token over its oldest window token. The sequence's GPU
+writes each new token over its oldest window token. While its prompt is prefilled, a ring
+entry holds no more than its sink pages and a ring of pages that later prompt pages
+overwrite (``kv.spec.prefill_ring``; ``EntryLists.wraps``), so a streaming head of a
+2M-token prompt never holds the prompt. The sequence's GPU
 :class:`BlockTable` lists all its pages (the scheduler counts them); its ``num_tokens`` stays
 the sequence's logical length (positions), while each entry has its own length.
 
@@ -38,6 +41,9 @@ class EntryLists:
     rings: dict[int, tuple[int, int]] = field(default_factory=dict)  # entry -> (sink, window)
     newest: list[int] = field(default_factory=list)  # [entries] index of the latest token
     host: list[int] = field(default_factory=list)  # host pages of the offloaded entries
+    # until compressed, the ring entries whose prompt wraps their pages: entry -> (sink
+    # pages, ring pages); logical page p >= sink pages lies in sink + (p - sink) % ring
+    wraps: dict[int, tuple[int, int]] = field(default_factory=dict)
 
     def __post_init__(self):
         self.newest = self.newest or [n - 1 for n in self.lengths]
@@ -62,19 +68,31 @@ class EntryBlockManager(BlockManager):
         self.num_entries = num_entries
         self.entries: dict[int, EntryLists] = {}
         self.offloaded: frozenset[int] = frozenset()
+        self.rings: dict[int, tuple[int, int]] = {}  # entry -> (sink pages, ring pages)
 
     def reset(self, layout: PoolLayout) -> None:
-        """A new GPU pool; ``layout.offloaded``: the entries kept in host pages from now on."""
+        """A new GPU pool; ``layout.offloaded``: the entries kept in host pages from now on,
+        ``layout.rings``: the streaming entries' prefill rings."""
         super().reset(layout)
         self.offloaded = frozenset(layout.offloaded)
+        self.rings = {entry: (sink, ring) for entry, sink, ring in layout.rings}
 
     def _resident(self, entry: int) -> bool:
         return entry not in self.offloaded
 
+    def _prompt_pages(self, entry: int, pages: int) -> int:
+        """GPU pages ``entry`` takes for a prompt of ``pages`` pages (a ring: at most its
+        sink and ring)."""
+        return min(pages, sum(self.rings.get(entry, (pages, 0))))
+
     def pages_for(self, num_tokens: int) -> int:
         """GPU pages of an uncompressed sequence of ``num_tokens`` (every resident entry
-        holds them all)."""
-        return (self.num_entries - len(self.offloaded)) * super().pages_for(num_tokens)
+        holds them all, a ring entry at most its prefill ring)."""
+        pages = super().pages_for(num_tokens)
+        if not self.rings:
+            return (self.num_entries - len(self.offloaded)) * pages
+        return sum(self._prompt_pages(e, pages) for e in range(self.num_entries)
+                   if self._resident(e))  # fmt: skip
 
     def held(self, seq_id: int) -> tuple[int, int]:
         """(tokens ``seq_id``'s entries hold, summed over entries; what they would hold
@@ -112,10 +130,12 @@ class EntryBlockManager(BlockManager):
             raise OutOfPages(f"sequence {seq_id} needs {self.pages_for(len(token_ids))} pages")
         if self.offloaded and per_entry > host.num_free:
             raise OutOfPages(f"sequence {seq_id} needs {per_entry} host pages")
-        pages = [[pool.allocate() for _ in range(per_entry)] if self._resident(e) else []
-                 for e in range(self.num_entries)]  # fmt: skip
+        pages = [[pool.allocate() for _ in range(self._prompt_pages(e, per_entry))]
+                 if self._resident(e) else [] for e in range(self.num_entries)]  # fmt: skip
         hosted = sorted(host.allocate() for _ in range(per_entry)) if self.offloaded else []
-        self.entries[seq_id] = EntryLists(pages, [len(token_ids)] * self.num_entries, host=hosted)
+        wraps = {e: ring for e, ring in self.rings.items() if sum(ring) < per_entry}
+        self.entries[seq_id] = EntryLists(pages, [len(token_ids)] * self.num_entries,
+                                          host=hosted, wraps=wraps)  # fmt: skip
         self.tables[seq_id] = {GPU: BlockTable(_flat(pages), len(token_ids))}
         return 0
 
@@ -173,6 +193,9 @@ class EntryBlockManager(BlockManager):
             if window < 1 or sink < 0 or kept[e] > sink + window or not self._resident(e):
                 raise ValueError(f"entry {e} keeps {kept[e]} tokens in a ring of {sink}+{window}"
                                  " (rings stay resident)")  # fmt: skip
+        for e, (sink_pages, ring_pages) in lists.wraps.items():  # kept first: pages unwrap
+            if -(-kept[e] // self.page_size) > sink_pages + ring_pages:
+                raise ValueError(f"entry {e} keeps {kept[e]} tokens of a wrapped prompt")
         freed = []
         for e, count in enumerate(kept):
             if not 0 <= count <= lists.lengths[e]:
@@ -188,6 +211,7 @@ class EntryBlockManager(BlockManager):
             self.pools[HOST].release(page)
         lists.host = lists.host[:num_host]
         lists.compressed, lists.added, lists.rings = True, [], dict(rings or {})
+        lists.wraps = {}
         lists.newest = [n - 1 for n in lists.lengths]
         self.tables[seq_id][GPU].pages = _flat(lists.pages)
         return freed

@@ -1,8 +1,10 @@
-"""Host pages: one page-locked arena ``[layers, kv_heads, 2, num_pages * page_size, head_dim]``.
+"""Host pages: one page-locked arena ``[layers, rows, 2, num_pages * page_size, head_dim]``.
 
 Host page ``p`` holds tokens ``p * page_size ..`` of one sequence for *every* (layer, kv
 head) entry, so a whole sequence can be swapped out and any entry can stream without a new
-layout. Within an entry a page's K (or V) is one contiguous ``[page_size, head_dim]`` block
+layout (``rows`` = kv heads). Per-entry pages (budgets, streaming heads) offload single
+entries: their arena holds only as many rows a layer as the layout offloads at most.
+Within an entry a page's K (or V) is one contiguous ``[page_size, head_dim]`` block
 and a sequence's consecutive pages are adjacent: a CPU thread attends over them in place,
 and GPU kernels read and write them through unified addressing (see ``kv.transfer``).
 
@@ -32,7 +34,13 @@ class HostKVArena:
         self.spec, self.dtype, self.pin, self.budget = spec, dtype, pin, budget
         self.data: torch.Tensor | None = None
         self.num_pages = 0
+        self.rows = spec.num_kv_heads  # kv heads a layer's page holds
         self.generation = 0  # counts reallocations (captured pointers go stale)
+
+    @property
+    def page_bytes(self) -> int:
+        """Bytes of one host page (K and V of its rows in every layer)."""
+        return self.spec.num_layers * self.rows * self.spec.entry_page_bytes
 
     @property
     def num_bytes(self) -> int:
@@ -42,19 +50,25 @@ class HostKVArena:
     def scratch_slot(self) -> int:
         return self.num_pages * self.spec.page_size
 
-    def ensure(self, num_pages: int, *, keep: bool = True) -> bool:
+    def ensure(self, num_pages: int, *, keep: bool = True, rows: int | None = None) -> bool:
         """Hold at least ``num_pages`` pages; returns whether the arena was reallocated.
         It takes up to half again as many, within the budget, so that requests joining
         later need no copy. ``keep``: the old pages are copied over, and both arenas
         count against the budget while the copy runs; else the old one is freed first.
-        Raises UserError beyond the host budget."""
+        ``rows``: kv heads a layer's page holds from now on (default: as before; a new
+        number drops the arena first, and leaves it empty if the new one fails). Raises
+        UserError beyond the host budget."""
+        if rows is not None and rows != self.rows:
+            assert not keep, "host pages change rows only when none holds data"
+            if self.data is not None and self.pin:  # queued copies may read old pages
+                torch.cuda.synchronize()
+            self.data, self.num_pages, self.rows = None, 0, rows
         if num_pages <= self.num_pages:
             return False
-        spec = self.spec
         grown = num_pages + num_pages // 2
         if self.budget is not None:
             held = self.num_bytes if keep else 0  # both live while pages are copied
-            limit = (self.budget - held) // spec.full_page_bytes - 1
+            limit = (self.budget - held) // self.page_bytes - 1
             if num_pages > limit:
                 raise UserError(self._over_budget(num_pages, held))
             grown = min(grown, limit)
@@ -76,7 +90,7 @@ class HostKVArena:
         """A page-locked arena of ``num_pages`` pages (+ scratch) in place of the current
         one, whose pages are copied over (this one is kept if it fails)."""
         spec = self.spec
-        shape = (spec.num_layers, spec.num_kv_heads, 2, (num_pages + 1) * spec.page_size,
+        shape = (spec.num_layers, self.rows, 2, (num_pages + 1) * spec.page_size,
                  spec.head_dim)  # fmt: skip
         data = torch.zeros(shape, dtype=self.dtype)  # a parallel fill touches every page
         if self.data is not None:
@@ -88,14 +102,14 @@ class HostKVArena:
 
     def _over_budget(self, num_pages: int, held: int) -> str:
         spec = self.spec
-        need = f"{num_pages * spec.full_page_bytes / GiB:.2f} GiB"
+        need = f"{num_pages * self.page_bytes / GiB:.2f} GiB"
         if held:
             need += f" beside the {held / GiB:.2f} GiB arena they are copied from"
         return (f"host pages for {num_pages * spec.page_size} tokens need {need}, more "
                 f"than the {self.budget / GiB:.2f} GiB host budget (--host-memory)")  # fmt: skip
 
     def layer(self, layer: int) -> torch.Tensor:
-        """``[kv_heads, 2, slots, head_dim]`` of one layer (a view)."""
+        """``[rows, 2, slots, head_dim]`` of one layer (a view)."""
         return self.data[layer]
 
 

@@ -66,6 +66,28 @@ class Pattern:
         return self.kind == "full"
 
 
+def prefill_ring(page_size: int, sink: int, window: int, chunk: int) -> tuple[int, int]:
+    """``(sink pages, ring pages)`` a ``streaming(sink, window)`` entry holds while its prompt
+    is prefilled ``chunk`` tokens at a time: the pages of its sink, then a ring that each
+    later page of the prompt overwrites in turn (logical page ``p`` past the sink in ring
+    page ``(p - sink pages) % ring pages``). A chunk writes its tokens and reads the
+    ``window`` keys before it, and those span at most ``(window + chunk) // page_size + 2``
+    pages, so the ring holds all of them; a prompt of no more pages never wraps."""
+    return -(-sink // page_size), (window + chunk) // page_size + 2
+
+
+PREFIX_PIECE = 32768  # prefix tokens gathered at a time, at least, for a chunk's attention
+PREFIX_CHUNKS = 4  # ... or this many chunks' worth
+
+
+def prefix_piece(chunk_tokens: int, fixed: int | None = None) -> int:
+    """Prefix tokens a chunk of ``chunk_tokens`` gathers at a time for its attention:
+    ``fixed`` when given (a test's small pieces), else the larger of :data:`PREFIX_PIECE` and
+    :data:`PREFIX_CHUNKS` chunks (Llama-3-8B: 16 KiB of K/V per chunk token, against ~100
+    KiB of the chunk's activations)."""
+    return fixed if fixed is not None else max(PREFIX_PIECE, PREFIX_CHUNKS * chunk_tokens)
+
+
 @dataclass(frozen=True)
 class KVSpec:
     """The KV cache's shape and the bytes of its pages.

@@ -28,7 +28,7 @@ from headspace.planner.plan import Plan, plan_batch, step_seconds
 from headspace.planner.profile import with_patterns
 from headspace.planner.sparsity import (
     arena_after_gathers,
-    gathered_bytes,
+    prefill_gathers,
     resident_shares,
     with_budgets,
 )
@@ -115,8 +115,11 @@ def make_plan(config: ModelConfig, request: PlanRequest, hw: Hardware | None = N
         spec = replace(spec, num_kv_heads=ranks.page_heads)
     gathered, arena = 0, split.arena
     if request.gathers:
-        gathered = gathered_bytes(spec.num_kv_heads, config.num_queries_per_kv, spec.head_dim,
-                                  dtype_bytes, context)  # fmt: skip
+        pattern = None if request.retrieval is None else request.sparse_pattern
+        gathered = prefill_gathers(spec.num_kv_heads, config.num_queries_per_kv, spec.head_dim,
+                                   dtype_bytes, context, chunk,
+                                   budgets=request.budget_tokens is not None,
+                                   pattern=pattern)  # fmt: skip
         arena = arena_after_gathers(split.arena, gathered, context)
     what = f"a context of {context} tokens"
     if request.per_head_pages:  # patterns and budgets first, then which entries go to host
@@ -127,9 +130,10 @@ def make_plan(config: ModelConfig, request: PlanRequest, hw: Hardware | None = N
         else:  # the balanced map (its budgets priced), each rank's entries
             head_map, parts = ranks.head_map, ranks.parts
         bound = request.entry_bound or request.budget_tokens or context
+        rings = chunk if request.budget_tokens is None else None  # budgets score every token
         plan = plan_entries(spec, arena, head_map, [context], [bound],
                             offload=request.offload, host_budget=request.host_memory,
-                            what=what, parts=parts)  # fmt: skip
+                            what=what, parts=parts, ring_chunk=rings)  # fmt: skip
     else:
         plan = plan_batch(spec, arena, spec.pages_for(context),
                           offload=request.offload, head_group=request.head_group,
@@ -160,7 +164,10 @@ def _memory_table(spec: KVSpec, split: GpuSplit, plan: Plan, context: int, gathe
         pool = (plan.num_gpu_pages + 1) * resident_page
         staging = plan.staging.num_bytes if plan.staging else 0
     window = plan.gpu_window.num_bytes if plan.gpu_window else 0
-    host = plan.num_host_pages * spec.full_page_bytes
+    host_page = spec.full_page_bytes  # per-entry pages: the offloaded entries' rows only
+    if plan.host_rows:
+        host_page = spec.num_layers * plan.host_rows * spec.entry_page_bytes
+    host = plan.num_host_pages * host_page
     working = split.activations + split.allocator_slack + split.decode
     return {
         "weights": split.weights, "gpu_kv": spec.pages_for(context) * resident_page,

@@ -4,6 +4,9 @@ offloaded. An offloaded entry streams only the tokens it keeps into one of two s
 slots of the GPU plane, one layer at a time (the next layer's copy runs while this one
 attends).
 
+A host page then holds, for each layer, as many kv heads as the fullest layer offloads
+(``Plan.host_rows``), not every kv head: the host memory is the offloaded entries'.
+
 Pure arithmetic in entry pages (``page_size`` tokens of one (layer, kv head)); no tensors.
 """
 
@@ -12,7 +15,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from headspace.errors import UserError
-from headspace.kv.spec import GiB, KVSpec, Pattern
+from headspace.kv.spec import GiB, KVSpec, Pattern, prefill_ring
 from headspace.planner.head_map import HeadMap
 from headspace.planner.memory import Hardware
 from headspace.planner.plan import Plan
@@ -40,6 +43,15 @@ def _free_heads(head_map: HeadMap, layer: int, heads) -> list[int]:
     return [h for h in heads if Pattern.parse(head_map.entry(layer, h).pattern).kind != "streaming"]
 
 
+def _part(head_map: HeadMap, num: int, own) -> tuple[int, list[list[int]], int]:
+    """``(entries, [layer] own kv heads that may go to host pages, own streaming heads)``
+    of a part holding ``num`` entries, ``own[layer]`` its own heads; the rest are copies,
+    which stay resident and are counted at the whole prompt's pages, rings or not."""
+    free = [_free_heads(head_map, layer, heads) for layer, heads in enumerate(own)]
+    rings = sum(len(heads) - len(f) for heads, f in zip(own, free, strict=True))
+    return num, free, rings
+
+
 def _spread(num_offloaded: int, caps: list[int]) -> list[int] | None:
     """``num_offloaded`` entries over the layers, as evenly as ``caps`` allow (None: no
     room)."""
@@ -52,19 +64,36 @@ def _spread(num_offloaded: int, caps: list[int]) -> list[int] | None:
     return counts
 
 
-def _offload_counts(spec: KVSpec, plane: int, per_entry: int, bounds: list[int],
-                    parts: list[tuple[int, list[list[int]]]]):  # fmt: skip
+def ring_pages(spec: KVSpec, head_map: HeadMap, max_tokens: list[int],
+               chunk: int | None) -> int:  # fmt: skip
+    """GPU pages one ``streaming`` entry takes for every sequence's prompt, prefilled
+    ``chunk`` tokens at a time: its sink and prefill ring
+    (:func:`~headspace.kv.spec.prefill_ring`) at most, for the widest pattern of the map
+    (without ``chunk``: the whole prompt)."""
+    rings = [Pattern.parse(e.pattern) for e in head_map.entries]
+    rings = [p.params for p in rings if p.kind == "streaming"]
+    if not rings or chunk is None:
+        return sum(spec.pages_for(n) for n in max_tokens)
+    most = max(sum(prefill_ring(spec.page_size, sink, window, chunk)) for sink, window in rings)
+    return sum(min(spec.pages_for(n), most) for n in max_tokens)
+
+
+def _offload_counts(spec: KVSpec, plane: int, per_entry: int, per_ring: int, bounds: list[int],
+                    parts: list[tuple[int, list[list[int]], int]]):  # fmt: skip
     """The fewest offloaded entries per layer with which every part's entries fit ``plane``
-    pages: ``(staging pages of one slot, [part][layer] offloaded count)``, None if none
-    fit; ``parts``: (entries, [layer] kv heads that may go to host pages) of each part."""
-    most = max((len(heads) for _, free in parts for heads in free), default=0)
+    pages (its rings ``per_ring`` pages each, the others ``per_entry``): ``(staging pages
+    of one slot, [part][layer] offloaded count)``, None if none fit; ``parts``: (entries,
+    [layer] kv heads that may go to host pages, rings) of each part."""
+    most = max((len(heads) for _, free, _ in parts for heads in free), default=0)
     for per_layer in range(1, max(most, 1) + 1):
         staging = staging_pages(spec, per_layer, bounds)
-        num_resident = (plane - 1 - STAGING_DEPTH * staging) // per_entry
-        if num_resident < 0:
-            return None
-        counts = [_spread(max(num - num_resident, 0), [min(per_layer, len(f)) for f in free])
-                  for num, free in parts]  # fmt: skip
+        counts = []
+        for num, free, num_rings in parts:  # only ``free`` heads leave; copies stay
+            room = plane - 1 - STAGING_DEPTH * staging - num_rings * per_ring
+            if room < 0:
+                return None
+            counts.append(_spread(max(num - num_rings - room // per_entry, 0),
+                                  [min(per_layer, len(f)) for f in free]))  # fmt: skip
         if all(c is not None for c in counts):
             return staging, counts
     return None
@@ -72,32 +101,36 @@ def _offload_counts(spec: KVSpec, plane: int, per_entry: int, bounds: list[int],
 
 def plan_entries(spec: KVSpec, arena: int, head_map: HeadMap, max_tokens: list[int],
                  bounds: list[int], *, offload: str = "auto", host_budget: int | None = None,
-                 what: str = "the batch", parts=None) -> Plan:  # fmt: skip
+                 what: str = "the batch", parts=None,
+                 ring_chunk: int | None = None) -> Plan:  # fmt: skip
     """The plan of per-entry pages for sequences that may reach ``max_tokens`` each, within
     ``arena`` bytes of GPU plane: all resident when every entry fits uncompressed (a
     sequence is compressed only after its prompt), else as few entries as possible in host
     pages, spread evenly over the layers, beside :data:`STAGING_DEPTH` staging slots of
     :func:`staging_pages` (an offloaded entry holds at most ``bounds[s]`` tokens after the
-    prompt). ``head_map`` brings the patterns; the plan's ``entry_staging`` is the pages
-    of one slot. ``parts``: under torchrun, each rank's (entries, [layer] kv heads it may
-    offload) in planes of ``arena`` each, planned alike (default: one part, every entry).
-    Raises UserError with the numbers."""
+    prompt). ``head_map`` brings the patterns; with ``ring_chunk`` (the prompt's chunk) its
+    streaming entries hold only their prefill rings (:func:`ring_pages`; without, the whole
+    prompt, as KV budgets need: compression scores every entry's prompt). The plan's
+    ``entry_staging`` is the pages of one slot. ``parts``: under torchrun, each rank's
+    (entries, [layer] kv heads it may offload) in planes of ``arena`` each, planned alike
+    (default: one part, every entry). Raises UserError with the numbers."""
     plane = arena // spec.entry_page_bytes
     per_entry = sum(spec.pages_for(n) for n in max_tokens)  # one entry, every sequence
+    per_ring = ring_pages(spec, head_map, max_tokens, ring_chunk)
     if parts is None:  # one process: every entry
         parts = [(spec.num_entries, [range(spec.num_kv_heads)] * spec.num_layers)]
-    parts = [(num, [_free_heads(head_map, layer, heads) for layer, heads in enumerate(own)])
-             for num, own in parts]  # fmt: skip
-    num_entries = max(num for num, _ in parts)  # the fullest part's
-    if num_entries * per_entry + 1 <= plane:
-        return Plan(head_map, "none", plane - 1, 0, None, 0)
+    parts = [_part(head_map, num, own) for num, own in parts]
+    needed = max((num - rings) * per_entry + rings * per_ring
+                 for num, _, rings in parts)  # the fullest part's pages  # fmt: skip
+    if needed + 1 <= plane:
+        return Plan(head_map, "none", plane - 1, 0, None, 0, ring_chunk=ring_chunk or 0)
     if offload not in ("auto", "head"):
         raise UserError(
-            f"{what} needs {num_entries * per_entry * spec.entry_page_bytes / GiB:.2f} GiB "
+            f"{what} needs {needed * spec.entry_page_bytes / GiB:.2f} GiB "
             f"of KV before its prompt is compressed, but the GPU budget leaves "
             f"{arena / GiB:.2f} GiB; allow offload (auto or head) or raise the budget"
         )
-    found = _offload_counts(spec, plane, per_entry, bounds, parts)
+    found = _offload_counts(spec, plane, per_entry, per_ring, bounds, parts)
     if found is None:
         raise UserError(
             f"GPU budget too small: {what} needs more kv heads in host pages than it can "
@@ -107,21 +140,24 @@ def plan_entries(spec: KVSpec, arena: int, head_map: HeadMap, max_tokens: list[i
     staging, counts = found
     offloaded = {
         (layer, h)
-        for (_, free), part in zip(parts, counts, strict=True)
+        for (_, free, _), part in zip(parts, counts, strict=True)
         for layer, n in enumerate(part)
         for h in free[layer][len(free[layer]) - n :]
     }  # each part's last free heads of a layer
     entries = [replace(e, tier="stream") if (e.layer, e.kv_head) in offloaded else e
                for e in head_map.entries]  # fmt: skip
     host_pages = per_entry
-    if host_budget is not None and (host_pages + 1) * spec.full_page_bytes > host_budget:
+    rows = max(n for part in counts for n in part)  # a host page: the fullest layer's entries
+    page_bytes = spec.num_layers * rows * spec.entry_page_bytes
+    if host_budget is not None and (host_pages + 1) * page_bytes > host_budget:
         raise UserError(
-            f"{what} needs {host_pages * spec.full_page_bytes / GiB:.2f} GiB of host memory "
+            f"{what} needs {host_pages * page_bytes / GiB:.2f} GiB of host memory "
             f"for its KV pages, more than the {host_budget / GiB:.2f} GiB host budget"
         )
     num_pool = plane - 1 - STAGING_DEPTH * staging
     head_map = HeadMap(head_map.num_layers, head_map.num_kv_heads, entries)
-    return Plan(head_map, "head", num_pool, host_pages, None, 0, entry_staging=staging)
+    return Plan(head_map, "head", num_pool, host_pages, None, 0, entry_staging=staging,
+                host_rows=rows, ring_chunk=ring_chunk or 0)  # fmt: skip
 
 
 def entry_step_seconds(spec: KVSpec, num_resident: int, num_offloaded: int,

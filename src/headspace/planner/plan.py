@@ -90,6 +90,8 @@ class Plan:
     decode_pcie_floor_ms: float = 0.0
     cpu_share: float = 0.0  # hybrid: share of each history before the window on the CPU
     entry_staging: int = 0  # per-entry pages: entry pages of one staging slot
+    host_rows: int = 0  # per-entry pages: kv heads a layer's host page holds (0: all)
+    ring_chunk: int = 0  # per-entry pages: the chunk streaming entries' prefill rings fit
     gpu_window: GpuWindowPages | None = None  # hybrid: the window kept in GPU pages
     # under torchrun with heads in host pages: the map the planner sized, one rank's heads as
     # wide as the widest rank's layer (``head_map`` is then the whole map, every rank's)

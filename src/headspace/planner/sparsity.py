@@ -15,6 +15,7 @@ from headspace.kv.spec import (
     GiB,
     Pattern,
     padded_length,
+    prefix_piece,
 )
 from headspace.planner.head_map import HeadMap
 
@@ -91,9 +92,36 @@ def gathered_bytes(num_kv_heads: int, q_per_kv: int, head_dim: int, dtype_bytes:
     return 2 * keys + (4 * q_per_kv * 4 + 1) * LAST_QUERIES * capacity
 
 
+def ring_gathered_bytes(num_kv_heads: int, head_dim: int, dtype_bytes: int, context: int,
+                        chunk: int, pattern: Pattern) -> int:  # fmt: skip
+    """GPU bytes a prefill chunk of a layer whose heads are ``full`` or ``pattern``
+    (``streaming``) gathers at most: a prefix piece's K/V of every kv head and the full
+    heads' copy of it, the streaming heads' sink, window and chunk (padded), and the
+    layer's int64 slots of every position (four tensors of them while they are found)."""
+    piece = 2 * num_kv_heads * min(prefix_piece(chunk), context) * head_dim * dtype_bytes
+    ring = 2 * num_kv_heads * padded_length(sum(pattern.params) + chunk) * head_dim * dtype_bytes
+    return 2 * piece + ring + 4 * num_kv_heads * context * 8
+
+
+def prefill_gathers(num_kv_heads: int, q_per_kv: int, head_dim: int, dtype_bytes: int,
+                    context: int, chunk: int, *, budgets: bool,
+                    pattern: str | None) -> int:  # fmt: skip
+    """GPU bytes a layer's prefill gathers besides its activations: with KV budgets (the
+    prompt's keys are scored) or patterns other than ``streaming``, every key
+    (:func:`gathered_bytes`); with ``streaming`` patterns (``pattern``: the sparse heads'
+    pattern, None without patterns) what they see (:func:`ring_gathered_bytes`); else 0."""
+    if not budgets and pattern is None:
+        return 0
+    sparse = None if pattern is None else Pattern.parse(pattern)
+    if budgets or sparse.kind != "streaming":
+        return gathered_bytes(num_kv_heads, q_per_kv, head_dim, dtype_bytes, context)
+    return ring_gathered_bytes(num_kv_heads, head_dim, dtype_bytes, context, chunk, sparse)
+
+
 def arena_after_gathers(arena: int, gathered: int, context: int) -> int:
     """The KV arena left once a layer's prefill gathers ``gathered`` bytes (patterns or
-    budgets at ``context`` tokens); UserError with the numbers when nothing is left."""
+    budgets at ``context`` tokens: :func:`prefill_gathers`); UserError with the numbers when
+    nothing is left."""
     if arena <= gathered:
         raise UserError(
             f"GPU budget too small: after weights, activations and decode it leaves "

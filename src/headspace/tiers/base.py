@@ -33,16 +33,6 @@ if TYPE_CHECKING:
 
 HeadRange = tuple[int, int]  # kv heads lo..hi-1 of a layer
 MIN_WIDTH = 8  # pages per block-table row, at least
-PREFIX_PIECE = 32768  # prefix tokens gathered at a time, at least, for a chunk's attention
-PREFIX_CHUNKS = 4  # ... or this many chunks' worth
-
-
-def prefix_piece(chunk_tokens: int, fixed: int | None = None) -> int:
-    """Prefix tokens a chunk of ``chunk_tokens`` gathers at a time for its attention:
-    ``fixed`` when given (a test's small pieces), else the larger of :data:`PREFIX_PIECE` and
-    :data:`PREFIX_CHUNKS` chunks (Llama-3-8B: 16 KiB of K/V per chunk token, against ~100
-    KiB of the chunk's activations)."""
-    return fixed if fixed is not None else max(PREFIX_PIECE, PREFIX_CHUNKS * chunk_tokens)
 
 
 def block_table(rows: list[list[int]], width: int = 1) -> torch.Tensor:
@@ -201,7 +191,6 @@ class TierSite:
     q_per_kv: int  # query heads per kv head
     backend: str  # the attention backend's name
     max_slots: int  # token slots: batch rows and the graphs' scratch one
-    max_context: int  # tokens a sequence may reach (per-entry tables are sized for it)
     per_entry_pages: bool = False  # every (layer, kv head) in its own pages
     layout: RankLayout | None = None  # one rank's heads under torch.distributed; None: all
     budget: KVBudget | None = None  # what each entry keeps of a prompt (None: all)
@@ -241,13 +230,15 @@ class Tier:
     ``runs_outside_graphs``: part of its decode step cannot be captured (CPU threads).
     ``layer_slices``: a prefill chunk may run a few layers a step, other steps between its
     slices (``begin`` is called again with the chunk's inputs before each slice; a tier
-    that stages the chunk's history ahead across layers cannot).
+    that stages the chunk's history ahead across layers cannot). ``graph_version``: counts
+    moves of the device tensors a captured step reads (graphs are captured again).
     """
 
     stages_history = False
     entry_rows = False
     runs_outside_graphs = False
     layer_slices = False
+    graph_version = 0
 
     @classmethod
     def from_plan(cls, plan, site) -> Tier | None:

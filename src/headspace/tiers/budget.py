@@ -12,7 +12,12 @@ Heads whose pattern is ``streaming(sink, window)`` keep, after the prompt, only 
 oldest window token, so such a head holds ``sink + window`` tokens however long the sequence
 grows (DuoAttention's streaming heads; HeadInfer, App. D). A layer with patterns attends its
 prompt chunks under each head's pattern (a streaming head sees its sink and window there
-too); the others attend the prompt in full.
+too); the others attend the prompt in full. Without a budget a streaming entry also holds
+no more than its prefill ring while the prompt streams in (``kv.spec.prefill_ring``), and a
+layer of ``full`` and ``streaming`` heads gathers only the keys each sees
+(:meth:`BudgetTier._attend_rings`); slots are found a layer at a time
+(:class:`~headspace.tiers.entry_slots.EntrySlots`), decode's tables a row per slot in use
+(:class:`~headspace.tiers.entry_tables.EntryTables`).
 
 Entries the plan puts in host pages (HeadInfer's App. D: retrieval heads offloaded, streaming
 heads resident) go through :class:`~headspace.tiers.entry_staging.EntryStaging`: the same
@@ -35,18 +40,20 @@ from headspace.budgets import (
     selected_counts,
 )
 from headspace.kv.entry_table import EntryBlockManager
-from headspace.kv.spec import Pattern, padded_length
+from headspace.kv.spec import Pattern, padded_length, prefix_piece
 from headspace.kv.transfer import device_ints
 from headspace.tiers.base import (
     MIN_WIDTH,
     Tier,
     TierSite,
-    block_table,
     bucket,
-    prefix_piece,
 )
+from headspace.tiers.entry_slots import EntrySlots, check_rings, ring_keys
 from headspace.tiers.entry_staging import EntryStaging
+from headspace.tiers.entry_tables import EntryTables
 from headspace.tiers.layout import host_places, prefill_patterns
+
+RING_KINDS = ("full", "streaming")  # patterns whose prefill gathers only what they see
 
 
 class BudgetTier(Tier):
@@ -56,7 +63,7 @@ class BudgetTier(Tier):
 
     def __init__(self, plane: torch.Tensor, blocks: EntryBlockManager,
                  num_kv_heads: int | list[int], q_per_kv: int, backend: str,
-                 budget: KVBudget | None, max_slots: int, max_pages: int,
+                 budget: KVBudget | None, max_slots: int,
                  head_scores: torch.Tensor | None = None,
                  rings: dict[int, tuple[int, int]] | None = None,
                  patterns: list[list[Pattern] | None] | None = None,
@@ -78,16 +85,10 @@ class BudgetTier(Tier):
         self.page_size = blocks.page_size
         self.window_q: dict[int, torch.Tensor] = {}  # layer -> [tokens <= window, heads, dim]
         self._results: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        # decode reads block tables kept on the device per token slot, updated as entries
-        # grow (a CUDA graph of the step gathers its rows): [slots, entries, pages]
-        device, num_entries = plane.device, blocks.num_entries
         self.num_layers = len(self.layer_heads)
         self.patterns = patterns or [None] * self.num_layers
-        self.entry_tables = torch.zeros(max_slots, num_entries, max_pages, dtype=torch.int32,
-                                        device=device)  # fmt: skip
-        self.entry_lengths = torch.zeros(max_slots, num_entries, dtype=torch.int32, device=device)
-        self.entry_newest = torch.zeros_like(self.entry_lengths)  # where each new token goes
-        self._owners: dict[int, object] = {}  # token slot -> the EntryLists its rows hold
+        # decode's block tables on the device, a row per token slot in use
+        self.entry_tables = EntryTables(blocks.num_entries, max_slots, plane.device)
 
     @classmethod
     def from_plan(cls, plan, site: TierSite, **rank_args) -> BudgetTier:
@@ -116,25 +117,25 @@ class BudgetTier(Tier):
         patterns = [prefill_patterns(plan, layer, hs, site.q_per_kv)
                     for layer, hs in enumerate(heads)]  # fmt: skip
         return cls(plane, site.blocks, widths, site.q_per_kv, site.backend, site.budget,
-                   site.max_slots, spec.pages_for(site.max_context), head_scores=site.head_scores,
+                   site.max_slots, head_scores=site.head_scores,
                    rings=rings, patterns=patterns, staging=staging, piece=site.prefix_piece,
                    **rank_args)  # fmt: skip
 
-    def _slots(self, seq_id: int, positions: torch.Tensor) -> torch.Tensor:
-        """Plane slots ``[entries, tokens]`` of ``positions`` in each entry of ``seq_id``."""
-        width = -(-positions.numel() // self.page_size)  # 0 .. n - 1; offloaded rows: no pages
-        table = device_ints(block_table(self.blocks.entries[seq_id].pages, width),
-                            self.plane.device)  # fmt: skip
-        pages = table[:, positions // self.page_size]
-        return pages * self.page_size + positions % self.page_size
+    def _slots(self, seq_id: int, num_positions: int) -> EntrySlots:
+        """Plane slots of positions ``0 .. num_positions - 1`` in the entries of ``seq_id``,
+        a layer at a time: ``[layer] -> [kv_heads, positions]``."""
+        return EntrySlots(self.blocks.entries[seq_id], self.first, num_positions,
+                          self.page_size, self.plane.device)  # fmt: skip
 
     def begin(self, step) -> None:
-        self.step, device = step, self.plane.device
+        self.step = step
         if not step.decode:
             (seq_id,) = step.seq_ids
-            positions = torch.arange(step.start + len(step.positions), device=device)
-            slots = self._slots(seq_id, positions)  # [entries, prefix + chunk]
-            self.slots = self._by_layer(slots)  # [layer] -> [kv_heads, prefix + chunk]
+            self.slots = self._slots(seq_id, step.start + len(step.positions))
+            lists = self.blocks.entries[seq_id]
+            if self.budget is not None and lists.wraps:  # compression scores every token
+                raise RuntimeError("a KV budget's entries must hold their whole prompt")
+            check_rings(lists, self.rings, len(step.positions), self.page_size)
             if self.staging is not None:  # the chunk's slots in the host pages
                 self.host_pages = self.blocks.host_pages(seq_id)
                 self.host_new = self.staging.host_slots(self.host_pages, step.positions)
@@ -147,32 +148,20 @@ class BudgetTier(Tier):
                 self.tables = self.tables.clone()  # offloaded rows point at staging pages
             self.staging.begin_decode(self.step_lengths, self.step_hosts, self.tables)
 
+    @property
+    def graph_version(self) -> int:
+        return self.entry_tables.version
+
+    def _agree(self, widest: int) -> int:
+        """The widest row of a step's tables, as every process reads it (one: its own)."""
+        return widest
+
     def before_decode(self, seq_ids: list[int], slots: list[int]) -> None:
         """Bring the device tables of the step's token ``slots`` up to the entries of
         ``seq_ids``: whole rows for a slot's new owner, else the pages decode added."""
-        device, widest = self.plane.device, 1
-        added, lengths, newest = [], [], []  # (flat row, column, page); [entries] per sequence
-        for seq_id, slot in zip(seq_ids, slots, strict=True):
-            lists = self.blocks.entries[seq_id]
-            if self._owners.get(slot) is not lists:  # the slot's rows were another's
-                table = device_ints(block_table(lists.pages), device, torch.int32)
-                self.entry_tables[slot, :, : table.shape[1]] = table
-                self._owners[slot] = lists
-            else:
-                added += [(slot * len(lists.pages) + e, i, page) for e, i, page in lists.added]
-            lists.added = []
-            widest = max(widest, max(map(len, lists.pages)), len(lists.host))
-            lengths.append(lists.lengths)
-            newest.append(lists.newest)
-        if added:
-            rows, columns, pages = device_ints(added, device).T
-            self.entry_tables.view(-1, self.entry_tables.shape[-1])[rows, columns] = pages.int()
-        slot_index = device_ints(slots, device)
-        self.entry_lengths[slot_index] = device_ints(lengths, device, torch.int32)
-        if self.rings:
-            self.entry_newest[slot_index] = device_ints(newest, device, torch.int32)
-        self.step_slots, self.widest = slot_index, widest
-        self.step_lengths = lengths  # the offloaded entries' staging reads them
+        self.widest = self.entry_tables.update(self.blocks, seq_ids, slots, self._agree)
+        self.step_slots = device_ints(slots, self.plane.device)
+        self.step_lengths = [self.blocks.entries[s].lengths for s in seq_ids]  # staging reads
         self.step_hosts = [self.blocks.host_pages(s) for s in seq_ids]
 
     def begin_graph(self, step, views: dict[str, torch.Tensor], key: tuple) -> None:
@@ -182,28 +171,20 @@ class BudgetTier(Tier):
     def begin_rows(self, slots: torch.Tensor, width: int) -> None:
         """The step's tables ``[layers, seqs x kv_heads, width]`` and lengths ``[layers,
         seqs x kv_heads]``, gathered on the device for token ``slots`` (graph-safe)."""
-        self.tables = self._layer_rows(self.entry_tables[:, :, :width], slots)
-        self.lengths = self._layer_rows(self.entry_lengths, slots)
+        tables, lengths, newest = self.entry_tables.rows(slots, width)
+        self.tables = self._layer_rows(tables)
+        self.lengths = self._layer_rows(lengths)
         # where each row's new token goes: its last (length - 1) unless there are rings
-        self.newest = self._layer_rows(self.entry_newest, slots) if self.rings else None
+        self.newest = self._layer_rows(newest) if self.rings else None
 
-    def _layer_rows(self, per_slot: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-        """``per_slot [slots, entries, ...]`` gathered for ``slots`` as ``[layers, seqs x
-        kv_heads, ...]`` (one copy, of only what ``per_slot`` views; a list of layers when
-        their entries differ in number)."""
-        rows = per_slot[slots]
+    def _layer_rows(self, rows: torch.Tensor) -> torch.Tensor:
+        """``rows [seqs, entries, ...]`` as ``[layers, seqs x kv_heads, ...]`` (one copy; a
+        list of layers when their entries differ in number)."""
         if self.num_kv_heads is None:
             bounds = zip(self.first, self.first[1:], strict=False)
             return [rows[:, a:b].flatten(0, 1).contiguous() for a, b in bounds]
-        rows = rows.view(slots.shape[0], self.num_layers, self.num_kv_heads, *rows.shape[2:])
+        rows = rows.view(rows.shape[0], self.num_layers, self.num_kv_heads, *rows.shape[2:])
         return rows.transpose(0, 1).flatten(1, 2).contiguous()  # (a view with one kv head)
-
-    def _by_layer(self, per_entry: torch.Tensor):
-        """``per_entry [entries, ...]`` as ``[layers, kv_heads, ...]`` (a list of layers when
-        their entries differ in number)."""
-        if self.num_kv_heads is None:
-            return [per_entry[a:b] for a, b in zip(self.first, self.first[1:], strict=False)]
-        return per_entry.view(self.num_layers, self.num_kv_heads, *per_entry.shape[1:])
 
     def submit(self, layer: int, q: torch.Tensor, kv: torch.Tensor, out: torch.Tensor) -> None:
         """``q [tokens, heads, dim]``, ``kv [2, tokens, kv_heads, dim]`` of the whole layer."""
@@ -268,38 +249,92 @@ class BudgetTier(Tier):
         kv_heads, dim]`` (``rows' >= rows``), over the prefix (``slots [kv_heads, positions]``
         of those heads) and the chunk's keys, causal at the key end; ``patterns``: one per
         query head over every key (then ``q`` and ``kv`` are the whole chunk's)."""
-        start = self.step.start
+        if patterns is not None and all(p.kind in RING_KINDS for p in patterns):
+            return self._attend_rings(layer, q, kv, slots, staged, patterns)
         if patterns is not None:  # every key, padded to a capacity: [2, kv_heads, cap, dim]
             num_keys = slots.shape[1]
             keys = self._keys(layer, slots, 0, num_keys, staged, padded_length(num_keys))
             return prefill_with_patterns(q, keys[0], keys[1], num_keys, patterns,
                                          backend=self.backend)  # fmt: skip
-        out, lse = attend(q, kv[0].transpose(0, 1), kv[1].transpose(0, 1), causal=True,
-                          backend=self.backend)  # fmt: skip
+        return self._attend_full(layer, q, kv, slots, staged)
+
+    def _attend_full(self, layer: int, q: torch.Tensor, kv: torch.Tensor, slots: torch.Tensor,
+                     staged: bool, heads: list[int] | None = None):  # fmt: skip
+        """``q [heads, rows, dim]`` over every earlier key: the chunk's ``kv`` causally,
+        then the prefix in pieces, merged; with ``heads`` (kv heads of ``kv`` and
+        ``slots``), only those heads' keys (``q`` holds their query heads)."""
+        start, keys = self.step.start, kv.transpose(1, 2)  # [2, kv_heads, rows', dim]
+        if heads is not None:
+            keys = keys.index_select(1, device_ints(heads, q.device))
+        out, lse = attend(q, keys[0], keys[1], causal=True, backend=self.backend)
         size = prefix_piece(q.shape[1], self.piece)  # the prefix in pieces
         for lo in range(0, start, size):  # [2, kv_heads, piece, dim]
-            piece = self._keys(layer, slots, lo, min(start, lo + size), staged)
+            piece = self._keys(layer, slots, lo, min(start, lo + size), staged, heads=heads)
             earlier = attend(q, piece[0], piece[1], backend=self.backend)
             out, lse = merge_attention([out, earlier[0]], [lse, earlier[1]])
         return out, lse
 
+    def _attend_rings(self, layer: int, q: torch.Tensor, kv: torch.Tensor, slots: torch.Tensor,
+                      staged: bool, patterns: list[Pattern]):  # fmt: skip
+        """The whole chunk's ``q [heads, rows, dim]`` under ``full`` and ``streaming``
+        patterns, gathering no more keys than they see: the full heads over the prefix in
+        pieces (:meth:`_attend_full`), each streaming head over its sink, the ``window``
+        keys before the chunk and the chunk's own, renumbered as one sequence (the pattern
+        then sees the keys it sees in place). A ring entry's prompt keys before those are
+        overwritten by then (``kv.spec.prefill_ring``)."""
+        group, device = self.q_per_kv, q.device
+        out = torch.empty_like(q)
+        lse = torch.empty(q.shape[:2], dtype=torch.float32, device=device)
+        by_pattern: dict[Pattern, list[int]] = {}  # kv heads of ``kv`` and ``slots``
+        for h, pattern in enumerate(patterns[::group]):
+            by_pattern.setdefault(pattern, []).append(h)
+        for pattern, heads in by_pattern.items():
+            rows = device_ints([h * group + i for h in heads for i in range(group)], device)
+            on_device = device_ints(heads, device)
+            if pattern.is_full:
+                part = self._attend_full(layer, q.index_select(0, rows), kv, slots, staged,
+                                         heads)  # fmt: skip
+            else:
+                keys, num_keys = ring_keys(
+                    self.plane,
+                    kv,
+                    slots.index_select(0, on_device),
+                    on_device,
+                    self.step.start,
+                    *pattern.params,
+                )
+                part = prefill_with_patterns(
+                    q.index_select(0, rows),
+                    keys[0],
+                    keys[1],
+                    num_keys,
+                    [pattern] * len(rows),
+                    backend=self.backend,
+                )
+            out.index_copy_(0, rows, part[0])
+            lse.index_copy_(0, rows, part[1])
+        return out, lse
+
     def _keys(self, layer: int, slots: torch.Tensor, lo: int, hi: int, staged: bool,
-              width: int | None = None) -> torch.Tensor:  # fmt: skip
+              width: int | None = None,
+              heads: list[int] | None = None) -> torch.Tensor:  # fmt: skip
         """K/V ``[2, kv_heads, width, dim]`` of ``layer``'s keys ``lo .. hi - 1`` (``slots
         [kv_heads, positions]``; columns past ``hi - 1`` repeat it), from the plane and,
-        when ``staged``, host pages."""
+        when ``staged``, host pages; ``heads``: only those kv heads, in that order."""
         if staged:
-            return self.staging.gather(layer, slots, lo, hi, self.host_pages, width)
-        columns = torch.arange(lo, lo + (width or hi - lo), device=slots.device)
-        return self.plane[:, slots[:, columns.clamp(max=hi - 1)]]
+            return self.staging.gather(layer, slots, lo, hi, self.host_pages, width, heads)
+        columns = torch.arange(lo, lo + (width or hi - lo), device=slots.device).clamp(max=hi - 1)
+        if heads is None:
+            return self.plane[:, slots[:, columns]]
+        rows = device_ints(heads, slots.device)[:, None]  # (the columns' slots, no more)
+        return self.plane[:, slots[rows, columns[None]]]
 
     @torch.inference_mode()
     def after_prefill(self, seq_id: int, prompt_len: int) -> list[int]:
         """Keep each entry's tokens by the budget and the rings (after the prompt of
         ``seq_id``, whose K/V and last queries this tier holds); returns the kept count
         per entry."""
-        positions = torch.arange(prompt_len, device=self.plane.device)
-        slots = self._slots(seq_id, positions)  # [entries, prompt]
+        slots = self._slots(seq_id, prompt_len)  # [layer] -> [kv_heads, prompt]
         self.host_pages = self.blocks.host_pages(seq_id)
         kept = self._budget_positions(slots, prompt_len)
         for e, (sink, window) in self.rings.items():
@@ -309,27 +344,31 @@ class BudgetTier(Tier):
         offloaded = set(self.staging.entries) if self.staging is not None else set()
         for layer in self.staging.layers if self.staging is not None else ():  # in host pages
             heads = slice(self.first[layer], self.first[layer + 1])
-            keys = self._keys(layer, slots[heads], 0, prompt_len, True)
+            if all(len(kept[heads.start + h]) == prompt_len for h in self.staging.offloaded[layer]):
+                continue  # every offloaded token stays where it is
+            keys = self._keys(layer, slots[layer], 0, prompt_len, True)
             self.staging.compact(layer, keys, kept[heads], self.host_pages)
             del keys  # one layer's prompt K/V at a time
         moved = [e for e, p in enumerate(kept) if len(p) < prompt_len and e not in offloaded]
-        if moved:
-            src = torch.cat([slots[e][kept[e].to(slots.device)] for e in moved])
-            dst = torch.cat([slots[e][: len(kept[e])] for e in moved])
+        if moved:  # (a ring's kept tokens may lie in its ring: gathered before any write)
+            device = self.plane.device
+            src = torch.cat([slots.entry(e, kept[e].to(device)) for e in moved])
+            dst = torch.cat([slots.entry(e, torch.arange(len(kept[e]), device=device))
+                             for e in moved])  # fmt: skip
             self.plane[:, dst] = self.plane[:, src]
         counts = [len(p) for p in kept]
         self.blocks.compress(seq_id, counts, self.rings)
         self.window_q = {}
         return counts
 
-    def _budget_positions(self, slots: torch.Tensor, prompt_len: int) -> list[torch.Tensor]:
+    def _budget_positions(self, slots: EntrySlots, prompt_len: int) -> list[torch.Tensor]:
         """Positions each entry keeps by the budget's policy (all without a budget), on the
         CPU. Each layer's scores are ranked where they are as soon as they are scored (on a
         GPU: milliseconds, not the CPU's seconds at 128K): a layer-local policy divides the
         layer's budget by them, headkv by the profile, once for every layer."""
         if self.budget is None or self.budget.tokens(prompt_len) >= prompt_len:
-            return [torch.arange(prompt_len)] * slots.shape[0]
-        per_layer, heads = self._by_layer(slots), self._heads()
+            return [torch.arange(prompt_len)] * self.first[-1]
+        per_layer, heads = slots, self._heads()
         local = self.budget.policy in LAYER_LOCAL
         counts = None if local else self._profile_counts(prompt_len)
         kept = []

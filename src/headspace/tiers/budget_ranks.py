@@ -58,12 +58,11 @@ class RankBudgetTier(BudgetTier):
         return super().from_plan(plan, site, layout=site.layout, head_map=plan.head_map,
                                  exchange=site.exchange)  # fmt: skip
 
-    def before_decode(self, seq_ids: list[int], slots: list[int]) -> None:
-        """The step's device tables, read as wide on every rank (the widest rank's): a
-        CUDA graph is keyed by that width, and every rank must capture at the same step,
-        or their collectives do not pair up."""
-        super().before_decode(seq_ids, slots)
-        self.widest = -host_min(-self.widest)
+    def _agree(self, widest: int) -> int:
+        """The widest rank's: a CUDA graph is keyed by the tables' width and captured again
+        when they grow, and every rank must capture at the same step, or their collectives
+        do not pair up."""
+        return -host_min(-widest)
 
     def submit(self, layer: int, q: torch.Tensor, kv: torch.Tensor, out: torch.Tensor) -> None:
         """``q [tokens, heads, dim]``, ``kv [2, tokens, kv_heads, dim]`` of this rank's heads

@@ -12,8 +12,6 @@ host pages. On the CPU the same code runs synchronously.
 
 from __future__ import annotations
 
-from bisect import bisect_left
-
 import torch
 
 from headspace.attention.entry_decode import new_token_slots
@@ -27,8 +25,9 @@ from headspace.tiers.base import TierCounters, block_table
 class EntryStaging:
     """The host tier of an entry plane ``[2, slots, dim]``: ``offloaded[layer]`` the places
     (in the layer's ``layer_heads`` entries, which are kv heads in one process and a rank's
-    own heads then its copies under torchrun) of its entries in host pages, which are those
-    places' host heads; staging slot ``i`` is ``slot_pages`` plane pages from page
+    own heads then its copies under torchrun) of its entries in host pages, whose rows of
+    the layer's host page are ``0, 1, ..`` in that order (the arena holds as many rows as
+    the fullest layer offloads); staging slot ``i`` is ``slot_pages`` plane pages from page
     ``first_page + i * slot_pages``."""
 
     MIN_RUN_PAGES = 16  # consecutive host pages worth a copy-engine call (512 KiB at 128 x 128)
@@ -45,6 +44,7 @@ class EntryStaging:
         self.offloaded = offloaded
         self.layers = [layer for layer, hs in enumerate(offloaded) if hs]  # with any in host
         self.heads = [torch.tensor(h, device=device, dtype=torch.long) for h in offloaded]
+        self.rows = [torch.arange(len(h), device=device) for h in offloaded]  # host rows
         self._resident = [sorted(set(range(n)) - set(h))
                           for n, h in zip(layer_heads, offloaded, strict=True)]  # fmt: skip
         self.resident = [torch.tensor(r, device=device, dtype=torch.long) for r in self._resident]
@@ -53,6 +53,8 @@ class EntryStaging:
         self._layer_of = torch.tensor([layer for layer, hs in enumerate(offloaded) for _ in hs],
                                       dtype=torch.long)  # fmt: skip
         self._head_of = torch.tensor([h for hs in offloaded for h in hs], dtype=torch.long)
+        self._row_of = torch.tensor([i for hs in offloaded for i in range(len(hs))],
+                                    dtype=torch.long)  # fmt: skip
         self._width_of = torch.tensor(layer_heads, dtype=torch.long)[self._layer_of]
         self._layer_entries = [torch.nonzero(self._layer_of == layer)[:, 0].to(device)
                                for layer in range(len(offloaded))]  # fmt: skip
@@ -71,31 +73,40 @@ class EntryStaging:
     def write(self, layer: int, slots: torch.Tensor, kv: torch.Tensor) -> None:
         """``kv [2, tokens, kv_heads, dim]``'s offloaded heads into host ``slots [tokens]``."""
         heads = self.heads[layer]
-        write_tokens(self.host.layer(layer), heads, slots, kv[:, :, heads].contiguous())
+        write_tokens(self.host.layer(layer), self.rows[layer], slots,
+                     kv[:, :, heads].contiguous())  # fmt: skip
 
     def gather(self, layer: int, plane_slots: torch.Tensor, lo: int, hi: int,
-               host_pages: list[int], width: int | None = None) -> torch.Tensor:  # fmt: skip
+               host_pages: list[int], width: int | None = None,
+               only: list[int] | None = None) -> torch.Tensor:  # fmt: skip
         """K/V ``[2, kv_heads, width, dim]`` of a layer's keys ``lo .. hi - 1`` (``width``
         columns, default ``hi - lo``; columns past ``hi - 1`` repeat it) at its first
         ``kv_heads`` places (``plane_slots [kv_heads, positions]``, at least every offloaded
-        one): resident ones from the plane, offloaded ones from host pages."""
+        one), or at the places ``only`` (in that order): resident ones from the plane,
+        offloaded ones from host pages."""
         size, device = self.page_size, self.plane.device
         width = width or hi - lo
         first, last = lo // size, -(-hi // size)
         skip = lo - first * size  # keys copied from the page before ``lo``
         span = -(-max(skip + width, (last - first) * size) // size) * size  # whole pages
-        num_heads = plane_slots.shape[0]  # the layer's first places (a rank's own heads)
-        keys = self.plane.new_empty(2, num_heads, span, self.plane.shape[-1])
-        resident = self.resident[layer][: bisect_left(self._resident[layer], num_heads)]
-        heads = self.heads[layer]
+        places = list(range(plane_slots.shape[0])) if only is None else only
+        offloaded = self.offloaded[layer]
+        host = [(i, offloaded.index(p)) for i, p in enumerate(places) if p in offloaded]
+        plane = [(i, p) for i, p in enumerate(places) if p not in offloaded]
+        keys = self.plane.new_empty(2, len(places), span, self.plane.shape[-1])
         columns = torch.arange(lo, lo + width, device=device).clamp(max=hi - 1)
-        keys[:, resident, skip : skip + width] = self.plane[:, plane_slots[resident][:, columns]]
-        pages = device_ints(host_pages[first:last], device)
-        copy_pages(self.host.layer(layer), as_heads(keys, kv_first=True), pages,
-                   torch.arange(last - first, device=device), heads, heads, size)  # fmt: skip
-        end = skip + hi - lo
-        if width > hi - lo:  # padding columns repeat the last key, as the plane's do
-            keys[:, heads, end : skip + width] = keys[:, heads, end - 1 : end]
+        if plane:
+            into, held = device_ints(list(zip(*plane, strict=True)), device)
+            picked = plane_slots[held[:, None], columns[None]]  # [heads, width]: no whole rows
+            keys[:, into, skip : skip + width] = self.plane[:, picked]
+        if host:
+            into, rows = device_ints(list(zip(*host, strict=True)), device)
+            pages = device_ints(host_pages[first:last], device)
+            copy_pages(self.host.layer(layer), as_heads(keys, kv_first=True), pages,
+                       torch.arange(last - first, device=device), rows, into, size)  # fmt: skip
+            end = skip + hi - lo
+            if width > hi - lo:  # padding columns repeat the last key, as the plane's do
+                keys[:, into, end : skip + width] = keys[:, into, end - 1 : end]
         return keys[:, :, skip : skip + width]
 
     def compact(self, layer: int, keys: torch.Tensor, kept: list[torch.Tensor],
@@ -110,8 +121,8 @@ class EntryStaging:
         counts = [len(kept[h]) for h in heads]
         index = torch.cat([torch.arange(n, device=device) for n in counts])
         slots = self.host_slots(host_pages, index)
-        heads_on, counts_on = device_ints([heads, counts], device)
-        owners = heads_on.repeat_interleave(counts_on, output_size=sum(counts))
+        counts_on = device_ints(counts, device)
+        owners = self.rows[layer].repeat_interleave(counts_on, output_size=sum(counts))
         write_tokens(self.host.layer(layer), owners, slots, torch.cat(rows, 1)[:, :, None],
                      paired=True)  # fmt: skip
 
@@ -143,11 +154,11 @@ class EntryStaging:
         rows = rows * self._width_of.repeat_interleave(num_seqs)
         rows += head_of.repeat_interleave(num_seqs)  # seq x kv_heads + kv head
         self._point(tables, layer_rows, rows, staged)
-        # the copies: (host head, host page, plane page) per staged page, layer by layer
+        # the copies: (host row, host page, plane page) per staged page, layer by layer
         pair_row = torch.arange(flat.numel()).repeat_interleave(flat)
         index = torch.arange(pair_row.numel()) - starts[pair_row]
         host_table = block_table(host_pages).long()  # [seqs, pages]
-        pairs = torch.stack([head_of[pair_row // num_seqs],
+        pairs = torch.stack([self._row_of[pair_row // num_seqs],
                              host_table[pair_row % num_seqs, index],
                              first[pair_row] + index])  # fmt: skip
         self._plan_copies(pairs, pair_row, layer_rows[pair_row])
@@ -180,7 +191,7 @@ class EntryStaging:
 
     def _plan_copies(self, pairs: torch.Tensor, pair_row: torch.Tensor,
                      pair_layer: torch.Tensor) -> None:  # fmt: skip
-        """Each layer's copies of ``pairs [3, pages]`` (host head, host page, plane page;
+        """Each layer's copies of ``pairs [3, pages]`` (host row, host page, plane page;
         ``pair_row``, ``pair_layer``: each page's row and layer, ascending): a row's run of
         at least :attr:`MIN_RUN_PAGES` consecutive host pages goes through the copy engine
         (one call per run for K and one for V: an entry's kept tokens are at the front of
@@ -193,7 +204,7 @@ class EntryStaging:
         run_pages = torch.bincount(run_of, minlength=1)  # [runs] pages in each
         by_engine = run_pages[run_of] >= self.MIN_RUN_PAGES  # [pages] on the copy engine
         first = run_start & by_engine  # [pages] the first page of a copy-engine run
-        self.runs = [[] for _ in range(num_layers)]  # [layer] (head, host page, page, count)
+        self.runs = [[] for _ in range(num_layers)]  # [layer] (host row, host page, page, count)
         for layer, *run in torch.stack([pair_layer[first], *pairs[:, first],
                                         run_pages[run_of[first]]]).T.tolist():  # fmt: skip
             self.runs[layer].append(run)
@@ -214,11 +225,11 @@ class EntryStaging:
         if src.numel():
             copy_pages(host, as_heads(plane, kv_first=True), page, dst, src,
                        torch.zeros_like(src), size, paired=True)  # fmt: skip
-        for head, host_page, first, count in self.runs[layer]:  # K, then V: contiguous
+        for row, host_page, first, count in self.runs[layer]:  # K, then V: contiguous
             src_rows = slice(host_page * size, (host_page + count) * size)
             for kv in range(2):
                 self.plane[kv, first * size : (first + count) * size].copy_(
-                    host[head, kv, src_rows], non_blocking=True
+                    host[row, kv, src_rows], non_blocking=True
                 )
 
     def _issue_ahead(self, layer: int) -> None:
@@ -259,7 +270,7 @@ class EntryStaging:
             return
         heads = self.heads[layer]  # rows in entry order, then sequence
         new_kv = kv[:, :, heads].transpose(1, 2).flatten(1, 2)  # [2, heads x seqs, dim]
-        owners = heads.repeat_interleave(kv.shape[1])
+        owners = self.rows[layer].repeat_interleave(kv.shape[1])
         write_tokens(self.host.layer(layer), owners, self.new_slots[rows].flatten(),
                      new_kv[:, :, None].contiguous(), paired=True)  # fmt: skip
         self._issue_ahead(layer + 1)

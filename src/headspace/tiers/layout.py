@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
-from headspace.kv.spec import Pattern
+from headspace.kv.spec import Pattern, prefill_ring
 from headspace.planner.plan import Plan
 from headspace.tiers.base import HeadRange
 
@@ -66,3 +66,22 @@ def prefill_patterns(plan: Plan, layer: int, kv_heads: Iterable[int],
     if all(p.is_full for p in patterns):
         return None
     return [p for p in patterns for _ in range(q_per_kv)]
+
+
+def prefill_rings(plan: Plan, heads: list[Sequence[int]],
+                  page_size: int) -> tuple[tuple[int, int, int], ...]:  # fmt: skip
+    """``(entry, sink pages, ring pages)`` of each resident ``streaming`` entry (numbered
+    layer by layer over ``heads[layer]``) prefilled ``plan.ring_chunk`` tokens at a time
+    (none without: under KV budgets every entry holds its prompt)."""
+    if not plan.ring_chunk:
+        return ()
+    rings, entry = [], 0
+    for layer, hs in enumerate(heads):
+        for h in hs:
+            e = plan.head_map.entry(layer, h)
+            pattern = Pattern.parse(e.pattern)
+            if pattern.kind == "streaming" and e.tier == "gpu":
+                rings.append((entry, *prefill_ring(page_size, *pattern.params,
+                                                   plan.ring_chunk)))  # fmt: skip
+            entry += 1
+    return tuple(rings)

@@ -16,7 +16,7 @@ from headspace.attention.flex import (
 from headspace.attention.paged import gather_pages
 from headspace.attention.sparse_prefill import prefill_with_patterns
 from headspace.kv.paged_store import PagedKVStore
-from headspace.kv.spec import Pattern
+from headspace.kv.spec import Pattern, prefix_piece
 from headspace.tiers.base import (
     HeadRange,
     StepInputs,
@@ -24,7 +24,6 @@ from headspace.tiers.base import (
     TierSite,
     chunk_slots,
     padded_positions,
-    prefix_piece,
     q_heads,
 )
 from headspace.tiers.layout import head_ranges, prefill_patterns
