@@ -295,14 +295,8 @@ class BudgetTier(Tier):
                 part = self._attend_full(layer, q.index_select(0, rows), kv, slots, staged,
                                          heads)  # fmt: skip
             else:
-                keys, num_keys = ring_keys(
-                    self.plane,
-                    kv,
-                    slots.index_select(0, on_device),
-                    on_device,
-                    self.step.start,
-                    *pattern.params,
-                )
+                keys, num_keys = ring_keys(self.plane, kv, slots, on_device, self.step.start,
+                                           *pattern.params)  # fmt: skip
                 part = prefill_with_patterns(
                     q.index_select(0, rows),
                     keys[0],

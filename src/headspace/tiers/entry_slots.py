@@ -77,7 +77,8 @@ def ring_keys(plane: torch.Tensor, kv: torch.Tensor, slots: torch.Tensor, heads:
     window)`` head's chunk at ``start`` sees, as one sequence, and their number: the sink,
     the ``window`` keys before the chunk (every key before it while they reach the sink)
     and the chunk's own. ``plane [2, slots, dim]``; ``kv [2, rows, kv_heads, dim]`` the
-    chunk's K/V; ``slots [heads, positions]`` of the resident ``heads`` (of ``kv``)."""
+    chunk's K/V; ``slots [kv_heads, positions]``; ``heads`` (of ``kv`` and ``slots``)
+    resident ones."""
     device = kv.device
     if start - window <= sink:
         before = torch.arange(start, device=device)
@@ -86,7 +87,7 @@ def ring_keys(plane: torch.Tensor, kv: torch.Tensor, slots: torch.Tensor, heads:
                             torch.arange(start - window, start, device=device)])  # fmt: skip
     num_keys = before.numel() + kv.shape[1]
     keys = plane.new_zeros(2, heads.numel(), padded_length(num_keys), kv.shape[-1])
-    keys[:, :, : before.numel()] = plane[:, slots[:, before]]
+    keys[:, :, : before.numel()] = plane[:, slots[heads[:, None], before[None]]]
     keys[:, :, before.numel() : num_keys] = kv.transpose(1, 2).index_select(1, heads)
     return keys, num_keys
 
