@@ -317,3 +317,27 @@ def test_keys_gathered_from_both_tiers_are_each_positions_keys(page, lo, hi, wid
     for h in range(heads):
         want = host[0][:, host_slots] if h == 1 else plane[:, plane_slots[h, columns]]
         assert torch.equal(keys[:, h], want)
+
+
+def test_decode_graphs_follow_the_tiers_when_a_layout_comes_back(tiny_llama):
+    """A short request (every entry resident: decode graphs), long ones (entries in host
+    pages: another layout, new tiers), then the short one again: its graphs are captured
+    anew over the tiers built for it, and its tokens are a fresh engine's."""
+    from graph_twin import EagerGraphTwin
+    from headspace.engine.hooks import EngineHooks
+
+    spec = KVSpec.of(load_config(tiny_llama), PAGE, 4)
+    short, *long = _prompts([40, 150, 180, 220], seed=9)
+    params = SamplingParams(max_new_tokens=12, ignore_eos=True)
+    options = {"kv_budget": 0.25, "hooks": EngineHooks(graphs=EagerGraphTwin)}
+    arena = _entry_arena(tiny_llama, spec, 80)
+    fresh = make(tiny_llama, arena, **options).generate(short, params)[0].token_ids
+    llm = make(tiny_llama, arena, **options)
+    runner = llm.engine.batch.runner
+    assert llm.generate(short, params)[0].token_ids == fresh
+    first = runner._graphs
+    for prompt in long:
+        llm.generate(prompt, params)
+    assert runner.plan.entry_staging  # the long ones' layout put entries in host pages
+    assert llm.generate(short, params)[0].token_ids == fresh
+    assert runner._graphs is not first and runner._graphs.tiers == runner.tiers

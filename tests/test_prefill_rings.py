@@ -155,15 +155,16 @@ def test_host_pages_hold_the_rows_asked_and_start_anew_when_that_changes():
 
 
 def test_decode_tables_take_a_row_per_slot_in_use_and_grow_with_the_pages():
-    blocks = EntryBlockManager(4, 100, 2)
+    blocks = EntryBlockManager(4, 200, 2)
     blocks.allocate_prompt(0, list(range(10)))  # 3 pages an entry
     blocks.allocate_prompt(1, list(range(30)))  # 8
     tables = EntryTables(2, 129, torch.device("cpu"))
+    versions = [tables.version]
     assert tables.tables.shape == (1, 2, 8)  # the empty row, MIN_WIDTH columns
     tables.update(blocks, [0], [127])
-    assert tables.tables.shape[0] == 2 and tables.slot_row[127] == 1 and tables.version == 1
+    assert tables.tables.shape[0] == 2 and tables.slot_row[127] == 1
     widest = tables.update(blocks, [0, 1], [127, 5])
-    assert widest == 8 and tables.tables.shape == (4, 2, 8) and tables.version == 2  # doubled
+    assert widest == 8 and tables.tables.shape == (4, 2, 8)  # rows doubled
     got, lengths, _ = tables.rows(torch.tensor([5, 127, 0]), 16)  # slot 0: no row
     for i, seq in enumerate([1, 0]):
         pages = blocks.entries[seq].pages
@@ -174,11 +175,23 @@ def test_decode_tables_take_a_row_per_slot_in_use_and_grow_with_the_pages():
     for _ in range(6):
         blocks.append_token(1)
     tables.update(blocks, [1], [5])  # the pages decode added: one more column
-    assert tables.tables.shape[2] == 16 and tables.version == 3
+    assert tables.tables.shape[2] == 16
     assert tables.rows(torch.tensor([5]), 16)[0][0, 0, 8] == blocks.entries[1].pages[0][8]
+    versions.append(tables.version)
     # under torchrun every rank grows to the widest rank's width, at the same step
     assert tables.update(blocks, [1], [5], agree=lambda widest: 40) == 40
-    assert tables.tables.shape[2] == 40 and tables.version == 4
+    assert tables.tables.shape[2] == 40
+    versions.append(tables.version)
+    assert len(set(versions)) == 3  # each growth a new version; a new object never an old one
+    assert EntryTables(2, 129, torch.device("cpu")).version not in versions
+    # a sequence that ends gives its row back: its slot reads the empty row, the lowest
+    # free row goes to the next slot, and a growth keeps only the rows in use
+    tables.release(0)
+    assert tables.slot_row[127] == 0 and tables.rows(torch.tensor([127]), 8)[1].sum() == 0
+    blocks.allocate_prompt(2, list(range(200)))  # 50 pages
+    tables.update(blocks, [2], [9])
+    assert tables.slot_row[9] == 1 and tables.tables.shape == (3, 2, 80)  # rows 1, 2 in use
+    assert tables.rows(torch.tensor([5]), 8)[1].tolist() == [[36, 36]]  # sequence 1 kept
 
 
 def test_copies_of_full_heads_are_planned_whole_beside_the_rings():

@@ -165,7 +165,8 @@ class PagedRunner:
     @property
     def _graphs(self):
         """The CUDA graphs of this layout's decode step, None without CUDA graphs (kept per
-        layout while the host pages they address stay where they are)."""
+        layout while the host pages and the tiers' tensors they address stay where they
+        are: ``Tier.graph_version``)."""
         twin = self.graphs_class  # a CPU stand-in in tests; None: real graphs, on a GPU only
         if (twin is None and self.device.type != "cuda") or not self.config.runtime.cuda_graph:
             return None

@@ -152,6 +152,9 @@ class BudgetTier(Tier):
     def graph_version(self) -> int:
         return self.entry_tables.version
 
+    def forget(self, seq_id: int) -> None:
+        self.entry_tables.release(seq_id)
+
     def _agree(self, widest: int) -> int:
         """The widest row of a step's tables, as every process reads it (one: its own)."""
         return widest

@@ -3,14 +3,17 @@ width]``, lengths and newest indices for each token slot in use, found through a
 map (a CUDA graph of the step gathers its rows). Row 0 is empty (length 0) and stays so: the
 graphs' padded rows and unused slots read it, and attend and write nothing.
 
-Rows and columns are added as sequences and entries need them, so the tables take what the
-running sequences hold, not every slot times the longest context (129 slots x 256 entries x
-16K pages of int32 would take 2 GiB at 2M tokens). Each growth moves them to new tensors and
-counts ``version``: graphs captured over the old ones are then captured again.
+Rows are taken as sequences start decoding and given back when they end (the lowest free
+first), and columns are added as entries need them, so the tables take what the running
+sequences hold, not every slot times the longest context (129 slots x 256 entries x 16K
+pages of int32 would take 2 GiB at 2M tokens). A growth moves them to new tensors, as many
+rows as are in use then, and takes a new ``version`` (never one an earlier object had):
+graphs captured over the old ones are then captured again.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 
 import torch
@@ -18,6 +21,8 @@ import torch
 from headspace.kv.entry_table import EntryBlockManager
 from headspace.kv.transfer import device_ints
 from headspace.tiers.base import MIN_WIDTH, block_table
+
+_VERSIONS = itertools.count(1)  # versions of every EntryTables: a rebuilt tier's are new
 
 
 class EntryTables:
@@ -31,9 +36,10 @@ class EntryTables:
         self.tables = torch.zeros(1, num_entries, MIN_WIDTH, dtype=torch.int32, device=device)
         self.lengths = torch.zeros(1, num_entries, dtype=torch.int32, device=device)
         self.newest = torch.zeros_like(self.lengths)
-        self.version = 0  # growths so far
+        self.version = next(_VERSIONS)  # a new one at each growth
         self._row_of: dict[int, int] = {}  # token slot -> its row
         self._owners: dict[int, object] = {}  # token slot -> the EntryLists its row holds
+        self._slot_of: dict[int, int] = {}  # sequence -> its token slot
 
     def update(self, blocks: EntryBlockManager, seq_ids: list[int], slots: list[int],
                agree: Callable[[int], int] | None = None) -> int:  # fmt: skip
@@ -47,8 +53,8 @@ class EntryTables:
         widest = agree(widest) if agree is not None else widest
         self._grow([self._row(slot) for slot in slots], widest)
         added = []  # (row, entry, column, page)
-        for entries, slot in zip(lists, slots, strict=True):
-            row = self._row_of[slot]
+        for seq_id, entries, slot in zip(seq_ids, lists, slots, strict=True):
+            row, self._slot_of[seq_id] = self._row_of[slot], slot
             if self._owners.get(slot) is not entries:  # the slot's row was another's
                 table = device_ints(block_table(entries.pages), self.device, torch.int32)
                 self.tables[row, :, : table.shape[1]] = table
@@ -65,29 +71,46 @@ class EntryTables:
         self.newest[rows] = device_ints([x.newest for x in lists], self.device, torch.int32)
         return widest
 
+    @torch.inference_mode()
+    def release(self, seq_id: int) -> None:
+        """``seq_id`` ended: its slot reads the empty row again and its row is free."""
+        slot = self._slot_of.pop(seq_id, None)
+        if slot is None or slot not in self._row_of:
+            return
+        row = self._row_of.pop(slot)
+        self._owners.pop(slot, None)
+        self.slot_row[slot] = 0
+        if row < self.lengths.shape[0]:
+            self.lengths[row] = 0
+
     def _row(self, slot: int) -> int:
-        """The row of ``slot``, a new one (and the device map) for a slot first seen."""
+        """The row of ``slot``: for a slot not seen since its last sequence, the lowest free
+        one (and the device map)."""
         if slot not in self._row_of:
-            self._row_of[slot] = len(self._row_of) + 1
+            used = set(self._row_of.values())
+            self._row_of[slot] = next(r for r in itertools.count(1) if r not in used)
             self.slot_row[slot] = self._row_of[slot]
         return self._row_of[slot]
 
     def _grow(self, rows: list[int], widest: int) -> None:
-        """Tensors with room for ``rows`` and ``widest`` pages a row (rows and width doubled
-        at least, so growths stay few), the old rows copied over."""
+        """Tensors with room for ``rows`` and ``widest`` pages a row (doubled at least, so
+        growths stay few; as many rows as are in use when only the width grows), the rows
+        in use copied over."""
         num_rows, width = self.tables.shape[0], self.tables.shape[2]
-        need_rows = max(rows, default=0) + 1
-        need_rows = num_rows if need_rows <= num_rows else max(need_rows, 2 * num_rows)
-        need_width = width if widest <= width else max(widest, 2 * width)
-        if (need_rows, need_width) == (num_rows, width):
+        top = max([*rows, *self._row_of.values()], default=0) + 1  # rows in use lie below
+        more_rows, wider = top > num_rows, widest > width
+        if not (more_rows or wider):
             return
+        need_rows = max(top, 2 * num_rows) if more_rows else top
+        need_width = max(widest, 2 * width) if wider else width
+        kept = min(num_rows, need_rows)
         tables = self.tables.new_zeros(need_rows, self.num_entries, need_width)
-        tables[:num_rows, :, :width] = self.tables
+        tables[:kept, :, :width] = self.tables[:kept]
         lengths = self.lengths.new_zeros(need_rows, self.num_entries)
         newest = torch.zeros_like(lengths)
-        lengths[:num_rows], newest[:num_rows] = self.lengths, self.newest
+        lengths[:kept], newest[:kept] = self.lengths[:kept], self.newest[:kept]
         self.tables, self.lengths, self.newest = tables, lengths, newest
-        self.version += 1
+        self.version = next(_VERSIONS)
 
     def rows(self, slots: torch.Tensor, width: int):
         """``(tables [seqs, entries, width], lengths, newest [seqs, entries])`` of token
