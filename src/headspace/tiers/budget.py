@@ -162,7 +162,8 @@ class BudgetTier(Tier):
     def before_decode(self, seq_ids: list[int], slots: list[int]) -> None:
         """Bring the device tables of the step's token ``slots`` up to the entries of
         ``seq_ids``: whole rows for a slot's new owner, else the pages decode added."""
-        self.widest = self.entry_tables.update(self.blocks, seq_ids, slots, self._agree)
+        self.widest = self.entry_tables.update(self.blocks, seq_ids, slots, self._agree,
+                                               newest=bool(self.rings))  # fmt: skip
         self.step_slots = device_ints(slots, self.plane.device)
         self.step_lengths = [self.blocks.entries[s].lengths for s in seq_ids]  # staging reads
         self.step_hosts = [self.blocks.host_pages(s) for s in seq_ids]

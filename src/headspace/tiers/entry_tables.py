@@ -42,12 +42,13 @@ class EntryTables:
         self._slot_of: dict[int, int] = {}  # sequence -> its token slot
 
     def update(self, blocks: EntryBlockManager, seq_ids: list[int], slots: list[int],
-               agree: Callable[[int], int] | None = None) -> int:  # fmt: skip
+               agree: Callable[[int], int] | None = None, newest: bool = True) -> int:  # fmt: skip
         """Bring the rows of token ``slots`` up to the entries of ``seq_ids``: a whole row
         for a slot's new owner, else the pages decode added, and every row's lengths and
-        newest indices. Returns the most pages a row of them lists (GPU or host), through
-        ``agree`` when given (under torchrun the widest rank's: every rank's tables then
-        grow, and its graphs are captured again, at the same step)."""
+        (with ``newest``, where rings read them) newest indices. Returns the most pages a
+        row of them lists (GPU or host), through ``agree`` when given (under torchrun the
+        widest rank's: every rank's tables then grow, and its graphs are captured again, at
+        the same step)."""
         lists = [blocks.entries[s] for s in seq_ids]
         widest = max((max(max(map(len, x.pages)), len(x.host)) for x in lists), default=1)
         widest = agree(widest) if agree is not None else widest
@@ -68,7 +69,8 @@ class EntryTables:
             self.tables[rows, entry, columns] = pages.int()
         rows = device_ints([self._row_of[slot] for slot in slots], self.device)
         self.lengths[rows] = device_ints([x.lengths for x in lists], self.device, torch.int32)
-        self.newest[rows] = device_ints([x.newest for x in lists], self.device, torch.int32)
+        if newest:  # (where each new token goes, read only where rings are)
+            self.newest[rows] = device_ints([x.newest for x in lists], self.device, torch.int32)
         return widest
 
     @torch.inference_mode()
