@@ -3,18 +3,23 @@ as a checkpoint with a word-level tokenizer), one prompt of 8K tokens, one new t
 
     PYTHONPATH=src python bench/cold_start.py [--checkpoint DIR] [--tokens 8192]
 
-Each run is a new process, as a user starts one; the checkpoint is read once before them,
-so every run finds it in the page cache. Per engine, two runs over the same compile caches
+Each run is a new process, as a user starts one on a machine set up by ``make setup`` (the
+CPU attention library built); the checkpoint is read once before them, so every run finds
+it in the page cache. Per engine, two runs over the same compile caches
 (``TORCHINDUCTOR_CACHE_DIR``, ``TRITON_CACHE_DIR``, fresh for the first run, kept for the
 second): *first* is a machine's first process, *second* one started after it.
 
 - ``headspace``: the command a user types, ``headspace generate --model DIR --prompt-file F
   --max-new-tokens 1 --device cuda``, timed from the outside (its own warm-up line and
   summary kept), then the same steps inside one process, each timed: imports, ``LLM(...)``
-  (reading the weights, ``weights_s`` of it, and building the engine), ``warm_up``
-  (compilation, graph capture) and the request (the prompt's prefill and its token).
+  (reading the weights, ``weights_s`` of it, loading the tokenizer, ``tokenizer_s``, and
+  building the engine), ``warm_up`` (compilation, graph capture, as the command's for one
+  token) and the request (the prompt's prefill and its token).
 - ``transformers``: imports, ``from_pretrained`` onto the GPU in bf16 and ``generate`` with
   one new token (its default attention, SDPA).
+
+Each process's ``exit_s`` is the time from its last step to its end (the interpreter's exit,
+CUDA's, any compile workers').
 
 Writes ``cold_start_llama3-8b_<gpu>_<date>.json`` (to $OUT when set) with each run's wall
 seconds and phases, and ``ttft_ratio_vs_transformers`` for the first and second runs.
@@ -50,8 +55,9 @@ def _phases_headspace(checkpoint: str, prompt_file: str, device: str) -> dict:
         torch.cuda.synchronize()
     phases["load_s"] = time.perf_counter() - mark
     phases["weights_s"] = llm.engine.load_seconds  # of load_s: reading and placing weights
+    phases["tokenizer_s"] = llm.engine.tokenizer_seconds  # of load_s, its imports included
     ids = llm.engine.encode(Path(prompt_file).read_text())
-    phases["warm_up_s"] = llm.engine.warm_up(len(ids))
+    phases["warm_up_s"] = llm.engine.warm_up(len(ids), decode=False)  # as the CLI: 1 token
     mark = time.perf_counter()
     out = llm.engine.run(ids, SamplingParams(max_new_tokens=1, ignore_eos=True))
     phases["request_s"] = time.perf_counter() - mark
@@ -109,7 +115,10 @@ def _phases(engine: str, checkpoint: str, prompt_file: str, caches: Path, device
     command = [sys.executable, __file__, "--phases", engine, "--checkpoint", checkpoint,
                "--prompt-file", prompt_file, "--device", device]  # fmt: skip
     wall, stdout, _ = _child(command, caches)
-    return {"wall_s": wall, **json.loads(stdout.strip().splitlines()[-1])}
+    phases = json.loads(stdout.strip().splitlines()[-1])
+    # the process's teardown after its last step (the interpreter's exit, CUDA's, workers')
+    phases["exit_s"] = time.time() - phases.pop("ended_at")
+    return {"wall_s": wall, **phases}
 
 
 def _runs(cli: list[str], checkpoint: str, prompt: str, device: str, scratch: Path) -> dict:
@@ -134,9 +143,12 @@ def _runs(cli: list[str], checkpoint: str, prompt: str, device: str, scratch: Pa
 
 def _prepare(checkpoint: Path, tokens: int) -> Path:
     """The checkpoint (saved once) and a prompt file of ``tokens`` words, each one token;
-    every file of the checkpoint read once so that each run finds them in the page cache."""
+    every file of the checkpoint read once so that each run finds them in the page cache;
+    the CPU attention library built, as ``make setup`` builds it on a user's machine."""
+    from headspace.attention.cpu_decode import build
     from serve import save_checkpoint
 
+    build()
     if not (checkpoint / "config.json").exists():
         save_checkpoint(checkpoint)
     for path in checkpoint.iterdir():
@@ -161,7 +173,8 @@ def main() -> None:
     parser.add_argument("--prompt-file", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.phases:  # a child: one engine's steps, as JSON on the last line
-        print(json.dumps(PHASES[args.phases](args.checkpoint, args.prompt_file, args.device)))
+        phases = PHASES[args.phases](args.checkpoint, args.prompt_file, args.device)
+        print(json.dumps({**phases, "ended_at": time.time()}), flush=True)
         return
     from common import environment, gpu_tag, write_result
 
@@ -190,14 +203,14 @@ def main() -> None:
 
 
 def _print(result: dict) -> None:
-    print(f"\n{'run':>7} {'engine':>13} {'wall s':>7} {'imports':>8} {'load':>6} "
-          f"{'weights':>8} {'warm-up':>8} {'request':>8}")  # fmt: skip
+    columns = ("imports_s", "load_s", "weights_s", "tokenizer_s", "warm_up_s", "request_s",
+               "exit_s")  # fmt: skip
+    print(f"\n{'run':>7} {'engine':>13} {'wall s':>7} "
+          + " ".join(f"{c[:-2]:>9}" for c in columns))  # fmt: skip
     for engine in ("headspace", "transformers"):
         for which, row in result["runs"][engine].items():
-            print(f"{which:>7} {engine:>13} {row['wall_s']:>7.1f} {row['imports_s']:>8.1f} "
-                  f"{row['load_s']:>6.1f} {row.get('weights_s', float('nan')):>8.1f} "
-                  f"{row.get('warm_up_s', 0.0):>8.1f} "
-                  f"{row['request_s']:>8.1f}")  # fmt: skip
+            print(f"{which:>7} {engine:>13} {row['wall_s']:>7.1f} "
+                  + " ".join(f"{row.get(c, float('nan')):>9.1f}" for c in columns))  # fmt: skip
     for which, ratio in result["ttft_ratio_vs_transformers"].items():
         print(
             f"{which} process: headspace generate {result['ttft_s'][which]['headspace']:.1f} s, "

@@ -127,3 +127,23 @@ def test_an_engine_with_decode_graphs_is_freed_when_dropped(tiny_llama):
         assert [ref() for ref in dropped] == [None] * 3
     finally:
         gc.enable()
+
+
+def test_warm_up_takes_the_prompts_shapes_and_decodes_only_when_asked(tiny_llama):
+    """The warm-up request: the short text alone without a prompt (or for one of a few
+    tokens), else the prompt's prefill shapes (a full chunk and the last piece, at most two
+    chunks); its decode step compiled and captured only when the request will decode."""
+    from graph_twin import EagerGraphTwin
+    from headspace.engine.engine import WARM_UP_DECODE_TOKENS, warm_up_request
+    from headspace.engine.hooks import EngineHooks
+
+    assert warm_up_request(0, 256, True) == (0, WARM_UP_DECODE_TOKENS)
+    assert warm_up_request(12, 256, False) == (0, 1)
+    assert warm_up_request(300, 256, False) == (300, 1)
+    assert warm_up_request(10000, 4096, True) == (4096 + 10000 % 4096, WARM_UP_DECODE_TOKENS)
+    assert warm_up_request(8192, 4096, True) == (8192, WARM_UP_DECODE_TOKENS)
+    llm = LLM(str(tiny_llama), offload="none", kv_budget=0.5,
+              hooks=EngineHooks(graphs=EagerGraphTwin))  # fmt: skip
+    runner = llm.engine.batch.runner
+    assert llm.engine.warm_up(40, decode=False) > 0 and not runner.has_graphs
+    assert llm.engine.warm_up(40) > 0 and runner.has_graphs

@@ -151,3 +151,19 @@ def test_compile_caches_are_kept_under_the_headspace_cache(monkeypatch, tmp_path
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "/elsewhere")
     keep_compile_caches()
     assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == "/elsewhere"
+
+
+def test_inductor_compiles_in_process_unless_the_user_chose_its_threads(monkeypatch):
+    """Inductor's compile workers: none (one thread, in this process) unless the user named
+    a number in TORCHINDUCTOR_COMPILE_THREADS, which stays."""
+    import torch._inductor.config as inductor_config
+
+    from headspace.engine.engine import compile_in_process
+
+    monkeypatch.setattr(inductor_config, "compile_threads", 7)  # torch's, restored after
+    monkeypatch.setenv("TORCHINDUCTOR_COMPILE_THREADS", "7")
+    compile_in_process()
+    assert inductor_config.compile_threads == 7
+    monkeypatch.delenv("TORCHINDUCTOR_COMPILE_THREADS")
+    compile_in_process()
+    assert inductor_config.compile_threads == 1

@@ -32,8 +32,8 @@ def _add_generate(subparsers) -> None:
     p.add_argument("--prompt-file", help="read the prompt (e.g. a document) from this file")
     p.add_argument("--chat", action="store_true", help="apply the tokenizer's chat template")
     p.add_argument("--no-warm-up", dest="warm_up", action="store_false",
-                   help="skip the short request run first to compile and capture graphs "
-                   "(its time is then folded into the prompt's prefill)")  # fmt: skip
+                   help="skip the request run first, in the prompt's shapes, to compile "
+                   "and capture graphs (then counted in the prompt's prefill)")  # fmt: skip
     sampling = p.add_argument_group("sampling")
     sampling.add_argument("--max-new-tokens", type=int, default=256,
                           help="most tokens generated (default: 256)")  # fmt: skip
@@ -107,7 +107,7 @@ def _generate(args) -> None:
     print(f"load {load_seconds:.1f} s ({weights / 1e9:.2f} GB of weights read in "
           f"{llm.engine.load_seconds:.1f} s)", file=sys.stderr)  # fmt: skip
     if args.warm_up:  # on its own line: the summary's prefill is the prompt's alone
-        seconds = llm.engine.warm_up(len(prompt_ids))
+        seconds = llm.engine.warm_up(len(prompt_ids), decode=params.max_new_tokens > 1)
         print(f"warm-up {seconds:.1f} s (compilation, graph capture)", file=sys.stderr)
     pieces = 0
     try:

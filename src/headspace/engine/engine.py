@@ -69,6 +69,19 @@ def keep_compile_caches() -> None:
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(folder)
 
 
+def compile_in_process() -> None:
+    """Inductor compiles in this process, without its pool of worker processes, unless the
+    user set ``TORCHINDUCTOR_COMPILE_THREADS``: the engine compiles a few fused blocks, and
+    a fresh process spent more on starting and stopping the pool than it saved (on an H100
+    host: a first process's warm-up 22.1 s with the pool, 15.2 s without; a second's exit
+    waited 9.4 s for the pool's workers; ``bench/NOTES.md``)."""
+    if "TORCHINDUCTOR_COMPILE_THREADS" in os.environ:
+        return
+    import torch._inductor.config as inductor_config
+
+    inductor_config.compile_threads = 1
+
+
 def _load_tokenizer(model_dir: Path, family: str):
     names = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "vocab.json")
     if not any((model_dir / name).is_file() for name in names):
@@ -79,13 +92,29 @@ def _load_tokenizer(model_dir: Path, family: str):
         raise UserError(f"cannot load the tokenizer from {model_dir}: {exc}") from None
 
 
+WARM_UP_DECODE_TOKENS = 4  # decode steps a warm-up request takes (the graph of its batch)
+
+
+def warm_up_request(prompt_len: int, chunk: int, decode: bool) -> tuple[int, int]:
+    """(prompt tokens, new tokens) of the request :meth:`Engine.warm_up` runs; 0 tokens
+    stands for the short text "Warm-up.". Without ``prompt_len`` (or for one of a few
+    tokens), that short request; else one of synthetic tokens whose prefill takes the
+    shapes of a ``prompt_len`` prompt in chunks of ``chunk``: a full chunk (which compiles
+    for its own size) and the last piece (for any), at most two chunks. It decodes
+    WARM_UP_DECODE_TOKENS tokens with ``decode``, else stops at its first token."""
+    length = min(prompt_len, chunk + (prompt_len % chunk or chunk))
+    return (length if length > 16 else 0), (WARM_UP_DECODE_TOKENS if decode else 1)
+
+
 class Engine:
     """A model, its tokenizer and the batch generator over the KV tiers."""
 
     def __init__(self, model_dir: Path, config: EngineConfig, hooks: EngineHooks | None = None):
         model_cfg = load_config(model_dir)  # refuse a bad directory before the slower loads
         config = join(config)  # under torchrun: the process group, this rank's GPU
+        started = time.perf_counter()
         tokenizer = _load_tokenizer(model_dir, model_cfg.family)
+        self.tokenizer_seconds = time.perf_counter() - started  # its imports included
         self._read_profile(model_cfg, config)
         # under torchrun: the heads balanced over the ranks; each layer sharded for this
         # one as it loads (the whole model never sits on its GPU)
@@ -107,7 +136,7 @@ class Engine:
         tokenizer needs only ``decode`` when prompts are token ids. Under torchrun the model
         is sharded in place; its layers move to pinned host memory if they stream."""
         engine = cls.__new__(cls)
-        engine.load_seconds = 0.0  # built in memory: nothing read
+        engine.load_seconds = engine.tokenizer_seconds = 0.0  # built in memory: nothing read
         engine._read_profile(model.config, config)
         max_context = cls._max_context(model.config, config)
         ranks = setup_ranks(model, config, engine.profile, max_context)
@@ -132,6 +161,7 @@ class Engine:
         self.config, self.model, self.tokenizer, self.ranks = config, model, tokenizer, ranks
         if config.runtime.on_gpu:  # before anything compiles
             keep_compile_caches()
+            compile_in_process()
         self.hooks = hooks
         model_cfg = model.config
         self.max_context = self._max_context(model_cfg, config)
@@ -259,20 +289,18 @@ class Engine:
         """Generate for one prompt, alone."""
         return self.generate_batch([prompt_ids], [params])[0]
 
-    def warm_up(self, prompt_len: int = 0) -> float:
-        """Run requests alone, so that compilation and CUDA graph capture happen before the
-        first real one (whose timings then leave them out); their seconds. A short one
-        (decode steps); with ``prompt_len``, one whose prefill takes the shapes a prompt of
-        that many tokens takes (a full chunk compiles for its own size, the last piece for
-        any): at most two chunks of synthetic tokens."""
+    def warm_up(self, prompt_len: int = 0, decode: bool = True) -> float:
+        """Run a request alone, so that compilation and CUDA graph capture happen before the
+        first real one (whose timings then leave them out); its seconds. Without
+        ``prompt_len``, a short request; with it, one whose prefill takes the shapes a prompt
+        of that many tokens takes (:func:`warm_up_request`). ``decode``: whether it
+        decodes too (compiling and capturing the decode step): False for a request that
+        ends at its first token."""
         started = time.perf_counter()
-        params = SamplingParams(max_new_tokens=4, ignore_eos=True)
-        self.run(self.encode("Warm-up."), params)
-        chunk = self.batch.chunk
-        length = min(prompt_len, chunk + (prompt_len % chunk or chunk))
-        if length > 16:  # the short one took the shapes of a few tokens
-            vocab = self.model.config.vocab_size
-            self.run([(7 + 31 * i) % vocab for i in range(length)], params)
+        length, new_tokens = warm_up_request(prompt_len, self.batch.chunk, decode)
+        vocab = self.model.config.vocab_size
+        ids = [(7 + 31 * i) % vocab for i in range(length)] if length else self.encode("Warm-up.")
+        self.run(ids, SamplingParams(max_new_tokens=new_tokens, ignore_eos=True))
         return time.perf_counter() - started
 
     def logits(self, token_ids: list[int], decode_tokens: int = 0) -> torch.Tensor:
