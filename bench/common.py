@@ -142,8 +142,25 @@ LLAMA31_70B = {  # Llama-3.1-70B's shapes: 64 query heads over 8 kv heads, 80 la
     "num_attention_heads": 64,
 }
 
-MODELS = {"llama3-8b": LLAMA31_8B, "llama3-70b": LLAMA31_70B}
-MODEL_NAMES = {"llama3-8b": "Llama-3.1-8B", "llama3-70b": "Llama-3.1-70B"}  # in results
+QWEN25_7B = {  # Qwen2.5-7B's shapes: 28 query heads over 4 kv heads (one a rank on 4 GPUs)
+    "architectures": ["Qwen2ForCausalLM"],
+    "hidden_size": 3584,
+    "intermediate_size": 18944,
+    "num_hidden_layers": 28,
+    "num_attention_heads": 28,
+    "num_key_value_heads": 4,
+    "vocab_size": 152064,
+    "max_position_embeddings": 32768,
+    "rope_theta": 1000000.0,
+    "rms_norm_eps": 1e-6,
+    "tie_word_embeddings": False,
+    "bos_token_id": 151643,
+    "eos_token_id": 151645,
+}
+
+MODELS = {"llama3-8b": LLAMA31_8B, "llama3-70b": LLAMA31_70B, "qwen2.5-7b": QWEN25_7B}
+MODEL_NAMES = {"llama3-8b": "Llama-3.1-8B", "llama3-70b": "Llama-3.1-70B",
+               "qwen2.5-7b": "Qwen2.5-7B"}  # in results  # fmt: skip
 
 
 def model_config(name: str, num_layers: int | None = None) -> dict:
@@ -256,6 +273,10 @@ def _hf_shapes(config) -> dict[str, tuple[int, ...]]:
                 f"{p}.mlp.down_proj.weight": (hidden, inter),
             }
         )
+        if config.qkv_bias:  # Qwen2's
+            shapes.update({f"{p}.self_attn.q_proj.bias": (q,),
+                           f"{p}.self_attn.k_proj.bias": (kv,),
+                           f"{p}.self_attn.v_proj.bias": (kv,)})  # fmt: skip
     return shapes
 
 

@@ -8,7 +8,7 @@ against the measured one.
         [--solvers uniform greedy ga fairkv copy_search uniform-again]
         [--scenario duo|ada_snapkv|patterns|copies] [--copy-cost PATH] [--copy-seconds S]
         [--sharpen 0.25 4] [--batch 1] [--balance-phase auto|prefill|decode] [--work DIR]
-        [--model llama3-8b|llama3-70b] [--layers N]
+        [--model llama3-8b|llama3-70b|qwen2.5-7b] [--layers N]
 
 ``--model llama3-70b --layers 40`` is Llama-3.1-70B's shape (64 query heads over 8 kv heads,
 hidden 8192) at 40 of its 80 layers: 72 GB of bf16 weights, which every rank builds whole
@@ -21,8 +21,14 @@ The driver first measures the heads' uneven loads on this model (``--scenario``)
 - ``ada_snapkv``: every head under Ada-SnapKV at ``kv_budget=0.25``.
 - ``patterns``: half the heads ``vertical_slash(1000,2048)`` at prefill.
 - ``copies``: FairKV's regime, every head under Ada-SnapKV at 1,024 tokens a head on
-  average, for a batch of up to 128 prompts (``--batch 64 --decode 160 --context 4096``):
-  attention a large part of the decode step. A prompt's prefill takes at least a step, in
+  average, for a batch of ``--batch`` prompts (``--batch 64 --decode 160 --context 4096``):
+  attention a large part of the decode step, which the solvers price at that batch
+  (``balance_batch``). Copies pay where placing whole heads cannot level a layer: one kv
+  head a rank (``--model qwen2.5-7b --gpus 4``, Qwen2.5-7B's four kv heads) and a large
+  batch (``--batch 256 --balance-phase decode``). Over the shares the Llama-3.1-8B copies
+  run measured, the cost model predicts Qwen2.5-7B's decode attention step on four ranks at
+  3.37 ms uniform and 1.98 ms with copy_search's copies at 256 rows; at 64 rows, 0.94 and
+  0.90 ms. A prompt's prefill takes at least a step, in
   which the prompts before it decode, so ``--decode`` must exceed ``--batch`` for the whole
   batch to decode together (the steps timed). Its result is
   ``multigpu_copies_<model>_<gpu>x<N>_<date>`` with ``copy_cost_us`` from
@@ -162,6 +168,8 @@ def run_solver(solver: str, args, profile: str) -> dict | None:
     from headspace.parallel.balance import balanced_phases
 
     options = dict(SCENARIOS[args.scenario])
+    if args.scenario == "copies":  # decode priced at the batch served, which the engine holds
+        options.update(balance_batch=args.batch, max_batch=max(options["max_batch"], args.batch))
     if args.copy_seconds is not None:  # the solvers' price of a copy, in place of the model's
         options["copy_seconds"] = args.copy_seconds
     balance = solver.removesuffix("-again")

@@ -71,3 +71,53 @@ def test_a_copy_holds_its_heads_whole_kv_on_every_rank():
     head_map = HeadMap(1, 4, entries)
     assert rank_kv(head_map, 2, 1000) == [(2, 1100), (2, 2000)]
     assert rank_kv(head_map, 2, 1000, tier=None) == [(3, 2100), (2, 2000)]
+
+
+QWEN25_7B = {"architectures": ["Qwen2ForCausalLM"], "hidden_size": 3584,
+             "intermediate_size": 18944, "num_hidden_layers": 28, "num_attention_heads": 28,
+             "num_key_value_heads": 4, "vocab_size": 152064, "max_position_embeddings": 32768,
+             "rope_theta": 1e6, "rms_norm_eps": 1e-6}  # fmt: skip
+
+
+def test_copies_pay_only_where_decode_is_priced_at_a_large_batch():
+    """One kv head a rank (Qwen2.5-7B's shape over four ranks) under Ada-SnapKV at 1,024
+    tokens a head, one head of each layer given 2.5 times an even share: placing whole
+    heads cannot level a layer, only copies can. Priced at one sequence, a copy repeats more
+    projection rows than the attention it moves, so the engine's map has none; priced at
+    the 256 sequences of FairKV's regime (``balance_batch``), the heavy heads are copied
+    and the decode step's slowest ranks wait far less than uniform's."""
+    from dataclasses import replace
+
+    from headspace.engine.config import EngineConfig
+    from headspace.engine.ranks import balanced_map, costed_map
+    from headspace.parallel.balance import balance_heads
+    from headspace.planner.head_cost import CostShape
+    from headspace.planner.profile import Profile, budget_key
+
+    config = config_from_dict(QWEN25_7B)
+    profile = Profile("uneven", 28, 4, [[0.5] * 4 for _ in range(28)])
+    profile.budget_shares[budget_key("ada_snapkv", 1024)] = [[2.5, 0.5, 0.5, 0.5]] * 28
+
+    def engine_config(batch: int, balance: str = "copy_search") -> EngineConfig:
+        return EngineConfig.of(device="cpu", kv_budget=1024, kv_policy="ada_snapkv",
+                               balance=balance, balance_phase="decode",
+                               balance_batch=batch)  # fmt: skip
+
+    def copied(batch: int) -> list:
+        engine = engine_config(batch)
+        head_map = costed_map(config, engine, profile, 4096)
+        mapped = balanced_map(head_map, config, engine, profile, 4096, 4)
+        return [e for e in mapped.entries if len(e.rank) > 1]
+
+    assert copied(1) == []
+    heavy = copied(256)
+    assert heavy and {e.kv_head for e in heavy} == {0}  # only the heavy heads are divided
+
+    def decode_step(balance: str) -> float:
+        engine = engine_config(256, balance)
+        balance_map = balance_heads(costed_map(config, engine, profile, 4096),
+                                    CostShape.of(config, 2), replace(engine.parallel, gpus=4),
+                                    context=4096, batch=256, profile=profile)  # fmt: skip
+        return balance_map.loads["decode"]["imbalance_max_over_mean"]
+
+    assert decode_step("copy_search") < 0.7 * decode_step("uniform")

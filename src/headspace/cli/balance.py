@@ -24,7 +24,8 @@ def plan_balance(config, request, parallel, profile=None, share_key: str | None 
     shares = profile.budget_shares.get(share_key) if profile is not None else None
     head_map = priced_map(head_map, request.per_head_pages, request.budget_tokens, shares)
     shape = CostShape.of(config, request.dtype_bytes)
-    options = {"context": request.context, "chunk": request.prefill_chunk, "profile": profile}
+    options = {"context": request.context, "chunk": request.prefill_chunk, "profile": profile,
+               "batch": parallel.balance_batch}  # fmt: skip
     chosen = balance_heads(head_map, shape, parallel, **options)
     uniform = balance_heads(head_map, shape, replace(parallel, balance="uniform"), **options)
     return chosen, uniform
@@ -41,7 +42,8 @@ def format_balance(config, request, parallel, chosen, uniform) -> str:
     kv = [tokens * head_bytes for _, tokens in held]
     lines = [f"balance {parallel.balance} over {gpus} GPUs ({parallel.replicas} extra copies "
              f"a layer allowed, {chosen.loads['decode']['extra_copies']} made); balanced: "
-             f"{chosen.phase} costs (roofline at the planner's rates, batch 1)",  # fmt: skip
+             f"{chosen.phase} costs (roofline at the planner's rates, decode at batch "
+             f"{parallel.balance_batch})",  # fmt: skip
              f"{'rank':>4}{'kv heads/layer':>16}{'KV GiB':>9}{'prefill chunk ms':>18}"
              f"{'decode ms':>11}"]  # fmt: skip
     prefill, decode = (chosen.loads[p]["rank_seconds"] for p in ("prefill", "decode"))

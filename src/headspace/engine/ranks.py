@@ -123,6 +123,18 @@ def costed_map(cfg, config, profile: Profile | None, max_context: int) -> HeadMa
     return priced_map(head_map, budgets.per_head_pages, tokens, shares)
 
 
+def balanced_map(head_map: HeadMap, cfg, config, profile: Profile | None, max_context: int,
+                 world: int) -> HeadMap:  # fmt: skip
+    """``head_map`` (a :func:`costed_map`) balanced over ``world`` ranks by the configured
+    solver, each phase priced at ``max_context`` tokens, decode at ``balance_batch``
+    sequences."""
+    parallel = replace(config.parallel, gpus=world)
+    shape = CostShape.of(cfg, config.runtime.torch_dtype.itemsize)
+    return balance_heads(head_map, shape, parallel, context=max_context,
+                         chunk=config.runtime.prefill_chunk, batch=parallel.balance_batch,
+                         profile=profile).head_map  # fmt: skip
+
+
 def plan_ranks(cfg, config, profile: Profile | None, max_context: int) -> Ranks | None:
     """Under torchrun with several ranks: the balanced head map (solved on rank 0 on the
     model config ``cfg``'s costs, the same everywhere) and this rank's part of it; None in
@@ -130,18 +142,9 @@ def plan_ranks(cfg, config, profile: Profile | None, max_context: int) -> Ranks 
     rank, world = init_from_env(config.runtime.device)
     if world == 1:
         return None
-    head_map = costed_map(cfg, config, profile, max_context)
+    head_map = costed_map(cfg, config, profile, max_context)  # every rank refuses alike
     if rank == 0:
-        parallel = replace(config.parallel, gpus=world)
-        shape = CostShape.of(cfg, config.runtime.torch_dtype.itemsize)
-        head_map = balance_heads(
-            head_map,
-            shape,
-            parallel,
-            context=max_context,
-            chunk=config.runtime.prefill_chunk,
-            profile=profile,
-        ).head_map
+        head_map = balanced_map(head_map, cfg, config, profile, max_context, world)
     head_map = broadcast_object(head_map)
     layouts = tuple(rank_layout(head_map, r, world) for r in range(world))
     return Ranks(rank, layouts, head_map)

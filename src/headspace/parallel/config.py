@@ -15,7 +15,7 @@ PHASES = get_args(Phase)
 assert get_args(Balance) == tuple(SOLVERS)
 # the fields the engine takes as options under torchrun (``gpus`` is the world size there,
 # and ``seed`` would read as sampling's)
-ENGINE_FIELDS = ("balance", "replicas", "balance_phase", "copy_seconds")
+ENGINE_FIELDS = ("balance", "replicas", "balance_phase", "copy_seconds", "balance_batch")
 
 
 def _option(default, help: str):
@@ -49,11 +49,16 @@ class ParallelConfig:
         "cost model (its part of the layer's merge; default: the planner's measured figure, "
         "20 us); 0 prices copies as free, so every copy that levels the ranks is made",
     )  # fmt: skip
+    balance_batch: int = _option(
+        1, "sequences one decode step is priced at when the solvers balance it: each head's "
+        "attention grows with them, the projection rows a copy repeats do not, so copies pay "
+        "only at a large batch (FairKV's regime); 1 prices one request's decode",
+    )  # fmt: skip
     seed: int = _option(0, "seed of the random and genetic solvers")
 
     def __post_init__(self):
-        for name in ("gpus", "replicas", "seed"):
-            value, least = getattr(self, name), 1 if name == "gpus" else 0
+        for name in ("gpus", "replicas", "seed", "balance_batch"):
+            value, least = getattr(self, name), 1 if name in ("gpus", "balance_batch") else 0
             if type(value) is not int or value < least:
                 raise UserError(f"{name} must be an integer >= {least}, got {value!r}")
         copy = self.copy_seconds
