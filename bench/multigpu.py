@@ -21,21 +21,17 @@ The driver first measures the heads' uneven loads on this model (``--scenario``)
 - ``ada_snapkv``: every head under Ada-SnapKV at ``kv_budget=0.25``.
 - ``patterns``: half the heads ``vertical_slash(1000,2048)`` at prefill.
 - ``copies``: FairKV's regime, every head under Ada-SnapKV at 1,024 tokens a head on
-  average, for a batch of ``--batch`` prompts (``--batch 64 --decode 160 --context 4096``):
-  attention a large part of the decode step, which the solvers price at that batch
-  (``balance_batch``). Copies pay where placing whole heads cannot level a layer: one kv
-  head a rank (``--model qwen2.5-7b --gpus 4``, Qwen2.5-7B's four kv heads) and a large
-  batch (``--batch 256 --balance-phase decode``). Over the shares the Llama-3.1-8B copies
-  run measured, the cost model predicts Qwen2.5-7B's decode attention step on four ranks at
-  3.37 ms uniform and 1.98 ms with copy_search's copies at 256 rows; at 64 rows, 0.94 and
-  0.90 ms. A prompt's prefill takes at least a step, in
-  which the prompts before it decode, so ``--decode`` must exceed ``--batch`` for the whole
-  batch to decode together (the steps timed). Its result is
-  ``multigpu_copies_<model>_<gpu>x<N>_<date>`` with ``copy_cost_us`` from
-  ``bench/copy_cost.py``'s result (``--copy-cost PATH``, measured on the same machine) and
-  ``run_to_run_spread`` (``uniform-again`` against ``uniform``). ``--copy-seconds S`` sets the
-  engine's ``copy_seconds`` (0: copies priced as free), the result named ``...-copy<S in
-  us>us_...``.
+  average, decode priced at the batch served (``balance_batch``: ``--batch 64 --decode 160
+  --context 4096``). Copies pay where whole heads cannot level a layer, one kv head a rank
+  (``--model qwen2.5-7b --gpus 4``), at a large batch (``--batch 256 --balance-phase
+  decode``): over the Llama-3.1-8B copies run's shares, the cost model predicts the decode
+  attention step at 3.37 ms uniform and 1.98 ms with copy_search at 256 rows (0.94 and 0.90
+  at 64). ``--decode`` must exceed ``--batch`` (a prompt's prefill takes a step, in which
+  those before it decode) for the whole batch to decode together in the steps timed. Result:
+  ``multigpu_copies_<model>_<gpu>x<N>_<date>``, with ``copy_cost_us`` from
+  ``bench/copy_cost.py``'s result (``--copy-cost PATH``, same machine) and
+  ``run_to_run_spread`` (``uniform-again`` against ``uniform``); ``--copy-seconds S`` sets
+  the engine's ``copy_seconds`` (0: copies free), the result named ``...-copy<S in us>us_...``.
 
 Budgets come with FairKV's statistical profile: the tokens the policy gives each (layer, kv
 head) over a prompt of the context's length (another seed than the benchmark's), written as
