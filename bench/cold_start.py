@@ -46,10 +46,12 @@ def _phases_headspace(checkpoint: str, prompt_file: str, device: str) -> dict:
     import torch
 
     from headspace import LLM
+    from headspace.engine.engine import compile_in_process
     from headspace.engine.sampling import SamplingParams
 
     phases = {"imports_s": time.perf_counter() - start}
     mark = time.perf_counter()
+    compile_in_process()  # as the command does
     llm = LLM(checkpoint, device=device)
     if device != "cpu":
         torch.cuda.synchronize()

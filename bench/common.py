@@ -241,13 +241,15 @@ def sharpen_heads(model, sharpen: list[float] | None, seed: int = 5) -> None:
     generator = torch.Generator().manual_seed(seed)
     shape = (cfg.num_layers, cfg.num_kv_heads)
     factors = torch.rand(shape, generator=generator, dtype=torch.float64) * (high - low) + low
-    q_size = cfg.num_heads * cfg.head_dim
+    q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
     with torch.no_grad():
         for layer, row in zip(model.layers, factors.exp().tolist(), strict=True):
-            keys = layer.qkv_proj.weight[q_size : q_size + cfg.num_kv_heads * cfg.head_dim]
-            keys.view(cfg.num_kv_heads, cfg.head_dim, -1).mul_(
-                torch.tensor(row, device=keys.device, dtype=keys.dtype)[:, None, None]
-            )
+            keys = layer.qkv_proj.weight[q_size : q_size + kv_size]
+            scale = torch.tensor(row, device=keys.device, dtype=keys.dtype)
+            keys.view(cfg.num_kv_heads, cfg.head_dim, -1).mul_(scale[:, None, None])
+            if layer.qkv_proj.bias is not None:  # the key bias scales alike (Qwen2's)
+                bias = layer.qkv_proj.bias[q_size : q_size + kv_size]
+                bias.view(cfg.num_kv_heads, cfg.head_dim).mul_(scale[:, None])
 
 
 def _hf_shapes(config) -> dict[str, tuple[int, ...]]:
@@ -273,7 +275,7 @@ def _hf_shapes(config) -> dict[str, tuple[int, ...]]:
                 f"{p}.mlp.down_proj.weight": (hidden, inter),
             }
         )
-        if config.qkv_bias:  # Qwen2's
+        if config.qkv_bias:  # Qwen2's q/k/v biases (no o_proj bias: no Llama here has one)
             shapes.update({f"{p}.self_attn.q_proj.bias": (q,),
                            f"{p}.self_attn.k_proj.bias": (kv,),
                            f"{p}.self_attn.v_proj.bias": (kv,)})  # fmt: skip

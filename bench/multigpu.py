@@ -8,7 +8,7 @@ against the measured one.
         [--solvers uniform greedy ga fairkv copy_search uniform-again]
         [--scenario duo|ada_snapkv|patterns|copies] [--copy-cost PATH] [--copy-seconds S]
         [--sharpen 0.25 4] [--batch 1] [--balance-phase auto|prefill|decode] [--work DIR]
-        [--model llama3-8b|llama3-70b|qwen2.5-7b] [--layers N]
+        [--model llama3-8b|llama3-70b|qwen2.5-7b] [--layers N] [--balance-batch N]
 
 ``--model llama3-70b --layers 40`` is Llama-3.1-70B's shape (64 query heads over 8 kv heads,
 hidden 8192) at 40 of its 80 layers: 72 GB of bf16 weights, which every rank builds whole
@@ -24,7 +24,8 @@ The driver first measures the heads' uneven loads on this model (``--scenario``)
   average, decode priced at the batch served (``balance_batch``: ``--batch 64 --decode 160
   --context 4096``). Copies pay where whole heads cannot level a layer, one kv head a rank
   (``--model qwen2.5-7b --gpus 4``), at a large batch (``--batch 256 --balance-phase
-  decode``): over the Llama-3.1-8B copies run's shares, the cost model predicts the decode
+  decode``): over the Llama-3.1-8B copies run's shares (its first 4 kv heads of 28 layers,
+  each layer's rescaled to a mean of 1), the cost model predicts the decode
   attention step at 3.37 ms uniform and 1.98 ms with copy_search at 256 rows (0.94 and 0.90
   at 64). ``--decode`` must exceed ``--batch`` (a prompt's prefill takes a step, in which
   those before it decode) for the whole batch to decode together in the steps timed. Result:
@@ -78,7 +79,6 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from attention_timer import AttentionTimer  # noqa: E402
 from common import (  # noqa: E402
-    MODEL_NAMES,
     MODELS,
     NoText,
     environment,
@@ -91,7 +91,7 @@ from common import (  # noqa: E402
     write_result,
 )
 from headspace.parallel.config import PHASES  # noqa: E402
-from multigpu_report import plot, print_table, summarise  # noqa: E402
+from multigpu_report import copies_keys, describe, plot, print_table, summarise  # noqa: E402
 from multigpu_work import kept_runs, missing_runs, prepare_work, wanted_solvers  # noqa: E402
 from sparsity import timed_decode  # noqa: E402
 
@@ -153,6 +153,21 @@ def _prompt(cfg: dict, length: int, seed: int) -> list[int]:
 
 
 # -- a worker (one rank under torchrun) ------------------------------------------------------
+def scenario_options(args) -> dict:
+    """The engine options of the scenario as run: its own, the batch decode is priced at
+    (``--balance-batch``; the copies scenario's default: ``--batch``, with a ``max_batch``
+    that holds it) and ``--copy-seconds``."""
+    options = dict(SCENARIOS[args.scenario])
+    balance_batch = args.balance_batch
+    if args.scenario == "copies":
+        balance_batch = balance_batch or args.batch
+        options["max_batch"] = max(options["max_batch"], args.batch)
+    options["balance_batch"] = balance_batch or 1
+    if args.copy_seconds is not None:  # the solvers' price of a copy, in place of the model's
+        options["copy_seconds"] = args.copy_seconds
+    return options
+
+
 def run_solver(solver: str, args, profile: str) -> dict | None:
     """One solver's run on this rank; rank 0 returns what every rank measured."""
     import torch.distributed as dist
@@ -163,11 +178,7 @@ def run_solver(solver: str, args, profile: str) -> dict | None:
     from headspace.engine.sampling import SamplingParams
     from headspace.parallel.balance import balanced_phases
 
-    options = dict(SCENARIOS[args.scenario])
-    if args.scenario == "copies":  # decode priced at the batch served, which the engine holds
-        options.update(balance_batch=args.batch, max_batch=max(options["max_batch"], args.batch))
-    if args.copy_seconds is not None:  # the solvers' price of a copy, in place of the model's
-        options["copy_seconds"] = args.copy_seconds
+    options = scenario_options(args)
     balance = solver.removesuffix("-again")
     config = join(EngineConfig.of(device="cuda", profile=profile, balance=balance,
                                   balance_phase=args.balance_phase, **options))  # fmt: skip
@@ -255,28 +266,6 @@ def predicted_loads(engine, config, world: int, batch: int) -> dict:
     return loads
 
 
-def copies_keys(copy_cost: str | None, runs: list[dict]) -> dict:
-    """``copy_cost_us`` (before/after, from ``bench/copy_cost.py``'s result) and the
-    run-to-run spread of decode and prefill (``uniform-again`` over ``uniform``), where
-    measured."""
-    keys = {}
-    if copy_cost:
-        keys["copy_cost_us"] = json.loads(Path(copy_cost).read_text())["copy_cost_us"]
-    by_solver = {r["solver"]: r for r in runs}
-    if {"uniform", "uniform-again"} <= set(by_solver):
-        again, first = by_solver["uniform-again"], by_solver["uniform"]
-        keys["run_to_run_spread"] = {p: again[f"{p}_tok_s"] / first[f"{p}_tok_s"]
-                                     for p in ("prefill", "decode")}  # fmt: skip
-    return keys
-
-
-def describe(model: str, num_layers: int | None) -> str:
-    """The result's words for the model: its architecture, layers kept and weights."""
-    full = MODELS[model]["num_hidden_layers"]
-    layers = f" at {num_layers} of its {full} layers" if num_layers else ""
-    return f"{MODEL_NAMES[model]} architecture{layers}, random bf16 weights"
-
-
 def worker(args) -> None:
     """This rank's part of each solver's run (``single`` on one GPU); rank 0 adds each run to
     ``args.out`` as it finishes, so a call cut short keeps the solvers it finished."""
@@ -315,6 +304,7 @@ def launch(num_gpus: int, args, out: Path, solvers: list[str]) -> None:
     command += ["--layers", str(args.layers)] if args.layers else []
     command += ["--sharpen", *map(str, args.sharpen)] if args.sharpen else []
     command += ["--copy-seconds", str(args.copy_seconds)] if args.copy_seconds is not None else []
+    command += ["--balance-batch", str(args.balance_batch)] if args.balance_batch else []
     subprocess.run(command, check=True, env={**os.environ, "OMP_NUM_THREADS": "4"})
 
 
@@ -353,6 +343,12 @@ def main() -> None:
         help="the engine's copy_seconds: what the solvers charge a copy (0: nothing, so they "
         "make each copy their cost model says levels a layer; default: the cost model's)",
     )
+    parser.add_argument(
+        "--balance-batch",
+        type=int,
+        help="the engine's balance_batch: the sequences the solvers price a decode step at "
+        "(default: --batch for the copies scenario, else 1; runs before it priced at 1)",
+    )
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     parser.add_argument("--profile", help=argparse.SUPPRESS)
@@ -389,7 +385,7 @@ def main() -> None:
                    "context": args.context, "decode_tokens": args.decode,
                    "batch": args.batch, "sharpen": args.sharpen,
                    "balance_phase": args.balance_phase, "copy_seconds": args.copy_seconds,
-                   "scenario": args.scenario, "options": SCENARIOS[args.scenario]},
+                   "scenario": args.scenario, "options": scenario_options(args)},
         "profile": measured,
         **copies_keys(args.copy_cost, runs[most]),
         **summarise(runs),

@@ -5,7 +5,10 @@ attention per solver."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
+
+from common import MODEL_NAMES, MODELS
 
 
 def imbalance(seconds: list[float]) -> float | None:
@@ -34,6 +37,28 @@ def phase_imbalance(attention: dict, key: str) -> float | None:
 
 
 PHASE_KEYS = (("prefill", "prefill"), ("decode", "decode_step"))  # attention_seconds' keys
+
+
+def copies_keys(copy_cost: str | None, runs: list[dict]) -> dict:
+    """``copy_cost_us`` (before/after, from ``bench/copy_cost.py``'s result) and the
+    run-to-run spread of decode and prefill (``uniform-again`` over ``uniform``), where
+    measured."""
+    keys = {}
+    if copy_cost:
+        keys["copy_cost_us"] = json.loads(Path(copy_cost).read_text())["copy_cost_us"]
+    by_solver = {r["solver"]: r for r in runs}
+    if {"uniform", "uniform-again"} <= set(by_solver):
+        again, first = by_solver["uniform-again"], by_solver["uniform"]
+        keys["run_to_run_spread"] = {p: again[f"{p}_tok_s"] / first[f"{p}_tok_s"]
+                                     for p in ("prefill", "decode")}  # fmt: skip
+    return keys
+
+
+def describe(model: str, num_layers: int | None) -> str:
+    """The result's words for the model: its architecture, layers kept and weights."""
+    full = MODELS[model]["num_hidden_layers"]
+    layers = f" at {num_layers} of its {full} layers" if num_layers else ""
+    return f"{MODEL_NAMES[model]} architecture{layers}, random bf16 weights"
 
 
 def summarise(runs: dict[int, list[dict]]) -> dict:

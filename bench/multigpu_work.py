@@ -20,6 +20,7 @@ RUN_KEYS = (
     "batch",
     "balance_phase",
     "copy_seconds",
+    "balance_batch",
 )
 
 

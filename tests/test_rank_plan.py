@@ -79,7 +79,7 @@ QWEN25_7B = {"architectures": ["Qwen2ForCausalLM"], "hidden_size": 3584,
              "rope_theta": 1e6, "rms_norm_eps": 1e-6}  # fmt: skip
 
 
-def test_copies_pay_only_where_decode_is_priced_at_a_large_batch():
+def test_copies_pay_only_where_decode_is_priced_at_a_large_batch(capsys, tmp_path):
     """One kv head a rank (Qwen2.5-7B's shape over four ranks) under Ada-SnapKV at 1,024
     tokens a head, one head of each layer given 2.5 times an even share: placing whole
     heads cannot level a layer, only copies can. Priced at one sequence, a copy repeats more
@@ -99,8 +99,8 @@ def test_copies_pay_only_where_decode_is_priced_at_a_large_batch():
     profile.budget_shares[budget_key("ada_snapkv", 1024)] = [[2.5, 0.5, 0.5, 0.5]] * 28
 
     def engine_config(batch: int, balance: str = "copy_search") -> EngineConfig:
-        return EngineConfig.of(device="cpu", kv_budget=1024, kv_policy="ada_snapkv",
-                               balance=balance, balance_phase="decode",
+        return EngineConfig.of(device="cpu", dtype="bfloat16", kv_budget=1024,
+                               kv_policy="ada_snapkv", balance=balance, balance_phase="decode",
                                balance_batch=batch)  # fmt: skip
 
     def copied(batch: int) -> list:
@@ -114,10 +114,23 @@ def test_copies_pay_only_where_decode_is_priced_at_a_large_batch():
     assert heavy and {e.kv_head for e in heavy} == {0}  # only the heavy heads are divided
 
     def decode_step(balance: str) -> float:
-        engine = engine_config(256, balance)
-        balance_map = balance_heads(costed_map(config, engine, profile, 4096),
-                                    CostShape.of(config, 2), replace(engine.parallel, gpus=4),
-                                    context=4096, batch=256, profile=profile)  # fmt: skip
+        parallel = replace(engine_config(256, balance).parallel, gpus=4)
+        balance_map = balance_heads(costed_map(config, engine_config(256), profile, 4096),
+                                    CostShape.of(config, 2), parallel, context=4096,
+                                    batch=parallel.balance_batch, profile=profile)  # fmt: skip
         return balance_map.loads["decode"]["imbalance_max_over_mean"]
 
     assert decode_step("copy_search") < 0.7 * decode_step("uniform")
+    # the same map through ``headspace plan --gpus 4 --balance-batch N`` (every head a
+    # retrieval head, as the engine's options above: plan's default with a profile is half)
+    (tmp_path / "config.json").write_text(json.dumps(QWEN25_7B))
+    profile.save(tmp_path / "profile.json")
+    base = ["plan", "--model", str(tmp_path), "--context", "4K", "--gpu-memory", "80GiB",
+            "--gpus", "4", "--kv-budget", "1024tok", "--kv-policy", "ada_snapkv", "--profile",
+            str(tmp_path / "profile.json"), "--balance", "copy_search", "--balance-phase",
+            "decode", "--retrieval-heads", "1", "--json", "--balance-batch"]  # fmt: skip
+    for batch, copies in ((1, 0), (256, sum(len(e.rank) - 1 for e in heavy))):
+        assert main([*base, str(batch)]) == 0
+        balance = json.loads(capsys.readouterr().out)["balance"]
+        assert balance["decode_batch"] == batch
+        assert balance["loads"]["decode"]["extra_copies"] == copies

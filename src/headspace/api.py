@@ -26,9 +26,9 @@ class LLM:
     Other keyword options are the fields of the engine's option groups, given flat
     (:meth:`headspace.engine.config.EngineConfig.of`: ``offload``, ``gpu_memory``,
     ``kv_budget``, ...), and ``balance``, ``replicas``, ``balance_phase``,
-    ``copy_seconds`` of :class:`headspace.parallel.config.ParallelConfig` (how kv heads
-    are spread over the ranks when the script runs under ``torchrun``, which sets their
-    number). ``hooks``: seams for tests and benchmarks
+    ``copy_seconds``, ``balance_batch`` of :class:`headspace.parallel.config.ParallelConfig`
+    (how kv heads are spread over the ranks when the script runs under ``torchrun``, which
+    sets their number). ``hooks``: seams for tests and benchmarks
     (:class:`headspace.engine.hooks.EngineHooks`).
     """
 

@@ -86,6 +86,7 @@ def _read_prompt(args) -> str:
 
 def _generate(args) -> None:
     from headspace.api import LLM
+    from headspace.engine.engine import compile_in_process
     from headspace.engine.sampling import SamplingParams
 
     params = SamplingParams(
@@ -98,7 +99,10 @@ def _generate(args) -> None:
     )
     prompt = _read_prompt(args)
     started = time.perf_counter()
-    llm = LLM(args.model, **engine_options(args))
+    options = engine_options(args)
+    if str(options.get("device", "cpu")).startswith("cuda"):  # torch.compile runs on GPUs
+        compile_in_process()  # one request: no pool of compile workers to start and stop
+    llm = LLM(args.model, **options)
     load_seconds = time.perf_counter() - started
     prompt_ids = llm.engine.encode(prompt, chat=args.chat)
     llm.engine.check_request(prompt_ids, params)  # bad input refused before the warm-up

@@ -122,7 +122,8 @@ def _plan_json(config, request, plan, parallel, chosen, uniform) -> dict:
         return {**header, **planned}
     for key in ("prefill_tok_s", "decode_ms", "decode_pcie_floor_ms"):
         planned.pop(key)
-    loads = {"solver": parallel.balance, "phase": chosen.phase, "loads": chosen.loads,
+    loads = {"solver": parallel.balance, "phase": chosen.phase,
+             "decode_batch": parallel.balance_batch, "loads": chosen.loads,
              "uniform": uniform.loads}  # fmt: skip
     return {**header, **planned, "balance": loads}
 

@@ -333,8 +333,8 @@ class EngineConfig:
     @classmethod
     def of(cls, **options) -> EngineConfig:
         """From the API's flat keywords: each names one group's field (``offload`` the
-        host tier's mode; ``balance``, ``replicas``, ``balance_phase``, ``copy_seconds``
-        the spread over GPUs). UserError for a name no group has."""
+        host tier's mode; ``balance``, ``replicas``, ``balance_phase``, ``copy_seconds``,
+        ``balance_batch`` the spread over GPUs). UserError for a name no group has."""
         where = flat_fields()
         unknown = set(options) - set(where) - set(ENGINE_FIELDS)
         if unknown:

@@ -71,10 +71,12 @@ def keep_compile_caches() -> None:
 
 def compile_in_process() -> None:
     """Inductor compiles in this process, without its pool of worker processes, unless the
-    user set ``TORCHINDUCTOR_COMPILE_THREADS``: the engine compiles a few fused blocks, and
-    a fresh process spent more on starting and stopping the pool than it saved (on an H100
+    user set ``TORCHINDUCTOR_COMPILE_THREADS`` (a process-wide setting, for a process that
+    runs one request, as ``headspace generate`` does): such a process compiles a few fused
+    blocks, and spent more on starting and stopping the pool than it saved (on an H100
     host: a first process's warm-up 22.1 s with the pool, 15.2 s without; a second's exit
-    waited 9.4 s for the pool's workers; ``bench/NOTES.md``)."""
+    waited 9.4 s for the pool's workers; ``bench/NOTES.md``). A server, which compiles a
+    decode step per batch size as they arrive, keeps the pool."""
     if "TORCHINDUCTOR_COMPILE_THREADS" in os.environ:
         return
     import torch._inductor.config as inductor_config
@@ -97,7 +99,7 @@ WARM_UP_DECODE_TOKENS = 4  # decode steps a warm-up request takes (the graph of 
 
 def warm_up_request(prompt_len: int, chunk: int, decode: bool) -> tuple[int, int]:
     """(prompt tokens, new tokens) of the request :meth:`Engine.warm_up` runs; 0 tokens
-    stands for the short text "Warm-up.". Without ``prompt_len`` (or for one of a few
+    stands for the short text "Warm-up.". Without ``prompt_len`` (or for one of at most 16
     tokens), that short request; else one of synthetic tokens whose prefill takes the
     shapes of a ``prompt_len`` prompt in chunks of ``chunk``: a full chunk (which compiles
     for its own size) and the last piece (for any), at most two chunks. It decodes
@@ -161,7 +163,6 @@ class Engine:
         self.config, self.model, self.tokenizer, self.ranks = config, model, tokenizer, ranks
         if config.runtime.on_gpu:  # before anything compiles
             keep_compile_caches()
-            compile_in_process()
         self.hooks = hooks
         model_cfg = model.config
         self.max_context = self._max_context(model_cfg, config)
