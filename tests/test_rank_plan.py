@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from headspace.cli.main import main
 from headspace.kv.spec import GiB
 from headspace.model.config import config_from_dict
@@ -134,3 +136,25 @@ def test_copies_pay_only_where_decode_is_priced_at_a_large_batch(capsys, tmp_pat
         balance = json.loads(capsys.readouterr().out)["balance"]
         assert balance["decode_batch"] == batch
         assert balance["loads"]["decode"]["extra_copies"] == copies
+
+
+def test_a_solver_that_cannot_search_a_model_is_refused_in_one_line(capsys, tmp_path):
+    """exact and copy_search search small layers only: a model of 32 kv heads a layer is
+    refused before any layer is solved (under torchrun on every rank alike, so no rank waits
+    for a rank 0 that refused), as one line with exit code 2, and the other solvers plan."""
+    from headspace.errors import UserError
+    from headspace.parallel.balance import check_balance
+    from headspace.parallel.config import ParallelConfig
+
+    (tmp_path / "config.json").write_text(json.dumps({**LLAMA3_8B, "num_key_value_heads": 32}))
+    base = ["plan", "--model", str(tmp_path), "--context", "4K", "--gpu-memory", "80GiB",
+            "--gpus", "2", "--balance"]  # fmt: skip
+    for solver, reason in (("exact", "at most 16 heads a layer, got 32"),
+                           ("copy_search", "extra copies a layer, got 32 + 2")):  # fmt: skip
+        assert main([*base, solver]) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and reason in err and "Traceback" not in err
+    assert main([*base, "fairkv"]) == 0
+    check_balance(ParallelConfig(gpus=2, balance="exact"), 16)  # the largest layer it takes
+    with pytest.raises(UserError, match=r"15 \+ 2"):
+        check_balance(ParallelConfig(gpus=4, balance="copy_search", replicas=2), 15)

@@ -14,12 +14,13 @@ def plan_balance(config, request, parallel, profile=None, share_key: str | None 
     BUDGET"), each budgeted entry's cost is its share of the budget."""
     from dataclasses import replace
 
-    from headspace.parallel.balance import balance_heads, priced_map
+    from headspace.parallel.balance import balance_heads, check_balance, priced_map
     from headspace.planner.head_cost import CostShape
     from headspace.planner.head_map import HeadMap
 
     if parallel.gpus == 1:
         return None, None
+    check_balance(parallel, config.num_kv_heads)
     head_map = request.with_patterns(HeadMap.all_gpu(config.num_layers, config.num_kv_heads))
     shares = profile.budget_shares.get(share_key) if profile is not None else None
     head_map = priced_map(head_map, request.per_head_pages, request.budget_tokens, shares)

@@ -21,7 +21,7 @@ from headspace.budgets import KVBudget
 from headspace.errors import UserError
 from headspace.kv.spec import KVSpec
 from headspace.model.llama import LlamaModel
-from headspace.parallel.balance import balance_heads, priced_map
+from headspace.parallel.balance import balance_heads, check_balance, priced_map
 from headspace.parallel.dist import (
     all_reduce_sum,
     broadcast_object,
@@ -142,7 +142,9 @@ def plan_ranks(cfg, config, profile: Profile | None, max_context: int) -> Ranks 
     rank, world = init_from_env(config.runtime.device)
     if world == 1:
         return None
-    head_map = costed_map(cfg, config, profile, max_context)  # every rank refuses alike
+    # every rank refuses alike, before rank 0 solves
+    check_balance(replace(config.parallel, gpus=world), cfg.num_kv_heads)
+    head_map = costed_map(cfg, config, profile, max_context)
     if rank == 0:
         head_map = balanced_map(head_map, cfg, config, profile, max_context, world)
     head_map = broadcast_object(head_map)

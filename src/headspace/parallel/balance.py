@@ -5,9 +5,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from headspace.errors import UserError
 from headspace.parallel.assignment import LayerAssignment, LayerCosts, balance_summary
 from headspace.parallel.config import ParallelConfig
-from headspace.parallel.solvers import solve_layers
+from headspace.parallel.solvers import check_limits, solve_layers
 from headspace.planner.head_cost import PHASES, CostShape, HeadCost, head_costs
 from headspace.planner.head_map import HeadMap
 from headspace.planner.memory import Hardware
@@ -82,6 +83,19 @@ def priced_map(head_map: HeadMap, per_head_pages: bool, budget_tokens: int | Non
 
 
 BALANCE_CHUNK = 8192  # the prefill chunk priced where none is set
+
+
+def check_balance(config: ParallelConfig, num_kv_heads: int) -> None:
+    """UserError where ``config.balance`` cannot search layers of ``num_kv_heads`` over
+    ``config.gpus`` ranks. Under torchrun every rank checks before rank 0 solves, so none
+    waits for a rank that refused."""
+    try:
+        check_limits(config.balance, num_kv_heads, config.gpus, config.replicas)
+    except ValueError as exc:
+        raise UserError(
+            f"balance {config.balance} over {config.gpus} GPUs: {exc}; choose "
+            "another solver (fairkv, greedy)"
+        ) from None
 
 
 def balance_heads(head_map: HeadMap, shape: CostShape, config: ParallelConfig, *,

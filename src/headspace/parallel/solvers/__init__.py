@@ -37,6 +37,15 @@ def solve(name: str, costs: Costs, num_ranks: int, *, replicas: int = 0,
     return SOLVERS[name](costs, num_ranks, replicas=replicas, seed=seed)
 
 
+def check_limits(name: str, num_heads: int, num_ranks: int, replicas: int) -> None:
+    """ValueError where solver ``name`` would refuse layers of ``num_heads`` kv heads over
+    ``num_ranks`` ranks (its search's size limit), before any layer is solved."""
+    if name == "exact":
+        exact.check(num_heads)
+    elif name == "copy_search":
+        copy_search.check(num_heads, num_ranks, replicas)
+
+
 def solve_layers(name: str, costs: Sequence[Costs], num_ranks: int, *,
                  replicas: int = 0, seed: int = 0) -> list[LayerAssignment]:  # fmt: skip
     """Each layer's assignment (``costs[layer][kv_head]``), solved layer by layer: each layer

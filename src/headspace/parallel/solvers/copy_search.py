@@ -28,13 +28,19 @@ from headspace.parallel.solvers.exact import place
 MAX_COPIES = 16  # heads and extra copies of a layer: above this, refuse rather than search
 
 
+def check(num_heads: int, num_ranks: int, replicas: int) -> int:
+    """The extra copies a layer of ``num_heads`` may make over ``num_ranks``; ValueError for
+    a layer too large to search."""
+    budget = min(copy_budget(replicas, num_heads, num_ranks), num_heads * (num_ranks - 1))
+    if num_heads + budget > MAX_COPIES:
+        raise ValueError(f"copy search takes at most {MAX_COPIES} heads and extra copies a "
+                         f"layer, got {num_heads} + {budget}")  # fmt: skip
+    return budget
+
+
 def solve(costs: Costs, num_ranks: int, *, replicas: int = 0, seed: int = 0) -> LayerAssignment:
     layer = LayerCosts.of(costs)
-    budget = min(copy_budget(replicas, layer.num_heads, num_ranks),
-                 layer.num_heads * (num_ranks - 1))  # fmt: skip
-    if layer.num_heads + budget > MAX_COPIES:
-        raise ValueError(f"copy search takes at most {MAX_COPIES} heads and extra copies a "
-                         f"layer, got {layer.num_heads} + {budget}")  # fmt: skip
+    budget = check(layer.num_heads, num_ranks, replicas)
     best = fairkv.solve(layer, num_ranks, replicas=replicas)
     best_cost = makespan(layer, best, num_ranks)
     combined = layer.combined()

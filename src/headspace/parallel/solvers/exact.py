@@ -15,11 +15,16 @@ from headspace.parallel.solvers import greedy, uniform
 MAX_HEADS = 16  # above this, refuse rather than search for minutes
 
 
+def check(num_heads: int) -> None:
+    """ValueError for a layer too large to search."""
+    if num_heads > MAX_HEADS:
+        raise ValueError(f"exact search takes at most {MAX_HEADS} heads a layer, "
+                         f"got {num_heads}")  # fmt: skip
+
+
 def solve(costs: Costs, num_ranks: int, *, replicas: int = 0, seed: int = 0) -> LayerAssignment:
     layer = LayerCosts.of(costs)
-    if layer.num_heads > MAX_HEADS:
-        raise ValueError(f"exact search takes at most {MAX_HEADS} heads a layer, "
-                         f"got {layer.num_heads}")  # fmt: skip
+    check(layer.num_heads)
     best = single(greedy.improve(layer, greedy.lpt_ranks(layer, num_ranks), num_ranks))
     placed = place(layer, (1,) * layer.num_heads, num_ranks, makespan(layer, best, num_ranks))
     best = best if placed is None else placed
