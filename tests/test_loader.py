@@ -1,19 +1,20 @@
 """Loading a checkpoint: tensors read ahead by threads give the model read in turn, in the
 same order of placement, and a bad tensor met by a thread is the same one-line error; a
 fast tokenizer loads through its own class, as AutoTokenizer would load it; the compile
-cache is kept under the headspace cache."""
+cache is kept under the headspace cache; loading imports no Dynamo."""
 
 from __future__ import annotations
 
 import os
 import threading
+from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
 from headspace.errors import UserError
-from headspace.model.config import load_config
+from headspace.model.config import config_from_dict, load_config
 from headspace.model.loader import build_model, checkpoint_layout
 
 
@@ -167,3 +168,27 @@ def test_inductor_compiles_in_process_unless_the_user_chose_its_threads(monkeypa
     monkeypatch.delenv("TORCHINDUCTOR_COMPILE_THREADS")
     compile_in_process()
     assert inductor_config.compile_threads == 1
+
+
+def test_loading_on_the_cpu_imports_no_dynamo(embedded_dir):
+    """Building the model on the meta device and loading it does not import Dynamo (seconds
+    in a fresh process, for an engine that never compiles); a model built on the CPU gets
+    nn.Embedding's own seeded init."""
+    import subprocess
+    import sys
+
+    from headspace.model.llama import LlamaModel
+
+    code = (f"import sys; from headspace import LLM; LLM({str(embedded_dir)!r}); "
+            "print('torch._dynamo' in sys.modules)")  # fmt: skip
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[1] / "src")},
+                          timeout=120)  # fmt: skip
+    assert done.returncode == 0 and done.stdout.split() == ["False"], done.stderr[-2000:]
+    config = config_from_dict({"architectures": ["LlamaForCausalLM"], "vocab_size": 97,
+                               "hidden_size": 32, "intermediate_size": 64,
+                               "num_hidden_layers": 1, "num_attention_heads": 4})  # fmt: skip
+    torch.manual_seed(3)
+    model = LlamaModel(config)
+    torch.manual_seed(3)
+    assert torch.equal(model.embed_tokens.weight, torch.nn.Embedding(97, 32).weight)

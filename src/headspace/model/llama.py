@@ -171,14 +171,21 @@ class LlamaModel(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.config = config
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        # on the meta device (the loader's) an op with a Python reference there imports
+        # Dynamo (seconds at start-up, for an engine that may never compile): the embedding
+        # is initialised as nn.Embedding would, unless on meta, and the rope computed on the CPU
+        table = torch.empty(config.vocab_size, config.hidden_size)  # [vocab, hidden]
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, _weight=table)
+        if not table.is_meta:
+            nn.init.normal_(self.embed_tokens.weight)
         self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
-        inv_freq = inverse_frequencies(config.rope, config.head_dim)
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        with torch.device("cpu"):
+            inv_freq = inverse_frequencies(config.rope, config.head_dim)
+        self.register_buffer("inv_freq", inv_freq.to(table.device), persistent=False)
         self._blocks: dict[str, Blocks] = {"eager": EAGER_BLOCKS}
         # what forward iterates for its decoder layers: ``layers``, or an iterable that
         # yields each one ready on the device (the engine's weights streamed from the host)
