@@ -83,6 +83,12 @@ def _request(model, length: int, steps: int, **options) -> tuple:
     return engine, warm_s, engine.generate_batch([ids.tolist()], [params])[0].stats
 
 
+def _pcie_floor_s(model, entries: int, length: int, h2d: float) -> float:
+    """Seconds a decode step takes to copy ``entries`` entries' K and V of ``length`` tokens
+    (bf16) at ``h2d`` bytes/s: the floor of streaming them every step."""
+    return entries * 2 * length * model.config.head_dim * 2 / h2d
+
+
 def exact_run(model, length: int, steps: int, h2d: float) -> dict:
     """The default engine under the budget: warm-up, then one request's prefill of
     ``length`` random tokens and ``steps`` decode steps."""
@@ -90,7 +96,7 @@ def exact_run(model, length: int, steps: int, h2d: float) -> dict:
     generator = engine.batch
     plan = generator.runner.plan
     offloaded = stats.num_streamed_heads + stats.num_hybrid_heads
-    floor_s = offloaded * 2 * length * model.config.head_dim * 2 / h2d
+    floor_s = _pcie_floor_s(model, offloaded, length, h2d)
     decode_s = stats.decode_seconds / steps
     split = getattr(generator.runner.tiers[-1], "cpu", None)
     row = {
@@ -134,11 +140,12 @@ def approximate_run(model, length: int, steps: int, h2d: float, share: float) ->
     generator = engine.batch
     plan = generator.runner.plan
     offloaded = plan.head_map.num_offloaded
-    floor_s = offloaded * 2 * length * model.config.head_dim * 2 / h2d
+    floor_s = _pcie_floor_s(model, offloaded, length, h2d)
     decode_s = stats.decode_seconds / steps
     computed = sum(attention_share(e.pattern, length) for e in plan.head_map.entries)
+    per_layer = round(share * model.config.num_kv_heads)
     modes = {**options, "sparse_pattern": "streaming(4,1024)",
-             "profile": f"{round(share * 8)} retrieval heads a layer"}  # fmt: skip
+             "profile": f"{per_layer} retrieval heads a layer"}  # fmt: skip
     row = {
         "prefill_s": stats.prefill_seconds, "prefill_tok_s": stats.prefill_tok_s,
         "warm_up_s": warm_s, "prefill_chunk": generator.chunk,

@@ -40,7 +40,7 @@ class HostKVArena:
     @property
     def page_bytes(self) -> int:
         """Bytes of one host page (K and V of its rows in every layer)."""
-        return self.spec.num_layers * self.rows * self.spec.entry_page_bytes
+        return self.spec.host_page_bytes(self.rows)
 
     @property
     def num_bytes(self) -> int:

@@ -124,8 +124,13 @@ class KVSpec:
 
     @property
     def full_page_bytes(self) -> int:
-        """One page of every entry: the all-resident GPU page and every host page."""
+        """One page of every entry: the all-resident GPU page and a host page of every row."""
         return self.num_entries * self.entry_page_bytes
+
+    def host_page_bytes(self, rows: int = 0) -> int:
+        """One host page holding ``rows`` kv heads of every layer (0: every kv head; per-entry
+        pages offload fewer: ``Plan.host_rows``)."""
+        return self.num_layers * (rows or self.num_kv_heads) * self.entry_page_bytes
 
     def pages_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.page_size)

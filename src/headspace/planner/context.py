@@ -164,10 +164,7 @@ def _memory_table(spec: KVSpec, split: GpuSplit, plan: Plan, context: int, gathe
         pool = (plan.num_gpu_pages + 1) * resident_page
         staging = plan.staging.num_bytes if plan.staging else 0
     window = plan.gpu_window.num_bytes if plan.gpu_window else 0
-    host_page = spec.full_page_bytes  # per-entry pages: the offloaded entries' rows only
-    if plan.host_rows:
-        host_page = spec.num_layers * plan.host_rows * spec.entry_page_bytes
-    host = plan.num_host_pages * host_page
+    host = plan.num_host_pages * spec.host_page_bytes(plan.host_rows)  # per-entry: its rows
     working = split.activations + split.allocator_slack + split.decode
     return {
         "weights": split.weights, "gpu_kv": spec.pages_for(context) * resident_page,

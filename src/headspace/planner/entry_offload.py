@@ -148,7 +148,7 @@ def plan_entries(spec: KVSpec, arena: int, head_map: HeadMap, max_tokens: list[i
                for e in head_map.entries]  # fmt: skip
     host_pages = per_entry
     rows = max(n for part in counts for n in part)  # a host page: the fullest layer's entries
-    page_bytes = spec.num_layers * rows * spec.entry_page_bytes
+    page_bytes = spec.host_page_bytes(rows)
     if host_budget is not None and (host_pages + 1) * page_bytes > host_budget:
         raise UserError(
             f"{what} needs {host_pages * page_bytes / GiB:.2f} GiB of host memory "

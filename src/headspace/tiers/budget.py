@@ -294,13 +294,12 @@ class BudgetTier(Tier):
             by_pattern.setdefault(pattern, []).append(h)
         for pattern, heads in by_pattern.items():
             rows = device_ints([h * group + i for h in heads for i in range(group)], device)
-            on_device = device_ints(heads, device)
             if pattern.is_full:
                 part = self._attend_full(layer, q.index_select(0, rows), kv, slots, staged,
                                          heads)  # fmt: skip
             else:
-                keys, num_keys = ring_keys(self.plane, kv, slots, on_device, self.step.start,
-                                           *pattern.params)  # fmt: skip
+                keys, num_keys = ring_keys(self.plane, kv, slots, device_ints(heads, device),
+                                           self.step.start, *pattern.params)  # fmt: skip
                 part = prefill_with_patterns(
                     q.index_select(0, rows),
                     keys[0],
@@ -366,12 +365,12 @@ class BudgetTier(Tier):
         layer's budget by them, headkv by the profile, once for every layer."""
         if self.budget is None or self.budget.tokens(prompt_len) >= prompt_len:
             return [torch.arange(prompt_len)] * self.first[-1]
-        per_layer, heads = slots, self._heads()
+        heads = self._heads()
         local = self.budget.policy in LAYER_LOCAL
         counts = None if local else self._profile_counts(prompt_len)
         kept = []
         for layer in range(self.num_layers):
-            ranked = self._ranked_scores(layer, self._layer_scores(layer, per_layer, prompt_len))
+            ranked = self._ranked_scores(layer, self._layer_scores(layer, slots, prompt_len))
             layer_heads = None if heads is None else heads[layer : layer + 1]
             layer_counts = None if local else counts[layer : layer + 1]  # local: from ranked
             (rows,) = kept_positions(self.budget, [ranked], prompt_len, heads=layer_heads,
@@ -389,16 +388,16 @@ class BudgetTier(Tier):
         return selected_counts(self.budget, [shape] * self.num_layers, prompt_len,
                                self.head_scores)  # fmt: skip
 
-    def _layer_scores(self, layer: int, per_layer, prompt_len: int) -> torch.Tensor:
+    def _layer_scores(self, layer: int, slots: EntrySlots, prompt_len: int) -> torch.Tensor:
         """This tier's observation scores of ``layer`` ``[kv_heads, prompt - window]``
         (on the device)."""
         window = min(self.budget.window, prompt_len)
         if not self.layer_heads[layer]:  # a rank with none of the layer's heads
             return torch.empty(0, prompt_len - window, device=self.plane.device)
         if self.staging is not None and self.staging.any(layer):  # [kv_heads, prompt, dim]
-            keys = self._keys(layer, per_layer[layer], 0, prompt_len, True)[0]
+            keys = self._keys(layer, slots[layer], 0, prompt_len, True)[0]
         else:
-            keys = self.plane[0][per_layer[layer]]
+            keys = self.plane[0][slots[layer]]
         q_window = self.window_q[layer][-window:].transpose(0, 1)
         return observation_scores(q_window, keys, pool=self.budget.pool)
 
