@@ -21,42 +21,32 @@ class AttentionTimer:
     """Wraps a runner's attention: CUDA events around every layer's submits, per phase.
 
     Installed before the warm-up request, so the decode graphs captured then hold its events
-    (external ones, recorded again at every replay; about 64 event nodes a step).
-    ``follow(graphs)`` then notes which graph each step replays (and skips the padding steps
-    a new capture warms up with) and reads a replay's events just before the next replay
-    (the step between them waited for its sampled tokens, so no extra wait): every graph
-    step is timed, as every eager step is."""
+    (external ones, recorded again at every replay; about 64 event nodes a step). The graphs
+    call ``graph_step`` before each graph step, naming the graph it captures or replays: a
+    capture's eager warm-up steps (padding) are skipped, and a replay's events are read just
+    before the next graph step (the step between them waited for its sampled tokens, so no
+    extra wait): every graph step is timed, as every eager step is. New graphs (the tables
+    grew, or another layout) replace the old ones' events."""
 
     def __init__(self, runner):
         self.runner, self.events = runner, {"prefill": [], "decode": []}
-        self.captured: list[list[tuple]] = []  # per decode graph: its layers' events
-        self.keys: list = []  # the graph key of each captured list
-        self.last_key, self.warming = None, False
+        self.graphs = None  # the graphs object whose captures ``captured`` holds
+        self.captured: dict[tuple, list[tuple]] = {}  # graph key -> its layers' events
+        self.capturing, self.last_key, self.warming = None, None, False
         self.replayed_ms: list[list[float]] = []  # each timed graph step's layers, in ms
         self.num_steps = 0  # the decode steps the last reading averaged
         runner.attention_hook = self
 
-    def follow(self, graphs) -> None:
-        """Note the key of every capture (those so far in capture order) and replay."""
-        if graphs is None:
-            return
-        self.keys = list(graphs._graphs)  # a dict: keys in the order they were captured
-        capture, run = graphs._capture, graphs.run
-
-        def capturing(key):
-            self.keys.append(key)
-            self.warming = True  # its eager warm-up steps are padding, not timed
-            try:
-                return capture(key)
-            finally:
-                self.warming = False
-
-        def replaying(slots, positions, pages):
-            self.read_replay()
-            self.last_key = graphs._key(positions, pages)
-            return run(slots, positions, pages)
-
-        graphs._capture, graphs.run = capturing, replaying
+    def graph_step(self, graphs, key, capture: bool) -> None:
+        """``graphs`` is about to replay the graph of ``key``, capturing it first if
+        ``capture``: the last replay's events read, this one's noted."""
+        self.read_replay()
+        if graphs is not self.graphs:  # the old graphs were freed with their events
+            self.graphs, self.captured = graphs, {}
+        if capture:
+            self.capturing, self.warming = key, True  # until the capture's first layer
+            self.captured[key] = []
+        self.last_key = key
 
     def restart(self) -> None:
         """Forget the steps timed so far (the graphs' events stay theirs)."""
@@ -65,14 +55,12 @@ class AttentionTimer:
 
     def read_replay(self) -> None:
         """The last replayed graph's attention (its layers' events), before they record again."""
-        if self.last_key not in self.keys:
+        replayed = self.captured.get(self.last_key)
+        self.last_key = None
+        if not replayed:
             return
-        # one graphs object captured every list (a layout change would pair them wrongly)
-        assert len(self.keys) == len(self.captured), "graphs captured outside those followed"
-        replayed = self.captured[self.keys.index(self.last_key)]
         replayed[-1][1].synchronize()
         self.replayed_ms.append([s.elapsed_time(e) for s, e in replayed])
-        self.last_key = None
 
     def __call__(self, layer: int, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
         tiers = self.runner.tiers
@@ -86,9 +74,8 @@ class AttentionTimer:
         for tier in tiers:
             tier.collect(layer)
         if capturing:
-            if layer == 0:
-                self.captured.append([])
-            self.captured[-1].append((start, end))
+            self.warming = False  # the capture's warm-up steps are done
+            self.captured[self.capturing].append((start, end))
         elif not self.warming:
             self.events["decode" if tiers[0].step.decode else "prefill"].append((start, end))
         return out
@@ -96,7 +83,7 @@ class AttentionTimer:
     def close(self) -> None:
         """The runner's own attention back (the two held each other: nothing was freed)."""
         self.runner.attention_hook = None
-        self.runner = None
+        self.runner, self.graphs, self.captured = None, None, {}
 
     def seconds(self, num_layers: int) -> dict[str, float | list[float]]:
         """Attention seconds: the prompt's chunks in all, its last chunk (what the cost model

@@ -196,7 +196,6 @@ def run_solver(solver: str, args, profile: str) -> dict | None:
                           [params] * batch)  # fmt: skip
     prompts = [_prompt(cfg, length, seed=3 + 10 * i) for i in range(batch)]
     timer.restart()
-    timer.follow(engine.batch.runner._graphs)
     steps = timed_decode(engine, rows=batch) if batch > 1 else None
     outputs = engine.generate_batch(prompts, [params] * batch)
     every = [output.stats for output in outputs]

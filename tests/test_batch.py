@@ -104,6 +104,42 @@ def test_decode_graphs_call_the_attention_a_benchmark_wrapped(tiny_llama):
     assert decoded.count(True) == (2 + 5) * num_layers
 
 
+def test_decode_graphs_name_each_graph_they_capture_or_replay_to_the_attention(tiny_llama):
+    """A benchmark's timer reads a replay's events by the graph that recorded them: before
+    every graph step the graphs tell the attention hook (``graph_step``) which graph, and
+    whether they capture it first. Prompts starting to decode one after another grow the
+    entry tables, so the graphs are made anew (their graphs freed): every replay follows its
+    own graphs object's capture of that key."""
+    from graph_twin import EagerGraphTwin
+    from headspace.engine.hooks import EngineHooks
+    from headspace.tiers.base import attend_tiers
+
+    llm = LLM(str(tiny_llama), hooks=EngineHooks(graphs=EagerGraphTwin), offload="none",
+              kv_budget=0.5)  # fmt: skip
+    runner = llm.engine.batch.runner
+
+    class Told:
+        steps: list = []  # (graphs, key, capture) per graph step
+
+        def graph_step(self, graphs, key, capture):
+            self.steps.append((graphs, key, capture))
+
+        def __call__(self, layer, q, kv):
+            return attend_tiers(runner.tiers, layer, q, kv)
+
+    told = runner.attention_hook = Told()
+    params = SamplingParams(max_new_tokens=8, ignore_eos=True)
+    outputs = llm.generate(_prompts([30, 40, 50], seed=5), params)
+    assert all(len(o.token_ids) == 8 for o in outputs)
+    made = list(dict.fromkeys(g for g, _, _ in told.steps))
+    assert len(made) > 1  # the tables grew as prompts joined: graphs made anew
+    captured = set()
+    for graphs, key, capture in told.steps:
+        assert capture == ((graphs, key) not in captured)  # told exactly when it captures
+        captured.add((graphs, key))
+    assert {key for g, key in captured if g is made[-1]} == set(made[-1]._graphs)
+
+
 def test_an_engine_with_decode_graphs_is_freed_when_dropped(tiny_llama):
     """No reference cycle holds the runner, its decode graphs or the KV plane they address
     once the engine is gone: the next engine sizes its arena from what this one freed."""
