@@ -67,6 +67,33 @@ def test_entry_pages_are_disjoint_sized_by_length_and_all_return(steps, offloade
     assert blocks.pool.num_free == num_pages and blocks.pools["host"].num_free == num_host
 
 
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.integers(0, 20), min_size=1, max_size=6), st.integers(1, 30))
+def test_decode_tokens_between_pages_only_count_and_each_page_comes_on_time(kept, steps):
+    """After compression a step visits the entries only when one needs a page (the
+    sequence's ``room`` counts the steps before that); every step's lengths, newest indices,
+    pages, new pages and pages needed are those of visiting every entry."""
+    size = 4
+    blocks = EntryBlockManager(size, 200, len(kept))
+    blocks.allocate_prompt(0, list(range(20)))
+    blocks.compress(0, kept)
+    lists, taken = blocks.entries[0], []
+    for step in range(1, steps + 1):
+        at_end = [n for n in lists.lengths if n % size == 0]  # entries whose pages are full
+        assert blocks.pages_needed(0) == len(at_end)
+        blocks.append_token(0)
+        taken += lists.added
+        lists.added = []
+        assert lists.lengths == [n + step for n in kept]
+        assert lists.newest == [n + step - 1 for n in kept]
+        assert [len(p) for p in lists.pages] == [-(-(n + step) // size) for n in kept]
+        assert lists.room == min(-(-(n + step) // size) * size - n - step for n in kept)
+    grown = [p for n, pages in zip(kept, lists.pages, strict=True) for p in pages[-(-n // size) :]]
+    assert sorted(p for _, _, p in taken) == sorted(grown)  # each page a step took, once
+    assert sorted(blocks.table(0).pages) == sorted(p for pages in lists.pages for p in pages)
+    assert blocks.table(0).num_tokens == 20 + steps
+
+
 def test_a_token_that_fills_no_page_takes_none_and_out_of_pages_changes_nothing():
     blocks = EntryBlockManager(4, 6, 2)
     blocks.allocate_prompt(0, list(range(8)))  # 2 entries x 2 pages
