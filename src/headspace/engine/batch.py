@@ -88,7 +88,8 @@ class BatchGenerator:
                                   2 * config.runtime.max_batch, max_context, profile, layout,
                                   hooks.graphs, hooks.prefix_piece, hooks.cpu_timings)  # fmt: skip
         self.planner = BatchPlanner(model.config, config, self.spec, self.runner, blocks,
-                                    weights, self.chunk, streamed, ranks)  # fmt: skip
+                                    weights, self.chunk, streamed, ranks,
+                                    hooks.hardware)  # fmt: skip
         own_pools = ranks is not None and config.budgets.per_head_pages  # pages per rank
         self.scheduler = Scheduler(blocks, config.runtime.max_batch, 2 * config.runtime.max_batch,
                                    config.cache.prefix_caching, all_agree if own_pools else bool,
@@ -279,6 +280,8 @@ class BatchGenerator:
         request.num_gpu_heads = head_map.count("gpu")
         request.num_streamed_heads = head_map.count("stream")
         request.num_hybrid_heads = head_map.count("hybrid")
+        if request.num_hybrid_heads:
+            request.cpu_share = self.runner.plan.cpu_share
         total = len(seq.prompt_ids) - seq.num_cached
         show = self.config.runtime.progress and total >= PROGRESS_MIN_TOKENS
         self._bars[seq.seq_id] = tqdm(total=total, desc="prefill", unit="tok", disable=not show,

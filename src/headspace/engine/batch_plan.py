@@ -9,6 +9,7 @@ from dataclasses import replace
 
 from headspace.attention.cpu_decode import kernel_isa
 from headspace.engine.config import EngineConfig
+from headspace.engine.host_rates import measured_hardware
 from headspace.engine.memory import flex_pool_pages
 from headspace.engine.ranks import Ranks
 from headspace.engine.scheduler import Scheduler, Sequence
@@ -22,6 +23,7 @@ from headspace.planner.memory import Hardware
 from headspace.planner.plan import Plan, plan_batch, step_seconds
 from headspace.planner.profile import with_patterns
 from headspace.planner.sparsity import with_budgets
+from headspace.tiers.hybrid import hybrid_threads
 
 
 class BatchPlanner:
@@ -31,7 +33,9 @@ class BatchPlanner:
 
     def __init__(self, model_config, config: EngineConfig, spec: KVSpec, runner,
                  blocks: BlockManager, weight_bytes: int, chunk: int, streamed_bytes: int = 0,
-                 ranks: Ranks | None = None):  # fmt: skip
+                 ranks: Ranks | None = None, hardware: Hardware | None = None):  # fmt: skip
+        """``hardware``: the planner's rates in place of those this machine measures when
+        a plan first offloads (a test's; see :mod:`headspace.engine.host_rates`)."""
         self.model_config, self.config, self.spec = model_config, config, spec
         self.runner, self.blocks, self.chunk = runner, blocks, chunk
         self.weight_bytes, self.ranks = weight_bytes, ranks
@@ -44,7 +48,10 @@ class BatchPlanner:
             # ranks hold different weights: every rank weighs the most any of them holds
             self.weight_bytes = -host_min(-weight_bytes)
             self.streamed_bytes = -host_min(-streamed_bytes)
-        self.hardware = Hardware() if has_kernel else Hardware(cpu_attention_bytes=0)
+        self.hardware = hardware or (Hardware() if has_kernel else Hardware(cpu_attention_bytes=0))
+        # this machine's rates (a rank without the kernel: the CPU's 0 on every rank, the
+        # slowest's) replace the defaults when a plan first offloads, on a GPU
+        self.rates_pending = hardware is None and config.runtime.on_gpu
         self.max_gpu_pages = None  # under flex, a layer's pool within int32 indices
         if config.runtime.attention_backend == "flex":
             self.max_gpu_pages = flex_pool_pages(spec)
@@ -62,19 +69,29 @@ class BatchPlanner:
             what = f"a request of up to {seqs[0].max_tokens} tokens"
         if self.config.budgets.per_head_pages:
             return self._entry_plan(seqs, what)
-        host = self.config.offload
-        plan = plan_batch(self.spec, self.runner.store.num_bytes, total, offload=host.mode,
-                          head_group=host.head_group, host_budget=self.runner.host.budget,
-                          what=what, hw=self.hardware, cpu_share=host.hybrid_cpu_share,
-                          gpu_window=host.gpu_window, num_seqs=len(seqs),
-                          window_on_gpu=host.window_on_gpu,
-                          auto_hybrid=self.config.runtime.on_gpu,
-                          max_gpu_pages=self.max_gpu_pages)  # fmt: skip
+        plan = self._batch_plan(total, what, len(seqs))
+        if plan.offload != "none" and self.rates_pending:  # weighed by this machine's rates
+            self.rates_pending = False
+            threads = hybrid_threads(self.config.offload.cpu_threads)
+            agree = int if self.ranks is None else host_min  # every rank the slowest's
+            self.hardware = measured_hardware(self.runner.device, threads, agree)
+            plan = self._batch_plan(total, what, len(seqs))
         if self.ranks is not None:  # sized for the widest rank; the whole map, with its ranks
             return self.ranks.spread(plan, what)
         if self.config.budgets.retrieval_heads is not None:  # retrieval heads keep all
             plan.head_map = self._with_patterns(plan.head_map)
         return plan
+
+    def _batch_plan(self, total_pages: int, what: str, num_seqs: int) -> Plan:
+        """The planner's plan for ``num_seqs`` sequences of ``total_pages`` pages."""
+        host = self.config.offload
+        return plan_batch(self.spec, self.runner.store.num_bytes, total_pages,
+                          offload=host.mode, head_group=host.head_group,
+                          host_budget=self.runner.host.budget, what=what, hw=self.hardware,
+                          cpu_share=host.hybrid_cpu_share, gpu_window=host.gpu_window,
+                          num_seqs=num_seqs, window_on_gpu=host.window_on_gpu,
+                          auto_hybrid=self.config.runtime.on_gpu,
+                          max_gpu_pages=self.max_gpu_pages)  # fmt: skip
 
     def _with_patterns(self, head_map: HeadMap) -> HeadMap:
         """The profile's retrieval heads keep every token; the others take the pattern."""

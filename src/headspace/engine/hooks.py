@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from headspace.planner.memory import Hardware
 from headspace.tiers.base import CpuTimings
 
 
@@ -36,10 +37,15 @@ class EngineHooks:
     (:class:`headspace.engine.weight_stream.WeightStream`'s ``delay``): called on the copy
     stream before each layer's copy (``"copy"``) and on the compute stream before each
     layer computes (``"layer"``); a test's ``torch.cuda._sleep`` there makes the copies or
-    the layers late. None: none."""
+    the layers late. None: none.
+
+    ``hardware``: the planner's rates (:class:`headspace.planner.memory.Hardware`) in place
+    of those the engine measures on a GPU machine when a plan first offloads (a test's, to
+    see a plan follow given rates). None: measured there (the defaults elsewhere)."""
 
     graphs: type | None = None
     host_arena: type | None = None
     prefix_piece: int | None = None
     cpu_timings: CpuTimings | None = None
     weight_delay: Callable[[str, int], None] | None = None
+    hardware: Hardware | None = None

@@ -18,6 +18,7 @@ class GenerationStats:
     num_gpu_heads: int = 0  # (layer, kv head) entries resident while it ran
     num_streamed_heads: int = 0  # entries streamed from host pages
     num_hybrid_heads: int = 0  # offloaded entries whose older tokens the CPU attends
+    cpu_share: float | None = None  # ... the share of their history before the GPU window
     num_swaps: int = 0  # times it was swapped out to host pages and back
     # sparse hybrid: (min, median, max) share of the CPU-side tokens kept per hybrid head
     cpu_kept_fraction: tuple[float, float, float] | None = None
@@ -44,6 +45,8 @@ class GenerationStats:
         ]
         if self.num_hybrid_heads:
             parts[-1] = f"heads {self.num_gpu_heads} resident / {self.num_hybrid_heads} hybrid"
+            if self.cpu_share is not None:
+                parts[-1] += f" (CPU share {self.cpu_share:.2f})"
         if self.cpu_kept_fraction is not None:
             low, median, high = self.cpu_kept_fraction
             parts.append(f"CPU kept {median:.1%} median ({low:.1%}-{high:.1%})")

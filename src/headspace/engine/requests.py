@@ -33,6 +33,7 @@ class Request:
     num_gpu_heads: int = 0
     num_streamed_heads: int = 0
     num_hybrid_heads: int = 0
+    cpu_share: float | None = None  # of the hybrid heads' history before the GPU window
     kv_held: tuple[int, float] | None = None  # (bytes, share of the full KV) at its end
     ended: str | None = None  # why, in words (GenerationStats.ended)
     new_text: str = ""  # text of the step being read
@@ -49,7 +50,8 @@ class Request:
             prompt_tokens=len(seq.prompt_ids), generated_tokens=len(seq.output_ids),
             prefill_seconds=first - self.submitted, ended=self.ended,
             num_gpu_heads=self.num_gpu_heads, num_streamed_heads=self.num_streamed_heads,
-            num_hybrid_heads=self.num_hybrid_heads, num_swaps=seq.num_swaps,
+            num_hybrid_heads=self.num_hybrid_heads, cpu_share=self.cpu_share,
+            num_swaps=seq.num_swaps,
         )  # fmt: skip
         if final_stats is not None:
             final_stats(self, stats)
