@@ -162,7 +162,8 @@ def test_plan_balances_the_measured_budget_shares_of_a_profile(capsys, tmp_path)
     assert main([*base, "--kv-policy", "ada_snapkv"]) == 0  # no profile: even budgets
     even = json.loads(capsys.readouterr().out)["balance"]
     assert even["uniform"]["decode"]["imbalance_max_over_mean"] == pytest.approx(1.0)
-    profiled = [*base, "--kv-policy", "ada_snapkv", "--profile", str(tmp_path / "profile.json")]
+    profiled = [*base, "--kv-policy", "ada_snapkv", "--profile", str(tmp_path / "profile.json"),
+                "--retrieval-heads", "0.5"]  # fmt: skip
     assert main(profiled) == 0
     data = json.loads(capsys.readouterr().out)
     uniform, chosen = data["balance"]["uniform"], data["balance"]["loads"]

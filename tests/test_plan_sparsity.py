@@ -92,6 +92,9 @@ def test_plan_cli_prints_what_is_held_after_the_prompt(capsys, tmp_path):
     assert "held after the prompt                32.06" in out and "streaming(4,1024)=128" in out
     assert "budget all=128, 1028=128" in out  # streaming heads keep sink and window
     assert main([*base, "--profile", str(tmp_path / "p.json"), "--kv-budget", "0.25"]) == 0
+    assert "budget 131072=256" in capsys.readouterr().out  # a profile alone: every head full
+    assert main([*base, "--profile", str(tmp_path / "p.json"), "--kv-budget", "0.25",
+                 "--retrieval-heads", "0.5"]) == 0  # fmt: skip
     assert "budget 131072=128, 1028=128" in capsys.readouterr().out
     assert main([*base, "--kv-budget", "0"]) == 2
     assert "--kv-budget" in capsys.readouterr().err

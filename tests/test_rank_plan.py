@@ -123,14 +123,14 @@ def test_copies_pay_only_where_decode_is_priced_at_a_large_batch(capsys, tmp_pat
         return balance_map.loads["decode"]["imbalance_max_over_mean"]
 
     assert decode_step("copy_search") < 0.7 * decode_step("uniform")
-    # the same map through ``headspace plan --gpus 4 --balance-batch N`` (every head a
-    # retrieval head, as the engine's options above: plan's default with a profile is half)
+    # the same map through ``headspace plan --gpus 4 --balance-batch N`` (plan's defaults
+    # are the engine's: with a profile and no --retrieval-heads, every head keeps its budget)
     (tmp_path / "config.json").write_text(json.dumps(QWEN25_7B))
     profile.save(tmp_path / "profile.json")
     base = ["plan", "--model", str(tmp_path), "--context", "4K", "--gpu-memory", "80GiB",
             "--gpus", "4", "--kv-budget", "1024tok", "--kv-policy", "ada_snapkv", "--profile",
             str(tmp_path / "profile.json"), "--balance", "copy_search", "--balance-phase",
-            "decode", "--retrieval-heads", "1", "--json", "--balance-batch"]  # fmt: skip
+            "decode", "--json", "--balance-batch"]  # fmt: skip
     for batch, copies in ((1, 0), (256, sum(len(e.rank) - 1 for e in heavy))):
         assert main([*base, str(batch)]) == 0
         balance = json.loads(capsys.readouterr().out)["balance"]

@@ -33,7 +33,7 @@ def add_plan_parser(subparsers) -> None:
                "window_on_gpu", "head_group", "prefill_chunk", "page_size", "dtype", "profile",
                "retrieval_heads", "sparse_pattern", "kv_budget", "kv_policy",
                "weights")  # fmt: skip
-    add_engine_options(p, planned, {"dtype": "bfloat16", "retrieval_heads": 0.5})
+    add_engine_options(p, planned, {"dtype": "bfloat16"})  # the engine's defaults otherwise
     add_parallel_options(p)
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
 
@@ -153,7 +153,8 @@ def _budget_tokens(args, context: int) -> tuple[int | None, int | None]:
 
 
 def _patterns(args, config, profile) -> dict:
-    """The request's pattern fields from the ``--profile`` (none without one)."""
+    """The request's pattern fields from the ``--profile`` (none without one, nor without
+    ``--retrieval-heads``: every head keeps every token, as the engine's default)."""
     from headspace.kv.spec import Pattern
 
     if profile is None:
@@ -162,6 +163,8 @@ def _patterns(args, config, profile) -> dict:
         sparse = str(Pattern.parse(args.sparse_pattern))
     except ValueError as exc:
         raise UserError(f"--sparse-pattern: {exc}") from None
+    if args.retrieval_heads is None:
+        return {}
     profile.check(config.num_layers, config.num_kv_heads)
     retrieval = tuple(tuple(row) for row in profile.retrieval)
     return {"retrieval": retrieval, "retrieval_heads": args.retrieval_heads,
