@@ -60,3 +60,15 @@ def test_unknown_options_and_checks_across_groups_are_refused():
         EngineConfig(budgets={"kv_budget": 0.5})
     with pytest.raises(UserError, match="offload"):  # per-head pages stream no whole layers
         EngineConfig.of(kv_budget=0.5, offload="layer")
+
+
+def test_the_hybrid_tiers_defaults_are_the_engines():
+    """The tiers' hybrid settings default as the engine's offload options do (the tiers
+    cannot import the engine's config: a test keeps the two alike)."""
+    from headspace.engine.config import OffloadConfig
+    from headspace.tiers.base import HybridSettings
+
+    engine, tiers = OffloadConfig(), HybridSettings()
+    assert (tiers.threads, tiers.sparsity, tiers.maw_alpha, tiers.gpu_window,
+            tiers.query_blocks) == (engine.cpu_threads, engine.cpu_sparsity, engine.maw_alpha,
+                                    engine.gpu_window, engine.cpu_query_blocks)  # fmt: skip

@@ -77,13 +77,14 @@ class StepInputs:
 class HybridSettings:
     """The hybrid tier's CPU side: ``threads`` (None: the rank's cores but one), sparse mode's
     ``sparsity`` (beta; None: exact), ``maw_alpha`` and ``query_blocks`` (blocks each step's
-    query adds), and the ``gpu_window`` of recent tokens always attended on the GPU."""
+    query adds), and the ``gpu_window`` of recent tokens always attended on the GPU. The
+    defaults are the engine's (``OffloadConfig``'s)."""
 
     threads: int | None = None
     sparsity: float | None = None
-    maw_alpha: float = 0.9
-    gpu_window: int = 0
-    query_blocks: int = 0
+    maw_alpha: float = 0.1
+    gpu_window: int = 1024
+    query_blocks: int = 64
 
 
 class CpuCall(NamedTuple):
