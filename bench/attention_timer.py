@@ -3,6 +3,8 @@ submits, per phase, through eager steps and CUDA-graph replays alike (``bench/mu
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 
@@ -25,14 +27,14 @@ class AttentionTimer:
     call ``graph_step`` before each graph step, naming the graph it captures or replays: a
     capture's eager warm-up steps (padding) are skipped, and a replay's events are read just
     before the next graph step (the step between them waited for its sampled tokens, so no
-    extra wait): every graph step is timed, as every eager step is. New graphs (the tables
-    grew, or another layout) replace the old ones' events."""
+    extra wait): every graph step is timed, as every eager step is. Events are kept per
+    graphs object (one a layout, made anew when the tables grow), for as long as it lives."""
 
     def __init__(self, runner):
         self.runner, self.events = runner, {"prefill": [], "decode": []}
-        self.graphs = None  # the graphs object whose captures ``captured`` holds
-        self.captured: dict[tuple, list[tuple]] = {}  # graph key -> its layers' events
-        self.capturing, self.last_key, self.warming = None, None, False
+        # graphs object -> graph key -> its layers' events (start, end)
+        self.captured: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self.capturing, self.last, self.warming = None, None, False
         self.replayed_ms: list[list[float]] = []  # each timed graph step's layers, in ms
         self.num_steps = 0  # the decode steps the last reading averaged
         runner.attention_hook = self
@@ -41,22 +43,20 @@ class AttentionTimer:
         """``graphs`` is about to replay the graph of ``key``, capturing it first if
         ``capture``: the last replay's events read, this one's noted."""
         self.read_replay()
-        if graphs is not self.graphs:  # the old graphs were freed with their events
-            self.graphs, self.captured = graphs, {}
+        events = self.captured.setdefault(graphs, {})
         if capture:
-            self.capturing, self.warming = key, True  # until the capture's first layer
-            self.captured[key] = []
-        self.last_key = key
+            self.warming = True  # until the capture's first layer
+            self.capturing = events[key] = []
+        self.last = events.get(key)  # (None: captured before this timer, not timed)
 
     def restart(self) -> None:
         """Forget the steps timed so far (the graphs' events stay theirs)."""
         self.events = {"prefill": [], "decode": []}
-        self.replayed_ms, self.last_key = [], None
+        self.replayed_ms, self.last = [], None
 
     def read_replay(self) -> None:
         """The last replayed graph's attention (its layers' events), before they record again."""
-        replayed = self.captured.get(self.last_key)
-        self.last_key = None
+        replayed, self.last = self.last, None
         if not replayed:
             return
         replayed[-1][1].synchronize()
@@ -75,7 +75,7 @@ class AttentionTimer:
             tier.collect(layer)
         if capturing:
             self.warming = False  # the capture's warm-up steps are done
-            self.captured[self.capturing].append((start, end))
+            self.capturing.append((start, end))
         elif not self.warming:
             self.events["decode" if tiers[0].step.decode else "prefill"].append((start, end))
         return out
@@ -83,7 +83,7 @@ class AttentionTimer:
     def close(self) -> None:
         """The runner's own attention back (the two held each other: nothing was freed)."""
         self.runner.attention_hook = None
-        self.runner, self.graphs, self.captured = None, None, {}
+        self.runner, self.captured, self.capturing, self.last = None, {}, None, None
 
     def seconds(self, num_layers: int) -> dict[str, float | list[float]]:
         """Attention seconds: the prompt's chunks in all, its last chunk (what the cost model

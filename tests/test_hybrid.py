@@ -111,6 +111,15 @@ def test_the_share_follows_the_machines_rates(wide_llama, prompt):
     assert (rate > 1e8) if kernel_isa() is not None else rate == 0
 
 
+def test_a_measurement_that_fails_keeps_the_planners_rates():
+    """Where a copy from page-locked memory cannot run (here: no GPU), measuring gives None
+    and the planner keeps the rates it had, rather than failing the request."""
+    from headspace.engine.host_rates import measured_hardware
+    from headspace.planner.memory import Hardware
+
+    assert measured_hardware(Hardware(), torch.device("cpu"), 2, cpu=False) is None
+
+
 def test_hybrid_batch_equals_one_at_a_time(tiny_llama, cpu_timings):
     prompts = _prompts([180, 12, 30, 7, 25])
     params = SamplingParams(max_new_tokens=40, ignore_eos=True)

@@ -70,9 +70,9 @@ def test_entry_pages_are_disjoint_sized_by_length_and_all_return(steps, offloade
 @settings(max_examples=40, deadline=None)
 @given(st.lists(st.integers(0, 20), min_size=1, max_size=6), st.integers(1, 30))
 def test_decode_tokens_between_pages_only_count_and_each_page_comes_on_time(kept, steps):
-    """After compression a step visits the entries only when one needs a page (the
-    sequence's ``room`` counts the steps before that); every step's lengths, newest indices,
-    pages, new pages and pages needed are those of visiting every entry."""
+    """After compression a step visits only the entries due a page (the sequence's ``due``:
+    its token count at which each entry's last page fills); every step's lengths, newest
+    indices, pages, new pages and pages needed are those of visiting every entry."""
     size = 4
     blocks = EntryBlockManager(size, 200, len(kept))
     blocks.allocate_prompt(0, list(range(20)))
@@ -87,11 +87,32 @@ def test_decode_tokens_between_pages_only_count_and_each_page_comes_on_time(kept
         assert lists.lengths == [n + step for n in kept]
         assert lists.newest == [n + step - 1 for n in kept]
         assert [len(p) for p in lists.pages] == [-(-(n + step) // size) for n in kept]
-        assert lists.room == min(-(-(n + step) // size) * size - n - step for n in kept)
+        due = {e: t for t, entries in lists.due.items() for e in entries}  # each entry once
+        assert sorted(due) == list(range(len(kept)))
+        assert [due[e] - 20 - step for e in range(len(kept))] == [
+            -(-(n + step) // size) * size - n - step for n in kept
+        ]  # steps to its page's end
     grown = [p for n, pages in zip(kept, lists.pages, strict=True) for p in pages[-(-n // size) :]]
     assert sorted(p for _, _, p in taken) == sorted(grown)  # each page a step took, once
     assert sorted(blocks.table(0).pages) == sorted(p for pages in lists.pages for p in pages)
     assert blocks.table(0).num_tokens == 20 + steps
+
+
+@pytest.mark.parametrize("kind", ["offloaded", "ring"])
+def test_offloaded_and_ring_entries_are_visited_every_step(kind):
+    """An offloaded entry (its tokens in the shared host pages) or a ring (over its oldest
+    window token once full) changes every step: such a sequence visits every entry."""
+    blocks = EntryBlockManager(4, 40, 3)
+    blocks.reset(PoolLayout(40, offloaded=(1,) if kind == "offloaded" else ()))
+    blocks.grow_host(20)
+    blocks.allocate_prompt(0, list(range(10)))
+    blocks.compress(0, [5, 6, 6], rings={2: (2, 4)} if kind == "ring" else None)
+    for _ in range(3):
+        blocks.append_token(0)
+        assert blocks.entries[0].due is None
+    assert blocks.entries[0].lengths[:2] == [8, 9]
+    if kind == "ring":  # full at 6 of 2 + 4: its newest token goes round the window
+        assert blocks.entries[0].lengths[2] == 6 and blocks.entries[0].newest[2] == 4
 
 
 def test_a_token_that_fills_no_page_takes_none_and_out_of_pages_changes_nothing():

@@ -72,10 +72,15 @@ class BatchPlanner:
         plan = self._batch_plan(total, what, len(seqs))
         if plan.offload != "none" and self.rates_pending:  # weighed by this machine's rates
             self.rates_pending = False
-            threads = hybrid_threads(self.config.offload.cpu_threads)
-            agree = int if self.ranks is None else host_min  # every rank the slowest's
-            self.hardware = measured_hardware(self.runner.device, threads, agree)
-            plan = self._batch_plan(total, what, len(seqs))
+            offload = self.config.offload
+            hybrid = offload.mode in ("auto", "hybrid") and offload.hybrid_cpu_share is None
+            measured = measured_hardware(self.hardware, self.runner.device,
+                                         hybrid_threads(offload.cpu_threads),
+                                         cpu=hybrid and self.hardware.cpu_attention_bytes > 0,
+                                         ranks=self.ranks is not None)  # fmt: skip
+            if measured is not None:
+                self.hardware = measured
+                plan = self._batch_plan(total, what, len(seqs))
         if self.ranks is not None:  # sized for the widest rank; the whole map, with its ranks
             return self.ranks.spread(plan, what)
         if self.config.budgets.retrieval_heads is not None:  # retrieval heads keep all

@@ -2,12 +2,14 @@
 the CPU attention kernel's read rate over host K/V and page-locked host-to-GPU copies.
 
 The planner's defaults are one 16-core host's (55 GB/s for the CPU kernel, 54 GB/s over PCIe).
-Hosts differ: a 64-core host's CPU reads about 100 GB/s, where the default share (0.5) leaves
-half the history on PCIe and the step waits for it (docs/hybrid.md). Measuring costs a
-buffer larger than a host's last-level cache, filled once, and a few kernel calls and copies:
-1.7 s in a fresh process on a 64-core host (CUDA's start-up included), paid once, by an
-engine whose plan offloads. Measured there: the CPU kernel 60 GB/s on 63 threads, copies
-43 GB/s (a share of 0.58).
+Hosts differ: a 64-core H200 host's hybrid step read its host K/V at about 100 GB/s at 512K
+with the CPU taking all before the window, where the default share (0.5) left half the
+history on PCIe for the step to wait for (bench/RESULTS.md). Measuring costs a buffer
+larger than a host's last-level cache, filled once, and a few kernel calls and copies: 1.7 s
+in a fresh process on a 64-core H100 host (CUDA's start-up and a 256 MiB copy included),
+paid once, by an engine whose plan of shared pages offloads (in a server, by the first such
+request: the running ones wait for it). Measured there: the CPU kernel 60 GB/s on 63
+threads, copies 43 GB/s (a share of 0.58).
 """
 
 from __future__ import annotations
@@ -22,7 +24,8 @@ from headspace.attention.cpu_decode import cpu_paged_decode, kernel_isa
 from headspace.planner.memory import Hardware
 
 KV_BYTES = 1 << 30  # K and V read per kernel call: past the last-level caches of large hosts
-COPY_BYTES = 256 << 20  # bytes per timed host-to-GPU copy
+COPY_BYTES = 64 << 20  # bytes per timed host-to-GPU copy (1.2 ms at 55 GB/s; its pinned
+# buffer stays in torch's cache of page-locked blocks, beside the host arena's gigabytes)
 REPEATS = 3  # timed calls; the fastest is the rate (the others met page faults or noise)
 
 
@@ -67,14 +70,28 @@ def h2d_rate(device: torch.device, num_bytes: int = COPY_BYTES) -> float:
     return num_bytes / seconds
 
 
-def measured_hardware(device: torch.device, num_threads: int,
-                      agree: Callable[[int], int] = int) -> Hardware:  # fmt: skip
-    """The planner's :class:`Hardware` with this machine's CPU-attention and host-to-GPU
-    rates; ``agree(bytes_per_s)`` makes every rank use the same (under torchrun: the
-    slowest rank's)."""
-    cpu = agree(int(cpu_attention_rate(num_threads)))
-    h2d = agree(int(h2d_rate(device)))
-    return replace(Hardware(), cpu_attention_bytes=float(cpu), h2d_bytes=float(h2d))
+def measured_hardware(base: Hardware, device: torch.device, num_threads: int, *,
+                      cpu: bool = True, ranks: bool = False) -> Hardware | None:  # fmt: skip
+    """``base`` with this machine's host-to-GPU rate and, with ``cpu``, the CPU kernel's
+    (else ``base``'s). Under torchrun (``ranks``) every rank measures at once and takes the
+    slowest rank's rates, and a measurement that fails on any rank (host or GPU memory
+    short) gives None on every rank: the caller keeps ``base``."""
+    from headspace.parallel.dist import all_agree, host_min
+
+    if ranks:
+        all_agree(True)  # every rank here: they measure together, as they will run
+    try:
+        cpu_rate = cpu_attention_rate(num_threads) if cpu else base.cpu_attention_bytes
+        h2d = h2d_rate(device)
+        ok = True
+    except (RuntimeError, MemoryError):  # torch's out-of-memory errors are RuntimeErrors
+        cpu_rate, h2d, ok = 0.0, 0.0, False
+    if ranks:
+        ok = all_agree(ok)
+        cpu_rate, h2d = (host_min(int(x)) for x in (cpu_rate, h2d))
+    if not ok:
+        return None
+    return replace(base, cpu_attention_bytes=float(cpu_rate), h2d_bytes=float(h2d))
 
 
 __all__ = ["cpu_attention_rate", "h2d_rate", "measured_hardware"]

@@ -44,9 +44,10 @@ class EntryLists:
     # until compressed, the ring entries whose prompt wraps their pages: entry -> (sink
     # pages, ring pages); logical page p >= sink pages lies in sink + (p - sink) % ring
     wraps: dict[int, tuple[int, int]] = field(default_factory=dict)
-    # decode steps every entry can still take without a new page (0: not known, or none):
-    # one step then only counts, instead of visiting every entry (its tables' width)
-    room: int = 0
+    # once compressed with every entry resident and growing: the sequence's token count at
+    # which each entry's last page fills -> those entries (a step then visits only the
+    # entries due a page, not all of them); None: unknown, or some entry is another kind
+    due: dict[int, list[int]] | None = None
 
     def __post_init__(self):
         self.newest = self.newest or [n - 1 for n in self.lengths]
@@ -146,8 +147,8 @@ class EntryBlockManager(BlockManager):
         """New GPU pages one more token of ``seq_id`` takes (one per full, growing resident
         entry)."""
         lists = self.entries[seq_id]
-        if lists.room:
-            return 0
+        if lists.due is not None:
+            return len(lists.due.get(self.tables[seq_id][GPU].num_tokens, ()))
         return sum(length == len(pages) * self.page_size and lists.grows(e) and self._resident(e)
                    for e, (length, pages) in enumerate(zip(lists.lengths, lists.pages,
                                                            strict=True)))  # fmt: skip
@@ -159,11 +160,8 @@ class EntryBlockManager(BlockManager):
         """Room for one more token in every entry. Raises OutOfPages, changing nothing,
         when the pool has too few pages."""
         lists, pool = self.entries[seq_id], self.pools[GPU]
-        if lists.room:  # every entry resident and growing, none at a page's end
-            lists.newest, lists.lengths = lists.lengths, [n + 1 for n in lists.lengths]
-            lists.room -= 1
-            self.tables[seq_id][GPU].num_tokens += 1
-            return
+        if lists.due is not None:
+            return self._append_due(seq_id, lists, self.tables[seq_id][GPU])
         if self.pages_needed(seq_id) > pool.num_free:
             raise OutOfPages(f"no free page for sequence {seq_id}")
         longest = max((lists.lengths[e] for e in self.offloaded), default=0)
@@ -189,15 +187,29 @@ class EntryBlockManager(BlockManager):
             lists.newest[e] = lists.lengths[e]
             lists.lengths[e] += 1
         table.num_tokens += 1
-        lists.room = self._room(lists)
+        if lists.compressed and not (self.offloaded or lists.rings):  # from now on by due
+            lists.due = {}
+            for e, (n, pages) in enumerate(zip(lists.lengths, lists.pages, strict=True)):
+                lists.due.setdefault(table.num_tokens + len(pages) * self.page_size - n,
+                                     []).append(e)  # fmt: skip
 
-    def _room(self, lists: EntryLists) -> int:
-        """Decode steps every entry of ``lists`` takes before one needs a page: 0 where any
-        entry is offloaded or a ring (each step visits them)."""
-        if self.offloaded or lists.rings or not lists.compressed:
-            return 0
-        ends = (len(pages) * self.page_size for pages in lists.pages)  # [entries] tokens
-        return min((end - n for end, n in zip(ends, lists.lengths, strict=True)), default=0)
+    def _append_due(self, seq_id: int, lists: EntryLists, table: BlockTable) -> None:
+        """One more token in every entry (all resident and growing): a page for each entry
+        whose last page is full (due now, then again a page later), the lengths shifted."""
+        pool, size = self.pools[GPU], self.page_size
+        due = lists.due.get(table.num_tokens, [])
+        if len(due) > pool.num_free:
+            raise OutOfPages(f"no free page for sequence {seq_id}")
+        for e in due:
+            lists.added.append((e, len(lists.pages[e]), pool.allocate()))
+            lists.pages[e].append(lists.added[-1][2])
+            table.pages.append(lists.added[-1][2])
+        if due:
+            lists.due.setdefault(table.num_tokens + size, []).extend(
+                lists.due.pop(table.num_tokens)
+            )
+        lists.newest, lists.lengths = lists.lengths, [n + 1 for n in lists.lengths]
+        table.num_tokens += 1
 
     def compress(self, seq_id: int, kept: Sequence[int],
                  rings: dict[int, tuple[int, int]] | None = None) -> list[int]:  # fmt: skip
@@ -230,7 +242,7 @@ class EntryBlockManager(BlockManager):
             self.pools[HOST].release(page)
         lists.host = lists.host[:num_host]
         lists.compressed, lists.added, lists.rings = True, [], dict(rings or {})
-        lists.room = 0  # found again at the next token
+        lists.due = None  # found again at the next token
         lists.wraps = {}
         lists.newest = [n - 1 for n in lists.lengths]
         self.tables[seq_id][GPU].pages = _flat(lists.pages)

@@ -165,7 +165,7 @@ class BudgetTier(Tier):
         self.widest = self.entry_tables.update(self.blocks, seq_ids, slots, self._agree,
                                                newest=bool(self.rings))  # fmt: skip
         self.step_slots = device_ints(slots, self.plane.device)
-        self.step_lengths = [self.blocks.entries[s].lengths for s in seq_ids]  # staging reads
+        self.step_lengths = [self.blocks.entries[s].lengths for s in seq_ids]  # this step's
         self.step_hosts = [self.blocks.host_pages(s) for s in seq_ids]
 
     def begin_graph(self, step, views: dict[str, torch.Tensor], key: tuple) -> None:
