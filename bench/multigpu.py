@@ -9,6 +9,7 @@ against the measured one.
         [--scenario duo|ada_snapkv|patterns|copies] [--copy-cost PATH] [--copy-seconds S]
         [--sharpen 0.25 4] [--batch 1] [--balance-phase auto|prefill|decode] [--work DIR]
         [--model llama3-8b|llama3-70b|qwen2.5-7b] [--layers N] [--balance-batch N]
+        [--trace DIR]
 
 ``--model llama3-70b --layers 40`` is Llama-3.1-70B's shape (64 query heads over 8 kv heads,
 hidden 8192) at 40 of its 80 layers: 72 GB of bf16 weights, which every rank builds whole
@@ -60,6 +61,8 @@ each rank's attention per solver to bench/results ($OUT when set). ``--work DIR`
 profile and each GPU count's run of each solver in DIR and reuses those already there, so
 a long invocation can be split over several calls (``--gpus 1 2``, then ``--gpus 1 2 4``;
 ``--solvers uniform greedy``, then all four); a call cut short keeps the solvers it ran.
+``--trace DIR`` writes a torch profiler trace of three of each solver's timed decode steps
+per rank, and a table of its ops (``bench/step_trace.py``).
 """
 
 from __future__ import annotations
@@ -91,9 +94,17 @@ from common import (  # noqa: E402
     write_result,
 )
 from headspace.parallel.config import PHASES  # noqa: E402
-from multigpu_report import copies_keys, describe, plot, print_table, summarise  # noqa: E402
+from multigpu_report import (  # noqa: E402
+    copies_keys,
+    describe,
+    plot,
+    predicted_loads,
+    print_table,
+    summarise,
+)
 from multigpu_work import kept_runs, missing_runs, prepare_work, wanted_solvers  # noqa: E402
 from sparsity import timed_decode  # noqa: E402
+from step_trace import trace_decode_steps  # noqa: E402
 
 SCENARIOS = {
     "duo": {"kv_budget": 0.25, "kv_policy": "ada_snapkv", "retrieval_heads": 0.5,
@@ -168,6 +179,34 @@ def scenario_options(args) -> dict:
     return options
 
 
+def timed_batch(engine, args, cfg: dict, solver: str) -> tuple[list, float, float]:
+    """The run's prompts, after an untimed batch as long that compiles and tunes the kernels
+    for their shapes (FlexAttention per key capacity, cuDNN plans per shape) and captures the
+    decode graphs: every request's stats, the prefill seconds and the decode tok/s."""
+    from headspace.engine.sampling import SamplingParams
+
+    params = SamplingParams(max_new_tokens=args.decode, ignore_eos=True)
+    length, batch = args.context - args.decode, args.batch
+    engine.generate_batch([_prompt(cfg, length, seed=4 + 10 * i) for i in range(batch)],
+                          [params] * batch)  # fmt: skip
+    prompts = [_prompt(cfg, length, seed=3 + 10 * i) for i in range(batch)]
+    engine.batch.runner.attention_hook.restart()
+    steps = timed_decode(engine, rows=batch) if batch > 1 else None
+    if args.trace:  # a few of the timed steps recorded (they count in the median as any)
+        rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+        trace_decode_steps(engine, batch, Path(args.trace), f"decode_{solver}_rank{rank}")
+    every = [output.stats for output in engine.generate_batch(prompts, [params] * batch)]
+    if steps is None:  # one request: its own prefill and decode
+        return every, every[0].prefill_seconds, (args.decode - 1) / every[0].decode_seconds
+    # every prompt's prefill (the first ones' decode steps mixed in), then the steps that
+    # decode the whole batch
+    if not steps:  # each prompt's prefill takes a step, in which the others decode
+        raise SystemExit(f"no decode step ran all {batch} prompts together: raise "
+                         f"--decode above --batch ({args.decode})")  # fmt: skip
+    engine.batch.runner.__dict__.pop("decode")  # the timing wrappers
+    return every, max(st.prefill_seconds for st in every), batch / statistics.median(steps)
+
+
 def run_solver(solver: str, args, profile: str) -> dict | None:
     """One solver's run on this rank; rank 0 returns what every rank measured."""
     import torch.distributed as dist
@@ -175,7 +214,6 @@ def run_solver(solver: str, args, profile: str) -> dict | None:
     from headspace.engine.config import EngineConfig
     from headspace.engine.engine import Engine
     from headspace.engine.ranks import join
-    from headspace.engine.sampling import SamplingParams
     from headspace.parallel.balance import balanced_phases
 
     options = scenario_options(args)
@@ -186,31 +224,10 @@ def run_solver(solver: str, args, profile: str) -> dict | None:
     model = random_model(cfg, device=config.runtime.device)
     sharpen_heads(model, args.sharpen)
     engine = Engine.from_model(model, NoText(), config)
-    params = SamplingParams(max_new_tokens=args.decode, ignore_eos=True)
-    # kernels compiled and tuned for this context's shapes (FlexAttention compiles per key
-    # capacity, cuDNN plans per shape) and decode graphs captured: an untimed request as long
-    # as the timed one
-    timer = AttentionTimer(engine.batch.runner)
+    timer = AttentionTimer(engine.batch.runner)  # before the warm-up captures the graphs
     length, batch = args.context - args.decode, args.batch
-    engine.generate_batch([_prompt(cfg, length, seed=4 + 10 * i) for i in range(batch)],
-                          [params] * batch)  # fmt: skip
-    prompts = [_prompt(cfg, length, seed=3 + 10 * i) for i in range(batch)]
-    timer.restart()
-    steps = timed_decode(engine, rows=batch) if batch > 1 else None
-    outputs = engine.generate_batch(prompts, [params] * batch)
-    every = [output.stats for output in outputs]
+    every, prefill_s, decode_tok_s = timed_batch(engine, args, cfg, solver)
     stats = every[0]  # peak memory and KV held: the batch's, alike in every request
-    if steps is None:  # one request: its own prefill and decode
-        prefill_s = stats.prefill_seconds
-        decode_tok_s = (args.decode - 1) / stats.decode_seconds
-    else:  # every prompt's prefill (the first ones' decode steps mixed in), then the steps
-        # that decode the whole batch
-        prefill_s = max(st.prefill_seconds for st in every)
-        if not steps:  # each prompt's prefill takes a step, in which the others decode
-            raise SystemExit(f"no decode step ran all {batch} prompts together: raise "
-                             f"--decode above --batch ({args.decode})")  # fmt: skip
-        decode_tok_s = batch / statistics.median(steps)
-        engine.batch.runner.__dict__.pop("decode")  # the timing wrapper
     weight_bytes = sum(p.nbytes for p in engine.model.parameters())
     hbm = measure_hbm_bandwidth()
     measured = timer.seconds(model.config.num_layers)
@@ -236,33 +253,10 @@ def run_solver(solver: str, args, profile: str) -> dict | None:
         result["predicted"] = predicted_loads(engine, config, world, batch)
         result["balanced_phase"] = "+".join(balanced_phases(config.parallel.balance_phase))
     timer.close()
-    del engine, model, timer, outputs
+    del engine, model, timer, every
     gc.collect()
     torch.cuda.empty_cache()  # the next solver's model and arena size from what is free
     return result
-
-
-def predicted_loads(engine, config, world: int, batch: int) -> dict:
-    """The cost model's loads (``balance_summary`` per phase) of the assignment the engine
-    runs (its head map's ranks and copies' shares), prefill priced at the chunk it runs,
-    decode at the run's ``batch``."""
-    from headspace.engine.ranks import costed_map
-    from headspace.parallel.assignment import balance_summary
-    from headspace.parallel.balance import assignments_of, priced_hardware
-    from headspace.planner.head_cost import CostShape, head_costs
-
-    shape = engine.model.config
-    priced = costed_map(shape, config, engine.profile, engine.max_context)
-    hw = priced_hardware(config.parallel)
-    assignments = assignments_of(engine.ranks.head_map)
-    loads = {}
-    for phase in ("prefill", "decode"):
-        costs = head_costs(priced, CostShape.of(shape, config.runtime.torch_dtype.itemsize), hw,
-                           phase=phase, context=engine.max_context,
-                           chunk=engine.batch.chunk, profile=engine.profile,
-                           batch=batch if phase == "decode" else 1)  # fmt: skip
-        loads[phase] = balance_summary(costs, assignments, world)
-    return loads
 
 
 def worker(args) -> None:
@@ -304,6 +298,7 @@ def launch(num_gpus: int, args, out: Path, solvers: list[str]) -> None:
     command += ["--sharpen", *map(str, args.sharpen)] if args.sharpen else []
     command += ["--copy-seconds", str(args.copy_seconds)] if args.copy_seconds is not None else []
     command += ["--balance-batch", str(args.balance_batch)] if args.balance_batch else []
+    command += ["--trace", args.trace] if args.trace else []
     subprocess.run(command, check=True, env={**os.environ, "OMP_NUM_THREADS": "4"})
 
 
@@ -347,6 +342,11 @@ def main() -> None:
         type=int,
         help="the engine's balance_batch: the sequences the solvers price a decode step at "
         "(default: --batch for the copies scenario, else 1; runs before it priced at 1)",
+    )
+    parser.add_argument(
+        "--trace",
+        help="a folder for a torch profiler trace of three decode steps of the batch, per "
+        "solver and rank (bench/step_trace.py)",
     )
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)

@@ -151,3 +151,26 @@ def print_table(result: dict, runs: dict[int, list[dict]]) -> None:
             print(f"{n:>4} {r['solver']:>8} {r['prefill_tok_s']:>14.0f} "
                   f"{r['decode_tok_s']:>13.1f} {r['decode_floor_tok_s']:>12.1f} {imb[0]:>12} "
                   f"{imb[1]:>11}")  # fmt: skip
+
+
+def predicted_loads(engine, config, world: int, batch: int) -> dict:
+    """The cost model's loads (``balance_summary`` per phase) of the assignment the engine
+    runs (its head map's ranks and copies' shares), prefill priced at the chunk it runs,
+    decode at the run's ``batch``."""
+    from headspace.engine.ranks import costed_map
+    from headspace.parallel.assignment import balance_summary
+    from headspace.parallel.balance import assignments_of, priced_hardware
+    from headspace.planner.head_cost import CostShape, head_costs
+
+    shape = engine.model.config
+    priced = costed_map(shape, config, engine.profile, engine.max_context)
+    hw = priced_hardware(config.parallel)
+    assignments = assignments_of(engine.ranks.head_map)
+    loads = {}
+    for phase in ("prefill", "decode"):
+        costs = head_costs(priced, CostShape.of(shape, config.runtime.torch_dtype.itemsize), hw,
+                           phase=phase, context=engine.max_context,
+                           chunk=engine.batch.chunk, profile=engine.profile,
+                           batch=batch if phase == "decode" else 1)  # fmt: skip
+        loads[phase] = balance_summary(costs, assignments, world)
+    return loads
