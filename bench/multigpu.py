@@ -179,7 +179,7 @@ def scenario_options(args) -> dict:
     return options
 
 
-def timed_batch(engine, args, cfg: dict, solver: str) -> tuple[list, float, float]:
+def timed_batch(engine, timer, args, cfg: dict, solver: str) -> tuple[list, float, float]:
     """The run's prompts, after an untimed batch as long that compiles and tunes the kernels
     for their shapes (FlexAttention per key capacity, cuDNN plans per shape) and captures the
     decode graphs: every request's stats, the prefill seconds and the decode tok/s."""
@@ -190,7 +190,7 @@ def timed_batch(engine, args, cfg: dict, solver: str) -> tuple[list, float, floa
     engine.generate_batch([_prompt(cfg, length, seed=4 + 10 * i) for i in range(batch)],
                           [params] * batch)  # fmt: skip
     prompts = [_prompt(cfg, length, seed=3 + 10 * i) for i in range(batch)]
-    engine.batch.runner.attention_hook.restart()
+    timer.restart()
     steps = timed_decode(engine, rows=batch) if batch > 1 else None
     if args.trace:  # a few of the timed steps recorded (they count in the median as any)
         rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
@@ -226,7 +226,7 @@ def run_solver(solver: str, args, profile: str) -> dict | None:
     engine = Engine.from_model(model, NoText(), config)
     timer = AttentionTimer(engine.batch.runner)  # before the warm-up captures the graphs
     length, batch = args.context - args.decode, args.batch
-    every, prefill_s, decode_tok_s = timed_batch(engine, args, cfg, solver)
+    every, prefill_s, decode_tok_s = timed_batch(engine, timer, args, cfg, solver)
     stats = every[0]  # peak memory and KV held: the batch's, alike in every request
     weight_bytes = sum(p.nbytes for p in engine.model.parameters())
     hbm = measure_hbm_bandwidth()

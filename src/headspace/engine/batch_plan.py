@@ -70,22 +70,29 @@ class BatchPlanner:
         if self.config.budgets.per_head_pages:
             return self._entry_plan(seqs, what)
         plan = self._batch_plan(total, what, len(seqs))
-        if plan.offload != "none" and self.rates_pending:  # weighed by this machine's rates
-            self.rates_pending = False
-            offload = self.config.offload
-            hybrid = offload.mode in ("auto", "hybrid") and offload.hybrid_cpu_share is None
-            measured = measured_hardware(self.hardware, self.runner.device,
-                                         hybrid_threads(offload.cpu_threads),
-                                         cpu=hybrid and self.hardware.cpu_attention_bytes > 0,
-                                         ranks=self.ranks is not None)  # fmt: skip
-            if measured is not None:
-                self.hardware = measured
-                plan = self._batch_plan(total, what, len(seqs))
+        if plan.offload != "none" and self._measure_rates():  # weighed by this machine's
+            plan = self._batch_plan(total, what, len(seqs))
         if self.ranks is not None:  # sized for the widest rank; the whole map, with its ranks
             return self.ranks.spread(plan, what)
         if self.config.budgets.retrieval_heads is not None:  # retrieval heads keep all
             plan.head_map = self._with_patterns(plan.head_map)
         return plan
+
+    def _measure_rates(self) -> bool:
+        """Once, on a GPU: this machine's host-to-GPU rate, and the CPU kernel's where the
+        hybrid tier may run at the rates' share, in place of the defaults (whether they
+        changed: a failed measurement keeps them)."""
+        if not self.rates_pending:
+            return False
+        self.rates_pending = False
+        offload = self.config.offload
+        hybrid = offload.mode in ("auto", "hybrid") and offload.hybrid_cpu_share is None
+        measured = measured_hardware(self.hardware, self.runner.device,
+                                     hybrid_threads(offload.cpu_threads),
+                                     cpu=hybrid and self.hardware.cpu_attention_bytes > 0,
+                                     ranks=self.ranks is not None)  # fmt: skip
+        self.hardware = measured or self.hardware
+        return measured is not None
 
     def _batch_plan(self, total_pages: int, what: str, num_seqs: int) -> Plan:
         """The planner's plan for ``num_seqs`` sequences of ``total_pages`` pages."""

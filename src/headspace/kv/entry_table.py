@@ -204,10 +204,9 @@ class EntryBlockManager(BlockManager):
             lists.added.append((e, len(lists.pages[e]), pool.allocate()))
             lists.pages[e].append(lists.added[-1][2])
             table.pages.append(lists.added[-1][2])
-        if due:
-            lists.due.setdefault(table.num_tokens + size, []).extend(
-                lists.due.pop(table.num_tokens)
-            )
+        if due:  # their next pages fill a page later
+            del lists.due[table.num_tokens]
+            lists.due.setdefault(table.num_tokens + size, []).extend(due)
         lists.newest, lists.lengths = lists.lengths, [n + 1 for n in lists.lengths]
         table.num_tokens += 1
 
