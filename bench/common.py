@@ -158,9 +158,21 @@ QWEN25_7B = {  # Qwen2.5-7B's shapes: 28 query heads over 4 kv heads (one a rank
     "eos_token_id": 151645,
 }
 
-MODELS = {"llama3-8b": LLAMA31_8B, "llama3-70b": LLAMA31_70B, "qwen2.5-7b": QWEN25_7B}
+QWEN25_3B = {  # Qwen2.5-3B's shapes: 16 query heads over 2 kv heads (one a rank on 2 GPUs)
+    **QWEN25_7B,
+    "hidden_size": 2048,
+    "intermediate_size": 11008,
+    "num_hidden_layers": 36,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 2,
+    "vocab_size": 151936,
+    "tie_word_embeddings": True,
+}
+
+MODELS = {"llama3-8b": LLAMA31_8B, "llama3-70b": LLAMA31_70B, "qwen2.5-7b": QWEN25_7B,
+          "qwen2.5-3b": QWEN25_3B}  # fmt: skip
 MODEL_NAMES = {"llama3-8b": "Llama-3.1-8B", "llama3-70b": "Llama-3.1-70B",
-               "qwen2.5-7b": "Qwen2.5-7B"}  # in results  # fmt: skip
+               "qwen2.5-7b": "Qwen2.5-7B", "qwen2.5-3b": "Qwen2.5-3B"}  # in results  # fmt: skip
 
 
 def model_config(name: str, num_layers: int | None = None) -> dict:

@@ -8,7 +8,7 @@ against the measured one.
         [--solvers uniform greedy ga fairkv copy_search uniform-again]
         [--scenario duo|ada_snapkv|patterns|copies] [--copy-cost PATH] [--copy-seconds S]
         [--sharpen 0.25 4] [--batch 1] [--balance-phase auto|prefill|decode] [--work DIR]
-        [--model llama3-8b|llama3-70b|qwen2.5-7b] [--layers N] [--balance-batch N]
+        [--model llama3-8b|llama3-70b|qwen2.5-7b|qwen2.5-3b] [--layers N] [--balance-batch N]
         [--trace DIR]
 
 ``--model llama3-70b --layers 40`` is Llama-3.1-70B's shape (64 query heads over 8 kv heads,
@@ -24,12 +24,13 @@ The driver first measures the heads' uneven loads on this model (``--scenario``)
 - ``copies``: FairKV's regime, every head under Ada-SnapKV at 1,024 tokens a head on
   average, decode priced at the batch served (``balance_batch``: ``--batch 64 --decode 160
   --context 4096``). Copies pay where whole heads cannot level a layer, one kv head a rank
-  (``--model qwen2.5-7b --gpus 4``), at a large batch (``--batch 256 --balance-phase
-  decode``): over the Llama-3.1-8B copies run's shares (its first 4 kv heads of 28 layers,
-  each layer's rescaled to a mean of 1), the cost model predicts the decode
-  attention step at 3.37 ms uniform and 1.98 ms with copy_search at 256 rows (0.94 and 0.90
-  at 64). ``--decode`` must exceed ``--batch`` (a prompt's prefill takes a step, in which
-  those before it decode) for the whole batch to decode together in the steps timed. Result:
+  (``--model qwen2.5-7b --gpus 4``; ``--model qwen2.5-3b --gpus 2``), at a large batch
+  (``--batch 256 --balance-phase decode``): over the Llama-3.1-8B copies run's shares (its
+  first 4 kv heads of 28 layers, each layer's rescaled to a mean of 1), the cost model
+  predicts the decode attention step at 3.37 ms uniform and 1.98 ms with copy_search at
+  256 rows (0.94 and 0.90 at 64). ``--decode`` must exceed ``--batch`` (a prompt's prefill
+  takes a step, in which those before it decode) for the whole batch to decode together in
+  the steps timed. Result:
   ``multigpu_copies_<model>_<gpu>x<N>_<date>``, with ``copy_cost_us`` from
   ``bench/copy_cost.py``'s result (``--copy-cost PATH``, same machine) and
   ``run_to_run_spread`` (``uniform-again`` against ``uniform``); ``--copy-seconds S`` sets

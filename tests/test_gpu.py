@@ -180,27 +180,6 @@ def test_hybrid_on_gpu_equals_resident(share, arena_kib, cpu_timings):
     assert sum(call.tokens for call in cpu_timings.calls) > 0
 
 
-def test_the_hybrid_share_comes_from_rates_measured_when_a_plan_first_offloads():
-    """A plan that fits on the GPU measures nothing; the first that offloads measures the
-    CPU kernel's and PCIe's rates once, and the hybrid tier splits by their balance."""
-    from headspace.planner.memory import Hardware, balanced_share
-
-    model = tiny_model("cuda", torch.float32, layers=8)
-    prompt = torch.randint(0, 512, (900,), generator=torch.Generator().manual_seed(5))
-    resident = make_engine(model, dtype="float32", offload="hybrid")
-    greedy(resident, [prompt])
-    assert resident.batch.planner.rates_pending  # all resident: nothing measured
-    hybrid = make_engine(model, dtype="float32", gpu_memory=arena_budget(model, 96 * 1024),
-                         offload="hybrid", gpu_window=128)  # fmt: skip
-    assert greedy(hybrid, [prompt]) == greedy(resident, [prompt])
-    planner, plan = hybrid.batch.planner, hybrid.batch.runner.plan
-    hw = planner.hardware
-    assert not planner.rates_pending and hw != Hardware()
-    assert 1e9 < hw.h2d_bytes < 1e12 and 1e9 < hw.cpu_attention_bytes < 1e13
-    assert plan.offload == "hybrid"
-    assert plan.cpu_share == pytest.approx(balanced_share(hw.cpu_attention_bytes, hw.h2d_bytes))
-
-
 @pytest.mark.parametrize("share", [1.0, 0.5])
 def test_hybrid_window_kept_on_gpu_equals_staged(share):
     """The GPU window in GPU pages (filled once by the page kernel from page-locked host

@@ -9,7 +9,6 @@ from dataclasses import replace
 
 from headspace.attention.cpu_decode import kernel_isa
 from headspace.engine.config import EngineConfig
-from headspace.engine.host_rates import measured_hardware
 from headspace.engine.memory import flex_pool_pages
 from headspace.engine.ranks import Ranks
 from headspace.engine.scheduler import Scheduler, Sequence
@@ -23,7 +22,6 @@ from headspace.planner.memory import Hardware
 from headspace.planner.plan import Plan, plan_batch, step_seconds
 from headspace.planner.profile import with_patterns
 from headspace.planner.sparsity import with_budgets
-from headspace.tiers.hybrid import hybrid_threads
 
 
 class BatchPlanner:
@@ -34,8 +32,8 @@ class BatchPlanner:
     def __init__(self, model_config, config: EngineConfig, spec: KVSpec, runner,
                  blocks: BlockManager, weight_bytes: int, chunk: int, streamed_bytes: int = 0,
                  ranks: Ranks | None = None, hardware: Hardware | None = None):  # fmt: skip
-        """``hardware``: the planner's rates in place of those this machine measures when
-        a plan first offloads (a test's; see :mod:`headspace.engine.host_rates`)."""
+        """``hardware``: the planner's rates in place of its defaults (a test's, to see a
+        plan follow given rates)."""
         self.model_config, self.config, self.spec = model_config, config, spec
         self.runner, self.blocks, self.chunk = runner, blocks, chunk
         self.weight_bytes, self.ranks = weight_bytes, ranks
@@ -49,9 +47,6 @@ class BatchPlanner:
             self.weight_bytes = -host_min(-weight_bytes)
             self.streamed_bytes = -host_min(-streamed_bytes)
         self.hardware = hardware or (Hardware() if has_kernel else Hardware(cpu_attention_bytes=0))
-        # this machine's rates (a rank without the kernel: the CPU's 0 on every rank, the
-        # slowest's) replace the defaults when a plan first offloads, on a GPU
-        self.rates_pending = hardware is None and config.runtime.on_gpu
         self.max_gpu_pages = None  # under flex, a layer's pool within int32 indices
         if config.runtime.attention_backend == "flex":
             self.max_gpu_pages = flex_pool_pages(spec)
@@ -70,29 +65,11 @@ class BatchPlanner:
         if self.config.budgets.per_head_pages:
             return self._entry_plan(seqs, what)
         plan = self._batch_plan(total, what, len(seqs))
-        if plan.offload != "none" and self._measure_rates():  # weighed by this machine's
-            plan = self._batch_plan(total, what, len(seqs))
         if self.ranks is not None:  # sized for the widest rank; the whole map, with its ranks
             return self.ranks.spread(plan, what)
         if self.config.budgets.retrieval_heads is not None:  # retrieval heads keep all
             plan.head_map = self._with_patterns(plan.head_map)
         return plan
-
-    def _measure_rates(self) -> bool:
-        """Once, on a GPU: this machine's host-to-GPU rate, and the CPU kernel's where the
-        hybrid tier may run at the rates' share, in place of the defaults (whether they
-        changed: a failed measurement keeps them)."""
-        if not self.rates_pending:
-            return False
-        self.rates_pending = False
-        offload = self.config.offload
-        hybrid = offload.mode in ("auto", "hybrid") and offload.hybrid_cpu_share is None
-        measured = measured_hardware(self.hardware, self.runner.device,
-                                     hybrid_threads(offload.cpu_threads),
-                                     cpu=hybrid and self.hardware.cpu_attention_bytes > 0,
-                                     ranks=self.ranks is not None)  # fmt: skip
-        self.hardware = measured or self.hardware
-        return measured is not None
 
     def _batch_plan(self, total_pages: int, what: str, num_seqs: int) -> Plan:
         """The planner's plan for ``num_seqs`` sequences of ``total_pages`` pages."""

@@ -40,8 +40,7 @@ class EngineHooks:
     the layers late. None: none.
 
     ``hardware``: the planner's rates (:class:`headspace.planner.memory.Hardware`) in place
-    of those the engine measures on a GPU machine when a plan first offloads (a test's, to
-    see a plan follow given rates). None: measured there (the defaults elsewhere)."""
+    of its defaults (a test's, to see a plan follow given rates). None: the defaults."""
 
     graphs: type | None = None
     host_arena: type | None = None
