@@ -180,10 +180,11 @@ def scenario_options(args) -> dict:
     return options
 
 
-def timed_batch(engine, timer, args, cfg: dict, solver: str) -> tuple[list, float, float]:
+def timed_batch(engine, timer, args, cfg: dict, solver: str) -> tuple[list, float, float, list]:
     """The run's prompts, after an untimed batch as long that compiles and tunes the kernels
     for their shapes (FlexAttention per key capacity, cuDNN plans per shape) and captures the
-    decode graphs: every request's stats, the prefill seconds and the decode tok/s."""
+    decode graphs: every request's stats, the prefill seconds, the decode tok/s and the
+    seconds of each step that decoded the whole batch (none for one request)."""
     from headspace.engine.sampling import SamplingParams
 
     params = SamplingParams(max_new_tokens=args.decode, ignore_eos=True)
@@ -198,14 +199,14 @@ def timed_batch(engine, timer, args, cfg: dict, solver: str) -> tuple[list, floa
         trace_decode_steps(engine, batch, Path(args.trace), f"decode_{solver}_rank{rank}")
     every = [output.stats for output in engine.generate_batch(prompts, [params] * batch)]
     if steps is None:  # one request: its own prefill and decode
-        return every, every[0].prefill_seconds, (args.decode - 1) / every[0].decode_seconds
+        return every, every[0].prefill_seconds, (args.decode - 1) / every[0].decode_seconds, []
     # every prompt's prefill (the first ones' decode steps mixed in), then the steps that
     # decode the whole batch
     if not steps:  # each prompt's prefill takes a step, in which the others decode
         raise SystemExit(f"no decode step ran all {batch} prompts together: raise "
                          f"--decode above --batch ({args.decode})")  # fmt: skip
     engine.batch.runner.__dict__.pop("decode")  # the timing wrappers
-    return every, max(st.prefill_seconds for st in every), batch / statistics.median(steps)
+    return every, max(st.prefill_seconds for st in every), batch / statistics.median(steps), steps
 
 
 def run_solver(solver: str, args, profile: str) -> dict | None:
@@ -227,7 +228,7 @@ def run_solver(solver: str, args, profile: str) -> dict | None:
     engine = Engine.from_model(model, NoText(), config)
     timer = AttentionTimer(engine.batch.runner)  # before the warm-up captures the graphs
     length, batch = args.context - args.decode, args.batch
-    every, prefill_s, decode_tok_s = timed_batch(engine, timer, args, cfg, solver)
+    every, prefill_s, decode_tok_s, steps = timed_batch(engine, timer, args, cfg, solver)
     stats = every[0]  # peak memory and KV held: the batch's, alike in every request
     weight_bytes = sum(p.nbytes for p in engine.model.parameters())
     hbm = measure_hbm_bandwidth()
@@ -243,6 +244,7 @@ def run_solver(solver: str, args, profile: str) -> dict | None:
         "decode_tok_s": decode_tok_s,
         "attention_seconds": {key: [r[key] for r in per_rank] for key in measured},
         "decode_steps_timed": timer.num_steps,  # rank 0's: its decode_step is their mean
+        "decode_step_seconds": steps,  # rank 0's synchronised steps of the whole batch
         "peak_gpu_gib": stats.peak_gpu_bytes / 2**30,
         "kv_held_fraction": stats.kv_held_fraction,
         "head_map": engine.batch.runner.plan.head_map.summary(),
