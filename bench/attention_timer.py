@@ -37,6 +37,7 @@ class AttentionTimer:
         self.capturing, self.last, self.warming = None, None, False
         self.replayed_ms: list[list[float]] = []  # each timed graph step's layers, in ms
         self.num_steps = 0  # the decode steps the last reading averaged
+        self.rows, self.step_rows = None, None  # decode steps timed: all, or of ``rows``
         runner.attention_hook = self
 
     def graph_step(self, graphs, key, capture: bool) -> None:
@@ -47,12 +48,28 @@ class AttentionTimer:
         if capture:
             self.warming = True  # until the capture's first layer
             self.capturing = events[key] = []
-        self.last = events.get(key)  # (None: captured before this timer, not timed)
+        # (None: captured before this timer, or a step of other than the rows timed)
+        self.last = events.get(key) if self._counted() else None
 
-    def restart(self) -> None:
-        """Forget the steps timed so far (the graphs' events stay theirs)."""
+    def restart(self, rows: int | None = None) -> None:
+        """Forget the steps timed so far (the graphs' events stay theirs); with ``rows``, time
+        from now on only the decode steps of that many sequences (a batch's, once every
+        prompt is in: the smaller steps while the prompts come in would dilute the mean)."""
         self.events = {"prefill": [], "decode": []}
         self.replayed_ms, self.last = [], None
+        self.rows, self.step_rows = rows, None
+        if rows is not None:  # each decode call notes its rows (the wrapper goes with the
+            decode = self.runner.decode  # runner's other timing wrappers)
+
+            def noted(seq_ids, *args, **options):
+                self.step_rows = len(seq_ids)
+                return decode(seq_ids, *args, **options)
+
+            self.runner.decode = noted
+
+    def _counted(self) -> bool:
+        """Whether the decode step running now is one timed."""
+        return self.rows is None or self.step_rows == self.rows
 
     def read_replay(self) -> None:
         """The last replayed graph's attention (its layers' events), before they record again."""
@@ -77,7 +94,9 @@ class AttentionTimer:
             self.warming = False  # the capture's warm-up steps are done
             self.capturing.append((start, end))
         elif not self.warming:
-            self.events["decode" if tiers[0].step.decode else "prefill"].append((start, end))
+            phase = "decode" if tiers[0].step.decode else "prefill"
+            if phase == "prefill" or self._counted():
+                self.events[phase].append((start, end))
         return out
 
     def close(self) -> None:
@@ -87,8 +106,8 @@ class AttentionTimer:
 
     def seconds(self, num_layers: int) -> dict[str, float | list[float]]:
         """Attention seconds: the prompt's chunks in all, its last chunk (what the cost model
-        prices for prefill) and one decode step (the mean over the eager and replayed ones),
-        each also per layer (``*_layers``: a step waits for each layer's slowest rank)."""
+        prices for prefill) and one decode step (the mean over the eager and replayed steps
+        timed), each also per layer (``*_layers``: a step waits for each layer's slowest rank)."""
         torch.cuda.synchronize()
         self.read_replay()
         ms = {phase: [s.elapsed_time(e) for s, e in pairs] for phase, pairs in self.events.items()}

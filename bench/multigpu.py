@@ -55,8 +55,9 @@ Then one ``torchrun --nproc-per-node N`` per GPU count runs every solver in turn
 fresh model (the engine shards it in place), built as a user builds it under torchrun: the
 model's context, default options plus the scenario's and ``balance``. Each rank times its
 attention (CUDA events around every layer's tiers' submits; the copies' log-sum-exp
-exchange excluded) through one prompt of ``--context`` tokens and ``--decode`` tokens, after
-an untimed request of the same length that compiles and tunes the kernels for its shapes. Writes
+exchange excluded; with ``--batch N``, its decode over the steps of all N alone) through one
+prompt of ``--context`` tokens and ``--decode`` tokens, after an untimed request of the same
+length that compiles and tunes the kernels for its shapes. Writes
 ``multigpu_<model>-<scenario>_<gpu>x<N>_<date>.json`` (N the most GPUs run) and a PNG of
 each rank's attention per solver to bench/results ($OUT when set). ``--work DIR`` keeps the
 profile and each GPU count's run of each solver in DIR and reuses those already there, so
@@ -192,7 +193,7 @@ def timed_batch(engine, timer, args, cfg: dict, solver: str) -> tuple[list, floa
     engine.generate_batch([_prompt(cfg, length, seed=4 + 10 * i) for i in range(batch)],
                           [params] * batch)  # fmt: skip
     prompts = [_prompt(cfg, length, seed=3 + 10 * i) for i in range(batch)]
-    timer.restart()
+    timer.restart(rows=batch if batch > 1 else None)
     steps = timed_decode(engine, rows=batch) if batch > 1 else None
     if args.trace:  # a few of the timed steps recorded (they count in the median as any)
         rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
@@ -243,7 +244,7 @@ def run_solver(solver: str, args, profile: str) -> dict | None:
         "prefill_tok_s": batch * length / prefill_s,
         "decode_tok_s": decode_tok_s,
         "attention_seconds": {key: [r[key] for r in per_rank] for key in measured},
-        "decode_steps_timed": timer.num_steps,  # rank 0's: its decode_step is their mean
+        "decode_steps_timed": timer.num_steps,  # rank 0's full-batch steps: their mean
         "decode_step_seconds": steps,  # rank 0's synchronised steps of the whole batch
         "peak_gpu_gib": stats.peak_gpu_bytes / 2**30,
         "kv_held_fraction": stats.kv_held_fraction,
