@@ -201,8 +201,6 @@ def timed_batch(engine, timer, args, cfg: dict, solver: str) -> tuple[list, floa
     every = [output.stats for output in engine.generate_batch(prompts, [params] * batch)]
     if steps is None:  # one request: its own prefill and decode
         return every, every[0].prefill_seconds, (args.decode - 1) / every[0].decode_seconds, []
-    # every prompt's prefill (the first ones' decode steps mixed in), then the steps that
-    # decode the whole batch
     if not steps:  # each prompt's prefill takes a step, in which the others decode
         raise SystemExit(f"no decode step ran all {batch} prompts together: raise "
                          f"--decode above --batch ({args.decode})")  # fmt: skip
@@ -232,6 +230,7 @@ def run_solver(solver: str, args, profile: str) -> dict | None:
     every, prefill_s, decode_tok_s, steps = timed_batch(engine, timer, args, cfg, solver)
     stats = every[0]  # peak memory and KV held: the batch's, alike in every request
     weight_bytes = sum(p.nbytes for p in engine.model.parameters())
+    entries = engine.batch.runner.plan.head_map.entries
     hbm = measure_hbm_bandwidth()
     measured = timer.seconds(model.config.num_layers)
     world = dist.get_world_size() if dist.is_initialized() else 1
@@ -249,6 +248,8 @@ def run_solver(solver: str, args, profile: str) -> dict | None:
         "peak_gpu_gib": stats.peak_gpu_bytes / 2**30,
         "kv_held_fraction": stats.kv_held_fraction,
         "head_map": engine.batch.runner.plan.head_map.summary(),
+        # each entry's layer, kv head, ranks and (for a copied head) each rank's share
+        "placement": [[e.layer, e.kv_head, list(e.rank), list(e.shares)] for e in entries],
         # rank 0's decode floor: its weights and the KV it holds at the end, read once a step
         "decode_floor_tok_s": batch * hbm / (weight_bytes + sum(st.kv_held_bytes for st in every)),
         "hbm_bytes_per_s": hbm,
