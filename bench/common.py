@@ -29,8 +29,28 @@ LLAMA3_8B = dict(
 )
 
 
+def code_version() -> dict:
+    """Which code ran: the commit where a git checkout is at hand, and a digest of the
+    engine's sources either way (a copy of the working tree may carry no history; the same
+    digest of a commit's ``src/headspace`` names it)."""
+    import hashlib
+    import subprocess
+
+    root = Path(__file__).resolve().parent.parent
+    digest = hashlib.sha256()
+    for path in sorted((root / "src" / "headspace").rglob("*.py")):
+        digest.update(path.relative_to(root).as_posix().encode() + b"\0" + path.read_bytes())
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, text=True,
+                                capture_output=True, check=True).stdout.strip()  # fmt: skip
+    except (OSError, subprocess.CalledProcessError):
+        commit = None
+    return {"commit": commit, "src_sha256": digest.hexdigest()[:16]}
+
+
 def environment() -> dict:
-    """GPU, driver-visible versions and date, recorded in every result file."""
+    """GPU, driver-visible versions, the host's cores, the code and the date, recorded in
+    every result file."""
     import transformers
 
     try:
@@ -49,6 +69,8 @@ def environment() -> dict:
         "transformers": transformers.__version__,
         "triton": triton_version,
         "python": platform.python_version(),
+        "host_cores": os.cpu_count(),
+        "code": code_version(),
         "date": datetime.date.today().isoformat(),
     }
 
