@@ -64,23 +64,19 @@ class BatchPlanner:
             what = f"a request of up to {seqs[0].max_tokens} tokens"
         if self.config.budgets.per_head_pages:
             return self._entry_plan(seqs, what)
-        plan = self._batch_plan(total, what, len(seqs))
+        host = self.config.offload
+        plan = plan_batch(self.spec, self.runner.store.num_bytes, total, offload=host.mode,
+                          head_group=host.head_group, host_budget=self.runner.host.budget,
+                          what=what, hw=self.hardware, cpu_share=host.hybrid_cpu_share,
+                          gpu_window=host.gpu_window, num_seqs=len(seqs),
+                          window_on_gpu=host.window_on_gpu,
+                          auto_hybrid=self.config.runtime.on_gpu,
+                          max_gpu_pages=self.max_gpu_pages)  # fmt: skip
         if self.ranks is not None:  # sized for the widest rank; the whole map, with its ranks
             return self.ranks.spread(plan, what)
         if self.config.budgets.retrieval_heads is not None:  # retrieval heads keep all
             plan.head_map = self._with_patterns(plan.head_map)
         return plan
-
-    def _batch_plan(self, total_pages: int, what: str, num_seqs: int) -> Plan:
-        """The planner's plan for ``num_seqs`` sequences of ``total_pages`` pages."""
-        host = self.config.offload
-        return plan_batch(self.spec, self.runner.store.num_bytes, total_pages,
-                          offload=host.mode, head_group=host.head_group,
-                          host_budget=self.runner.host.budget, what=what, hw=self.hardware,
-                          cpu_share=host.hybrid_cpu_share, gpu_window=host.gpu_window,
-                          num_seqs=num_seqs, window_on_gpu=host.window_on_gpu,
-                          auto_hybrid=self.config.runtime.on_gpu,
-                          max_gpu_pages=self.max_gpu_pages)  # fmt: skip
 
     def _with_patterns(self, head_map: HeadMap) -> HeadMap:
         """The profile's retrieval heads keep every token; the others take the pattern."""
