@@ -2,21 +2,25 @@
 random bf16 weights, the GPU capped at 24 GiB (23 GiB budget), in one run.
 
     PYTHONPATH=src python bench/hybrid.py [--batch] [--sparse 0.25 0.5 1] [--long]
+    PYTHONPATH=src python bench/hybrid.py --search 128 512 [--shares 0.4 0.5]
 
 Modes, each an engine built as a user builds it (the model's context, default options but
 the one named): ``stream`` (``offload="head"``: offloaded heads stream over PCIe; the
 default ``auto`` picks the hybrid tier here, recorded as ``auto_picks``), ``hybrid_cpu``
 (``offload="hybrid", cpu_share=1``: the CPU attends everything before the GPU window) and
-``hybrid_split`` (``offload="hybrid"``: the history splits between PCIe and the CPU by their
-rates). Measured in the same run: the pinned host-to-device bandwidth (the PCIe floor of the
-offloaded heads), the host's read bandwidth, the CPU kernel alone and torch's CPU SDPA.
-``--batch`` adds four concurrent 128K requests (stream vs hybrid_split); ``--sparse`` the
-sparse hybrid (``cpu_sparsity=beta``) at 128K with the share of tokens kept per head (random
-weights attend nearly uniformly, so these shares are far above a trained model's);
-``--long`` the exact modes' decode step at 512K, over a sequence whose pages are allocated
-without a prefill (a 512K prefill takes minutes per mode; an exact decode step's work does
-not depend on the values in the pages). Writes ``hybrid_llama3-8b_<gpu>_<date>.json`` (to
-$OUT when set).
+``hybrid_split`` (``offload="hybrid"``: the history splits between PCIe and the CPU at a
+share searched from the decode steps' times, starting at their rates' balance). Measured in
+the same run: the pinned host-to-device bandwidth (the PCIe floor of the offloaded heads),
+the host's read bandwidth, the CPU kernel alone and torch's CPU SDPA. ``--batch`` adds four
+concurrent 128K requests (stream vs hybrid_split); ``--sparse`` the sparse hybrid
+(``cpu_sparsity=beta``) at 128K with the share of tokens kept per head (random weights
+attend nearly uniformly, so these shares are far above a trained model's); ``--long`` the
+exact modes' decode step at 512K, over a sequence whose pages are allocated without a
+prefill (a 512K prefill takes minutes per mode; an exact decode step's work does not depend
+on the values in the pages). Writes ``hybrid_llama3-8b_<gpu>_<date>.json`` (to $OUT when
+set). ``--search`` runs only the searched share against fixed ones (``--shares``, and 1),
+48 decode steps each at the lengths given (in K tokens), into
+``hybrid_search_llama3-8b_<gpu>_<date>.json``.
 """
 
 from __future__ import annotations
@@ -100,11 +104,14 @@ def run_mode(model, mode: str, lengths: list[int], h2d: float) -> dict:
 
 
 def long_decode(model, mode: str, length: int, h2d: float, steps: int = 4,
-                budget: str = BUDGET, **extra) -> dict:  # fmt: skip
+                budget: str = BUDGET, timed: int | None = None, **extra) -> dict:  # fmt: skip
     """Decode steps at ``length`` over freshly allocated (zero) pages, the engine built as a
     user builds it for that context (``max_context``) under ``budget`` (``extra``: options
-    beside the mode's). ``staged_bytes_per_step``: the KV the steps after the first copied
-    from host pages to the GPU (staged, or filled into the GPU window), per step."""
+    beside the mode's). ``decode_ms``: the median of the last ``timed`` steps (default: all
+    after the first; the searched hybrid share settles over the first few dozen);
+    ``cpu_shares``: each step's hybrid share. ``staged_bytes_per_step``: the KV the steps
+    after the first copied from host pages to the GPU (staged, or filled into the GPU
+    window), per step."""
     from headspace.engine.scheduler import Sequence
 
     options = {"max_context": length + 64} if length + 64 > model.config.max_context else {}
@@ -115,7 +122,7 @@ def long_decode(model, mode: str, length: int, h2d: float, steps: int = 4,
     blocks, runner = generator.scheduler.blocks, generator.runner
     blocks.allocate_prompt(seq.seq_id, seq.prompt_ids, generator.planner.tiers, reuse=False)
     pages = blocks.pages([seq.seq_id])
-    times, counters, copied = [], runner.site.counters, []
+    times, counters, copied, shares = [], runner.site.counters, [], []
     for step in range(steps + 1):
         blocks.append_token(seq.seq_id)
         torch.cuda.synchronize()
@@ -124,18 +131,39 @@ def long_decode(model, mode: str, length: int, h2d: float, steps: int = 4,
         torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
         copied.append(counters.staged_entry_pages + counters.window_fill_pages)
+        shares.append(runner.cpu_share)
     blocks.free(seq.seq_id)
     runner.forget(seq.seq_id)
     cfg, offloaded = model.config, plan.head_map.num_offloaded
     floor_s = offloaded * 2 * length * cfg.head_dim * 2 / h2d
-    decode_s = sorted(times[1:])[len(times[1:]) // 2]  # the median after the first step
-    split = getattr(runner.tiers[-1], "cpu", None)
+    last = times[1:] if timed is None else times[-timed:]
+    decode_s = sorted(last)[len(last) // 2]  # the median
     staged = (copied[-1] - copied[0]) * runner.spec.entry_page_bytes / steps
     return {"decode_ms": 1000 * decode_s, "pcie_floor_ms": 1000 * floor_s,
             "speedup_vs_pcie_floor": floor_s / decode_s, "step_ms": [1000 * t for t in times],
             "offloaded_heads": offloaded, "gpu_heads": plan.head_map.count("gpu"),
-            "cpu_share": split.share if split else None, "staged_bytes_per_step": staged,
+            "cpu_share": runner.cpu_share, "cpu_shares": shares,
+            "staged_bytes_per_step": staged,
             "gpu_window_pages": plan.gpu_window.pages if plan.gpu_window else 0}  # fmt: skip
+
+
+def share_search_rows(model, h2d: float, shares: list[float], lengths: list[int],
+                      steps: int = 48, timed: int = 12) -> dict:  # fmt: skip
+    """The default hybrid engine (its share searched from the steps' times) against fixed
+    shares, ``steps`` decode steps each at every length (tokens); ``decode_ms`` is the median
+    of the last ``timed`` steps, where the search has settled."""
+    runs = {}
+    for length in lengths:
+        rows = runs.setdefault(f"{length // K}K", {})
+        for share in ["searched", *shares]:
+            mode = "hybrid_split" if share == "searched" else f"hybrid_share_{share:g}"
+            MODES.setdefault(mode, {"offload": "hybrid", "cpu_share": share})
+            row = long_decode(model, mode, length - 64, h2d, steps, timed=timed)
+            rows[mode] = row
+            print(f"{length // K}K", mode, f"{row['decode_ms']:.1f} ms at share {row['cpu_share']}",
+                  flush=True)  # fmt: skip
+            torch.cuda.empty_cache()
+    return runs
 
 
 def _agreement(tokens: list[list[int]], reference: list[list[int]]) -> float:
@@ -169,7 +197,19 @@ def main() -> None:
                         help="also sparse hybrid at these betas (at 128K)")  # fmt: skip
     parser.add_argument("--long", action="store_true", help="also the exact modes at 512K")
     parser.add_argument("--only-long", action="store_true", help="only the 512K runs")
+    parser.add_argument(
+        "--search",
+        type=int,
+        nargs="*",
+        default=None,
+        metavar="K",
+        help="only the searched share against --shares (default 0.4 0.5) and "
+        "1, 48 decode steps at these lengths in K tokens (default 128 512)",
+    )
     args = parser.parse_args()
+    if args.search is not None:
+        search_main(args)
+        return
     for share in args.shares:
         MODES[f"hybrid_share_{share:g}"] = {"offload": "hybrid", "cpu_share": share}
     for beta in args.sparse:
@@ -209,6 +249,29 @@ def main() -> None:
                 torch.cuda.empty_cache()
                 write_result(name, result)
     _print(result)
+
+
+def search_main(args) -> None:
+    """``--search``: the searched share against fixed ones (``hybrid_search_*.json``)."""
+    env = environment()
+    h2d = pinned_h2d_bandwidth()
+    result = {"env": env, "config": LLAMA31_8B, "budget": BUDGET, "gpu_cap_gib": CAP_GIB,
+              "h2d_bytes_per_s": h2d}  # fmt: skip
+    model = random_model(LLAMA31_8B)
+    lengths = [n * K for n in (args.search or [128, 512])]
+    with gpu_cap(CAP_GIB):
+        result["runs"] = share_search_rows(model, h2d, [*(args.shares or [0.4, 0.5]), 1.0],
+                                           lengths)  # fmt: skip
+    write_result(f"hybrid_search_llama3-8b_{gpu_tag(env)}_{env['date']}.json", result)
+    print(f"\n{'length':>7} {'share':>14} {'ms/token':>9} {'x PCIe floor':>13}  searched shares")
+    for label, rows in result["runs"].items():
+        for mode, row in rows.items():
+            path = " ".join(f"{s:.2f}" for s in row["cpu_shares"][::8])
+            path = path if mode == "hybrid_split" else ""
+            print(
+                f"{label:>7} {mode.removeprefix('hybrid_'):>14} {row['decode_ms']:>9.1f} "
+                f"{row['speedup_vs_pcie_floor']:>13.2f}  {path}"
+            )
 
 
 def _print(result: dict) -> None:

@@ -104,13 +104,16 @@ def offload(model) -> dict:
 
 def hybrid(model) -> dict:
     """Hybrid decode step at 128K, PCIe and CPU split, 23 GiB budget (bench/hybrid.py): the
-    median of 12 steps (the CPU's part follows the host's load)."""
+    median of the last 16 of 48 steps (the CPU's part follows the host's load; the share's
+    search settles over the first few dozen steps)."""
     from common import pinned_h2d_bandwidth
     from hybrid import CAP_GIB, K, long_decode
     from offload_runs import gpu_cap
 
     with gpu_cap(CAP_GIB):
-        row = long_decode(model, "hybrid_split", 128 * K - 64, pinned_h2d_bandwidth(), steps=12)
+        row = long_decode(model, "hybrid_split", 128 * K - 64, pinned_h2d_bandwidth(), steps=48,
+                          timed=16)  # fmt: skip
+    print(f"hybrid: the share searched to {row['cpu_share']} ({row['cpu_shares']})", flush=True)
     return {"hybrid decode 128K ms": row["decode_ms"]}
 
 

@@ -85,10 +85,15 @@ def test_cpu_share_zero_streams_everything(wide_llama, prompt, cpu_timings):
     assert cpu_timings.calls == []  # no kernel call, no background job
 
 
-def test_the_share_follows_the_planners_rates(wide_llama, prompt):
-    """Without ``cpu_share`` the split is the rates' balance: the defaults' (0.50), or a
-    machine's whose CPU reads twice as fast as PCIe carries (2/3: more of each history on
-    the CPU, fewer tokens staged); the request's summary shows the share, and the tokens
+def frozen_clock() -> float:
+    """A step clock that never moves: every share times alike, so the search keeps its start."""
+    return 0.0
+
+
+def test_the_share_starts_at_the_planners_rates(wide_llama, prompt):
+    """Without ``cpu_share`` the split starts at the rates' balance: the defaults' (0.50),
+    or a machine's whose CPU reads twice as fast as PCIe carries (2/3: more of each history
+    on the CPU, fewer tokens staged); the request's summary shows the share, and the tokens
     are the all-resident run's either way."""
     from headspace.planner.memory import Hardware
 
@@ -97,13 +102,44 @@ def test_the_share_follows_the_planners_rates(wide_llama, prompt):
     fast_cpu = Hardware(cpu_attention_bytes=108e9, h2d_bytes=54e9)
     for name, hardware in (("default", None), ("fast CPU", fast_cpu)):
         llm = make(wide_llama, arena=700 * 1024, offload="hybrid",
-                   hooks=EngineHooks(hardware=hardware))  # fmt: skip
+                   hooks=EngineHooks(hardware=hardware, step_clock=frozen_clock))  # fmt: skip
         out = llm.generate(prompt, GREEDY)[0]
         assert out.token_ids == expected
         shares[name] = llm.engine.batch.runner.plan.cpu_share
-        assert out.stats.cpu_share == shares[name]
+        assert out.stats.cpu_share == pytest.approx(shares[name], abs=1e-6)
         assert f"(CPU share {shares[name]:.2f})" in out.stats.summary()
     assert shares == {"default": pytest.approx(0.5, abs=0.01), "fast CPU": pytest.approx(2 / 3)}
+
+
+def test_the_share_is_searched_from_the_steps_times(wide_llama, prompt, cpu_timings):
+    """Without ``cpu_share`` the decode steps' own times move the share: on a machine whose
+    steps are fastest with 0.8 of each history on the CPU (the test's clock charges each
+    step by the share it ran at), the search goes there from the rates' 0.5 and settles,
+    and every step's logits stay the all-resident run's while it moves. A share asked for
+    is never moved."""
+    resident = make(wide_llama)
+    runners = []
+
+    def clock() -> float:  # called as each decode step starts: the last one's share is set
+        share = runners[0].cpu_share
+        clock.now += 0.1 + 0.2 * abs(share - 0.8)
+        return clock.now
+
+    clock.now = 0.0
+    hooks = EngineHooks(cpu_timings=cpu_timings, step_clock=clock)
+    llm = make(wide_llama, arena=700 * 1024, offload="hybrid", gpu_window=16, hooks=hooks)
+    runners.append(llm.engine.batch.runner)
+    gap = decode_logits(llm, prompt, 120) - decode_logits(resident, prompt, 120)
+    assert gap.abs().max().item() < 1e-4
+    search = runners[0].share_search
+    assert search.settled and search.share == pytest.approx(0.8, abs=0.05)
+    out = llm.generate(prompt, GREEDY)[0]  # a new request starts where the search stands
+    assert out.stats.cpu_share == pytest.approx(0.8, abs=0.05)
+    asked = make(wide_llama, arena=700 * 1024, offload="hybrid", gpu_window=16, cpu_share=0.5,
+                 hooks=EngineHooks(step_clock=clock))  # fmt: skip
+    runners[0] = asked.engine.batch.runner
+    assert asked.generate(prompt, GREEDY)[0].stats.cpu_share == 0.5
+    assert runners[0].share_search is None
 
 
 def test_hybrid_batch_equals_one_at_a_time(tiny_llama, cpu_timings):

@@ -86,7 +86,8 @@ class BatchGenerator:
         blocks = block_manager(self.spec.page_size, num_entries)  # the scheduler's
         self.runner = PagedRunner(model, config, self.spec, arena, host, blocks,
                                   2 * config.runtime.max_batch, max_context, profile, layout,
-                                  hooks.graphs, hooks.prefix_piece, hooks.cpu_timings)  # fmt: skip
+                                  hooks.graphs, hooks.prefix_piece, hooks.cpu_timings,
+                                  hooks.step_clock)  # fmt: skip
         self.planner = BatchPlanner(model.config, config, self.spec, self.runner, blocks,
                                     weights, self.chunk, streamed, ranks,
                                     hooks.hardware)  # fmt: skip
@@ -372,6 +373,8 @@ class BatchGenerator:
         seq = request.seq
         stats.decode_seconds = request.finished - (request.first_token or request.finished)
         stats.cpu_kept_fraction = self.runner.kept_summary(seq.seq_id)
+        if stats.cpu_share is not None:  # where the share's search left it
+            stats.cpu_share = self.runner.cpu_share or stats.cpu_share
         self.runner.forget(seq.seq_id)
         if request.kv_held is not None:
             stats.kv_held_bytes, stats.kv_held_fraction = request.kv_held

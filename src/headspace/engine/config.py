@@ -183,8 +183,8 @@ class OffloadConfig:
     head_group: int | None = _option(None, "kv heads per streamed group (default: the planner's)")
     cpu_share: float | None = _option(
         None, "hybrid: share of each offloaded history (before the GPU window) attended by "
-        "CPU threads, the rest streamed over PCIe (default: split by the planner's CPU and PCIe "
-        "rates, 0.5; 1 = CPU only)"
+        "CPU threads, the rest streamed over PCIe (default: searched from the decode steps' "
+        "times, from the planner's rates' balance, 0.5; 1 = CPU only)"
     )  # fmt: skip
     gpu_window: int = _option(1024, "hybrid: most recent tokens always attended on the GPU")
     window_on_gpu: bool = _option(
@@ -233,7 +233,8 @@ class OffloadConfig:
     @property
     def hybrid_cpu_share(self) -> float | None:
         """The hybrid tier's CPU share as asked: 1 in sparse mode (the CPU takes all before
-        the window), else ``cpu_share`` (None: the balance of the planner's rates)."""
+        the window), else ``cpu_share`` (None: searched at run time, from the balance of
+        the planner's rates)."""
         return 1.0 if self.cpu_sparsity is not None else self.cpu_share
 
 

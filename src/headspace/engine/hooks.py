@@ -40,7 +40,10 @@ class EngineHooks:
     the layers late. None: none.
 
     ``hardware``: the planner's rates (:class:`headspace.planner.memory.Hardware`) in place
-    of its defaults (a test's, to see a plan follow given rates). None: the defaults."""
+    of its defaults (a test's, to see a plan follow given rates). None: the defaults.
+
+    ``step_clock``: the seconds the hybrid tier's share search times decode steps by (a
+    test's clock, whose steps take what it says a share costs). None: ``time.perf_counter``."""
 
     graphs: type | None = None
     host_arena: type | None = None
@@ -48,3 +51,4 @@ class EngineHooks:
     cpu_timings: CpuTimings | None = None
     weight_delay: Callable[[str, int], None] | None = None
     hardware: Hardware | None = None
+    step_clock: Callable[[], float] | None = None

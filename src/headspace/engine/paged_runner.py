@@ -10,6 +10,9 @@ layout is always the same tensors, so its CUDA graphs survive a detour through s
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
+
 import torch
 import torch.distributed
 
@@ -26,6 +29,7 @@ from headspace.parallel.dist import first_error, host_min, release_before_leavin
 from headspace.parallel.placement import RankLayout
 from headspace.planner.plan import Plan
 from headspace.planner.profile import Profile
+from headspace.planner.share_search import ShareSearch, lowest_share
 from headspace.tiers import HybridSettings, StepInputs, Tier, TierSite, attend_tiers, build_tiers
 from headspace.tiers.base import MIN_WIDTH, CpuTimings, block_table, bucket
 from headspace.tiers.hybrid_sparse import SparseSelector
@@ -47,12 +51,14 @@ class PagedRunner:
                  profile: Profile | None = None, layout: RankLayout | None = None,
                  graphs_class: type | None = None,
                  prefix_piece: int | None = None,
-                 cpu_timings: CpuTimings | None = None):  # fmt: skip
+                 cpu_timings: CpuTimings | None = None,
+                 step_clock: Callable[[], float] | None = None):  # fmt: skip
         """``blocks``: the scheduler's block tables, which the tiers keep per-entry lengths
         in (budgets compress them); ``graphs_class``: what captures decode steps in place of
         DecodeGraphs (tests' CPU twin), ``prefix_piece``: prefix tokens a chunk gathers at a
         time (a test's small pieces), ``cpu_timings``: the hybrid tier's CPU side's record
-        (a benchmark's); all but ``blocks`` :class:`EngineHooks`."""
+        (a benchmark's), ``step_clock``: seconds the hybrid share's search times decode
+        steps by (default ``time.perf_counter``); all but ``blocks`` :class:`EngineHooks`."""
         if layout is not None and config.runtime.attention_backend == "flex":
             raise UserError("attention_backend flex does not run over several GPUs yet (copied "
                             "heads decode through their own kernels); use sdpa")  # fmt: skip
@@ -86,6 +92,10 @@ class PagedRunner:
             cpu_timings=cpu_timings,
         )  # fmt: skip
         self.tiers: list[Tier] = []  # the current plan's (tiers.table)
+        # the hybrid tier's CPU share, searched from decode steps' times where not asked for
+        self.share_search: ShareSearch | None = None
+        self._step_clock = step_clock or time.perf_counter
+        self._other_work = False  # whether a prefill or a swap ran since the last decode
         self._layout: tuple | None = None
         self._layout_ids: dict[tuple, int] = {}  # a small key per layout seen, for the graphs
         self._graph_cache, self._graph_pool = {}, None
@@ -110,7 +120,30 @@ class PagedRunner:
             return None
         pools = self._lay_out(plan, key)
         self.tiers = build_tiers(plan, self.site)
+        self._search_share(plan)
         return pools
+
+    def _search_share(self, plan: Plan) -> None:
+        """A hybrid plan whose share was not asked for searches it from the plan's (or,
+        after another hybrid plan, where the last search stood)."""
+        asked = self.config.offload.hybrid_cpu_share
+        if plan.offload != "hybrid" or asked is not None:
+            self.share_search = None
+            return
+        start = plan.cpu_share if self.share_search is None else self.share_search.share
+        self.share_search = ShareSearch(start, low=lowest_share(plan.cpu_share))
+        self._set_share(self.share_search.share)
+
+    @property
+    def cpu_share(self) -> float | None:
+        """The hybrid tier's CPU share now (searched or asked); None without the tier."""
+        split = next((t.cpu for t in self.tiers if getattr(t, "cpu", None)), None)
+        return None if split is None else split.share
+
+    def _set_share(self, share: float) -> None:
+        for tier in self.tiers:
+            if getattr(tier, "cpu", None) is not None:
+                tier.cpu.share = share
 
     def _lay_out(self, plan: Plan, key: tuple) -> PoolLayout:
         """The arena's layers for ``plan`` (layout ``key``) and how its page pools follow.
@@ -278,6 +311,7 @@ class PagedRunner:
         first_layer = 0 if layers is None else layers[0]
         step = StepInputs(False, positions, [], pages, start=start, seq_ids=[seq.seq_id],
                           first_layer=first_layer)  # fmt: skip
+        self._other_work = True
         for tier in self.tiers:
             tier.begin(step)
         mode = "eager"
@@ -312,6 +346,10 @@ class PagedRunner:
         graphs = self._graphs
         if graphs is not None and graphs.accepts(positions):
             return graphs.run(slots, positions, pages)
+        if self.share_search is not None:  # this step's share; the last one's time
+            now, key = self._step_clock(), tuple(seq_ids)
+            self._set_share(self.share_search.observe(now, key, self._other_work))
+        self._other_work = False
         step = self._decode_inputs(positions, pages)
         step.seq_ids = list(seq_ids)
         for tier in self.tiers:
@@ -336,6 +374,7 @@ class PagedRunner:
         """Copy the resident entries of page pairs (GPU, host) or (host, GPU). Under torchrun
         a layer's host pages hold the rank's heads in its weights' order: its own (arena
         layer ``l``), then its copies (arena layer ``L + l``)."""
+        self._other_work = self._other_work or bool(pairs)
         num_layers = self.spec.num_layers
         places = [(i % num_layers, 0 if i < num_layers else len(self.layout.own[i % num_layers]))
                   for i in range(len(self.store.kv))]  # fmt: skip
