@@ -19,7 +19,7 @@ exact modes' decode step at 512K, over a sequence whose pages are allocated with
 prefill (a 512K prefill takes minutes per mode; an exact decode step's work does not depend
 on the values in the pages). Writes ``hybrid_llama3-8b_<gpu>_<date>.json`` (to $OUT when
 set). ``--search`` runs only the searched share against fixed ones (``--shares``, and 1),
-48 decode steps each at the lengths given (in K tokens), into
+72 decode steps each at the lengths given (in K tokens, the median of the last 16), into
 ``hybrid_search_llama3-8b_<gpu>_<date>.json``.
 """
 
@@ -93,7 +93,7 @@ def run_mode(model, mode: str, lengths: list[int], h2d: float) -> dict:
         "decode_ms": 1000 * decode_s / steps, "pcie_floor_ms": 1000 * floor_s,
         "speedup_vs_pcie_floor": floor_s / (decode_s / steps), "num_requests": len(outs),
         "aggregate_decode_tok_s": sum(len(o.token_ids) - 1 for o in outs) / decode_s,
-        "cpu_share": split.share if split else None,
+        "cpu_share": generator.runner.cpu_share,
         "gpu_window": split.gpu_window if split else None,
         "head_map_summary": out.stats.summary().split(" | ")[3], "wall_seconds": wall,
         "plan": generator.runner.plan.head_map.summary(),
@@ -131,7 +131,7 @@ def long_decode(model, mode: str, length: int, h2d: float, steps: int = 4,
         torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
         copied.append(counters.staged_entry_pages + counters.window_fill_pages)
-        shares.append(runner.cpu_share)
+        shares.append(runner.step_cpu_share)
     blocks.free(seq.seq_id)
     runner.forget(seq.seq_id)
     cfg, offloaded = model.config, plan.head_map.num_offloaded
@@ -148,7 +148,7 @@ def long_decode(model, mode: str, length: int, h2d: float, steps: int = 4,
 
 
 def share_search_rows(model, h2d: float, shares: list[float], lengths: list[int],
-                      steps: int = 48, timed: int = 12) -> dict:  # fmt: skip
+                      steps: int = 72, timed: int = 16) -> dict:  # fmt: skip
     """The default hybrid engine (its share searched from the steps' times) against fixed
     shares, ``steps`` decode steps each at every length (tokens); ``decode_ms`` is the median
     of the last ``timed`` steps, where the search has settled."""
@@ -188,7 +188,7 @@ def cpu_kernel_figures(context: int) -> dict:
     return figures
 
 
-def main() -> None:
+def _arguments() -> argparse.Namespace:
     parser = argparse.ArgumentParser()
     parser.add_argument("--batch", action="store_true", help="also four 128K requests at once")
     parser.add_argument("--shares", type=float, nargs="*", default=[],
@@ -197,16 +197,15 @@ def main() -> None:
                         help="also sparse hybrid at these betas (at 128K)")  # fmt: skip
     parser.add_argument("--long", action="store_true", help="also the exact modes at 512K")
     parser.add_argument("--only-long", action="store_true", help="only the 512K runs")
-    parser.add_argument(
-        "--search",
-        type=int,
-        nargs="*",
-        default=None,
-        metavar="K",
-        help="only the searched share against --shares (default 0.4 0.5) and "
-        "1, 48 decode steps at these lengths in K tokens (default 128 512)",
-    )
-    args = parser.parse_args()
+    parser.add_argument("--search", type=int, nargs="*", default=None, metavar="K",
+                        help="only the searched share against --shares (default 0.4 0.5) and "
+                        "1, 72 decode steps at these lengths in K tokens (default 128 "
+                        "512)")  # fmt: skip
+    return parser.parse_args()
+
+
+def main() -> None:
+    args = _arguments()
     if args.search is not None:
         search_main(args)
         return

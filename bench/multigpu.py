@@ -303,6 +303,7 @@ def launch(num_gpus: int, args, out: Path, solvers: list[str]) -> None:
     command += ["--sharpen", *map(str, args.sharpen)] if args.sharpen else []
     command += ["--copy-seconds", str(args.copy_seconds)] if args.copy_seconds is not None else []
     command += ["--balance-batch", str(args.balance_batch)] if args.balance_batch else []
+    command += ["--kv-budget", str(args.kv_budget)] if args.kv_budget else []
     command += ["--trace", args.trace] if args.trace else []
     subprocess.run(command, check=True, env={**os.environ, "OMP_NUM_THREADS": "4"})
 
@@ -353,10 +354,18 @@ def main() -> None:
         help="a folder for a torch profiler trace of three decode steps of the batch, per "
         "solver and rank (bench/step_trace.py)",
     )
+    parser.add_argument(
+        "--kv-budget",
+        type=int,
+        help="the scenario's KV budget in tokens a head in place of its own (copies: 1024), "
+        "e.g. 8192 at --context 32768, where the cost model makes copies pay",
+    )
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     parser.add_argument("--profile", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.kv_budget:  # the profile, the workers and the result all read the scenario
+        SCENARIOS[args.scenario] = {**SCENARIOS[args.scenario], "kv_budget": args.kv_budget}
     if args.worker:
         return worker(args)
     cfg = model_config(args.model, args.layers)  # a layer count it lacks: refused here
@@ -377,6 +386,7 @@ def main() -> None:
     variant = ("-sharp" if args.sharpen else "") + (f"-b{args.batch}" if args.batch > 1 else "")
     variant += f"-{args.balance_phase}" if args.balance_phase != "auto" else ""
     variant += f"-copy{args.copy_seconds * 1e6:g}us" if args.copy_seconds is not None else ""
+    variant += f"-kv{args.kv_budget}" if args.kv_budget else ""
     tag = model_tag(args.model, args.layers)
     name = f"multigpu_{tag}-{args.scenario}{variant}_{gpu}x{most}_{env['date']}"
     if args.scenario == "copies":

@@ -21,6 +21,7 @@ RUN_KEYS = (
     "balance_phase",
     "copy_seconds",
     "balance_batch",
+    "kv_budget",
 )
 
 
@@ -32,7 +33,8 @@ def prepare_work(work: Path, args, measure: Callable[[Path], dict]) -> dict:
     work.mkdir(parents=True, exist_ok=True)
     settings = {key: getattr(args, key) for key in RUN_KEYS}
     kept, began = work / "settings.json", work / "environment.json"
-    if kept.exists() and json.loads(kept.read_text()) != settings:
+    # (a key added since the folder began reads as unset there)
+    if kept.exists() and {k: None for k in RUN_KEYS} | json.loads(kept.read_text()) != settings:
         raise SystemExit(f"{work} holds runs of other settings: {kept.read_text()}")
     here = environment()
     if began.exists() and gpu_tag(json.loads(began.read_text())) != gpu_tag(here):

@@ -26,10 +26,15 @@ SHAPE = CostShape.of(config_from_dict(LLAMA3_8B))  # 4 query heads per kv head, 
 def test_decode_cost_is_the_bytes_an_entry_holds_at_its_tiers_rate():
     full = roofline_cost(HeadEntry(0, 0), SHAPE, HW, phase="decode", context=2**17)
     assert full.split == pytest.approx(2**17 * 2 * 128 * 2 / HW.hbm_bytes)
-    assert full.fixed == pytest.approx(10 * 128 * 4096 * 2 / HW.hbm_bytes)  # q, o: 4 rows; k, v
+    assert full.fixed == pytest.approx(10 * 128 * 4096 * 2 / HW.hbm_bytes  # q, o: 4 rows; k, v
+                                       + HW.decode_row_seconds)  # the kernel's row  # fmt: skip
+    assert full.copy == pytest.approx(HW.copy_seconds + HW.copy_row_seconds)
     quarter = roofline_cost(HeadEntry(0, 0, budget=2**15), SHAPE, HW, phase="decode",
                             context=2**17, batch=3)  # fmt: skip
     assert quarter.split == pytest.approx(3 * full.split / 4)
+    # a copy repeats the rows of every sequence, and adds a merge and work per sequence
+    assert quarter.fixed - full.fixed == pytest.approx(2 * HW.decode_row_seconds)
+    assert quarter.copy - full.copy == pytest.approx(2 * HW.copy_row_seconds)
     ring = HeadEntry(0, 0, pattern="streaming(4,1020)")
     assert roofline_cost(ring, SHAPE, HW, phase="decode", context=2**17).split == pytest.approx(
         full.split / 128

@@ -111,21 +111,31 @@ def test_the_share_starts_at_the_planners_rates(wide_llama, prompt):
     assert shares == {"default": pytest.approx(0.5, abs=0.01), "fast CPU": pytest.approx(2 / 3)}
 
 
+def share_clock(runners: list, best: float):
+    """A step clock that charges each decode step by the share it ran at (the test's
+    machine: fastest at ``best``), called as the next step starts; ``clock.shares`` records
+    every step's share, ``clock.centres`` where the search stood."""
+
+    def clock() -> float:
+        share = runners[0].step_cpu_share
+        clock.shares.append(share)
+        clock.centres.append(runners[0].cpu_share)
+        clock.now += 0.1 + 0.2 * abs(share - best)
+        return clock.now
+
+    clock.now, clock.shares, clock.centres = 0.0, [], []
+    return clock
+
+
 def test_the_share_is_searched_from_the_steps_times(wide_llama, prompt, cpu_timings):
     """Without ``cpu_share`` the decode steps' own times move the share: on a machine whose
     steps are fastest with 0.8 of each history on the CPU (the test's clock charges each
     step by the share it ran at), the search goes there from the rates' 0.5 and settles,
-    and every step's logits stay the all-resident run's while it moves. A share asked for
-    is never moved."""
+    and every step's logits stay the all-resident run's while it moves. A new request
+    starts where it stood; a share asked for is never moved."""
     resident = make(wide_llama)
     runners = []
-
-    def clock() -> float:  # called as each decode step starts: the last one's share is set
-        share = runners[0].cpu_share
-        clock.now += 0.1 + 0.2 * abs(share - 0.8)
-        return clock.now
-
-    clock.now = 0.0
+    clock = share_clock(runners, 0.8)
     hooks = EngineHooks(cpu_timings=cpu_timings, step_clock=clock)
     llm = make(wide_llama, arena=700 * 1024, offload="hybrid", gpu_window=16, hooks=hooks)
     runners.append(llm.engine.batch.runner)
@@ -133,13 +143,57 @@ def test_the_share_is_searched_from_the_steps_times(wide_llama, prompt, cpu_timi
     assert gap.abs().max().item() < 1e-4
     search = runners[0].share_search
     assert search.settled and search.share == pytest.approx(0.8, abs=0.05)
-    out = llm.generate(prompt, GREEDY)[0]  # a new request starts where the search stands
+    assert len(set(clock.shares)) > 3  # it timed several shares on the way
+    out = llm.generate(prompt, GREEDY)[0]
     assert out.stats.cpu_share == pytest.approx(0.8, abs=0.05)
     asked = make(wide_llama, arena=700 * 1024, offload="hybrid", gpu_window=16, cpu_share=0.5,
                  hooks=EngineHooks(step_clock=clock))  # fmt: skip
     runners[0] = asked.engine.batch.runner
     assert asked.generate(prompt, GREEDY)[0].stats.cpu_share == 0.5
     assert runners[0].share_search is None
+
+
+def test_a_short_generation_runs_at_the_start_and_reports_it(wide_llama, prompt):
+    """A batch's steps within the search's warm-up never probe: a short generation runs
+    every step at the rates' share; a longer one then probes, and the summary reports where
+    the search stands, not a neighbour being timed."""
+    runners = []
+    clock = share_clock(runners, 0.8)
+    llm = make(wide_llama, arena=700 * 1024, offload="hybrid", gpu_window=16,
+               hooks=EngineHooks(step_clock=clock))  # fmt: skip
+    runners.append(llm.engine.batch.runner)
+    params = SamplingParams(max_new_tokens=12, ignore_eos=True)
+    share = llm.generate(prompt, params)[0].stats.cpu_share
+    start = runners[0].plan.cpu_share
+    assert share == pytest.approx(start, abs=1e-6) and set(clock.shares) == {share}
+    out = llm.generate(prompt, SamplingParams(max_new_tokens=30, ignore_eos=True))[0]
+    assert len(set(clock.shares)) > 1  # probing began; the summary reports the centre
+    assert out.stats.cpu_share == runners[0].share_search.share == runners[0].cpu_share
+    assert set(clock.shares) - set(clock.centres)  # and some steps ran at a neighbour
+
+
+def test_a_prefill_between_steps_is_not_timed(wide_llama, prompt):
+    """A decode step with a prefill chunk run since the one before is not timed: a machine
+    whose prefill chunks take long would otherwise charge them to the share just tried."""
+    runners, ran = [], []
+
+    def clock() -> float:  # whether something ran since the last decode step, as it starts
+        ran.append(runners[0].other_work)
+        return 0.0
+
+    llm = make(wide_llama, arena=700 * 1024, offload="hybrid", gpu_window=16,
+               hooks=EngineHooks(step_clock=clock))  # fmt: skip
+    runners.append(llm.engine.batch.runner)
+    engine = llm.engine
+    engine.add_request(prompt, SamplingParams(max_new_tokens=24, ignore_eos=True))
+    for _ in range(6):
+        engine.step()
+    other = [(t * 7 + 3) % 30000 for t in prompt]  # no prefix in common
+    engine.add_request(other, SamplingParams(max_new_tokens=4, ignore_eos=True))
+    while engine.has_unfinished():
+        engine.step()
+    assert ran[0] and ran.count(True) >= 2  # after each prompt's prefill
+    assert ran.count(False) > 10
 
 
 def test_hybrid_batch_equals_one_at_a_time(tiny_llama, cpu_timings):

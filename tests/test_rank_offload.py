@@ -41,7 +41,8 @@ RESIDENT = {"num_kv_pages": None}  # one process: everything on the "GPU"
 
 def test_host_memory_two_ranks(wide_llama, prompt, tmp_path):
     """Each rank's heads beyond what its GPU pages hold live in host pages, streamed in (by
-    groups, by layers) or attended in part by CPU threads (hybrid): even and uneven maps, a
+    groups, by layers) or attended in part by CPU threads (hybrid, at the plan's share: no
+    rank searches it, for the ranks would time their steps apart): even and uneven maps, a
     batch that reaches the plan, sampled tokens, and decode as the CUDA graphs run it; and
     whole sequences swapped out to host pages and back, even and uneven. One process keeps
     everything resident."""
@@ -53,7 +54,7 @@ def test_host_memory_two_ranks(wide_llama, prompt, tmp_path):
         {**_case(wide_llama, prompt, {"num_kv_pages": 4, "balance": "uniform",
                                       "offload": "layer"}), "single": RESIDENT},
         {**_case(wide_llama, prompt, {"num_kv_pages": 3, "balance": "uniform", "offload": "hybrid",
-                                      "cpu_share": 0.5, "gpu_window": 16}), "single": RESIDENT},
+                                      "gpu_window": 16}), "single": RESIDENT},
         {**_case(wide_llama, prompt, {"num_kv_pages": 3, "balance": "random", "offload": "head"}),
          "single": RESIDENT, "batch": [150, 75, 100], "graph_twin": True},
     ]  # fmt: skip
@@ -67,6 +68,7 @@ def test_host_memory_two_ranks(wide_llama, prompt, tmp_path):
         first = result["tiers"][0]  # the longest prompt's plan (each rank's part of it)
         assert 0 < first[tier] < 32 and first["gpu"] + first[tier] == 32, result["tiers"]
     assert results[4]["graphs"]
+    assert results[3]["searching"] == [False, False]  # ranks keep the plan's hybrid share
     for result in results[-2:]:  # pages out to host pages, and all of them back
         assert result["swaps"] and sum(result["swaps"]) == 0, result["swaps"]
 
@@ -248,7 +250,10 @@ def test_budget_entries_in_host_memory_two_ranks(wide_llama, prompt, tmp_path):
                                       "kv_policy": "ada_snapkv", **FREE_COPIES}),
          "single": RESIDENT, "batch": [150, 75, 100]},
         {**_case(wide_llama, prompt, {**streaming, "num_kv_pages": 3, "kv_budget": 0.5,
-                                      "balance": "greedy", "replicas": 0}), "single": RESIDENT},
+                                      "balance": "greedy", "balance_phase": "prefill",
+                                      "replicas": 0}), "single": RESIDENT},
+        # (balanced at prefill, where a ring attends fewer keys, so that greedy gives the
+        # ranks unequal heads: at decode this tiny model's heads cost their rows alike)
     ]  # fmt: skip
     results = _check(run_cases(2, cases, tmp_path), cases)
     assert _uneven(results[1]["heads"]) and _uneven(results[3]["heads"])

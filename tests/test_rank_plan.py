@@ -81,13 +81,16 @@ QWEN25_7B = {"architectures": ["Qwen2ForCausalLM"], "hidden_size": 3584,
              "rope_theta": 1e6, "rms_norm_eps": 1e-6}  # fmt: skip
 
 
-def test_copies_pay_only_where_decode_is_priced_at_a_large_batch(capsys, tmp_path):
-    """One kv head a rank (Qwen2.5-7B's shape over four ranks) under Ada-SnapKV at 1,024
-    tokens a head, one head of each layer given 2.5 times an even share: placing whole
-    heads cannot level a layer, only copies can. Priced at one sequence, a copy repeats more
-    projection rows than the attention it moves, so the engine's map has none; priced at
-    the 256 sequences of FairKV's regime (``balance_batch``), the heavy heads are copied
-    and the decode step's slowest ranks wait far less than uniform's."""
+def test_copies_pay_only_where_the_attention_they_move_outweighs_their_price(capsys, tmp_path):
+    """One kv head a rank (Qwen2.5-7B's shape over four ranks) under Ada-SnapKV, one head of
+    each layer given 2.5 times an even share: placing whole heads cannot level a layer, only
+    copies can. A copy repeats its kernel rows and adds a merge and its work per sequence
+    (measured end to end at 256 sequences: 89 us beyond its rows). At 1,024 tokens a head
+    that outweighs the attention it moves at any batch (measured: 0.61x of uniform with 56
+    copies on four GPUs), so the engine's map has none; at 8,192 tokens a head of a 32K
+    context and the 256 sequences of FairKV's regime (``balance_batch``), the heavy heads'
+    attention dwarfs it: they are copied, and the decode step's slowest ranks wait far less
+    than uniform's."""
     from dataclasses import replace
 
     from headspace.engine.config import EngineConfig
@@ -98,27 +101,29 @@ def test_copies_pay_only_where_decode_is_priced_at_a_large_batch(capsys, tmp_pat
 
     config = config_from_dict(QWEN25_7B)
     profile = Profile("uneven", 28, 4, [[0.5] * 4 for _ in range(28)])
-    profile.budget_shares[budget_key("ada_snapkv", 1024)] = [[2.5, 0.5, 0.5, 0.5]] * 28
+    for budget in (1024, 8192):
+        profile.budget_shares[budget_key("ada_snapkv", budget)] = [[2.5, 0.5, 0.5, 0.5]] * 28
 
-    def engine_config(batch: int, balance: str = "copy_search") -> EngineConfig:
-        return EngineConfig.of(device="cpu", dtype="bfloat16", kv_budget=1024,
+    def engine_config(batch: int, budget: int, balance: str = "copy_search") -> EngineConfig:
+        return EngineConfig.of(device="cpu", dtype="bfloat16", kv_budget=budget,
                                kv_policy="ada_snapkv", balance=balance, balance_phase="decode",
                                balance_batch=batch)  # fmt: skip
 
-    def copied(batch: int) -> list:
-        engine = engine_config(batch)
-        head_map = costed_map(config, engine, profile, 4096)
-        mapped = balanced_map(head_map, config, engine, profile, 4096, 4)
+    def copied(batch: int, budget: int, context: int) -> list:
+        engine = engine_config(batch, budget)
+        head_map = costed_map(config, engine, profile, context)
+        mapped = balanced_map(head_map, config, engine, profile, context, 4)
         return [e for e in mapped.entries if len(e.rank) > 1]
 
-    assert copied(1) == []
-    heavy = copied(256)
+    assert copied(1, 1024, 4096) == [] and copied(256, 1024, 4096) == []
+    assert copied(1, 8192, 32768) == []
+    heavy = copied(256, 8192, 32768)
     assert heavy and {e.kv_head for e in heavy} == {0}  # only the heavy heads are divided
 
     def decode_step(balance: str) -> float:
-        parallel = replace(engine_config(256, balance).parallel, gpus=4)
-        balance_map = balance_heads(costed_map(config, engine_config(256), profile, 4096),
-                                    CostShape.of(config, 2), parallel, context=4096,
+        parallel = replace(engine_config(256, 8192, balance).parallel, gpus=4)
+        balance_map = balance_heads(costed_map(config, engine_config(256, 8192), profile, 32768),
+                                    CostShape.of(config, 2), parallel, context=32768,
                                     batch=parallel.balance_batch, profile=profile)  # fmt: skip
         return balance_map.loads["decode"]["imbalance_max_over_mean"]
 
@@ -127,8 +132,8 @@ def test_copies_pay_only_where_decode_is_priced_at_a_large_batch(capsys, tmp_pat
     # are the engine's: with a profile and no --retrieval-heads, every head keeps its budget)
     (tmp_path / "config.json").write_text(json.dumps(QWEN25_7B))
     profile.save(tmp_path / "profile.json")
-    base = ["plan", "--model", str(tmp_path), "--context", "4K", "--gpu-memory", "80GiB",
-            "--gpus", "4", "--kv-budget", "1024tok", "--kv-policy", "ada_snapkv", "--profile",
+    base = ["plan", "--model", str(tmp_path), "--context", "32K", "--gpu-memory", "80GiB",
+            "--gpus", "4", "--kv-budget", "8192tok", "--kv-policy", "ada_snapkv", "--profile",
             str(tmp_path / "profile.json"), "--balance", "copy_search", "--balance-phase",
             "decode", "--json", "--balance-batch"]  # fmt: skip
     for batch, copies in ((1, 0), (256, sum(len(e.rank) - 1 for e in heavy))):

@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from headspace.attention.paged import paged_decode_reference
-from headspace.kv.transfer import as_heads, copy_pages, write_tokens
+from headspace.kv.transfer import as_heads, copy_pages, device_ints, write_tokens
 
 triton = pytest.importorskip("triton")
 
@@ -107,3 +109,28 @@ def test_paged_decode_kernel_writes_a_head_range_and_equals_the_twin(append):
     assert torch.allclose(lse, ref_lse, atol=1e-5)
     assert out_all[:, :4].abs().sum() == 0 and out_all[:, 8:].abs().sum() == 0
     assert torch.equal(k, k_ref) and torch.equal(v, v_ref)  # both appended the same K/V
+
+
+@settings(max_examples=40, deadline=None)
+@given(rows=st.integers(0, 6), width=st.integers(0, 5), data=st.data(),
+       dtype=st.sampled_from([torch.int32, torch.long]))  # fmt: skip
+def test_int_tables_equal_torchs_from_any_lists(rows, width, data, dtype):
+    """Host int tables (each decode step's per-entry lengths go through numpy) equal what
+    torch makes of the same lists: rectangular, ragged (refused alike), tuples, scalars."""
+    ints = st.integers(-(2**31), 2**31 - 1)
+    table = [data.draw(st.lists(ints, min_size=width, max_size=width)) for _ in range(rows)]
+    made = device_ints(table, "cpu", dtype)
+    assert made.dtype == dtype and torch.equal(made, torch.as_tensor(table, dtype=dtype))
+    assert made.shape == (rows, width) or rows == 0
+    pairs = [tuple(row) for row in table]
+    assert torch.equal(device_ints(pairs, "cpu", dtype), torch.as_tensor(pairs, dtype=dtype))
+    assert torch.equal(device_ints([5, 6], "cpu", dtype), torch.tensor([5, 6], dtype=dtype))
+    if rows >= 2:  # ragged lists: whatever torch makes of them (it refuses most)
+        ragged = [*table[:-1], [*table[-1], 1]]
+        try:
+            expected = torch.as_tensor(ragged, dtype=dtype)
+        except (ValueError, TypeError):
+            with pytest.raises((ValueError, TypeError)):
+                device_ints(ragged, "cpu", dtype)
+        else:
+            assert torch.equal(device_ints(ragged, "cpu", dtype), expected)

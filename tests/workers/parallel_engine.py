@@ -113,7 +113,8 @@ def run_case(case: dict) -> dict:
             "graph_decisions": every_rank(GRAPH_DECISIONS), "weighed": weighed,
             "swaps": list(SWAPS), "staged": staged, "errors": errors, "after": after,
             "tiers": [tiers(o.stats) for o in outputs], "arrivals": arrivals,
-            "streamed": llm.engine.model.layer_source is not None}  # fmt: skip
+            "streamed": llm.engine.model.layer_source is not None,
+            "searching": every_rank(llm.engine.batch.runner.share_search is not None)}  # fmt: skip
     if case.get("leave"):  # the last case: the group goes as at exit, graphs released first
         result["left"] = left(llm)
     return result

@@ -95,7 +95,7 @@ class PagedRunner:
         # the hybrid tier's CPU share, searched from decode steps' times where not asked for
         self.share_search: ShareSearch | None = None
         self._step_clock = step_clock or time.perf_counter
-        self._other_work = False  # whether a prefill or a swap ran since the last decode
+        self.other_work = False  # whether a prefill or a swap ran since the last decode
         self._layout: tuple | None = None
         self._layout_ids: dict[tuple, int] = {}  # a small key per layout seen, for the graphs
         self._graph_cache, self._graph_pool = {}, None
@@ -124,19 +124,32 @@ class PagedRunner:
         return pools
 
     def _search_share(self, plan: Plan) -> None:
-        """A hybrid plan whose share was not asked for searches it from the plan's (or,
-        after another hybrid plan, where the last search stood)."""
+        """A hybrid plan whose share was not asked for searches it from the plan's, or,
+        after another hybrid plan, from where the last search stood, a step either side.
+        Not under torchrun, where each rank would time its own steps and could settle
+        apart: the ranks keep the plan's share."""
         asked = self.config.offload.hybrid_cpu_share
-        if plan.offload != "hybrid" or asked is not None:
+        if plan.offload != "hybrid" or asked is not None or self.layout is not None:
             self.share_search = None
             return
-        start = plan.cpu_share if self.share_search is None else self.share_search.share
-        self.share_search = ShareSearch(start, low=lowest_share(plan.cpu_share))
+        low, last = lowest_share(plan.cpu_share), self.share_search
+        if last is None:
+            self.share_search = ShareSearch(plan.cpu_share, low=low)
+        else:
+            self.share_search = ShareSearch(last.share, low=low, step=last.min_step)
         self._set_share(self.share_search.share)
 
     @property
     def cpu_share(self) -> float | None:
-        """The hybrid tier's CPU share now (searched or asked); None without the tier."""
+        """The hybrid tier's CPU share: where the search stands (its centre; a step may be
+        timing a neighbour), else the one the steps run at; None without the tier."""
+        if self.share_search is not None:
+            return self.share_search.share
+        return self.step_cpu_share
+
+    @property
+    def step_cpu_share(self) -> float | None:
+        """The share the hybrid tier's last (or next) decode step ran at; None without it."""
         split = next((t.cpu for t in self.tiers if getattr(t, "cpu", None)), None)
         return None if split is None else split.share
 
@@ -255,7 +268,8 @@ class PagedRunner:
         torchrun on every rank alike (page-locking may fail on one)."""
         refused = None
         try:  # (an arena may stay larger than its pool)
-            self.host.ensure(num_pages, keep=keep, rows=rows)
+            if self.host.ensure(num_pages, keep=keep, rows=rows):  # a decode step's time
+                self.other_work = True  # after a reallocation is not one
         except UserError as error:
             refused = str(error)
         ranks = self.layout is not None
@@ -311,7 +325,7 @@ class PagedRunner:
         first_layer = 0 if layers is None else layers[0]
         step = StepInputs(False, positions, [], pages, start=start, seq_ids=[seq.seq_id],
                           first_layer=first_layer)  # fmt: skip
-        self._other_work = True
+        self.other_work = True
         for tier in self.tiers:
             tier.begin(step)
         mode = "eager"
@@ -348,8 +362,8 @@ class PagedRunner:
             return graphs.run(slots, positions, pages)
         if self.share_search is not None:  # this step's share; the last one's time
             now, key = self._step_clock(), tuple(seq_ids)
-            self._set_share(self.share_search.observe(now, key, self._other_work))
-        self._other_work = False
+            self._set_share(self.share_search.observe(now, key, self.other_work))
+        self.other_work = False
         step = self._decode_inputs(positions, pages)
         step.seq_ids = list(seq_ids)
         for tier in self.tiers:
@@ -374,7 +388,7 @@ class PagedRunner:
         """Copy the resident entries of page pairs (GPU, host) or (host, GPU). Under torchrun
         a layer's host pages hold the rank's heads in its weights' order: its own (arena
         layer ``l``), then its copies (arena layer ``L + l``)."""
-        self._other_work = self._other_work or bool(pairs)
+        self.other_work = self.other_work or bool(pairs)
         num_layers = self.spec.num_layers
         places = [(i % num_layers, 0 if i < num_layers else len(self.layout.own[i % num_layers]))
                   for i in range(len(self.store.kv))]  # fmt: skip

@@ -12,6 +12,9 @@ the tests.
 
 from __future__ import annotations
 
+from itertools import chain
+
+import numpy as np
 import torch
 
 try:
@@ -21,6 +24,24 @@ except ImportError:  # the CPU twin needs no Triton
     triton = None
 
 
+# a 2-D list of ints goes through numpy: a step's per-entry lengths (256 sequences x 101
+# entries) take 0.9 ms so against 2.9-3.9 ms through torch.as_tensor on a CPU, host work
+# each decode step repeats with its entries
+_NUMPY_INTS = {torch.long: np.int64, torch.int32: np.int32}
+
+
+def _int_table(values, dtype: torch.dtype) -> torch.Tensor:
+    """``values`` (a host tensor or nested lists of ints) as a host tensor of ``dtype``."""
+    rows = values if isinstance(values, list) and values and dtype in _NUMPY_INTS else None
+    if rows is not None and isinstance(rows[0], list):
+        width = len(rows[0])
+        if all(type(row) is list and len(row) == width for row in rows):
+            flat = np.fromiter(chain.from_iterable(rows), dtype=_NUMPY_INTS[dtype],
+                               count=len(rows) * width)  # fmt: skip
+            return torch.from_numpy(flat.reshape(len(rows), width))
+    return torch.as_tensor(values, dtype=dtype)
+
+
 def device_ints(values, device: torch.device | str,
                 dtype: torch.dtype = torch.long) -> torch.Tensor:  # fmt: skip
     """A small int table (nested lists or a host tensor, any shape) as ``dtype`` on
@@ -28,7 +49,7 @@ def device_ints(values, device: torch.device | str,
     host could not prepare the next step (or a layer's next chunk) while the GPU runs this
     one. On a GPU the values go through a fresh page-locked buffer (never the caller's),
     which the caching host allocator keeps until the copy has run."""
-    table = torch.as_tensor(values, dtype=dtype)
+    table = _int_table(values, dtype)
     if torch.device(device).type == "cuda":
         table = torch.empty(table.shape, dtype=dtype, pin_memory=True).copy_(table)
     return table.to(device, non_blocking=True)

@@ -47,10 +47,13 @@ def layer_costs(costs: dict[str, list[list[HeadCost]]], phases: tuple[str, ...])
 
 
 def priced_hardware(config: ParallelConfig, hw: Hardware | None = None) -> Hardware | None:
-    """The rates the solvers price with: ``hw``, with ``config.copy_seconds`` where set."""
+    """The rates the solvers price with: ``hw``, with ``config.copy_seconds`` where set as
+    the whole of what a copy adds, whatever the batch (its merge, its work per sequence and
+    the kernel rows it repeats)."""
     if config.copy_seconds is None:
         return hw
-    return replace(hw or Hardware(), copy_seconds=config.copy_seconds)
+    return replace(hw or Hardware(), copy_seconds=config.copy_seconds, copy_row_seconds=0.0,
+                   decode_row_seconds=0.0)  # fmt: skip
 
 
 def assignments_of(head_map: HeadMap) -> list[LayerAssignment]:

@@ -61,7 +61,8 @@ def roofline_cost(entry: HeadEntry, shape: CostShape, hw: Hardware, *, phase: st
     ``context``-token prompt (attention FLOPs over the keys its pattern attends; the streamed
     tiers compute the same attention). ``decode``: one token for each of ``batch`` sequences
     of ``context`` tokens (the bytes it holds, at HBM speed resident, at PCIe speed streamed,
-    at PCIe plus CPU speed in the hybrid tier)."""
+    at PCIe plus CPU speed in the hybrid tier; each copy repeats its projection rows and the
+    kernel's work per row, and adds a merge and its work per sequence)."""
     if phase == "prefill":
         flops = 4 * shape.q_per_kv * shape.head_dim * chunk * attended_keys(entry.pattern, context)
         gemm = 2 * chunk * shape.weight_elements
@@ -73,7 +74,8 @@ def roofline_cost(entry: HeadEntry, shape: CostShape, hw: Hardware, *, phase: st
     rate = {"gpu": hw.hbm_bytes, "stream": hw.h2d_bytes,
             "hybrid": hw.h2d_bytes + hw.cpu_attention_bytes}[entry.tier]  # fmt: skip
     weights = shape.weight_elements * shape.dtype_bytes
-    return HeadCost(kv_bytes / rate, weights / hw.hbm_bytes, hw.copy_seconds)
+    fixed = weights / hw.hbm_bytes + batch * hw.decode_row_seconds
+    return HeadCost(kv_bytes / rate, fixed, hw.copy_seconds + batch * hw.copy_row_seconds)
 
 
 def measured_cost(entry: HeadEntry, shape: CostShape, hw: Hardware, profile: Profile, *,

@@ -42,6 +42,16 @@ class Hardware:
     # each copy ran its own key range, launch and merge (four H100s, 2026-11-26). The merge
     # is now a cost per layer (every rank's, once any copies) priced here per copy; charged
     # at prefill too, where a copy still runs its own calls (not measured there)
+    copy_row_seconds: float = 0.27e-6  # ... and at decode, per sequence of the batch: end to
+    # end a copy cost 89 us a step at 256 sequences beyond its kernel rows (two H100s,
+    # Qwen2.5-3B shapes, 29 copies each split two ways: the step 2.57 ms longer than the two
+    # uniform runs' mean with the attention's critical path unchanged; bench/NOTES.md), 20
+    # us of it the fixed part above. One batch measured: how it splits between a part per
+    # copy and a part per sequence is assumed; four-way splits cost more (four H200s)
+    decode_row_seconds: float = 0.12e-6  # the decode kernel's work per (sequence, kv head)
+    # row beside its bytes, which each copy repeats: a layer's kernel took 14 us + 31 us a
+    # head at 256 sequences + its K/V at 3.6 TB/s (31.7 us a head with the K/V held at
+    # ``hbm_bytes``; fit to 144 layer times, two H100s, 2026-11-28)
     eager_step_seconds: float = 48e-3  # the host's work of an eager decode step: per step
     eager_group_seconds: float = 0.35e-3  # ... and per streamed group (its copies, attention
     # and write launches): 0.25-0.6 ms on the H100 hosts measured (Llama-3.1-8B; bench/NOTES.md

@@ -5,12 +5,16 @@ but the best one depends on the host (its cores, its memory's speed beside the p
 copies), on the length of the history (each layer's hand-off to the CPU weighs less as the
 history grows) and on what else the machine runs: rates measured apart from the step
 misjudged it (bench/NOTES.md). So the engine times its decode steps and moves the share
-toward the faster: a compass search over ``[low, high]`` that measures the centre and the
-shares one step either side, ``probe_steps`` decode steps each (the least of them, since
-interruptions only lengthen a step), moves to the fastest, and halves the step when the
-centre stays fastest (within ``margin``), down to ``min_step``. Then it holds, and checks
-the centre's neighbours again every ``recheck_steps`` steps (the best share rises as the
-history grows).
+toward the faster: a compass search over ``[low, high]``. A batch's first ``warmup_steps``
+decode steps run at the centre (a short generation never probes); then each round times
+the centre and the shares one step either side in turn, ``probe_steps`` passes (the least
+of each share's steps, since interruptions only lengthen a step; interleaved, so that a
+drift of the host weighs on all three alike), moves to the fastest where it beats the
+centre by ``margin``, and halves the step when the centre stays, down to ``min_step``. Then
+it holds, and looks either side again (one round at ``min_step``) every ``recheck_steps``
+steps (the best share rises as the history grows) and when a new batch comes after it held
+``rebatch_steps``. After ``max_rounds`` rounds, finished or cut short, it holds, so that a
+flat, noisy curve or a run of interruptions cannot keep it probing.
 
 Steps count only between two decode steps of the same batch with nothing else between
 (``key`` changes or ``interrupted`` start the round's measurements again). Pure arithmetic:
@@ -21,8 +25,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-# the least CPU share the search tries: on the hosts measured the best share lay between
-# 0.4 and 1 (docs/hybrid.md)
+# the least CPU share the search tries where the planner's rates start it higher: on the
+# hosts measured the best share lay between 0.4 and 1 (docs/hybrid.md)
 LOWEST_SHARE = 0.3
 
 
@@ -34,24 +38,30 @@ def lowest_share(start: float) -> float:
 
 @dataclass
 class ShareSearch:
-    """Where the search stands. ``share`` is the share the next decode step runs at; call
-    :meth:`observe` once per decode step, before it runs, with the clock's seconds."""
+    """Where the search stands. ``share`` is the centre (where it settles); call
+    :meth:`observe` once per decode step, before it runs, with the clock's seconds: it
+    returns the share that step runs at (the centre, or a neighbour being timed)."""
 
-    share: float  # the centre, and the share of the step about to run
+    share: float
     low: float = LOWEST_SHARE
     high: float = 1.0
     step: float = 0.1
     min_step: float = 0.05
     probe_steps: int = 2
-    margin: float = 0.01  # a neighbour must be this much faster than the centre to win
+    margin: float = 0.02  # a neighbour must be this much faster than the centre to win
+    warmup_steps: int = 16
     recheck_steps: int = 256
-    settled: bool = False  # the step fell below min_step: holding the centre
-    # the round's shares still to measure, their measured seconds, and the one running now
-    _queue: list[float] = field(default_factory=list)
-    _seconds: dict[float, list[float]] = field(default_factory=dict)
-    _running: float | None = None
-    _last: tuple[float, object] | None = None  # (clock, key) of the step before
-    _held: int = 0  # steps run since the search settled
+    rebatch_steps: int = 32
+    max_rounds: int = 12
+    settled: bool = False  # holding the centre
+    rounds: int = field(default=0, init=False)  # rounds finished or cut short
+    # the round's shares still to time (in order), their times, the one running now
+    _queue: list[float] = field(default_factory=list, init=False)
+    _seconds: dict[float, list[float]] = field(default_factory=dict, init=False)
+    _running: float | None = field(default=None, init=False)
+    _last: tuple[float, object] | None = field(default=None, init=False)  # (clock, key)
+    _batch_steps: int = field(default=0, init=False)  # decode steps of the current batch
+    _held: int = field(default=0, init=False)  # steps since it last settled
 
     def __post_init__(self):
         self.share = self._clamp(self.share)
@@ -62,21 +72,23 @@ class ShareSearch:
         batch ``key``; the time since the step before is that step's when its batch was the
         same and nothing ran between (``interrupted``: something did)."""
         last, self._last = self._last, (now, key)
-        if last is None or last[1] != key or interrupted:
-            self._restart_round()
+        new_batch = last is None or last[1] != key
+        self._batch_steps = 1 if new_batch else self._batch_steps + 1
+        if new_batch and self.settled and self._held >= self.rebatch_steps:
+            self._recheck()
+        if new_batch or interrupted:
+            self._cut_round()
         elif self._running is not None:
             self._seconds.setdefault(self._running, []).append(now - last[0])
+            self._queue.pop(0)
         if self.settled:
             self._held += 1
-            if self._held >= self.recheck_steps:  # look again either side of the centre
-                self.settled, self._held = False, 0
-                self.step = self.min_step
-                self._new_round()
-        if not self.settled and self._measured(self._queue[0]):
-            self._queue.pop(0)
-            if not self._queue:
-                self._finish_round()
-        self._running = None if self.settled else self._queue[0]
+            if self._held >= self.recheck_steps:
+                self._recheck()
+        if not self.settled and not self._queue:
+            self._finish_round()
+        probing = not self.settled and self._batch_steps > self.warmup_steps
+        self._running = self._queue[0] if probing else None
         return self.share if self._running is None else self._running
 
     # -- rounds ------------------------------------------------------------------------
@@ -84,19 +96,32 @@ class ShareSearch:
         return round(min(max(share, self.low), self.high), 6)
 
     def _new_round(self) -> None:
-        """Measure the centre, then one step above and below it (those within range)."""
+        """Time the centre and one step above and below it (those within range), in turn,
+        ``probe_steps`` times."""
         shares = [self.share, self._clamp(self.share + self.step),
                   self._clamp(self.share - self.step)]  # fmt: skip
-        self._queue = list(dict.fromkeys(shares))
+        self._queue = list(dict.fromkeys(shares)) * self.probe_steps
         self._seconds = {}
 
-    def _restart_round(self) -> None:
-        """Measurements of another batch do not compare: the round starts again."""
-        if not self.settled:
-            self._new_round()
+    def _cut_round(self) -> None:
+        """Times of another batch, or across other work, do not compare: the round starts
+        again, and one cut short after some timing counts toward ``max_rounds``."""
+        if self.settled:
+            return
+        if self._seconds:
+            self.rounds += 1
+            if self.rounds >= self.max_rounds:
+                self._settle()
+                return
+        self._new_round()
 
-    def _measured(self, share: float) -> bool:
-        return len(self._seconds.get(share, ())) >= self.probe_steps
+    def _settle(self) -> None:
+        self.settled, self._held, self.step = True, 0, self.min_step
+
+    def _recheck(self) -> None:
+        """One round at the least step either side of a settled centre."""
+        self.settled, self._held, self.step, self.rounds = False, 0, self.min_step, 0
+        self._new_round()
 
     def _finish_round(self) -> None:
         fastest = {share: min(seconds) for share, seconds in self._seconds.items()}
@@ -105,9 +130,8 @@ class ShareSearch:
             best = self.share
         if best == self.share:
             self.step /= 2
-        self.share = best
-        if self.step < self.min_step:
-            self.settled, self._held = True, 0
-            self.step = self.min_step
+        self.share, self.rounds = best, self.rounds + 1
+        if self.step < self.min_step or self.rounds >= self.max_rounds:
+            self._settle()
         else:
             self._new_round()
