@@ -40,10 +40,11 @@ class AttentionTimer:
         self.rows, self.step_rows = None, None  # decode steps timed: all, or of ``rows``
         runner.attention_hook = self
 
-    def graph_step(self, graphs, key, capture: bool) -> None:
-        """``graphs`` is about to replay the graph of ``key``, capturing it first if
-        ``capture``: the last replay's events read, this one's noted."""
+    def graph_step(self, graphs, key, capture: bool, num_seqs: int) -> None:
+        """``graphs`` is about to replay the graph of ``key`` for ``num_seqs`` sequences,
+        capturing it first if ``capture``: the last replay's events read, this one's noted."""
         self.read_replay()
+        self.step_rows = num_seqs
         events = self.captured.setdefault(graphs, {})
         if capture:
             self.warming = True  # until the capture's first layer
@@ -58,14 +59,6 @@ class AttentionTimer:
         self.events = {"prefill": [], "decode": []}
         self.replayed_ms, self.last = [], None
         self.rows, self.step_rows = rows, None
-        if rows is not None:  # each decode call notes its rows (the wrapper goes with the
-            decode = self.runner.decode  # runner's other timing wrappers)
-
-            def noted(seq_ids, *args, **options):
-                self.step_rows = len(seq_ids)
-                return decode(seq_ids, *args, **options)
-
-            self.runner.decode = noted
 
     def _counted(self) -> bool:
         """Whether the decode step running now is one timed."""
@@ -95,6 +88,7 @@ class AttentionTimer:
             self.capturing.append((start, end))
         elif not self.warming:
             phase = "decode" if tiers[0].step.decode else "prefill"
+            self.step_rows = q.shape[0]  # an eager decode step: a token a sequence
             if phase == "prefill" or self._counted():
                 self.events[phase].append((start, end))
         return out

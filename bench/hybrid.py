@@ -250,6 +250,16 @@ def main() -> None:
     _print(result)
 
 
+def search_keys(runs: dict) -> dict:
+    """The issue's keys over the search's ``runs``: per length and share, ``decode_ms``,
+    ``speedup_vs_pcie_floor`` and ``pcie_bytes_per_step`` (KV copied from host pages)."""
+    keys = {"decode_ms": "decode_ms", "speedup_vs_pcie_floor": "speedup_vs_pcie_floor",
+            "pcie_bytes_per_step": "staged_bytes_per_step"}  # fmt: skip
+    return {key: {label: {mode: row[field] for mode, row in rows.items()}
+                  for label, rows in runs.items()}
+            for key, field in keys.items()}  # fmt: skip
+
+
 def search_main(args) -> None:
     """``--search``: the searched share against fixed ones (``hybrid_search_*.json``)."""
     env = environment()
@@ -261,6 +271,7 @@ def search_main(args) -> None:
     with gpu_cap(CAP_GIB):
         result["runs"] = share_search_rows(model, h2d, [*(args.shares or [0.4, 0.5]), 1.0],
                                            lengths)  # fmt: skip
+    result.update(search_keys(result["runs"]))
     write_result(f"hybrid_search_llama3-8b_{gpu_tag(env)}_{env['date']}.json", result)
     print(f"\n{'length':>7} {'share':>14} {'ms/token':>9} {'x PCIe floor':>13}  searched shares")
     for label, rows in result["runs"].items():

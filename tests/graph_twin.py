@@ -24,7 +24,7 @@ class EagerGraphTwin(DecodeGraphs):
     def run(self, slots: list[int], positions: list[int],
             pages: dict[str, list[list[int]]]) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
         num_seqs, key = len(slots), self._key(positions, pages)
-        captured = self._captured(key)
+        captured = self._captured(key, num_seqs)
         captured.inputs.copy_(torch.tensor(self._pack(slots, positions, pages, key)))
         self._step(self._views(captured.inputs, key), key)
         per_row, _ = self._columns(key)

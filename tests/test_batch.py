@@ -106,10 +106,10 @@ def test_decode_graphs_call_the_attention_a_benchmark_wrapped(tiny_llama):
 
 def test_decode_graphs_name_each_graph_they_capture_or_replay_to_the_attention(tiny_llama):
     """A benchmark's timer reads a replay's events by the graph that recorded them: before
-    every graph step the graphs tell the attention hook (``graph_step``) which graph, and
-    whether they capture it first. Prompts starting to decode one after another grow the
-    entry tables, so the graphs are made anew (their graphs freed): every replay follows its
-    own graphs object's capture of that key."""
+    every graph step the graphs tell the attention hook (``graph_step``) which graph,
+    whether they capture it first, and for how many sequences. Prompts starting to decode
+    one after another grow the entry tables, so the graphs are made anew (their graphs
+    freed): every replay follows its own graphs object's capture of that key."""
     from graph_twin import EagerGraphTwin
     from headspace.engine.hooks import EngineHooks
     from headspace.tiers.base import attend_tiers
@@ -120,9 +120,11 @@ def test_decode_graphs_name_each_graph_they_capture_or_replay_to_the_attention(t
 
     class Told:
         steps: list = []  # (graphs, key, capture) per graph step
+        rows: list = []  # (sequences, the key's padded rows) per graph step
 
-        def graph_step(self, graphs, key, capture):
+        def graph_step(self, graphs, key, capture, num_seqs):
             self.steps.append((graphs, key, capture))
+            self.rows.append((num_seqs, key[0]))
 
         def __call__(self, layer, q, kv):
             return attend_tiers(runner.tiers, layer, q, kv)
@@ -138,6 +140,7 @@ def test_decode_graphs_name_each_graph_they_capture_or_replay_to_the_attention(t
         assert capture == ((graphs, key) not in captured)  # told exactly when it captures
         captured.add((graphs, key))
     assert {key for g, key in captured if g is made[-1]} == set(made[-1]._graphs)
+    assert all(1 <= n <= padded for n, padded in told.rows) and (3, 4) in told.rows
 
 
 def test_an_engine_with_decode_graphs_is_freed_when_dropped(tiny_llama):

@@ -282,7 +282,7 @@ class BatchGenerator:
         request.num_streamed_heads = head_map.count("stream")
         request.num_hybrid_heads = head_map.count("hybrid")
         if request.num_hybrid_heads:
-            request.cpu_share = self.runner.plan.cpu_share
+            request.cpu_share = self.runner.cpu_share
         total = len(seq.prompt_ids) - seq.num_cached
         show = self.config.runtime.progress and total >= PROGRESS_MIN_TOKENS
         self._bars[seq.seq_id] = tqdm(total=total, desc="prefill", unit="tok", disable=not show,
@@ -373,8 +373,8 @@ class BatchGenerator:
         seq = request.seq
         stats.decode_seconds = request.finished - (request.first_token or request.finished)
         stats.cpu_kept_fraction = self.runner.kept_summary(seq.seq_id)
-        if stats.cpu_share is not None:  # where the share's search left it
-            stats.cpu_share = self.runner.cpu_share or stats.cpu_share
+        if stats.cpu_share is not None and self.runner.cpu_share is not None:
+            stats.cpu_share = self.runner.cpu_share  # where the share's search left it
         self.runner.forget(seq.seq_id)
         if request.kv_held is not None:
             stats.kv_held_bytes, stats.kv_held_fraction = request.kv_held

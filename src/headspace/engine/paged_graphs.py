@@ -177,13 +177,13 @@ class DecodeGraphs:
             staging_width = bucket(widest, MIN_WIDTH)
         return bucket(len(positions)), gpu_width, staging_width
 
-    def _captured(self, key) -> CapturedStep:
+    def _captured(self, key, num_seqs: int) -> CapturedStep:
         """The graph of ``key``, captured if new; the ``attention`` hook, where it has a
-        ``graph_step(graphs, key, capture)``, is told first (a benchmark's timer reads a
-        replay's events by the graph that recorded them)."""
+        ``graph_step(graphs, key, capture, num_seqs)``, is told first (a benchmark's timer
+        reads a replay's events by the graph that recorded them, for the step's sequences)."""
         graph_step = getattr(self.attention, "graph_step", None)
         if graph_step is not None:
-            graph_step(self, key, key not in self._graphs)
+            graph_step(self, key, key not in self._graphs, num_seqs)
         if key not in self._graphs:
             self._graphs[key] = self._capture(key)
         return self._graphs[key]
@@ -202,7 +202,7 @@ class DecodeGraphs:
         """Logits ``[len(slots), vocab]`` of one decode step (overwritten by the next call)
         and the slots on the device; each row's greedy token is written into its slot."""
         num_seqs, key = len(slots), self._key(positions, pages)
-        captured = self._captured(key)
+        captured = self._captured(key, num_seqs)
         turn = captured.turn
         if captured.copied[turn] is not None:  # the copy that read this buffer is done
             captured.copied[turn].synchronize()

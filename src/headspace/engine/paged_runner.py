@@ -150,13 +150,16 @@ class PagedRunner:
     @property
     def step_cpu_share(self) -> float | None:
         """The share the hybrid tier's last (or next) decode step ran at; None without it."""
-        split = next((t.cpu for t in self.tiers if getattr(t, "cpu", None)), None)
-        return None if split is None else split.share
+        splits = self._cpu_splits()
+        return splits[0].share if splits else None
 
     def _set_share(self, share: float) -> None:
-        for tier in self.tiers:
-            if getattr(tier, "cpu", None) is not None:
-                tier.cpu.share = share
+        for split in self._cpu_splits():
+            split.share = share
+
+    def _cpu_splits(self) -> list:
+        """Each tier's hybrid CPU side (:class:`~headspace.tiers.hybrid.CpuSplit`), if any."""
+        return [t.cpu for t in self.tiers if getattr(t, "cpu", None) is not None]
 
     def _lay_out(self, plan: Plan, key: tuple) -> PoolLayout:
         """The arena's layers for ``plan`` (layout ``key``) and how its page pools follow.

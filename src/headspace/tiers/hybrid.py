@@ -260,12 +260,6 @@ class CpuSplit:
     gpu_window: int
 
 
-def hybrid_threads(asked: int | None) -> int:
-    """The CPU attention's threads: those ``asked``, else this process's cores less one
-    (the GPU thread's)."""
-    return asked or max(rank_cores() - 1, 1)
-
-
 def cpu_split(plan, site: TierSite, groups: list[list[HeadRange]]) -> CpuSplit | None:
     """The hybrid tier's CPU side over each layer's offloaded ``groups`` (one per site: its
     worker thread is kept), at the share the planner sized the staging slots for. Ranks on
@@ -274,8 +268,8 @@ def cpu_split(plan, site: TierSite, groups: list[list[HeadRange]]) -> CpuSplit |
         return None
     settings = site.hybrid
     if site.cpu_attention is None:
-        site.cpu_attention = CpuAttention(site.host, hybrid_threads(settings.threads),
-                                          site.cpu_timings)  # fmt: skip
+        threads = settings.threads or max(rank_cores() - 1, 1)  # the GPU thread's core spared
+        site.cpu_attention = CpuAttention(site.host, threads, site.cpu_timings)
     site.cpu_attention.sparse = None
     if settings.sparsity is not None:  # the CPU takes all before the window
         site.cpu_attention.sparse = SparseSelector.over_groups(
