@@ -1,6 +1,6 @@
 """Loading a checkpoint: tensors read ahead by threads give the model read in turn, in the
 same order of placement, and a bad tensor met by a thread is the same one-line error; a
-fast tokenizer loads through its own class, as AutoTokenizer would load it; the compile
+fast tokenizer loads without the auto-classes, as AutoTokenizer would load it; the compile
 cache is kept under the headspace cache; loading imports no Dynamo."""
 
 from __future__ import annotations
@@ -94,10 +94,10 @@ def test_a_plain_cuda_device_is_the_callers_current_gpu(monkeypatch):
 
 def test_a_fast_tokenizer_loads_without_auto_classes_and_encodes_alike(embedded_dir, tmp_path):
     """A llama directory that saves a fast tokenizer (tokenizer.json, its class named so)
-    loads it through that class, in a process that then has not imported transformers'
-    model auto-classes; its encodings, decodings and chat template equal AutoTokenizer's.
-    Another class, or a model type whose own tokenizer AutoTokenizer builds (qwen2), goes
-    through AutoTokenizer."""
+    loads without transformers' model auto-classes (read by tokenizers alone, or through the
+    fast class where that reader steps aside: tests/test_tokenizer.py); its encodings,
+    decodings and chat template equal AutoTokenizer's. Another class, or a model type whose
+    own tokenizer AutoTokenizer builds (qwen2), goes through AutoTokenizer."""
     import json
     import shutil
     import subprocess
@@ -105,11 +105,10 @@ def test_a_fast_tokenizer_loads_without_auto_classes_and_encodes_alike(embedded_
 
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-    from headspace.engine.engine import _load_tokenizer, _tokenizer_class
+    from headspace.model.tokenizer import load_tokenizer, transformers_tokenizer_class
 
-    family = load_config(embedded_dir).family
-    assert _tokenizer_class(embedded_dir, family) is PreTrainedTokenizerFast
-    direct = _load_tokenizer(embedded_dir, family)
+    assert transformers_tokenizer_class(embedded_dir) is PreTrainedTokenizerFast
+    direct = load_tokenizer(embedded_dir)
     auto = AutoTokenizer.from_pretrained(embedded_dir)
     texts = ["Hello, world!", "  two  spaces\nand a line", "Ünïcode ✓ 数字 123"]
     ids = [direct(t).input_ids for t in texts]
@@ -118,21 +117,22 @@ def test_a_fast_tokenizer_loads_without_auto_classes_and_encodes_alike(embedded_
     chat = [{"role": "user", "content": "What is 2 + 2?"}]
     assert direct.apply_chat_template(chat, add_generation_prompt=True) == \
         auto.apply_chat_template(chat, add_generation_prompt=True)  # fmt: skip
-    code = ("import sys; from pathlib import Path; from headspace.engine.engine import "
-            f"_load_tokenizer; _load_tokenizer(Path({str(embedded_dir)!r}), {family!r}); "
+    code = ("import sys; from pathlib import Path; from headspace.model.tokenizer import "
+            f"load_tokenizer; load_tokenizer(Path({str(embedded_dir)!r})); "
             "print('transformers.models.auto.modeling_auto' in sys.modules)")  # fmt: skip
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert out.returncode == 0 and out.stdout.strip() == "False", out.stderr[-2000:]
     for name, changes in (
         ("class", {"tokenizer_config.json": {"tokenizer_class": "X"}}),
         ("qwen2", {"config.json": {"model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"]}}),
+        ("qwen2 type", {"config.json": {"model_type": "qwen2"}}),  # AutoTokenizer reads the type
     ):
         other = tmp_path / name
         shutil.copytree(embedded_dir, other, ignore=shutil.ignore_patterns("*.safetensors"))
         for file, change in changes.items():
             saved = json.loads((other / file).read_text())
             (other / file).write_text(json.dumps({**saved, **change}))
-        assert _tokenizer_class(other, load_config(other).family) is AutoTokenizer, name
+        assert transformers_tokenizer_class(other) is AutoTokenizer, name
 
 
 def test_compile_caches_are_kept_under_the_headspace_cache(monkeypatch, tmp_path):

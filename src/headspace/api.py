@@ -50,7 +50,9 @@ class LLM:
 
     @property
     def tokenizer(self):
-        return self.engine.tokenizer
+        """The checkpoint's tokenizer as transformers loads it (at first use: the engine
+        reads the same ids and text without transformers where it can)."""
+        return self.engine.transformers_tokenizer
 
     def _prompt_ids(self, prompt: str | list[int], chat: bool) -> list[int]:
         if isinstance(prompt, str):

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import json
 import os
 import time
 from collections.abc import Iterator
+from functools import cached_property
 from pathlib import Path
 
 import torch
@@ -22,36 +22,10 @@ from headspace.model.config import load_config
 from headspace.model.llama import LlamaModel
 from headspace.model.loader import load_model
 from headspace.model.source import cache_root
+from headspace.model.tokenizer import JsonTokenizer, load_tokenizer, transformers_tokenizer
 from headspace.planner.profile import Profile
 
 __all__ = ["Engine", "EngineLoad", "GenerationStats", "RequestOutput"]
-
-
-# the class names a tokenizer.json-backed tokenizer is saved under (transformers 4 and 5), and
-# the model families for which AutoTokenizer then builds that class itself (for others, such
-# as qwen2, it builds the model's own tokenizer class)
-FAST_TOKENIZER_CLASSES = ("PreTrainedTokenizerFast", "TokenizersBackend")
-FAST_TOKENIZER_FAMILIES = ("llama", "mistral")
-
-
-def _tokenizer_class(model_dir: Path, family: str):
-    """The class :func:`_load_tokenizer` builds from: the fast tokenizer class itself where
-    ``AutoTokenizer`` would build it too (a ``tokenizer.json`` saved under that class, for a
-    model of a ``family`` in FAST_TOKENIZER_FAMILIES), without importing the model and
-    generation modules ``AutoTokenizer`` imports (seconds at start-up); else
-    ``AutoTokenizer``."""
-    try:
-        saved = json.loads((model_dir / "tokenizer_config.json").read_text())
-    except (OSError, ValueError):
-        saved = {}
-    if (model_dir / "tokenizer.json").is_file() and family in FAST_TOKENIZER_FAMILIES \
-            and saved.get("tokenizer_class") in FAST_TOKENIZER_CLASSES:  # fmt: skip
-        from transformers import PreTrainedTokenizerFast
-
-        return PreTrainedTokenizerFast
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer
 
 
 def keep_compile_caches() -> None:
@@ -84,16 +58,6 @@ def compile_in_process() -> None:
     inductor_config.compile_threads = 1
 
 
-def _load_tokenizer(model_dir: Path, family: str):
-    names = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "vocab.json")
-    if not any((model_dir / name).is_file() for name in names):
-        raise UserError(f"model directory {model_dir} has no tokenizer files")
-    try:
-        return _tokenizer_class(model_dir, family).from_pretrained(str(model_dir))
-    except Exception as exc:  # transformers raises several kinds for a bad tokenizer
-        raise UserError(f"cannot load the tokenizer from {model_dir}: {exc}") from None
-
-
 WARM_UP_DECODE_TOKENS = 4  # decode steps a warm-up request takes (the graph of its batch)
 
 
@@ -115,8 +79,9 @@ class Engine:
         model_cfg = load_config(model_dir)  # refuse a bad directory before the slower loads
         config = join(config)  # under torchrun: the process group, this rank's GPU
         started = time.perf_counter()
-        tokenizer = _load_tokenizer(model_dir, model_cfg.family)
+        tokenizer = load_tokenizer(model_dir)
         self.tokenizer_seconds = time.perf_counter() - started  # its imports included
+        self.model_dir: Path | None = model_dir
         self._read_profile(model_cfg, config)
         # under torchrun: the heads balanced over the ranks; each layer sharded for this
         # one as it loads (the whole model never sits on its GPU)
@@ -139,6 +104,7 @@ class Engine:
         is sharded in place; its layers move to pinned host memory if they stream."""
         engine = cls.__new__(cls)
         engine.load_seconds = engine.tokenizer_seconds = 0.0  # built in memory: nothing read
+        engine.model_dir = None
         engine._read_profile(model.config, config)
         max_context = cls._max_context(model.config, config)
         ranks = setup_ranks(model, config, engine.profile, max_context)
@@ -172,6 +138,16 @@ class Engine:
         self.eos_token_ids = eos
         self._batch: BatchGenerator | None = None  # made on first use
         self.stream_output: RequestOutput | None = None  # stream's request, as it stands
+
+    @cached_property
+    def transformers_tokenizer(self):
+        """The checkpoint's tokenizer as transformers loads it, for callers that want its
+        whole interface (``LLM.tokenizer``): the engine's own where it is transformers',
+        else loaded at first use (the engine's reads the same ids and text without
+        transformers' import)."""
+        if self.model_dir is None or not isinstance(self.tokenizer, JsonTokenizer):
+            return self.tokenizer
+        return transformers_tokenizer(self.model_dir)
 
     @property
     def batch(self) -> BatchGenerator:

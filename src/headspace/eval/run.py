@@ -26,7 +26,7 @@ def run_niah(llm, lengths: list[int], depths: list[float], needle: Needle | None
              chat: bool = True, max_new_tokens: int = 32) -> list[dict]:  # fmt: skip
     """One row per (length, depth): the generation and its score, all run as one batch."""
     needle = needle or Needle()
-    tokenizer = llm.tokenizer
+    tokenizer = llm.engine.tokenizer
     haystack = tokenizer(haystack_text(), add_special_tokens=False)["input_ids"]
     cases = [build_case(tokenizer, _encoder(llm, chat), haystack, n, d, needle)
              for n in lengths for d in depths]  # fmt: skip
@@ -85,7 +85,7 @@ def run_ppl(llm, texts: list[str], contexts: list[int], max_tokens: int | None =
     the path generation takes, with its tiers."""
     rows = []
     for name in texts:
-        ids = llm.tokenizer(builtin_text(name))["input_ids"][:max_tokens]
+        ids = llm.engine.tokenizer(builtin_text(name))["input_ids"][:max_tokens]
         for context in contexts:
             stride = decode_tokens or context // 2
             windows = max(1, math.ceil((len(ids) - context) / stride) + 1)
