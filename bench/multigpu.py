@@ -9,7 +9,7 @@ against the measured one.
         [--scenario duo|ada_snapkv|patterns|copies] [--copy-cost PATH] [--copy-seconds S]
         [--sharpen 0.25 4] [--batch 1] [--balance-phase auto|prefill|decode] [--work DIR]
         [--model llama3-8b|llama3-70b|qwen2.5-7b|qwen2.5-3b] [--layers N] [--balance-batch N]
-        [--trace DIR]
+        [--trace DIR] [--kv-budget N] [--warmup-batch N]
 
 ``--model llama3-70b --layers 40`` is Llama-3.1-70B's shape (64 query heads over 8 kv heads,
 hidden 8192) at 40 of its 80 layers: 72 GB of bf16 weights, which every rank builds whole
@@ -69,7 +69,6 @@ per rank, and a table of its ops (``bench/step_trace.py``).
 
 from __future__ import annotations
 
-import argparse
 import gc
 import json
 import os
@@ -84,7 +83,6 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from attention_timer import AttentionTimer  # noqa: E402
 from common import (  # noqa: E402
-    MODELS,
     NoText,
     environment,
     gpu_tag,
@@ -95,7 +93,7 @@ from common import (  # noqa: E402
     sharpen_heads,
     write_result,
 )
-from headspace.parallel.config import PHASES  # noqa: E402
+from multigpu_args import command_line  # noqa: E402
 from multigpu_report import (  # noqa: E402
     copies_keys,
     describe,
@@ -182,16 +180,18 @@ def scenario_options(args) -> dict:
 
 
 def timed_batch(engine, timer, args, cfg: dict, solver: str) -> tuple[list, float, float, list]:
-    """The run's prompts, after an untimed batch as long that compiles and tunes the kernels
-    for their shapes (FlexAttention per key capacity, cuDNN plans per shape) and captures the
-    decode graphs: every request's stats, the prefill seconds, the decode tok/s and the
-    seconds of each step that decoded the whole batch (none for one request)."""
+    """The run's prompts, after an untimed batch of ``--warmup-batch`` prompts as long (by
+    default as many) that compiles and tunes the kernels for their shapes (FlexAttention per
+    key capacity, cuDNN plans per shape) and captures the decode graphs: every request's
+    stats, the prefill seconds, the decode tok/s and the seconds of each step that decoded
+    the whole batch (none for one request)."""
     from headspace.engine.sampling import SamplingParams
 
     params = SamplingParams(max_new_tokens=args.decode, ignore_eos=True)
     length, batch = args.context - args.decode, args.batch
-    engine.generate_batch([_prompt(cfg, length, seed=4 + 10 * i) for i in range(batch)],
-                          [params] * batch)  # fmt: skip
+    warm = args.warmup_batch or batch
+    engine.generate_batch([_prompt(cfg, length, seed=4 + 10 * i) for i in range(warm)],
+                          [params] * warm)  # fmt: skip
     prompts = [_prompt(cfg, length, seed=3 + 10 * i) for i in range(batch)]
     timer.restart(rows=batch if batch > 1 else None)
     steps = timed_decode(engine, rows=batch) if batch > 1 else None
@@ -304,66 +304,13 @@ def launch(num_gpus: int, args, out: Path, solvers: list[str]) -> None:
     command += ["--copy-seconds", str(args.copy_seconds)] if args.copy_seconds is not None else []
     command += ["--balance-batch", str(args.balance_batch)] if args.balance_batch else []
     command += ["--kv-budget", str(args.kv_budget)] if args.kv_budget else []
+    command += ["--warmup-batch", str(args.warmup_batch)] if args.warmup_batch else []
     command += ["--trace", args.trace] if args.trace else []
     subprocess.run(command, check=True, env={**os.environ, "OMP_NUM_THREADS": "4"})
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--gpus", type=int, nargs="+", default=[1, 2, 4])
-    parser.add_argument("--context", type=int, default=131072)
-    parser.add_argument("--decode", type=int, default=32)
-    parser.add_argument("--solvers", nargs="+", default=list(SOLVERS[:4]), choices=SOLVERS)
-    parser.add_argument("--scenario", default="duo", choices=tuple(SCENARIOS))
-    parser.add_argument(
-        "--sharpen",
-        type=float,
-        nargs=2,
-        metavar=("LOW", "HIGH"),
-        help="scale each kv head's keys by a log-uniform factor in this range",
-    )
-    parser.add_argument("--batch", type=int, default=1, help="prompts served at once")
-    parser.add_argument(
-        "--balance-phase",
-        default="auto",
-        choices=PHASES,
-        help="the phase whose costs the solvers balance (the engine's option)",
-    )
-    parser.add_argument(
-        "--work",
-        help="a folder that keeps the profile and each GPU count's run of each solver; those "
-        "already there are reused (one invocation split over several calls)",
-    )
-    parser.add_argument("--model", default="llama3-8b", choices=tuple(MODELS))
-    parser.add_argument("--layers", type=int, help="the model's first LAYERS layers only")
-    parser.add_argument("--copy-cost", help="bench/copy_cost.py's result, for copy_cost_us")
-    parser.add_argument(
-        "--copy-seconds",
-        type=float,
-        help="the engine's copy_seconds: what the solvers charge a copy (0: nothing, so they "
-        "make each copy their cost model says levels a layer; default: the cost model's)",
-    )
-    parser.add_argument(
-        "--balance-batch",
-        type=int,
-        help="the engine's balance_batch: the sequences the solvers price a decode step at "
-        "(default: --batch for the copies scenario, else 1; runs before it priced at 1)",
-    )
-    parser.add_argument(
-        "--trace",
-        help="a folder for a torch profiler trace of three decode steps of the batch, per "
-        "solver and rank (bench/step_trace.py)",
-    )
-    parser.add_argument(
-        "--kv-budget",
-        type=int,
-        help="the scenario's KV budget in tokens a head in place of its own (copies: 1024), "
-        "e.g. 8192 at --context 32768, where the cost model makes copies pay",
-    )
-    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--out", help=argparse.SUPPRESS)
-    parser.add_argument("--profile", help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    args = command_line(__doc__.split("\n\n")[0], tuple(SCENARIOS), SOLVERS).parse_args()
     if args.kv_budget:  # the profile, the workers and the result all read the scenario
         SCENARIOS[args.scenario] = {**SCENARIOS[args.scenario], "kv_budget": args.kv_budget}
     if args.worker:
@@ -397,7 +344,8 @@ def main() -> None:
         "profile_environment": json.loads((work / "environment.json").read_text()),
         "config": {"model": describe(args.model, args.layers), "model_config": cfg,
                    "context": args.context, "decode_tokens": args.decode,
-                   "batch": args.batch, "sharpen": args.sharpen,
+                   "batch": args.batch, "warmup_batch": args.warmup_batch or args.batch,
+                   "sharpen": args.sharpen,
                    "balance_phase": args.balance_phase, "copy_seconds": args.copy_seconds,
                    "scenario": args.scenario, "options": scenario_options(args)},
         "profile": measured,

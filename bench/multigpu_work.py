@@ -22,6 +22,7 @@ RUN_KEYS = (
     "copy_seconds",
     "balance_batch",
     "kv_budget",
+    "warmup_batch",
 )
 
 
