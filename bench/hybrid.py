@@ -131,7 +131,7 @@ def long_decode(model, mode: str, length: int, h2d: float, steps: int = 4,
         torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
         copied.append(counters.staged_entry_pages + counters.window_fill_pages)
-        shares.append(runner.step_cpu_share)
+        shares.append(runner.hybrid_share.step_share)
     blocks.free(seq.seq_id)
     runner.forget(seq.seq_id)
     cfg, offloaded = model.config, plan.head_map.num_offloaded

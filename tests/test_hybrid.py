@@ -117,7 +117,7 @@ def share_clock(runners: list, best: float):
     every step's share, ``clock.centres`` where the search stood."""
 
     def clock() -> float:
-        share = runners[0].step_cpu_share
+        share = runners[0].hybrid_share.step_share
         clock.shares.append(share)
         clock.centres.append(runners[0].cpu_share)
         clock.now += 0.1 + 0.2 * abs(share - best)
@@ -141,7 +141,7 @@ def test_the_share_is_searched_from_the_steps_times(wide_llama, prompt, cpu_timi
     runners.append(llm.engine.batch.runner)
     gap = decode_logits(llm, prompt, 120) - decode_logits(resident, prompt, 120)
     assert gap.abs().max().item() < 1e-4
-    search = runners[0].share_search
+    search = runners[0].hybrid_share.search
     assert search.settled and search.share == pytest.approx(0.8, abs=0.05)
     assert len(set(clock.shares)) > 3  # it timed several shares on the way
     out = llm.generate(prompt, GREEDY)[0]
@@ -150,7 +150,7 @@ def test_the_share_is_searched_from_the_steps_times(wide_llama, prompt, cpu_timi
                  hooks=EngineHooks(step_clock=clock))  # fmt: skip
     runners[0] = asked.engine.batch.runner
     assert asked.generate(prompt, GREEDY)[0].stats.cpu_share == 0.5
-    assert runners[0].share_search is None
+    assert runners[0].hybrid_share.search is None
 
 
 def test_a_short_generation_runs_at_the_start_and_reports_it(wide_llama, prompt):
@@ -168,7 +168,7 @@ def test_a_short_generation_runs_at_the_start_and_reports_it(wide_llama, prompt)
     assert share == pytest.approx(start, abs=1e-6) and set(clock.shares) == {share}
     out = llm.generate(prompt, SamplingParams(max_new_tokens=30, ignore_eos=True))[0]
     assert len(set(clock.shares)) > 1  # probing began; the summary reports the centre
-    assert out.stats.cpu_share == runners[0].share_search.share == runners[0].cpu_share
+    assert out.stats.cpu_share == runners[0].hybrid_share.search.share == runners[0].cpu_share
     assert set(clock.shares) - set(clock.centres)  # and some steps ran at a neighbour
 
 
@@ -178,7 +178,7 @@ def test_a_prefill_between_steps_is_not_timed(wide_llama, prompt):
     runners, ran = [], []
 
     def clock() -> float:  # whether something ran since the last decode step, as it starts
-        ran.append(runners[0].other_work)
+        ran.append(runners[0].hybrid_share.other_work)
         return 0.0
 
     llm = make(wide_llama, arena=700 * 1024, offload="hybrid", gpu_window=16,

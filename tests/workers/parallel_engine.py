@@ -106,7 +106,9 @@ def run_case(case: dict) -> dict:
     staged = every_rank(list(STAGED))  # bytes staged from host pages per decode step
     planner = llm.engine.batch.planner  # the weights every rank's rate predictions weigh
     weighed = every_rank((planner.weight_bytes, planner.streamed_bytes))
-    graphs = every_rank(llm.engine.batch.runner.has_graphs)  # decode steps as graphs
+    runner = llm.engine.batch.runner
+    graphs = every_rank(runner.has_graphs)  # decode steps as graphs
+    searching = every_rank(runner.hybrid_share.search is not None)  # the hybrid share
     result = {"logits": logits, "tokens": [o.token_ids for o in outputs],
             "summary": ranks.head_map.summary(), "heads": heads, "widths": widths,
             "graphs": graphs[0], "graphs_all": graphs,
@@ -114,7 +116,7 @@ def run_case(case: dict) -> dict:
             "swaps": list(SWAPS), "staged": staged, "errors": errors, "after": after,
             "tiers": [tiers(o.stats) for o in outputs], "arrivals": arrivals,
             "streamed": llm.engine.model.layer_source is not None,
-            "searching": every_rank(llm.engine.batch.runner.share_search is not None)}  # fmt: skip
+            "searching": searching}  # fmt: skip
     if case.get("leave"):  # the last case: the group goes as at exit, graphs released first
         result["left"] = left(llm)
     return result

@@ -10,7 +10,6 @@ layout is always the same tensors, so its CUDA graphs survive a detour through s
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 
 import torch
@@ -18,6 +17,7 @@ import torch.distributed
 
 from headspace.budgets import KVBudget
 from headspace.engine.config import EngineConfig
+from headspace.engine.hybrid_share import HybridShare
 from headspace.errors import UserError
 from headspace.kv.block_table import BlockManager, Pages, PoolLayout
 from headspace.kv.host_store import HostKVArena
@@ -29,7 +29,6 @@ from headspace.parallel.dist import first_error, host_min, release_before_leavin
 from headspace.parallel.placement import RankLayout
 from headspace.planner.plan import Plan
 from headspace.planner.profile import Profile
-from headspace.planner.share_search import ShareSearch, lowest_share
 from headspace.tiers import HybridSettings, StepInputs, Tier, TierSite, attend_tiers, build_tiers
 from headspace.tiers.base import MIN_WIDTH, CpuTimings, block_table, bucket
 from headspace.tiers.hybrid_sparse import SparseSelector
@@ -92,10 +91,7 @@ class PagedRunner:
             cpu_timings=cpu_timings,
         )  # fmt: skip
         self.tiers: list[Tier] = []  # the current plan's (tiers.table)
-        # the hybrid tier's CPU share, searched from decode steps' times where not asked for
-        self.share_search: ShareSearch | None = None
-        self._step_clock = step_clock or time.perf_counter
-        self.other_work = False  # whether a prefill or a swap ran since the last decode
+        self.hybrid_share = HybridShare(step_clock)  # the hybrid tier's CPU share
         self._layout: tuple | None = None
         self._layout_ids: dict[tuple, int] = {}  # a small key per layout seen, for the graphs
         self._graph_cache, self._graph_pool = {}, None
@@ -120,46 +116,16 @@ class PagedRunner:
             return None
         pools = self._lay_out(plan, key)
         self.tiers = build_tiers(plan, self.site)
-        self._search_share(plan)
+        # searched unless asked for; not under torchrun, where each rank would time its own
+        # steps and could settle apart (the ranks keep the plan's share)
+        searched = self.config.offload.hybrid_cpu_share is None and self.layout is None
+        self.hybrid_share.apply(plan, self.tiers, searched)
         return pools
-
-    def _search_share(self, plan: Plan) -> None:
-        """A hybrid plan whose share was not asked for searches it from the plan's, or,
-        after another hybrid plan, from where the last search stood, a step either side.
-        Not under torchrun, where each rank would time its own steps and could settle
-        apart: the ranks keep the plan's share."""
-        asked = self.config.offload.hybrid_cpu_share
-        if plan.offload != "hybrid" or asked is not None or self.layout is not None:
-            self.share_search = None
-            return
-        low, last = lowest_share(plan.cpu_share), self.share_search
-        if last is None:
-            self.share_search = ShareSearch(plan.cpu_share, low=low)
-        else:
-            self.share_search = ShareSearch(last.share, low=low, step=last.min_step)
-        self._set_share(self.share_search.share)
 
     @property
     def cpu_share(self) -> float | None:
-        """The hybrid tier's CPU share: where the search stands (its centre; a step may be
-        timing a neighbour), else the one the steps run at; None without the tier."""
-        if self.share_search is not None:
-            return self.share_search.share
-        return self.step_cpu_share
-
-    @property
-    def step_cpu_share(self) -> float | None:
-        """The share the hybrid tier's last (or next) decode step ran at; None without it."""
-        splits = self._cpu_splits()
-        return splits[0].share if splits else None
-
-    def _set_share(self, share: float) -> None:
-        for split in self._cpu_splits():
-            split.share = share
-
-    def _cpu_splits(self) -> list:
-        """Each tier's hybrid CPU side (:class:`~headspace.tiers.hybrid.CpuSplit`), if any."""
-        return [t.cpu for t in self.tiers if getattr(t, "cpu", None) is not None]
+        """The hybrid tier's CPU share (:attr:`HybridShare.share`); None without the tier."""
+        return self.hybrid_share.share
 
     def _lay_out(self, plan: Plan, key: tuple) -> PoolLayout:
         """The arena's layers for ``plan`` (layout ``key``) and how its page pools follow.
@@ -272,7 +238,7 @@ class PagedRunner:
         refused = None
         try:  # (an arena may stay larger than its pool)
             if self.host.ensure(num_pages, keep=keep, rows=rows):  # a decode step's time
-                self.other_work = True  # after a reallocation is not one
+                self.hybrid_share.other_work = True  # after a reallocation is not one
         except UserError as error:
             refused = str(error)
         ranks = self.layout is not None
@@ -328,7 +294,7 @@ class PagedRunner:
         first_layer = 0 if layers is None else layers[0]
         step = StepInputs(False, positions, [], pages, start=start, seq_ids=[seq.seq_id],
                           first_layer=first_layer)  # fmt: skip
-        self.other_work = True
+        self.hybrid_share.other_work = True
         for tier in self.tiers:
             tier.begin(step)
         mode = "eager"
@@ -363,10 +329,7 @@ class PagedRunner:
         graphs = self._graphs
         if graphs is not None and graphs.accepts(positions):
             return graphs.run(slots, positions, pages)
-        if self.share_search is not None:  # this step's share; the last one's time
-            now, key = self._step_clock(), tuple(seq_ids)
-            self._set_share(self.share_search.observe(now, key, self.other_work))
-        self.other_work = False
+        self.hybrid_share.before_step(seq_ids)
         step = self._decode_inputs(positions, pages)
         step.seq_ids = list(seq_ids)
         for tier in self.tiers:
@@ -391,7 +354,7 @@ class PagedRunner:
         """Copy the resident entries of page pairs (GPU, host) or (host, GPU). Under torchrun
         a layer's host pages hold the rank's heads in its weights' order: its own (arena
         layer ``l``), then its copies (arena layer ``L + l``)."""
-        self.other_work = self.other_work or bool(pairs)
+        self.hybrid_share.other_work = self.hybrid_share.other_work or bool(pairs)
         num_layers = self.spec.num_layers
         places = [(i % num_layers, 0 if i < num_layers else len(self.layout.own[i % num_layers]))
                   for i in range(len(self.store.kv))]  # fmt: skip

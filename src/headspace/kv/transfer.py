@@ -32,14 +32,19 @@ _NUMPY_INTS = {torch.long: np.int64, torch.int32: np.int32}
 
 def _int_table(values, dtype: torch.dtype) -> torch.Tensor:
     """``values`` (a host tensor or nested lists of ints) as a host tensor of ``dtype``."""
-    rows = values if isinstance(values, list) and values and dtype in _NUMPY_INTS else None
-    if rows is not None and isinstance(rows[0], list):
-        width = len(rows[0])
-        if all(type(row) is list and len(row) == width for row in rows):
-            flat = np.fromiter(chain.from_iterable(rows), dtype=_NUMPY_INTS[dtype],
-                               count=len(rows) * width)  # fmt: skip
-            return torch.from_numpy(flat.reshape(len(rows), width))
-    return torch.as_tensor(values, dtype=dtype)
+    rectangular = (
+        dtype in _NUMPY_INTS
+        and isinstance(values, list)
+        and values
+        and type(values[0]) is list
+        and all(type(row) is list and len(row) == len(values[0]) for row in values)
+    )
+    if not rectangular:  # (ragged lists, 1-D lists and tensors: torch's own conversion)
+        return torch.as_tensor(values, dtype=dtype)
+    shape = (len(values), len(values[0]))
+    flat = np.fromiter(chain.from_iterable(values), dtype=_NUMPY_INTS[dtype],
+                       count=shape[0] * shape[1])  # fmt: skip
+    return torch.from_numpy(flat.reshape(shape))
 
 
 def device_ints(values, device: torch.device | str,
