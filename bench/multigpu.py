@@ -9,7 +9,7 @@ against the measured one.
         [--scenario duo|ada_snapkv|patterns|copies] [--copy-cost PATH] [--copy-seconds S]
         [--sharpen 0.25 4] [--batch 1] [--balance-phase auto|prefill|decode] [--work DIR]
         [--model llama3-8b|llama3-70b|qwen2.5-7b|qwen2.5-3b] [--layers N] [--balance-batch N]
-        [--trace DIR] [--kv-budget N] [--warmup-batch N]
+        [--trace DIR] [--kv-budget N] [--warmup-batch N] [--stand-in]
 
 ``--model llama3-70b --layers 40`` is Llama-3.1-70B's shape (64 query heads over 8 kv heads,
 hidden 8192) at 40 of its 80 layers: 72 GB of bf16 weights, which every rank builds whole
@@ -63,6 +63,10 @@ each rank's attention per solver to bench/results ($OUT when set). ``--work DIR`
 profile and each GPU count's run of each solver in DIR and reuses those already there, so
 a long invocation can be split over several calls (``--gpus 1 2``, then ``--gpus 1 2 4``;
 ``--solvers uniform greedy``, then all four); a call cut short keeps the solvers it ran.
+``--stand-in`` (a budget's scenario) decodes over pages at the lengths the budget's policy
+kept of the run's first prompts (``bench/stand_in.py``: measured on one GPU with the
+profile, the prompts not computed): the decode figures of a batch whose prefills would take
+minutes a solver (256 prompts of 32K), its prefill not measured (``null``).
 ``--trace DIR`` writes a torch profiler trace of three of each solver's timed decode steps
 per rank, and a table of its ops (``bench/step_trace.py``).
 """
@@ -104,6 +108,7 @@ from multigpu_report import (  # noqa: E402
 )
 from multigpu_work import kept_runs, missing_runs, prepare_work, wanted_solvers  # noqa: E402
 from sparsity import timed_decode  # noqa: E402
+from stand_in import KEPT_FILE, MEASURED_PROMPTS, measure_kept, stand_in  # noqa: E402
 from step_trace import trace_decode_steps  # noqa: E402
 
 SCENARIOS = {
@@ -119,9 +124,12 @@ SOLVERS = ("uniform", "greedy", "ga", "fairkv", "copy_search", "uniform-again")
 
 
 # -- the profile (one GPU) -------------------------------------------------------------------
-def make_profile(cfg: dict, scenario: str, context: int, path: Path, sharpen=None) -> dict:
+def make_profile(cfg: dict, scenario: str, context: int, path: Path, sharpen=None,
+                 stand_in_prompts: list[list[int]] | None = None) -> dict:  # fmt: skip
     """The scenario's measured loads on the model of config dict ``cfg`` (as
-    ``sharpen_heads`` makes it) as a profile at ``path``; returns a summary."""
+    ``sharpen_heads`` makes it) as a profile at ``path``; returns a summary. With
+    ``stand_in_prompts`` (``--stand-in``), their kept counts beside it
+    (``stand_in.KEPT_FILE``)."""
     from headspace.budgets import KVBudget
     from headspace.eval.profile import PATTERNS, budget_shares, pattern_costs
     from headspace.planner.profile import Profile, budget_key
@@ -145,6 +153,9 @@ def make_profile(cfg: dict, scenario: str, context: int, path: Path, sharpen=Non
         summary = {"budget_shares": {"min": shares.min().item(), "max": shares.max().item(),
                                      "std": shares.std().item(),
                                      "per_entry": shares.tolist()}}  # fmt: skip
+        if stand_in_prompts:
+            summary["stand_in"] = measure_kept(model, stand_in_prompts, budget,
+                                               path.parent / KEPT_FILE)  # fmt: skip
         del model
     if "sparse_pattern" in options:
         chunk = 8192
@@ -156,6 +167,11 @@ def make_profile(cfg: dict, scenario: str, context: int, path: Path, sharpen=Non
     profile.save(path)
     torch.cuda.empty_cache()
     return summary
+
+
+def run_prompts(cfg: dict, args, count: int) -> list[list[int]]:
+    """The first ``count`` prompts of the timed batch."""
+    return [_prompt(cfg, args.context - args.decode, seed=3 + 10 * i) for i in range(count)]
 
 
 def _prompt(cfg: dict, length: int, seed: int) -> list[int]:
@@ -189,10 +205,14 @@ def timed_batch(engine, timer, args, cfg: dict, solver: str) -> tuple[list, floa
 
     params = SamplingParams(max_new_tokens=args.decode, ignore_eos=True)
     length, batch = args.context - args.decode, args.batch
+    admitted_after = batch * -(-length // engine.batch.chunk)  # a step a prefill piece
+    if batch > 1 and args.decode <= admitted_after:  # (before minutes of warm-up)
+        raise SystemExit(f"the batch's last prompt starts after about {admitted_after} steps: "
+                         f"raise --decode above it ({args.decode})")  # fmt: skip
     warm = args.warmup_batch or batch
     engine.generate_batch([_prompt(cfg, length, seed=4 + 10 * i) for i in range(warm)],
                           [params] * warm)  # fmt: skip
-    prompts = [_prompt(cfg, length, seed=3 + 10 * i) for i in range(batch)]
+    prompts = run_prompts(cfg, args, batch)
     timer.restart(rows=batch if batch > 1 else None)
     steps = timed_decode(engine, rows=batch) if batch > 1 else None
     if args.trace:  # a few of the timed steps recorded (they count in the median as any)
@@ -214,6 +234,7 @@ def run_solver(solver: str, args, profile: str) -> dict | None:
 
     from headspace.engine.config import EngineConfig
     from headspace.engine.engine import Engine
+    from headspace.engine.hooks import EngineHooks
     from headspace.engine.ranks import join
     from headspace.parallel.balance import balanced_phases
 
@@ -224,7 +245,11 @@ def run_solver(solver: str, args, profile: str) -> dict | None:
     cfg = model_config(args.model, args.layers)
     model = random_model(cfg, device=config.runtime.device)
     sharpen_heads(model, args.sharpen)
-    engine = Engine.from_model(model, NoText(), config)
+    hooks = None
+    if args.stand_in:  # decode over pages at measured lengths, prompts not computed
+        kept = Path(profile).parent / KEPT_FILE
+        hooks = EngineHooks(prompt_stand_in=stand_in(kept, run_prompts(cfg, args, args.batch)))
+    engine = Engine.from_model(model, NoText(), config, hooks)
     timer = AttentionTimer(engine.batch.runner)  # before the warm-up captures the graphs
     length, batch = args.context - args.decode, args.batch
     every, prefill_s, decode_tok_s, steps = timed_batch(engine, timer, args, cfg, solver)
@@ -240,7 +265,7 @@ def run_solver(solver: str, args, profile: str) -> dict | None:
         dist.all_gather_object(per_rank, measured)
     result = {
         "solver": solver,
-        "prefill_tok_s": batch * length / prefill_s,
+        "prefill_tok_s": None if args.stand_in else batch * length / prefill_s,
         "decode_tok_s": decode_tok_s,
         "attention_seconds": {key: [r[key] for r in per_rank] for key in measured},
         "decode_steps_timed": timer.num_steps,  # rank 0's full-batch steps: their mean
@@ -306,6 +331,7 @@ def launch(num_gpus: int, args, out: Path, solvers: list[str]) -> None:
     command += ["--kv-budget", str(args.kv_budget)] if args.kv_budget else []
     command += ["--warmup-batch", str(args.warmup_batch)] if args.warmup_batch else []
     command += ["--trace", args.trace] if args.trace else []
+    command += ["--stand-in"] if args.stand_in else []
     subprocess.run(command, check=True, env={**os.environ, "OMP_NUM_THREADS": "4"})
 
 
@@ -317,10 +343,11 @@ def main() -> None:
         return worker(args)
     cfg = model_config(args.model, args.layers)  # a layer count it lacks: refused here
     work = Path(args.work or tempfile.mkdtemp())
+    stand_ins = run_prompts(cfg, args, MEASURED_PROMPTS) if args.stand_in else None
     measured = prepare_work(
         work,
         args,
-        lambda path: make_profile(cfg, args.scenario, args.context, path, args.sharpen),
+        lambda path: make_profile(cfg, args.scenario, args.context, path, args.sharpen, stand_ins),
     )
     available = torch.cuda.device_count()
     gpus = [n for n in args.gpus if n <= available or not missing_runs(n, args, work)]
@@ -334,6 +361,7 @@ def main() -> None:
     variant += f"-{args.balance_phase}" if args.balance_phase != "auto" else ""
     variant += f"-copy{args.copy_seconds * 1e6:g}us" if args.copy_seconds is not None else ""
     variant += f"-kv{args.kv_budget}" if args.kv_budget else ""
+    variant += "-standin" if args.stand_in else ""
     tag = model_tag(args.model, args.layers)
     name = f"multigpu_{tag}-{args.scenario}{variant}_{gpu}x{most}_{env['date']}"
     if args.scenario == "copies":
@@ -345,6 +373,7 @@ def main() -> None:
         "config": {"model": describe(args.model, args.layers), "model_config": cfg,
                    "context": args.context, "decode_tokens": args.decode,
                    "batch": args.batch, "warmup_batch": args.warmup_batch or args.batch,
+                   "stand_in": args.stand_in,
                    "sharpen": args.sharpen,
                    "balance_phase": args.balance_phase, "copy_seconds": args.copy_seconds,
                    "scenario": args.scenario, "options": scenario_options(args)},

@@ -70,6 +70,13 @@ def command_line(description: str, scenarios: tuple[str, ...],
         help="the scenario's KV budget in tokens a head in place of its own (copies: 1024), "
         "e.g. 8192 at --context 32768, where the cost model makes copies pay",
     )
+    parser.add_argument(
+        "--stand-in",
+        action="store_true",
+        help="decode over pages at the lengths the budget's policy kept of the run's first "
+        "prompts (measured on one GPU with the profile), the prompts not computed: the "
+        "decode figures of a batch whose prefills would take minutes; prefill not measured",
+    )
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     parser.add_argument("--profile", help=argparse.SUPPRESS)

@@ -49,9 +49,14 @@ def copies_keys(copy_cost: str | None, runs: list[dict]) -> dict:
     by_solver = {r["solver"]: r for r in runs}
     if {"uniform", "uniform-again"} <= set(by_solver):
         again, first = by_solver["uniform-again"], by_solver["uniform"]
-        keys["run_to_run_spread"] = {p: again[f"{p}_tok_s"] / first[f"{p}_tok_s"]
+        keys["run_to_run_spread"] = {p: ratio(again[f"{p}_tok_s"], first[f"{p}_tok_s"])
                                      for p in ("prefill", "decode")}  # fmt: skip
     return keys
+
+
+def ratio(a: float | None, b: float | None) -> float | None:
+    """``a / b``, None where either was not measured (a stand-in run's prefill)."""
+    return None if a is None or b is None else a / b
 
 
 def describe(model: str, num_layers: int | None) -> str:
@@ -76,7 +81,7 @@ def summarise(runs: dict[int, list[dict]]) -> dict:
         },
         "throughput_vs_uniform": {
             s: {
-                p: at_most[s][f"{p}_tok_s"] / at_most["uniform"][f"{p}_tok_s"]
+                p: ratio(at_most[s][f"{p}_tok_s"], at_most["uniform"][f"{p}_tok_s"])
                 for p in ("prefill", "decode")
             }
             for s in at_most
@@ -148,7 +153,8 @@ def print_table(result: dict, runs: dict[int, list[dict]]) -> None:
             att = r["attention_seconds"]
             imb = [phase_imbalance(att, key) for _, key in PHASE_KEYS]
             imb = [f"{x:.3f}" if x is not None else "-" for x in imb]
-            print(f"{n:>4} {r['solver']:>8} {r['prefill_tok_s']:>14.0f} "
+            prefill = "-" if r["prefill_tok_s"] is None else f"{r['prefill_tok_s']:.0f}"
+            print(f"{n:>4} {r['solver']:>8} {prefill:>14} "
                   f"{r['decode_tok_s']:>13.1f} {r['decode_floor_tok_s']:>12.1f} {imb[0]:>12} "
                   f"{imb[1]:>11}")  # fmt: skip
 

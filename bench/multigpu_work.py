@@ -23,6 +23,7 @@ RUN_KEYS = (
     "balance_batch",
     "kv_budget",
     "warmup_batch",
+    "stand_in",
 )
 
 

@@ -389,3 +389,60 @@ def test_decode_graphs_follow_the_tiers_when_a_layout_comes_back(tiny_llama):
     assert runner.plan.entry_staging  # the long ones' layout put entries in host pages
     assert llm.generate(short, params)[0].token_ids == fresh
     assert runner._graphs is not first and runner._graphs.tiers == runner.tiers
+
+
+@pytest.mark.parametrize("streaming", [False, True])
+def test_a_stand_in_prompt_keeps_the_given_counts(tiny_llama, tmp_path, streaming):
+    """A benchmark's stand-in prompt (``EngineHooks.prompt_stand_in``): nothing computed,
+    each entry holds the count given for its (layer, kv head) (a streaming head its ring),
+    growing by one a decode step, and the first token is token 0."""
+    from headspace.engine.hooks import EngineHooks
+    from headspace.planner.profile import Profile
+
+    cfg = load_config(tiny_llama)
+    generator = torch.Generator().manual_seed(11)
+    prompt = _prompts([150], seed=6)[0]
+    kept = torch.randint(1, 151, (cfg.num_layers, cfg.num_kv_heads), generator=generator)
+    options = {"kv_budget": 0.5, "kv_policy": "ada_snapkv"}
+    if streaming:  # half the heads streaming(4,16): rings of 20 tokens
+        scores = torch.rand(cfg.num_layers, cfg.num_kv_heads, generator=generator).tolist()
+        Profile("tiny", cfg.num_layers, cfg.num_kv_heads, scores).save(tmp_path / "p.json")
+        options |= {"profile": str(tmp_path / "p.json"), "retrieval_heads": 0.5,
+                    "sparse_pattern": "streaming(4,16)"}  # fmt: skip
+    llm = make(tiny_llama, **options, hooks=EngineHooks(prompt_stand_in=lambda ids: kept.tolist()))
+    engine = llm.engine
+    request = engine.add_request(prompt, SamplingParams(max_new_tokens=5, ignore_eos=True))
+    entries, lengths, tokens = engine.batch.scheduler.blocks.entries, [], []
+    while engine.has_unfinished():
+        for output in engine.step():
+            tokens = output.token_ids
+        if request in entries and entries[request].compressed:
+            lengths.append(list(entries[request].lengths))
+    head_map = engine.batch.runner.plan.head_map
+    rings = [head_map.entry(layer, h).pattern.startswith("streaming")
+             for layer in range(cfg.num_layers) for h in range(cfg.num_kv_heads)]  # fmt: skip
+    assert any(rings) == streaming
+    want = [20 if ring else k for ring, k in zip(rings, kept.flatten().tolist(), strict=True)]
+    assert lengths[0] == want
+    for step, row in enumerate(lengths):  # every entry one token more a step (a ring: full)
+        assert row == [w if ring else w + step for ring, w in zip(rings, want, strict=True)]
+    assert len(lengths) >= 4 and tokens[0] == 0
+
+
+@pytest.mark.parametrize("budget", [0.5, 0.35])
+def test_kept_counts_measured_apart_are_what_the_engine_keeps(tiny_llama, budget):
+    """What a benchmark gives a stand-in prompt (``eval.profile.kept_counts`` on the model)
+    is what the engine's own Ada-SnapKV keeps of that prompt, entry by entry."""
+    from headspace.eval.profile import kept_counts
+
+    prompt = _prompts([150], seed=6)[0]
+    engine = make(tiny_llama, kv_budget=budget, kv_policy="ada_snapkv").engine
+    request = engine.add_request(prompt, SamplingParams(max_new_tokens=2, ignore_eos=True))
+    entries, first = engine.batch.scheduler.blocks.entries, None
+    while engine.has_unfinished():
+        engine.step()
+        if first is None and request in entries and entries[request].compressed:
+            first = list(entries[request].lengths)
+    want = kept_counts(engine.model, prompt, engine.batch.runner.budget)
+    assert first == want.flatten().tolist()
+    assert len(set(first)) > 1  # the policy's heads differ

@@ -30,6 +30,7 @@ SWAPS: list[int] = []  # pages each swap moved, out to host pages (+) and back (
 STAGED: list[int] = []  # bytes each decode step staged from this rank's host pages
 GRAPH_DECISIONS: list[tuple] = []  # (streamed bytes, groups) each graph-or-eager choice
 RELEASED: list[bool] = []  # at each graphs' release: whether the process group still stood
+KEPT: list[list[int]] = []  # each prompt's entry lengths on this rank after its prefill
 
 
 def _record(cls, name: str, note) -> None:
@@ -46,6 +47,11 @@ def _record(cls, name: str, note) -> None:
 _record(RankBudgetTier, "before_decode", lambda self, *_, **__: WIDTHS.append(self.widest))
 _record(PagedRunner, "swap", lambda self, pairs, to_host: pairs and SWAPS.append(
     len(pairs) if to_host else -len(pairs)))  # fmt: skip
+_record(
+    RankBudgetTier,
+    "after_prefill",
+    lambda self, seq_id, *_: KEPT.append(list(self.blocks.entries[seq_id].lengths)),
+)
 _record(EntryStaging, "begin_decode", lambda self, *_, **__: STAGED.append(self.streamed_bytes))
 
 
@@ -84,15 +90,19 @@ def run_case(case: dict) -> dict:
     # decode steps through the graphs' CPU twin (padded rows, warm-ups) when the case asks;
     # a case bounds the bytes a graph's step may stream
     GRAPH_DECISIONS.clear()
+    KEPT.clear()
     twin = deciding_twin(case.get("graph_max_bytes")) if case.get("graph_twin") else None
     refuses = case.get("host_refuses_on_rank") == int(os.environ["RANK"])
-    hooks = EngineHooks(graphs=twin, host_arena=RefusingArena if refuses else None)
+    stand_in = case.get("stand_in")  # kept counts per (layer, kv head): prompts not computed
+    hooks = EngineHooks(graphs=twin, host_arena=RefusingArena if refuses else None,
+                        prompt_stand_in=stand_in and (lambda ids: stand_in))  # fmt: skip
     llm = LLM(case["model"], hooks=hooks, **case["options"])
     ids = case["prompt"]
     params = SamplingParams(**case["params"])
     logits, outputs, error, after = None, [], None, None
     try:
-        logits = llm.logits(ids, decode_tokens=case["decode_tokens"])
+        if stand_in is None:
+            logits = llm.logits(ids, decode_tokens=case["decode_tokens"])
         outputs = llm.generate(batch(case), params)
     except UserError as refused:  # every rank must refuse alike (or the others would hang)
         error = str(refused)
@@ -116,7 +126,11 @@ def run_case(case: dict) -> dict:
             "swaps": list(SWAPS), "staged": staged, "errors": errors, "after": after,
             "tiers": [tiers(o.stats) for o in outputs], "arrivals": arrivals,
             "streamed": llm.engine.model.layer_source is not None,
-            "searching": searching}  # fmt: skip
+            "searching": searching, "kept": every_rank(list(KEPT)),
+            "rank_heads": [[lay.heads(layer) for layer in range(len(lay.own))]
+                           for lay in ranks.layouts],
+            "patterns": [[e.pattern for e in ranks.head_map.layer(layer)]
+                         for layer in range(ranks.head_map.num_layers)]}  # fmt: skip
     if case.get("leave"):  # the last case: the group goes as at exit, graphs released first
         result["left"] = left(llm)
     return result

@@ -171,9 +171,9 @@ def _merge_kernel(
     tl.store(LSE + head, tl.where(total > 0, safe_max + tl.log(total), float("-inf")))
 
 
-def num_splits_for(capacity: int, num_rows: int, num_sms: int = 132) -> int:
-    """Key slices per (sequence, kv head) row of ``capacity`` keys: about eight programs per
-    SM were every row full, slices of >= 128 tokens.
+def num_splits_for(capacity: int, num_rows: int, num_sms: int = 132, per_sm: int = 8) -> int:
+    """Key slices per (sequence, kv head) row of ``capacity`` keys: about ``per_sm`` programs
+    per SM were every row full, slices of >= 128 tokens.
 
     Eight, not four: rows shorter than the capacity (a batch's, or a KV budget's uneven
     rows, padded to the widest) leave their slices past the end idle. On an H200
@@ -183,7 +183,7 @@ def num_splits_for(capacity: int, num_rows: int, num_sms: int = 132) -> int:
     64 slices per head of one 128-key block each, 4 warps, 2 stages, 2.37 TB/s on an H200.
     """
     by_length = max(1, triton.cdiv(capacity, 128))
-    by_occupancy = max(1, triton.cdiv(8 * num_sms, num_rows))
+    by_occupancy = max(1, triton.cdiv(per_sm * num_sms, num_rows))
     return int(min(by_length, by_occupancy))
 
 
@@ -232,7 +232,11 @@ def paged_decode_attention(
         assert key_shares.dtype == torch.float64 and key_shares.is_contiguous()
         assert key_shares.shape[1:] == (2,) and key_shares.device == q.device
     capacity = block_tables.shape[1] * page_size
-    num_splits = num_splits or num_splits_for(capacity, num_seqs * num_kv_heads)
+    # a launch with copies holds rows of very different work (a copy's share of a long
+    # head beside a rank's whole short heads): sixteen programs an SM, so that its long
+    # rows' slices are no longer than a launch of whole heads cuts them
+    per_sm = 8 if key_shares is None else 16
+    num_splits = num_splits or num_splits_for(capacity, num_seqs * num_kv_heads, per_sm=per_sm)
     tokens_per_split = triton.cdiv(triton.cdiv(capacity, num_splits), block_n) * block_n
     num_splits = triton.cdiv(capacity, tokens_per_split)
     scale = dim**-0.5 if scale is None else scale

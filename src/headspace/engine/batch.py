@@ -87,7 +87,7 @@ class BatchGenerator:
         self.runner = PagedRunner(model, config, self.spec, arena, host, blocks,
                                   2 * config.runtime.max_batch, max_context, profile, layout,
                                   hooks.graphs, hooks.prefix_piece, hooks.cpu_timings,
-                                  hooks.step_clock)  # fmt: skip
+                                  hooks.step_clock, hooks.prompt_stand_in)  # fmt: skip
         self.planner = BatchPlanner(model.config, config, self.spec, self.runner, blocks,
                                     weights, self.chunk, streamed, ranks,
                                     hooks.hardware)  # fmt: skip

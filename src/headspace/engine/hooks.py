@@ -43,7 +43,16 @@ class EngineHooks:
     of its defaults (a test's, to see a plan follow given rates). None: the defaults.
 
     ``step_clock``: the seconds the hybrid tier's share search times decode steps by (a
-    test's clock, whose steps take what it says a share costs). None: ``time.perf_counter``."""
+    test's clock, whose steps take what it says a share costs). None: ``time.perf_counter``.
+
+    ``prompt_stand_in``: ``kept(prompt_ids) -> [layers][kv heads]`` tokens each (layer, kv
+    head) of the model keeps of that prompt, for a benchmark's decode over pages at given
+    lengths without the prompt's compute (an exact decode step's work depends on the
+    lengths, not on the values in the pages): a prefill then computes nothing, its pages
+    keep what they held, the KV-budget tiers keep those counts of each entry (a rank's
+    entries: its heads' and its copies'; a streaming head its ring) where their policy
+    would have picked, other tiers the whole prompt, and the first token is token 0. Every
+    rank must be given the same. None: prompts are computed."""
 
     graphs: type | None = None
     host_arena: type | None = None
@@ -52,3 +61,4 @@ class EngineHooks:
     weight_delay: Callable[[str, int], None] | None = None
     hardware: Hardware | None = None
     step_clock: Callable[[], float] | None = None
+    prompt_stand_in: Callable[[list[int]], list[list[int]]] | None = None

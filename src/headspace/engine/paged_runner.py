@@ -51,18 +51,21 @@ class PagedRunner:
                  graphs_class: type | None = None,
                  prefix_piece: int | None = None,
                  cpu_timings: CpuTimings | None = None,
-                 step_clock: Callable[[], float] | None = None):  # fmt: skip
+                 step_clock: Callable[[], float] | None = None,
+                 prompt_stand_in: Callable[[list[int]], list] | None = None):  # fmt: skip
         """``blocks``: the scheduler's block tables, which the tiers keep per-entry lengths
         in (budgets compress them); ``graphs_class``: what captures decode steps in place of
         DecodeGraphs (tests' CPU twin), ``prefix_piece``: prefix tokens a chunk gathers at a
         time (a test's small pieces), ``cpu_timings``: the hybrid tier's CPU side's record
         (a benchmark's), ``step_clock``: seconds the hybrid share's search times decode
-        steps by (default ``time.perf_counter``); all but ``blocks`` :class:`EngineHooks`."""
+        steps by (default ``time.perf_counter``), ``prompt_stand_in``: each prompt's kept
+        counts in place of its compute (a benchmark's); all but ``blocks``
+        :class:`EngineHooks`."""
         if layout is not None and config.runtime.attention_backend == "flex":
             raise UserError("attention_backend flex does not run over several GPUs yet (copied "
                             "heads decode through their own kernels); use sdpa")  # fmt: skip
         self.model, self.config, self.spec, self.host = model, config, spec, host
-        self.graphs_class = graphs_class
+        self.graphs_class, self.prompt_stand_in = graphs_class, prompt_stand_in
         # each layer's attention calls this when set: ``hook(layer, q, kv) -> out`` (a
         # benchmark's timer; ``attend_tiers(runner.tiers, ...)`` is the tiers' own)
         self.attention_hook = None
@@ -289,6 +292,9 @@ class PagedRunner:
         (first, end): only those decoder layers, from ``hidden`` (the previous slice's
         result) where ``first`` > 0 (see :attr:`layer_slices`); the states returned are
         final-normed only after the last layer."""
+        if self.prompt_stand_in is not None:  # a benchmark's: nothing computed
+            return torch.zeros(end - start, self.model.config.hidden_size, device=self.device,
+                               dtype=self.config.runtime.torch_dtype)  # fmt: skip
         ids = torch.tensor(seq.prompt_ids[start:end], device=self.device)
         positions = torch.arange(start, end, device=self.device)
         first_layer = 0 if layers is None else layers[0]
@@ -307,8 +313,10 @@ class PagedRunner:
         """After the last chunk of ``seq``: per-head budgets compress it; returns the last
         token's fp32 logits ``[vocab]`` from ``hidden`` (its greedy pick goes into token
         ``slot``), or None without."""
+        stand_in = self.prompt_stand_in
+        kept = None if stand_in is None else stand_in(seq.prompt_ids)
         for tier in self.tiers:  # budgets compress what the prompt left
-            tier.after_prefill(seq.seq_id, len(seq.prompt_ids))
+            tier.after_prefill(seq.seq_id, len(seq.prompt_ids), kept)
         if hidden is None:
             return None
         logits = self.model.logits(hidden[-1:])[0]

@@ -139,13 +139,29 @@ def budget_shares(model, prompts: list[list[int]], budget: KVBudget,
         if selectable <= 0 or budget.tokens(len(prompt)) >= len(prompt):
             total += 1.0  # the budget keeps everything, or only the window: even
             continue
-        recorder = _record(model, prompt, window, chunk)
-        scores = [observation_scores(recorder.queries[layer], recorder.keys[layer],
-                                     pool=budget.pool).cpu()
-                  for layer in range(config.num_layers)]  # fmt: skip
-        counts = POLICIES[budget.policy](scores, selectable)
-        total += torch.stack([c.float().cpu() for c in counts]) / selectable
+        total += (kept_counts(model, prompt, budget, chunk) - window).float() / selectable
     return total / len(prompts)
+
+
+def kept_counts(model, prompt: list[int], budget: KVBudget,
+                chunk: int = RECORD_CHUNK) -> torch.Tensor:  # fmt: skip
+    """``[layers, kv heads]`` tokens (int64) ``budget``'s policy keeps of each entry after
+    ``prompt`` (its observation window included; the whole prompt where the budget covers
+    it), the prompt run ``chunk`` tokens at a time."""
+    config = model.config
+    shape = (config.num_layers, config.num_kv_heads)
+    window = min(budget.window, len(prompt))
+    selectable = budget.tokens(len(prompt)) - window
+    if budget.tokens(len(prompt)) >= len(prompt):
+        return torch.full(shape, len(prompt))
+    if selectable <= 0:
+        return torch.full(shape, window)
+    recorder = _record(model, prompt, window, chunk)
+    scores = [observation_scores(recorder.queries[layer], recorder.keys[layer],
+                                 pool=budget.pool).cpu()
+              for layer in range(config.num_layers)]  # fmt: skip
+    counts = POLICIES[budget.policy](scores, selectable)
+    return torch.stack([c.long().cpu() for c in counts]) + window
 
 
 def pattern_costs(num_heads: int, head_dim: int, contexts: list[int], chunk: int, device: str,

@@ -259,8 +259,10 @@ class Tier:
     def before_decode(self, seq_ids: list[int], slots: list[int]) -> None:
         """Per-sequence device state for a decode step of ``seq_ids`` in token ``slots``."""
 
-    def after_prefill(self, seq_id: int, prompt_len: int):
-        """After the last chunk of a prompt of ``prompt_len`` tokens."""
+    def after_prefill(self, seq_id: int, prompt_len: int, kept: list[list[int]] | None = None):
+        """After the last chunk of a prompt of ``prompt_len`` tokens; ``kept``: the tokens
+        each (layer, kv head) of the model keeps in place of what the prompt's compute
+        would pick (a benchmark's stand-in for a prompt never computed)."""
 
     def forget(self, seq_id: int) -> None:
         """Drop what the tier keeps of ``seq_id`` (ended or aborted; its pages are the
