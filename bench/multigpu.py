@@ -9,7 +9,7 @@ against the measured one.
         [--scenario duo|ada_snapkv|patterns|copies] [--copy-cost PATH] [--copy-seconds S]
         [--sharpen 0.25 4] [--batch 1] [--balance-phase auto|prefill|decode] [--work DIR]
         [--model llama3-8b|llama3-70b|qwen2.5-7b|qwen2.5-3b] [--layers N] [--balance-batch N]
-        [--trace DIR] [--kv-budget N] [--warmup-batch N] [--stand-in]
+        [--trace DIR] [--kv-budget N] [--warmup-batch N] [--stand-in] [--served-rate]
 
 ``--model llama3-70b --layers 40`` is Llama-3.1-70B's shape (64 query heads over 8 kv heads,
 hidden 8192) at 40 of its 80 layers: 72 GB of bf16 weights, which every rank builds whole
@@ -67,6 +67,9 @@ a long invocation can be split over several calls (``--gpus 1 2``, then ``--gpus
 kept of the run's first prompts (``bench/stand_in.py``: measured on one GPU with the
 profile, the prompts not computed): the decode figures of a batch whose prefills would take
 minutes a solver (256 prompts of 32K), its prefill not measured (``null``).
+``--served-rate`` times the batch's decode as the engine runs it, not step by step
+synchronised: the median pace from one full-batch step's start to the next's (the host
+plans a step while the GPU runs the one before), the rate a server of the batch sees.
 ``--trace DIR`` writes a torch profiler trace of three of each solver's timed decode steps
 per rank, and a table of its ops (``bench/step_trace.py``).
 """
@@ -214,7 +217,7 @@ def timed_batch(engine, timer, args, cfg: dict, solver: str) -> tuple[list, floa
                           [params] * warm)  # fmt: skip
     prompts = run_prompts(cfg, args, batch)
     timer.restart(rows=batch if batch > 1 else None)
-    steps = timed_decode(engine, rows=batch) if batch > 1 else None
+    steps = timed_decode(engine, batch, not args.served_rate) if batch > 1 else None
     if args.trace:  # a few of the timed steps recorded (they count in the median as any)
         rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
         trace_decode_steps(engine, batch, Path(args.trace), f"decode_{solver}_rank{rank}")
@@ -269,7 +272,7 @@ def run_solver(solver: str, args, profile: str) -> dict | None:
         "decode_tok_s": decode_tok_s,
         "attention_seconds": {key: [r[key] for r in per_rank] for key in measured},
         "decode_steps_timed": timer.num_steps,  # rank 0's full-batch steps: their mean
-        "decode_step_seconds": steps,  # rank 0's synchronised steps of the whole batch
+        "decode_step_seconds": steps,  # rank 0's steps of the whole batch (--served-rate: paces)
         "peak_gpu_gib": stats.peak_gpu_bytes / 2**30,
         "kv_held_fraction": stats.kv_held_fraction,
         "head_map": engine.batch.runner.plan.head_map.summary(),
@@ -332,6 +335,7 @@ def launch(num_gpus: int, args, out: Path, solvers: list[str]) -> None:
     command += ["--warmup-batch", str(args.warmup_batch)] if args.warmup_batch else []
     command += ["--trace", args.trace] if args.trace else []
     command += ["--stand-in"] if args.stand_in else []
+    command += ["--served-rate"] if args.served_rate else []
     subprocess.run(command, check=True, env={**os.environ, "OMP_NUM_THREADS": "4"})
 
 
@@ -362,6 +366,7 @@ def main() -> None:
     variant += f"-copy{args.copy_seconds * 1e6:g}us" if args.copy_seconds is not None else ""
     variant += f"-kv{args.kv_budget}" if args.kv_budget else ""
     variant += "-standin" if args.stand_in else ""
+    variant += "-served" if args.served_rate else ""
     tag = model_tag(args.model, args.layers)
     name = f"multigpu_{tag}-{args.scenario}{variant}_{gpu}x{most}_{env['date']}"
     if args.scenario == "copies":
@@ -373,7 +378,7 @@ def main() -> None:
         "config": {"model": describe(args.model, args.layers), "model_config": cfg,
                    "context": args.context, "decode_tokens": args.decode,
                    "batch": args.batch, "warmup_batch": args.warmup_batch or args.batch,
-                   "stand_in": args.stand_in,
+                   "stand_in": args.stand_in, "served_rate": args.served_rate,
                    "sharpen": args.sharpen,
                    "balance_phase": args.balance_phase, "copy_seconds": args.copy_seconds,
                    "scenario": args.scenario, "options": scenario_options(args)},

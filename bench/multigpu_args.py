@@ -77,6 +77,12 @@ def command_line(description: str, scenarios: tuple[str, ...],
         "prompts (measured on one GPU with the profile), the prompts not computed: the "
         "decode figures of a batch whose prefills would take minutes; prefill not measured",
     )
+    parser.add_argument(
+        "--served-rate",
+        action="store_true",
+        help="the decode rate from the pace of the batch's steps as the engine runs them "
+        "(not synchronised step by step: the host's work for a step overlaps the GPU's)",
+    )
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     parser.add_argument("--profile", help=argparse.SUPPRESS)

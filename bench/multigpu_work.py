@@ -24,6 +24,7 @@ RUN_KEYS = (
     "kv_budget",
     "warmup_batch",
     "stand_in",
+    "served_rate",
 )
 
 

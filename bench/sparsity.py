@@ -81,18 +81,28 @@ def random_profile() -> str:
     return str(path)
 
 
-def timed_decode(engine, rows: int | None = None) -> list[float]:
+def timed_decode(engine, rows: int | None = None, synchronise: bool = True) -> list[float]:
     """Seconds of each decode step the engine runs from now on (synchronised); ``rows``: only
-    the steps that decode that many sequences (a batch's, once every prompt is in)."""
-    runner, times = engine.batch.runner, []
+    the steps that decode that many sequences (a batch's, once every prompt is in). Without
+    ``synchronise`` the steps run as the engine runs them (the host plans a step while the
+    GPU runs the one before) and each figure is the pace: the seconds from one such step's
+    start to the next's."""
+    runner, times, last = engine.batch.runner, [], [None]
     step = runner.decode
 
     def timed(seq_ids, *args, **options):
+        counted = rows is None or len(seq_ids) == rows
+        if not synchronise:
+            now = time.perf_counter()
+            if counted and last[0] is not None:
+                times.append(now - last[0])
+            last[0] = now if counted else None
+            return step(seq_ids, *args, **options)
         torch.cuda.synchronize()
         start = time.perf_counter()
         result = step(seq_ids, *args, **options)
         torch.cuda.synchronize()
-        if rows is None or len(seq_ids) == rows:
+        if counted:
             times.append(time.perf_counter() - start)
         return result
 
