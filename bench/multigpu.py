@@ -79,7 +79,6 @@ from __future__ import annotations
 import gc
 import json
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -101,6 +100,7 @@ from common import (  # noqa: E402
     write_result,
 )
 from multigpu_args import command_line  # noqa: E402
+from multigpu_batch import prompt, run_prompts, timed_batch  # noqa: E402
 from multigpu_report import (  # noqa: E402
     copies_keys,
     describe,
@@ -110,9 +110,7 @@ from multigpu_report import (  # noqa: E402
     summarise,
 )
 from multigpu_work import kept_runs, missing_runs, prepare_work, wanted_solvers  # noqa: E402
-from sparsity import timed_decode  # noqa: E402
 from stand_in import KEPT_FILE, MEASURED_PROMPTS, measure_kept, stand_in  # noqa: E402
-from step_trace import trace_decode_steps  # noqa: E402
 
 SCENARIOS = {
     "duo": {"kv_budget": 0.25, "kv_policy": "ada_snapkv", "retrieval_heads": 0.5,
@@ -151,7 +149,7 @@ def make_profile(cfg: dict, scenario: str, context: int, path: Path, sharpen=Non
         budget = KVBudget(options["kv_budget"], options["kv_policy"])
         model = random_model(cfg)
         sharpen_heads(model, sharpen)
-        shares = budget_shares(model, [_prompt(cfg, context, seed=2)], budget)
+        shares = budget_shares(model, [prompt(cfg, context, seed=2)], budget)
         profile.budget_shares[budget_key(budget.policy, budget.value)] = shares.tolist()
         summary = {"budget_shares": {"min": shares.min().item(), "max": shares.max().item(),
                                      "std": shares.std().item(),
@@ -172,16 +170,6 @@ def make_profile(cfg: dict, scenario: str, context: int, path: Path, sharpen=Non
     return summary
 
 
-def run_prompts(cfg: dict, args, count: int) -> list[list[int]]:
-    """The first ``count`` prompts of the timed batch."""
-    return [_prompt(cfg, args.context - args.decode, seed=3 + 10 * i) for i in range(count)]
-
-
-def _prompt(cfg: dict, length: int, seed: int) -> list[int]:
-    generator = torch.Generator().manual_seed(seed)
-    return torch.randint(0, cfg["vocab_size"], (length,), generator=generator).tolist()
-
-
 # -- a worker (one rank under torchrun) ------------------------------------------------------
 def scenario_options(args) -> dict:
     """The engine options of the scenario as run: its own, the batch decode is priced at
@@ -196,39 +184,6 @@ def scenario_options(args) -> dict:
     if args.copy_seconds is not None:  # the solvers' price of a copy, in place of the model's
         options["copy_seconds"] = args.copy_seconds
     return options
-
-
-def timed_batch(engine, timer, args, cfg: dict, solver: str) -> tuple[list, float, float, list]:
-    """The run's prompts, after an untimed batch of ``--warmup-batch`` prompts as long (by
-    default as many) that compiles and tunes the kernels for their shapes (FlexAttention per
-    key capacity, cuDNN plans per shape) and captures the decode graphs: every request's
-    stats, the prefill seconds, the decode tok/s and the seconds of each step that decoded
-    the whole batch (none for one request)."""
-    from headspace.engine.sampling import SamplingParams
-
-    params = SamplingParams(max_new_tokens=args.decode, ignore_eos=True)
-    length, batch = args.context - args.decode, args.batch
-    admitted_after = batch * -(-length // engine.batch.chunk)  # a step a prefill piece
-    if batch > 1 and args.decode <= admitted_after:  # (before minutes of warm-up)
-        raise SystemExit(f"the batch's last prompt starts after about {admitted_after} steps: "
-                         f"raise --decode above it ({args.decode})")  # fmt: skip
-    warm = args.warmup_batch or batch
-    engine.generate_batch([_prompt(cfg, length, seed=4 + 10 * i) for i in range(warm)],
-                          [params] * warm)  # fmt: skip
-    prompts = run_prompts(cfg, args, batch)
-    timer.restart(rows=batch if batch > 1 else None)
-    steps = timed_decode(engine, batch, not args.served_rate) if batch > 1 else None
-    if args.trace:  # a few of the timed steps recorded (they count in the median as any)
-        rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
-        trace_decode_steps(engine, batch, Path(args.trace), f"decode_{solver}_rank{rank}")
-    every = [output.stats for output in engine.generate_batch(prompts, [params] * batch)]
-    if steps is None:  # one request: its own prefill and decode
-        return every, every[0].prefill_seconds, (args.decode - 1) / every[0].decode_seconds, []
-    if not steps:  # each prompt's prefill takes a step, in which the others decode
-        raise SystemExit(f"no decode step ran all {batch} prompts together: raise "
-                         f"--decode above --batch ({args.decode})")  # fmt: skip
-    engine.batch.runner.__dict__.pop("decode")  # the timing wrapper
-    return every, max(st.prefill_seconds for st in every), batch / statistics.median(steps), steps
 
 
 def run_solver(solver: str, args, profile: str) -> dict | None:
@@ -248,19 +203,22 @@ def run_solver(solver: str, args, profile: str) -> dict | None:
     cfg = model_config(args.model, args.layers)
     model = random_model(cfg, device=config.runtime.device)
     sharpen_heads(model, args.sharpen)
-    hooks = None
+    prompts, hooks = run_prompts(cfg, args, args.batch), None
     if args.stand_in:  # decode over pages at measured lengths, prompts not computed
-        kept = Path(profile).parent / KEPT_FILE
-        hooks = EngineHooks(prompt_stand_in=stand_in(kept, run_prompts(cfg, args, args.batch)))
+        hooks = EngineHooks(prompt_stand_in=stand_in(Path(profile).parent / KEPT_FILE, prompts))
     engine = Engine.from_model(model, NoText(), config, hooks)
-    timer = AttentionTimer(engine.batch.runner)  # before the warm-up captures the graphs
+    # before the warm-up captures the graphs; none at the served rate (reading a graph's
+    # events waits for its step, which would hold the host back from the next)
+    timer = None if args.served_rate else AttentionTimer(engine.batch.runner)
     length, batch = args.context - args.decode, args.batch
-    every, prefill_s, decode_tok_s, steps = timed_batch(engine, timer, args, cfg, solver)
+    every, prefill_s, decode_tok_s, steps = timed_batch(engine, timer, args, cfg, prompts, solver)
     stats = every[0]  # peak memory and KV held: the batch's, alike in every request
     weight_bytes = sum(p.nbytes for p in engine.model.parameters())
     entries = engine.batch.runner.plan.head_map.entries
     hbm = measure_hbm_bandwidth()
-    measured = timer.seconds(model.config.num_layers)
+    measured = {} if timer is None else timer.seconds(model.config.num_layers)
+    if args.stand_in:  # no prompt ran: no prefill attention
+        measured = {key: value for key, value in measured.items() if key.startswith("decode")}
     world = dist.get_world_size() if dist.is_initialized() else 1
     per_rank = [measured]
     if world > 1:
@@ -271,7 +229,7 @@ def run_solver(solver: str, args, profile: str) -> dict | None:
         "prefill_tok_s": None if args.stand_in else batch * length / prefill_s,
         "decode_tok_s": decode_tok_s,
         "attention_seconds": {key: [r[key] for r in per_rank] for key in measured},
-        "decode_steps_timed": timer.num_steps,  # rank 0's full-batch steps: their mean
+        "decode_steps_timed": len(steps) if timer is None else timer.num_steps,
         "decode_step_seconds": steps,  # rank 0's steps of the whole batch (--served-rate: paces)
         "peak_gpu_gib": stats.peak_gpu_bytes / 2**30,
         "kv_held_fraction": stats.kv_held_fraction,
@@ -285,7 +243,8 @@ def run_solver(solver: str, args, profile: str) -> dict | None:
     if engine.ranks is not None and dist.get_rank() == 0:
         result["predicted"] = predicted_loads(engine, config, world, batch)
         result["balanced_phase"] = "+".join(balanced_phases(config.parallel.balance_phase))
-    timer.close()
+    if timer is not None:
+        timer.close()
     del engine, model, timer, every
     gc.collect()
     torch.cuda.empty_cache()  # the next solver's model and arena size from what is free
@@ -345,6 +304,9 @@ def main() -> None:
         SCENARIOS[args.scenario] = {**SCENARIOS[args.scenario], "kv_budget": args.kv_budget}
     if args.worker:
         return worker(args)
+    if args.stand_in and "kv_budget" not in SCENARIOS[args.scenario]:
+        raise SystemExit(f"--stand-in gives prompts a budget's kept counts: the {args.scenario} "
+                         "scenario has no budget")  # fmt: skip
     cfg = model_config(args.model, args.layers)  # a layer count it lacks: refused here
     work = Path(args.work or tempfile.mkdtemp())
     stand_ins = run_prompts(cfg, args, MEASURED_PROMPTS) if args.stand_in else None
@@ -388,7 +350,8 @@ def main() -> None:
         "runs": {str(n): rs for n, rs in runs.items()},
     }  # fmt: skip
     path = write_result(name + ".json", result)
-    plot(runs[most], path.with_suffix(".png"))
+    if any(r["attention_seconds"] for r in runs[most]):  # (none timed at the served rate)
+        plot(runs[most], path.with_suffix(".png"))
     print_table(result, runs)
 
 

@@ -73,6 +73,7 @@ def command_line(description: str, scenarios: tuple[str, ...],
     parser.add_argument(
         "--stand-in",
         action="store_true",
+        default=None,  # (a --work folder begun before the flag reads it as unset)
         help="decode over pages at the lengths the budget's policy kept of the run's first "
         "prompts (measured on one GPU with the profile), the prompts not computed: the "
         "decode figures of a batch whose prefills would take minutes; prefill not measured",
@@ -80,6 +81,7 @@ def command_line(description: str, scenarios: tuple[str, ...],
     parser.add_argument(
         "--served-rate",
         action="store_true",
+        default=None,  # (a --work folder begun before the flag reads it as unset)
         help="the decode rate from the pace of the batch's steps as the engine runs them "
         "(not synchronised step by step: the host's work for a step overlaps the GPU's)",
     )

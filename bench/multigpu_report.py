@@ -11,9 +11,9 @@ from pathlib import Path
 from common import MODEL_NAMES, MODELS
 
 
-def imbalance(seconds: list[float]) -> float | None:
+def imbalance(seconds: list[float] | None) -> float | None:
     """Max over mean of each rank's seconds (None where nothing was timed)."""
-    return max(seconds) / (sum(seconds) / len(seconds)) if sum(seconds) else None
+    return max(seconds) / (sum(seconds) / len(seconds)) if seconds and sum(seconds) else None
 
 
 def step_waits(per_rank: list[list[float]]) -> float:
@@ -33,7 +33,7 @@ def phase_imbalance(attention: dict, key: str) -> float | None:
     """A phase's imbalance: per layer where the run timed layers, else of the ranks' sums."""
     if attention.get(f"{key}_layers"):
         return layer_imbalance(attention[f"{key}_layers"])
-    return imbalance(attention[key])
+    return imbalance(attention.get(key))
 
 
 PHASE_KEYS = (("prefill", "prefill"), ("decode", "decode_step"))  # attention_seconds' keys
@@ -76,7 +76,7 @@ def summarise(runs: dict[int, list[dict]]) -> dict:
             for s in at_most
         },
         "imbalance_of_rank_totals": {
-            s: {p: imbalance(at_most[s]["attention_seconds"][key]) for p, key in PHASE_KEYS}
+            s: {p: imbalance(at_most[s]["attention_seconds"].get(key)) for p, key in PHASE_KEYS}
             for s in at_most
         },
         "throughput_vs_uniform": {
@@ -100,10 +100,13 @@ def summarise(runs: dict[int, list[dict]]) -> dict:
 def _cost_model(run: dict) -> dict:
     """Predicted (roofline at the planner's rates) against measured attention seconds per
     rank: the prompt's last chunk, and one decode step at the context; the step is the sum
-    over layers of the slowest rank where the run timed layers (else the slowest rank's)."""
+    over layers of the slowest rank where the run timed layers (else the slowest rank's). A
+    phase the run did not time (a stand-in's prefill, a served rate's attention) is left out."""
     measured = run["attention_seconds"]
     out = {}
     for phase, key in (("prefill", "prefill_last_chunk"), PHASE_KEYS[1]):
+        if key not in measured:
+            continue
         predicted = run["predicted"][phase]
         layers = measured.get(f"{key}_layers")
         step = step_waits(layers) if layers else max(measured[key])
@@ -127,7 +130,9 @@ def plot(runs: list[dict], path: Path) -> None:
     fig, axes = plt.subplots(1, 2, figsize=(11.5, 3.6))
     for ax, (phase, key) in zip(axes, PHASE_KEYS, strict=True):
         for i, run in enumerate(runs):
-            seconds = run["attention_seconds"][key]
+            seconds = run["attention_seconds"].get(key)
+            if seconds is None:  # a phase the run did not time
+                continue
             width = 0.8 / len(seconds)
             for rank, value in enumerate(seconds):
                 ax.bar(i + (rank - (len(seconds) - 1) / 2) * width, value, width,

@@ -200,27 +200,3 @@ def test_streamed_prefill_sums_in_the_resident_order_where_the_pieces_agree(tiny
     assert torch.equal(make(tiny_llama, hooks=pieces).logits(prompt[:400]), got)
     close = make(tiny_llama).logits(prompt[:400])  # one piece of up to 32K tokens
     torch.testing.assert_close(close, got, atol=1e-4, rtol=0)
-
-
-@pytest.mark.parametrize(
-    "arena_kib,options,tier",
-    [
-        (None, {}, "gpu"),
-        (700, {"offload": "head"}, "stream"),
-        (700, {"offload": "hybrid", "cpu_share": 0.5, "gpu_window": 16}, "hybrid"),
-    ],
-)
-def test_a_stand_in_prompt_decodes_in_every_tier(wide_llama, prompt, arena_kib, options, tier):
-    """A benchmark's stand-in prompt (``EngineHooks.prompt_stand_in``) where no budget keeps
-    a count: nothing computed, the whole prompt held in the plan's tiers (resident,
-    streamed, hybrid), asked once for its counts, and its decode steps run from token 0."""
-    from headspace.engine.hooks import EngineHooks
-
-    given = []
-    arena = None if arena_kib is None else arena_kib * 1024
-    hooks = EngineHooks(prompt_stand_in=lambda ids: given.append(len(ids)) or [[1] * 4] * 8)
-    llm = make(wide_llama, arena, hooks=hooks, **options)
-    out = llm.generate(prompt, SamplingParams(max_new_tokens=6, ignore_eos=True))[0]
-    assert given == [len(prompt)] and out.token_ids[0] == 0 and len(out.token_ids) == 6
-    assert llm.engine.batch.runner.plan.head_map.count(tier) > 0
-    assert out.stats.prompt_tokens == len(prompt)

@@ -240,29 +240,6 @@ def test_budget_copies_four_ranks(tiny_llama, prompt, tmp_path):
     assert all("6 entries copied" in r["summary"] for r in results)
 
 
-def test_stand_in_prompts_keep_the_given_counts_on_every_rank(wide_llama, prompt, tmp_path):
-    """A benchmark's stand-in prompts under two ranks with copied heads: each rank's entries
-    (its own heads, then its copies) hold the counts given for their (layer, kv head), every
-    copy of a head the same, a streaming head its ring; the ranks' decode tables as wide
-    every step."""
-    generator = torch.Generator().manual_seed(12)
-    kept = torch.randint(1, len(prompt) + 1, (8, 4), generator=generator).tolist()
-    options = {"profile": _random_profile(tmp_path / "profile.json", 8, 4),
-               "retrieval_heads": 0.25, "sparse_pattern": "streaming(4,16)", "kv_budget": 0.9,
-               "kv_policy": "ada_snapkv", **FREE_COPIES, "max_context": 4096}  # fmt: skip
-    case = {**_case(wide_llama, prompt, options), "batch": [150, 75, 100], "stand_in": kept}
-    (result,) = run_cases(2, [case], tmp_path)
-    assert "entries copied" in result["summary"]
-    patterns = result["patterns"]
-    for heads, rank_kept in zip(result["rank_heads"], result["kept"], strict=True):
-        for length, lengths in zip(case["batch"], rank_kept, strict=True):
-            want = [min(20 if patterns[layer][h].startswith("streaming") else kept[layer][h],
-                        length) for layer, hs in enumerate(heads) for h in hs]  # fmt: skip
-            assert lengths == want
-    assert result["widths"][0] and result["widths"][0] == result["widths"][1]
-    assert all(tokens[0] == 0 for tokens in result["tokens"])
-
-
 def test_embedded_model_two_ranks(embedded_dir, tmp_path):
     """The real model (3 kv heads a layer) over two ranks: one head of each layer copied.
     Its logits reach 36; summing 30 layers' partial outputs in another order moves them by

@@ -173,7 +173,8 @@ def _merge_kernel(
 
 def num_splits_for(capacity: int, num_rows: int, num_sms: int = 132, per_sm: int = 8) -> int:
     """Key slices per (sequence, kv head) row of ``capacity`` keys: about ``per_sm`` programs
-    per SM were every row full, slices of >= 128 tokens.
+    per SM were every row full (eight; sixteen in a launch with copies, whose rows' work
+    differs most), slices of >= 128 tokens.
 
     Eight, not four: rows shorter than the capacity (a batch's, or a KV budget's uneven
     rows, padded to the widest) leave their slices past the end idle. On an H200
@@ -233,8 +234,9 @@ def paged_decode_attention(
         assert key_shares.shape[1:] == (2,) and key_shares.device == q.device
     capacity = block_tables.shape[1] * page_size
     # a launch with copies holds rows of very different work (a copy's share of a long
-    # head beside a rank's whole short heads): sixteen programs an SM, so that its long
-    # rows' slices are no longer than a launch of whole heads cuts them
+    # head beside a rank's whole short heads): sixteen programs an SM, measured where a
+    # rank's launch is one own head and one copy (its rows doubled: the slices then as
+    # long as a launch of one whole head's; with more own heads they come out shorter)
     per_sm = 8 if key_shares is None else 16
     num_splits = num_splits or num_splits_for(capacity, num_seqs * num_kv_heads, per_sm=per_sm)
     tokens_per_split = triton.cdiv(triton.cdiv(capacity, num_splits), block_n) * block_n

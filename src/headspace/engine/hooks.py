@@ -48,11 +48,13 @@ class EngineHooks:
     ``prompt_stand_in``: ``kept(prompt_ids) -> [layers][kv heads]`` tokens each (layer, kv
     head) of the model keeps of that prompt, for a benchmark's decode over pages at given
     lengths without the prompt's compute (an exact decode step's work depends on the
-    lengths, not on the values in the pages): a prefill then computes nothing, its pages
-    keep what they held, the KV-budget tiers keep those counts of each entry (a rank's
-    entries: its heads' and its copies'; a streaming head its ring) where their policy
-    would have picked, other tiers the whole prompt, and the first token is token 0. Every
-    rank must be given the same. None: prompts are computed."""
+    lengths, not on the values in the pages; the hybrid tier's sparse mode, which selects
+    by the values, is not such a step): a prefill then computes nothing, its pages keep
+    what they held, a KV budget's entries keep those counts where its policy would have
+    picked (a rank's entries: its heads' and its copies'; a streaming head its ring),
+    every other entry the whole prompt, and the last position's logits are zeros (a
+    greedy first token is token 0). Every rank must be given the same. None: prompts are
+    computed."""
 
     graphs: type | None = None
     host_arena: type | None = None

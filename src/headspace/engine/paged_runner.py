@@ -314,9 +314,9 @@ class PagedRunner:
         token's fp32 logits ``[vocab]`` from ``hidden`` (its greedy pick goes into token
         ``slot``), or None without."""
         stand_in = self.prompt_stand_in
-        kept = None if stand_in is None else stand_in(seq.prompt_ids)
+        counts = None if stand_in is None else stand_in(seq.prompt_ids)
         for tier in self.tiers:  # budgets compress what the prompt left
-            tier.after_prefill(seq.seq_id, len(seq.prompt_ids), kept)
+            tier.after_prefill(seq.seq_id, len(seq.prompt_ids), counts)
         if hidden is None:
             return None
         logits = self.model.logits(hidden[-1:])[0]

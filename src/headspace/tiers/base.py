@@ -224,7 +224,8 @@ class Tier:
     other work started) and ``collect(layer)`` (the tier's ``(out, lse)``, its heads of
     ``out`` written). Around them, for tiers that keep per-sequence state on the device:
     ``before_decode(seq_ids, slots)`` brings it up to the sequences of a decode step,
-    ``after_prefill(seq_id, prompt_len)`` follows a prompt (budgets compress it), and
+    ``after_prefill(seq_id, prompt_len, stand_in_counts)`` follows a prompt (budgets
+    compress it; a benchmark's stand-in prompt gives the counts kept), and
     ``forget(seq_id)`` drops what the tier keeps of a sequence that ended. A CUDA graph
     packs what a tier's decode step reads: ``stages_history`` (host pages staged into a
     slot) and ``entry_rows`` (per-entry tables on the device, no block table);
@@ -259,10 +260,11 @@ class Tier:
     def before_decode(self, seq_ids: list[int], slots: list[int]) -> None:
         """Per-sequence device state for a decode step of ``seq_ids`` in token ``slots``."""
 
-    def after_prefill(self, seq_id: int, prompt_len: int, kept: list[list[int]] | None = None):
-        """After the last chunk of a prompt of ``prompt_len`` tokens; ``kept``: the tokens
-        each (layer, kv head) of the model keeps in place of what the prompt's compute
-        would pick (a benchmark's stand-in for a prompt never computed)."""
+    def after_prefill(self, seq_id: int, prompt_len: int,
+                      stand_in_counts: list[list[int]] | None = None):  # fmt: skip
+        """After the last chunk of a prompt of ``prompt_len`` tokens; ``stand_in_counts``:
+        the tokens each (layer, kv head) of the model keeps in place of what a budget's
+        policy would pick (a benchmark's stand-in for a prompt never computed)."""
 
     def forget(self, seq_id: int) -> None:
         """Drop what the tier keeps of ``seq_id`` (ended or aborted; its pages are the

@@ -323,13 +323,14 @@ class BudgetTier(BudgetSelection, Tier):
 
     @torch.inference_mode()
     def after_prefill(self, seq_id: int, prompt_len: int,
-                      kept: list[list[int]] | None = None) -> list[int]:  # fmt: skip
+                      stand_in_counts: list[list[int]] | None = None) -> list[int]:  # fmt: skip
         """Keep each entry's tokens by the budget and the rings (after the prompt of
         ``seq_id``, whose K/V and last queries this tier holds); returns the kept count
-        per entry. ``kept [layers][kv heads of the model]``: the counts each entry keeps in
-        place of the policy's (its first tokens; nothing moved: a stand-in prompt's)."""
-        if kept is not None:
-            return self._keep_counts(seq_id, prompt_len, kept)
+        per entry. ``stand_in_counts [layers][kv heads of the model]``: what each entry
+        keeps in place of the budget's pick (its first tokens, nothing moved: a stand-in
+        prompt's)."""
+        if stand_in_counts is not None:
+            return self._keep_counts(seq_id, prompt_len, stand_in_counts)
         slots = self._slots(seq_id, prompt_len)  # [layer] -> [kv_heads, prompt]
         self.host_pages = self.blocks.host_pages(seq_id)
         kept = self._budget_positions(slots, prompt_len)
@@ -358,10 +359,13 @@ class BudgetTier(BudgetSelection, Tier):
         return counts
 
     def _keep_counts(self, seq_id: int, prompt_len: int, kept: list[list[int]]) -> list[int]:
-        """Each entry's count of ``kept`` (by its layer and kv head; a ring's sink and
-        window), its first tokens left in place."""
+        """Each entry's count of ``kept`` (by its layer and kv head) where a budget picks
+        (else the whole prompt; a ring its sink and window), its first tokens left in
+        place."""
         heads = self._heads() or [range(n) for n in self.layer_heads]
-        counts = [min(kept[layer][h], prompt_len) for layer, hs in enumerate(heads) for h in hs]
+        picks = self.budget is not None and self.budget.tokens(prompt_len) < prompt_len
+        counts = [min(kept[layer][h], prompt_len) if picks else prompt_len
+                  for layer, hs in enumerate(heads) for h in hs]  # fmt: skip
         for e, (sink, window) in self.rings.items():
             counts[e] = min(prompt_len, sink + window)
         self.blocks.compress(seq_id, counts, self.rings)

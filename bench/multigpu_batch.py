@@ -1,0 +1,70 @@
+"""The batch a solver's run of the multi-GPU benchmark serves and times (``bench/multigpu.py``):
+its prompts (random token ids, seeded), an untimed warm-up batch, then the timed one."""
+
+from __future__ import annotations
+
+import statistics
+from pathlib import Path
+
+import torch
+
+from sparsity import timed_decode
+from step_trace import trace_decode_steps
+
+
+def run_prompts(cfg: dict, args, count: int) -> list[list[int]]:
+    """The first ``count`` prompts of the timed batch."""
+    return [prompt(cfg, args.context - args.decode, seed=3 + 10 * i) for i in range(count)]
+
+
+def prompt(cfg: dict, length: int, seed: int) -> list[int]:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(0, cfg["vocab_size"], (length,), generator=generator).tolist()
+
+
+def check_decode_covers_admission(engine, args) -> None:
+    """Refuse, before minutes of warm-up, a ``--decode`` too short for a step of the whole
+    batch: while others decode each prompt's prefill takes a step a piece (``min(chunk,
+    piece tokens)`` of a batch given at once), so the first prompt must still decode when
+    the last one's ends."""
+    length, batch = args.context - args.decode, args.batch
+    piece = min(engine.batch.chunk, engine.config.runtime.step_tokens(True, slices=False))
+    pieces = -(-length // piece)
+    needed = (batch - 1) * pieces + 2
+    if batch > 1 and args.decode < needed:
+        raise SystemExit(
+            f"the batch's last prompt ends its prefill about {batch * pieces} "
+            f"steps in: raise --decode to {needed} or more ({args.decode})"
+        )
+
+
+def timed_batch(engine, timer, args, cfg: dict, prompts: list[list[int]],
+                solver: str) -> tuple[list, float, float, list]:  # fmt: skip
+    """The run's ``prompts``, after an untimed batch of ``--warmup-batch`` prompts as long (by
+    default as many) that compiles and tunes the kernels for their shapes (FlexAttention per
+    key capacity, cuDNN plans per shape) and captures the decode graphs: every request's
+    stats, the prefill seconds, the decode tok/s and the seconds of each step that decoded
+    the whole batch (none for one request; with ``--served-rate`` the pace between their
+    starts). ``timer``: the attention timer, or None."""
+    from headspace.engine.sampling import SamplingParams
+
+    check_decode_covers_admission(engine, args)
+    params = SamplingParams(max_new_tokens=args.decode, ignore_eos=True)
+    length, batch = args.context - args.decode, args.batch
+    warm = args.warmup_batch or batch
+    engine.generate_batch([prompt(cfg, length, seed=4 + 10 * i) for i in range(warm)],
+                          [params] * warm)  # fmt: skip
+    if timer is not None:
+        timer.restart(rows=batch if batch > 1 else None)
+    steps = timed_decode(engine, batch, not args.served_rate) if batch > 1 else None
+    if args.trace:  # a few of the timed steps recorded (they count in the median as any)
+        rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+        trace_decode_steps(engine, batch, Path(args.trace), f"decode_{solver}_rank{rank}")
+    every = [output.stats for output in engine.generate_batch(prompts, [params] * batch)]
+    if steps is None:  # one request: its own prefill and decode
+        return every, every[0].prefill_seconds, (args.decode - 1) / every[0].decode_seconds, []
+    if not steps:  # each prompt's prefill takes a step, in which the others decode
+        raise SystemExit(f"no decode step ran all {batch} prompts together: raise "
+                         f"--decode above --batch ({args.decode})")  # fmt: skip
+    engine.batch.runner.__dict__.pop("decode")  # the timing wrapper
+    return every, max(st.prefill_seconds for st in every), batch / statistics.median(steps), steps
