@@ -84,10 +84,11 @@ class Layer:
                                  self.plain_lengths, PAGE, new_kv=self.new_kv)  # fmt: skip
         self.out.copy_(result)
 
-    def in_kernel(self) -> None:
+    def in_kernel(self) -> None:  # (its slices sized for the own heads, as the engine)
         result, lse = entry_decode(self.q, self.plane[0], self.plane[1], self.tables,
                                    self.lengths, PAGE, new_kv=self.new_kv,
-                                   key_shares=self.key_shares)  # fmt: skip
+                                   key_shares=self.key_shares,
+                                   sliced_rows=self.batch * OWN)  # fmt: skip
         self.out.copy_(result)
         split = OWN * Q_PER_KV
         merge_copies(lse[:, split:], self.out[:, split:], self.columns, self.copies,

@@ -65,6 +65,7 @@ def entry_decode(
     reference: bool = False,
     flex: bool = False,
     key_shares: torch.Tensor | None = None,  # [period, 2] float64: rows' share bounds
+    sliced_rows: int | None = None,  # the rows the kernel sizes its key slices for
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One query token per sequence against each (sequence, kv head) row's own tokens,
     ``new_kv`` stored first at ``new_index`` (a ring row's slot of its oldest window token;
@@ -96,7 +97,8 @@ def entry_decode(
 
         out, lse = paged_decode_attention(q_rows, k[None], v[None], tables, lengths, page_size,
                                           new_kv=rows_new, new_index=new_index,
-                                          key_shares=key_shares)  # fmt: skip
+                                          key_shares=key_shares,
+                                          sliced_rows=sliced_rows)  # fmt: skip
     else:
         if rows_new is not None:
             _store_new(k, v, tables, lengths, rows_new, new_index, page_size)

@@ -171,10 +171,9 @@ def _merge_kernel(
     tl.store(LSE + head, tl.where(total > 0, safe_max + tl.log(total), float("-inf")))
 
 
-def num_splits_for(capacity: int, num_rows: int, num_sms: int = 132, per_sm: int = 8) -> int:
-    """Key slices per (sequence, kv head) row of ``capacity`` keys: about ``per_sm`` programs
-    per SM were every row full (eight; sixteen in a launch with copies, whose rows' work
-    differs most), slices of >= 128 tokens.
+def num_splits_for(capacity: int, num_rows: int, num_sms: int = 132) -> int:
+    """Key slices per (sequence, kv head) row of ``capacity`` keys: about eight programs per
+    SM were every row full, slices of >= 128 tokens.
 
     Eight, not four: rows shorter than the capacity (a batch's, or a KV budget's uneven
     rows, padded to the widest) leave their slices past the end idle. On an H200
@@ -184,7 +183,7 @@ def num_splits_for(capacity: int, num_rows: int, num_sms: int = 132, per_sm: int
     64 slices per head of one 128-key block each, 4 warps, 2 stages, 2.37 TB/s on an H200.
     """
     by_length = max(1, triton.cdiv(capacity, 128))
-    by_occupancy = max(1, triton.cdiv(per_sm * num_sms, num_rows))
+    by_occupancy = max(1, triton.cdiv(8 * num_sms, num_rows))
     return int(min(by_length, by_occupancy))
 
 
@@ -205,6 +204,7 @@ def paged_decode_attention(
     num_stages: int = 3,
     out: torch.Tensor | None = None,
     key_shares: torch.Tensor | None = None,  # [period, 2] float64: copies' share bounds
+    sliced_rows: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Decode attention of a batch of sequences over pages: ``out [seqs, heads, dim]``, ``lse``.
 
@@ -219,7 +219,11 @@ def paged_decode_attention(
     attends only its keys ``[cut(before), cut(through))`` for ``(before, through) =
     key_shares[r % period]`` (a copy's part of a head shared with other ranks, cut at whole
     pages as :func:`~headspace.parallel.placement.copy_keys` cuts; ``(0, 1)``: every key),
-    and a row with no key in its range gives out 0 and lse -inf.
+    and a row with no key in its range gives out 0 and lse -inf. ``sliced_rows``: the rows
+    the key slices are sized for (default: all ``seqs * kv_heads``): a launch of a rank's
+    own heads and its copies gives its own heads' rows, so that the copies add programs
+    rather than lengthen every slice (a copy's range beside a short own head ran its keys
+    in a few long programs: bench/NOTES.md, "Copies at 32K on two H200s").
     """
     num_seqs, num_heads, dim = q.shape
     num_kv_heads = k.shape[0]
@@ -233,12 +237,7 @@ def paged_decode_attention(
         assert key_shares.dtype == torch.float64 and key_shares.is_contiguous()
         assert key_shares.shape[1:] == (2,) and key_shares.device == q.device
     capacity = block_tables.shape[1] * page_size
-    # a launch with copies holds rows of very different work (a copy's share of a long
-    # head beside a rank's whole short heads): sixteen programs an SM, measured where a
-    # rank's launch is one own head and one copy (its rows doubled: the slices then as
-    # long as a launch of one whole head's; with more own heads they come out shorter)
-    per_sm = 8 if key_shares is None else 16
-    num_splits = num_splits or num_splits_for(capacity, num_seqs * num_kv_heads, per_sm=per_sm)
+    num_splits = num_splits or num_splits_for(capacity, sliced_rows or num_seqs * num_kv_heads)
     tokens_per_split = triton.cdiv(triton.cdiv(capacity, num_splits), block_n) * block_n
     num_splits = triton.cdiv(capacity, tokens_per_split)
     scale = dim**-0.5 if scale is None else scale

@@ -131,7 +131,8 @@ class RankBudgetTier(BudgetTier):
         result, lse = entry_decode(q, self.plane[0], self.plane[1], self.tables[layer],
                                    self.lengths[layer], self.page_size, new_kv=kv,
                                    new_index=None if newest is None else newest[layer],
-                                   key_shares=self.key_shares[layer])  # fmt: skip
+                                   key_shares=self.key_shares[layer],
+                                   sliced_rows=q.shape[0] * num_own or None)  # fmt: skip
         out.copy_(result)
         split = num_own * self.q_per_kv
         self._parts[layer] = lse[:, split:], out[:, split:]
