@@ -69,7 +69,9 @@ profile, the prompts not computed): the decode figures of a batch whose prefills
 minutes a solver (256 prompts of 32K), its prefill not measured (``null``).
 ``--served-rate`` times the batch's decode as the engine runs it, not step by step
 synchronised: the median pace from one full-batch step's start to the next's (the host
-plans a step while the GPU runs the one before), the rate a server of the batch sees.
+plans a step while the GPU runs the one before), the rate a server of the batch sees; it
+runs without the attention timer (whose reads wait for each step), so the per-rank
+attention and imbalance figures come from a synchronised run.
 ``--trace DIR`` writes a torch profiler trace of three of each solver's timed decode steps
 per rank, and a table of its ops (``bench/step_trace.py``).
 """
