@@ -70,22 +70,26 @@ def command_line(description: str, scenarios: tuple[str, ...],
         help="the scenario's KV budget in tokens a head in place of its own (copies: 1024), "
         "e.g. 8192 at --context 32768, where the cost model makes copies pay",
     )
-    parser.add_argument(
+    _run_flag(
+        parser,
         "--stand-in",
-        action="store_true",
-        default=None,  # (a --work folder begun before the flag reads it as unset)
-        help="decode over pages at the lengths the budget's policy kept of the run's first "
+        "decode over pages at the lengths the budget's policy kept of the run's first "
         "prompts (measured on one GPU with the profile), the prompts not computed: the "
         "decode figures of a batch whose prefills would take minutes; prefill not measured",
     )
-    parser.add_argument(
+    _run_flag(
+        parser,
         "--served-rate",
-        action="store_true",
-        default=None,  # (a --work folder begun before the flag reads it as unset)
-        help="the decode rate from the pace of the batch's steps as the engine runs them "
+        "the decode rate from the pace of the batch's steps as the engine runs them "
         "(not synchronised step by step: the host's work for a step overlaps the GPU's)",
     )
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     parser.add_argument("--profile", help=argparse.SUPPRESS)
     return parser
+
+
+def _run_flag(parser: argparse.ArgumentParser, name: str, help: str) -> None:
+    """A switch among a run's settings (``multigpu_work.RUN_KEYS``): unset reads None, as
+    in a --work folder begun before the switch existed."""
+    parser.add_argument(name, action="store_true", default=None, help=help)

@@ -363,7 +363,7 @@ class BudgetTier(BudgetSelection, Tier):
         (else the whole prompt; a ring its sink and window), its first tokens left in
         place."""
         heads = self._heads() or [range(n) for n in self.layer_heads]
-        picks = self.budget is not None and self.budget.tokens(prompt_len) < prompt_len
+        picks = self._picks(prompt_len)
         counts = [min(kept[layer][h], prompt_len) if picks else prompt_len
                   for layer, hs in enumerate(heads) for h in hs]  # fmt: skip
         for e, (sink, window) in self.rings.items():

@@ -22,7 +22,7 @@ class BudgetSelection:
         CPU. Each layer's scores are ranked where they are as soon as they are scored (on a
         GPU: milliseconds, not the CPU's seconds at 128K): a layer-local policy divides the
         layer's budget by them, headkv by the profile, once for every layer."""
-        if self.budget is None or self.budget.tokens(prompt_len) >= prompt_len:
+        if not self._picks(prompt_len):
             return [torch.arange(prompt_len)] * self.first[-1]
         heads = self._heads()
         local = self.budget.policy in LAYER_LOCAL
@@ -36,6 +36,10 @@ class BudgetSelection:
                                      counts=layer_counts)  # fmt: skip
             kept += torch.cat(rows).cpu().split([len(r) for r in rows]) if rows else []
         return kept
+
+    def _picks(self, prompt_len: int) -> bool:
+        """Whether the budget keeps less than a prompt of ``prompt_len`` tokens."""
+        return self.budget is not None and self.budget.tokens(prompt_len) < prompt_len
 
     def _profile_counts(self, prompt_len: int) -> list[torch.Tensor]:
         """headkv's counts per layer, before any layer is scored: they follow from the
