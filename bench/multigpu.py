@@ -102,10 +102,11 @@ from common import (  # noqa: E402
     write_result,
 )
 from multigpu_args import command_line  # noqa: E402
-from multigpu_batch import prompt, run_prompts, timed_batch  # noqa: E402
+from multigpu_batch import kept_tokens, prompt, run_prompts, timed_batch  # noqa: E402
 from multigpu_report import (  # noqa: E402
     copies_keys,
     describe,
+    layer_floor_tokens,
     plot,
     predicted_loads,
     print_table,
@@ -217,7 +218,10 @@ def run_solver(solver: str, args, profile: str) -> dict | None:
     stats = every[0]  # peak memory and KV held: the batch's, alike in every request
     weight_bytes = sum(p.nbytes for p in engine.model.parameters())
     entries = engine.batch.runner.plan.head_map.entries
+    placement = [[e.layer, e.kv_head, list(e.rank), list(e.shares)] for e in entries]
+    floor_tokens = layer_floor_tokens(placement, kept_tokens(args, cfg, options, profile))
     hbm = measure_hbm_bandwidth()
+    floor_bytes = batch * floor_tokens * engine.batch.spec.entry_token_bytes
     measured = {} if timer is None else timer.seconds(model.config.num_layers)
     if args.stand_in:  # no prompt ran: no prefill attention
         measured = {key: value for key, value in measured.items() if key.startswith("decode")}
@@ -237,9 +241,10 @@ def run_solver(solver: str, args, profile: str) -> dict | None:
         "kv_held_fraction": stats.kv_held_fraction,
         "head_map": engine.batch.runner.plan.head_map.summary(),
         # each entry's layer, kv head, ranks and (for a copied head) each rank's share
-        "placement": [[e.layer, e.kv_head, list(e.rank), list(e.shares)] for e in entries],
-        # rank 0's decode floor: its weights and the KV it holds at the end, read once a step
-        "decode_floor_tok_s": batch * hbm / (weight_bytes + sum(st.kv_held_bytes for st in every)),
+        "placement": placement,
+        # the decode floor: rank 0's weights and, each layer, the KV its slowest rank reads
+        # at the batch's end, once a step at the measured HBM rate
+        "decode_layer_floor_tok_s": batch * hbm / (weight_bytes + floor_bytes),
         "hbm_bytes_per_s": hbm,
     }
     if engine.ranks is not None and dist.get_rank() == 0:

@@ -3,12 +3,14 @@ its prompts (random token ids, seeded), an untimed warm-up batch, then the timed
 
 from __future__ import annotations
 
+import json
 import statistics
 from pathlib import Path
 
 import torch
 
 from sparsity import timed_decode
+from stand_in import KEPT_FILE
 from step_trace import trace_decode_steps
 
 
@@ -20,6 +22,26 @@ def run_prompts(cfg: dict, args, count: int) -> list[list[int]]:
 def prompt(cfg: dict, length: int, seed: int) -> list[int]:
     generator = torch.Generator().manual_seed(seed)
     return torch.randint(0, cfg["vocab_size"], (length,), generator=generator).tolist()
+
+
+def kept_tokens(args, cfg: dict, options: dict, profile: str) -> list[list[float]]:
+    """Each entry's tokens at the batch's end, ``[layers][kv heads]``: with ``--stand-in``
+    the measured prompts' counts as the batch cycles them, else under a KV budget the
+    profile's share of it, else the whole prompt; then the decoded tokens."""
+    from headspace.planner.profile import Profile, budget_key
+
+    layers, kv_heads = cfg["num_hidden_layers"], cfg["num_key_value_heads"]
+    kept = [[float(args.context - args.decode)] * kv_heads for _ in range(layers)]
+    if args.stand_in:
+        counts = json.loads((Path(profile).parent / KEPT_FILE).read_text())
+        cycled = [counts[i % len(counts)] for i in range(args.batch)]
+        kept = [[sum(c[layer][h] for c in cycled) / len(cycled) for h in range(kv_heads)]
+                for layer in range(layers)]  # fmt: skip
+    elif "kv_budget" in options:
+        key = budget_key(options["kv_policy"], options["kv_budget"])
+        shares = Profile.load(profile).budget_shares[key]
+        kept = [[share * options["kv_budget"] for share in row] for row in shares]
+    return [[tokens + args.decode for tokens in row] for row in kept]
 
 
 def check_decode_covers_admission(engine, args) -> None:

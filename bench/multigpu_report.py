@@ -54,6 +54,20 @@ def copies_keys(copy_cost: str | None, runs: list[dict]) -> dict:
     return keys
 
 
+def layer_floor_tokens(placement: list, kept: list[list[float]]) -> float:
+    """The KV tokens a decode step waits to read for one sequence: over layers, the rank
+    that reads the most of that layer's entries (every layer ends in an all-reduce; a copy
+    is held whole on each of its ranks and each reads its share). ``placement`` as a run
+    records it (``[layer, kv head, ranks, shares]``, shares empty for a head on one rank);
+    ``kept[layer][kv head]`` an entry's tokens."""
+    reads: dict[int, dict[int, float]] = {}  # layer -> rank -> tokens
+    for layer, kv_head, ranks, shares in placement:
+        for i, rank in enumerate(ranks):
+            part = kept[layer][kv_head] * (shares[i] if shares else 1.0)
+            reads.setdefault(layer, {})[rank] = reads.get(layer, {}).get(rank, 0.0) + part
+    return sum(max(by_rank.values()) for by_rank in reads.values())
+
+
 def ratio(a: float | None, b: float | None) -> float | None:
     """``a / b``, None where either was not measured (a stand-in run's prefill)."""
     return None if a is None or b is None else a / b
@@ -119,16 +133,20 @@ def _cost_model(run: dict) -> dict:
 
 
 def plot(runs: list[dict], path: Path) -> None:
-    """Each rank's attention seconds per solver, prefill and decode side by side, and (a black
-    bar across them, where the run timed layers) what the step waits for: the sum over
-    layers of each layer's slowest rank."""
+    """Each rank's attention seconds per solver, prefill and decode side by side (a phase no
+    run timed left out), and (a black bar across them, where the run timed layers) what the
+    step waits for: the sum over layers of each layer's slowest rank."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(11.5, 3.6))
-    for ax, (phase, key) in zip(axes, PHASE_KEYS, strict=True):
+    phases = [(p, k) for p, k in PHASE_KEYS if any(k in r["attention_seconds"] for r in runs)]
+    if not phases:  # nothing timed (a served rate's run)
+        return
+    fig, axes = plt.subplots(1, len(phases), figsize=(5.75 * len(phases), 3.6), squeeze=False)
+    axes = axes[0]
+    for ax, (phase, key) in zip(axes, phases, strict=True):
         for i, run in enumerate(runs):
             seconds = run["attention_seconds"].get(key)
             if seconds is None:  # a phase the run did not time
@@ -145,7 +163,7 @@ def plot(runs: list[dict], path: Path) -> None:
         ax.set_xticks(range(len(runs)), [r["solver"] for r in runs])
         ax.set_title(f"{phase} attention per rank" + (" (mean step)" if phase == "decode" else ""))
         ax.set_ylabel("seconds")
-    axes[1].legend(fontsize=8, loc="center left", bbox_to_anchor=(1.0, 0.5))
+    axes[-1].legend(fontsize=8, loc="center left", bbox_to_anchor=(1.0, 0.5))
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
@@ -159,8 +177,10 @@ def print_table(result: dict, runs: dict[int, list[dict]]) -> None:
             imb = [phase_imbalance(att, key) for _, key in PHASE_KEYS]
             imb = [f"{x:.3f}" if x is not None else "-" for x in imb]
             prefill = "-" if r["prefill_tok_s"] is None else f"{r['prefill_tok_s']:.0f}"
+            floor = r.get("decode_layer_floor_tok_s")
+            floor = "-" if floor is None else f"{floor:.1f}"
             print(f"{n:>4} {r['solver']:>8} {prefill:>14} "
-                  f"{r['decode_tok_s']:>13.1f} {r['decode_floor_tok_s']:>12.1f} {imb[0]:>12} "
+                  f"{r['decode_tok_s']:>13.1f} {floor:>12} {imb[0]:>12} "
                   f"{imb[1]:>11}")  # fmt: skip
 
 
