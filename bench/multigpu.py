@@ -102,11 +102,15 @@ from common import (  # noqa: E402
     write_result,
 )
 from multigpu_args import command_line  # noqa: E402
-from multigpu_batch import kept_tokens, prompt, run_prompts, timed_batch  # noqa: E402
+from multigpu_batch import (  # noqa: E402
+    decode_layer_floor_bytes,
+    prompt,
+    run_prompts,
+    timed_batch,
+)
 from multigpu_report import (  # noqa: E402
     copies_keys,
     describe,
-    layer_floor_tokens,
     plot,
     predicted_loads,
     print_table,
@@ -189,6 +193,21 @@ def scenario_options(args) -> dict:
     return options
 
 
+def attention_per_rank(timer, num_layers: int, stand_in: bool) -> tuple[dict, list[dict]]:
+    """This rank's timed attention seconds (none at the served rate; a stand-in's decode
+    only: no prompt ran) and every rank's, in rank order."""
+    import torch.distributed as dist
+
+    measured = {} if timer is None else timer.seconds(num_layers)
+    if stand_in:
+        measured = {key: value for key, value in measured.items() if key.startswith("decode")}
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return measured, [measured]
+    per_rank = [None] * dist.get_world_size()
+    dist.all_gather_object(per_rank, measured)
+    return measured, per_rank
+
+
 def run_solver(solver: str, args, profile: str) -> dict | None:
     """One solver's run on this rank; rank 0 returns what every rank measured."""
     import torch.distributed as dist
@@ -216,20 +235,11 @@ def run_solver(solver: str, args, profile: str) -> dict | None:
     length, batch = args.context - args.decode, args.batch
     every, prefill_s, decode_tok_s, steps = timed_batch(engine, timer, args, cfg, prompts, solver)
     stats = every[0]  # peak memory and KV held: the batch's, alike in every request
-    weight_bytes = sum(p.nbytes for p in engine.model.parameters())
     entries = engine.batch.runner.plan.head_map.entries
-    placement = [[e.layer, e.kv_head, list(e.rank), list(e.shares)] for e in entries]
-    floor_tokens = layer_floor_tokens(placement, kept_tokens(args, cfg, options, profile))
+    floor_bytes = decode_layer_floor_bytes(engine, args, options, profile)
     hbm = measure_hbm_bandwidth()
-    floor_bytes = batch * floor_tokens * engine.batch.spec.entry_token_bytes
-    measured = {} if timer is None else timer.seconds(model.config.num_layers)
-    if args.stand_in:  # no prompt ran: no prefill attention
-        measured = {key: value for key, value in measured.items() if key.startswith("decode")}
-    world = dist.get_world_size() if dist.is_initialized() else 1
-    per_rank = [measured]
-    if world > 1:
-        per_rank = [None] * world
-        dist.all_gather_object(per_rank, measured)
+    measured, per_rank = attention_per_rank(timer, model.config.num_layers, args.stand_in)
+    world = len(per_rank)
     result = {
         "solver": solver,
         "prefill_tok_s": None if args.stand_in else batch * length / prefill_s,
@@ -241,10 +251,11 @@ def run_solver(solver: str, args, profile: str) -> dict | None:
         "kv_held_fraction": stats.kv_held_fraction,
         "head_map": engine.batch.runner.plan.head_map.summary(),
         # each entry's layer, kv head, ranks and (for a copied head) each rank's share
-        "placement": placement,
-        # the decode floor: rank 0's weights and, each layer, the KV its slowest rank reads
-        # at the batch's end, once a step at the measured HBM rate
-        "decode_layer_floor_tok_s": batch * hbm / (weight_bytes + floor_bytes),
+        "placement": [[e.layer, e.kv_head, list(e.rank), list(e.shares)] for e in entries],
+        # the decode floor: rank 0's weights and, each layer, the K/V its slowest rank reads
+        # at the batch's end (bytes), once a step at the measured HBM rate
+        "decode_layer_floor_bytes": floor_bytes,
+        "decode_layer_floor_tok_s": batch * hbm / floor_bytes,
         "hbm_bytes_per_s": hbm,
     }
     if engine.ranks is not None and dist.get_rank() == 0:

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import torch
 
+from multigpu_report import layer_floor_tokens
 from sparsity import timed_decode
 from stand_in import KEPT_FILE
 from step_trace import trace_decode_steps
@@ -24,24 +25,47 @@ def prompt(cfg: dict, length: int, seed: int) -> list[int]:
     return torch.randint(0, cfg["vocab_size"], (length,), generator=generator).tolist()
 
 
-def kept_tokens(args, cfg: dict, options: dict, profile: str) -> list[list[float]]:
-    """Each entry's tokens at the batch's end, ``[layers][kv heads]``: with ``--stand-in``
-    the measured prompts' counts as the batch cycles them, else under a KV budget the
-    profile's share of it, else the whole prompt; then the decoded tokens."""
+def entry_tokens_at_end(args, entries, options: dict, profile: str) -> list[list[float]]:
+    """Each entry's tokens at the batch's end, a sequence's mean, ``[layers][kv heads]``: a
+    streaming entry its ring; else with ``--stand-in`` the measured prompts' counts as the
+    batch cycles them, under a KV budget its observation window and the profile's share of
+    the rest, else the whole prompt; then the tokens decoded after the first. ``entries``:
+    the head map's."""
+    from headspace.budgets import KVBudget
     from headspace.planner.profile import Profile, budget_key
+    from headspace.planner.sparsity import Pattern, held_tokens
 
-    layers, kv_heads = cfg["num_hidden_layers"], cfg["num_key_value_heads"]
-    kept = [[float(args.context - args.decode)] * kv_heads for _ in range(layers)]
+    prompt_len, decoded = args.context - args.decode, args.decode - 1
+    layers, kv_heads = 1 + entries[-1].layer, 1 + max(e.kv_head for e in entries)
+    kept = [[float(prompt_len)] * kv_heads for _ in range(layers)]
     if args.stand_in:
         counts = json.loads((Path(profile).parent / KEPT_FILE).read_text())
         cycled = [counts[i % len(counts)] for i in range(args.batch)]
         kept = [[sum(c[layer][h] for c in cycled) / len(cycled) for h in range(kv_heads)]
                 for layer in range(layers)]  # fmt: skip
     elif "kv_budget" in options:
-        key = budget_key(options["kv_policy"], options["kv_budget"])
-        shares = Profile.load(profile).budget_shares[key]
-        kept = [[share * options["kv_budget"] for share in row] for row in shares]
-    return [[tokens + args.decode for tokens in row] for row in kept]
+        budget = KVBudget(options["kv_budget"], options["kv_policy"])
+        shares = Profile.load(profile).budget_shares[budget_key(budget.policy, budget.value)]
+        window = min(budget.window, prompt_len)
+        selectable = budget.tokens(prompt_len) - window
+        kept = [[window + share * selectable for share in row] for row in shares]
+    for e in entries:
+        if Pattern.parse(e.pattern).kind == "streaming":  # a ring keeps its size
+            kept[e.layer][e.kv_head] = float(held_tokens(e.pattern, None, prompt_len))
+        else:
+            kept[e.layer][e.kv_head] += decoded
+    return kept
+
+
+def decode_layer_floor_bytes(engine, args, options: dict, profile: str) -> int:
+    """Bytes a decode step of the batch reads at least, at its end: rank 0's weights and,
+    each layer, the K/V its slowest rank reads (:func:`multigpu_report.layer_floor_tokens`:
+    every layer ends in an all-reduce; a copy reads its share of its head)."""
+    entries = engine.batch.runner.plan.head_map.entries
+    placement = [[e.layer, e.kv_head, list(e.rank), list(e.shares)] for e in entries]
+    tokens = layer_floor_tokens(placement, entry_tokens_at_end(args, entries, options, profile))
+    weights = sum(p.nbytes for p in engine.model.parameters())
+    return weights + round(args.batch * tokens * engine.batch.spec.entry_token_bytes)
 
 
 def check_decode_covers_admission(engine, args) -> None:

@@ -54,7 +54,7 @@ def copies_keys(copy_cost: str | None, runs: list[dict]) -> dict:
     return keys
 
 
-def layer_floor_tokens(placement: list, kept: list[list[float]]) -> float:
+def layer_floor_tokens(placement: list[list], kept: list[list[float]]) -> float:
     """The KV tokens a decode step waits to read for one sequence: over layers, the rank
     that reads the most of that layer's entries (every layer ends in an all-reduce; a copy
     is held whole on each of its ranks and each reads its share). ``placement`` as a run
@@ -62,10 +62,11 @@ def layer_floor_tokens(placement: list, kept: list[list[float]]) -> float:
     ``kept[layer][kv head]`` an entry's tokens."""
     reads: dict[int, dict[int, float]] = {}  # layer -> rank -> tokens
     for layer, kv_head, ranks, shares in placement:
+        by_rank = reads.setdefault(layer, {})
         for i, rank in enumerate(ranks):
             part = kept[layer][kv_head] * (shares[i] if shares else 1.0)
-            reads.setdefault(layer, {})[rank] = reads.get(layer, {}).get(rank, 0.0) + part
-    return sum(max(by_rank.values()) for by_rank in reads.values())
+            by_rank[rank] = by_rank.get(rank, 0.0) + part
+    return float(sum(max(by_rank.values()) for by_rank in reads.values()))
 
 
 def ratio(a: float | None, b: float | None) -> float | None:
