@@ -104,6 +104,7 @@ from common import (  # noqa: E402
 from multigpu_args import command_line  # noqa: E402
 from multigpu_batch import (  # noqa: E402
     decode_layer_floor_bytes,
+    placement_of,
     prompt,
     run_prompts,
     timed_batch,
@@ -251,7 +252,7 @@ def run_solver(solver: str, args, profile: str) -> dict | None:
         "kv_held_fraction": stats.kv_held_fraction,
         "head_map": engine.batch.runner.plan.head_map.summary(),
         # each entry's layer, kv head, ranks and (for a copied head) each rank's share
-        "placement": [[e.layer, e.kv_head, list(e.rank), list(e.shares)] for e in entries],
+        "placement": placement_of(entries),
         # the decode floor: rank 0's weights and, each layer, the K/V its slowest rank reads
         # at the batch's end (bytes), once a step at the measured HBM rate
         "decode_layer_floor_bytes": floor_bytes,
@@ -368,8 +369,7 @@ def main() -> None:
         "runs": {str(n): rs for n, rs in runs.items()},
     }  # fmt: skip
     path = write_result(name + ".json", result)
-    if any(r["attention_seconds"] for r in runs[most]):  # (none timed at the served rate)
-        plot(runs[most], path.with_suffix(".png"))
+    plot(runs[most], path.with_suffix(".png"))  # (none where nothing was timed: served rate)
     print_table(result, runs)
 
 

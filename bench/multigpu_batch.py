@@ -57,13 +57,19 @@ def entry_tokens_at_end(args, entries, options: dict, profile: str) -> list[list
     return kept
 
 
+def placement_of(entries) -> list[list]:
+    """The head map's ``entries`` as a run records them: ``[layer, kv head, ranks, shares]``
+    (shares: a copied head's, one a rank; else empty)."""
+    return [[e.layer, e.kv_head, list(e.rank), list(e.shares)] for e in entries]
+
+
 def decode_layer_floor_bytes(engine, args, options: dict, profile: str) -> int:
     """Bytes a decode step of the batch reads at least, at its end: rank 0's weights and,
     each layer, the K/V its slowest rank reads (:func:`multigpu_report.layer_floor_tokens`:
     every layer ends in an all-reduce; a copy reads its share of its head)."""
     entries = engine.batch.runner.plan.head_map.entries
-    placement = [[e.layer, e.kv_head, list(e.rank), list(e.shares)] for e in entries]
-    tokens = layer_floor_tokens(placement, entry_tokens_at_end(args, entries, options, profile))
+    kept = entry_tokens_at_end(args, entries, options, profile)
+    tokens = layer_floor_tokens(placement_of(entries), kept)
     weights = sum(p.nbytes for p in engine.model.parameters())
     return weights + round(args.batch * tokens * engine.batch.spec.entry_token_bytes)
 

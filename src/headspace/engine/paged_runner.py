@@ -362,7 +362,8 @@ class PagedRunner:
         """Copy the resident entries of page pairs (GPU, host) or (host, GPU). Under torchrun
         a layer's host pages hold the rank's heads in its weights' order: its own (arena
         layer ``l``), then its copies (arena layer ``L + l``)."""
-        self.hybrid_share.other_work = self.hybrid_share.other_work or bool(pairs)
+        if pairs:  # the next decode step's time is not one to compare
+            self.hybrid_share.other_work = True
         num_layers = self.spec.num_layers
         places = [(i % num_layers, 0 if i < num_layers else len(self.layout.own[i % num_layers]))
                   for i in range(len(self.store.kv))]  # fmt: skip
