@@ -8,7 +8,7 @@ import itertools
 import random
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from headspace.parallel import SOLVERS, HeadCost, check_assignment, rank_loads, solve, solve_layers
@@ -52,6 +52,11 @@ def _brute_force(costs: list[HeadCost], num_ranks: int) -> float:
 @pytest.mark.parametrize("name", sorted(SOLVERS))
 @settings(max_examples=25, deadline=None)
 @given(costs=costs_strategy, num_ranks=st.integers(1, 5), replicas=st.integers(0, 3))
+@example(  # a head whose divisible work is the least positive float: no copy with no share
+    costs=[HeadCost(2.0, 1.0, 0.0), HeadCost(3.0, 1.0, 0.0), HeadCost(3.0, 0.0, 0.5),
+           HeadCost(3.0, 1.0, 0.0), HeadCost(2.2250738585072014e-308, 0.0, 0.0)],
+    num_ranks=3, replicas=3,
+)  # fmt: skip
 def test_every_solver_assigns_each_head_within_the_replication_budget(name, costs, num_ranks,
                                                                       replicas):  # fmt: skip
     assignment = solve(name, costs, num_ranks, replicas=replicas)

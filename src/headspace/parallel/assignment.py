@@ -167,8 +167,10 @@ def fill_shares(costs: Sequence[HeadCost], assignment: LayerAssignment,
             top = max(shares.values())
             kept = [(rank, s) for rank, s in shares.items() if s > 1e-9 * top]
             total = sum(s for _, s in kept)
-            if total > 0 and math.isfinite(total):  # else (a vanishing split) leave it
+            if total > 0 and math.isfinite(total):
                 heads[head] = [(rank, s / total) for rank, s in kept]
+            else:  # a vanishing split: its shares stand, less a copy that has none
+                heads[head] = [(rank, s) for rank, s in copies if s > 0]
     return tuple(tuple(copies) for copies in heads)
 
 
