@@ -162,7 +162,7 @@ def test_a_prompt_that_needs_streaming_moves_the_running_ones_to_a_streamed_layo
     they end: its first token comes while they still decode, its chunks run a layer or
     so a step there too (the stream tier stages a slice's layers), and every request's
     tokens equal its own run alone."""
-    engine = _make(tiny_llama, arena_kib=150).engine  # 11 resident pages of 16 tokens
+    engine = _make(tiny_llama, arena_kib=150, relayout="always").engine  # 11 resident pages
     short, long_prompt = _prompts([20, 30], seed=3), _prompts([150], seed=4)[0]
     params = SamplingParams(max_new_tokens=40, ignore_eos=True)
     alone = [engine.run(p, params).token_ids for p in short + [long_prompt]]
@@ -186,12 +186,38 @@ def test_a_prompt_that_needs_streaming_moves_the_running_ones_to_a_streamed_layo
     assert _pools_full(engine)
 
 
+def test_by_default_a_prompt_that_needs_streaming_waits_while_that_is_slower(tiny_llama):
+    """The default relayout weighs the move: the two short requests decode all resident at
+    a predicted rate the streamed layout for the three would not reach (every step would
+    carry the long prompt's offloaded heads), so the long request waits until they end,
+    then runs with heads streamed; every request's tokens equal its own run alone."""
+    engine = _make(tiny_llama, arena_kib=150).engine  # 11 resident pages of 16 tokens
+    short, long_prompt = _prompts([20, 30], seed=3), _prompts([150], seed=4)[0]
+    params = SamplingParams(max_new_tokens=40, ignore_eos=True)
+    alone = [engine.run(p, params).token_ids for p in short + [long_prompt]]
+    ids = [engine.add_request(p, params) for p in short]
+    tokens: dict[int, list[int]] = {i: [] for i in ids}
+    for output in engine.step():
+        tokens[output.request_id] += output.new_token_ids
+    ids.append(engine.add_request(long_prompt, params))
+    tokens[ids[-1]], streamed_beside = [], False
+    while engine.has_unfinished():
+        for output in engine.step():
+            tokens[output.request_id] += output.new_token_ids
+        short_running = any(len(tokens[i]) < 40 for i in ids[:2])
+        streamed_beside |= short_running and engine.batch.runner.streaming
+        assert not (short_running and tokens[ids[-1]])  # no token of it while they run
+    assert not streamed_beside and engine.batch.runner.streaming  # it streamed, alone
+    assert [tokens[i] for i in ids] == alone
+    assert _pools_full(engine)
+
+
 def test_swapped_out_requests_move_to_the_streamed_layout_and_run_again(tiny_llama):
     """Three resident requests outgrow the pool and one is swapped out to host pages; a
     prompt that fits only with heads streamed arrives. The new layout holds all four: the
     swapped-out request gets GPU pages beside its host pages and decodes again at once,
     and every request's tokens equal its own run alone."""
-    engine = _make(tiny_llama, arena_kib=150).engine  # 11 resident pages of 16 tokens
+    engine = _make(tiny_llama, arena_kib=150, relayout="always").engine  # 11 resident pages
     short, long_prompt = _prompts([40, 41, 42], seed=5), _prompts([150], seed=6)[0]
     params = SamplingParams(max_new_tokens=40, ignore_eos=True)
     alone = [engine.run(p, params).token_ids for p in short + [long_prompt]]
@@ -220,7 +246,7 @@ def test_once_the_long_request_ends_the_others_move_back_to_the_resident_layout(
     two fit the all-resident layout again and move back (their resident heads copied into
     their host pages, then every page back into the GPU pool) while they still decode; every
     request's tokens equal its own run alone and every page is back at the end."""
-    engine = _make(tiny_llama, arena_kib=150).engine  # 11 resident pages of 16 tokens
+    engine = _make(tiny_llama, arena_kib=150, relayout="always").engine  # 11 resident pages
     # the two short ones fit the pool together (5 pages each), the long one never (12)
     short, long_prompt = _prompts([10, 12], seed=3), _prompts([150], seed=4)[0]
     many, few = (SamplingParams(max_new_tokens=n, ignore_eos=True) for n in (60, 30))

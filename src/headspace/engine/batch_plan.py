@@ -152,11 +152,12 @@ class BatchPlanner:
     def relayout(self, scheduler: Scheduler) -> bool:
         """Move the requests that hold pages to another layout while they run, when the
         queue needs it (copies queued in order on the device): to a layout that streams
-        heads when the request next in line can never fit the all-resident one
-        (:meth:`_to_streamed`), back to the all-resident one once everything holding pages
-        and the request next in line fit it (:meth:`_to_resident`). False when nothing
-        moves; never while a prompt is part-way through its prefill, nor in the modes that
-        keep state per sequence (per-entry pages, sparse hybrid, ranks)."""
+        heads when the request next in line can never fit the all-resident one and, by
+        default, the move keeps the predicted tokens/s (:meth:`_to_streamed`), back to the
+        all-resident one once everything holding pages and the request next in line fit it
+        (:meth:`_to_resident`). False when nothing moves; never while a prompt is part-way
+        through its prefill, nor in the modes that keep state per sequence (per-entry
+        pages, sparse hybrid, ranks)."""
         offload, budgets = self.config.offload, self.config.budgets
         if not scheduler.running or scheduler.prefilling is not None or offload.mode == "none":
             return False
@@ -170,13 +171,22 @@ class BatchPlanner:
         """Plan for the request next in line together with every request holding pages;
         the running ones' K/V is copied to host pages (swapped-out ones are there already),
         the arena takes the new layout, their resident entries are copied back into GPU
-        pages beside their host pages, and the swapped-out ones run again."""
+        pages beside their host pages, and the swapped-out ones run again. With the
+        ``throughput`` relayout (the default) only where the plan's predicted tokens/s is
+        at least the running ones' now: a step that streams heads is many times a resident
+        one's, so the request mostly waits until pages free up."""
         head, running = scheduler.waiting[0], scheduler.running
         if self.blocks.pages_for(head.max_tokens) <= self.blocks.pool.num_pages:
             return False  # it fits this layout once pages free up
         holding = running + list(scheduler.swapped)
-        plan = self._plan_once(holding + [head], (head.seq_id, len(holding)))
+        key = (head.seq_id, len(holding))
+        plan = self._plan_once(holding + [head], key)
         if plan is None or plan.staging is None:
+            return False
+        if self.config.offload.relayout == "throughput" and (
+            self.rate(plan, holding + [head]) < self.rate(self.runner.plan, running)
+        ):  # fmt: skip
+            self._refused = key  # it waits for pages, as it would for an all-resident plan
             return False
         self.ensure_host_pages(plan.num_host_pages)
         out = [pair for seq in running for pair in self.blocks.swap_out(seq.seq_id)]

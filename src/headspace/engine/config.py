@@ -29,6 +29,7 @@ KV_POLICIES = get_args(PolicyName)
 # pieces through every layer (each re-reads the prompt's prefix), as vLLM sizes its token
 # budget by usage
 ARRIVING_STEP_TOKENS, AT_ONCE_STEP_TOKENS = 512, 8192
+Relayout = Literal["throughput", "always"]
 
 
 def _option(default, help: str, *, flag: str | None = None, cli_default=None):
@@ -187,6 +188,12 @@ class OffloadConfig:
         "times, from the planner's rates' balance, 0.5; 1 = CPU only)"
     )  # fmt: skip
     gpu_window: int = _option(1024, "hybrid: most recent tokens always attended on the GPU")
+    relayout: Relayout = _option(
+        "throughput", "a request next in line that fits only with heads offloaded, while "
+        "others run all resident: throughput (they move to a layout that holds it too only "
+        "if the predicted tokens/s does not drop; else it waits for pages), always (they "
+        "move at once: its first token sooner, every step slower)"
+    )  # fmt: skip
     window_on_gpu: bool = _option(
         True, "hybrid: keep each offloaded head's GPU window in GPU pages, so that a step "
         "sends only the query and the CPU's result over PCIe (off: stage it from host pages "
