@@ -10,11 +10,13 @@ prefix; 64-256 new tokens each, arriving as a Poisson process whose span is ``LO
 offline run's time. Each is streamed (time to first token, time per output token from the
 chunks' arrival). First the same requests go through ``LLM.generate`` at once in this
 process (the offline figure, and the arrival rate), then the server runs in a process of its
-own. Writes ``serve_llama3-8b_<gpu>_<date>.json`` (to $OUT when set).
+own. ``--relayout`` sets the engine's option of that name in both (``always``: as measured
+before it had one). Writes ``serve_llama3-8b_<gpu>_<date>.json`` (to $OUT when set).
 """
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import os
@@ -74,11 +76,12 @@ def workload(seed: int = 0) -> list[tuple[list[int], int]]:
     return [(p, rng.randint(64, 256)) for p in prompts]
 
 
-def offline(model_dir: Path, requests) -> dict:
-    """The same requests given to ``LLM.generate`` at once (after a warm-up batch)."""
+def offline(model_dir: Path, requests, **options) -> dict:
+    """The same requests given to ``LLM.generate`` at once (after a warm-up batch), the
+    engine given ``options`` beside the budget."""
     from headspace import LLM, SamplingParams
 
-    llm = LLM(str(model_dir), device="cuda", gpu_memory=BUDGET)
+    llm = LLM(str(model_dir), device="cuda", gpu_memory=BUDGET, **options)
     params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for _, n in requests]
     llm.generate([p[:2048] for p, _ in requests[:6]],
                  [SamplingParams(max_new_tokens=8, ignore_eos=True)] * 6)  # fmt: skip
@@ -189,16 +192,22 @@ def scrape(url: str, name: str) -> float:
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--relayout", choices=("throughput", "always"), default=None,
+                        help="the engine's relayout, offline and served")  # fmt: skip
+    args = parser.parse_args()
+    options = {} if args.relayout is None else {"relayout": args.relayout}
+    flags = [] if args.relayout is None else ["--relayout", args.relayout]
     env = environment()
     requests = workload()
     with tempfile.TemporaryDirectory(dir=os.environ.get("TMPDIR")) as tmp:
         model_dir = Path(tmp) / "llama3-8b-random"
         save_checkpoint(model_dir)
-        base = offline(model_dir, requests)
+        base = offline(model_dir, requests, **options)
         rate = len(requests) / (LOAD * base["seconds"])
         print(f"offline {base['output_tokens'] / base['seconds']:.1f} tok/s "
               f"in {base['seconds']:.1f} s", flush=True)  # fmt: skip
-        server, url = start_server(model_dir)
+        server, url = start_server(model_dir, *flags)
         try:
             run = asyncio.run(online(url, requests, rate))
             reserved = scrape(url, "headspace_gpu_peak_reserved_bytes") / 2**30
@@ -217,9 +226,10 @@ def main() -> None:
         "offline_output_tok_s": offline_tok_s,
         "serving_overhead": 1 - stats["output_tok_s"] / offline_tok_s,
         "peak_reserved_gib": reserved, "budget_gib": 24, "gpu_pages_in_use_after": pages,
-        "offline_seconds": base["seconds"],
+        "offline_seconds": base["seconds"], "relayout": args.relayout or "throughput",
     }  # fmt: skip
-    path = write_result(f"serve_llama3-8b_{gpu_tag(env)}_{env['date']}.json", result)
+    tag = "" if args.relayout is None else f"_relayout-{args.relayout}"
+    path = write_result(f"serve_llama3-8b_{gpu_tag(env)}{tag}_{env['date']}.json", result)
     print(f"\nwrote {path}")
     for key in ("request_throughput", "output_tok_s", "offline_output_tok_s", "serving_overhead",
                 "ttft_p50_s", "ttft_p99_s", "tpot_p50_ms", "tpot_p99_ms", "num_failed",

@@ -54,6 +54,8 @@ class BatchPlanner:
         self.planned: set[int] | None = None  # the sequences entry staging is sized for
         self.relaid_for: int | None = None  # the sequence the running ones moved for
         self._refused: tuple[int, int] | None = None  # (head, requests holding pages): no plan
+        # (head, requests holding pages, requests running): a move predicted slower
+        self._slower: tuple[int, int, int] | None = None
         self._alone: tuple[int, bool] | None = None  # (a request, whether it fits resident)
 
     def plan(self, seqs: list[Sequence]) -> Plan:
@@ -174,19 +176,22 @@ class BatchPlanner:
         pages beside their host pages, and the swapped-out ones run again. With the
         ``throughput`` relayout (the default) only where the plan's predicted tokens/s is
         at least the running ones' now: a step that streams heads is many times a resident
-        one's, so the request mostly waits until pages free up."""
+        one's, so the request mostly waits until the running ones end (at most the longest
+        one's remaining tokens; nothing queued behind it is admitted meanwhile)."""
         head, running = scheduler.waiting[0], scheduler.running
         if self.blocks.pages_for(head.max_tokens) <= self.blocks.pool.num_pages:
             return False  # it fits this layout once pages free up
         holding = running + list(scheduler.swapped)
         key = (head.seq_id, len(holding))
+        if self._slower == (*key, len(running)):
+            return False
         plan = self._plan_once(holding + [head], key)
         if plan is None or plan.staging is None:
             return False
         if self.config.offload.relayout == "throughput" and (
             self.rate(plan, holding + [head]) < self.rate(self.runner.plan, running)
         ):  # fmt: skip
-            self._refused = key  # it waits for pages, as it would for an all-resident plan
+            self._slower = (*key, len(running))  # weighed again once these counts change
             return False
         self.ensure_host_pages(plan.num_host_pages)
         out = [pair for seq in running for pair in self.blocks.swap_out(seq.seq_id)]

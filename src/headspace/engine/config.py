@@ -182,18 +182,18 @@ class OffloadConfig:
         "threads in host memory, merged exactly)", flag="offload"
     )  # fmt: skip
     head_group: int | None = _option(None, "kv heads per streamed group (default: the planner's)")
+    relayout: Relayout = _option(
+        "throughput", "a request next in line that fits only with heads offloaded, while "
+        "others run all resident: throughput (they move to a layout that holds it too only "
+        "if the predicted tokens/s does not drop; else it waits until they end), always "
+        "(they move at once: its first token sooner, every step slower)"
+    )  # fmt: skip
     cpu_share: float | None = _option(
         None, "hybrid: share of each offloaded history (before the GPU window) attended by "
         "CPU threads, the rest streamed over PCIe (default: searched from the decode steps' "
         "times, from the planner's rates' balance, 0.5; 1 = CPU only)"
     )  # fmt: skip
     gpu_window: int = _option(1024, "hybrid: most recent tokens always attended on the GPU")
-    relayout: Relayout = _option(
-        "throughput", "a request next in line that fits only with heads offloaded, while "
-        "others run all resident: throughput (they move to a layout that holds it too only "
-        "if the predicted tokens/s does not drop; else it waits for pages), always (they "
-        "move at once: its first token sooner, every step slower)"
-    )  # fmt: skip
     window_on_gpu: bool = _option(
         True, "hybrid: keep each offloaded head's GPU window in GPU pages, so that a step "
         "sends only the query and the CPU's result over PCIe (off: stage it from host pages "
