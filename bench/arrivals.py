@@ -16,8 +16,7 @@ is being prefilled, and peak reserved memory against the budget. ``--step-tokens
 work of a prompt's first this many tokens: a resident chunk's layers are spread over
 steps; by default the engine's, smaller for requests arriving than for a batch);
 ``--relayout`` the engine's option of that name (``always``: as measured before it had
-one). Writes
-``arrivals_llama3-8b_<gpu>_<date>.json`` (to $OUT when set).
+one). Writes ``arrivals_llama3-8b_<gpu>_<date>.json`` (to $OUT when set).
 """
 
 from __future__ import annotations
@@ -28,11 +27,13 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import get_args
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from common import LLAMA31_8B, environment, gpu_tag, make_engine, random_model, write_result  # noqa: E402
+from headspace.engine.config import Relayout  # noqa: E402
 from headspace.engine.sampling import SamplingParams  # noqa: E402
 
 K = 1024
@@ -143,7 +144,7 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=40, help="short requests")
     parser.add_argument("--step-tokens", type=int, default=None,
                         help="prefill_step_tokens (default: the engine's)")  # fmt: skip
-    parser.add_argument("--relayout", choices=("throughput", "always"), default=None,
+    parser.add_argument("--relayout", choices=get_args(Relayout), default=None,
                         help="the engine's relayout (default: the engine's)")  # fmt: skip
     args = parser.parse_args()
     env = environment()
@@ -181,8 +182,8 @@ def main() -> None:
     result = {
         "env": env, "config": LLAMA31_8B, "gpu_memory": f"{BUDGET_GIB}GiB",
         "prefill_step_tokens": engine.config.runtime.step_tokens(at_once=False),
-        "relayout": engine.config.offload.relayout,
         "prefill_step_tokens_at_once": engine.config.runtime.step_tokens(at_once=True),
+        "relayout": engine.config.offload.relayout,
         "workload": {"prompt_lengths": lengths, "new_tokens": NEW_TOKENS, "load": LOAD,
                      "arrival_rate_per_s": rate, "arrivals_s": arrivals},
         "head_map": engine.batch.runner.plan.head_map.summary(),

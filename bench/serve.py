@@ -28,12 +28,14 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import get_args
 
 import httpx
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from common import LLAMA31_8B, environment, gpu_tag, random_hf_llama, write_result  # noqa: E402
+from headspace.engine.config import OffloadConfig, Relayout  # noqa: E402
 
 K = 1024
 BUDGET = "24GiB"
@@ -193,7 +195,7 @@ def scrape(url: str, name: str) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--relayout", choices=("throughput", "always"), default=None,
+    parser.add_argument("--relayout", choices=get_args(Relayout), default=None,
                         help="the engine's relayout, offline and served")  # fmt: skip
     args = parser.parse_args()
     options = {} if args.relayout is None else {"relayout": args.relayout}
@@ -226,7 +228,7 @@ def main() -> None:
         "offline_output_tok_s": offline_tok_s,
         "serving_overhead": 1 - stats["output_tok_s"] / offline_tok_s,
         "peak_reserved_gib": reserved, "budget_gib": 24, "gpu_pages_in_use_after": pages,
-        "offline_seconds": base["seconds"], "relayout": args.relayout or "throughput",
+        "offline_seconds": base["seconds"], "relayout": args.relayout or OffloadConfig.relayout,
     }  # fmt: skip
     tag = "" if args.relayout is None else f"_relayout-{args.relayout}"
     path = write_result(f"serve_llama3-8b_{gpu_tag(env)}{tag}_{env['date']}.json", result)
