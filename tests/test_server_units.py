@@ -86,3 +86,29 @@ def test_nulls_take_defaults_and_harmless_values_pass():
     assert request.temperature == 1.0 and request.n == 1 and request.stream is False
     with pytest.raises(ValidationError, match="tool_choice"):
         CompletionRequest(model="m", prompt="x", tool_choice="auto")
+
+
+def test_the_engine_loop_takes_the_heap_out_of_the_collectors_view_before_it_serves(tiny_llama):
+    """A full garbage collection between two steps would walk everything the process holds
+    and stall every stream: the loop freezes what exists when it starts, before it is ready
+    (the collector no longer lists an object made before the start; one made after, it
+    does)."""
+    import gc
+
+    from headspace import LLM
+    from headspace.server.engine_loop import EngineLoop
+    from headspace.server.metrics import Metrics
+
+    loop = EngineLoop(LLM(str(tiny_llama), device="cpu").engine, Metrics("tiny"), 1, 0)
+    made_before = [object()]  # a list: tracked by the collector
+    gc.unfreeze()
+    try:
+        loop.start(warm_up=False)
+        assert loop.ready.wait(60) and loop.error is None
+        made_after = [object()]
+        listed = gc.get_objects()
+        assert not any(o is made_before for o in listed)
+        assert any(o is made_after for o in listed)
+    finally:
+        loop.stop()
+        gc.unfreeze()  # the test process's other objects back in view

@@ -271,6 +271,41 @@ def test_once_the_long_request_ends_the_others_move_back_to_the_resident_layout(
     assert _pools_full(engine)
 
 
+def test_moves_between_layouts_leave_no_cycle_a_frozen_heap_would_keep(tiny_llama):
+    """The server freezes the heap after its warm-up (a full collection would walk it
+    between two steps): a frozen object in a reference cycle is never collected, so moves
+    between layouts, which drop what the warm-up's layout made, must free it all by
+    reference counts. Two moves there and back with the collector off: no cycle among what
+    they made or dropped, frozen or not."""
+    import gc
+
+    engine = _make(tiny_llama, arena_kib=150, relayout="always").engine
+    params = SamplingParams(max_new_tokens=30, ignore_eos=True)
+    engine.run(_prompts([20], seed=3)[0], params)  # the warm-up
+    gc.collect()
+    gc.freeze()
+    gc.disable()
+    try:
+        for seed in (5, 7):
+            many = SamplingParams(max_new_tokens=60, ignore_eos=True)
+            for prompt in _prompts([10, 12], seed=seed):
+                engine.add_request(prompt, many)
+            for _ in range(3):
+                engine.step()
+            engine.add_request(_prompts([150], seed=seed + 1)[0], params)
+            moved = False
+            while engine.has_unfinished():
+                engine.step()
+                moved |= engine.batch.runner.streaming
+            assert moved and not engine.batch.runner.streaming  # there and back
+        assert gc.collect() == 0  # nothing of the moves' own in a cycle
+        gc.unfreeze()
+        assert gc.collect() == 0  # nor of the warm-up's that they dropped
+    finally:
+        gc.enable()
+        gc.unfreeze()
+
+
 def test_step_budget_defaults_to_the_pace_of_arrivals_and_to_throughput_for_a_batch(
     tiny_llama,
 ):

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 import queue
 import signal
@@ -74,6 +75,20 @@ class Outbox:
                 items, self._items = list(self._items), deque()
             if items:
                 return items
+
+
+def freeze_heap() -> int:
+    """Collect, then take every object the process holds now (modules, the model, compiled
+    graphs, the warm-up's leftovers) out of the garbage collector's view, as a long-lived
+    server should: a full collection would otherwise walk them all between two steps and
+    stall every stream (78 ms over 188K objects after a warm-up with the embedded model on
+    a CPU; 223-316 ms over 400-480K in a process that decoded Llama-3.1-8B's shape on an
+    H200; none once frozen). A frozen object is never collected once in a reference cycle:
+    moves between layouts free what they drop by reference counts (tests/test_stepping.py).
+    Returns the count of frozen objects."""
+    gc.collect()
+    gc.freeze()
+    return gc.get_freeze_count()
 
 
 @dataclass(eq=False)  # found by identity (a prompt may be long, and repeated)
@@ -187,6 +202,7 @@ class EngineLoop:
         try:
             if self._warm_up:
                 log.info("warm-up %.1f s", self.engine.warm_up())
+            freeze_heap()
             self.ready.set()
             while True:
                 commands = self._take(block=not self.engine.has_unfinished() and not self._queued)
