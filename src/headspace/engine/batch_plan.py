@@ -53,9 +53,10 @@ class BatchPlanner:
         self.tiers: tuple[str, ...] = (GPU,)  # where a sequence takes pages in the layout
         self.planned: set[int] | None = None  # the sequences entry staging is sized for
         self.relaid_for: int | None = None  # the sequence the running ones moved for
-        self._refused: tuple[int, int] | None = None  # (head, requests holding pages): no plan
-        # (head, requests holding pages, requests running): a move predicted slower
-        self._slower: tuple[int, int, int] | None = None
+        # a move refused (no plan, or one predicted slower): the request next in line and
+        # the counts of requests holding pages and running; -1 and the running count for
+        # the move back
+        self._refused: tuple[int, ...] | None = None
         self._alone: tuple[int, bool] | None = None  # (a request, whether it fits resident)
 
     def plan(self, seqs: list[Sequence]) -> Plan:
@@ -182,16 +183,14 @@ class BatchPlanner:
         if self.blocks.pages_for(head.max_tokens) <= self.blocks.pool.num_pages:
             return False  # it fits this layout once pages free up
         holding = running + list(scheduler.swapped)
-        key = (head.seq_id, len(holding))
-        if self._slower == (*key, len(running)):
-            return False
+        key = (head.seq_id, len(holding), len(running))
         plan = self._plan_once(holding + [head], key)
         if plan is None or plan.staging is None:
             return False
         if self.config.offload.relayout == "throughput" and (
             self.rate(plan, holding + [head]) < self.rate(self.runner.plan, running)
         ):  # fmt: skip
-            self._slower = (*key, len(running))  # weighed again once these counts change
+            self._refused = key  # weighed again once these counts change
             return False
         self.ensure_host_pages(plan.num_host_pages)
         out = [pair for seq in running for pair in self.blocks.swap_out(seq.seq_id)]
@@ -231,10 +230,9 @@ class BatchPlanner:
             pairs = [pair for seq in seqs for pair in back(seq.seq_id)]
             self.runner.swap(pairs, to_host=False)
 
-    def _plan_once(self, seqs: list[Sequence], key: tuple[int, int]) -> Plan | None:
+    def _plan_once(self, seqs: list[Sequence], key: tuple[int, ...]) -> Plan | None:
         """The plan for ``seqs``, or None when there is none; a refusal is remembered under
-        ``key`` (the request next in line, the requests holding pages) and not planned again
-        until the key changes."""
+        ``key`` (see ``_refused``) and not planned again until the key changes."""
         if self._refused == key:
             return None
         try:
