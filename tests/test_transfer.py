@@ -46,6 +46,22 @@ def test_copy_pages_kernel_equals_the_twin(seed, heads, dim, page):
     assert torch.equal(twin_dst.unflatten(2, (9, page))[rows, :, pages], original[rows, :, pages])
 
 
+@pytest.mark.parametrize("programs", [1, 4, 1000])
+def test_a_fixed_grid_copies_the_first_count_page_pairs_and_no_others(programs):
+    """A CUDA graph's gather: any grid (fewer programs than items or more) copies exactly the
+    first ``count`` page pairs of every head."""
+    host, gpu = _tiers(7, 4, 16, 8, num_pages=9)
+    src_pages, dst_pages = torch.tensor([3, 8, 0, 5, 1]), torch.tensor([2, 4, 6, 0, 7])
+    src_heads, dst_heads = torch.tensor([3, 1, 2]), torch.tensor([0, 2, 1])
+    twin = as_heads(gpu.clone(), kv_first=True)
+    copy_pages(host, twin, src_pages[:3], dst_pages[:3], src_heads, dst_heads, 8, kernel=False)
+    dst = as_heads(gpu.clone(), kv_first=True)
+    copy_pages(host, dst, src_pages, dst_pages, src_heads, dst_heads, 8, kernel=True,
+               count=torch.tensor([3]), programs=programs)  # fmt: skip
+    assert torch.equal(dst, twin)
+    assert not torch.equal(twin, as_heads(gpu, kv_first=True))  # (the copy did something)
+
+
 @pytest.mark.parametrize("num_tokens", [1, 5, 37])
 def test_write_tokens_kernel_equals_the_twin(num_tokens):
     host, _ = _tiers(3, 4, 16, 8, num_pages=10)
