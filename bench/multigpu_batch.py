@@ -118,5 +118,5 @@ def timed_batch(engine, timer, args, cfg: dict, prompts: list[list[int]],
     if not steps:  # each prompt's prefill takes a step, in which the others decode
         raise SystemExit(f"no decode step ran all {batch} prompts together: raise "
                          f"--decode above --batch ({args.decode})")  # fmt: skip
-    engine.batch.runner.__dict__.pop("decode")  # the timing wrapper
+    engine.batch.runner.decode_hooks.clear()  # the timer (and the trace)
     return every, max(st.prefill_seconds for st in every), batch / statistics.median(steps), steps

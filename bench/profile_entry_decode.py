@@ -51,20 +51,19 @@ def kernel_table(
     most GPU time, with the Python lines that called them."""
     params = [SamplingParams(max_new_tokens=steps + 1, ignore_eos=True)]
     times = timed_decode(engine)
-    runner = engine.batch.runner
-    step, active = runner.decode, steps - 4
+    runner, active = engine.batch.runner, steps - 4
     plan = schedule(wait=2, warmup=1, active=active, repeat=1)
     activities = [ProfilerActivity.CUDA] + ([ProfilerActivity.CPU] if ops else [])
     with profile(activities=activities, schedule=plan, with_stack=ops) as prof:
 
-        def profiled(*args, **options):
-            result = step(*args, **options)
+        def profiled(seq_ids, step):
+            result = step()
             prof.step()
             return result
 
-        runner.decode = profiled
+        runner.decode_hooks.append(profiled)
         engine.generate_batch([prompt], params)
-    runner.__dict__.pop("decode")  # the timed wrappers
+    runner.decode_hooks.clear()  # the timer and the profiler
     decode = sorted(times)[len(times) // 2] * 1000
     if ops:
         table = prof.key_averages(group_by_stack_n=5)

@@ -87,26 +87,25 @@ def timed_decode(engine, rows: int | None = None, synchronise: bool = True) -> l
     ``synchronise`` the steps run as the engine runs them (the host plans a step while the
     GPU runs the one before) and each figure is the pace: the seconds from one such step's
     start to the next's."""
-    runner, times, last = engine.batch.runner, [], [None]
-    step = runner.decode
+    times, last = [], [None]
 
-    def timed(seq_ids, *args, **options):
+    def timed(seq_ids, step):
         counted = rows is None or len(seq_ids) == rows
         if not synchronise:
             now = time.perf_counter()
             if counted and last[0] is not None:
                 times.append(now - last[0])
             last[0] = now if counted else None
-            return step(seq_ids, *args, **options)
+            return step()
         torch.cuda.synchronize()
         start = time.perf_counter()
-        result = step(seq_ids, *args, **options)
+        result = step()
         torch.cuda.synchronize()
         if counted:
             times.append(time.perf_counter() - start)
         return result
 
-    runner.decode = timed
+    engine.batch.runner.decode_hooks.append(timed)
     return times
 
 

@@ -17,17 +17,16 @@ from torch.profiler import ProfilerActivity, profile
 def trace_decode_steps(engine, rows: int, folder: Path, name: str, skip: int = 10,
                        steps: int = 3) -> None:  # fmt: skip
     """Record ``steps`` decode steps of ``rows`` sequences after ``skip`` of them."""
-    runner, seen = engine.batch.runner, [0]
-    decode = runner.decode
+    seen = [0]
     recorder = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
 
-    def traced(seq_ids, *args, **options):
+    def traced(seq_ids, step):
         if len(seq_ids) != rows:
-            return decode(seq_ids, *args, **options)
+            return step()
         seen[0] += 1
         if seen[0] == skip + 1:
             recorder.start()
-        result = decode(seq_ids, *args, **options)
+        result = step()
         if seen[0] == skip + steps:
             recorder.stop()
             folder.mkdir(parents=True, exist_ok=True)
@@ -38,4 +37,4 @@ def trace_decode_steps(engine, rows: int, folder: Path, name: str, skip: int = 1
             (folder / f"{name}.txt").write_text("\n\n".join(tables))
         return result
 
-    runner.decode = traced
+    engine.batch.runner.decode_hooks.append(traced)

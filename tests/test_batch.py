@@ -104,6 +104,35 @@ def test_decode_graphs_call_the_attention_a_benchmark_wrapped(tiny_llama):
     assert decoded.count(True) == (2 + 5) * num_layers
 
 
+def test_decode_hooks_wrap_every_decode_step_in_order_and_pass_its_result_on(tiny_llama):
+    """A benchmark's timers and profilers: each decode step runs through every hook in
+    ``decode_hooks``, the first innermost, each seeing the step's sequences; what a hook
+    returns is the step's result (here the greedy picks swapped for token 7)."""
+    (prompt,) = _prompts([20], seed=9)
+    params = SamplingParams(max_new_tokens=5, ignore_eos=True)
+    llm = LLM(str(tiny_llama), offload="none")
+    runner, calls = llm.engine.batch.runner, []
+
+    def inner(seq_ids, step):
+        calls.append(("inner", len(seq_ids)))
+        logits, slots = step()
+        forced = torch.full_like(logits, -1e9)
+        forced[:, 7] = 0.0
+        runner.tokens[slots] = 7
+        return forced, slots
+
+    def outer(seq_ids, step):
+        calls.append(("outer", len(seq_ids)))
+        return step()
+
+    runner.decode_hooks += [inner, outer]
+    tokens = llm.generate([prompt], params)[0].token_ids
+    assert tokens[1:] == [7] * 4  # the first comes from the prefill
+    assert calls == [("outer", 1), ("inner", 1)] * 4
+    runner.decode_hooks.clear()
+    assert llm.generate([prompt], params)[0].token_ids[1:] != [7] * 4
+
+
 def test_decode_graphs_name_each_graph_they_capture_or_replay_to_the_attention(tiny_llama):
     """A benchmark's timer reads a replay's events by the graph that recorded them: before
     every graph step the graphs tell the attention hook (``graph_step``) which graph,

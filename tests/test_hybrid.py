@@ -38,16 +38,15 @@ def cpu_tokens(timings) -> int:
 def decode_logits(llm, prompt: list[int], steps: int) -> torch.Tensor:
     """fp32 logits ``[steps - 1, vocab]`` of each greedy decode step."""
     runner, seen = llm.engine.batch.runner, []
-    step = runner.decode
 
-    def recording(*args, **options):
-        logits, slots = step(*args, **options)
+    def recording(seq_ids, step):
+        logits, slots = step()
         seen.append(logits.clone())
         return logits, slots
 
-    runner.decode = recording
+    runner.decode_hooks.append(recording)
     llm.generate(prompt, SamplingParams(max_new_tokens=steps, ignore_eos=True))
-    del runner.decode
+    runner.decode_hooks.remove(recording)
     return torch.cat(seen)
 
 

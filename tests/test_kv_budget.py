@@ -305,11 +305,11 @@ def test_offloaded_entries_equal_the_all_resident_budget(tiny_llama, policy, min
     want = [resident.generate(p, params)[0].token_ids for p in prompts]
     llm = make(tiny_llama, _entry_arena(tiny_llama, spec, 80), kv_budget=0.25, kv_policy=policy)
     runner, plans, streamed = llm.engine.batch.runner, [], []
-    apply, decode = runner.apply, runner.decode
+    apply = runner.apply
     runner.apply = lambda plan: (plans.append(plan), apply(plan))[1]
 
-    def recording(seq_ids, *args):
-        result = decode(seq_ids, *args)
+    def recording(seq_ids, step):
+        result = step()
         staging = runner.tiers[0].staging
         if staging is not None:
             streamed.append(staging.streamed_bytes)
@@ -320,7 +320,7 @@ def test_offloaded_entries_equal_the_all_resident_budget(tiny_llama, policy, min
 
     batched, by_run, by_kernel = [], [], []
 
-    runner.decode = recording
+    runner.decode_hooks.append(recording)
     outs = llm.generate(prompts, params)
     assert [o.token_ids for o in outs] == want
     offloaded = [p.head_map.count("stream") for p in plans]

@@ -18,7 +18,8 @@ class EngineHooks:
     graphs on a GPU, none on a CPU.
 
     A benchmark that times attention sets ``PagedRunner.attention_hook`` once the engine
-    exists (each layer's attention then calls it, eager and graphed steps alike).
+    exists (each layer's attention then calls it, eager and graphed steps alike); one that
+    times, profiles or traces whole decode steps appends to ``PagedRunner.decode_hooks``.
 
     ``host_arena``: the class of the host pages in place of
     :class:`headspace.kv.host_store.HostKVArena`, with its constructor's arguments (a test's

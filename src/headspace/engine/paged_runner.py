@@ -11,6 +11,7 @@ layout is always the same tensors, so its CUDA graphs survive a detour through s
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 
 import torch
 import torch.distributed
@@ -41,6 +42,8 @@ from headspace.tiers.layout import (
     window_slots,
 )
 
+DecodeResult = tuple[torch.Tensor, torch.Tensor]  # fp32 logits [seqs, vocab], slots [seqs]
+
 
 class PagedRunner:
     """Steps the model for sequences whose K/V live in the GPU pool and host pages."""
@@ -69,6 +72,10 @@ class PagedRunner:
         # each layer's attention calls this when set: ``hook(layer, q, kv) -> out`` (a
         # benchmark's timer; ``attend_tiers(runner.tiers, ...)`` is the tiers' own)
         self.attention_hook = None
+        # each decode step runs as ``hook(seq_ids, step) -> step()``'s result, the first hook
+        # innermost (benchmarks' timers, profilers and traces; none by default)
+        self.decode_hooks: list[Callable[[list[int], Callable[[], DecodeResult]],
+                                         DecodeResult]] = []  # fmt: skip
         self.layout = layout  # one rank's heads under torch.distributed (None: all heads)
         self.max_context = max_context
         self.device = torch.device(config.runtime.device)
@@ -327,11 +334,19 @@ class PagedRunner:
     # -- decode ------------------------------------------------------------------------
     @torch.inference_mode()
     def decode(self, seq_ids: list[int], positions: list[int], slots: list[int],
-               pages: Pages) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+               pages: Pages) -> DecodeResult:  # fmt: skip
         """One token for each sequence: its input is token ``slots[i]``, at ``positions[i]``,
         over ``pages`` (per tier, one table per sequence, already holding the new token's
         place). Returns fp32 logits ``[seqs, vocab]`` and the slots on the device; each
-        greedy pick is written into its slot (sampled rows overwrite it)."""
+        greedy pick is written into its slot (sampled rows overwrite it); through
+        ``decode_hooks`` when there are any."""
+        step = partial(self._decode, seq_ids, positions, slots, pages)
+        for hook in self.decode_hooks:
+            step = partial(hook, seq_ids, step)
+        return step()
+
+    def _decode(self, seq_ids: list[int], positions: list[int], slots: list[int],
+                pages: Pages) -> DecodeResult:  # fmt: skip
         for tier in self.tiers:  # per-entry tables on the device
             tier.before_decode(seq_ids, slots)
         graphs = self._graphs
