@@ -83,16 +83,19 @@ def test_write_tokens_kernel_equals_the_twin(num_tokens):
 
 
 @pytest.mark.parametrize("kernel", [False, True])
-def test_paired_copy_and_write_move_one_head_per_pair(kernel):
-    """Ragged per-head sets (KV budgets): page pair i with head i, token t with head t."""
+@pytest.mark.parametrize("count", [None, 2])
+def test_paired_copy_and_write_move_one_head_per_pair(kernel, count):
+    """Ragged per-head sets (KV budgets): page pair i with head i, token t with head t; with
+    a graph's ``count``, the first ``count`` pairs only."""
     host, gpu = _tiers(5, 4, 16, 8, num_pages=9)
     src_heads, src_pages = torch.tensor([2, 2, 0, 3]), torch.tensor([4, 1, 4, 8])
     dst_heads, dst_pages = torch.tensor([0, 1, 1, 3]), torch.tensor([0, 0, 5, 2])
     dst = as_heads(gpu.clone(), kv_first=True)
     copy_pages(host, dst, src_pages, dst_pages, src_heads, dst_heads, 8, kernel=kernel,
-               paired=True)  # fmt: skip
+               count=None if count is None else torch.tensor([count]), paired=True)  # fmt: skip
     expected = as_heads(gpu.clone(), kv_first=True)
-    for sh, sp, dh, dp in zip(src_heads, src_pages, dst_heads, dst_pages, strict=True):
+    pairs = zip(src_heads, src_pages, dst_heads, dst_pages, strict=True)
+    for sh, sp, dh, dp in list(pairs)[:count]:
         expected[dh, :, dp * 8 : dp * 8 + 8] = host[sh, :, sp * 8 : sp * 8 + 8]
     assert torch.equal(dst, expected)
     kv = torch.randn(2, 5, 1, 16, generator=torch.Generator().manual_seed(6))

@@ -90,6 +90,8 @@ def copy_pages(src: torch.Tensor, dst: torch.Tensor, src_pages: torch.Tensor,
                                   page_size, count, paired, programs)  # fmt: skip
     if count is not None:  # the CPU twin of a graph's step
         src_pages, dst_pages = src_pages[: int(count)], dst_pages[: int(count)]
+        if paired:  # a head per page pair
+            src_heads, dst_heads = src_heads[: int(count)], dst_heads[: int(count)]
     src_p, dst_p = src.unflatten(2, (-1, page_size)), dst.unflatten(2, (-1, page_size))
     src_h, dst_h = src_heads.long(), dst_heads.long()
     src_i, dst_i = src_pages.long(), dst_pages.long()
