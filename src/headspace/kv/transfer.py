@@ -12,6 +12,7 @@ the tests.
 
 from __future__ import annotations
 
+import functools
 from itertools import chain
 
 import numpy as np
@@ -188,13 +189,13 @@ def gather_programs(device: torch.device) -> int:
     """
     if device.type != "cuda":
         return 3
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _SM_COUNTS:
-        _SM_COUNTS[index] = torch.cuda.get_device_properties(index).multi_processor_count
-    return max(1, _SM_COUNTS[index] // 2)
+    return max(1, _sm_count(device.index if device.index is not None else
+                            torch.cuda.current_device()) // 2)  # fmt: skip
 
 
-_SM_COUNTS: dict[int, int] = {}  # by CUDA device index
+@functools.cache
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 def _copy_pages_kernel(src, dst, src_pages, dst_pages, src_heads, dst_heads, page_size,
