@@ -3,15 +3,18 @@
     PYTHONPATH=src python bench/regress.py        # one GPU, about ten minutes
     PYTHONPATH=src python bench/regress.py --kinds offload hybrid    # some of them
 
-Flags any drop of more than 10% (a figure measured on another GPU kind than the committed
-one is shown but not judged). Run it before resolving any change to ``engine/``,
-``attention/`` or ``kv/``; it writes ``regress_<gpu>_<date>.json`` (to $OUT when set).
+Flags any drop of more than 5% (a figure measured on another GPU kind than the committed
+one is shown but not judged; rows whose figure follows the host's CPU, such as the hybrid
+split's, move more than that between hosts: bench/NOTES.md). Run it before resolving any
+change to ``engine/``, ``attention/`` or ``kv/``; it writes ``regress_<gpu>_<date>.json``
+(to $OUT when set).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 import time
 from pathlib import Path
@@ -31,20 +34,24 @@ from headspace.engine.sampling import SamplingParams  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
 K = 1024
+DROP = 0.05  # a change past this, against the committed figure, is flagged
 
 
 # the committed files each kind's figures come from (beside ``<kind>_llama3-8b_*``)
 FILES = {"sparsity": ("sparsity", "sparsity_budgets", "sparsity_offload")}
 
 
-def committed(kind: str, gpu: str, figure: str) -> tuple[float, str] | tuple[None, None]:
-    """The committed value of ``figure`` and its file: the newest file of ``kind`` that
-    holds it, this GPU's if any, else another's (the file is printed beside the figure)."""
-    stems = FILES.get(kind, (kind,))  # of one date, a later stem's file is the newer
-    files = [(p.stem[-10:], order, p) for order, stem in enumerate(stems)
-             for p in RESULTS.glob(f"{stem}_llama3-8b_*.json")]  # fmt: skip
+def committed(kind: str, gpu: str, figure: str,
+              results: Path = RESULTS) -> tuple[float, str] | tuple[None, None]:  # fmt: skip
+    """The committed value of ``figure`` and its file: the newest file of ``kind`` in
+    ``results`` that holds it, this GPU's if any, else another's (the file is printed beside
+    the figure). Newest by the date in the name; of one date, a later stem's file, then a
+    name with a suffix after the date (a later run of some of its rows)."""
+    stems = FILES.get(kind, (kind,))
+    files = [(_date(p.stem), order, p.name, p) for order, stem in enumerate(stems)
+             for p in results.glob(f"{stem}_llama3-8b_*.json")]  # fmt: skip
     found = []
-    for _, _, path in sorted(files):
+    for *_, path in sorted(files):
         value = reference(kind, json.loads(path.read_text()), figure)
         if value is not None:
             found.append((value, path.name))
@@ -52,29 +59,64 @@ def committed(kind: str, gpu: str, figure: str) -> tuple[float, str] | tuple[Non
     return (mine or found or [(None, None)])[-1]
 
 
+def _date(stem: str) -> str:
+    found = re.search(r"_(\d{4}-\d{2}-\d{2})", stem)
+    return found.group(1) if found else ""
+
+
 def _ids(n: int, seed: int) -> list[int]:
     return torch.randint(0, LLAMA31_8B["vocab_size"], (n,),
                          generator=torch.Generator().manual_seed(seed)).tolist()  # fmt: skip
 
 
-def foundation(model) -> dict:
-    engine = make_engine(model)
+def _prefill_tok_s(engine, length: int) -> float:
+    """The median of three prompts of ``length`` and one new token, after a warm-up that
+    compiles the length (as bench/foundation.py)."""
     one = [SamplingParams(max_new_tokens=1, ignore_eos=True)]
-    figures = {}
-    for length in (8 * K, 32 * K):
-        engine.generate_batch([_ids(length, 1)], one)  # warm-up: compiles this length
-        times = []
-        for seed in (2, 3, 4):  # the median of three, as bench/foundation.py
-            torch.cuda.synchronize()
-            start = time.perf_counter()
-            engine.generate_batch([_ids(length, seed)], one)
-            times.append(time.perf_counter() - start)
-        figures[f"prefill {length // K}K tok/s"] = length / sorted(times)[1]
+    engine.generate_batch([_ids(length, 1)], one)
+    times = []
+    for seed in (2, 3, 4):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        engine.generate_batch([_ids(length, seed)], one)
+        times.append(time.perf_counter() - start)
+    return length / sorted(times)[1]
+
+
+def foundation(model) -> dict:
+    """bench/foundation.py's rows: prefill at 8K and 32K and decode at 8K without a budget
+    (decode also as its fraction of the HBM roofline at this GPU's device-copy rate), and
+    prefill at 32K under a 24 GiB budget."""
+    from common import measure_hbm_bandwidth
+
+    engine = make_engine(model)
+    figures = {f"prefill {n // K}K tok/s": _prefill_tok_s(engine, n) for n in (8 * K, 32 * K)}
     params = [SamplingParams(max_new_tokens=129, ignore_eos=True)]
     engine.generate_batch([_ids(8 * K, 3)], params)
     out = engine.generate_batch([_ids(8 * K, 4)], params)[0]
     figures["decode 8K tok/s"] = out.stats.decode_tok_s
+    weight_bytes = sum(p.nbytes for p in model.parameters()) - model.embed_tokens.weight.nbytes
+    step_bytes = weight_bytes + 8 * K * model.config.kv_bytes_per_token
+    roofline_tok_s = measure_hbm_bandwidth() / step_bytes
+    figures["decode 8K of HBM roofline"] = out.stats.decode_tok_s / roofline_tok_s
+    del engine
+    torch.cuda.empty_cache()
+    budgeted = make_engine(model, gpu_memory="24GiB")
+    figures["prefill 32K 24GiB tok/s"] = _prefill_tok_s(budgeted, 32 * K)
     return figures
+
+
+def batch_offload(model) -> dict:
+    """Eight requests of 32K-64K under a 23 GiB budget, the GPU capped at 24 GiB
+    (bench/batch_offload.py, without its single-request check)."""
+    from batch_offload import CAP_GIB, headspace_batch
+    from common import pinned_h2d_bandwidth
+    from offload_runs import gpu_cap
+
+    with gpu_cap(CAP_GIB):
+        row = headspace_batch(model, pinned_h2d_bandwidth(), check_single=False)
+    return {"batched offload tok/s": row["aggregate_decode_tok_s"],
+            "batched offload x PCIe floor": row["ratio_vs_batch_pcie_floor"]}  # fmt: skip
 
 
 def paged(model) -> dict:
@@ -161,7 +203,9 @@ def _reference(kind: str, data: dict, name: str) -> float:
         return data["runs"][str(128 * K)][mode]["prefill_s" if phase == "prefill" else "decode_ms"]
     if kind == "foundation":
         if "configs" in data:
-            rows = data["configs"]["no budget"]
+            if "roofline" in name:
+                return data["decode_fraction_of_hbm_roofline"]["no budget"]
+            rows = data["configs"]["24 GiB budget" if "GiB" in name else "no budget"]
             part, length = ("prefill", name.split()[1]) if "prefill" in name else ("decode", "8K")
             return rows[part][str(int(length[:-1]) * K)]["tok_s"]
         key = "prefill_tok_s" if "prefill" in name else "decode_tok_s"
@@ -170,6 +214,8 @@ def _reference(kind: str, data: dict, name: str) -> float:
         return data["batch_tok_s"]
     if kind == "hybrid":  # (the share searched: no committed figure to hold)
         return None if "share" in name else data["128K"]["hybrid_split"]["decode_ms"]
+    if kind == "batch_offload":
+        return data["ratio_vs_batch_pcie_floor" if "floor" in name else "aggregate_decode_tok_s"]
     if kind == "weight_stream":
         return data["rows"]["streamed"]["prefill_tok_s" if "prefill" in name else "decode_ms"]
     return data["decode_ms"][str(int(name.split()[2][:-1]) * K)]  # "offload decode 32K ms"
@@ -181,8 +227,26 @@ KINDS = {
     "offload": offload,
     "hybrid": hybrid,
     "sparsity": sparsity,
+    "batch_offload": batch_offload,
     "weight_stream": weight_stream,
 }  # fmt: skip (weight_stream last: it moves layers)
+
+
+def judge(figure: str, value: float, ref: float | None, name: str | None, gpu: str) -> dict:
+    """A figure's row: its change against the committed ``ref`` (from file ``name``),
+    positive when better (times, seconds and ratios to a floor are better lower), flagged
+    ``DROP`` past :data:`DROP` when measured on the committed file's GPU kind."""
+    lower_is_better = figure.endswith(("ms", " s", "floor"))
+    change = None if ref is None else (value / ref - 1) * (-1 if lower_is_better else 1)
+    same_gpu = name is not None and f"_{gpu}_" in name
+    flag = "DROP" if same_gpu and change is not None and change < -DROP else ""
+    return {"figure": figure, "measured": value, "committed": ref, "file": name,
+            "change": change, "flag": flag}  # fmt: skip
+
+
+def _shown(value: float) -> str:
+    """A figure with one decimal, two for a ratio or fraction below 10."""
+    return f"{value:.1f}" if abs(value) >= 10 else f"{value:.2f}"
 
 
 def main() -> None:
@@ -196,20 +260,14 @@ def main() -> None:
     rows = []
     for kind in [k for k in KINDS if k in args.kinds]:
         for figure, value in KINDS[kind](model).items():
-            ref, name = committed(kind, gpu, figure)
-            lower_is_better = figure.endswith(("ms", " s"))
-            change = None if ref is None else (value / ref - 1) * (-1 if lower_is_better else 1)
-            same_gpu = name is not None and f"_{gpu}_" in name
-            flag = "DROP" if same_gpu and change is not None and change < -0.10 else ""
-            rows.append({"figure": figure, "measured": value, "committed": ref,
-                         "file": name, "change": change, "flag": flag})  # fmt: skip
+            rows.append(judge(figure, value, *committed(kind, gpu, figure), gpu))
         torch.cuda.empty_cache()
     write_result(f"regress_{gpu}_{env['date']}.json", {"env": env, "rows": rows})
     print(f"\n{'figure':<40}{'measured':>10}{'committed':>11}{'change':>8}  file")
     for r in rows:
-        ref = f"{r['committed']:.1f}" if r["committed"] is not None else "-"
+        ref = _shown(r["committed"]) if r["committed"] is not None else "-"
         change = f"{100 * r['change']:+.0f}%" if r["change"] is not None else "-"
-        print(f"{r['figure']:<40}{r['measured']:>10.1f}{ref:>11}{change:>8}  {r['file']} "
+        print(f"{r['figure']:<40}{_shown(r['measured']):>10}{ref:>11}{change:>8}  {r['file']} "
               f"{r['flag']}")  # fmt: skip
 
 
