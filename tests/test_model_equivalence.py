@@ -79,3 +79,37 @@ def test_layers_run_a_few_at_a_time_equal_the_whole_pass(tiny, prompt_ids):
             hidden = model(ids, positions, attention, layers=(first, end), hidden=hidden)
             assert end == num_layers or not torch.equal(hidden, whole)  # not normed yet
     assert torch.equal(hidden, whole), family
+
+
+def test_a_layer_leaves_its_mlp_output_for_the_next_layers_norm_to_add(tiny, prompt_ids):
+    """A decoder layer returns the residual stream after its attention and its MLP's output
+    apart (the next layer adds them in its norm's kernel, so the down projection writes no
+    copy of the stream); a pending output given to a layer is added before its norm."""
+    import torch.nn.functional as F
+
+    from headspace.attention import reference_attention
+    from headspace.model.rope import rope_cos_sin
+
+    family, path, _ = tiny
+    model = LLM(str(path), device="cpu", dtype="float32").engine.model
+    layer, seen = model.layers[1], []
+
+    def attention(layer_idx, q, kv):  # q [tokens, heads, dim], kv [2, tokens, kv_heads, dim]
+        out, _ = reference_attention(q.transpose(0, 1), kv[0].transpose(0, 1),
+                                     kv[1].transpose(0, 1), causal=True)  # fmt: skip
+        seen.append(out.transpose(0, 1).to(q.dtype))
+        return seen[-1]
+
+    generator = torch.Generator().manual_seed(3)
+    num_tokens, hidden = len(prompt_ids), model.config.hidden_size
+    x, pending = (torch.randn(num_tokens, hidden, generator=generator) for _ in range(2))
+    cos, sin = rope_cos_sin(model.inv_freq, torch.arange(num_tokens), x.dtype)
+    with torch.inference_mode():
+        stream, out = layer(1, x, cos, sin, attention)
+        attn_out = layer.o_proj(seen[-1].reshape(num_tokens, -1))
+        assert torch.equal(stream, x + attn_out), family
+        gate, up = layer.gate_up_proj(layer.post_attention_norm(stream)).chunk(2, -1)
+        assert torch.equal(out, layer.down_proj(F.silu(gate) * up)), family
+        added = layer(1, x, cos, sin, attention, pending=pending)
+        assert all(map(torch.equal, added, layer(1, x + pending, cos, sin, attention)))
+        assert not torch.equal(added[0], stream)

@@ -28,7 +28,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def qkv_block(
-    x: torch.Tensor,  # [tokens, hidden]
+    x: torch.Tensor,  # [tokens, hidden], the residual stream
+    pending: torch.Tensor | None,  # [tokens, hidden]: the layer before's MLP output, not added
     norm_weight: torch.Tensor,
     eps: float,
     qkv_weight: torch.Tensor,
@@ -37,11 +38,16 @@ def qkv_block(
     sin: torch.Tensor,
     shape: tuple[int, int, int],  # (heads, kv_heads, head_dim)
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Norm, fused q/k/v projection and rope.
+    """Residual add of ``pending`` (in the norm's kernel: the layer before's down projection
+    then needs no copy of the residual stream into its output), norm, fused q/k/v
+    projection and rope.
 
-    Returns ``q [tokens, heads, dim]`` and ``kv [2, tokens, kv_heads, dim]`` (K then V),
-    token-major: fused attention kernels read the head-major views of these in place.
+    Returns the residual stream ``[tokens, hidden]``, ``q [tokens, heads, dim]`` and
+    ``kv [2, tokens, kv_heads, dim]`` (K then V), token-major: fused attention kernels read
+    the head-major views of these in place.
     """
+    if pending is not None:
+        x = x + pending
     num_heads, num_kv_heads, head_dim = shape
     q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
     qkv = F.linear(rms_norm(x, norm_weight, eps), qkv_weight, qkv_bias)
@@ -49,7 +55,7 @@ def qkv_block(
     num_tokens = x.shape[0]  # explicit: a rank may hold no head of a layer (parallel.shard)
     q = apply_rope(q.view(num_tokens, num_heads, head_dim), cos, sin)
     k = apply_rope(k.view(num_tokens, num_kv_heads, head_dim), cos, sin)
-    return q, torch.stack((k, v.view(num_tokens, num_kv_heads, head_dim)))
+    return x, q, torch.stack((k, v.view(num_tokens, num_kv_heads, head_dim)))
 
 
 def mlp_block(
@@ -76,10 +82,10 @@ def output_mlp_block(
     o_weight: torch.Tensor,
     o_bias: torch.Tensor | None,
     *mlp_weights,  # mlp_block's, after its two inputs
-) -> torch.Tensor:
-    """Output projection + residual, then norm, SwiGLU MLP + residual: ``[tokens, hidden]``."""
-    x, out = mlp_block(x, F.linear(attn.reshape(x.shape[0], -1), o_weight, o_bias), *mlp_weights)
-    return x + out
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Output projection + residual, then norm and SwiGLU MLP: the residual stream and the
+    MLP's output, each ``[tokens, hidden]`` (added by the next layer's :func:`qkv_block`)."""
+    return mlp_block(x, F.linear(attn.reshape(x.shape[0], -1), o_weight, o_bias), *mlp_weights)
 
 
 class Blocks:
@@ -144,10 +150,15 @@ class DecoderLayer(nn.Module):
         sin: torch.Tensor,
         attention: AttentionFn,
         blocks: Blocks = EAGER_BLOCKS,
-    ) -> torch.Tensor:
+        pending: torch.Tensor | None = None,  # [tokens, hidden]: the layer before's MLP output
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The residual stream after this layer's attention and its MLP's output (summed
+        over ranks), each ``[tokens, hidden]``: the stream after the layer is their sum,
+        which the next layer adds in its norm's kernel (:func:`qkv_block`)."""
         norm, qkv = self.input_norm, self.qkv_proj
         qkv_fn = blocks.qkv if self.shape[1] else qkv_block  # a rank may hold no head here
-        q, kv = qkv_fn(x, norm.weight, norm.eps, qkv.weight, qkv.bias, cos, sin, self.shape)
+        x, q, kv = qkv_fn(x, pending, norm.weight, norm.eps, qkv.weight, qkv.bias, cos, sin,
+                          self.shape)  # fmt: skip
         attn = attention(layer_idx, q, kv)  # [tokens, heads, head_dim]
         post, o, gate_up, down = (
             self.post_attention_norm,
@@ -162,7 +173,7 @@ class DecoderLayer(nn.Module):
         # a sharded layer: its partial outputs are summed over ranks between the blocks
         attn_out = self.reduce(F.linear(attn.reshape(x.shape[0], -1), o.weight, o.bias))
         x, out = blocks.mlp(x, attn_out, *mlp_weights)
-        return x + self.reduce(out)
+        return x, self.reduce(out)
 
 
 class LlamaModel(nn.Module):
@@ -220,8 +231,10 @@ class LlamaModel(nn.Module):
             source = enumerate(self.layer_source)
         else:
             source = ((i, self.layers[i]) for i in range(first, end))
+        pending = None  # each layer's MLP output, added in the next layer's norm kernel
         for layer_idx, layer in source:
-            x = layer(layer_idx, x, cos, sin, attention, blocks)
+            x, pending = layer(layer_idx, x, cos, sin, attention, blocks, pending)
+        x = x if pending is None else x + pending
         return self.norm(x) if end == len(self.layers) else x
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
