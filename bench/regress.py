@@ -1,6 +1,6 @@
 """Re-measure the headline figure of every landed result and print it beside the committed one.
 
-    PYTHONPATH=src python bench/regress.py        # one GPU, about ten minutes
+    PYTHONPATH=src python bench/regress.py        # one GPU, about six minutes
     PYTHONPATH=src python bench/regress.py --kinds offload hybrid    # some of them
 
 Flags any drop of more than 5% (a figure measured on another GPU kind than the committed

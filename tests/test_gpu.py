@@ -323,3 +323,26 @@ def test_estimating_patterns_never_waits_for_the_gpu(sparse):
         torch.cuda.set_sync_debug_mode("default")
     assert (table.vertical.sum() > 0) == ("vertical" in sparse)
     assert (table.blocks.sum() > 0) == ("block" in sparse)
+
+
+def test_layer_slices_in_bf16_compiled_blocks_equal_the_whole_pass():
+    """A prefill chunk run a few layers a step hands the next slice the stream and the MLP
+    output apart, so its compiled blocks add them in the norm's kernel as the whole pass
+    does: bit for bit equal in bf16 (an eager add at the hand-over rounded the sum before
+    the norm, where the compiled kernel does not)."""
+    model = tiny_model("cuda", torch.bfloat16, layers=4)
+    prompt = torch.randint(0, 512, (256,), generator=torch.Generator().manual_seed(5)).cuda()
+    positions = torch.arange(prompt.numel(), device="cuda")
+
+    def attention(layer, q, kv):  # q [tokens, heads, dim], kv [2, tokens, kv_heads, dim]
+        k, v = (t.transpose(0, 1).repeat_interleave(4, 0) for t in kv)
+        out = torch.nn.functional.scaled_dot_product_attention(q.transpose(0, 1), k, v,
+                                                               is_causal=True)  # fmt: skip
+        return out.transpose(0, 1)
+
+    with torch.inference_mode():
+        whole = model(prompt, positions, attention, "static")
+        hidden = None
+        for first, end in ((0, 1), (1, 3), (3, 4)):
+            hidden = model(prompt, positions, attention, "static", (first, end), hidden)
+    assert torch.equal(hidden, whole)

@@ -39,7 +39,7 @@ from headspace.kv.block_table import GPU, HOST
 from headspace.kv.entry_table import block_manager
 from headspace.kv.host_store import HostKVArena
 from headspace.kv.spec import KVSpec
-from headspace.model.llama import LlamaModel
+from headspace.model.llama import LlamaModel, SliceStates
 from headspace.parallel.dist import all_agree, broadcast_, host_min
 from headspace.planner.plan import Plan
 from headspace.planner.profile import Profile
@@ -97,7 +97,7 @@ class BatchGenerator:
                                    self.chunk, self._step_tokens(False), cfg.num_layers,
                                    attention_prefix(cfg),
                                    self._step_tokens(False, slices=False))  # fmt: skip
-        self._hidden: torch.Tensor | None = None  # a chunk's states between layer slices
+        self._hidden: SliceStates | None = None  # a chunk's states between layer slices
         self._next_id = 0
         self.peak_pages = 0
         self._by_id: dict[int, Request] = {}  # the requests not finished or aborted

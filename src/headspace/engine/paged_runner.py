@@ -25,7 +25,7 @@ from headspace.kv.host_store import HostKVArena
 from headspace.kv.paged_store import PagedKVStore
 from headspace.kv.spec import KVSpec
 from headspace.kv.transfer import device_ints, swap_pages
-from headspace.model.llama import LlamaModel
+from headspace.model.llama import LlamaModel, SliceStates
 from headspace.parallel.dist import first_error, host_min, release_before_leaving
 from headspace.parallel.placement import RankLayout
 from headspace.planner.plan import Plan
@@ -292,13 +292,13 @@ class PagedRunner:
     @torch.inference_mode()
     def prefill_chunk(self, seq, start: int, end: int, pages: Pages, static: bool = True,
                       layers: tuple[int, int] | None = None,
-                      hidden: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+                      hidden: SliceStates | None = None) -> torch.Tensor | SliceStates:  # fmt: skip
         """Compute prompt tokens ``start .. end-1`` of ``seq`` (those before are in its
         ``pages``, one table per tier); returns their last layer's hidden states ``[tokens,
         hidden]``. ``static``: the chunk's length recurs (compiled once for it). ``layers``
         (first, end): only those decoder layers, from ``hidden`` (the previous slice's
-        result) where ``first`` > 0 (see :attr:`layer_slices`); the states returned are
-        final-normed only after the last layer."""
+        result) where ``first`` > 0 (see :attr:`layer_slices`); a slice before the last
+        returns the :data:`~headspace.model.llama.SliceStates` the next one starts from."""
         if self.prompt_stand_in is not None:  # a benchmark's: nothing computed
             return torch.zeros(end - start, self.model.config.hidden_size, device=self.device,
                                dtype=self.config.runtime.torch_dtype)  # fmt: skip

@@ -18,6 +18,11 @@ from headspace.model.rope import apply_rope, inverse_frequencies, rope_cos_sin
 
 # (layer index, q [tokens, heads, dim], kv [2, tokens, kv_heads, dim]) -> [tokens, heads, dim]
 AttentionFn = Callable[[int, torch.Tensor, torch.Tensor], torch.Tensor]
+# what a slice of decoder layers hands the next (a prefill chunk run a few layers a step):
+# the residual stream [tokens, hidden] and its last layer's MLP output [tokens, hidden], not
+# yet added; the next layer adds them in its norm's kernel, as in a whole pass, so slices
+# round as the whole pass does
+SliceStates = tuple[torch.Tensor, torch.Tensor]
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -37,7 +42,7 @@ def qkv_block(
     cos: torch.Tensor,  # [tokens, head_dim]
     sin: torch.Tensor,
     shape: tuple[int, int, int],  # (heads, kv_heads, head_dim)
-) -> tuple[torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Residual add of ``pending`` (in the norm's kernel: the layer before's down projection
     then needs no copy of the residual stream into its output), norm, fused q/k/v
     projection and rope.
@@ -209,33 +214,34 @@ class LlamaModel(nn.Module):
         attention: AttentionFn,
         blocks_mode: str = "eager",
         layers: tuple[int, int] | None = None,
-        hidden: torch.Tensor | None = None,  # [tokens, hidden]
-    ) -> torch.Tensor:
+        hidden: SliceStates | None = None,
+    ) -> torch.Tensor | SliceStates:
         """Final-normed hidden states ``[tokens, hidden]`` (call ``logits`` on the rows needed).
 
         ``blocks_mode`` (see :class:`Blocks`): "static" compiles per token count (the
         decode step, full prefill chunks: fastest kernels), "dynamic" once for any count.
         ``layers`` (first, end): run decoder layers ``first .. end-1`` only, from ``hidden``
-        (the states after layer ``first - 1``; the embeddings when ``first`` is 0) to the
-        states after layer ``end - 1``, final-normed only after the model's last layer (a
-        prefill chunk computed a few layers a step). Not with streamed weights.
+        (the :data:`SliceStates` after layer ``first - 1``; the embeddings when ``first``
+        is 0); returns the :data:`SliceStates` after layer ``end - 1``, or the final-normed
+        states after the model's last layer (a prefill chunk computed a few layers a step).
+        Not with streamed weights.
         """
         if blocks_mode not in self._blocks:
             self._blocks[blocks_mode] = Blocks(blocks_mode)
         blocks = self._blocks[blocks_mode]
         first, end = (0, len(self.layers)) if layers is None else layers
-        x = self.embed_tokens(input_ids) if first == 0 else hidden
+        x, pending = (self.embed_tokens(input_ids), None) if first == 0 else hidden
         cos, sin = rope_cos_sin(self.inv_freq, positions, x.dtype)
         if self.layer_source is not None:  # yields every layer in order
             assert (first, end) == (0, len(self.layers)), "streamed weights run every layer"
             source = enumerate(self.layer_source)
         else:
             source = ((i, self.layers[i]) for i in range(first, end))
-        pending = None  # each layer's MLP output, added in the next layer's norm kernel
-        for layer_idx, layer in source:
+        for layer_idx, layer in source:  # each one's MLP output added in the next's norm
             x, pending = layer(layer_idx, x, cos, sin, attention, blocks, pending)
-        x = x if pending is None else x + pending
-        return self.norm(x) if end == len(self.layers) else x
+        if end < len(self.layers):
+            return x, pending
+        return self.norm(x if pending is None else x + pending)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Vocabulary logits ``[tokens, vocab]`` in float32 from final hidden states."""
