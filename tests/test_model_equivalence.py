@@ -104,8 +104,8 @@ def test_a_layer_leaves_its_mlp_output_for_the_next_layers_norm_to_add(tiny, pro
         return seen[-1]
 
     generator = torch.Generator().manual_seed(3)
-    num_tokens, hidden = len(prompt_ids), model.config.hidden_size
-    x, pending = (torch.randn(num_tokens, hidden, generator=generator) for _ in range(2))
+    num_tokens, hidden_size = len(prompt_ids), model.config.hidden_size
+    x, pending = (torch.randn(num_tokens, hidden_size, generator=generator) for _ in range(2))
     cos, sin = rope_cos_sin(model.inv_freq, torch.arange(num_tokens), x.dtype)
     with torch.inference_mode():
         stream, out = layer(1, x, cos, sin, attention)
