@@ -47,7 +47,7 @@ from headspace.engine.sampling import SamplingParams  # noqa: E402
 from headspace.tiers.base import CpuTimings  # noqa: E402
 from hybrid import BUDGET, CAP_GIB, MODES, _prompt, long_decode  # noqa: E402
 from offload_runs import gpu_cap, warm_up  # noqa: E402
-from profile_hybrid import _time_steps  # noqa: E402
+from sparsity import timed_decode  # noqa: E402
 
 K = 1024
 WINDOW = {"before": {"window_on_gpu": False}, "after": {}}
@@ -98,9 +98,10 @@ def _timed_run(model, mode: str, h2d: float, tokens: int) -> dict:
     generator = engine.batch
     warm_up(generator, length, length + tokens, 2 * K, cfg.vocab_size)
     timings.clear()
-    steps_ms = _time_steps(generator.runner)
+    steps_s = timed_decode(engine)
     params = SamplingParams(max_new_tokens=tokens, ignore_eos=True)
     out = engine.generate_batch([_prompt(length, 0)], [params])[0]
+    steps_ms = [1000 * t for t in steps_s]
     kv_bytes = 2 * length * cfg.head_dim * model.embed_tokens.weight.element_size()
     floor_ms = 1000 * out.stats.num_hybrid_heads * kv_bytes / h2d
     generator.runner.decode_hooks.clear()  # the timer

@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -28,25 +27,10 @@ from headspace.engine.sampling import SamplingParams  # noqa: E402
 from headspace.tiers.base import CpuTimings  # noqa: E402
 from hybrid import BUDGET, CAP_GIB, K, _prompt  # noqa: E402
 from offload_runs import gpu_cap  # noqa: E402
+from sparsity import timed_decode  # noqa: E402
 
 WAITS = {"query": "query", "result": "result", "sparse tables": "tables",
          "track (host)": "track", "selector begin": "begin"}  # fmt: skip
-
-
-def _time_steps(runner) -> list[float]:
-    """Wall milliseconds of each decode step of ``runner`` (synchronised), filled as it runs."""
-    times = []
-
-    def timed(seq_ids, step):
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        result = step()
-        torch.cuda.synchronize()
-        times.append(1000 * (time.perf_counter() - start))
-        return result
-
-    runner.decode_hooks.append(timed)
-    return times
 
 
 def _report(timings: CpuTimings, steps: int) -> None:
@@ -88,9 +72,9 @@ def main() -> None:
         params = SamplingParams(max_new_tokens=args.tokens, ignore_eos=True)
         engine.generate_batch([_prompt(128 * K - 64, 0)], [SamplingParams(max_new_tokens=4)])
         timings.clear()  # the warm-up's
-        steps_ms = _time_steps(engine.batch.runner)
+        steps_s = timed_decode(engine)
         out = engine.generate_batch([_prompt(128 * K - 64, 1)], [params])[0]
-    print("step ms:", " ".join(f"{t:.0f}" for t in steps_ms))
+    print("step ms:", " ".join(f"{1000 * t:.0f}" for t in steps_s))
     if out.stats.cpu_kept_fraction:
         print("kept per head min/median/max:", out.stats.cpu_kept_fraction)
     steps = len(out.token_ids) - 1

@@ -69,28 +69,18 @@ def _ids(n: int, seed: int) -> list[int]:
                          generator=torch.Generator().manual_seed(seed)).tolist()  # fmt: skip
 
 
-def _prefill_tok_s(engine, length: int) -> float:
-    """The median of three prompts of ``length`` and one new token, after a warm-up that
-    compiles the length (as bench/foundation.py)."""
-    one = [SamplingParams(max_new_tokens=1, ignore_eos=True)]
-    engine.generate_batch([_ids(length, 1)], one)
-    times = []
-    for seed in (2, 3, 4):
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        engine.generate_batch([_ids(length, seed)], one)
-        times.append(time.perf_counter() - start)
-    return length / sorted(times)[1]
-
-
 def foundation(model) -> dict:
     """bench/foundation.py's rows: prefill at 8K and 32K and decode at 8K without a budget
     (decode also as its fraction of the HBM roofline at this GPU's device-copy rate), and
     prefill at 32K under a 24 GiB budget."""
     from common import measure_hbm_bandwidth
+    from foundation import ours_prefill
+
+    def prefill_tok_s(engine, length: int) -> float:  # the median of three, as foundation's
+        return length / ours_prefill(engine, length, torch.Generator().manual_seed(length))
 
     engine = make_engine(model)
-    figures = {f"prefill {n // K}K tok/s": _prefill_tok_s(engine, n) for n in (8 * K, 32 * K)}
+    figures = {f"prefill {n // K}K tok/s": prefill_tok_s(engine, n) for n in (8 * K, 32 * K)}
     params = [SamplingParams(max_new_tokens=129, ignore_eos=True)]
     engine.generate_batch([_ids(8 * K, 3)], params)
     out = engine.generate_batch([_ids(8 * K, 4)], params)[0]
@@ -102,7 +92,7 @@ def foundation(model) -> dict:
     del engine
     torch.cuda.empty_cache()
     budgeted = make_engine(model, gpu_memory="24GiB")
-    figures["prefill 32K 24GiB tok/s"] = _prefill_tok_s(budgeted, 32 * K)
+    figures["prefill 32K 24GiB tok/s"] = prefill_tok_s(budgeted, 32 * K)
     return figures
 
 

@@ -56,20 +56,24 @@ def test_reference_backend_equals_sdpa_backend(tiny, prompt_ids):
     assert (fast - reference).abs().max().item() <= 1e-5
 
 
+def _causal_attention(layer: int, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
+    """The model's attention callback over the prompt alone, by the fp32 reference: ``q
+    [tokens, heads, dim]``, ``kv [2, tokens, kv_heads, dim]`` -> ``[tokens, heads, dim]``."""
+    from headspace.attention import reference_attention
+
+    out, _ = reference_attention(q.transpose(0, 1), kv[0].transpose(0, 1),
+                                 kv[1].transpose(0, 1), causal=True)  # fmt: skip
+    return out.transpose(0, 1).to(q.dtype)
+
+
 def test_layers_run_a_few_at_a_time_equal_the_whole_pass(tiny, prompt_ids):
     """The decoder run in slices of layers, each from the states the slice before returned
     (a prefill chunk spread over steps), gives exactly the whole pass's states; only the
     last slice is final-normed."""
-    from headspace.attention import reference_attention
-
     family, path, _ = tiny
     model = LLM(str(path), device="cpu", dtype="float32").engine.model
     ids, positions = torch.tensor(prompt_ids), torch.arange(len(prompt_ids))
-
-    def attention(layer, q, kv):  # q [tokens, heads, dim], kv [2, tokens, kv_heads, dim]
-        out, _ = reference_attention(q.transpose(0, 1), kv[0].transpose(0, 1),
-                                     kv[1].transpose(0, 1), causal=True)  # fmt: skip
-        return out.transpose(0, 1).to(q.dtype)
+    attention = _causal_attention
 
     with torch.inference_mode():
         whole = model(ids, positions, attention)
@@ -90,17 +94,14 @@ def test_a_layer_leaves_its_mlp_output_for_the_next_layers_norm_to_add(tiny, pro
     copy of the stream); a pending output given to a layer is added before its norm."""
     import torch.nn.functional as F
 
-    from headspace.attention import reference_attention
     from headspace.model.rope import rope_cos_sin
 
     family, path, _ = tiny
     model = LLM(str(path), device="cpu", dtype="float32").engine.model
     layer, seen = model.layers[1], []
 
-    def attention(layer_idx, q, kv):  # q [tokens, heads, dim], kv [2, tokens, kv_heads, dim]
-        out, _ = reference_attention(q.transpose(0, 1), kv[0].transpose(0, 1),
-                                     kv[1].transpose(0, 1), causal=True)  # fmt: skip
-        seen.append(out.transpose(0, 1).to(q.dtype))
+    def attention(layer_idx, q, kv):  # the reference, its output kept
+        seen.append(_causal_attention(layer_idx, q, kv))
         return seen[-1]
 
     generator = torch.Generator().manual_seed(3)
