@@ -81,7 +81,7 @@ class EntryTables:
             return
         row = self._row_of.pop(slot)
         self._owners.pop(slot, None)
-        self.slot_row[slot] = 0
+        self.slot_row[slot].fill_(0)  # (queued: assigning a number to one element waits)
         if row < self.lengths.shape[0]:
             self.lengths[row] = 0
 
@@ -91,7 +91,7 @@ class EntryTables:
         if slot not in self._row_of:
             used = set(self._row_of.values())
             self._row_of[slot] = next(r for r in itertools.count(1) if r not in used)
-            self.slot_row[slot] = self._row_of[slot]
+            self.slot_row[slot].fill_(self._row_of[slot])  # (queued; no blocking copy)
         return self._row_of[slot]
 
     def _grow(self, rows: list[int], widest: int) -> None:
