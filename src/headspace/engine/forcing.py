@@ -29,7 +29,7 @@ def forced_logits(runner: PagedRunner, blocks: BlockManager, tiers: tuple[str, .
         blocks.cache_full_pages(seq.seq_id, seq.prompt_ids)
         for position in range(len(seq.prompt_ids), len(token_ids)):
             blocks.append_token(seq.seq_id)
-            runner.tokens[0] = token_ids[position]
+            runner.tokens[0].fill_(token_ids[position])  # (queued: a number into one element waits)
             logits, _ = runner.decode([seq.seq_id], [position], [0], pages)
             rows.append(logits.float().cpu())
         return torch.cat(rows)
