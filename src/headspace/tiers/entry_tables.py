@@ -91,7 +91,7 @@ class EntryTables:
         if slot not in self._row_of:
             used = set(self._row_of.values())
             self._row_of[slot] = next(r for r in itertools.count(1) if r not in used)
-            self.slot_row[slot].fill_(self._row_of[slot])  # (queued; no blocking copy)
+            self.slot_row[slot].fill_(self._row_of[slot])  # (queued, as in release)
         return self._row_of[slot]
 
     def _grow(self, rows: list[int], widest: int) -> None:
