@@ -93,10 +93,16 @@ def measure_transformers(hf, args) -> dict:
     return {"prefill": prefill, "decode": decode}
 
 
-def measure(engine, theirs: dict, args, hbm: float, weight_bytes: int) -> dict:
+def decode_roofline_tok_s(model, length: int, hbm: float) -> float:
+    """Decode tok/s at ``length`` were each step to read the weights (but the embedding
+    table, of which it reads a row) and the KV once at ``hbm`` bytes/s."""
+    weight_bytes = sum(p.nbytes for p in model.parameters()) - model.embed_tokens.weight.nbytes
+    return hbm / (weight_bytes + length * model.config.kv_bytes_per_token)
+
+
+def measure(engine, theirs: dict, args, hbm: float) -> dict:
     """The engine's rows beside transformers' (``theirs``, :func:`measure_transformers`)."""
     rng = torch.Generator().manual_seed(0)
-    cfg = engine.model.config
     rows = {"prefill": {}, "decode": {}}
     for length in tqdm(args.prefill_lengths, desc="prefill", file=sys.stderr):
         ours, their = length / ours_prefill(engine, length, rng), theirs["prefill"][length]
@@ -104,7 +110,7 @@ def measure(engine, theirs: dict, args, hbm: float, weight_bytes: int) -> dict:
                                         "ratio_vs_transformers": ours / their}  # fmt: skip
     for length in tqdm(args.decode_lengths, desc="decode", file=sys.stderr):
         ours, their = ours_decode(engine, length, args.decode_steps, rng), theirs["decode"][length]
-        roofline = hbm / (weight_bytes + length * cfg.kv_bytes_per_token)
+        roofline = decode_roofline_tok_s(engine.model, length, hbm)
         rows["decode"][str(length)] = {
             "tok_s": ours["tok_s"], "transformers_tok_s": their,
             "ratio_vs_transformers": ours["tok_s"] / their, "hbm_roofline_tok_s": roofline,
@@ -160,7 +166,6 @@ def main() -> None:
     hf = random_hf_llama(LLAMA31_8B)
     model = build_model(config_from_dict(LLAMA31_8B), hf.state_dict().__getitem__, "cuda",
                         torch.bfloat16)  # fmt: skip
-    weight_bytes = sum(p.nbytes for p in model.parameters()) - model.embed_tokens.weight.nbytes
     result = {"env": env, "hbm_bytes_per_s": hbm, "config": LLAMA31_8B, "configs": {}}
     theirs = measure_transformers(hf, args)  # once: its figures do not depend on our budget
     hf.to("cpu")  # so that each engine's peak memory is its own (tensors it shares stay)
@@ -169,7 +174,7 @@ def main() -> None:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
         engine = make_engine(model, **BUDGETS[name])
-        rows = measure(engine, theirs, args, hbm, weight_bytes)
+        rows = measure(engine, theirs, args, hbm)
         generator = engine.batch
         rows["engine"] = {
             "options": BUDGETS[name], "max_context": engine.max_context,

@@ -74,7 +74,7 @@ def foundation(model) -> dict:
     (decode also as its fraction of the HBM roofline at this GPU's device-copy rate), and
     prefill at 32K under a 24 GiB budget."""
     from common import measure_hbm_bandwidth
-    from foundation import ours_prefill
+    from foundation import decode_roofline_tok_s, ours_prefill
 
     def prefill_tok_s(engine, length: int) -> float:  # the median of three, as foundation's
         return length / ours_prefill(engine, length, torch.Generator().manual_seed(length))
@@ -85,9 +85,7 @@ def foundation(model) -> dict:
     engine.generate_batch([_ids(8 * K, 3)], params)
     out = engine.generate_batch([_ids(8 * K, 4)], params)[0]
     figures["decode 8K tok/s"] = out.stats.decode_tok_s
-    weight_bytes = sum(p.nbytes for p in model.parameters()) - model.embed_tokens.weight.nbytes
-    step_bytes = weight_bytes + 8 * K * model.config.kv_bytes_per_token
-    roofline_tok_s = measure_hbm_bandwidth() / step_bytes
+    roofline_tok_s = decode_roofline_tok_s(model, 8 * K, measure_hbm_bandwidth())
     figures["decode 8K of HBM roofline"] = out.stats.decode_tok_s / roofline_tok_s
     del engine
     torch.cuda.empty_cache()
