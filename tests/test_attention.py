@@ -68,7 +68,8 @@ def test_sdpa_pads_cudnn_calls_to_whole_row_units(heads, kv_heads, num_q, num_kv
     two below (shapes that repeat over prompt lengths: zero rows past the end, and a causal
     square's keys too); here a unit of 16 rows, the calls recorded on their way to the CPU
     kernel: the reference's out and lse for the real rows, the output in the queries'
-    token-major layout."""
+    token-major layout, and K/V with their own heads (the kernel maps a query head to its kv
+    head; no copy per query head)."""
     from functools import partial
 
     from headspace.attention import sdpa
@@ -78,6 +79,7 @@ def test_sdpa_pads_cudnn_calls_to_whole_row_units(heads, kv_heads, num_q, num_kv
     def recording(q4, k4, v4, causal, scale, cudnn):
         per_head_rows = q4.shape[2] * q4.shape[1] // heads  # a folded group's rows unfolded
         calls.append((causal, per_head_rows, k4.shape[2]))
+        assert k4.shape[1] == v4.shape[1] == kv_heads
         return sdpa.fused_kernel(q4, k4, v4, causal, scale, cudnn)
 
     backend = partial(sdpa.sdpa_attention, rows_unit=16, kernel=recording)

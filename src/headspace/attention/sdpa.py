@@ -43,10 +43,13 @@ def sdpa_attention(
         rows_unit = CUDNN_ROWS if cudnn else 0
     num_rows = cudnn_rows(num_q, rows_unit) if rows_unit else num_q  # zeros past num_q
     group = num_heads // k.shape[0]
-    if causal or group == 1:  # the mask depends on the query row: give each head its keys
+    if causal or group == 1:  # the mask depends on the query row: rows stay per head
         q4 = _with_rows(q, num_rows, token_major=True).unsqueeze(0)
         num_keys = num_rows if causal else k.shape[1]  # a square's keys past the end: zeros
-        k4, v4 = (_heads(x, group, num_keys).unsqueeze(0) for x in (k, v))
+        # cuDNN and the CPU's flash kernel map query head h to kv head h // group
+        # themselves; the others take K/V repeated for each query head
+        repeat = 1 if cudnn or q.device.type == "cpu" else group
+        k4, v4 = (_heads(x, repeat, num_keys).unsqueeze(0) for x in (k, v))
     else:  # fold the group's query heads into rows: no copy of a long prefix's K/V
         q4 = _with_rows(q, num_rows, token_major=False)
         q4 = q4.reshape(1, k.shape[0], group * num_rows, dim)
