@@ -85,23 +85,26 @@ def _with_rows(x: torch.Tensor, num_rows: int, token_major: bool) -> torch.Tenso
     return padded
 
 
-def _heads(kv: torch.Tensor, group: int, num_rows: int) -> torch.Tensor:
-    """``kv [kv_heads, keys, dim]`` repeated for each of its ``group`` query heads and
-    followed by zero keys up to ``num_rows``, in one copy: ``[kv_heads x group, rows,
-    dim]`` (``kv`` itself when neither is needed)."""
+def _heads(kv: torch.Tensor, repeat: int, num_rows: int) -> torch.Tensor:
+    """``kv [kv_heads, keys, dim]`` with each head repeated ``repeat`` times (once per query
+    head of its group, for a kernel that needs as many kv heads as query heads) and followed
+    by zero keys up to ``num_rows``, in one copy: ``[kv_heads x repeat, rows, dim]`` (``kv``
+    itself when neither is needed)."""
     num_kv, num_given, dim = kv.shape
-    if group == 1 and num_rows == num_given:
+    if repeat == 1 and num_rows == num_given:
         return kv
-    out = kv.new_empty(num_kv, group, num_rows, dim)
+    out = kv.new_empty(num_kv, repeat, num_rows, dim)
     out[:, :, :num_given] = kv[:, None]
     out[:, :, num_given:] = 0
-    return out.view(num_kv * group, num_rows, dim)
+    return out.view(num_kv * repeat, num_rows, dim)
 
 
 def fused_kernel(q4, k4, v4, causal: bool, scale: float,
                  cudnn: bool) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    """torch's fused kernel for ``q4 [1, heads, rows, dim]`` over ``k4, v4 [1, heads, keys,
-    dim]``: the CPU's flash kernel, else cuDNN (``cudnn``), else efficient (fp32) or flash;
+    """torch's fused kernel for ``q4 [1, heads, rows, dim]`` over ``k4, v4 [1, kv_heads,
+    keys, dim]`` (as many kv heads as query heads for efficient and flash; fewer, each
+    serving ``heads // kv_heads`` query heads in order, for cuDNN and the CPU's flash
+    kernel): the CPU's flash kernel, else cuDNN (``cudnn``), else efficient (fp32) or flash;
     ``(out, lse [1, heads, rows])``."""
     if q4.device.type == "cpu":
         out, lse = aten._scaled_dot_product_flash_attention_for_cpu(
