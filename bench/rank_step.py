@@ -1,8 +1,9 @@
 """One rank's share of a head-parallel decode step, on one GPU: the Llama-3.1-8B
 architecture with random bf16 weights, sharded for rank 0 of 1, 2 and 4 (uniform heads, its
 MLP slice, embeddings and LM head whole), one token through every layer and the LM head as a
-CUDA graph, with the layer blocks eager (how sharded layers ran before) and compiled (the
-engine's default). Attention and the all-reduces are left out (an identity stands in for
+CUDA graph, with the layer blocks eager (how sharded layers ran before), compiled with
+Inductor's defaults, and tuned (max-autotune: the engine's decode default, ``tune_decode``).
+Attention and the all-reduces are left out (an identity stands in for
 each), so what is timed is the weights' GEMVs and the small kernels between them, against
 the weights' bytes at the device copy bandwidth measured in the same run.
 
@@ -67,7 +68,7 @@ def measure(world: int, copy_bytes_per_s: float) -> list[dict]:
     weight_bytes = sum(p.nbytes for p in model.parameters()) - embed  # one embedding row read
     floor_ms = weight_bytes / copy_bytes_per_s * 1000
     rows = []
-    for mode in ("eager", "static"):
+    for mode in ("eager", "static", "tuned"):
 
         @torch.inference_mode()
         def step(mode=mode, model=model):

@@ -117,3 +117,19 @@ def test_a_layer_leaves_its_mlp_output_for_the_next_layers_norm_to_add(tiny, pro
         added = layer(1, x, cos, sin, attention, pending=pending)
         assert all(map(torch.equal, added, layer(1, x + pending, cos, sin, attention)))
         assert not torch.equal(added[0], stream)
+
+
+def test_tuned_blocks_take_only_options_this_torch_knows():
+    """The decode step's "tuned" blocks: torch.compile rejects an option it does not know
+    when the block is made; max-autotune on, Inductor's own graphs off (the engine captures
+    its own), and its tables of timed choices kept off stderr where this torch has them."""
+    import torch._inductor.config as inductor_config
+
+    from headspace.model.llama import QUIET_OPTIONS, Blocks, qkv_block, tuned_options
+
+    blocks = Blocks("tuned")
+    assert blocks.qkv is not qkv_block  # compiled
+    options = tuned_options()
+    assert options["max_autotune"] and options["triton.cudagraphs"] is False
+    known = [k for k in QUIET_OPTIONS if hasattr(inductor_config, k)]
+    assert known and all(options[k] == QUIET_OPTIONS[k] for k in known)

@@ -94,6 +94,11 @@ class RuntimeConfig:
     )  # fmt: skip
     cuda_graph: bool = _option(True, "capture the decode step in CUDA graphs (GPU)")
     compile: bool = _option(True, "fuse each layer's elementwise work with torch.compile (GPU)")
+    tune_decode: bool = _option(
+        True, "the CUDA-graphed decode step's compiled blocks tuned by Inductor's max-autotune "
+        "(GPU, with compile: the first compile of each batch bucket takes longer; kept in "
+        "the compile cache)"
+    )  # fmt: skip
     progress: bool = _option(False, "progress bars on long prefills", cli_default=True)
     max_batch: int = _option(64, "most sequences decoded together")
     max_context: int | None = _option(

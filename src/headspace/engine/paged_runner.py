@@ -217,7 +217,9 @@ class PagedRunner:
             self._graph_pool = None
         if self._graph_pool is None and twin is None:
             self._graph_pool = torch.cuda.graph_pool_handle()
-        mode = "static" if self._compiled else "eager"
+        mode = "eager"
+        if self._compiled:
+            mode = "tuned" if self.config.runtime.tune_decode else "static"
         graphs = (twin or DecodeGraphs)(
             self.model, self.tiers, self.tokens, self.page_size, self.store.num_pages,
             self.host.scratch_slot, self.config.runtime.max_batch, mode, self._graph_pool,
