@@ -3,9 +3,9 @@ architecture with random bf16 weights, sharded for rank 0 of 1, 2 and 4 (uniform
 MLP slice, embeddings and LM head whole), one token through every layer and the LM head as a
 CUDA graph, with the layer blocks eager (how sharded layers ran before), compiled with
 Inductor's defaults, and tuned (max-autotune: the engine's decode default, ``tune_decode``).
-Attention and the all-reduces are left out (an identity stands in for
-each), so what is timed is the weights' GEMVs and the small kernels between them, against
-the weights' bytes at the device copy bandwidth measured in the same run.
+Attention and the all-reduces are left out (an identity stands in for each), so what is
+timed is the weights' GEMVs and the small kernels between them, against the weights' bytes
+at the device copy bandwidth measured in the same run.
 
     PYTHONPATH=src python bench/rank_step.py [--worlds 1 2 4]
 """
