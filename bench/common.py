@@ -32,11 +32,14 @@ LLAMA3_8B = dict(
 def code_version() -> dict:
     """Which code ran: the commit where a git checkout is at hand, and a digest of the
     engine's sources either way (a copy of the working tree may carry no history; the same
-    digest of a commit's ``src/headspace`` names it)."""
+    digest of a commit's ``src/headspace`` names it). The sources are the imported
+    package's, which ``PYTHONPATH`` may take from another tree than this script's."""
     import hashlib
     import subprocess
 
-    root = Path(__file__).resolve().parent.parent
+    import headspace
+
+    root = Path(headspace.__file__).resolve().parent.parent.parent
     digest = hashlib.sha256()
     for path in sorted((root / "src" / "headspace").rglob("*.py")):
         digest.update(path.relative_to(root).as_posix().encode() + b"\0" + path.read_bytes())
