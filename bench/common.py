@@ -39,12 +39,13 @@ def code_version() -> dict:
 
     import headspace
 
-    root = Path(headspace.__file__).resolve().parent.parent.parent
+    package = Path(headspace.__file__).resolve().parent
     digest = hashlib.sha256()
-    for path in sorted((root / "src" / "headspace").rglob("*.py")):
-        digest.update(path.relative_to(root).as_posix().encode() + b"\0" + path.read_bytes())
+    for path in sorted(package.rglob("*.py")):  # named as in a checkout, wherever it lies
+        name = "src/headspace/" + path.relative_to(package).as_posix()
+        digest.update(name.encode() + b"\0" + path.read_bytes())
     try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, text=True,
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=package, text=True,
                                 capture_output=True, check=True).stdout.strip()  # fmt: skip
     except (OSError, subprocess.CalledProcessError):
         commit = None

@@ -1,0 +1,33 @@
+"""bench/common.py's record of which code ran: the digest of the imported package's sources."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import headspace
+
+BENCH = Path(__file__).parents[1] / "bench"
+DIGEST = "import sys; sys.path.insert(0, sys.argv[1]); import common; print(common.code_version()['src_sha256'])"  # noqa: E501
+
+
+def _digest(pythonpath: Path) -> str:
+    env = {**os.environ, "PYTHONPATH": str(pythonpath)}
+    run = subprocess.run([sys.executable, "-c", DIGEST, str(BENCH)], env=env, text=True,
+                         capture_output=True, check=True)  # fmt: skip
+    return run.stdout.strip()
+
+
+def test_the_digest_names_the_imported_sources_wherever_they_lie(tmp_path):
+    """A copy of the package on PYTHONPATH gives the checkout's digest; the same copy with
+    one source changed gives another (the script's own tree no longer decides)."""
+    package = Path(headspace.__file__).resolve().parent
+    shutil.copytree(package, tmp_path / "headspace", ignore=shutil.ignore_patterns("__pycache__"))
+    here = _digest(package.parent)
+    assert _digest(tmp_path) == here
+    with open(tmp_path / "headspace" / "errors.py", "a") as source:
+        source.write("\n# changed\n")
+    assert _digest(tmp_path) != here
