@@ -11,7 +11,9 @@ from pathlib import Path
 import headspace
 
 BENCH = Path(__file__).parents[1] / "bench"
-DIGEST = "import sys; sys.path.insert(0, sys.argv[1]); import common; print(common.code_version()['src_sha256'])"  # noqa: E501
+# run in a fresh interpreter: bench/ from argv, headspace from PYTHONPATH
+DIGEST = ("import sys; sys.path.insert(0, sys.argv[1]); import common; "
+          "print(common.code_version()['src_sha256'])")  # fmt: skip
 
 
 def _digest(pythonpath: Path) -> str:
