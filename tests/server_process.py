@@ -25,10 +25,14 @@ class ServerProcess:
     """A running server; ``url`` is its base (``http://127.0.0.1:PORT``); ``ranks``: under
     torchrun with that many ranks."""
 
-    def __init__(self, *flags: str, ranks: int = 1, ready_within_s: float = 240):
+    def __init__(self, *flags: str, ranks: int = 1, ready_within_s: float = 240,
+                 program: list[str] | None = None):  # fmt: skip
+        """``program``: what serves in place of ``python -m headspace.cli serve`` (given the
+        port and ``flags``), e.g. a test's server with engine hooks."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        command = [sys.executable, "-m", "headspace.cli", "serve", "--port", str(self.port), *flags]
+        program = program or [sys.executable, "-m", "headspace.cli", "serve"]
+        command = [*program, "--port", str(self.port), *flags]
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         if ranks > 1:  # torchrun on the CPU (gloo): rank 0 serves, the others follow
             command = [sys.executable, "-m", "torch.distributed.run", "--standalone",

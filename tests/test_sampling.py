@@ -7,7 +7,7 @@ import torch
 
 from headspace import SamplingParams, UserError
 from headspace.engine.detokenize import StopStringStreamer
-from headspace.engine.sampling import make_generator, sample
+from headspace.engine.sampling import finite_rows, make_generator, sample
 
 
 def _logits(seed=0, vocab=50):
@@ -68,11 +68,35 @@ def test_same_seed_same_tokens_other_seed_differs():
         ({"top_k": -2}, "top_k"),
         ({"max_new_tokens": 0}, "max_new_tokens"),
         ({"stop": [""]}, "stop"),
+        ({"top_p": 1e-46}, "rounds to 0 in float32"),  # > 0 as a float64, 0 as the sampler's
+        ({"temperature": 1e-46}, "rounds to 0 in float32"),
+        ({"temperature": float("inf")}, "temperature"),
+        ({"temperature": float("nan")}, "temperature"),
     ],
 )
 def test_invalid_values_raise_user_error(kwargs, message):
     with pytest.raises(UserError, match=message):
         SamplingParams(**kwargs)
+
+
+def test_the_smallest_float32_values_still_pick_the_likeliest_token():
+    logits = _logits(4)
+    for params in (SamplingParams(temperature=1.0, top_p=1e-45, seed=1),
+                   SamplingParams(temperature=1e-45, seed=1)):  # fmt: skip
+        generator = make_generator(params, torch.device("cpu"))
+        assert sample(logits, params, generator).item() == logits.argmax().item()
+
+
+def test_non_finite_logits_neither_raise_nor_pass_unseen():
+    """A row of NaN or infinities picks a token of the vocabulary (no exception inside a
+    step), and ``finite_rows`` marks it for its request to end."""
+    rows = torch.stack([_logits(5), torch.full((50,), float("nan")), _logits(6)])
+    rows[2, 7] = float("inf")
+    params = SamplingParams(temperature=0.7, top_p=0.9, top_k=5, seed=2)
+    for row in rows:
+        token = sample(row, params, make_generator(params, torch.device("cpu"))).item()
+        assert 0 <= token < 50
+    assert finite_rows(rows).tolist() == [True, False, False]
 
 
 class _CharTokenizer:

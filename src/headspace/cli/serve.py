@@ -6,6 +6,7 @@ import argparse
 import contextlib
 import os
 import sys
+from typing import TYPE_CHECKING
 
 from headspace.cli.options import (
     add_engine_options,
@@ -14,6 +15,9 @@ from headspace.cli.options import (
     memory_value,
 )
 from headspace.errors import UserError
+
+if TYPE_CHECKING:
+    from headspace.engine.hooks import EngineHooks
 
 DEFAULT_BODY = "16MiB"  # a 1M-token prompt is about 4 MB of text; JSON escapes grow it
 
@@ -57,8 +61,9 @@ def _served_name(args) -> str:
     return str(args.model).rstrip("/").split("/")[-1]
 
 
-def run_serve(args: argparse.Namespace) -> None:
-    """Load the model, warm it up, serve until interrupted (Ctrl-C / SIGTERM)."""
+def run_serve(args: argparse.Namespace, hooks: EngineHooks | None = None) -> None:
+    """Load the model, warm it up, serve until interrupted (Ctrl-C / SIGTERM); ``hooks``:
+    a test's seams in the engine."""
     from headspace.engine.memory import parse_memory
 
     for flag, least in (("max_concurrent_requests", 1), ("max_queued_requests", 0),
@@ -75,7 +80,7 @@ def run_serve(args: argparse.Namespace) -> None:
     from headspace.server.app import ServerOptions
     from headspace.server.serve import serve
 
-    llm = LLM(args.model, **engine_options(args))
+    llm = LLM(args.model, hooks=hooks, **engine_options(args))
     name = _served_name(args)
     print(f"serving {name} on http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
     with contextlib.suppress(KeyboardInterrupt):  # Ctrl-C: the server has shut down

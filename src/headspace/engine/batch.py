@@ -31,7 +31,7 @@ from headspace.engine.outputs import EngineLoad, GenerationStats, RequestOutput
 from headspace.engine.paged_runner import PagedRunner
 from headspace.engine.ranks import Ranks
 from headspace.engine.requests import Request, TokenRead, start_read
-from headspace.engine.sampling import SamplingParams, make_generator, sample
+from headspace.engine.sampling import SamplingParams, finite_rows, make_generator, sample
 from headspace.engine.scheduler import PrefillPiece, Scheduler, Sequence, StepPlan
 from headspace.engine.weight_stream import device_weight_bytes, streamed_weight_bytes
 from headspace.errors import UserError
@@ -46,6 +46,14 @@ from headspace.planner.profile import Profile
 from headspace.tiers.hybrid_blocks import box_bytes_per_kv_byte
 
 PROGRESS_MIN_TOKENS = 4096  # show a prefill progress bar from this prompt length on
+NON_FINITE = -1  # a read token that says its row's logits were not finite
+
+
+def _picked(tokens: torch.Tensor, finite: torch.Tensor) -> torch.Tensor:
+    """``tokens [rows]`` (the picks in their slots) as the host reads them: ``NON_FINITE``
+    where a row's logits were not finite. A fresh tensor: the slot keeps a token of the
+    vocabulary, which the step launched next reads."""
+    return tokens.masked_fill(~finite, NON_FINITE)
 
 
 class BatchGenerator:
@@ -55,6 +63,7 @@ class BatchGenerator:
                  eos_token_ids: set[int], max_context: int, profile: Profile | None = None,
                  ranks: Ranks | None = None, hooks: EngineHooks | None = None):  # fmt: skip
         hooks = hooks or EngineHooks()
+        self.logits_filter = hooks.logits_filter
         self.model, self.tokenizer, self.config = model, tokenizer, config
         self.eos_token_ids, self.max_context, self.ranks = eos_token_ids, max_context, ranks
         cfg, dtype = model.config, config.runtime.torch_dtype
@@ -262,8 +271,8 @@ class BatchGenerator:
             positions = [s.num_scheduled - 1 for s in batch]
             seq_ids, slots = [s.seq_id for s in batch], [s.slot for s in batch]
             logits, slots = self.runner.decode(seq_ids, positions, slots, plan.decode_pages)
-            self._sample(batch, logits)
-            sampled.append((batch, self.runner.tokens.index_select(0, slots)))
+            finite = self._sample(batch, logits)
+            sampled.append((batch, _picked(self.runner.tokens.index_select(0, slots), finite)))
             pool = self.scheduler.blocks.pool
             self.peak_pages = max(self.peak_pages, pool.num_pages - pool.num_free)
         if plan.prefill is not None:
@@ -306,12 +315,15 @@ class BatchGenerator:
         del self._bars[seq.seq_id]
         self.scheduler.blocks.cache_full_pages(seq.seq_id, seq.prompt_ids)
         logits = self.runner.end_prefill(seq, hidden, seq.slot)
-        self._sample([seq], logits[None])
-        return [seq], self.runner.tokens[seq.slot : seq.slot + 1]
+        finite = self._sample([seq], logits[None])
+        return [seq], _picked(self.runner.tokens[seq.slot : seq.slot + 1], finite)
 
-    def _sample(self, batch: list[Sequence], logits: torch.Tensor) -> None:
+    def _sample(self, batch: list[Sequence], logits: torch.Tensor) -> torch.Tensor:
         """Sampled rows overwrite the greedy pick in their slot (on the device, no sync);
-        under torchrun every rank takes rank 0's tokens."""
+        under torchrun every rank takes rank 0's tokens. Returns whether each row's
+        ``logits [rows, vocab]`` were finite (bool ``[rows]``, on the device)."""
+        if self.logits_filter is not None:
+            logits = self.logits_filter([seq.prompt_ids for seq in batch], logits)
         sampled = False
         for row, seq in enumerate(batch):
             request = self._by_id[seq.seq_id]
@@ -320,6 +332,7 @@ class BatchGenerator:
                 self.runner.tokens[seq.slot], sampled = token, True
         if sampled and self.ranks is not None:
             broadcast_(self.runner.tokens)
+        return finite_rows(logits)
 
     def _resolve(self, read: TokenRead) -> list[Request]:
         """Take the read tokens into their requests; the requests that advanced."""
@@ -338,22 +351,17 @@ class BatchGenerator:
         return advanced
 
     def _accept(self, request: Request, token: int) -> str:
-        """Append one read token; finish the request when done; return new text."""
-        seq, params = request.seq, request.params
-        if not seq.output_ids:
-            request.first_token = time.perf_counter()
-        seq.output_ids.append(token)
+        """Append one read token; finish the request when done; return new text. A
+        ``NON_FINITE`` token ends this request alone ("error"); the others go on."""
+        seq = request.seq
         piece, reason = "", None
-        if token in self.eos_token_ids and not params.ignore_eos:
-            reason, request.ended = "stop", "end of sequence"
+        if token == NON_FINITE:
+            reason, request.ended = "error", "non-finite logits"
         else:
-            piece = request.streamer.update(seq.output_ids)
-            if request.streamer.stopped:
-                reason, request.ended = "stop", "stop string"
-            elif seq.num_tokens >= seq.max_tokens:
-                reason = "length"
-                request.ended = "max_new_tokens" if len(seq.output_ids) >= params.max_new_tokens \
-                    else "context"  # fmt: skip
+            if not seq.output_ids:
+                request.first_token = time.perf_counter()
+            seq.output_ids.append(token)
+            piece, reason = self._advance(request, token)
         if reason:
             if self.config.budgets.per_head_pages:  # (bytes held, share of the full KV)
                 held, full = self.scheduler.blocks.held(seq.seq_id)
@@ -364,6 +372,23 @@ class BatchGenerator:
         elif self.scheduler.blocks.has_pages_to_cache(seq.seq_id, seq.num_tokens):
             self.scheduler.blocks.cache_full_pages(seq.seq_id, seq.token_ids)  # once per page
         return piece
+
+    def _advance(self, request: Request, token: int) -> tuple[str, str | None]:
+        """The new text of an appended ``token`` and why the request ends with it (None:
+        it goes on); sets ``request.ended``."""
+        seq, params = request.seq, request.params
+        if token in self.eos_token_ids and not params.ignore_eos:
+            request.ended = "end of sequence"
+            return "", "stop"
+        piece = request.streamer.update(seq.output_ids)
+        if request.streamer.stopped:
+            request.ended = "stop string"
+            return piece, "stop"
+        if seq.num_tokens >= seq.max_tokens:
+            request.ended = "max_new_tokens" if len(seq.output_ids) >= params.max_new_tokens \
+                else "context"  # fmt: skip
+            return piece, "length"
+        return piece, None
 
     def _output(self, request: Request, final: bool) -> RequestOutput:
         """The request as it stands; ``final``: with its whole stats (it has ended)."""

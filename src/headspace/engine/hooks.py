@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import torch
+
 from headspace.planner.memory import Hardware
 from headspace.tiers.base import CpuTimings
 
@@ -55,7 +57,13 @@ class EngineHooks:
     picked (a rank's entries: its heads' and its copies'; a streaming head its ring),
     every other entry the whole prompt, and the last position's logits are zeros (a
     greedy first token is token 0). Every rank must be given the same. None: prompts are
-    computed."""
+    computed.
+
+    ``logits_filter``: ``filter(prompts, logits) -> logits``, called with the token ids of
+    each prompt whose next tokens a step picks and their fp32 ``logits [rows, vocab]``
+    before the sampled rows pick and the rows are checked for non-finite values (a test's
+    non-finite row ends its request alone; greedy picks are made before it, on the
+    device). None: the logits as computed."""
 
     graphs: type | None = None
     host_arena: type | None = None
@@ -65,3 +73,4 @@ class EngineHooks:
     hardware: Hardware | None = None
     step_clock: Callable[[], float] | None = None
     prompt_stand_in: Callable[[list[int]], list[list[int]]] | None = None
+    logits_filter: Callable[[list[list[int]], torch.Tensor], torch.Tensor] | None = None

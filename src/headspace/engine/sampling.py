@@ -9,6 +9,11 @@ import torch
 from headspace.errors import UserError
 
 
+def as_float32(value: float) -> float:
+    """``value`` as the sampler's float32 arithmetic holds it (what a float64 becomes)."""
+    return torch.tensor(value, dtype=torch.float32).item()
+
+
 @dataclass
 class SamplingParams:
     """How to pick tokens. ``temperature=0`` is greedy; ``top_k=0`` and ``top_p=1`` are off."""
@@ -26,10 +31,15 @@ class SamplingParams:
             self.stop = [self.stop]
         if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
             raise UserError(f"max_new_tokens must be a positive integer, got {self.max_new_tokens}")
-        if not self.temperature >= 0:
-            raise UserError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 <= self.temperature < float("inf"):
+            raise UserError(f"temperature must be >= 0 and finite, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise UserError(f"top_p must be in (0, 1], got {self.top_p}")
+        for name in ("temperature", "top_p"):  # as the sampler sees them: float32
+            value = getattr(self, name)
+            if value > 0 and as_float32(value) == 0:
+                raise UserError(f"{name}={value:.3g} rounds to 0 in float32, the sampler's "
+                                "precision (the smallest float32 above 0 is 1.4e-45)")  # fmt: skip
         if not isinstance(self.top_k, int) or self.top_k < 0:
             raise UserError(f"top_k must be a non-negative integer, got {self.top_k}")
         if any(not s for s in self.stop):
@@ -48,10 +58,13 @@ def make_generator(params: SamplingParams, device: torch.device) -> torch.Genera
 def sample(
     logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None
 ) -> torch.Tensor:
-    """Pick the next token from fp32 ``logits [vocab]``; returns a 0-d int64 tensor."""
+    """Pick the next token from fp32 ``logits [vocab]``; returns a 0-d int64 tensor. Never
+    raises on the values (no host sync either): the likeliest token always stays a
+    candidate, and a row without finite logits picks among all tokens (the caller finds
+    such rows with :func:`finite_rows` and ends their requests)."""
     if params.temperature == 0:
         return logits.argmax()
-    logits = logits / params.temperature
+    logits = (logits - logits.max()) / params.temperature  # the likeliest at 0: no overflow
     if params.top_k:
         kth = torch.topk(logits, min(params.top_k, logits.numel())).values[-1]
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -59,6 +72,15 @@ def sample(
         sorted_logits, order = torch.sort(logits, descending=True)
         cumulative = sorted_logits.softmax(-1).cumsum(-1)
         drop = cumulative - sorted_logits.softmax(-1) >= params.top_p  # keep the crossing token
+        drop[0] = False  # and the likeliest, whatever top_p rounds to
         logits = logits.masked_fill(drop.scatter(0, order, drop), float("-inf"))
     probs = logits.softmax(-1)
+    usable = torch.isfinite(probs).all() & (probs.sum() > 0)  # (on the device: no sync)
+    probs = torch.where(usable, probs, torch.ones_like(probs))
     return torch.multinomial(probs, 1, generator=generator)[0]
+
+
+def finite_rows(logits: torch.Tensor) -> torch.Tensor:
+    """Whether each row of ``logits [rows, vocab]`` is finite throughout: bool ``[rows]``
+    (on the logits' device; no sync)."""
+    return torch.isfinite(logits).all(dim=-1)

@@ -25,7 +25,7 @@ from starlette.exceptions import HTTPException
 from headspace.engine.outputs import RequestOutput
 from headspace.errors import UserError
 from headspace.server import protocol
-from headspace.server.engine_loop import EngineLoop
+from headspace.server.engine_loop import EngineLoop, log
 from headspace.server.guard import Guard
 from headspace.server.protocol import APIError, ChatRequest, CompletionRequest
 
@@ -104,7 +104,9 @@ def build_app(engine_loop: EngineLoop, options: ServerOptions) -> FastAPI:
 
     @app.exception_handler(Exception)
     async def bug(_, error: Exception):  # still OpenAI's shape; the server keeps serving
-        return _error(APIError(500, f"{type(error).__name__}: {error}", "server_error"), counted)
+        log.error("a request failed", exc_info=error)  # the text is the log's, not the client's
+        return _error(APIError(500, "internal error (the server's log says why)",
+                               "server_error"), counted)  # fmt: skip
 
     @app.exception_handler(RequestValidationError)
     async def invalid(_, error: RequestValidationError):
@@ -118,8 +120,8 @@ def build_app(engine_loop: EngineLoop, options: ServerOptions) -> FastAPI:
 
     @app.get("/health")
     async def health():
-        if engine_loop.error is not None:
-            return JSONResponse({"status": "error", "error": str(engine_loop.error)}, 503)
+        if engine_loop.error is not None:  # (the process is on its way out)
+            return JSONResponse({"status": "error"}, 503)
         if not engine_loop.ready.is_set():
             return JSONResponse({"status": "warming up"}, 503)
         return {"status": "ok"}

@@ -39,6 +39,17 @@ IDLE_WAIT_S = 0.5  # how long the idle loop waits for a request before looking a
 OBSERVE_EVERY_S = 0.25  # the load gauges' refresh while requests run
 
 
+def _stopped() -> APIError:
+    return APIError(503, "the engine has stopped; the server exits", "server_error")
+
+
+def _non_finite() -> APIError:
+    """What a request whose logits stopped being finite ends with (alone)."""
+    message = ("the model's logits for this request were not finite (NaN or infinity); it "
+               "was ended, the other requests go on")  # fmt: skip
+    return APIError(500, message, "server_error")
+
+
 class Outbox:
     """What the engine thread hands one request's task: control items (None: accepted; an
     APIError) and outputs, consecutive outputs merged into one (the latest, with every new
@@ -124,6 +135,7 @@ class EngineLoop:
         self._stop = threading.Event()
         self.ready = threading.Event()  # warm-up done
         self.error: BaseException | None = None  # what stopped the loop, if anything
+        self.on_stopped = lambda: None  # called on the engine's thread once an error stopped it
         self._observed = 0.0  # when the load gauges were last set (perf_counter seconds)
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
 
@@ -155,7 +167,7 @@ class EngineLoop:
         when the engine has stopped, 429 past the bound. ``generate`` or ``release`` gives
         the place back."""
         if self.error is not None or not self._thread.is_alive():
-            raise APIError(503, f"the engine has stopped: {self.error}", "server_error")
+            raise _stopped()
         with self._count_lock:
             if self._count >= self.max_concurrent + self.max_queued:
                 raise APIError(429, f"the server holds {self._count} requests, its bound "
@@ -179,7 +191,7 @@ class EngineLoop:
                              arrived=arrived)  # fmt: skip
         self._inbox.put(("add", request))  # its key is given on the engine's thread
         if self.error is not None or not self._thread.is_alive():  # it stopped meanwhile
-            raise APIError(503, f"the engine has stopped: {self.error}", "server_error")
+            raise _stopped()
         finished = False
         try:
             while True:
@@ -219,8 +231,9 @@ class EngineLoop:
             if self._ranked and not is_first_rank():  # (exits non-zero: torchrun stops all)
                 raise
             self.error = error
-            self._fail_all(error)
+            self._fail_all()
             self.ready.set()
+            self.on_stopped()
 
     def _observe(self) -> None:
         """The load gauges, at most every ``OBSERVE_EVERY_S`` while requests run (counting the
@@ -252,8 +265,9 @@ class EngineLoop:
             return error
         return RuntimeError(f"refused on another rank: {message}")
 
-    def _fail_all(self, error: BaseException) -> None:
-        """Every request known or on its way gets a 500 that says why."""
+    def _fail_all(self) -> None:
+        """Every request known or on its way gets a 500 (the error is in the log, not in
+        what clients read)."""
         pending = list(self._by_key.values())
         while True:
             try:
@@ -262,7 +276,8 @@ class EngineLoop:
                 break
             if kind == "add":
                 pending.append(request)
-        failure = APIError(500, f"the engine stopped: {error}", "server_error")
+        failure = APIError(500, "the engine stopped on an internal error; the server exits",
+                           "server_error")  # fmt: skip
         for request in pending:
             request.deliver(failure)
 
@@ -352,8 +367,9 @@ class EngineLoop:
                 del self._running[output.request_id]
                 self._end(request)
                 self.metrics.finished(output.finish_reason)
-            if not request.aborted:
-                request.deliver(output)
+            if request.aborted:
+                continue
+            request.deliver(_non_finite() if output.finish_reason == "error" else output)
 
     def _refuse(self, request: _Submitted, error: Exception) -> None:
         """End ``request`` with a 400 (what the engine refuses) or, for anything else, a 500
@@ -363,7 +379,8 @@ class EngineLoop:
             request.deliver(APIError(400, str(error), param="prompt"))
             return
         log.exception("request refused by an error")
-        request.deliver(APIError(500, f"{type(error).__name__}: {error}", "server_error"))
+        request.deliver(APIError(500, "the request failed inside the engine (the server's "
+                                 "log says why)", "server_error"))  # fmt: skip
         self.metrics.finished("error")
 
     def _end(self, request: _Submitted) -> None:

@@ -24,8 +24,10 @@ def serve(engine: Engine, options: ServerOptions, host: str, port: int, *,
           max_concurrent: int = 64, max_queued: int = 256,
           warm_up: bool = True) -> None:  # fmt: skip
     """Serve ``engine`` on ``host:port`` until interrupted; ``/health`` says ready once the
-    warm-up request has run. Under torchrun rank 0 serves and the other ranks follow its
-    steps (they return when it stops)."""
+    warm-up request has run. An error that stops the engine ends the process with exit
+    code 1 (its requests get a 500 first), never a server that answers 503 for good.
+    Under torchrun rank 0 serves and the other ranks follow its steps (they return when
+    it stops)."""
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     sys.setswitchinterval(SWITCH_INTERVAL_S)
     loop = EngineLoop(engine, Metrics(options.served_model_name), max_concurrent, max_queued)
@@ -33,10 +35,20 @@ def serve(engine: Engine, options: ServerOptions, host: str, port: int, *,
         loop.follow(warm_up)
         return
     app = build_app(loop, options)
-    loop.start(warm_up)
     config = uvicorn.Config(app, host=host, port=port, log_level="warning",
                             loop="auto", timeout_graceful_shutdown=5)  # fmt: skip
+    server = uvicorn.Server(config)
+
+    def exit_soon():  # (on the engine's thread; uvicorn looks at the flag every 0.1 s)
+        server.should_exit = True
+
+    loop.on_stopped = exit_soon
+    loop.start(warm_up)
     try:
-        uvicorn.Server(config).run()
+        server.run()
     finally:
         loop.stop()
+    if loop.error is not None:  # a supervisor restarts a process that exits non-zero
+        print("error: the engine stopped on an internal error (logged above); exiting",
+              file=sys.stderr, flush=True)  # fmt: skip
+        raise SystemExit(1)

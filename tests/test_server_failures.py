@@ -1,0 +1,120 @@
+"""One request never stops the server for the others: values the sampler cannot take are
+refused, a request whose logits stop being finite ends alone, and a fault that stops the
+engine ends the process (non-zero, for a supervisor), never a server that answers 503 for
+good. Tried as users use it: ``tests/hooked_server.py`` (``headspace serve`` with engine
+hooks) as a process on 127.0.0.1, driven by the ``openai`` client and raw HTTP."""
+
+from __future__ import annotations
+
+import json
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from headspace import LLM, SamplingParams
+from hooked_server import FATAL, POISON, POISONED_FROM
+from server_process import ServerProcess
+
+NAME = "smol"
+HOOKED = [sys.executable, str(Path(__file__).parent / "hooked_server.py")]
+PROMPTS = ["The lighthouse keeper", "Once upon a time", "The harbour at dawn"]
+TOKENS = 40
+
+
+@pytest.fixture(scope="module")
+def server():
+    process = ServerProcess("--served-model-name", NAME, program=HOOKED)
+    yield process
+    process.stop()
+
+
+@pytest.fixture(scope="module")
+def alone() -> list[str]:
+    """Each of ``PROMPTS``' greedy text, run alone in this process."""
+    llm = LLM()
+    return [llm.generate(p, SamplingParams(max_new_tokens=TOKENS))[0].text for p in PROMPTS]
+
+
+def _client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=300)
+
+
+def _streamed(server, prompt: str) -> str:
+    stream = _client(server).completions.create(model=NAME, prompt=prompt, max_tokens=TOKENS,
+                                                temperature=0, stream=True)  # fmt: skip
+    return "".join(chunk.choices[0].text for chunk in stream)
+
+
+def _while_others_stream(server, bad) -> tuple[list[str], object]:
+    """``bad()`` sent while ``PROMPTS`` stream; (their texts, what ``bad`` returned)."""
+    with ThreadPoolExecutor(len(PROMPTS)) as pool:
+        others = [pool.submit(_streamed, server, prompt) for prompt in PROMPTS]
+        result = bad()
+        return [other.result() for other in others], result
+
+
+def _events(server, body: dict) -> list[str]:
+    """The data lines of a streamed completion, as sent."""
+    body = {"model": NAME, "stream": True, **body}
+    with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=300) as reply:
+        assert reply.status_code == 200
+        return [line[6:] for line in reply.iter_lines() if line.startswith("data: ")]
+
+
+def test_an_underflowing_top_p_is_refused_and_the_others_stream_on(server, alone):
+    def bad():
+        return httpx.post(server.url + "/v1/completions", timeout=60,
+                          json={"model": NAME, "prompt": "hi", "top_p": 1e-46})  # fmt: skip
+
+    texts, reply = _while_others_stream(server, bad)
+    assert reply.status_code == 400, reply.text
+    assert "float32" in reply.json()["error"]["message"]
+    assert texts == alone
+    assert server.healthy()
+
+
+def test_non_finite_logits_end_that_request_alone(server, alone):
+    def bad():
+        return _events(server, {"prompt": POISON, "max_tokens": 30, "temperature": 0,
+                                "ignore_eos": True})  # fmt: skip
+
+    texts, events = _while_others_stream(server, bad)
+    assert texts == alone
+    assert events[-1] == "[DONE]"
+    error = json.loads(events[-2])["error"]
+    assert error["code"] == 500 and "not finite" in error["message"]
+    pieces = [json.loads(e)["choices"][0]["text"] for e in events[:-2]]
+    assert 0 < len(pieces) < POISONED_FROM  # the tokens before the poison came through
+    with pytest.raises(openai.InternalServerError, match="not finite"):  # not streamed
+        _client(server).completions.create(model=NAME, prompt=POISON, max_tokens=30)
+    assert server.healthy()
+    assert _streamed(server, PROMPTS[0]) == alone[0]
+    assert server.metrics()['headspace_requests_finished_total{reason="error"}'] >= 2
+
+
+def test_a_fault_that_stops_the_engine_ends_the_process(alone):
+    """Its requests get an error (a stream: an error event, then [DONE]) that does not
+    show the fault's text, and the process exits with 1, so that a supervisor restarts
+    it."""
+    server = ServerProcess("--served-model-name", NAME, program=HOOKED)
+    body = {"model": NAME, "prompt": PROMPTS[0], "max_tokens": 4000, "ignore_eos": True,
+            "stream": True}  # fmt: skip
+    try:
+        with httpx.stream("POST", server.url + "/v1/completions", json=body,
+                          timeout=300) as running:  # fmt: skip
+            lines = (line[6:] for line in running.iter_lines() if line.startswith("data: "))
+            assert json.loads(next(lines))["choices"]  # it streams
+            fatal = httpx.post(server.url + "/v1/completions", timeout=60,
+                               json={"model": NAME, "prompt": FATAL, "max_tokens": 4})  # fmt: skip
+            events = list(lines)
+        assert fatal.status_code == 500
+        assert "test" not in fatal.text and "RuntimeError" not in fatal.text
+        assert events[-1] == "[DONE]" and json.loads(events[-2])["error"]["code"] == 500
+        assert server.process.wait(timeout=60) == 1
+        assert "exiting" in server.output()
+    finally:
+        server.stop()
