@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -74,6 +75,35 @@ def test_an_underflowing_top_p_is_refused_and_the_others_stream_on(server, alone
     assert reply.status_code == 400, reply.text
     assert "float32" in reply.json()["error"]["message"]
     assert texts == alone
+    assert server.healthy()
+
+
+def _rss_bytes(server) -> int:
+    status = Path(f"/proc/{server.process.pid}/status").read_text()
+    return int(status.split("VmRSS:")[1].split()[0]) * 1024
+
+
+def test_a_huge_prompt_or_stop_list_is_refused_before_it_costs(server, alone):
+    """A 15 MiB prompt (under the 16 MiB body bound) is refused without being tokenized
+    whole, and so are 70,000 stop strings, while others stream; memory stays as it was."""
+    before = _rss_bytes(server)
+    words = "lighthouse keeper harbour dawn " * (15 * 2**20 // 31)
+
+    def bad():
+        started = time.monotonic()
+        huge = httpx.post(server.url + "/v1/completions", timeout=60,
+                          json={"model": NAME, "prompt": words})  # fmt: skip
+        seconds = time.monotonic() - started
+        many = {"model": NAME, "prompt": "hi", "stop": ["x"] * 70_000}
+        stops = httpx.post(server.url + "/v1/completions", json=many, timeout=60)
+        return huge, seconds, stops
+
+    texts, (huge, seconds, stops) = _while_others_stream(server, bad)
+    assert huge.status_code == 400 and "does not fit the context" in huge.text
+    assert seconds < 5, seconds  # (the whole text took 15.6 s to tokenize)
+    assert stops.status_code == 400 and "at most 64" in stops.text
+    assert texts == alone
+    assert _rss_bytes(server) < 1.1 * before
     assert server.healthy()
 
 

@@ -15,7 +15,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from headspace.model.tokenizer import JsonTokenizer, load_json_tokenizer, load_tokenizer
+from headspace.model.tokenizer import (
+    JsonTokenizer,
+    load_json_tokenizer,
+    load_tokenizer,
+    tokens_at_least,
+)
 
 TEXTS = ["", "Hello, world!", "  two  spaces\nand a line\t tab", "Ünïcode ✓ 数字 123 🙂",
          "<|im_start|>user\nhi<|im_end|>", "don't stop . , ? ! it 's", "a" * 300]  # fmt: skip
@@ -88,6 +93,22 @@ def test_any_text_encodes_and_decodes_as_transformers_does(embedded_pair, text):
     assert ids == theirs(text)["input_ids"]
     text_back = lite.decode(ids, skip_special_tokens=True)
     assert text_back == theirs.decode(ids, skip_special_tokens=True)
+
+
+@settings(max_examples=30, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])  # fmt: skip
+@given(words=st.lists(st.sampled_from(["sea", "  ", "light\n", "1234", "ü✓", "a" * 40, "."]),
+                      min_size=1, max_size=60), piece=st.integers(8, 64))  # fmt: skip
+def test_tokens_counted_in_pieces_never_exceed_the_whole_count(embedded_pair, words, piece):
+    """The bound a server refuses huge prompts by, on any text and piece size, for both
+    tokenizers; it stops once past ``past``, having tokenized about that much text."""
+    text = " ".join(words)
+    for tokenizer in embedded_pair:
+        whole = len(tokenizer(text, add_special_tokens=False)["input_ids"])
+        assert tokens_at_least(tokenizer, text, 10**9, piece) <= whole
+        assert tokens_at_least(tokenizer, text, 10**9, len(text)) == whole  # one piece
+    long_text = "the harbour at dawn " * 5000
+    assert tokens_at_least(embedded_pair[0], long_text, 100, 64) < 200
 
 
 def _save(tokenizer, folder: Path, **config) -> Path:

@@ -22,7 +22,12 @@ from headspace.model.config import load_config
 from headspace.model.llama import LlamaModel
 from headspace.model.loader import load_model
 from headspace.model.source import cache_root
-from headspace.model.tokenizer import JsonTokenizer, load_tokenizer, transformers_tokenizer
+from headspace.model.tokenizer import (
+    JsonTokenizer,
+    load_tokenizer,
+    tokens_at_least,
+    transformers_tokenizer,
+)
 from headspace.planner.profile import Profile
 
 __all__ = ["Engine", "EngineLoad", "GenerationStats", "RequestOutput"]
@@ -162,6 +167,17 @@ class Engine:
         if not chat:
             return list(self.tokenizer(prompt)["input_ids"])
         return self.encode_chat([{"role": "user", "content": prompt}])
+
+    def check_text(self, texts: list[str]) -> None:
+        """Refuse (UserError) ``texts`` (a prompt, or a conversation's messages) whose tokens
+        cannot fit the context, found without tokenizing them whole (a few of the context's
+        worth of tokens at most)."""
+        least = 0
+        for text in texts:
+            least += tokens_at_least(self.tokenizer, text, self.max_context - least)
+            if least >= self.max_context:
+                raise UserError(f"the prompt has at least {least} tokens, which does not fit "
+                                f"the context of {self.max_context} tokens")  # fmt: skip
 
     def encode_chat(self, messages: list[dict]) -> list[int]:
         """Token ids of a conversation (``{"role", "content"}`` dicts) through the

@@ -14,6 +14,7 @@ transformers' own, for callers that want its whole interface (``LLM.tokenizer``)
 from __future__ import annotations
 
 import json
+import re
 from datetime import datetime
 from functools import lru_cache
 from pathlib import Path
@@ -309,3 +310,25 @@ def load_tokenizer(model_dir: Path):
     except Exception as exc:  # the backend's own errors for a bad tokenizer.json
         raise UserError(f"cannot load the tokenizer from {model_dir}: {exc}") from None
     return tokenizer if tokenizer is not None else transformers_tokenizer(model_dir)
+
+
+PIECE_CHARS = 1 << 16  # characters of text tokenized at a time by ``tokens_at_least``
+PIECE_MARGIN = 4  # tokens a cut between two pieces may add, at most, on any tokenizer here
+_CUT = re.compile(r"(?<=\S) (?=\S)")  # a lone space between words: BPE's pre-tokens keep
+
+
+def tokens_at_least(tokenizer, text: str, past: int, piece_chars: int = PIECE_CHARS) -> int:
+    """A lower bound on the tokens of ``text`` (special tokens aside), found by tokenizing
+    it in pieces of about ``piece_chars`` characters cut before a lone space, less
+    ``PIECE_MARGIN`` a cut; stops once the bound passes ``past``, so that text far past a
+    context costs about ``past`` tokens' work, not its whole length."""
+    count, start = 0, 0
+    while start < len(text) and count <= past:
+        found = _CUT.search(text, start + piece_chars) if len(text) - start > piece_chars else None
+        end = found.start() if found else len(text)
+        piece = text[start:end]
+        count += len(tokenizer(piece, add_special_tokens=False)["input_ids"])
+        if end < len(text):
+            count -= PIECE_MARGIN
+        start = end
+    return count

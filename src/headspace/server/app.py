@@ -139,8 +139,11 @@ def build_app(engine_loop: EngineLoop, options: ServerOptions) -> FastAPI:
     async def _tokens(body, chat: bool) -> list[int]:
         def encode():
             if chat:
-                return engine.encode_chat([m.as_dict() for m in body.messages])
+                messages = [m.as_dict() for m in body.messages]
+                engine.check_text([m["content"] for m in messages])  # before the whole text
+                return engine.encode_chat(messages)
             if isinstance(body.prompt, str):
+                engine.check_text([body.prompt])
                 return engine.encode(body.prompt)
             vocab = engine.model.config.vocab_size
             if any(not 0 <= t < vocab for t in body.prompt):

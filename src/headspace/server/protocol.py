@@ -19,6 +19,7 @@ from headspace.engine.outputs import RequestOutput
 from headspace.engine.sampling import SamplingParams
 
 GREEDY_BELOW = 1e-5  # a temperature this small is greedy (sampling would overflow)
+MOST_STOPS, MOST_STOP_CHARS = 64, 1000  # stop strings a request may give (OpenAI allows 4)
 # fields of OpenAI's API this server cannot honour: refused by name, not ignored
 UNSUPPORTED = ("tools", "tool_choice", "functions", "function_call", "response_format",
                "logit_bias", "suffix", "prediction", "audio", "modalities")  # fmt: skip
@@ -96,8 +97,12 @@ class _Sampling(BaseModel):
             raise ValueError(f"n must be 1 (one choice per request), got {self.n}")
         if self.presence_penalty or self.frequency_penalty:
             raise ValueError("presence_penalty and frequency_penalty are not supported")
-        if isinstance(self.stop, list) and any(not s for s in self.stop) or self.stop == "":
+        stops = [self.stop] if isinstance(self.stop, str) else self.stop or []
+        if any(not s for s in stops):
             raise ValueError("stop strings must be non-empty")
+        if len(stops) > MOST_STOPS or any(len(s) > MOST_STOP_CHARS for s in stops):
+            raise ValueError(f"stop takes at most {MOST_STOPS} strings of at most "
+                             f"{MOST_STOP_CHARS} characters each")  # fmt: skip
         return self
 
     def sampling(self, default_max_tokens: int) -> SamplingParams:
