@@ -14,9 +14,8 @@ bucket (p50 / p99), the inter-token times of running requests while a prompt of 
 is being prefilled, and peak reserved memory against the budget. ``--step-tokens`` sets
 ``prefill_step_tokens`` for both runs (a step beside decoding requests carries at most the
 work of a prompt's first this many tokens: a resident chunk's layers are spread over
-steps; by default the engine's, smaller for requests arriving than for a batch);
-``--relayout`` the engine's option of that name (``always``: as measured before it had
-one). Writes ``arrivals_llama3-8b_<gpu>_<date>.json`` (to $OUT when set).
+steps; by default the engine's, smaller for requests arriving than for a batch). Writes
+``arrivals_llama3-8b_<gpu>_<date>.json`` (to $OUT when set).
 """
 
 from __future__ import annotations
@@ -27,13 +26,19 @@ import statistics
 import sys
 import time
 from pathlib import Path
-from typing import get_args
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import LLAMA31_8B, environment, gpu_tag, make_engine, random_model, write_result  # noqa: E402
-from headspace.engine.config import Relayout  # noqa: E402
+from common import (  # noqa: E402
+    LLAMA31_8B,
+    environment,
+    gpu_tag,
+    make_engine,
+    ran_lane,
+    random_model,
+    write_result,
+)
 from headspace.engine.sampling import SamplingParams  # noqa: E402
 
 K = 1024
@@ -144,14 +149,10 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=40, help="short requests")
     parser.add_argument("--step-tokens", type=int, default=None,
                         help="prefill_step_tokens (default: the engine's)")  # fmt: skip
-    parser.add_argument("--relayout", choices=get_args(Relayout), default=None,
-                        help="the engine's relayout (default: the engine's)")  # fmt: skip
     args = parser.parse_args()
     env = environment()
     model = random_model(LLAMA31_8B)
     options = {} if args.step_tokens is None else {"prefill_step_tokens": args.step_tokens}
-    if args.relayout is not None:
-        options["relayout"] = args.relayout
     engine = make_engine(model, gpu_memory=f"{BUDGET_GIB}GiB", **options)
     lengths = workload(args.requests)
     vocab = model.config.vocab_size
@@ -183,10 +184,9 @@ def main() -> None:
         "env": env, "config": LLAMA31_8B, "gpu_memory": f"{BUDGET_GIB}GiB",
         "prefill_step_tokens": engine.config.runtime.step_tokens(at_once=False),
         "prefill_step_tokens_at_once": engine.config.runtime.step_tokens(at_once=True),
-        "relayout": engine.config.offload.relayout,
         "workload": {"prompt_lengths": lengths, "new_tokens": NEW_TOKENS, "load": LOAD,
                      "arrival_rate_per_s": rate, "arrivals_s": arrivals},
-        "head_map": engine.batch.runner.plan.head_map.summary(),
+        "head_map": ran_lane(engine).runner.plan.head_map.summary(),
         "throughput_tok_s": throughput, "offline_throughput_tok_s": offline_tok_s,
         "throughput_vs_offline": throughput / offline_tok_s,
         **{k: v for k, v in stats.items() if k != "buckets"},
@@ -198,7 +198,6 @@ def main() -> None:
         "steps_during_long_prefill_by_layout": online["long_prefill_layouts"],
     }  # fmt: skip
     step = "" if args.step_tokens is None else f"_step{args.step_tokens}"
-    step += "" if args.relayout is None else f"_relayout-{args.relayout}"
     path = write_result(f"arrivals_llama3-8b_{gpu_tag(env)}{step}_{env['date']}.json", result)
     print(f"\nwrote {path}")
     print(f"{'bucket':<10}{'n':>4}{'ttft p50/p99 s':>18}{'tpot p50/p99 ms':>20}")

@@ -235,15 +235,14 @@ def make_engine(model, hooks=None, **options):
 
 def prefill_once(engine, ids: list[int]) -> None:
     """One prefill of ``ids`` into fresh pages (no prefix reuse), freed afterwards."""
-    from headspace.engine.scheduler import Sequence
+    from headspace.engine.step_plan import Sequence
 
-    generator = engine.batch
     seq = Sequence(10**9, list(ids), len(ids))
-    generator.prepare([seq])
-    blocks = generator.scheduler.blocks
-    blocks.allocate_prompt(seq.seq_id, seq.prompt_ids, generator.planner.tiers, reuse=False)
+    _, lane = engine.lanes.prepare([seq])
+    blocks = lane.scheduler.blocks
+    blocks.allocate_prompt(seq.seq_id, seq.prompt_ids, lane.scheduler.tiers, reuse=False)
     try:
-        generator.runner.prefill(seq, generator.chunk, blocks.pages([seq.seq_id]))
+        lane.runner.prefill(seq, engine.lanes.chunk, blocks.pages([seq.seq_id]))
     finally:
         blocks.free(seq.seq_id)
 
@@ -325,3 +324,12 @@ def pinned_h2d_bandwidth(num_bytes: int = 2**30) -> float:
     host = torch.empty(num_bytes, dtype=torch.uint8, pin_memory=True)
     device = torch.empty(num_bytes, dtype=torch.uint8, device="cuda")
     return num_bytes / cuda_time(lambda: device.copy_(host, non_blocking=True), warmup=2, repeat=5)
+
+
+def ran_lane(engine):
+    """The lane that ran a benchmark's requests: the offload lane where its layout offloads
+    any head, else the resident (or only) lane."""
+    for view in engine.load().lanes:
+        if view.name == "offload" and view.plan is not None and view.plan.head_map.num_offloaded:
+            return engine.lanes.lane("offload")
+    return engine.lanes.resident

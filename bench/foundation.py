@@ -175,16 +175,15 @@ def main() -> None:
         torch.cuda.reset_peak_memory_stats()
         engine = make_engine(model, **BUDGETS[name])
         rows = measure(engine, theirs, args, hbm)
-        generator = engine.batch
+        lanes, resident = engine.lanes, engine.load().lane("resident")
         rows["engine"] = {
             "options": BUDGETS[name], "max_context": engine.max_context,
-            "prefill_chunk": generator.chunk,
-            "kv_arena_gib": generator.runner.store.num_bytes / 2**30,
-            "head_map_summary": generator.runner.plan.head_map.summary(),
-            "cuda_graph": generator.runner._graphs is not None,
+            "prefill_chunk": lanes.chunk, "kv_arena_gib": lanes.arena_bytes / 2**30,
+            "head_map_summary": resident.plan.head_map.summary(),
+            "cuda_graph": lanes.resident.runner.has_graphs,
         }  # fmt: skip
         result["configs"][name] = rows
-        del engine, generator
+        del engine, lanes
         gc.collect()
     result.update(headline_keys(result["configs"]))
     gpu = gpu_tag(env)

@@ -63,20 +63,19 @@ def _prompt(length: int, seed: int) -> list[int]:
     return torch.randint(0, LLAMA31_8B["vocab_size"], (length,), generator=rng).tolist()
 
 
-def auto_choice(generator, lengths: list[int]) -> str:
+def auto_choice(lanes, lengths: list[int]) -> str:
     """The mode ``offload="auto"`` takes for these requests under the same budget (the
     engine's own planner call, with its rates)."""
     from headspace.planner.plan import plan_batch
 
-    pages = sum(generator.spec.pages_for(n + NEW_TOKENS) for n in lengths)
-    return plan_batch(generator.spec, generator.runner.store.num_bytes, pages, offload="auto",
-                      hw=generator.planner.hardware, num_seqs=len(lengths)).offload  # fmt: skip
+    pages = sum(lanes.spec.pages_for(n + NEW_TOKENS) for n in lengths)
+    return plan_batch(lanes.spec, lanes.arena_bytes, pages, offload="auto",
+                      hw=lanes.hardware, num_seqs=len(lengths)).offload  # fmt: skip
 
 
 def run_mode(model, mode: str, lengths: list[int], h2d: float) -> dict:
     engine = make_engine(model, gpu_memory=BUDGET, **MODES[mode])
-    generator = engine.batch
-    warm_up(generator, max(lengths), max(lengths) + NEW_TOKENS, 2 * K, LLAMA31_8B["vocab_size"])
+    warm_up(engine, max(lengths), max(lengths) + NEW_TOKENS, 2 * K, LLAMA31_8B["vocab_size"])
     params = SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True)
     prompts = [_prompt(n, seed) for seed, n in enumerate(lengths)]
     start = time.perf_counter()
@@ -88,16 +87,17 @@ def run_mode(model, mode: str, lengths: list[int], h2d: float) -> dict:
     context = sum(lengths) + len(lengths) * NEW_TOKENS // 2
     floor_s = offloaded * 2 * context * cfg.head_dim * 2 / h2d
     decode_s = _decode_window(outs)  # requests may run together or one after another
-    split = getattr(generator.runner.tiers[-1], "cpu", None)
+    runner = engine.lanes.lane(out.stats.lane).runner
+    split = getattr(runner.tiers[-1], "cpu", None)
     return {
         "decode_ms": 1000 * decode_s / steps, "pcie_floor_ms": 1000 * floor_s,
         "speedup_vs_pcie_floor": floor_s / (decode_s / steps), "num_requests": len(outs),
         "aggregate_decode_tok_s": sum(len(o.token_ids) - 1 for o in outs) / decode_s,
-        "cpu_share": generator.runner.cpu_share,
+        "cpu_share": runner.cpu_share,
         "gpu_window": split.gpu_window if split else None,
         "head_map_summary": out.stats.summary().split(" | ")[3], "wall_seconds": wall,
-        "plan": generator.runner.plan.head_map.summary(),
-        "auto_picks": auto_choice(generator, lengths),
+        "plan": runner.plan.head_map.summary(),
+        "auto_picks": auto_choice(engine.lanes, lengths),
         "cpu_kept_fraction_min_median_max": out.stats.cpu_kept_fraction,
         "summary": out.stats.summary(), "tokens": [o.token_ids for o in outs],
     }  # fmt: skip
@@ -112,15 +112,14 @@ def long_decode(model, mode: str, length: int, h2d: float, steps: int = 4,
     ``cpu_shares``: each step's hybrid share. ``staged_bytes_per_step``: the KV the steps
     after the first copied from host pages to the GPU (staged, or filled into the GPU
     window), per step."""
-    from headspace.engine.scheduler import Sequence
+    from headspace.engine.step_plan import Sequence
 
     options = {"max_context": length + 64} if length + 64 > model.config.max_context else {}
     engine = make_engine(model, gpu_memory=budget, **options, **MODES[mode], **extra)
-    generator = engine.batch
     seq = Sequence(10**9, [0] * length, length + steps + 1)
-    plan = generator.prepare([seq])
-    blocks, runner = generator.scheduler.blocks, generator.runner
-    blocks.allocate_prompt(seq.seq_id, seq.prompt_ids, generator.planner.tiers, reuse=False)
+    plan, lane = engine.lanes.prepare([seq])
+    blocks, runner = lane.scheduler.blocks, lane.runner
+    blocks.allocate_prompt(seq.seq_id, seq.prompt_ids, lane.scheduler.tiers, reuse=False)
     pages = blocks.pages([seq.seq_id])
     times, counters, copied, shares = [], runner.site.counters, [], []
     for step in range(steps + 1):

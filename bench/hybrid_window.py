@@ -95,8 +95,7 @@ def _timed_run(model, mode: str, h2d: float, tokens: int) -> dict:
     timings, length, cfg = CpuTimings(), 128 * K - 64, model.config
     engine = make_engine(model, EngineHooks(cpu_timings=timings), gpu_memory=BUDGET,
                          **MODES[mode])  # fmt: skip
-    generator = engine.batch
-    warm_up(generator, length, length + tokens, 2 * K, cfg.vocab_size)
+    warm_up(engine, length, length + tokens, 2 * K, cfg.vocab_size)
     timings.clear()
     steps_s = timed_decode(engine)
     params = SamplingParams(max_new_tokens=tokens, ignore_eos=True)
@@ -104,7 +103,7 @@ def _timed_run(model, mode: str, h2d: float, tokens: int) -> dict:
     steps_ms = [1000 * t for t in steps_s]
     kv_bytes = 2 * length * cfg.head_dim * model.embed_tokens.weight.element_size()
     floor_ms = 1000 * out.stats.num_hybrid_heads * kv_bytes / h2d
-    generator.runner.decode_hooks.clear()  # the timer
+    engine.lanes.hooks.decode_hooks.clear()  # the timer
     return {
         "decode_ms": statistics.median(steps_ms), "step_ms": steps_ms,
         "pcie_floor_ms": floor_ms,
@@ -112,7 +111,8 @@ def _timed_run(model, mode: str, h2d: float, tokens: int) -> dict:
         "tables_ms_per_step": 1000 * sum(timings.tables) / len(steps_ms),
         "tables_ms": [1000 * t for t in timings.tables],
         "cpu_kept_fraction_min_median_max": out.stats.cpu_kept_fraction,
-        "plan": generator.runner.plan.head_map.summary(), "summary": out.stats.summary(),
+        "plan": engine.load().lane(out.stats.lane).plan.head_map.summary(),
+        "summary": out.stats.summary(),
     }  # fmt: skip
 
 

@@ -72,12 +72,11 @@ def _request(model, length: int, steps: int, **options) -> tuple:
     warmed up, then one request's prefill of ``length`` random tokens and ``steps`` decode
     steps."""
     engine = make_engine(model, gpu_memory=BUDGET, progress=True, **options)
-    generator = engine.batch
     vocab = LLAMA3_8B["vocab_size"]
     start = time.perf_counter()
-    warm_up(generator, length, length + steps + 1, generator.chunk, vocab)
+    warm_up(engine, length, length + steps + 1, engine.lanes.chunk, vocab)
     warm_s = time.perf_counter() - start
-    print(f"warm-up {warm_s:.1f} s (chunk {generator.chunk})", flush=True)
+    print(f"warm-up {warm_s:.1f} s (chunk {engine.lanes.chunk})", flush=True)
     ids = torch.randint(0, vocab, (length,), generator=torch.Generator().manual_seed(0))
     params = SamplingParams(max_new_tokens=steps + 1, ignore_eos=True)
     return engine, warm_s, engine.generate_batch([ids.tolist()], [params])[0].stats
@@ -93,7 +92,7 @@ def exact_run(model, length: int, steps: int, h2d: float) -> dict:
     """The default engine under the budget: warm-up, then one request's prefill of
     ``length`` random tokens and ``steps`` decode steps."""
     engine, warm_s, stats = _request(model, length, steps)
-    generator = engine.batch
+    generator = engine.lanes.lane(stats.lane)
     plan = generator.runner.plan
     offloaded = stats.num_streamed_heads + stats.num_hybrid_heads
     floor_s = _pcie_floor_s(model, offloaded, length, h2d)
@@ -101,7 +100,7 @@ def exact_run(model, length: int, steps: int, h2d: float) -> dict:
     split = getattr(generator.runner.tiers[-1], "cpu", None)
     row = {
         "prefill_s": stats.prefill_seconds, "prefill_tok_s": stats.prefill_tok_s,
-        "warm_up_s": warm_s, "prefill_chunk": generator.chunk,
+        "warm_up_s": warm_s, "prefill_chunk": engine.lanes.chunk,
         "decode_ms": 1000 * decode_s, "pcie_floor_ms": 1000 * floor_s,
         "decode_ratio_vs_pcie_floor": decode_s / floor_s, "decode_steps": steps,
         "auto_picks": auto_choice(generator, [length]), "head_map": plan.head_map.summary(),
@@ -137,7 +136,7 @@ def approximate_run(model, length: int, steps: int, h2d: float, share: float) ->
     steps; the PCIe floor is the offloaded entries' K and V, every token, per step."""
     options = {"profile": balanced_profile(share), "retrieval_heads": share}
     engine, warm_s, stats = _request(model, length, steps, **options)
-    generator = engine.batch
+    generator = engine.lanes.lane(stats.lane)
     plan = generator.runner.plan
     offloaded = plan.head_map.num_offloaded
     floor_s = _pcie_floor_s(model, offloaded, length, h2d)
@@ -148,7 +147,7 @@ def approximate_run(model, length: int, steps: int, h2d: float, share: float) ->
              "profile": f"{per_layer} retrieval heads a layer"}  # fmt: skip
     row = {
         "prefill_s": stats.prefill_seconds, "prefill_tok_s": stats.prefill_tok_s,
-        "warm_up_s": warm_s, "prefill_chunk": generator.chunk,
+        "warm_up_s": warm_s, "prefill_chunk": engine.lanes.chunk,
         "decode_ms": 1000 * decode_s, "pcie_floor_ms": 1000 * floor_s,
         "decode_ratio_vs_pcie_floor": decode_s / floor_s, "decode_steps": steps,
         "kv_fraction_held": stats.kv_held_fraction, "offloaded_entries": offloaded,

@@ -97,6 +97,7 @@ from common import (  # noqa: E402
     measure_hbm_bandwidth,
     model_config,
     model_tag,
+    ran_lane,
     random_model,
     sharpen_heads,
     write_result,
@@ -232,11 +233,11 @@ def run_solver(solver: str, args, profile: str) -> dict | None:
     engine = Engine.from_model(model, NoText(), config, hooks)
     # before the warm-up captures the graphs; none at the served rate (reading a graph's
     # events waits for its step, which would hold the host back from the next)
-    timer = None if args.served_rate else AttentionTimer(engine.batch.runner)
+    timer = None if args.served_rate else AttentionTimer(ran_lane(engine).runner)
     length, batch = args.context - args.decode, args.batch
     every, prefill_s, decode_tok_s, steps = timed_batch(engine, timer, args, cfg, prompts, solver)
     stats = every[0]  # peak memory and KV held: the batch's, alike in every request
-    entries = engine.batch.runner.plan.head_map.entries
+    entries = ran_lane(engine).runner.plan.head_map.entries
     floor_bytes = decode_layer_floor_bytes(engine, args, options, profile)
     hbm = measure_hbm_bandwidth()
     measured, per_rank = attention_per_rank(timer, model.config.num_layers, args.stand_in)
@@ -250,7 +251,7 @@ def run_solver(solver: str, args, profile: str) -> dict | None:
         "decode_step_seconds": steps,  # rank 0's steps of the whole batch (--served-rate: paces)
         "peak_gpu_gib": stats.peak_gpu_bytes / 2**30,
         "kv_held_fraction": stats.kv_held_fraction,
-        "head_map": engine.batch.runner.plan.head_map.summary(),
+        "head_map": ran_lane(engine).runner.plan.head_map.summary(),
         # each entry's layer, kv head, ranks and (for a copied head) each rank's share
         "placement": placement_of(entries),
         # the decode floor: rank 0's weights and, each layer, the K/V its slowest rank reads

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import torch
 
+from common import ran_lane
 from multigpu_report import layer_floor_tokens
 from sparsity import timed_decode
 from stand_in import KEPT_FILE
@@ -67,11 +68,11 @@ def decode_layer_floor_bytes(engine, args, options: dict, profile: str) -> int:
     """Bytes a decode step of the batch reads at least, at its end: rank 0's weights and,
     each layer, the K/V its slowest rank reads (:func:`multigpu_report.layer_floor_tokens`:
     every layer ends in an all-reduce; a copy reads its share of its head)."""
-    entries = engine.batch.runner.plan.head_map.entries
+    entries = ran_lane(engine).runner.plan.head_map.entries
     kept = entry_tokens_at_end(args, entries, options, profile)
     tokens = layer_floor_tokens(placement_of(entries), kept)
     weights = sum(p.nbytes for p in engine.model.parameters())
-    return weights + round(args.batch * tokens * engine.batch.spec.entry_token_bytes)
+    return weights + round(args.batch * tokens * engine.lanes.spec.entry_token_bytes)
 
 
 def check_decode_covers_admission(engine, args) -> None:
@@ -80,7 +81,7 @@ def check_decode_covers_admission(engine, args) -> None:
     piece tokens)`` of a batch given at once), so the first prompt must still decode when
     the last one's ends."""
     length, batch = args.context - args.decode, args.batch
-    piece = min(engine.batch.chunk, engine.config.runtime.step_tokens(True, slices=False))
+    piece = min(engine.lanes.chunk, engine.config.runtime.step_tokens(True, slices=False))
     pieces = -(-length // piece)
     needed = (batch - 1) * pieces + 2
     if batch > 1 and args.decode < needed:
@@ -118,5 +119,5 @@ def timed_batch(engine, timer, args, cfg: dict, prompts: list[list[int]],
     if not steps:  # each prompt's prefill takes a step, in which the others decode
         raise SystemExit(f"no decode step ran all {batch} prompts together: raise "
                          f"--decode above --batch ({args.decode})")  # fmt: skip
-    engine.batch.runner.decode_hooks.clear()  # the timer (and the trace)
+    engine.lanes.hooks.decode_hooks.clear()  # the timer (and the trace)
     return every, max(st.prefill_seconds for st in every), batch / statistics.median(steps), steps

@@ -202,7 +202,7 @@ def predicted_loads(engine, config, world: int, batch: int) -> dict:
     for phase in ("prefill", "decode"):
         costs = head_costs(priced, CostShape.of(shape, config.runtime.torch_dtype.itemsize), hw,
                            phase=phase, context=engine.max_context,
-                           chunk=engine.batch.chunk, profile=engine.profile,
+                           chunk=engine.lanes.chunk, profile=engine.profile,
                            batch=batch if phase == "decode" else 1)  # fmt: skip
         loads[phase] = balance_summary(costs, assignments, world)
     return loads

@@ -69,42 +69,42 @@ def _headspace_run(model, length, offload, budget, steps) -> dict:
     options = {"max_context": needed} if needed > model.config.max_context else {}
     engine = make_engine(model, offload=offload, gpu_memory=budget, prefix_caching=False,
                          **options)  # fmt: skip
-    generator = engine.batch
     vocab = LLAMA3_8B["vocab_size"]
-    warm_up(generator, length, length + steps + 1, min(length, 2 * generator.chunk), vocab)
+    warm_up(engine, length, length + steps + 1, min(length, 2 * engine.lanes.chunk), vocab)
     _fresh_peak()
     ids = torch.randint(0, vocab, (length,)).tolist()
     params = SamplingParams(max_new_tokens=steps + 1, ignore_eos=True)
     out = engine.generate_batch([ids], [params])[0]
-    plan = generator.runner.plan
+    lane = engine.load().lane(out.stats.lane)
+    plan = lane.plan
     streamed = plan.head_map.num_offloaded
     return {
         "ok": True, "prefill_tok_s": out.stats.prefill_tok_s,
         "prefill_s": out.stats.prefill_seconds,
         "decode_ms": 1000 * out.stats.decode_seconds / steps,
-        "decode_steps": steps, "prefill_chunk": generator.chunk, **_peaks(), "budget": budget,
+        "decode_steps": steps, "prefill_chunk": engine.lanes.chunk, **_peaks(), "budget": budget,
         "head_map": plan.head_map.summary(), "summary": out.stats.summary(),
         "streamed_bytes_per_token": streamed * 2 * length * model.config.head_dim * 2,
-        "host_pages_gib": generator.runner.host.num_bytes / GiB,
+        "host_pages_gib": engine.lanes.lane(lane.name).runner.host.num_bytes / GiB,
     }  # fmt: skip
 
 
 @torch.inference_mode()
-def warm_up(generator, length: int, max_tokens: int, chunk_tokens: int, vocab: int) -> None:
+def warm_up(engine, length: int, max_tokens: int, chunk_tokens: int, vocab: int) -> None:
     """Compile the shapes of the layout a request of ``length`` prompt tokens (up to
     ``max_tokens``) gets, and pin its host pages: its last ``chunk_tokens`` prefilled over
     an uncomputed history, then two decode steps at its own length (decode kernels compile
     per table width)."""
-    from headspace.engine.scheduler import Sequence
+    from headspace.engine.step_plan import Sequence
 
-    generator.prepare([Sequence(0, [0] * length, max_tokens)])
-    runner = generator.runner
+    _, lane = engine.lanes.prepare([Sequence(0, [0] * length, max_tokens)])
+    runner = lane.runner
     seq = Sequence(10**9, torch.randint(0, vocab, (length,)).tolist(), max_tokens)
-    blocks = generator.scheduler.blocks
-    blocks.allocate_prompt(seq.seq_id, seq.prompt_ids, generator.planner.tiers, reuse=False)
+    blocks = lane.scheduler.blocks
+    blocks.allocate_prompt(seq.seq_id, seq.prompt_ids, lane.scheduler.tiers, reuse=False)
     pages = blocks.pages([seq.seq_id])
     seq.num_cached = length - chunk_tokens
-    runner.prefill(seq, generator.chunk, pages, slot=0)
+    runner.prefill(seq, engine.lanes.chunk, pages, slot=0)
     for position in (length, length + 1):
         blocks.append_token(seq.seq_id)
         runner.decode([seq.seq_id], [position], [0], pages)

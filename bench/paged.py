@@ -22,6 +22,7 @@ from common import (  # noqa: E402
     gpu_tag,
     graph_seconds,
     make_engine,
+    ran_lane,
     random_hf_llama,
     write_result,
 )
@@ -39,7 +40,7 @@ def run_batch(model, prompts, warmup_prompts) -> dict:
     """Time the batch after a warm-up of the same lengths (other tokens: no prefix hits),
     so that compiling each shape stays out of the measurement."""
     engine = make_engine(model, page_size=PAGE)
-    generator = engine.batch
+    generator = ran_lane(engine)
     params = [SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True)] * len(prompts)
     engine.generate_batch(warmup_prompts, params)
     generator.peak_pages = 0

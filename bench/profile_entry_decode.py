@@ -19,7 +19,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile, schedule
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import LLAMA31_8B, make_engine, pinned_h2d_bandwidth, random_model  # noqa: E402
+from common import LLAMA31_8B, make_engine, pinned_h2d_bandwidth, ran_lane, random_model  # noqa: E402
 from headspace.engine.sampling import SamplingParams  # noqa: E402
 from sparsity import (  # noqa: E402
     MODES,
@@ -51,7 +51,7 @@ def kernel_table(
     most GPU time, with the Python lines that called them."""
     params = [SamplingParams(max_new_tokens=steps + 1, ignore_eos=True)]
     times = timed_decode(engine)
-    runner, active = engine.batch.runner, steps - 4
+    runner, active = ran_lane(engine).runner, steps - 4
     plan = schedule(wait=2, warmup=1, active=active, repeat=1)
     activities = [ProfilerActivity.CUDA] + ([ProfilerActivity.CPU] if ops else [])
     with profile(activities=activities, schedule=plan, with_stack=ops) as prof:

@@ -14,7 +14,7 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).parent))
 from common import LLAMA3_8B, cuda_time, make_engine, prefill_once, random_hf_llama  # noqa: E402
-from headspace.engine.scheduler import Sequence  # noqa: E402
+from headspace.engine.step_plan import Sequence  # noqa: E402
 from headspace.model.config import config_from_dict  # noqa: E402
 from headspace.model.loader import build_model  # noqa: E402
 
@@ -55,14 +55,12 @@ def main() -> None:
 
 def profile_decode(engine, context: list[int], graph: bool) -> None:
     """Time one decode step after ``context`` and list its kernels (a graph's replay too)."""
-    generator = engine.batch
-    runner = generator.runner
     seq = Sequence(0, context, len(context) + 64)
-    generator.prepare([seq])
-    blocks = generator.scheduler.blocks
-    blocks.allocate_prompt(seq.seq_id, seq.prompt_ids, generator.planner.tiers, reuse=False)
+    _, lane = engine.lanes.prepare([seq])
+    runner, blocks = lane.runner, lane.scheduler.blocks
+    blocks.allocate_prompt(seq.seq_id, seq.prompt_ids, lane.scheduler.tiers, reuse=False)
     pages = blocks.pages([seq.seq_id])
-    runner.prefill(seq, generator.chunk, pages, slot=0)
+    runner.prefill(seq, engine.lanes.chunk, pages, slot=0)
     blocks.append_token(seq.seq_id)
 
     def step():  # decode the same position again: the timing, not the text, matters here

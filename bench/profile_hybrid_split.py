@@ -33,7 +33,7 @@ from common import (  # noqa: E402
     write_result,
 )
 from headspace.engine.hooks import EngineHooks  # noqa: E402
-from headspace.engine.scheduler import Sequence  # noqa: E402
+from headspace.engine.step_plan import Sequence  # noqa: E402
 from headspace.tiers.base import CpuTimings  # noqa: E402
 from hybrid import BUDGET, CAP_GIB  # noqa: E402
 from offload_runs import gpu_cap  # noqa: E402
@@ -89,12 +89,9 @@ def main() -> None:
         engine = make_engine(model, EngineHooks(cpu_timings=timings), gpu_memory=BUDGET,
                              offload="hybrid", cpu_threads=args.threads,
                              max_context=args.length + 256)  # fmt: skip
-        generator = engine.batch
         seq = Sequence(10**9, [0] * args.length, args.length + 256)
-        plan = generator.prepare([seq])
-        runner = generator.runner
-        tiers = generator.planner.tiers
-        blocks = generator.scheduler.blocks
+        plan, lane = engine.lanes.prepare([seq])
+        runner, tiers, blocks = lane.runner, lane.scheduler.tiers, lane.scheduler.blocks
         blocks.allocate_prompt(seq.seq_id, seq.prompt_ids, tiers, reuse=False)
         result["head_map_summary"] = plan.head_map.summary()
         result["staging"] = plan.to_dict()["staging_depth"], plan.staging.piece_pages

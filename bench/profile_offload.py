@@ -37,7 +37,7 @@ def main() -> None:
     for name, options in runs:
         with gpu_cap(24 if "gpu_memory" in options else None):
             seconds, (engine, ids) = timed_prefill(model, **options)
-            rows.append((name, seconds, engine.batch.chunk))
+            rows.append((name, seconds, engine.lanes.chunk))
             if name.startswith("head"):
                 with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
                     prefill_once(engine, ids)

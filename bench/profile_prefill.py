@@ -20,7 +20,15 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import LLAMA31_8B, environment, gpu_tag, make_engine, random_model, write_result  # noqa: E402
+from common import (  # noqa: E402
+    LLAMA31_8B,
+    environment,
+    gpu_tag,
+    make_engine,
+    ran_lane,
+    random_model,
+    write_result,
+)
 from headspace.engine.sampling import SamplingParams  # noqa: E402
 from multigpu import SCENARIOS, _prompt, make_profile  # noqa: E402
 
@@ -85,7 +93,7 @@ def profiled_prefill(scenario: str, context: int) -> dict:
         {"name": e.key, "cuda_ms": e.device_time_total / 1000, "calls": e.count}
         for e in sorted(prof.key_averages(), key=lambda e: -e.device_time_total)[:40]
     ]
-    head_map = engine.batch.runner.plan.head_map.summary()
+    head_map = ran_lane(engine).runner.plan.head_map.summary()
     del engine
     gc.collect()
     torch.cuda.empty_cache()

@@ -30,6 +30,7 @@ from common import (  # noqa: E402
     environment,
     gpu_tag,
     make_engine,
+    ran_lane,
     random_model,
     write_result,
 )
@@ -101,9 +102,9 @@ def main() -> None:
     result = {
         "environment": env,
         "config": {"model": "Llama-3.1-8B architecture, random bf16 weights",
-                   "options": "default", "prefill_chunk": engine.batch.chunk,
+                   "options": "default", "prefill_chunk": engine.lanes.chunk,
                    "cudnn_rows": unit, "low": args.low, "high": args.high},
-        "head_map": engine.batch.runner.plan.head_map.summary(),
+        "head_map": ran_lane(engine).runner.plan.head_map.summary(),
         "runs": runs,
     }  # fmt: skip
     write_result(f"prompt_lengths_{gpu_tag(env)}_unit{unit}_{env['date']}.json", result)

@@ -10,8 +10,7 @@ prefix; 64-256 new tokens each, arriving as a Poisson process whose span is ``LO
 offline run's time. Each is streamed (time to first token, time per output token from the
 chunks' arrival). First the same requests go through ``LLM.generate`` at once in this
 process (the offline figure, and the arrival rate), then the server runs in a process of its
-own. ``--relayout`` sets the engine's option of that name in both (``always``: as measured
-before it had one). Writes ``serve_llama3-8b_<gpu>_<date>.json`` (to $OUT when set).
+own. Writes ``serve_llama3-8b_<gpu>_<date>.json`` (to $OUT when set).
 """
 
 from __future__ import annotations
@@ -28,14 +27,12 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import get_args
 
 import httpx
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import LLAMA31_8B, environment, gpu_tag, random_hf_llama, write_result  # noqa: E402
-from headspace.engine.config import OffloadConfig, Relayout  # noqa: E402
+from common import LLAMA31_8B, environment, gpu_tag, ran_lane, random_hf_llama, write_result  # noqa: E402
 
 K = 1024
 BUDGET = "24GiB"
@@ -92,20 +89,21 @@ def offline(model_dir: Path, requests, **options) -> dict:
     outputs = llm.generate([p for p, _ in requests], params)
     seconds = time.perf_counter() - start
     tokens = sum(len(o.token_ids) for o in outputs)
-    head_map = llm.engine.batch.runner.plan.head_map.summary()
+    head_map = ran_lane(llm.engine).runner.plan.head_map.summary()
     del llm
     torch.cuda.empty_cache()
     return {"seconds": seconds, "output_tokens": tokens, "head_map": head_map}
 
 
-def start_server(model_dir: Path, *flags: str) -> tuple[subprocess.Popen, str]:
-    """``headspace serve`` of ``model_dir`` under the 24 GiB budget (and ``flags``), once
+def start_server(model_dir: Path, *flags: str,
+                 budget: str = BUDGET) -> tuple[subprocess.Popen, str]:  # fmt: skip
+    """``headspace serve`` of ``model_dir`` under the GPU ``budget`` (and ``flags``), once
     its /health says ready; (process, base URL)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     command = [sys.executable, "-m", "headspace.cli", "serve", "--model", str(model_dir),
-               "--device", "cuda", "--gpu-memory", BUDGET, "--port", str(port),
+               "--device", "cuda", "--gpu-memory", budget, "--port", str(port),
                "--served-model-name", NAME, *flags]  # fmt: skip
     server = subprocess.Popen(command, env=dict(os.environ, PYTHONUNBUFFERED="1"))
     url = f"http://127.0.0.1:{port}"
@@ -195,11 +193,8 @@ def scrape(url: str, name: str) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--relayout", choices=get_args(Relayout), default=None,
-                        help="the engine's relayout, offline and served")  # fmt: skip
-    args = parser.parse_args()
-    options = {} if args.relayout is None else {"relayout": args.relayout}
-    flags = [] if args.relayout is None else ["--relayout", args.relayout]
+    parser.parse_args()
+    options, flags = {}, []
     env = environment()
     requests = workload()
     with tempfile.TemporaryDirectory(dir=os.environ.get("TMPDIR")) as tmp:
@@ -228,10 +223,9 @@ def main() -> None:
         "offline_output_tok_s": offline_tok_s,
         "serving_overhead": 1 - stats["output_tok_s"] / offline_tok_s,
         "peak_reserved_gib": reserved, "budget_gib": 24, "gpu_pages_in_use_after": pages,
-        "offline_seconds": base["seconds"], "relayout": args.relayout or OffloadConfig.relayout,
+        "offline_seconds": base["seconds"],
     }  # fmt: skip
-    tag = "" if args.relayout is None else f"_relayout-{args.relayout}"
-    path = write_result(f"serve_llama3-8b_{gpu_tag(env)}{tag}_{env['date']}.json", result)
+    path = write_result(f"serve_llama3-8b_{gpu_tag(env)}_{env['date']}.json", result)
     print(f"\nwrote {path}")
     for key in ("request_throughput", "output_tok_s", "offline_output_tok_s", "serving_overhead",
                 "ttft_p50_s", "ttft_p99_s", "tpot_p50_ms", "tpot_p99_ms", "num_failed",

@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import write_result  # noqa: E402
+from common import ran_lane, write_result  # noqa: E402
 from headspace.api import LLM  # noqa: E402
 from headspace.engine.sampling import SamplingParams  # noqa: E402
 from headspace.eval.data import builtin_text  # noqa: E402
@@ -52,7 +52,7 @@ def main() -> None:
             if out.finish_reason is not None:  # its final stats hold the last share
                 record(generated, out.stats.cpu_kept_fraction)
             elif generated % args.every == 0 and generated > (rows[-1]["generated"] if rows else 0):
-                record(generated, engine.batch.runner.kept_summary(request))
+                record(generated, ran_lane(engine).runner.kept_summary(request))
     result = {"model": "SmolLM2-135M-Instruct (embedded)", "device": "cpu", "beta": args.beta,
               "prompt_tokens": PROMPT, "gpu_window": WINDOW, "text": "alice29",
               "seconds": time.perf_counter() - started, "kept_over_generation": rows}  # fmt: skip

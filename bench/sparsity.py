@@ -105,7 +105,7 @@ def timed_decode(engine, rows: int | None = None, synchronise: bool = True) -> l
             times.append(time.perf_counter() - start)
         return result
 
-    engine.batch.runner.decode_hooks.append(timed)
+    engine.lanes.hooks.decode_hooks.append(timed)  # (every lane's decode steps)
     return times
 
 
@@ -114,10 +114,10 @@ def _ids(n: int, seed: int) -> list[int]:
     return torch.randint(0, LLAMA31_8B["vocab_size"], (n,), generator=generator).tolist()
 
 
-def streamed_bytes(engine, context: int) -> int:
-    """K/V bytes the last decode step copied from host pages: the offloaded entries' kept
-    tokens (per-head pages), else every offloaded entry's whole history."""
-    runner = engine.batch.runner
+def streamed_bytes(engine, context: int, lane: str) -> int:
+    """K/V bytes the last decode step of ``lane`` copied from host pages: the offloaded
+    entries' kept tokens (per-head pages), else every offloaded entry's whole history."""
+    runner = engine.lanes.lane(lane).runner
     staging = getattr(runner.tiers[0], "staging", None)
     if staging is not None:
         return staging.streamed_bytes
@@ -134,7 +134,7 @@ def engine_run(model, context: int, new_tokens: int, options: dict, warmup: str)
     prompt = context - new_tokens  # the prompt and its new tokens fit the context
     # the full prompt once (compiles, and builds cuDNN's plan per prefix length), or two
     # chunks and a bit (compiles only: the first mode's prefill then builds the plans)
-    short = min(prompt, 2 * engine.batch.chunk + 1)
+    short = min(prompt, 2 * engine.lanes.chunk + 1)
     engine.generate_batch([_ids(prompt if warmup == "full" else short, 1)], params)
     steps = timed_decode(engine)
     torch.cuda.reset_peak_memory_stats()
@@ -145,9 +145,9 @@ def engine_run(model, context: int, new_tokens: int, options: dict, warmup: str)
     row = {"prefill_s": stats.prefill_seconds, "decode_ms": 1000 * statistics.median(steps),
            "decode_ms_mean": 1000 / stats.decode_tok_s, "kv_held_bytes": stats.kv_held_bytes,
            "kv_fraction_held": stats.kv_held_fraction, "summary": stats.summary(),
-           "plan": engine.batch.runner.plan.head_map.summary(),
-           "offloaded_entries": engine.batch.runner.plan.head_map.num_offloaded,
-           "streamed_bytes_per_step": streamed_bytes(engine, context),
+           "plan": engine.load().lane(stats.lane).plan.head_map.summary(),
+           "offloaded_entries": engine.load().lane(stats.lane).plan.head_map.num_offloaded,
+           "streamed_bytes_per_step": streamed_bytes(engine, context, stats.lane),
            "gpu_memory": options.get("gpu_memory"), **peak}  # fmt: skip
     del engine, out
     gc.collect()

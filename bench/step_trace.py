@@ -37,4 +37,4 @@ def trace_decode_steps(engine, rows: int, folder: Path, name: str, skip: int = 1
             (folder / f"{name}.txt").write_text("\n\n".join(tables))
         return result
 
-    engine.batch.runner.decode_hooks.append(traced)
+    engine.lanes.hooks.decode_hooks.append(traced)

@@ -47,30 +47,35 @@ def _prompts(count: int, length: int) -> list[list[int]]:
     return [torch.randint(0, VOCAB, (length,)).tolist() for _ in range(count)]
 
 
+def _plan(engine, lane: str) -> str:
+    """The head map summary of the layout ``lane`` ran under."""
+    return engine.load().lane(lane).plan.head_map.summary()
+
+
 def measure(engine, length: int, batch: int, batch_length: int) -> dict:
     """One prompt of ``length`` (prefill, ``STEPS`` decode steps), then ``batch`` prompts of
     ``batch_length`` decoding together (a step: the wall time of the batch with ``STEPS``
     more tokens, less that of its prefill alone); after a warm-up that compiles the shapes."""
-    generator = engine.batch
-    warm_up(generator, length, length + STEPS + 1, min(length, 2 * generator.chunk), VOCAB)
+    chunk = engine.lanes.chunk
+    warm_up(engine, length, length + STEPS + 1, min(length, 2 * chunk), VOCAB)
     _fresh_peak()
     params = SamplingParams(max_new_tokens=STEPS + 1, ignore_eos=True)
     one = engine.generate_batch(_prompts(1, length), [params])[0].stats
     row = {"prefill_tok_s": one.prefill_tok_s, "prefill_s": one.prefill_seconds,
-           "decode_ms": 1000 * one.decode_seconds / STEPS, "prefill_chunk": generator.chunk,
-           "head_map": generator.runner.plan.head_map.summary(), **_peaks()}  # fmt: skip
+           "decode_ms": 1000 * one.decode_seconds / STEPS, "prefill_chunk": chunk,
+           "head_map": _plan(engine, one.lane), **_peaks()}  # fmt: skip
     prompts = _prompts(batch, batch_length)
     walls = []
     for new_tokens in (3, 1, STEPS + 1):  # a warm-up; the decode: the difference of two
         torch.cuda.synchronize()
         start = time.perf_counter()
-        engine.generate_batch(prompts, [SamplingParams(max_new_tokens=new_tokens,
-                                                       ignore_eos=True)] * batch)  # fmt: skip
+        params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
+        outs = engine.generate_batch(prompts, [params] * batch)
         torch.cuda.synchronize()
         walls.append(time.perf_counter() - start)
     step_s = (walls[2] - walls[1]) / STEPS
     row.update(batch=batch, batch_length=batch_length, batch_walls_s=walls,
-               batch_head_map=generator.runner.plan.head_map.summary(),
+               batch_head_map=_plan(engine, outs[0].stats.lane),
                batch_decode_tok_s=batch / step_s, batch_step_ms=1000 * step_s)  # fmt: skip
     return row
 

@@ -140,3 +140,22 @@ def cpu_timings():
     from headspace.tiers.base import CpuTimings
 
     return CpuTimings()
+
+
+def ran_in(llm, output=None):
+    """The lane ``output`` (default: ``llm``'s last) ran in (a test's look at a runner)."""
+    output = output or llm.last_output
+    return llm.engine.lanes.lane(output.stats.lane)
+
+
+def plan_of(llm, output=None):
+    """The layout the lane of ``output`` (default: ``llm``'s last; without one, the engine's
+    first lane) ran under."""
+    output = output or llm.last_output
+    load = llm.engine.load()
+    return (load.lanes[0] if output is None else load.lane(output.stats.lane)).plan
+
+
+def pools_back(engine) -> bool:
+    """Every lane's GPU and host pages back in their pools."""
+    return all(lane.gpu_pages_used == lane.host_pages_used == 0 for lane in engine.load().lanes)

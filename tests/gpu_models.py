@@ -61,13 +61,14 @@ def greedy(engine: Engine, prompts) -> list[list[int]]:
 
 def stepped(engine: Engine, prompts) -> tuple[list[list[int]], list]:
     """Each prompt's greedy tokens, all added at once and stepped to the end, and the plans
-    the runner took on the way (a layout that streams moves back to the resident one once
-    the long request ends)."""
+    the lanes took on the way, the offload lane's first (a long request streams there
+    while short ones run all resident)."""
     ids = [engine.add_request(p.tolist(), GREEDY) for p in prompts]
     tokens, plans = {}, []
     while engine.has_unfinished():
         tokens |= {o.request_id: o.token_ids for o in engine.step() if o.finished}
-        plan = engine.batch.runner.plan
-        if all(plan is not seen for seen in plans):
-            plans.append(plan)
+        for lane in sorted(engine.load().lanes, key=lambda lane: lane.name != "offload"):
+            if lane.plan is not None and all(lane.plan is not seen for seen in plans):
+                plans.append(lane.plan)
+    plans.sort(key=lambda plan: plan.head_map.num_offloaded == 0)  # (stable: offloaded first)
     return [tokens[i] for i in ids], plans

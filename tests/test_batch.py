@@ -30,9 +30,9 @@ def test_batch_equals_one_at_a_time_with_continuous_batching(tiny_llama):
     batched = llm.generate(prompts, params)
     single = [llm.engine.run(p, params).token_ids for p in prompts]
     assert [o.token_ids for o in batched] == single
-    blocks = llm.engine.batch.scheduler.blocks
-    assert blocks.pool.num_pages == 12
-    assert blocks.pool.num_free == 12  # every page back once all are done
+    lane = llm.engine.load().lane("main")
+    assert lane.gpu_pages == 12
+    assert lane.gpu_pages_used == 0  # every page back once all are done
 
 
 def test_shared_prefix_reuses_pages_and_gives_identical_outputs(tiny_llama):
@@ -46,10 +46,10 @@ def test_shared_prefix_reuses_pages_and_gives_identical_outputs(tiny_llama):
     alone = LLM(str(tiny_llama), page_size=16)
     assert together[1].token_ids == alone.generate(second, params)[0].token_ids
     assert together[0].token_ids == alone.engine.run(first, params).token_ids
-    shared_peak = llm.engine._batch.peak_pages
+    shared_peak = llm.engine.load().lane("resident").peak_pages
     unshared = LLM(str(tiny_llama), page_size=16)
     unshared.generate([first, _prompts([100], seed=2)[0] + [21, 22]], params)
-    assert shared_peak < unshared.engine._batch.peak_pages
+    assert shared_peak < unshared.engine.load().lane("resident").peak_pages
 
 
 def test_request_that_can_never_fit_is_refused_without_a_host_tier(tiny_llama):
@@ -76,7 +76,8 @@ def test_streaming_runs_on_the_pool_and_refuses_what_cannot_fit(tiny_llama):
     params = SamplingParams(max_new_tokens=30, ignore_eos=True)
     pieces = list(llm.stream(_prompts([20])[0], params))
     assert len(llm.last_output.token_ids) == 30 and "".join(pieces) == llm.last_output.text
-    assert llm.engine.batch.scheduler.blocks.pool.num_free == 4  # pages back after streaming
+    lane = llm.engine.load().lane("main")
+    assert lane.gpu_pages == 4 and lane.gpu_pages_used == 0  # pages back after streaming
 
 
 def test_decode_graphs_call_the_attention_a_benchmark_wrapped(tiny_llama):
@@ -90,7 +91,7 @@ def test_decode_graphs_call_the_attention_a_benchmark_wrapped(tiny_llama):
     options = {"offload": "none", "kv_budget": 0.5}  # per-entry decode (the twin's CPU path)
     plain = LLM(str(tiny_llama), hooks=twin, **options).generate([prompt], params)[0].token_ids
     llm = LLM(str(tiny_llama), hooks=twin, **options)
-    runner, decoded = llm.engine.batch.runner, []
+    runner, decoded = llm.engine.lanes.resident.runner, []
 
     def timed(layer, q, kv):
         decoded.append(q.shape[0] != len(prompt))  # a decode step's rows (padded batch)
@@ -111,7 +112,7 @@ def test_decode_hooks_wrap_every_decode_step_in_order_and_pass_its_result_on(tin
     (prompt,) = _prompts([20], seed=9)
     params = SamplingParams(max_new_tokens=5, ignore_eos=True)
     llm = LLM(str(tiny_llama), offload="none")
-    runner, calls = llm.engine.batch.runner, []
+    runner, calls = llm.engine.lanes.resident.runner, []
 
     def inner(seq_ids, step):
         calls.append(("inner", len(seq_ids)))
@@ -145,7 +146,7 @@ def test_decode_graphs_name_each_graph_they_capture_or_replay_to_the_attention(t
 
     llm = LLM(str(tiny_llama), hooks=EngineHooks(graphs=EagerGraphTwin), offload="none",
               kv_budget=0.5)  # fmt: skip
-    runner = llm.engine.batch.runner
+    runner = llm.engine.lanes.resident.runner
 
     class Told:
         steps: list = []  # (graphs, key, capture) per graph step
@@ -185,7 +186,7 @@ def test_an_engine_with_decode_graphs_is_freed_when_dropped(tiny_llama):
               hooks=EngineHooks(graphs=EagerGraphTwin))  # fmt: skip
     params = SamplingParams(max_new_tokens=4, ignore_eos=True)
     llm.generate(_prompts([20], seed=4), params)
-    runner = llm.engine.batch.runner
+    runner = llm.engine.lanes.resident.runner
     graphs, plane = runner._graphs, runner.tiers[0].plane
     assert graphs is not None and any(e.plane is plane for e in graphs.tiers)
     dropped = [weakref.ref(x) for x in (runner, graphs, plane)]
@@ -212,6 +213,6 @@ def test_warm_up_takes_the_prompts_shapes_and_decodes_only_when_asked(tiny_llama
     assert warm_up_request(8192, 4096, True) == (8192, WARM_UP_DECODE_TOKENS)
     llm = LLM(str(tiny_llama), offload="none", kv_budget=0.5,
               hooks=EngineHooks(graphs=EagerGraphTwin))  # fmt: skip
-    runner = llm.engine.batch.runner
+    runner = llm.engine.lanes.resident.runner
     assert llm.engine.warm_up(40, decode=False) > 0 and not runner.has_graphs
     assert llm.engine.warm_up(40) > 0 and runner.has_graphs

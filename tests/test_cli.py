@@ -257,7 +257,6 @@ def _non_default(name, f):
         "dtype": ("bfloat16", "bfloat16"),
         "attention_backend": ("reference", "reference"),
         "offload": ("head", "head"),
-        "relayout": ("always", "always"),
         "gpu_memory": ("3GiB", "3GiB"),
         "host_memory": ("5GiB", "5GiB"),
         "cpu_share": ("0.25", 0.25),

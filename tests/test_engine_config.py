@@ -37,8 +37,7 @@ def test_every_flat_name_is_one_field_and_none_is_a_parallel_one():
 
 
 def test_literal_types_are_the_choices_and_refuse_others():
-    assert choices(OffloadConfig) == {"mode": ("auto", "none", "layer", "head", "hybrid"),
-                                      "relayout": ("throughput", "always")}  # fmt: skip
+    assert choices(OffloadConfig) == {"mode": ("auto", "none", "layer", "head", "hybrid")}
     assert choices(BudgetConfig) == {"kv_policy": ("snapkv", "ada_snapkv", "headkv")}
     assert choices(ParallelConfig)["balance_phase"] == ("auto", "prefill", "decode")
     with pytest.raises(UserError, match="offload must be one of auto, none, layer, head, "

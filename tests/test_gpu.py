@@ -67,13 +67,19 @@ def test_graph_decode_equals_eager_decode_and_batches_equal_one_at_a_time():
     eager = make_engine(model, dtype="float32", cuda_graph=False, compile=False)
     batched = greedy(graphed, prompts)
     assert batched == [greedy(eager, [p])[0] for p in prompts]
-    assert graphed.batch.runner._graphs is not None
+    assert graphed.lanes.resident.runner.has_graphs
 
 
-NO_WAIT_CASES = {
+NO_WAIT_CASES = {  # (the streamed case: one request, in the offload lane alone, since the
+    # sync debug mode is the process's, and the lanes step on two threads)
     "graphs": {},
     "graphs, budgets": {"kv_budget": 0.25, "kv_policy": "ada_snapkv"},
-    "eager, streamed heads in pieces": {"offload": "head", "cuda_graph": False, "arena_kib": 96},
+    "eager, streamed heads in pieces": {
+        "offload": "head",
+        "cuda_graph": False,
+        "arena_kib": 96,
+        "lengths": (900,),
+    },
 }
 
 
@@ -85,14 +91,16 @@ def test_decode_steps_never_wait_for_the_gpu(case):
     stream in the per-entry tables' and the streamed pieces' copies), passes every step of
     a second run (the first captured the graphs, where there are graphs)."""
     options = dict(NO_WAIT_CASES[case])
+    lengths = options.pop("lengths", (900, 300))
     model = tiny_model("cuda", torch.float32, layers=8)
     if "arena_kib" in options:
         options["gpu_memory"] = arena_budget(model, options.pop("arena_kib") * 1024)
-    engine = make_engine(model, dtype="float32", **options)
+    hooks = EngineHooks()
+    engine = make_engine(model, hooks, dtype="float32", **options)
     prompts = [torch.randint(0, 512, (n,), generator=torch.Generator().manual_seed(n))
-               for n in (900, 300)]  # fmt: skip
+               for n in lengths]  # fmt: skip
     expected = greedy(engine, prompts)
-    runner = engine.batch.runner
+    runners = [engine.lanes.lane(lane.name).runner for lane in engine.load().lanes]
     checked = []
 
     def no_waits(seq_ids, step):
@@ -101,15 +109,15 @@ def test_decode_steps_never_wait_for_the_gpu(case):
             return step()
         finally:
             torch.cuda.set_sync_debug_mode("default")
-            checked.append(len(runner._graphs._graphs) if runner._graphs else 0)
+            checked.append(sum(len(r._graphs._graphs) for r in runners if r._graphs))
 
-    runner.decode_hooks.append(no_waits)
+    hooks.decode_hooks.append(no_waits)
     tokens, plans = stepped(engine, prompts)
     assert tokens == expected
     assert len(checked) >= 20 and set(checked) == {checked[0]}  # no step captured a graph
     if options.get("offload"):
         assert plans[0].head_map.count("stream") > 0
-        assert plans[0].staging.piece_pages < engine.batch.spec.pages_for(900 + 64)
+        assert plans[0].staging.piece_pages < engine.lanes.spec.pages_for(900 + 64)
 
 
 def test_paged_paths_on_gpu_match_reference():
@@ -155,8 +163,9 @@ def test_streamed_heads_on_gpu_equal_resident(arena_kib, pieces):
     tokens, plans = stepped(streamed, prompts)
     assert tokens == expected
     plan = plans[0]  # the long one first: heads stream
-    assert plan.head_map.count("stream") > 0 and streamed.batch.runner.host.data.is_pinned()
-    total = streamed.batch.spec.pages_for(900 + 64)
+    host = streamed.lanes.lane("offload").runner.host
+    assert plan.head_map.count("stream") > 0 and host.data.is_pinned()
+    total = streamed.lanes.spec.pages_for(900 + 64)
     assert (plan.staging.piece_pages < total) == pieces
     gap = streamed.logits(prompts[0].tolist()) - resident.logits(prompts[0].tolist())
     assert gap.abs().max().item() < 1e-3
@@ -192,9 +201,10 @@ def test_hybrid_window_kept_on_gpu_equals_staged(share):
     kept = make_engine(model, **options)
     staged = make_engine(model, window_on_gpu=False, **options)
     assert greedy(kept, [prompt]) == greedy(staged, [prompt])
-    counters = kept.batch.runner.site.counters
-    assert kept.batch.runner.plan.gpu_window is not None and counters.window_fill_pages > 0
-    assert (counters.staged_entry_pages == 0) == (share == 1.0)
+    lane = kept.load().lane("offload")
+    counters = lane.counters
+    assert lane.plan.gpu_window is not None and counters["window_fill_pages"] > 0
+    assert (counters["staged_entry_pages"] == 0) == (share == 1.0)
 
 
 @pytest.mark.parametrize("offload", ["none", "head", "hybrid"])
@@ -276,8 +286,7 @@ def test_requests_arriving_and_aborted_between_graph_steps(options):
         if step > 9 and not engine.has_unfinished():
             break
     assert [finals[i] for i in range(4)] == expected
-    blocks = engine.batch.scheduler.blocks
-    assert all(pool.num_free == pool.num_pages for pool in blocks.pools.values())
+    assert all(lane.gpu_pages_used == lane.host_pages_used == 0 for lane in engine.load().lanes)
 
 
 def test_call_ms_times_the_device_not_the_host_issuing():

@@ -57,6 +57,7 @@ def test_offloaded_budget_entries_on_gpu_equal_the_resident_budget(policy, min_r
     lengths (by the page kernel; with ``min_run`` by the copy engine over runs of adjacent
     host pages, and at 2 by both in one step), in a batch of two: the same tokens as every
     entry resident."""
+    from headspace.engine.hooks import EngineHooks
     from headspace.planner.sparsity import gathered_bytes
     from headspace.tiers.entry_staging import EntryStaging
 
@@ -68,17 +69,22 @@ def test_offloaded_budget_entries_on_gpu_equal_the_resident_budget(policy, min_r
     options = {"dtype": "float32", "kv_budget": 0.25, "kv_policy": policy}
     resident = make_engine(model, **options)
     expected = greedy(resident, prompts)
-    spec, cfg = resident.batch.spec, model.config
+    spec, cfg = resident.lanes.spec, model.config
     pages = spec.pages_for(900 + 64)  # half the entries of the longer request, two slots
     gathered = gathered_bytes(spec.num_kv_heads, cfg.num_queries_per_kv, spec.head_dim, 4,
-                              resident.batch.max_context)  # fmt: skip
+                              resident.max_context)  # fmt: skip
     plane = spec.num_entries // 2 * pages + 2 * spec.num_kv_heads * pages + 1
-    offloaded = make_engine(model, gpu_memory=arena_budget(model, plane * spec.entry_page_bytes
-                                                        + gathered), **options)  # fmt: skip
-    runner, plans = offloaded.batch.runner, []
-    apply = runner.apply
-    runner.apply = lambda plan: (plans.append(plan), apply(plan))[1]
+    plans = []
+
+    def seen(name: str) -> None:  # the layout in force as each step starts
+        plans.append(offloaded.load().lane(name).plan)
+
+    offloaded = make_engine(model, EngineHooks(lane_step=seen),
+                            gpu_memory=arena_budget(model, plane * spec.entry_page_bytes
+                                                    + gathered), **options)  # fmt: skip
+    runner = offloaded.lanes.resident.runner  # (per-entry pages: one lane)
     assert greedy(offloaded, prompts) == expected
+    plans = [plan for plan in plans if plan is not None]
     assert max(p.head_map.count("stream") for p in plans) > 0 and runner.host.data.is_pinned()
     paths = {None: (False, True), 1: (True, False), 2: (True, True)}[min_run]  # (runs, kernel)
     staged = runner.site.counters  # pages staged by the copy engine and by the kernel

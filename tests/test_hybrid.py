@@ -8,6 +8,7 @@ import math
 import pytest
 import torch
 
+from conftest import plan_of
 from headspace import SamplingParams, UserError
 from headspace.engine.hooks import EngineHooks
 from headspace.planner.memory import balanced_share
@@ -37,16 +38,16 @@ def cpu_tokens(timings) -> int:
 
 def decode_logits(llm, prompt: list[int], steps: int) -> torch.Tensor:
     """fp32 logits ``[steps - 1, vocab]`` of each greedy decode step."""
-    runner, seen = llm.engine.batch.runner, []
+    hooks, seen = llm.engine.lanes.hooks, []  # (every lane's runner runs them)
 
     def recording(seq_ids, step):
         logits, slots = step()
         seen.append(logits.clone())
         return logits, slots
 
-    runner.decode_hooks.append(recording)
+    hooks.decode_hooks.append(recording)
     llm.generate(prompt, SamplingParams(max_new_tokens=steps, ignore_eos=True))
-    runner.decode_hooks.remove(recording)
+    hooks.decode_hooks.remove(recording)
     return torch.cat(seen)
 
 
@@ -67,7 +68,7 @@ def test_hybrid_equals_all_resident(wide_llama, prompt, cpu_timings, arena_kib, 
                hooks=EngineHooks(cpu_timings=cpu_timings), **options)  # fmt: skip
     out = llm.generate(prompt, GREEDY)[0]
     assert out.token_ids == expected
-    plan = llm.engine.batch.runner.plan
+    plan = plan_of(llm)
     assert plan.offload == "hybrid" and plan.head_map.count("stream") == 0
     assert out.stats.num_hybrid_heads == plan.head_map.count("hybrid") > 0
     assert f"{out.stats.num_hybrid_heads} hybrid" in out.stats.summary()
@@ -104,7 +105,7 @@ def test_the_share_starts_at_the_planners_rates(wide_llama, prompt):
                    hooks=EngineHooks(hardware=hardware, step_clock=frozen_clock))  # fmt: skip
         out = llm.generate(prompt, GREEDY)[0]
         assert out.token_ids == expected
-        shares[name] = llm.engine.batch.runner.plan.cpu_share
+        shares[name] = plan_of(llm).cpu_share
         assert out.stats.cpu_share == pytest.approx(shares[name], abs=1e-6)
         assert f"(CPU share {shares[name]:.2f})" in out.stats.summary()
     assert shares == {"default": pytest.approx(0.5, abs=0.01), "fast CPU": pytest.approx(2 / 3)}
@@ -137,7 +138,7 @@ def test_the_share_is_searched_from_the_steps_times(wide_llama, prompt, cpu_timi
     clock = share_clock(runners, 0.8)
     hooks = EngineHooks(cpu_timings=cpu_timings, step_clock=clock)
     llm = make(wide_llama, arena=700 * 1024, offload="hybrid", gpu_window=16, hooks=hooks)
-    runners.append(llm.engine.batch.runner)
+    runners.append(llm.engine.lanes.lane("offload").runner)
     gap = decode_logits(llm, prompt, 120) - decode_logits(resident, prompt, 120)
     assert gap.abs().max().item() < 1e-4
     search = runners[0].hybrid_share.search
@@ -147,7 +148,7 @@ def test_the_share_is_searched_from_the_steps_times(wide_llama, prompt, cpu_timi
     assert out.stats.cpu_share == pytest.approx(0.8, abs=0.05)
     asked = make(wide_llama, arena=700 * 1024, offload="hybrid", gpu_window=16, cpu_share=0.5,
                  hooks=EngineHooks(step_clock=clock))  # fmt: skip
-    runners[0] = asked.engine.batch.runner
+    runners[0] = asked.engine.lanes.lane("offload").runner
     assert asked.generate(prompt, GREEDY)[0].stats.cpu_share == 0.5
     assert runners[0].hybrid_share.search is None
 
@@ -160,7 +161,7 @@ def test_a_short_generation_runs_at_the_start_and_reports_it(wide_llama, prompt)
     clock = share_clock(runners, 0.8)
     llm = make(wide_llama, arena=700 * 1024, offload="hybrid", gpu_window=16,
                hooks=EngineHooks(step_clock=clock))  # fmt: skip
-    runners.append(llm.engine.batch.runner)
+    runners.append(llm.engine.lanes.lane("offload").runner)
     params = SamplingParams(max_new_tokens=12, ignore_eos=True)
     share = llm.generate(prompt, params)[0].stats.cpu_share
     start = runners[0].plan.cpu_share
@@ -182,7 +183,7 @@ def test_a_prefill_between_steps_is_not_timed(wide_llama, prompt):
 
     llm = make(wide_llama, arena=700 * 1024, offload="hybrid", gpu_window=16,
                hooks=EngineHooks(step_clock=clock))  # fmt: skip
-    runners.append(llm.engine.batch.runner)
+    runners.append(llm.engine.lanes.lane("offload").runner)
     engine = llm.engine
     engine.add_request(prompt, SamplingParams(max_new_tokens=24, ignore_eos=True))
     for _ in range(6):

@@ -94,7 +94,7 @@ def test_host_pages_leave_room_for_the_boxes(tiny_llama, query_blocks):
     pages and the boxes of their keys stay within it; without, all of it."""
     llm = make(tiny_llama, arena=700 * 1024, host_memory="64MB", offload="hybrid",
                gpu_window=16, cpu_sparsity=1.0, cpu_query_blocks=query_blocks)  # fmt: skip
-    host = llm.engine.batch.runner.host
+    host = llm.engine.lanes.lane("offload").runner.host
     boxes = box_bytes_per_kv_byte(4) if query_blocks else 0.0
     assert host.budget == (64_000_000 * 16 // 17 if query_blocks else 64_000_000)
     assert 64_000_000 - 1 <= host.budget * (1 + boxes) <= 64_000_000

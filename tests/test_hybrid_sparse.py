@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from conftest import plan_of
 from headspace import SamplingParams, UserError
 from headspace.attention.paged import paged_token_probs
 from headspace.attention.reference import reference_attention
@@ -120,16 +121,24 @@ def test_a_first_selection_takes_the_most_any_prompt_query_gives():
 def test_the_prompt_queries_of_every_hybrid_layer_reach_the_first_selection(wide_llama, prompt):
     """Through the engine: once the prompt is prefilled, the selector holds its last 32
     queries for every layer with hybrid heads; the first decode step takes them all."""
-    llm = make(wide_llama, arena=700 * 1024, cpu_sparsity=1.0, **SPARSE)
-    engine = llm.engine
-    engine.add_request(prompt, SamplingParams(max_new_tokens=8, ignore_eos=True))
-    runner = engine.batch.runner
-    held = {}
-    while engine.has_unfinished():
-        engine.step()
+    held, tiers = {}, []
+
+    def look(name: str) -> None:  # on the offload lane's thread, before each of its steps
+        runner = llm.engine.lanes.lane(name).runner
         tier = next((t for t in runner.tiers if getattr(t, "sparse", None)), None)
         if tier is not None and any(tier.sparse.observed.values()):  # the last step with them
-            held = {seq: dict(layers) for seq, layers in tier.sparse.observed.items()}
+            held.clear()
+            held.update({seq: dict(layers) for seq, layers in tier.sparse.observed.items()})
+            tiers[:] = [tier]
+
+    llm = make(wide_llama, arena=700 * 1024, cpu_sparsity=1.0, hooks=EngineHooks(lane_step=look),
+               **SPARSE)  # fmt: skip
+    engine = llm.engine
+    engine.add_request(prompt, SamplingParams(max_new_tokens=8, ignore_eos=True))
+    while engine.has_unfinished():
+        engine.step()
+    runner = engine.lanes.lane("offload").runner  # (the prompt fits only with heads offloaded)
+    tier = tiers[0]
     head_map = runner.plan.head_map
     layers = [layer for layer in range(head_map.num_layers) if head_map.offloaded_groups(layer)]
     assert len(held) == 1 and sorted(next(iter(held.values()))) == layers
@@ -300,7 +309,7 @@ def _timed_run(checkpoint, prompt, timings, **options):
     llm = make(checkpoint, arena=700 * 1024, hooks=EngineHooks(cpu_timings=timings),
                **SPARSE, **options)  # fmt: skip
     out = llm.generate(prompt, GREEDY)[0]
-    head_map = llm.engine.batch.runner.plan.head_map
+    head_map = plan_of(llm).head_map
     layers = [layer for layer in range(head_map.num_layers) if head_map.offloaded_groups(layer)]
     return len(out.token_ids) - 1, len(layers)
 

@@ -9,6 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from conftest import plan_of
 from headspace import SamplingParams, UserError
 from headspace.engine.hooks import EngineHooks
 from headspace.kv.host_store import HostKVArena
@@ -20,7 +21,10 @@ from test_offload import PAGE, _prompts, make
 
 
 def _counters(llm):
-    return llm.engine.batch.runner.site.counters
+    """What the offload lane's tiers copied so far."""
+    from types import SimpleNamespace
+
+    return SimpleNamespace(**llm.engine.load().lane("offload").counters)
 
 
 @pytest.mark.parametrize(
@@ -40,15 +44,15 @@ def test_window_on_gpu_gives_the_logits_of_staging_it(wide_llama, prompt, cpu_ti
                 hooks=EngineHooks(cpu_timings=cpu_timings), **options)  # fmt: skip
     gap = decode_logits(kept, prompt, 64) - decode_logits(staged, prompt, 64)
     assert gap.abs().max().item() < 1e-4  # every decode step, 150 to 214 tokens
-    plan = kept.engine.batch.runner.plan
-    assert plan.gpu_window is not None and staged.engine.batch.runner.plan.gpu_window is None
+    plan = plan_of(kept)
+    assert plan.gpu_window is not None and plan_of(staged).gpu_window is None
     assert plan.head_map.count("hybrid") > 0
     ours, theirs = _counters(kept), _counters(staged)
     assert ours.window_fill_pages > 0  # filled once from host pages
     # what crossed to the GPU for each hybrid entry, over the prompt's 64 decode steps
     per_entry = [
         (c.staged_entry_pages + c.window_fill_pages) / llm_plan.head_map.count("hybrid")
-        for c, llm_plan in ((ours, plan), (theirs, staged.engine.batch.runner.plan))
+        for c, llm_plan in ((ours, plan), (theirs, plan_of(staged)))
     ]
     assert per_entry[0] < per_entry[1]
     assert sum(call.tokens for call in cpu_timings.calls) > 0
@@ -58,12 +62,13 @@ def test_only_the_older_part_streams_once_the_window_is_filled(wide_llama, promp
     """With the CPU taking all before the window, a step stages nothing: after the first
     step's fill, only the query and the CPU's result cross to the GPU."""
     llm = make(wide_llama, arena=700 * 1024, offload="hybrid", cpu_share=1.0, gpu_window=40)
-    counters, params = _counters(llm), SamplingParams(max_new_tokens=40, ignore_eos=True)
+    params = SamplingParams(max_new_tokens=40, ignore_eos=True)
     llm.generate(prompt, params)
-    filled = counters.window_fill_pages
-    hybrid = llm.engine.batch.runner.plan.head_map.count("hybrid")
+    filled = _counters(llm).window_fill_pages
+    hybrid = plan_of(llm).head_map.count("hybrid")
     assert filled == hybrid * (-(-150 // PAGE) - (150 - 40) // PAGE)  # pages 6..9, once
     llm.generate(prompt, params)
+    counters = _counters(llm)
     assert counters.staged_entry_pages == 0
     assert counters.window_fill_pages == 2 * filled  # one fill per request, not per step
 
@@ -89,11 +94,11 @@ def test_sparse_mode_selects_the_same_with_the_window_on_gpu(wide_llama, prompt)
                "cpu_sparsity": 1.0}  # fmt: skip
     kept = make(wide_llama, arena=700 * 1024, **options)
     kept_logits = decode_logits(kept, prompt, 48)
-    plan = kept.engine.batch.runner.plan
+    plan = plan_of(kept)
     staged = make(wide_llama, arena=700 * 1024 - plan.gpu_window.num_bytes,
                   window_on_gpu=False, **options)  # fmt: skip
     gap = kept_logits - decode_logits(staged, prompt, 48)
-    assert staged.engine.batch.runner.plan.head_map == plan.head_map
+    assert plan_of(staged).head_map == plan.head_map
     assert gap.abs().max().item() < 1e-4
     assert _counters(kept).window_fill_pages > 0
 

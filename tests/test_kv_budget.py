@@ -9,10 +9,12 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from conftest import plan_of
 from headspace import SamplingParams, UserError
 from headspace.attention.entry_decode import entry_decode
 from headspace.attention.reference import reference_attention
 from headspace.budgets import POLICIES, KVBudget, kept_positions, observation_scores
+from headspace.engine.hooks import EngineHooks
 from headspace.kv.block_table import PoolLayout
 from headspace.kv.entry_table import EntryBlockManager
 from headspace.kv.page_pool import OutOfPages
@@ -222,7 +224,7 @@ def test_a_small_budget_holds_fewer_pages_and_batches_equal_one_at_a_time(tiny_l
     params = SamplingParams(max_new_tokens=24, ignore_eos=True)
     llm = make(tiny_llama, kv_budget=0.25)
     alone = [llm.generate(p, params)[0] for p in prompts]
-    kept = {e.budget for e in llm.engine.batch.runner.plan.head_map.entries}
+    kept = {e.budget for e in plan_of(llm).head_map.entries}
     assert kept == {KVBudget(0.25).tokens(len(prompts[-1]))}  # the last request's, not the first
     together = llm.generate(prompts, params)
     assert [o.token_ids for o in together] == [o.token_ids for o in alone]
@@ -303,10 +305,14 @@ def test_offloaded_entries_equal_the_all_resident_budget(tiny_llama, policy, min
     params = SamplingParams(max_new_tokens=30, ignore_eos=True)
     resident = make(tiny_llama, kv_budget=0.25, kv_policy=policy)
     want = [resident.generate(p, params)[0].token_ids for p in prompts]
-    llm = make(tiny_llama, _entry_arena(tiny_llama, spec, 80), kv_budget=0.25, kv_policy=policy)
-    runner, plans, streamed = llm.engine.batch.runner, [], []
-    apply = runner.apply
-    runner.apply = lambda plan: (plans.append(plan), apply(plan))[1]
+    plans, streamed = [], []
+
+    def seen(name: str) -> None:  # the layout in force as each step starts
+        plans.append(llm.engine.load().lane(name).plan)
+
+    llm = make(tiny_llama, _entry_arena(tiny_llama, spec, 80), kv_budget=0.25, kv_policy=policy,
+               hooks=EngineHooks(lane_step=seen))  # fmt: skip
+    runner = llm.engine.lanes.resident.runner  # (per-entry pages: one lane)
 
     def recording(seq_ids, step):
         result = step()
@@ -323,9 +329,9 @@ def test_offloaded_entries_equal_the_all_resident_budget(tiny_llama, policy, min
     runner.decode_hooks.append(recording)
     outs = llm.generate(prompts, params)
     assert [o.token_ids for o in outs] == want
-    offloaded = [p.head_map.count("stream") for p in plans]
+    offloaded = [p.head_map.count("stream") for p in plans if p is not None]
     assert max(offloaded) > 0
-    assert all(p.entry_staging > 0 for p in plans if p.head_map.count("stream"))
+    assert all(p.entry_staging > 0 for p in plans if p and p.head_map.count("stream"))
     kept_bytes = 50 * spec.entry_token_bytes  # an entry's 0.25 of 200 tokens
     assert kept_bytes <= max(streamed) < spec.num_entries * 230 * spec.entry_token_bytes
     if policy == "snapkv":  # an even budget's staging is small: sequences share the steps
@@ -381,7 +387,7 @@ def test_decode_graphs_follow_the_tiers_when_a_layout_comes_back(tiny_llama):
     arena = _entry_arena(tiny_llama, spec, 80)
     fresh = make(tiny_llama, arena, **options).generate(short, params)[0].token_ids
     llm = make(tiny_llama, arena, **options)
-    runner = llm.engine.batch.runner
+    runner = llm.engine.lanes.resident.runner  # (per-entry pages: one lane)
     assert llm.generate(short, params)[0].token_ids == fresh
     first = runner._graphs
     for prompt in long:

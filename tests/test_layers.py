@@ -98,3 +98,54 @@ def test_benchmarks_import_only_names_that_exist():
                     except ImportError:
                         missing.append(f"{path.name}:{node.lineno} {node.module}.{alias.name}")
     assert not missing, "\n".join(missing)
+
+
+# the runner's methods that change a lane's layout: its step plan's executor calls them
+LAYOUT_METHODS = ("_apply", "_lay_out", "_lay_out_plan", "_resize", "_grow_host", "_swap")
+# the tier modes' options: the engine reads them through engine/config.py's helpers only
+MODE_FLAGS = ("per_head_pages", "cpu_sparsity", "kv_budget", "retrieval_heads",
+              "sparse_pattern", "kv_policy", "kv_pool", "cpu_query_blocks", "maw_alpha",
+              "window_on_gpu", "gpu_window", "hybrid_cpu_share", "cpu_threads",
+              "head_group")  # fmt: skip
+
+
+def _attributes(path: Path) -> list[tuple[int, str, str]]:
+    """(line, attribute, the expression it is read on) of every ``x.attribute`` in ``path``."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Attribute):
+            found.append((node.lineno, node.attr, ast.unparse(node.value)))
+    return found
+
+
+def test_only_the_runner_changes_its_layout_and_only_a_lane_asks_it():
+    """A lane's layout changes only through its runner's ``prepare(step plan)`` (the
+    plan's layout, resize, host pages and page copies), which only ``engine/lane.py`` and
+    ``engine/lanes.py`` (teacher forcing, a benchmark's prepared lane) call; the runner's
+    layout methods are its own; a part of the arena is rebound only by the lanes."""
+    wrong = []
+    for path in PACKAGE.rglob("*.py"):
+        name = path.relative_to(PACKAGE).as_posix()
+        for line, attribute, owner in _attributes(path):
+            outside = name != "engine/paged_runner.py"
+            if attribute in LAYOUT_METHODS and outside and "runner" in owner:
+                wrong.append(f"{name}:{line} {owner}.{attribute}")
+            lanes = ("engine/lane.py", "engine/lanes.py")
+            if attribute == "prepare" and "runner" in owner and name not in lanes:
+                wrong.append(f"{name}:{line} {owner}.prepare")
+            if attribute == "rebind" and "runner" in owner and name != "engine/lanes.py":
+                wrong.append(f"{name}:{line} {owner}.rebind")
+    assert not wrong, "\n".join(wrong)
+
+
+def test_no_engine_module_but_its_config_names_a_tier_mode():
+    """Tier modes (per-entry pages, the sparse hybrid mode, budgets, patterns, the hybrid
+    tier's settings) are decided behind the tier contract and engine/config.py's helpers:
+    no other module of engine/ names their options."""
+    named = []
+    for path in (PACKAGE / "engine").glob("*.py"):
+        if path.name == "config.py":
+            continue
+        text = path.read_text()
+        named += [f"engine/{path.name}: {flag}" for flag in MODE_FLAGS if flag in text]
+    assert not named, "\n".join(named)

@@ -9,8 +9,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from conftest import plan_of, pools_back, ran_in
 from headspace import LLM, SamplingParams, UserError
-from headspace.engine.scheduler import Sequence
+from headspace.engine.step_plan import Sequence
 from headspace.kv.spec import KVSpec
 from headspace.model.config import load_config
 from headspace.planner.memory import decode_bytes, weight_bytes, working_bytes
@@ -42,10 +43,10 @@ GREEDY = SamplingParams(max_new_tokens=64, ignore_eos=True)
 def test_short_prompt_under_a_small_budget_runs_all_resident(tiny_llama, spec, prompt):
     """The budget cannot hold the model's 512-token context, but the request fits."""
     llm = make(tiny_llama, arena=12 * spec.full_page_bytes)
-    generator = llm.engine.batch
-    assert generator.plan([Sequence(0, [1], 512)]).staging is not None  # max context streams
+    whole = llm.engine.lanes.whole  # the planner of the whole arena
+    assert whole.plan([Sequence(0, [1], 512)]).staging is not None  # max context streams
     out = llm.generate(prompt[:40], SamplingParams(max_new_tokens=20, ignore_eos=True))[0]
-    assert generator.runner.plan.head_map.count("stream") == 0
+    assert plan_of(llm).head_map.count("stream") == 0 and out.stats.lane == "resident"
     assert (out.stats.num_gpu_heads, out.stats.num_streamed_heads) == (6, 0)
     assert "heads 6 resident / 0 streamed" in out.stats.summary()
 
@@ -68,13 +69,13 @@ def test_streamed_heads_equal_all_resident(wide_llama, prompt, arena_kib, option
     assert (llm.logits(prompt) - logits).abs().max().item() <= 1e-5
     out = llm.generate(prompt, GREEDY)[0]
     assert out.token_ids == tokens
-    plan = llm.engine.batch.runner.plan
+    plan = plan_of(llm)
     assert plan.head_map.count("gpu") == resident == out.stats.num_gpu_heads
     assert out.stats.num_streamed_heads == 32 - resident
     assert plan.staging.depth == depth
-    pages = llm.engine.batch.spec.pages_for(len(prompt) + GREEDY.max_new_tokens)
+    pages = llm.engine.lanes.spec.pages_for(len(prompt) + GREEDY.max_new_tokens)
     assert (plan.staging.piece_pages < pages) == pieces
-    stream = next(e for e in llm.engine.batch.runner.tiers if isinstance(e, StreamedTier))
+    stream = next(e for e in ran_in(llm).runner.tiers if isinstance(e, StreamedTier))
     # what a graph's step is weighed by: the map's streamed entries and groups
     assert (stream.num_heads, stream.num_groups) == (
         32 - resident,
@@ -105,8 +106,9 @@ def _prompts(lengths, seed=0):
 
 
 def test_batch_with_streamed_heads_equals_one_at_a_time(tiny_llama, spec):
-    """A long request streams; short ones run in its batch: they add little PCIe traffic, so
-    the predicted throughput of running them together is higher."""
+    """The arena holds 4 pages of 16 tokens: the requests that fit it alone (12 and 7
+    tokens, with their 40 new ones) run all resident in the resident lane, the others
+    stream heads in the offload lane beside them; every output equals its run alone."""
     prompts = _prompts([180, 12, 30, 7, 25])
     params = SamplingParams(max_new_tokens=40, ignore_eos=True)
     resident = make(tiny_llama)
@@ -114,10 +116,11 @@ def test_batch_with_streamed_heads_equals_one_at_a_time(tiny_llama, spec):
     llm = make(tiny_llama, arena=60 * 1024)
     outs = llm.generate(prompts, params)
     assert [o.token_ids for o in outs] == expected
-    # the 12- and 30-token requests would fit the GPU alone: they streamed as part of a batch
-    assert all(o.stats.num_streamed_heads > 0 for o in outs[:3])
-    blocks = llm.engine.batch.scheduler.blocks
-    assert all(pool.num_free == pool.num_pages for pool in blocks.pools.values())
+    lanes = ["offload", "resident", "offload", "resident", "offload"]
+    assert [o.stats.lane for o in outs] == lanes
+    assert all((o.stats.num_streamed_heads > 0) == (lane == "offload")
+               for o, lane in zip(outs, lanes, strict=True))  # fmt: skip
+    assert pools_back(llm.engine)
 
 
 def test_prefix_sharing_with_streamed_heads(tiny_llama):
@@ -145,8 +148,7 @@ def test_swap_out_and_in_keeps_outputs_identical(tiny_llama):
     assert [o.token_ids for o in outs] == expected
     assert sum(o.stats.num_swaps for o in outs) > 0
     assert all(o.stats.num_streamed_heads == 0 for o in outs)
-    blocks = llm.engine.batch.scheduler.blocks
-    assert all(pool.num_free == pool.num_pages for pool in blocks.pools.values())
+    assert pools_back(llm.engine)
 
 
 def test_a_swap_beyond_the_host_budget_is_refused_and_the_engine_goes_on(tiny_llama, spec):
@@ -157,8 +159,7 @@ def test_a_swap_beyond_the_host_budget_is_refused_and_the_engine_goes_on(tiny_ll
     llm = make(tiny_llama, num_kv_pages=12, host_memory=3 * spec.full_page_bytes)
     with pytest.raises(UserError, match=r"no host pages for a swapped-out .* host budget"):
         llm.generate(prompts, params)
-    blocks = llm.engine.batch.scheduler.blocks
-    assert all(pool.num_free == pool.num_pages for pool in blocks.pools.values())
+    assert pools_back(llm.engine)
     short = SamplingParams(max_new_tokens=8, ignore_eos=True)
     expected = make(tiny_llama).generate(prompts[0], short)[0].token_ids
     assert llm.generate(prompts[0], short)[0].token_ids == expected
@@ -180,7 +181,7 @@ def test_embedded_model_with_streamed_heads(embedded_dir):
     reference = LLM(prefill_chunk=128).logits(ids)
     llm = LLM(prefill_chunk=128, gpu_memory="575MB")
     assert (llm.logits(ids) - reference).abs().max().item() <= 1e-4
-    plan = llm.engine.batch.runner.plan
+    plan = llm.engine.load().lane("offload").plan  # (it does not fit the GPU alone)
     assert 0 < plan.head_map.count("gpu") < 90
 
 
@@ -194,7 +195,8 @@ def test_streamed_prefill_sums_in_the_resident_order_where_the_pieces_agree(tiny
 
     streamed = make(tiny_llama, arena=6 * spec.full_page_bytes, offload="layer")
     got = streamed.logits(prompt[:400])
-    tier = next(t for t in streamed.engine.batch.runner.tiers if isinstance(t, StreamedTier))
+    tiers = streamed.engine.lanes.lane("offload").runner.tiers
+    tier = next(t for t in tiers if isinstance(t, StreamedTier))
     assert tier.piece_pages * PAGE < 400  # the prefix spans several staged pieces
     pieces = EngineHooks(prefix_piece=tier.piece_pages * PAGE)
     assert torch.equal(make(tiny_llama, hooks=pieces).logits(prompt[:400]), got)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from conftest import plan_of, ran_in
 from headspace import SamplingParams, UserError
 from headspace.attention.patterns import estimate
 from headspace.attention.reference import reference_attention
@@ -38,8 +39,7 @@ def _profile(path, config) -> str:
 def _oracle_logits(llm, tokens: list[int], prompt_len: int) -> torch.Tensor:
     """fp32 logits ``[tokens - prompt_len + 1, vocab]``: the prompt's last token, then each
     decoded one, through the chunked masked model described in the module doc."""
-    runner = llm.engine.batch.runner
-    model, head_map = runner.model, runner.plan.head_map
+    model, head_map = llm.engine.model, plan_of(llm).head_map
     group = model.config.num_queries_per_kv
     patterns = [
         [Pattern.parse(e.pattern) for e in head_map.layer(layer) for _ in range(group)]
@@ -103,7 +103,7 @@ def _options(pattern: str, policy: str | None, offload: str, profile: str,
 @pytest.mark.parametrize("pattern", PATTERNS)
 def test_pattern_policy_offload_matrix(tiny_llama, tmp_path, pattern, policy, offload):
     exact = make(tiny_llama)
-    config = exact.engine.batch.runner.model.config
+    config = exact.engine.model.config
     profile = _profile(tmp_path / "p.json", config)
     spec = KVSpec.of(load_config(tiny_llama), PAGE, 4)  # fp32
     options = _options(pattern, policy, offload, profile, spec)
@@ -120,14 +120,14 @@ def test_pattern_policy_offload_matrix(tiny_llama, tmp_path, pattern, policy, of
     llm = make(tiny_llama, **options)
     prompt = _prompts([PROMPT], seed=11)[0]
     got, tokens, stats = _engine_logits(llm, prompt)
-    head_map = llm.engine.batch.runner.plan.head_map
+    head_map = plan_of(llm).head_map
     assert (offload == "none") == (head_map.num_offloaded == 0)
     offloaded = [e.pattern for e in head_map.entries if e.tier != "gpu"]
     assert not any(p.startswith("streaming") for p in offloaded)  # rings stay resident
     if own_pages and offloaded:  # host pages hold the offloaded entries' rows, no more
         most = max(sum(e.tier != "gpu" for e in head_map.layer(layer))
                    for layer in range(head_map.num_layers))  # fmt: skip
-        host = llm.engine.batch.runner.host
+        host = ran_in(llm).runner.host
         assert host.rows == most < config.num_kv_heads and host.data.shape[1] == most
     if not own_pages:  # shared pages: offloaded heads attend in full
         assert set(offloaded) <= {"full"}
@@ -161,7 +161,7 @@ def test_prefill_patterns_change_the_prompt_logits(tiny_llama, tmp_path):
     """The oracle would agree with an engine that ignored the patterns only if the masks
     changed nothing: here they do."""
     exact = make(tiny_llama)
-    profile = _profile(tmp_path / "p.json", exact.engine.batch.runner.model.config)
+    profile = _profile(tmp_path / "p.json", exact.engine.model.config)
     prompt = _prompts([PROMPT], seed=11)[0]
     full = _engine_logits(exact, prompt)[0][0]
     for pattern in PATTERNS[1:]:
@@ -171,7 +171,7 @@ def test_prefill_patterns_change_the_prompt_logits(tiny_llama, tmp_path):
 
 def test_embedded_model_with_block_sparse_heads_and_a_budget(embedded_dir, tmp_path):
     exact = make(embedded_dir)
-    config = exact.engine.batch.runner.model.config
+    config = exact.engine.model.config
     profile = _profile(tmp_path / "p.json", config)
     options = _options("block_sparse(1)", "ada_snapkv", "none", profile)  # all resident
     llm = make(embedded_dir, **options)

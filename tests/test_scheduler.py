@@ -3,16 +3,26 @@ decode, prefill in pieces, swap and are aborted."""
 
 from __future__ import annotations
 
-from headspace.engine.scheduler import Scheduler, Sequence
+from headspace.engine.scheduler import Scheduler, SchedulerSettings, Sequence
 from headspace.kv.block_table import GPU, HOST, BlockManager
 
 PAGE = 16
 
 
 def _scheduler(gpu_pages: int, host_pages: int = 0, chunk: int = 64, step_tokens: int = 16,
-               page: int = PAGE) -> Scheduler:  # fmt: skip
+               page: int = PAGE, num_layers: int = 1, attention_prefix: int = 1 << 30,
+               host_limit=None) -> Scheduler:  # fmt: skip
+    """A scheduler over a fixed layout (no planner): its pools as given."""
     blocks = BlockManager(page, gpu_pages, host_pages)
-    return Scheduler(blocks, max_batch=4, num_slots=8, chunk=chunk, step_tokens=step_tokens)
+    settings = SchedulerSettings(
+        max_batch=4,
+        num_slots=8,
+        chunk=chunk,
+        step_tokens=step_tokens,
+        num_layers=num_layers,
+        attention_prefix=attention_prefix,
+    )
+    return Scheduler(blocks, settings, host_limit=host_limit)
 
 
 def _ran(plan) -> None:
@@ -94,9 +104,9 @@ def test_a_waiting_request_aborted_never_runs():
 def test_a_prefilling_prompt_is_never_swapped_out():
     """Optimistic admission: a decoding sequence that needs a page swaps out one past its
     prompt, never the one being prefilled (its pages are being written)."""
-    scheduler = _scheduler(gpu_pages=13, host_pages=16, step_tokens=4, page=4)
+    scheduler = _scheduler(gpu_pages=13, host_pages=16, step_tokens=4, page=4,
+                           host_limit=lambda: 1 << 20)  # fmt: skip
     scheduler.tiers, scheduler.optimistic = (GPU,), True
-    scheduler.grow_host = lambda n: None
     old = Sequence(0, list(range(8)), 40)  # two pages of 4 tokens, one more every 4 tokens
     _until_first_token(scheduler, old)
     new = Sequence(1, list(range(40)), 44)  # ten pages, prefilled 4 tokens a step
@@ -117,8 +127,8 @@ def test_where_the_layout_allows_a_chunk_runs_a_few_layers_a_step_beside_decodin
     shape) and spreads each chunk's layers over steps, as many a step as its prompt work
     allows (the work of the prompt's first ``step_tokens`` tokens through every layer;
     fewer layers as the prefix grows); alone, a chunk takes every layer at once."""
-    scheduler = _scheduler(gpu_pages=64, step_tokens=32)
-    scheduler.num_layers, scheduler.attention_prefix, scheduler.layer_slices = 8, 64, True
+    scheduler = _scheduler(gpu_pages=64, step_tokens=32, num_layers=8, attention_prefix=64)
+    scheduler.layer_slices = True
     first = Sequence(0, list(range(100)), 400)
     plans = _until_first_token(scheduler, first)
     assert [p.prefill.layers for p in plans] == [(0, 8), (0, 8)]  # alone: whole chunks
@@ -137,8 +147,8 @@ def test_where_the_layout_allows_a_chunk_runs_a_few_layers_a_step_beside_decodin
 
 
 def test_an_abort_part_way_through_a_chunks_layers_starts_the_next_prompt_afresh():
-    scheduler = _scheduler(gpu_pages=64, step_tokens=16)
-    scheduler.num_layers, scheduler.layer_slices = 4, True
+    scheduler = _scheduler(gpu_pages=64, step_tokens=16, num_layers=4)
+    scheduler.layer_slices = True
     first = Sequence(0, list(range(20)), 40)
     _until_first_token(scheduler, first)
     long, short = Sequence(1, list(range(100)), 110), Sequence(2, list(range(30)), 40)
@@ -169,8 +179,8 @@ def test_deep_in_a_long_prompt_a_chunk_is_halved_until_one_layer_fits_a_step():
     prompt work is halved (down to a page), so that no step carries more than its work;
     halved pieces are not the recurring shape (they run the shape compiled for any
     length)."""
-    scheduler = _scheduler(gpu_pages=128, step_tokens=16)
-    scheduler.num_layers, scheduler.attention_prefix, scheduler.layer_slices = 2, 16, True
+    scheduler = _scheduler(gpu_pages=128, step_tokens=16, num_layers=2, attention_prefix=16)
+    scheduler.layer_slices = True
     first = Sequence(0, list(range(20)), 200)
     _until_first_token(scheduler, first)
     long = Sequence(1, list(range(256)), 260)
@@ -206,8 +216,8 @@ def test_a_short_prompt_beside_decoding_ones_is_not_halved_for_tokens_it_lacks()
 def test_where_the_prefix_streams_a_chunk_is_never_halved():
     """A streamed layout stages each piece's whole prefix from host pages: halving would
     multiply what crosses PCIe, so chunks keep their size (a layer a step deep in)."""
-    scheduler = _scheduler(gpu_pages=128, step_tokens=16)
-    scheduler.num_layers, scheduler.attention_prefix, scheduler.layer_slices = 2, 16, True
+    scheduler = _scheduler(gpu_pages=128, step_tokens=16, num_layers=2, attention_prefix=16)
+    scheduler.layer_slices = True
     scheduler.prefix_streams = True
     _until_first_token(scheduler, Sequence(0, list(range(20)), 200))
     plans = _until_first_token(scheduler, Sequence(1, list(range(256)), 260))

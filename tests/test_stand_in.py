@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from conftest import plan_of
 from headspace import SamplingParams
 from headspace.engine.hooks import EngineHooks
 from headspace.eval.profile import kept_counts
@@ -23,7 +24,7 @@ def _lengths_per_step(llm, prompt: list[int], steps: int) -> tuple[list[list[int
     """Each step's entry lengths of ``prompt``'s sequence once compressed, and its tokens."""
     engine = llm.engine
     request = engine.add_request(prompt, SamplingParams(max_new_tokens=steps, ignore_eos=True))
-    entries, lengths, tokens = engine.batch.scheduler.blocks.entries, [], []
+    entries, lengths, tokens = engine.lanes.resident.scheduler.blocks.entries, [], []
     while engine.has_unfinished():
         for output in engine.step():
             tokens = output.token_ids
@@ -49,7 +50,7 @@ def test_a_stand_in_prompt_keeps_the_given_counts(tiny_llama, tmp_path, budget, 
                     "sparse_pattern": "streaming(4,16)"}  # fmt: skip
     llm = make(tiny_llama, **options, hooks=EngineHooks(prompt_stand_in=lambda ids: kept.tolist()))
     lengths, tokens = _lengths_per_step(llm, prompt, 5)
-    head_map = llm.engine.batch.runner.plan.head_map
+    head_map = plan_of(llm).head_map
     rings = [head_map.entry(layer, h).pattern.startswith("streaming")
              for layer in range(cfg.num_layers) for h in range(cfg.num_kv_heads)]  # fmt: skip
     assert any(rings) == streaming
@@ -68,7 +69,7 @@ def test_kept_counts_measured_apart_are_what_the_engine_keeps(tiny_llama, budget
     prompt = _prompts([150], seed=6)[0]
     llm = make(tiny_llama, kv_budget=budget, kv_policy="ada_snapkv")
     lengths, _ = _lengths_per_step(llm, prompt, 2)
-    want = kept_counts(llm.engine.model, prompt, llm.engine.batch.runner.budget)
+    want = kept_counts(llm.engine.model, prompt, llm.engine.lanes.resident.runner.budget)
     assert lengths[0] == want.flatten().tolist()
     assert len(set(lengths[0])) > 1  # the policy's heads differ
 
@@ -90,7 +91,7 @@ def test_a_stand_in_prompt_decodes_in_every_tier(wide_llama, prompt, arena_kib, 
     llm = make(wide_llama, arena, hooks=hooks, **options)
     out = llm.generate(prompt, SamplingParams(max_new_tokens=6, ignore_eos=True))[0]
     assert given == [len(prompt)] and out.token_ids[0] == 0 and len(out.token_ids) == 6
-    assert llm.engine.batch.runner.plan.head_map.count(tier) > 0
+    assert plan_of(llm).head_map.count(tier) > 0
     assert out.stats.prompt_tokens == len(prompt)
 
 

@@ -36,10 +36,15 @@ def _prompts(lengths: list[int], seed: int = 11) -> list[list[int]]:
     return [torch.randint(3, 40000, (n,), generator=generator).tolist() for n in lengths]
 
 
-def _make(checkpoint, arena_kib: int | None = None, **options) -> LLM:
+def budget_for_kib(checkpoint, arena_kib: int) -> int:
+    """The GPU budget whose KV arena is ``arena_kib`` KiB."""
     from test_offload import budget_for
 
-    budget = None if arena_kib is None else budget_for(checkpoint, arena_kib * 1024)
+    return budget_for(checkpoint, arena_kib * 1024)
+
+
+def _make(checkpoint, arena_kib: int | None = None, **options) -> LLM:
+    budget = None if arena_kib is None else budget_for_kib(checkpoint, arena_kib)
     return LLM(str(checkpoint), prefill_chunk=CHUNK, page_size=PAGE, gpu_memory=budget,
                prefill_step_tokens=PAGE, **options)  # fmt: skip
 
@@ -58,8 +63,8 @@ def alone(engines) -> dict[str, list[list[int]]]:
 
 
 def _pools_full(engine: Engine) -> bool:
-    blocks = engine.batch.scheduler.blocks
-    return all(pool.num_free == pool.num_pages for pool in blocks.pools.values())
+    """Every lane's GPU and host pages back in their pools."""
+    return all(lane.gpu_pages_used == lane.host_pages_used == 0 for lane in engine.load().lanes)
 
 
 def drive(engine: Engine, arrivals: list[int], abort: tuple[int, int] | None = None,
@@ -124,6 +129,12 @@ def test_abort_at_any_step_leaves_the_others_and_frees_pages(engines, alone, mod
     assert _pools_full(engine)  # GPU and host pages back in their pools
 
 
+def _piece(engine: Engine, lane: str = "resident"):
+    """The prompt piece ``lane``'s last step ran: (request id, start, end, layers), or None."""
+    step = engine.load().lane(lane).last_step
+    return None if step is None else step["prefill"]
+
+
 def test_a_long_prompt_prefills_between_the_others_tokens(tiny_llama):
     """Two requests decode; a 400-token prompt arrives. The resident layout lets a chunk
     run a few layers a step: its 7 chunks of 64 tokens run about a layer a step (a prompt
@@ -135,14 +146,15 @@ def test_a_long_prompt_prefills_between_the_others_tokens(tiny_llama):
     long_prompt = _prompts([400], seed=4)[0]
     params = SamplingParams(max_new_tokens=60, ignore_eos=True)
     running = [engine.add_request(p, params) for p in short]
-    while not all(engine.batch._by_id[r].seq.output_ids for r in running):
+    while not all(engine.load().request(r).generated_tokens for r in running):
         engine.step()
     four = SamplingParams(max_new_tokens=4, ignore_eos=True)
     long_id = engine.add_request(long_prompt, four)
     others_tokens, long_tokens, part_way = 0, [], 0
     while not long_tokens:
         outputs = {o.request_id: o for o in engine.step()}
-        part_way += engine.batch.scheduler.piece is not None  # a chunk between its layers
+        piece = _piece(engine, "main")
+        part_way += piece is not None and piece[3][1] < 3  # a chunk between its layers
         if long_id in outputs:  # its first token: the prefill is over
             long_tokens = outputs[long_id].new_token_ids
         others_tokens += sum(len(outputs[r].new_token_ids) for r in running if r in outputs)
@@ -155,14 +167,19 @@ def test_a_long_prompt_prefills_between_the_others_tokens(tiny_llama):
     assert _pools_full(engine)
 
 
-def test_a_prompt_that_needs_streaming_moves_the_running_ones_to_a_streamed_layout(tiny_llama):
-    """Two short requests decode in the all-resident layout; a prompt that fits only with
-    heads streamed arrives. The engine lays out for the three at once (the short ones' K/V
-    copied to host pages, their resident heads back to GPU pages) instead of waiting until
-    they end: its first token comes while they still decode, its chunks run a layer or
-    so a step there too (the stream tier stages a slice's layers), and every request's
-    tokens equal its own run alone."""
-    engine = _make(tiny_llama, arena_kib=150, relayout="always").engine  # 11 resident pages
+def _placements(engine: Engine, ids: list[int]) -> list[tuple[str, dict]]:
+    """(lane, placement) of each request of ``ids`` the engine still holds."""
+    load = engine.load()
+    return [(view.lane, view.placement) for i in ids if (view := load.request(i)) is not None]
+
+
+def test_a_prompt_that_needs_streaming_runs_in_the_offload_lane_beside_the_others(tiny_llama):
+    """Two short requests decode all resident; a prompt that fits only with heads streamed
+    arrives. It runs in the offload lane at once, over what the short ones leave of the
+    arena (their pool resized under their pages), while they go on all resident: its first
+    token comes while they still decode, their placement never changes, and every
+    request's tokens equal its own run alone."""
+    engine = _make(tiny_llama, arena_kib=150).engine  # 11 resident pages
     short, long_prompt = _prompts([20, 30], seed=3), _prompts([150], seed=4)[0]
     params = SamplingParams(max_new_tokens=40, ignore_eos=True)
     alone = [engine.run(p, params).token_ids for p in short + [long_prompt]]
@@ -171,115 +188,107 @@ def test_a_prompt_that_needs_streaming_moves_the_running_ones_to_a_streamed_layo
     while not all(tokens.values()):
         for output in engine.step():
             tokens[output.request_id] += output.new_token_ids
-    assert not engine.batch.runner.streaming  # they run all resident
     ids.append(engine.add_request(long_prompt, params))
-    tokens[ids[-1]], first_token_beside, part_way = [], None, 0
+    tokens[ids[-1]], first_token_beside, resized = [], None, False
     while engine.has_unfinished():
-        part_way += engine.batch.scheduler.piece is not None
         for output in engine.step():
             tokens[output.request_id] += output.new_token_ids
             if output.request_id == ids[-1] and first_token_beside is None:
                 first_token_beside = not all(len(tokens[i]) == 40 for i in ids[:2])
-    assert first_token_beside  # it did not wait for the short ones to end
-    assert engine.batch.runner.streaming and part_way >= 4  # 3 chunks of 3 layers
+        short_ones = _placements(engine, ids[:2])
+        assert all(lane == "resident" and placement.get("stream", 0) == 0
+                   for lane, placement in short_ones)  # fmt: skip
+        resized |= engine.load().lane("resident").gpu_pages < 11 and bool(short_ones)
+        long_one = _placements(engine, ids[2:])
+        assert all(lane in ("offload", "queued") for lane, _ in long_one)
+    assert first_token_beside and resized  # it did not wait for the short ones to end
     assert [tokens[i] for i in ids] == alone
+    assert _pools_full(engine) and engine.load().lane("resident").gpu_pages == 11
+
+
+def test_a_short_request_gets_a_token_at_every_resident_step_while_the_offload_lane_is_held(
+    tiny_llama,
+):
+    """The offload lane's steps (its copies, its CPU jobs) never stand between two of a
+    resident request's tokens: with the offload lane held at the start of its steps (a
+    test's hook), the short request decodes one token every engine step to its end; let
+    go, the long one finishes as it runs alone."""
+    import threading
+
+    from headspace.engine.hooks import EngineHooks
+
+    held = threading.Event()
+
+    def lane_step(name: str) -> None:
+        if name == "offload":
+            held.wait(timeout=60)
+
+    budget = budget_for_kib(tiny_llama, 150)
+    llm = LLM(str(tiny_llama), prefill_chunk=CHUNK, page_size=PAGE, gpu_memory=budget,
+              prefill_step_tokens=PAGE, hooks=EngineHooks(lane_step=lane_step))  # fmt: skip
+    engine = llm.engine
+    params = SamplingParams(max_new_tokens=30, ignore_eos=True)
+    short, long_prompt = _prompts([20], seed=3)[0], _prompts([150], seed=4)[0]
+    short_id = engine.add_request(short, params)
+    long_id = engine.add_request(long_prompt, params)
+    gaps, since, long_tokens = [], 0, []
+    while engine.load().request(short_id) is not None:
+        outputs = {o.request_id: o for o in engine.step()}
+        since += 1
+        if short_id in outputs and outputs[short_id].new_token_ids:
+            gaps.append(since)
+            since = 0
+        assert long_id not in outputs  # held: not one step of it
+    assert len(gaps) == 30 and all(gap == 1 for gap in gaps[1:])  # a token every step
+    held.set()
+    while engine.has_unfinished():
+        for output in engine.step():
+            long_tokens += output.new_token_ids if output.request_id == long_id else []
+    assert long_tokens == engine.run(long_prompt, params).token_ids
     assert _pools_full(engine)
 
 
-def test_by_default_a_prompt_that_needs_streaming_waits_while_that_is_slower(tiny_llama):
-    """The default relayout weighs the move: the two short requests decode all resident at
-    a predicted rate the streamed layout for the three would not reach (every step would
-    carry the long prompt's offloaded heads), so the long request waits until they end,
-    then runs with heads streamed; every request's tokens equal its own run alone."""
+def test_the_offload_lane_waits_where_the_others_leave_it_too_little(tiny_llama):
+    """Two short requests hold 14 of the 11 pages they may reach (one is swapped out at
+    times): a long arrival would get less than half the rate of the whole arena beside
+    them, so it waits, and a request that came after it waits too (the resident lane lets
+    it go first); once one short request has ended it starts beside the other. Every
+    request's tokens equal its own run alone."""
     engine = _make(tiny_llama, arena_kib=150).engine  # 11 resident pages of 16 tokens
-    short, long_prompt = _prompts([20, 30], seed=3), _prompts([150], seed=4)[0]
+    short, long_prompt = _prompts([60, 60], seed=3), _prompts([150], seed=4)[0]
+    later = _prompts([20], seed=9)[0]
     params = SamplingParams(max_new_tokens=40, ignore_eos=True)
-    alone = [engine.run(p, params).token_ids for p in short + [long_prompt]]
+    alone = [engine.run(p, params).token_ids for p in short + [long_prompt, later]]
     ids = [engine.add_request(p, params) for p in short]
     tokens: dict[int, list[int]] = {i: [] for i in ids}
     for output in engine.step():
         tokens[output.request_id] += output.new_token_ids
-    ids.append(engine.add_request(long_prompt, params))
-    tokens[ids[-1]], streamed_beside = [], False
+    ids += [engine.add_request(long_prompt, params), engine.add_request(later, params)]
+    tokens.update({ids[2]: [], ids[3]: []})
+    beside = False
     while engine.has_unfinished():
         for output in engine.step():
             tokens[output.request_id] += output.new_token_ids
-        short_running = any(len(tokens[i]) < 40 for i in ids[:2])
-        streamed_beside |= short_running and engine.batch.runner.streaming
-        assert not (short_running and tokens[ids[-1]])  # no token of it while they run
-    assert not streamed_beside and engine.batch.runner.streaming  # it streamed, alone
+        both_short = all(len(tokens[i]) < 40 for i in ids[:2])
+        assert not (both_short and (tokens[ids[2]] or tokens[ids[3]]))
+        long_view, later_view = (engine.load().request(i) for i in ids[2:])
+        if later_view is not None and later_view.state != "waiting":
+            assert long_view is None or long_view.lane == "offload"  # it went first
+        beside |= bool(tokens[ids[2]]) and any(len(tokens[i]) < 40 for i in ids[:2])
+    assert beside
     assert [tokens[i] for i in ids] == alone
     assert _pools_full(engine)
 
 
-def test_swapped_out_requests_move_to_the_streamed_layout_and_run_again(tiny_llama):
-    """Three resident requests outgrow the pool and one is swapped out to host pages; a
-    prompt that fits only with heads streamed arrives. The new layout holds all four: the
-    swapped-out request gets GPU pages beside its host pages and decodes again at once,
-    and every request's tokens equal its own run alone."""
-    engine = _make(tiny_llama, arena_kib=150, relayout="always").engine  # 11 resident pages
-    short, long_prompt = _prompts([40, 41, 42], seed=5), _prompts([150], seed=6)[0]
-    params = SamplingParams(max_new_tokens=40, ignore_eos=True)
-    alone = [engine.run(p, params).token_ids for p in short + [long_prompt]]
-    scheduler = engine.batch.scheduler
-    ids = [engine.add_request(p, params) for p in short]
-    tokens: dict[int, list[int]] = {i: [] for i in ids}
-    while not scheduler.swapped:
-        for output in engine.step():
-            tokens[output.request_id] += output.new_token_ids
-    assert not engine.batch.runner.streaming
-    ids.append(engine.add_request(long_prompt, params))
-    tokens[ids[-1]] = []
-    for output in engine.step():
-        tokens[output.request_id] += output.new_token_ids
-    assert engine.batch.runner.streaming and not scheduler.swapped
-    assert len(scheduler.running) == 4  # the arrival admitted beside all three
-    while engine.has_unfinished():
-        for output in engine.step():
-            tokens[output.request_id] += output.new_token_ids
-    assert [tokens[i] for i in ids] == alone
-    assert _pools_full(engine)
-
-
-def test_once_the_long_request_ends_the_others_move_back_to_the_resident_layout(tiny_llama):
-    """A long arrival moves two decoding requests to a streamed layout; once it ends, the
-    two fit the all-resident layout again and move back (their resident heads copied into
-    their host pages, then every page back into the GPU pool) while they still decode; every
-    request's tokens equal its own run alone and every page is back at the end."""
-    engine = _make(tiny_llama, arena_kib=150, relayout="always").engine  # 11 resident pages
-    # the two short ones fit the pool together (5 pages each), the long one never (12)
-    short, long_prompt = _prompts([10, 12], seed=3), _prompts([150], seed=4)[0]
-    many, few = (SamplingParams(max_new_tokens=n, ignore_eos=True) for n in (60, 30))
-    alone = [engine.run(p, many).token_ids for p in short] + [
-        engine.run(long_prompt, few).token_ids
-    ]
-    ids = [engine.add_request(p, many) for p in short]
-    tokens: dict[int, list[int]] = {i: [] for i in ids}
-    while not all(tokens.values()):
-        for output in engine.step():
-            tokens[output.request_id] += output.new_token_ids
-    ids.append(engine.add_request(long_prompt, few))
-    tokens[ids[-1]], layouts = [], []
-    while engine.has_unfinished():
-        for output in engine.step():
-            tokens[output.request_id] += output.new_token_ids
-        long_done = len(tokens[ids[-1]]) == 30
-        layouts.append((engine.batch.runner.streaming, long_done, len(tokens[ids[0]]) < 60))
-    assert (True, False, True) in layouts  # streamed while the long one ran
-    assert (False, True, True) in layouts  # resident again while the others still decode
-    assert [tokens[i] for i in ids] == alone
-    assert _pools_full(engine)
-
-
-def test_moves_between_layouts_leave_no_cycle_a_frozen_heap_would_keep(tiny_llama):
+def test_lanes_split_and_join_leave_no_cycle_a_frozen_heap_would_keep(tiny_llama):
     """The server freezes the heap after its warm-up (a full collection would walk it
-    between two steps): a frozen object in a reference cycle is never collected, so moves
-    between layouts, which drop what the warm-up's layout made, must free it all by
-    reference counts. Two moves there and back with the collector off: no cycle among what
-    they made or dropped, frozen or not."""
+    between two steps): a frozen object in a reference cycle is never collected, so the
+    arena's splits and joins, which drop what the warm-up's layouts made, must free it all
+    by reference counts. Two splits there and back with the collector off: no cycle among
+    what they made or dropped, frozen or not."""
     import gc
 
-    engine = _make(tiny_llama, arena_kib=150, relayout="always").engine
+    engine = _make(tiny_llama, arena_kib=150).engine
     params = SamplingParams(max_new_tokens=30, ignore_eos=True)
     engine.run(_prompts([20], seed=3)[0], params)  # the warm-up
     gc.collect()
@@ -293,12 +302,12 @@ def test_moves_between_layouts_leave_no_cycle_a_frozen_heap_would_keep(tiny_llam
             for _ in range(3):
                 engine.step()
             engine.add_request(_prompts([150], seed=seed + 1)[0], params)
-            moved = False
+            split = False
             while engine.has_unfinished():
                 engine.step()
-                moved |= engine.batch.runner.streaming
-            assert moved and not engine.batch.runner.streaming  # there and back
-        assert gc.collect() == 0  # nothing of the moves' own in a cycle
+                split |= engine.load().lane("resident").gpu_pages < 11
+            assert split and engine.load().lane("resident").gpu_pages == 11  # there and back
+        assert gc.collect() == 0  # nothing of the splits' own in a cycle
         gc.unfreeze()
         assert gc.collect() == 0  # nor of the warm-up's that they dropped
     finally:
@@ -317,14 +326,15 @@ def test_step_budget_defaults_to_the_pace_of_arrivals_and_to_throughput_for_a_ba
 
     assert (ARRIVING_STEP_TOKENS, AT_ONCE_STEP_TOKENS) == (512, 8192)
     llm = LLM(str(tiny_llama), page_size=PAGE)
-    scheduler, during = llm.engine.batch.scheduler, []
+    scheduler, during = llm.engine.lanes.resident.scheduler, []
     assert scheduler.step_tokens == 512
     llm.engine.generate_batch(_prompts([20, 30]), [GREEDY] * 2,
                               on_finish=lambda: during.append(scheduler.step_tokens))  # fmt: skip
     assert during == [8192, 8192] and scheduler.step_tokens == 512
     assert scheduler.piece_tokens == 8192
     asked = LLM(str(tiny_llama), page_size=PAGE, prefill_step_tokens=40).engine  # whole pages
-    assert asked.batch.scheduler.step_tokens == asked.batch.scheduler.piece_tokens == 32
+    scheduler = asked.lanes.resident.scheduler
+    assert scheduler.step_tokens == scheduler.piece_tokens == 32
     with pytest.raises(UserError, match="prefill_step_tokens must be a positive integer"):
         LLM(str(tiny_llama), prefill_step_tokens=0)
 
@@ -375,5 +385,5 @@ def test_one_step_in_flight_and_a_finished_request_returned_at_once(tiny_llama):
     arrivals = [engine.add_request(p, GREEDY) for p in _prompts([30, 40, 50], seed=7)]
     while engine.has_unfinished():
         engine.step()
-        assert len(engine.batch._reads) <= 1  # the step's own read, at most
+        assert len(engine.lanes.resident._reads) <= 1  # the step's own read, at most
     assert long_request < arrivals[0] and _pools_full(engine)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from conftest import plan_of
 from headspace import SamplingParams, UserError
 from headspace.kv.entry_table import EntryBlockManager
 from headspace.planner.profile import Profile
@@ -35,7 +36,7 @@ def test_a_ring_entry_stops_growing_and_overwrites_its_oldest_window_token():
 
 def _profile(path, llm, seed=0) -> str:
     """A profile of random retrieval scores for ``llm``'s model shape."""
-    config = llm.engine.batch.runner.model.config
+    config = llm.engine.model.config
     scores = torch.rand(config.num_layers, config.num_kv_heads,
                         generator=torch.Generator().manual_seed(seed))  # fmt: skip
     Profile("tiny", config.num_layers, config.num_kv_heads, scores.tolist()).save(path)
@@ -46,7 +47,7 @@ def _masked_logits(llm, tokens: list[int], rings: dict) -> torch.Tensor:
     """fp32 logits ``[tokens, vocab]`` of the model over ``tokens`` in one pass: every head
     attends causally, except that the heads of ``rings`` ``{(layer, kv_head): (sink,
     window)}`` see only keys ``< sink`` or within ``window`` (prompt and decode alike)."""
-    model = llm.engine.batch.runner.model
+    model = llm.engine.model
     positions = torch.arange(len(tokens))
     causal = positions[None, :] <= positions[:, None]  # [queries, keys]
 
@@ -74,7 +75,7 @@ def test_streaming_decode_equals_a_dense_model_masked_to_sink_and_window(tiny_ll
     profile = _profile(tmp_path / "profile.json", exact)
     llm = make(tiny_llama, profile=profile, retrieval_heads=0.5, sparse_pattern="streaming(4,24)")
     out = llm.generate(prompt, SamplingParams(max_new_tokens=steps, ignore_eos=True))[0]
-    head_map = llm.engine.batch.runner.plan.head_map
+    head_map = plan_of(llm).head_map
     rings = {(e.layer, e.kv_head): (4, 24) for e in head_map.entries if e.pattern != "full"}
     assert len(rings) == len(head_map.entries) // 2
     assert {e.budget for e in head_map.entries if e.pattern != "full"} == {28}  # sink + window

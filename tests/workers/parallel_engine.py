@@ -14,7 +14,6 @@ import torch.distributed
 
 from headspace.api import LLM
 from headspace.engine.hooks import EngineHooks
-from headspace.engine.paged_runner import PagedRunner
 from headspace.engine.sampling import SamplingParams
 from headspace.errors import UserError
 from headspace.kv.host_store import HostKVArena
@@ -45,8 +44,6 @@ def _record(cls, name: str, note) -> None:
 
 
 _record(RankBudgetTier, "before_decode", lambda self, *_, **__: WIDTHS.append(self.widest))
-_record(PagedRunner, "swap", lambda self, pairs, to_host: pairs and SWAPS.append(
-    len(pairs) if to_host else -len(pairs)))  # fmt: skip
 _record(
     RankBudgetTier,
     "after_prefill",
@@ -94,9 +91,18 @@ def run_case(case: dict) -> dict:
     twin = deciding_twin(case.get("graph_max_bytes")) if case.get("graph_twin") else None
     refuses = case.get("host_refuses_on_rank") == int(os.environ["RANK"])
     stand_in = case.get("stand_in")  # kept counts per (layer, kv head): prompts not computed
+    engines = []
+
+    def count_swaps(name: str) -> None:  # before each step: the pages the last one swapped
+        step = engines[0].load().lane(name).last_step if engines else None
+        if step is not None:
+            SWAPS.extend(n for n in (step["swap_out"], -step["swap_in"]) if n)
+
     hooks = EngineHooks(graphs=twin, host_arena=RefusingArena if refuses else None,
-                        prompt_stand_in=stand_in and (lambda ids: stand_in))  # fmt: skip
+                        prompt_stand_in=stand_in and (lambda ids: stand_in),
+                        lane_step=count_swaps)  # fmt: skip
     llm = LLM(case["model"], hooks=hooks, **case["options"])
+    engines.append(llm.engine)
     ids = case["prompt"]
     params = SamplingParams(**case["params"])
     logits, outputs, error, after = None, [], None, None
@@ -114,9 +120,8 @@ def run_case(case: dict) -> dict:
     heads = [lay.layer_heads for lay in ranks.layouts]  # every rank's heads per layer
     widths = every_rank(list(WIDTHS))  # step widths (a graph's key: they must agree)
     staged = every_rank(list(STAGED))  # bytes staged from host pages per decode step
-    planner = llm.engine.batch.planner  # the weights every rank's rate predictions weigh
-    weighed = every_rank((planner.weight_bytes, planner.streamed_bytes))
-    runner = llm.engine.batch.runner
+    weighed = every_rank(llm.engine.lanes.rates[:2])  # the weights rate predictions weigh
+    runner = llm.engine.lanes.resident.runner  # (under torchrun: one lane)
     graphs = every_rank(runner.has_graphs)  # decode steps as graphs
     searching = every_rank(runner.hybrid_share.search is not None)  # the hybrid share
     result = {"logits": logits, "tokens": [o.token_ids for o in outputs],
@@ -139,7 +144,7 @@ def run_case(case: dict) -> dict:
 def left(llm: LLM) -> dict:
     """What ``leave()`` (the exit's) does on this rank: the runner's decode graphs freed
     (each twin's ``release``) before the process group is destroyed."""
-    runner = llm.engine.batch.runner
+    runner = llm.engine.lanes.resident.runner
     had = runner.has_graphs
     RELEASED.clear()
     leave()

@@ -19,6 +19,8 @@ from headspace.parallel.config import ENGINE_FIELDS, ParallelConfig
 from headspace.planner.entry_offload import check_offload
 from headspace.planner.memory import WeightMode
 from headspace.planner.plan import OffloadMode
+from headspace.planner.profile import with_patterns
+from headspace.tiers.base import HybridSettings
 
 DType = Literal["float32", "bfloat16", "float16"]
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -29,7 +31,6 @@ KV_POLICIES = get_args(PolicyName)
 # pieces through every layer (each re-reads the prompt's prefix), as vLLM sizes its token
 # budget by usage
 ARRIVING_STEP_TOKENS, AT_ONCE_STEP_TOKENS = 512, 8192
-Relayout = Literal["throughput", "always"]
 
 
 def _option(default, help: str, *, flag: str | None = None, cli_default=None):
@@ -187,12 +188,6 @@ class OffloadConfig:
         "threads in host memory, merged exactly)", flag="offload"
     )  # fmt: skip
     head_group: int | None = _option(None, "kv heads per streamed group (default: the planner's)")
-    relayout: Relayout = _option(
-        "throughput", "a request next in line that fits only with heads offloaded, while "
-        "others run all resident: throughput (they move to a layout that holds it too only "
-        "if the predicted tokens/s does not drop; else it waits until they end), always "
-        "(they move at once: its first token sooner, every step slower)"
-    )  # fmt: skip
     cpu_share: float | None = _option(
         None, "hybrid: share of each offloaded history (before the GPU window) attended by "
         "CPU threads, the rest streamed over PCIe (default: searched from the decode steps' "
@@ -342,6 +337,78 @@ class EngineConfig:
                 raise UserError(f"{name} must be a {kind.__name__}, got {getattr(self, name)!r}")
         if self.budgets.per_head_pages:
             check_offload(self.offload.mode)
+
+    def shares_gpu(self, streamed: bool, ranked: bool) -> bool:
+        """Whether a resident lane and an offload lane run side by side (``engine.lanes``):
+        in one process (not ``ranked``), with resident weights (not ``streamed``), shared
+        pages and a host tier."""
+        return not (streamed or ranked or self.budgets.per_head_pages
+                    or self.offload.mode == "none")  # fmt: skip
+
+    @property
+    def swaps(self) -> bool:
+        """Whether a sequence may be swapped out to host pages in the all-resident layout
+        (a host tier, shared pages)."""
+        return self.offload.mode != "none" and not self.budgets.per_head_pages
+
+    def entry_budget(self) -> KVBudget | None:
+        """What each (layer, kv head) keeps of a prompt (None: everything, exact)."""
+        budgets = self.budgets
+        if budgets.kv_budget is None:
+            return None
+        return KVBudget(budgets.kv_budget, budgets.kv_policy, pool=budgets.kv_pool)
+
+    def hybrid_settings(self) -> HybridSettings:
+        """The hybrid tier's CPU side as these options set it."""
+        offload = self.offload
+        return HybridSettings(offload.cpu_threads, offload.cpu_sparsity, offload.maw_alpha,
+                              offload.gpu_window, offload.cpu_query_blocks)  # fmt: skip
+
+    def offload_plan_options(self) -> dict:
+        """The planner's keywords of the host tier (``plan_batch``'s): its mode, head group,
+        the hybrid tier's CPU share and GPU window."""
+        offload = self.offload
+        return {"offload": offload.mode, "head_group": offload.head_group,
+                "cpu_share": offload.hybrid_cpu_share, "gpu_window": offload.gpu_window,
+                "window_on_gpu": offload.window_on_gpu}  # fmt: skip
+
+    @property
+    def searches_share(self) -> bool:
+        """Whether the hybrid tier's CPU share is searched from the steps' times (not asked
+        for)."""
+        return self.offload.hybrid_cpu_share is None
+
+    def with_patterns(self, head_map, retrieval):
+        """``head_map`` with the profile's retrieval heads (``retrieval [layers][kv heads]``
+        scores) keeping every token and the others the sparse pattern, where asked (else
+        as it is)."""
+        budgets = self.budgets
+        if budgets.retrieval_heads is None:
+            return head_map
+        return with_patterns(head_map, retrieval, budgets.retrieval_heads, budgets.sparse_pattern)
+
+    def prompt_gathers(self) -> tuple[bool, str | None] | None:
+        """What a layer's prefill gathers beside the arena: None (nothing), else (whether
+        KV budgets score the prompt, the pattern of the non-retrieval heads or None)."""
+        budgets = self.budgets
+        if not budgets.per_head_pages and budgets.retrieval_heads is None:
+            return None
+        pattern = None if budgets.retrieval_heads is None else budgets.sparse_pattern
+        return budgets.kv_budget is not None, pattern
+
+    def host_kv_bytes(self, host_bytes: int, box_bytes_per_kv_byte: float) -> int:
+        """Of ``host_bytes``, what KV pages may take: the sparse hybrid mode's key boxes
+        (``box_bytes_per_kv_byte`` of them a KV byte) take the rest."""
+        if self.offload.cpu_sparsity is None or not self.offload.cpu_query_blocks:
+            return host_bytes
+        return int(host_bytes / (1 + box_bytes_per_kv_byte))
+
+    def entries_per_page(self, spec, layout=None) -> int | None:
+        """The (layer, kv head) entries of one page pool where each entry has its own pages
+        (``layout``: one rank's heads), else None: a page holds every entry."""
+        if not self.budgets.per_head_pages:
+            return None
+        return spec.num_entries if layout is None else sum(layout.layer_heads)
 
     @classmethod
     def of(cls, **options) -> EngineConfig:

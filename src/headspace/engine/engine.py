@@ -10,9 +10,9 @@ from pathlib import Path
 
 import torch
 
-from headspace.engine.batch import BatchGenerator
 from headspace.engine.config import EngineConfig
 from headspace.engine.hooks import EngineHooks
+from headspace.engine.lanes import Lanes
 from headspace.engine.outputs import EngineLoad, GenerationStats, RequestOutput
 from headspace.engine.ranks import join, plan_ranks, setup_ranks
 from headspace.engine.sampling import SamplingParams
@@ -141,7 +141,7 @@ class Engine:
         if getattr(tokenizer, "eos_token_id", None) is not None:
             eos.add(tokenizer.eos_token_id)
         self.eos_token_ids = eos
-        self._batch: BatchGenerator | None = None  # made on first use
+        self._lanes: Lanes | None = None  # made on first use
         self.stream_output: RequestOutput | None = None  # stream's request, as it stands
 
     @cached_property
@@ -155,12 +155,12 @@ class Engine:
         return transformers_tokenizer(self.model_dir)
 
     @property
-    def batch(self) -> BatchGenerator:
-        if self._batch is None:
-            self._batch = BatchGenerator(self.model, self.tokenizer, self.config,
-                                         self.eos_token_ids, self.max_context,
-                                         self.profile, self.ranks, self.hooks)  # fmt: skip
-        return self._batch
+    def lanes(self) -> Lanes:
+        """The lanes requests run in, over the KV arena (made at first use)."""
+        if self._lanes is None:
+            self._lanes = Lanes(self.model, self.tokenizer, self.config, self.eos_token_ids,
+                                self.max_context, self.profile, self.ranks, self.hooks)  # fmt: skip
+        return self._lanes
 
     def encode(self, prompt: str, chat: bool = False) -> list[int]:
         """Token ids of ``prompt``: exactly ``tokenizer(prompt)``, or the chat template's."""
@@ -196,38 +196,38 @@ class Engine:
         """Queue a request (token ids; ``prompt`` is what outputs show, default the ids);
         it joins the running batch at a coming step. Returns its id. Refuses (UserError,
         with the numbers) a prompt past the context or one that no plan can hold."""
-        return self.batch.add_request(prompt_ids, params or SamplingParams(), prompt)
+        return self.lanes.add(prompt_ids, params or SamplingParams(), prompt)
 
     def check_request(self, prompt_ids: list[int], params: SamplingParams) -> None:
         """Refuse now (UserError, with the numbers) what ``add_request`` would refuse: an
         empty prompt, one past the context, one that no plan can hold."""
-        self.batch.check(prompt_ids, params)
+        self.lanes.check(prompt_ids, params)
 
     def load(self) -> EngineLoad:
         """What the engine holds now: requests by state, KV pages in use per tier, the head
         map's entries per tier, swaps so far."""
-        return self.batch.load()
+        return self.lanes.load()
 
     def abort(self, request_id: int) -> bool:
         """Drop a request wherever it is; its GPU and host pages go back to their pools at
         once, and the next step returns it with ``finish_reason`` "abort". False if the id
         is unknown or the request already ended. Under torchrun every rank adds and aborts
         the same requests between the same steps (their schedulers decide alike)."""
-        return self.batch.abort(request_id)
+        return self.lanes.abort(request_id)
 
     def step(self) -> list[RequestOutput]:
         """One step of every running request (and a piece of a prompt being prefilled);
         returns the requests that advanced, each with its text so far and what this step
         added, finished ones marked (``finish_reason``)."""
-        return self.batch.step()
+        return self.lanes.step()
 
     def has_unfinished(self) -> bool:
         """Whether any request is waiting, running or has tokens on their way."""
-        return self.batch.has_unfinished()
+        return self.lanes.has_unfinished()
 
     def prefilling(self) -> int | None:
         """The id of the request whose prompt is being prefilled now, if any (metrics)."""
-        return self.batch.prefilling()
+        return self.lanes.prefilling()
 
     # -- loops over step() ---------------------------------------------------------------
     def generate_batch(
@@ -235,13 +235,13 @@ class Engine:
     ) -> list[RequestOutput]:
         """Generate for many prompts (token ids) as one batch over the shared KV pages; the
         final RequestOutputs in order. ``on_finish()`` is called as each request ends."""
-        if self.batch.has_running():
+        if self.lanes.has_running():
             raise UserError("requests added with add_request are still running: step them "
                             "to the end (or abort them) before generate")  # fmt: skip
         if self.config.runtime.on_gpu:
             torch.cuda.reset_peak_memory_stats(self.config.runtime.device)
         finals: dict[int, RequestOutput] = {}
-        self.batch.given_at_once(True)
+        self.lanes.given_at_once(True)
         try:
             ids = [self.add_request(p, q) for p, q in zip(prompts, params, strict=True)]
             while self.has_unfinished():
@@ -252,16 +252,16 @@ class Engine:
                             on_finish()
         finally:  # stopped early (an error, Ctrl-C): every page goes back
             try:
-                self.batch.abort_all()
+                self.lanes.abort_all()
             finally:
-                self.batch.given_at_once(False)
+                self.lanes.given_at_once(False)
         return [finals[i] for i in ids]
 
     def stream(self, prompt_ids: list[int], params: SamplingParams) -> Iterator[str]:
         """Yield text pieces as tokens are produced; returns the final RequestOutput. A
         stream closed early aborts its request; ``stream_output`` holds the request as it stood
         after the last step (its stats so far, when interrupted)."""
-        if self.batch.has_running():
+        if self.lanes.has_running():
             raise UserError("requests added with add_request are still running: step them "
                             "to the end (or abort them) before stream")  # fmt: skip
         if self.config.runtime.on_gpu:
@@ -275,7 +275,7 @@ class Engine:
                     if output.new_text:
                         yield output.new_text
         finally:
-            self.batch.abort_all()
+            self.lanes.abort_all()
         return self.stream_output
 
     def run(self, prompt_ids: list[int], params: SamplingParams) -> RequestOutput:
@@ -290,7 +290,7 @@ class Engine:
         decodes too (compiling and capturing the decode step): False for a request that
         ends at its first token."""
         started = time.perf_counter()
-        length, new_tokens = warm_up_request(prompt_len, self.batch.chunk, decode)
+        length, new_tokens = warm_up_request(prompt_len, self.lanes.chunk, decode)
         vocab = self.model.config.vocab_size
         ids = [(7 + 31 * i) % vocab for i in range(length)] if length else self.encode("Warm-up.")
         self.run(ids, SamplingParams(max_new_tokens=new_tokens, ignore_eos=True))
@@ -299,4 +299,4 @@ class Engine:
     def logits(self, token_ids: list[int], decode_tokens: int = 0) -> torch.Tensor:
         """fp32 logits ``[len(token_ids), vocab]`` (CPU) through the chunked prefill path,
         the last ``decode_tokens`` rows through decode steps fed the given tokens."""
-        return self.batch.logits(token_ids, decode_tokens)
+        return self.lanes.logits(token_ids, decode_tokens)

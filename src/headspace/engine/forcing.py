@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from headspace.engine.paged_runner import PagedRunner
-from headspace.engine.scheduler import Sequence
+from headspace.engine.step_plan import Sequence
 from headspace.errors import UserError
 from headspace.kv.block_table import BlockManager
 from headspace.kv.page_pool import OutOfPages

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -19,9 +19,11 @@ class EngineHooks:
     GPU; under gloo the twin stands in where collectives cannot be captured). None: CUDA
     graphs on a GPU, none on a CPU.
 
-    A benchmark that times attention sets ``PagedRunner.attention_hook`` once the engine
-    exists (each layer's attention then calls it, eager and graphed steps alike); one that
-    times, profiles or traces whole decode steps appends to ``PagedRunner.decode_hooks``.
+    ``attention_hook``: ``hook(layer, q, kv) -> out`` called by each layer's attention in
+    place of the tiers' (a benchmark's timer; eager and graphed steps alike; every lane's
+    runner). ``decode_hooks``: each decode step runs as ``hook(seq_ids, step) -> step()``'s
+    result, the first hook innermost (timers, profilers and traces; the list is shared, so a
+    hook appended later applies too). None and empty by default.
 
     ``host_arena``: the class of the host pages in place of
     :class:`headspace.kv.host_store.HostKVArena`, with its constructor's arguments (a test's
@@ -63,7 +65,11 @@ class EngineHooks:
     each prompt whose next tokens a step picks and their fp32 ``logits [rows, vocab]``
     before the sampled rows pick and the rows are checked for non-finite values (a test's
     non-finite row ends its request alone; greedy picks are made before it, on the
-    device). None: the logits as computed."""
+    device). None: the logits as computed.
+
+    ``lane_step``: ``hook(lane_name)``, called on a lane's thread before each of its steps
+    ("resident", "offload" or "main"; a test holds the offload lane there to see the
+    resident lane's steps go on without it). None: none."""
 
     graphs: type | None = None
     host_arena: type | None = None
@@ -74,3 +80,6 @@ class EngineHooks:
     step_clock: Callable[[], float] | None = None
     prompt_stand_in: Callable[[list[int]], list[list[int]]] | None = None
     logits_filter: Callable[[list[list[int]], torch.Tensor], torch.Tensor] | None = None
+    lane_step: Callable[[str], None] | None = None
+    attention_hook: Callable | None = None
+    decode_hooks: list[Callable] = field(default_factory=list)

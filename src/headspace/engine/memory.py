@@ -140,8 +140,7 @@ def kv_arena_bytes(config: ModelConfig, engine_config, spec: KVSpec, weight_byte
     arena = _arena_bytes(config, engine_config, spec, weight_bytes, chunk, max_context)
     if engine_config.runtime.attention_backend != "flex":
         return arena
-    budgets = engine_config.budgets  # per-entry pages: one plane [2, slots, dim] of them all
-    if budgets.per_head_pages or budgets.retrieval_heads is not None:
+    if engine_config.prompt_gathers() is not None:  # per-entry pages: one plane of them all
         most = FLEX_INDEX_LIMIT // (spec.head_dim * spec.page_size) * spec.entry_page_bytes
     else:
         most = (flex_pool_pages(spec) + 1) * spec.full_page_bytes
@@ -173,12 +172,11 @@ def _arena_bytes(config: ModelConfig, engine_config, spec: KVSpec, weight_bytes:
         return min(contexts, host_budget(None) // 2 // spec.full_page_bytes * spec.full_page_bytes)
     split = split_gpu_budget(config, budget, weight_bytes, chunk, spec.dtype_bytes,
                              engine_config.runtime.max_batch)  # fmt: skip
-    budgets = engine_config.budgets
-    if budgets.per_head_pages or budgets.retrieval_heads is not None:
-        pattern = None if budgets.retrieval_heads is None else budgets.sparse_pattern
+    gathers = engine_config.prompt_gathers()
+    if gathers is not None:
+        budgets, pattern = gathers
         gathered = prefill_gathers(spec.num_kv_heads, config.num_queries_per_kv, spec.head_dim,
-                                   spec.dtype_bytes, max_context, chunk,
-                                   budgets=budgets.kv_budget is not None,
+                                   spec.dtype_bytes, max_context, chunk, budgets=budgets,
                                    pattern=pattern)  # fmt: skip
         return arena_after_gathers(split.arena, gathered, max_context)
     return split.arena

@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from headspace.planner.plan import Plan
 
 
 @dataclass
@@ -20,6 +24,7 @@ class GenerationStats:
     num_hybrid_heads: int = 0  # offloaded entries whose older tokens the CPU attends
     cpu_share: float | None = None  # ... the share of their history before the GPU window
     num_swaps: int = 0  # times it was swapped out to host pages and back
+    lane: str | None = None  # the lane it ran in ("resident", "offload", "main")
     # sparse hybrid: (min, median, max) share of the CPU-side tokens kept per hybrid head
     cpu_kept_fraction: tuple[float, float, float] | None = None
     # KV budgets: K/V bytes the request held at its end, and their share of its full KV
@@ -84,10 +89,48 @@ class RequestOutput:
         return self.finish_reason is not None
 
 
-@dataclass
+@dataclass(frozen=True)
+class RequestView:
+    """One request as the engine holds it: its ``lane`` ("resident", "offload", "main";
+    "queued" while it waits for the offload lane's part of the arena), its ``state``
+    ("waiting", "prefilling", "decoding", "swapped"), its tokens so far, and its
+    ``placement``: the (layer, kv head) entries of the head map it runs under, by tier
+    ({} before it is admitted)."""
+
+    request_id: int
+    lane: str
+    state: str
+    prompt_tokens: int
+    generated_tokens: int
+    placement: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class LaneView:
+    """One lane: its GPU and host pages (in all and in use), the bytes of the arena it
+    holds, the layout in force (``plan``, and ``layout``: its head map's summary line; None
+    before its first), what its last step did (``StepPlan.summary()``) and what its tiers
+    copied so far (``TierCounters``' fields)."""
+
+    name: str
+    gpu_pages: int
+    gpu_pages_used: int
+    host_pages: int
+    host_pages_used: int
+    arena_bytes: int
+    layout: str | None = None
+    last_step: dict | None = None
+    plan: Plan | None = None  # the layout in force (the planner's plain data)
+    peak_pages: int = 0  # GPU pages its decode steps held at most
+    counters: dict[str, int] = field(default_factory=dict)  # its tiers' copies so far
+
+
+@dataclass(frozen=True)
 class EngineLoad:
-    """What the engine holds now (a server's metrics): requests by state, KV pages in use
-    per tier, the head map's (layer, kv head) entries per tier, swaps so far."""
+    """What the engine holds now (a server's metrics, a test's or benchmark's view):
+    requests by state, KV pages in use per tier, the head map's (layer, kv head) entries
+    per tier (summed over the running requests' lanes), swaps so far, and each request and
+    lane as it stands (:class:`RequestView`, :class:`LaneView`)."""
 
     running: int = 0  # admitted: prefilling or decoding
     waiting: int = 0  # queued, not admitted yet
@@ -99,3 +142,11 @@ class EngineLoad:
     hybrid_entries: int = 0
     num_swaps: int = 0  # sequences swapped out since the engine started
     peak_reserved_bytes: int = 0  # GPU memory torch's allocator reserved at most (0 on CPU)
+    requests: tuple[RequestView, ...] = ()
+    lanes: tuple[LaneView, ...] = ()
+
+    def request(self, request_id: int) -> RequestView | None:
+        return next((r for r in self.requests if r.request_id == request_id), None)
+
+    def lane(self, name: str) -> LaneView | None:
+        return next((lane for lane in self.lanes if lane.name == name), None)

@@ -16,9 +16,54 @@ from dataclasses import dataclass, field
 
 import torch
 
+from headspace.model.llama import DEVICE_LOCK
 from headspace.planner.memory import graph_step_faster
 from headspace.tiers import StepInputs, Tier, attend_tiers
 from headspace.tiers.base import MIN_WIDTH, bucket
+
+
+def graphs_allowed(runtime, plan, streamed_weights: bool) -> bool:
+    """Whether a layout's decode step may be captured: CUDA graphs asked for, no new
+    FlexAttention block mask each step, resident weights, a layout in force whose
+    offloaded entries (if any) stage whole pages, not by their lengths step by step."""
+    if not runtime.cuda_graph or runtime.attention_backend == "flex":
+        return False
+    return plan is not None and not streamed_weights and not plan.entry_staging
+
+
+class GraphCache:
+    """A runner's decode graphs, one :class:`DecodeGraphs` per layout (by its id), made anew
+    when the tensors they address moved (``generation``); one memory pool for them all
+    (none for the tests' twin, ``twin``)."""
+
+    def __init__(self, twin: bool):
+        self.twin = twin
+        self._graphs: dict[int, tuple[tuple, object]] = {}
+        self._pool = None
+
+    def __bool__(self) -> bool:
+        return bool(self._graphs)
+
+    def get(self, layout_id: int, generation: tuple, make):
+        """The graphs of ``layout_id`` at ``generation``; ``make(pool)`` builds them anew."""
+        cached = self._graphs.get(layout_id)
+        if cached is not None and cached[0] == generation:
+            return cached[1]
+        if cached is not None:  # they address tensors that moved: freed now, and their
+            cached[1].release()  # pool too once unused (a capture must not reuse it)
+            self._pool = None
+        if self._pool is None and not self.twin:
+            self._pool = torch.cuda.graph_pool_handle()
+        graphs = make(self._pool)
+        self._graphs[layout_id] = (generation, graphs)
+        return graphs
+
+    def release(self) -> None:
+        """Free every layout's graphs (the next step captures anew), and their pool."""
+        for _, graphs in self._graphs.values():
+            graphs.release()
+        self._graphs.clear()
+        self._pool = None
 
 
 @dataclass
@@ -128,6 +173,11 @@ class DecodeGraphs:
         staging[0].copy_(torch.tensor(self._pack([], [], {}, key)))
         inputs.copy_(staging[0])  # every row padding: writes go to scratch pages
         views = self._views(inputs, key)
+        with DEVICE_LOCK:  # (no other thread compiles or synchronises the device meanwhile)
+            graph = self._capture_into(views, key)
+        return CapturedStep(graph, inputs, staging)
+
+    def _capture_into(self, views: dict[str, torch.Tensor], key) -> torch.cuda.CUDAGraph:
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):  # warm-up (compiles)
@@ -135,9 +185,10 @@ class DecodeGraphs:
                 self._step(views, key)
         torch.cuda.current_stream(self.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
+        # (thread_local: the offload lane's thread goes on working while this one captures)
+        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
             self._step(views, key)
-        return CapturedStep(graph, inputs, staging)
+        return graph
 
     def _pack(self, slots: list[int], positions: list[int], pages: dict, key) -> list[int]:
         """The step's inputs as one flat list of int64 values (see ``_views``)."""

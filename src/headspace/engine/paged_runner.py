@@ -11,18 +11,21 @@ layout is always the same tensors, so its CUDA graphs survive a detour through s
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from functools import partial
 
 import torch
 import torch.distributed
 
-from headspace.budgets import KVBudget
 from headspace.engine.config import EngineConfig
+from headspace.engine.hooks import EngineHooks
 from headspace.engine.hybrid_share import HybridShare
+from headspace.engine.paged_graphs import DecodeGraphs, GraphCache, graphs_allowed
+from headspace.engine.step_plan import LayoutResult, Resize, StepPlan
 from headspace.errors import UserError
 from headspace.kv.block_table import BlockManager, Pages, PoolLayout
 from headspace.kv.host_store import HostKVArena
-from headspace.kv.paged_store import PagedKVStore
+from headspace.kv.paged_store import KVArena, PagedKVStore
 from headspace.kv.spec import KVSpec
 from headspace.kv.transfer import device_ints, swap_pages
 from headspace.model.llama import LlamaModel, SliceStates
@@ -30,8 +33,8 @@ from headspace.parallel.dist import first_error, host_min, release_before_leavin
 from headspace.parallel.placement import RankLayout
 from headspace.planner.plan import Plan
 from headspace.planner.profile import Profile
-from headspace.tiers import HybridSettings, StepInputs, Tier, TierSite, attend_tiers, build_tiers
-from headspace.tiers.base import MIN_WIDTH, CpuTimings, block_table, bucket
+from headspace.tiers import StepInputs, Tier, TierSite, attend_tiers, build_tiers
+from headspace.tiers.base import MIN_WIDTH, block_table, bucket
 from headspace.tiers.hybrid_sparse import SparseSelector
 from headspace.tiers.layout import (
     head_ranges,
@@ -45,68 +48,114 @@ from headspace.tiers.layout import (
 DecodeResult = tuple[torch.Tensor, torch.Tensor]  # fp32 logits [seqs, vocab], slots [seqs]
 
 
-class PagedRunner:
-    """Steps the model for sequences whose K/V live in the GPU pool and host pages."""
+@dataclass
+class RunnerParts:
+    """What a lane's runner runs over: its page shape (``spec``), its part of the KV arena
+    (``store``, within ``arena``), its host pages, the lane's block tables (which the tiers
+    under budgets keep per-entry lengths in), ``max_slots`` token slots, ``max_context``,
+    the engine's ``profile`` (checked against the model) and one rank's heads under
+    torch.distributed (``layout``; None: all heads)."""
 
-    def __init__(self, model: LlamaModel, config: EngineConfig, spec: KVSpec, arena_bytes: int,
-                 host: HostKVArena, blocks: BlockManager, max_slots: int, max_context: int,
-                 profile: Profile | None = None, layout: RankLayout | None = None,
-                 graphs_class: type | None = None,
-                 prefix_piece: int | None = None,
-                 cpu_timings: CpuTimings | None = None,
-                 step_clock: Callable[[], float] | None = None,
-                 prompt_stand_in: Callable[[list[int]], list] | None = None):  # fmt: skip
-        """``blocks``: the scheduler's block tables, which the tiers keep per-entry lengths
-        in (budgets compress them); ``graphs_class``: what captures decode steps in place of
-        DecodeGraphs (tests' CPU twin), ``prefix_piece``: prefix tokens a chunk gathers at a
-        time (a test's small pieces), ``cpu_timings``: the hybrid tier's CPU side's record
-        (a benchmark's), ``step_clock``: seconds the hybrid share's search times decode
-        steps by (default ``time.perf_counter``), ``prompt_stand_in``: each prompt's kept
-        counts in place of its compute (a benchmark's); all but ``blocks``
-        :class:`EngineHooks`."""
+    spec: KVSpec
+    arena: KVArena
+    store: PagedKVStore
+    host: HostKVArena
+    blocks: BlockManager
+    max_slots: int
+    max_context: int
+    profile: Profile | None = None
+    layout: RankLayout | None = None
+
+
+class PagedRunner:
+    """Steps the model for sequences whose K/V live in the lane's part of the GPU arena and
+    in host pages. Its layout changes only through :meth:`prepare` (a step plan's layout,
+    resize, host pages and page copies); :meth:`decode` and :meth:`prefill_chunk` run the
+    model over the layout in force."""
+
+    def __init__(self, model: LlamaModel, config: EngineConfig, parts: RunnerParts,
+                 hooks: EngineHooks | None = None):  # fmt: skip
+        hooks = hooks or EngineHooks()
+        layout = parts.layout
         if layout is not None and config.runtime.attention_backend == "flex":
             raise UserError("attention_backend flex does not run over several GPUs yet (copied "
                             "heads decode through their own kernels); use sdpa")  # fmt: skip
-        self.model, self.config, self.spec, self.host = model, config, spec, host
-        self.graphs_class, self.prompt_stand_in = graphs_class, prompt_stand_in
+        self.model, self.config, self.spec, self.host = model, config, parts.spec, parts.host
+        self.arena, self.store = parts.arena, parts.store
+        self.graphs_class, self.prompt_stand_in = hooks.graphs, hooks.prompt_stand_in
         # each layer's attention calls this when set: ``hook(layer, q, kv) -> out`` (a
         # benchmark's timer; ``attend_tiers(runner.tiers, ...)`` is the tiers' own)
-        self.attention_hook = None
+        self.attention_hook = hooks.attention_hook
         # each decode step runs as ``hook(seq_ids, step) -> step()``'s result, the first hook
         # innermost (benchmarks' timers, profilers and traces; none by default)
         self.decode_hooks: list[Callable[[list[int], Callable[[], DecodeResult]],
-                                         DecodeResult]] = []  # fmt: skip
+                                         DecodeResult]] = hooks.decode_hooks  # fmt: skip
         self.layout = layout  # one rank's heads under torch.distributed (None: all heads)
-        self.max_context = max_context
+        self.max_context = parts.max_context
         self.device = torch.device(config.runtime.device)
-        dtype, budgets = config.runtime.torch_dtype, config.budgets
-        self.store = PagedKVStore(spec, arena_bytes, dtype=dtype, device=self.device)
-        self.budget = None
-        if budgets.kv_budget is not None:
-            self.budget = KVBudget(budgets.kv_budget, budgets.kv_policy, pool=budgets.kv_pool)
-        self.profile = profile  # the engine's, checked against the model
+        self.budget = config.entry_budget()
+        self.profile = parts.profile  # the engine's, checked against the model
         # the last sampled token of each running sequence (+1 scratch slot for graph padding)
-        self.tokens = torch.zeros(max_slots + 1, dtype=torch.long, device=self.device)
+        self.tokens = torch.zeros(parts.max_slots + 1, dtype=torch.long, device=self.device)
         self._compiled = config.runtime.compile and self.device.type == "cuda"
         self.plan: Plan | None = None
-        offload = config.offload
+        profile = parts.profile
         self.site = TierSite(
-            self.store, host, blocks, spec, model.config.num_queries_per_kv,
+            self.store, parts.host, parts.blocks, self.spec, model.config.num_queries_per_kv,
             config.runtime.attention_backend, max_slots=self.tokens.numel(),
-            per_entry_pages=config.budgets.per_head_pages, layout=layout, budget=self.budget,
+            per_entry_pages=parts.blocks.per_entry, layout=layout, budget=self.budget,
             head_scores=None if profile is None else torch.tensor(profile.retrieval),
-            hybrid=HybridSettings(offload.cpu_threads, offload.cpu_sparsity, offload.maw_alpha,
-                                  offload.gpu_window, offload.cpu_query_blocks),
-            prefix_piece=prefix_piece,
-            cpu_timings=cpu_timings,
+            hybrid=config.hybrid_settings(),
+            prefix_piece=hooks.prefix_piece,
+            cpu_timings=hooks.cpu_timings,
         )  # fmt: skip
         self.tiers: list[Tier] = []  # the current plan's (tiers.table)
-        self.hybrid_share = HybridShare(step_clock)  # the hybrid tier's CPU share
+        self.hybrid_share = HybridShare(hooks.step_clock)  # the hybrid tier's CPU share
         self._layout: tuple | None = None
         self._layout_ids: dict[tuple, int] = {}  # a small key per layout seen, for the graphs
-        self._graph_cache, self._graph_pool = {}, None
+        self.graph_cache = GraphCache(hooks.graphs is not None)
         if layout is not None:  # its graphs capture collectives: they go before the group
             release_before_leaving(self.release_graphs)
+
+    # -- what a step plan changes --------------------------------------------------------
+    def prepare(self, step: StepPlan) -> LayoutResult | None:
+        """Make the changes ``step`` plans before its compute, in order: a new layout (such a
+        step carries nothing else; returns what it made, for the scheduler), or the
+        resident pool's resize; the host pages grown; page copies in, then out."""
+        if step.layout is not None:
+            return self._lay_out_plan(step.layout, step.host_pages, step.host_kept)
+        if step.resize is not None:
+            self._resize(step.resize)
+        if step.host_pages > self.host.num_pages:
+            try:
+                self._grow_host(step.host_pages, keep=True)
+            except UserError as error:  # (on every rank alike)
+                raise UserError(f"no host pages for a swapped-out sequence or a prompt "
+                                f"({step.host_pages} pages): {error}") from None  # fmt: skip
+        self._swap(step.swap_in, to_host=False)
+        self._swap(step.swap_out, to_host=True)
+        return None
+
+    def rebind(self, part: torch.Tensor) -> None:
+        """Take ``part`` of the arena as this lane's from now on (an offload lane whose part
+        moved, holding no pages): the next layout is laid over it."""
+        self.release_graphs()
+        self.store.rebind(part)
+        self.plan, self._layout, self.tiers = None, None, []
+
+    def _lay_out_plan(self, plan: Plan, host_pages: int, keep: bool) -> LayoutResult:
+        """The host arena for ``plan`` (its rows, when per-entry pages change them), then the
+        layout and its tiers."""
+        rows = plan.host_rows or None
+        reset = rows is not None and rows != self.host.rows  # nothing in host pages
+        if reset:
+            host_pages = self._grow_host(host_pages, keep=False, rows=rows)
+        elif host_pages > self.host.num_pages:
+            host_pages = self._grow_host(host_pages, keep=keep)
+        else:
+            host_pages = self._host_pages()
+        pools = self._apply(plan)
+        return LayoutResult(pools, self.layer_slices, host_pages, reset)
 
     @property
     def page_size(self) -> int:
@@ -116,7 +165,7 @@ class PagedRunner:
     def streaming(self) -> bool:
         return self.plan is not None and self.plan.head_map.num_offloaded > 0
 
-    def apply(self, plan: Plan) -> PoolLayout | None:
+    def _apply(self, plan: Plan) -> PoolLayout | None:
         """Lay the arena out for ``plan`` and build its tiers (no sequence may hold GPU
         pages; the host arena already holds ``plan.num_host_pages``). Returns how the page pools
         are reset for it, or None when the layout stays."""
@@ -128,7 +177,7 @@ class PagedRunner:
         self.tiers = build_tiers(plan, self.site)
         # searched unless asked for; not under torchrun, where each rank would time its own
         # steps and could settle apart (the ranks keep the plan's share)
-        searched = self.config.offload.hybrid_cpu_share is None and self.layout is None
+        searched = self.config.searches_share and self.layout is None
         self.hybrid_share.apply(plan, self.tiers, searched)
         return pools
 
@@ -144,7 +193,7 @@ class PagedRunner:
         survives a map that stays. Per-entry pages: one plane; the offloaded entries' pages
         are host pages."""
         spec, layout, site = self.spec, self.layout, self.site
-        if self.config.budgets.per_head_pages:  # entries numbered layer by layer
+        if site.per_entry_pages:  # entries numbered layer by layer
             heads = [site.heads(layer) for layer in range(spec.num_layers)]
             first = [sum(map(len, heads[:layer])) for layer in range(spec.num_layers)]
             in_host = [first[layer] + place for layer, places in
@@ -185,7 +234,7 @@ class PagedRunner:
     @property
     def has_graphs(self) -> bool:
         """Whether graphs (CUDA's, or the tests' twin) were built for a layout's decode."""
-        return bool(self._graph_cache)
+        return bool(self.graph_cache)
 
     @property
     def _graphs(self):
@@ -193,54 +242,48 @@ class PagedRunner:
         layout while the host pages and the tiers' tensors they address stay where they
         are: ``Tier.graph_version``)."""
         twin = self.graphs_class  # a CPU stand-in in tests; None: real graphs, on a GPU only
-        if (twin is None and self.device.type != "cuda") or not self.config.runtime.cuda_graph:
-            return None
-        if self.config.runtime.attention_backend == "flex":  # a new block mask each step
-            return None
-        if self.plan is None or self.model.layer_source is not None:  # streamed weights
-            return None
-        if self.layout is not None and not self._graphs_under_ranks:
-            return None
-        if self.plan.entry_staging:  # offloaded entries stage by their lengths, step by step
+        capturable = (twin is not None or self.device.type == "cuda") and (
+            self.layout is None or twin is not None
+            or torch.distributed.get_backend() == "nccl"  # (gloo's collectives: never)
+        )  # fmt: skip
+        if not capturable or not graphs_allowed(self.config.runtime, self.plan,
+                                                self.model.layer_source is not None):  # fmt: skip
             return None
         generation = (
             self.host.generation if self.plan.staging else 0,  # graphs address host
             tuple(tier.graph_version for tier in self.tiers),
         )  # and tiers' tensors
-        cached = self._graph_cache.get(self._layout_id)
-        if cached is not None and cached[0] == generation:
-            return cached[1]
-        from headspace.engine.paged_graphs import DecodeGraphs
+        return self.graph_cache.get(self._layout_id, generation, self._new_graphs)
 
-        if cached is not None:  # they address tensors that moved: freed now, and their
-            cached[1].release()  # pool too once unused (a capture must not reuse it)
-            self._graph_pool = None
-        if self._graph_pool is None and twin is None:
-            self._graph_pool = torch.cuda.graph_pool_handle()
+    def _new_graphs(self, pool):
         mode = "eager"
         if self._compiled:
             mode = "tuned" if self.config.runtime.tune_decode else "static"
-        graphs = (twin or DecodeGraphs)(
+        return (self.graphs_class or DecodeGraphs)(
             self.model, self.tiers, self.tokens, self.page_size, self.store.num_pages,
-            self.host.scratch_slot, self.config.runtime.max_batch, mode, self._graph_pool,
+            self.host.scratch_slot, self.config.runtime.max_batch, mode, pool,
             self.attention_hook,  # a benchmark's timed attention, if it set one
         )  # fmt: skip
-        self._graph_cache[self._layout_id] = (generation, graphs)
-        return graphs
 
     def release_graphs(self) -> None:
         """Free the decode steps' graphs of every layout (the next step captures anew)."""
-        for _, graphs in self._graph_cache.values():
-            graphs.release()
-        self._graph_cache.clear()
+        self.graph_cache.release()
 
-    @property
-    def _graphs_under_ranks(self) -> bool:
-        """Whether this rank's decode step can be a graph: its collectives NCCL's (gloo's
-        cannot be captured), or the tests' twin in place of graphs."""
-        return torch.distributed.get_backend() == "nccl" or self.graphs_class is not None
+    def _resize(self, resize: Resize) -> None:
+        """The resident layout over ``resize.num_pages`` pages, its held pages' K/V moved
+        (:meth:`PagedKVStore.resize`); graphs of the new layout are captured anew."""
+        num_pages = resize.num_pages
+        self.store.resize(num_pages, list(resize.moves), resize.held)
+        self.plan.num_gpu_pages = num_pages
+        key = layout_key(self.plan)
+        self._layout = key
+        self._layout_id = self._layout_ids.setdefault(key, len(self._layout_ids))
 
-    def grow_host(self, num_pages: int, keep: bool, rows: int | None = None) -> int:
+    def _host_pages(self) -> int:
+        """Pages the host arena holds (under torchrun the fewest any rank holds)."""
+        return host_min(self.host.num_pages) if self.layout is not None else self.host.num_pages
+
+    def _grow_host(self, num_pages: int, keep: bool, rows: int | None = None) -> int:
         """Host pages for at least ``num_pages`` (grows the arena, copying it when ``keep``:
         some page holds data; graphs that address the old one are then captured again), of
         ``rows`` kv heads a layer when given (per-entry pages: a new arena).
@@ -253,11 +296,10 @@ class PagedRunner:
                 self.hybrid_share.other_work = True  # after a reallocation is not one
         except UserError as error:
             refused = str(error)
-        ranks = self.layout is not None
-        refused = first_error(refused) if ranks else refused
+        refused = first_error(refused) if self.layout is not None else refused
         if refused is not None:
             raise UserError(refused)
-        return host_min(self.host.num_pages) if ranks else self.host.num_pages
+        return self._host_pages()
 
     # -- prefill -----------------------------------------------------------------------
     def _attention(self, layer: int, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
@@ -375,7 +417,7 @@ class PagedRunner:
         return StepInputs(True, pos, list(positions), pages, tables, pos + 1)
 
     # -- swapping ----------------------------------------------------------------------
-    def swap(self, pairs: list[tuple[int, int]], to_host: bool) -> None:
+    def _swap(self, pairs: list[tuple[int, int]], to_host: bool) -> None:
         """Copy the resident entries of page pairs (GPU, host) or (host, GPU). Under torchrun
         a layer's host pages hold the rank's heads in its weights' order: its own (arena
         layer ``l``), then its copies (arena layer ``L + l``)."""

@@ -17,7 +17,6 @@ from dataclasses import dataclass, replace
 import torch
 import torch.distributed as dist
 
-from headspace.budgets import KVBudget
 from headspace.errors import UserError
 from headspace.kv.spec import KVSpec
 from headspace.model.llama import LlamaModel
@@ -35,7 +34,7 @@ from headspace.parallel.shard import shard_layer, shard_model
 from headspace.planner.head_cost import CostShape
 from headspace.planner.head_map import HeadMap
 from headspace.planner.plan import Plan
-from headspace.planner.profile import Profile, budget_key, with_patterns
+from headspace.planner.profile import Profile, budget_key
 
 
 @dataclass(frozen=True)
@@ -111,16 +110,14 @@ def costed_map(cfg, config, profile: Profile | None, max_context: int) -> HeadMa
     """The head map whose costs the solver balances: the profile's patterns, and with
     per-entry pages what each entry keeps at ``max_context`` tokens (budgeted entries by the
     profile's measured shares of the policy, where it has them)."""
-    head_map, budgets = HeadMap.all_gpu(cfg.num_layers, cfg.num_kv_heads), config.budgets
-    if budgets.retrieval_heads is not None:
-        head_map = with_patterns(head_map, profile.retrieval, budgets.retrieval_heads,
-                                 budgets.sparse_pattern)  # fmt: skip
-    tokens, shares = None, None
-    if budgets.kv_budget is not None:
-        budget = KVBudget(budgets.kv_budget, budgets.kv_policy, pool=budgets.kv_pool)
+    head_map = HeadMap.all_gpu(cfg.num_layers, cfg.num_kv_heads)
+    head_map = config.with_patterns(head_map, profile.retrieval if profile else None)
+    tokens, shares, budget = None, None, config.entry_budget()
+    if budget is not None:
         tokens = budget.tokens(max_context)
         shares = profile and profile.budget_shares.get(budget_key(budget.policy, budget.value))
-    return priced_map(head_map, budgets.per_head_pages, tokens, shares)
+    entry_pages = config.entries_per_page(KVSpec.of(cfg, 1, 1)) is not None
+    return priced_map(head_map, entry_pages, tokens, shares)
 
 
 def balanced_map(head_map: HeadMap, cfg, config, profile: Profile | None, max_context: int,

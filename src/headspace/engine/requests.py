@@ -12,7 +12,7 @@ import torch
 from headspace.engine.detokenize import StopStringStreamer
 from headspace.engine.outputs import GenerationStats, RequestOutput
 from headspace.engine.sampling import SamplingParams
-from headspace.engine.scheduler import Sequence
+from headspace.engine.step_plan import Sequence
 
 FinalStats = Callable[["Request", GenerationStats], None]  # completes an ended one's stats
 
@@ -30,6 +30,7 @@ class Request:
     prompt: str | list[int]  # as the caller gave it
     first_token: float = 0.0
     finished: float = 0.0
+    lane: str | None = None  # the lane it runs in, once admitted
     num_gpu_heads: int = 0
     num_streamed_heads: int = 0
     num_hybrid_heads: int = 0
@@ -51,7 +52,7 @@ class Request:
             prefill_seconds=first - self.submitted, ended=self.ended,
             num_gpu_heads=self.num_gpu_heads, num_streamed_heads=self.num_streamed_heads,
             num_hybrid_heads=self.num_hybrid_heads, cpu_share=self.cpu_share,
-            num_swaps=seq.num_swaps,
+            num_swaps=seq.num_swaps, lane=self.lane,
         )  # fmt: skip
         if final_stats is not None:
             final_stats(self, stats)

@@ -1,140 +1,96 @@
-"""Continuous batching over the tiers: who is admitted, who grows, who is swapped out and
-back in, which piece of a prompt is prefilled. Pure bookkeeping, no tensors: ``schedule()``
-returns a :class:`StepPlan`, the only thing the engine's runner is handed.
+"""Continuous batching within one lane: its layout, who is admitted, who grows, who is
+swapped out and back in, which piece of a prompt is prefilled. Pure bookkeeping, no tensors:
+``schedule()`` returns a :class:`StepPlan`, the only thing the lane's runner is handed, and
+``laid_out`` takes back what laying a new layout out made.
 
-Admission follows the current plan. In the all-resident layout, with the host tier allowed,
-a prompt is admitted when its pages fit (plus a page of headroom per running sequence),
-like vLLM: a sequence that later finds no page for its next token swaps the most recently
-admitted one out to host pages (its K/V copied, not recomputed) and that one resumes when
-pages free up. Without a host tier, and while heads stream, a prompt is admitted only when
-the pages it may ever need fit beside those the running sequences may still need.
+The layout follows the sequences: each time nothing holds pages and requests wait, the
+lane's :class:`LayoutPlanner` chooses one for the requests next in line (all resident if the
+first fits, else the streaming plan for the first k that maximises the predicted
+throughput), and a step carrying that layout alone is returned. Admission follows the
+layout in force. In the all-resident layout, with the host tier allowed, a prompt is
+admitted when its pages fit (plus a page of headroom per running sequence), like vLLM: a
+sequence that later finds no page for its next token swaps the most recently admitted one
+out to host pages (its K/V copied, not recomputed) and that one resumes when pages free up.
+Without a host tier, and while heads stream, a prompt is admitted only when the pages it may
+ever need fit beside those the running sequences may still need.
 """
 
 from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
+from headspace.engine.layout_plan import LayoutPlanner
+from headspace.engine.step_plan import (
+    LayoutResult,
+    PrefillPiece,
+    Resize,
+    Sequence,
+    StepPlan,
+)
 from headspace.errors import UserError
-from headspace.kv.block_table import GPU, HOST, BlockManager, OutOfPages, Pages
+from headspace.kv.block_table import GPU, HOST, BlockManager, OutOfPages, PoolLayout
+from headspace.planner.plan import Plan
 
 
-@dataclass
-class Sequence:
-    """One request inside the engine."""
+@dataclass(frozen=True)
+class SchedulerSettings:
+    """How a lane's scheduler batches: at most ``max_batch`` sequences in ``num_slots`` token
+    slots; ``chunk`` prompt tokens a step when nothing decodes; beside decoding sequences at
+    most the work of a prompt's first ``step_tokens`` tokens through every layer (with layer
+    slices: a chunk keeps its size and runs a few of its ``num_layers`` layers a step, a
+    token's attention over ``attention_prefix`` earlier tokens costing as much as its linear
+    layers), else pieces of ``piece_tokens`` (default ``step_tokens``) through every layer;
+    ``swaps``: a sequence may be swapped out to host pages in the all-resident layout."""
 
-    seq_id: int
-    prompt_ids: list[int]
-    max_tokens: int  # prompt + generated, at most
-    output_ids: list[int] = field(default_factory=list)
-    num_cached: int = 0  # leading prompt tokens found in the prefix cache
-    finish_reason: str | None = None
-    slot: int = -1  # where its last sampled token lives on the device
-    num_pending: int = 0  # tokens sampled on the device, not read yet
-    num_swaps: int = 0
-
-    @property
-    def token_ids(self) -> list[int]:
-        return self.prompt_ids + self.output_ids
-
-    @property
-    def num_tokens(self) -> int:
-        """Tokens known on the host (prompt and read outputs)."""
-        return len(self.prompt_ids) + len(self.output_ids)
-
-    @property
-    def started(self) -> bool:
-        """Whether its prompt is computed (a first token exists, read or on the device)."""
-        return bool(self.output_ids) or self.num_pending > 0
-
-    @property
-    def num_scheduled(self) -> int:
-        """Tokens that exist, read or still on the device."""
-        return self.num_tokens + self.num_pending
-
-
-@dataclass
-class PrefillPiece:
-    """Prompt tokens ``start .. end-1`` of ``seq`` to compute in this step over its
-    ``pages``, through decoder ``layers`` (first, end) of ``num_layers``; ``recurs``: it is
-    a whole chunk (compiled once for that length), where a shorter piece (the last, a
-    step's tokens beside decoding sequences, a chunk halved deep in a long prompt) runs the
-    shape compiled for any length."""
-
-    seq: Sequence
-    start: int
-    end: int
-    pages: Pages = field(default_factory=dict)
-    layers: tuple[int, int] = (0, 1)
+    max_batch: int
+    num_slots: int
+    prefix_caching: bool = True
+    chunk: int = 8192
+    step_tokens: int = 8192
     num_layers: int = 1
-    recurs: bool = True
-
-    @property
-    def through(self) -> bool:
-        """Whether its tokens have passed every layer after this step."""
-        return self.layers[1] == self.num_layers
-
-    @property
-    def last(self) -> bool:
-        """Whether the prompt is complete after it (its first token is sampled)."""
-        return self.through and self.end == len(self.seq.prompt_ids)
-
-
-@dataclass
-class StepPlan:
-    """What one step runs, in order: page copies in, page copies out, one decode token for
-    each of ``decode`` over ``decode_pages`` (their tables, the new token's place included),
-    a piece of a prompt. ``admitted``: whose prefill begins now. The only thing the
-    scheduler hands the runner: the block tables stay the scheduler's."""
-
-    swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host page, GPU page)
-    swap_out: list[tuple[int, int]] = field(default_factory=list)  # (GPU page, host page)
-    decode: list[Sequence] = field(default_factory=list)
-    decode_pages: Pages = field(default_factory=dict)
-    prefill: PrefillPiece | None = None
-    admitted: Sequence | None = None
+    attention_prefix: int = 1 << 30
+    piece_tokens: int | None = None
+    swaps: bool = False
 
 
 class Scheduler:
-    """Waiting, running and swapped-out sequences over a BlockManager.
+    """Waiting, running and swapped-out sequences of one lane over its BlockManager.
 
-    ``tiers``: the tiers a sequence takes pages in under the current plan; ``optimistic``:
-    admit on the prompt's pages and swap out on shortage (else reserve up to max_tokens);
-    ``grow_host(n)``: grow the host pool to ``n`` free pages; None when it did, else why not
-    (the budget, page-locking). A prompt is prefilled one piece a step, one prompt at a time:
-    ``chunk`` tokens through every layer when no sequence decodes. When some do (their
-    tokens keep coming), a step carries at most the work of a prompt's first
-    ``step_tokens`` tokens through every layer: with ``layer_slices`` (the layout allows
-    it) a chunk keeps its size and runs a few of its ``num_layers`` layers a step, as many
-    as that work allows at its position (a token's attention over ``attention_prefix``
-    earlier tokens costs as much as its linear layers), at least one, the chunk halved
-    where one layer of it would cost more (unless ``prefix_streams``); without, a piece is
-    ``piece_tokens`` tokens (default ``step_tokens``) through every layer.
-    """
+    ``planner``: chooses the lane's layout each time nothing holds pages (None: the pools
+    stay as given, a test's fixed layout); ``agree``: whether a page check holds everywhere
+    (ranks with their own pools); ``host_limit()``: the most host pages the lane's host
+    arena may hold within the host budget (None: the host pool as given)."""
 
-    def __init__(self, blocks: BlockManager, max_batch: int, num_slots: int,
-                 prefix_caching: bool = True, agree: Callable[[bool], bool] = bool,
-                 chunk: int = 8192, step_tokens: int = 8192, num_layers: int = 1,
-                 attention_prefix: int = 1 << 30, piece_tokens: int | None = None):  # fmt: skip
-        self.blocks, self.max_batch, self.prefix_caching = blocks, max_batch, prefix_caching
-        self.chunk, self.step_tokens = chunk, step_tokens
-        self.piece_tokens = step_tokens if piece_tokens is None else piece_tokens
-        self.num_layers, self.attention_prefix = num_layers, attention_prefix
-        self.layer_slices = False  # whether the layout lets a chunk run a few layers a step
-        self.prefix_streams = False  # whether a piece's prefix is staged from host pages
+    def __init__(self, blocks: BlockManager, settings: SchedulerSettings,
+                 planner: LayoutPlanner | None = None, agree: Callable[[bool], bool] = bool,
+                 host_limit: Callable[[], int] | None = None):  # fmt: skip
+        self.blocks, self.settings, self.planner = blocks, settings, planner
+        self.agree, self.host_limit = agree, host_limit
+        self.step_tokens, self.piece_tokens = settings.step_tokens, settings.piece_tokens
+        self.chunk_limit: int | None = None  # a cap on new pieces (the offload lane runs)
+        self.admit_before: int | None = None  # only sequences of lower ids are admitted
         self.prefilling: Sequence | None = None  # the prompt being computed, piece by piece
         self.prefill_next = 0  # its first token not yet computed
         self.piece: PrefillPiece | None = None  # a piece part-way through its layers
-        self.agree = agree  # whether a page check holds everywhere (ranks with own pools)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.swapped: deque[Sequence] = deque()
-        self.free_slots = list(range(num_slots))
+        self.free_slots = list(range(settings.num_slots))
         self.num_swaps = 0  # sequences swapped out, counted over the scheduler's life
+        # the layout in force, and what it implies
+        self.plan: Plan | None = None
+        self.planned: set[int] | None = None  # the sequences entry staging is sized for
         self.tiers: tuple[str, ...] = (GPU,)
         self.optimistic = False
-        self.grow_host: Callable[[int], str | None] = lambda n: "no host tier"
+        self.layer_slices = False  # whether the layout lets a chunk run a few layers a step
+        self.prefix_streams = False  # whether a piece's prefix is staged from host pages
+        self._chosen: tuple[Plan, set[int] | None] | None = None  # handed out, not laid out
+        self._resize: Resize | None = None
+        self._host_target = 0
+        self._laid_for: tuple[int, ...] = ()  # the queue the layout in force was chosen for
+        self._fresh = False  # the lane's part changed: laid out for nobody first
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -144,10 +100,118 @@ class Scheduler:
         """No sequence holds pages: the layout may change."""
         return not self.running and not self.swapped
 
-    def _future_pages(self) -> int:
-        """Pages the running sequences may still allocate before they hit their limits."""
-        return sum(self.blocks.future_pages(s.seq_id, s.max_tokens) for s in self.running)
+    @property
+    def has_work(self) -> bool:
+        """Whether a step would do anything: sequences to run or wait for, a resize or a
+        new part's layout due."""
+        busy = bool(self.waiting or self.running or self.swapped)
+        return busy or self._resize is not None or self._fresh
 
+    # -- the layout ----------------------------------------------------------------------
+    @property
+    def has_work_due(self) -> bool:
+        """Whether a change of the lane's part is due at its next step (a resize, or the
+        layout of a new part)."""
+        return self._resize is not None or self._fresh
+
+    def replan(self) -> None:
+        """The lane's part of the arena changed while nothing held pages: the next step
+        lays it out for nobody (its pools follow), then for the requests next in line."""
+        self._laid_for, self._fresh = (), True
+
+    def set_pages(self, num_pages: int) -> None:
+        """The resident lane's pool takes ``num_pages`` pages: resized at the next step
+        under the pages its sequences hold, else laid out anew (its pools, and their cached
+        prefixes, made for the new part: another lane writes past it)."""
+        if self.plan is not None and not self.idle:
+            self.resize(num_pages)
+            return
+        self.replan()
+
+    def laid_out(self, result: LayoutResult) -> None:
+        """The runner laid out the plan of the last layout step: the pools follow it."""
+        plan, self.planned = self._chosen
+        self._chosen, self.plan = None, plan
+        pools = result.pools
+        if pools is None and self.blocks.pool.num_pages != plan.num_gpu_pages:
+            pools = PoolLayout(plan.num_gpu_pages)  # (the same tensors; pools had moved)
+        if pools is not None:
+            self.blocks.reset(pools)
+        host = self.blocks.pools[HOST]
+        if result.host_reset:
+            self.blocks.reset_host(result.host_pages)
+        elif result.host_pages > host.num_pages:
+            self.blocks.grow_host(result.host_pages)
+        streams = plan.staging is not None
+        self.tiers = ((GPU,) if plan.head_map.count("gpu") else ()) + ((HOST,) if streams else ())
+        if self.blocks.per_entry:  # host pages are the entry table's, by entry
+            self.tiers = (GPU,)
+        self.layer_slices = result.layer_slices
+        self.prefix_streams = streams  # a halved chunk would stage its prefix again
+        self.optimistic = not streams and self.settings.swaps
+
+    def resize(self, num_pages: int) -> None:
+        """The resident pool takes ``num_pages`` pages at the next step, under the pages its
+        sequences hold (renumbered here; the runner moves their K/V). Raises OutOfPages when
+        they hold more."""
+        moves, held = self.blocks.resize_gpu(num_pages)
+        self._resize = Resize(num_pages, tuple(moves), held)
+        if self.plan is not None:
+            self.plan.num_gpu_pages = num_pages
+
+    def layout_for(self, seqs: list[Sequence]) -> StepPlan:
+        """A step laying out the plan for ``seqs`` alone, outside the queue (teacher forcing;
+        nothing may hold pages). UserError with the numbers when no plan holds them."""
+        if not self.idle:
+            raise UserError("requests are running: the layout cannot change under them")
+        plan = self.planner.plan(seqs)
+        self._chosen, self._laid_for, self._fresh = (plan, self.planned), (), False
+        kept = self.blocks.pools[HOST].num_kept > 0
+        return StepPlan(layout=plan, host_pages=plan.num_host_pages, host_kept=kept)
+
+    def _layout_step(self) -> StepPlan | None:
+        """A step that lays out a new layout, when nothing holds pages and requests wait
+        (None when no layout is due, an empty step when the next in line cannot run in this
+        lane now)."""
+        if self.planner is None or not self.idle:
+            return None
+        kept = self.blocks.pools[HOST].num_kept > 0
+        if self._fresh:  # a new part: pools that fit it before anything is admitted
+            self._fresh = False
+            plan = self.planner.empty()
+            if plan is not None:
+                self._chosen = (plan, None)
+                return StepPlan(layout=plan, host_kept=kept)
+            self.blocks.reset(PoolLayout(0))  # no room for a page: none until a layout
+            self.plan = None
+        if not self.waiting:
+            return None
+        queue = list(self.waiting)[: self.settings.max_batch]
+        if tuple(s.seq_id for s in queue) == self._laid_for:  # chosen for them already
+            return None
+        self._laid_for = tuple(s.seq_id for s in queue)
+        try:
+            plan, planned = self.planner.choose(queue)
+        except UserError:  # (the resident lane beside an offload lane: it waits for room)
+            return StepPlan()
+        self._chosen = (plan, planned)
+        return StepPlan(layout=plan, host_pages=plan.num_host_pages, host_kept=kept)
+
+    # -- host pages ------------------------------------------------------------------------
+    def _host_room(self, num_pages: int) -> bool:
+        """Whether ``num_pages`` host pages are free, growing the host pool (and asking the
+        runner for the arena's pages in the step plan) within ``host_limit``."""
+        pool = self.blocks.pools[HOST]
+        if num_pages <= pool.num_free:
+            return True
+        wanted = pool.num_pages - pool.num_free + num_pages
+        if self.host_limit is None or wanted > self.host_limit():
+            return False
+        self.blocks.grow_host(wanted)
+        self._host_target = max(self._host_target, wanted)
+        return True
+
+    # -- a step --------------------------------------------------------------------------
     def _fits(self, seq: Sequence) -> bool:
         pools = self.blocks.pools
         if self.optimistic:
@@ -156,20 +220,39 @@ class Scheduler:
             return fits_alone and needed <= pools[GPU].num_free
         needed = self.blocks.pages_for(seq.max_tokens) + self._future_pages()
         return self.agree(all(needed <= pools[tier].num_free or
-                              (tier == HOST and self.grow_host(needed) is None)
+                              (tier == HOST and self._host_room(needed))
                               for tier in self.tiers))  # fmt: skip
 
-    def schedule(self, accept: Callable[[Sequence], bool] = lambda s: True) -> StepPlan:
-        """The next step: a swapped-out sequence back in when it fits; the next waiting one
-        admitted (if ``accept`` agrees) when no prompt is being prefilled; one token for
-        every running sequence past its prompt (growing their pages, swapping the latest
-        out on shortage); the next piece of the prompt being prefilled."""
-        plan = StepPlan()
+    def _future_pages(self) -> int:
+        """Pages the running sequences may still allocate before they hit their limits."""
+        return sum(self.blocks.future_pages(s.seq_id, s.max_tokens) for s in self.running)
+
+    def _accepts(self, seq: Sequence) -> bool:
+        """Whether ``seq`` joins the running batch under the layout in force: the staging
+        slots of entries in host pages hold what was planned, no more; while heads stream,
+        only if the predicted throughput does not drop."""
+        if self.planned is not None:
+            return seq.seq_id in self.planned
+        if self.planner is None or self.plan is None:
+            return True
+        return self.planner.joins(self.plan, self.running, seq)
+
+    def schedule(self) -> StepPlan:
+        """The next step: a layout when one is due (alone); else the resident pool's resize
+        if asked for, a swapped-out sequence back in when it fits; the next waiting one
+        admitted when no prompt is being prefilled; one token for every running sequence
+        past its prompt (growing their pages, swapping the latest out on shortage); the next
+        piece of the prompt being prefilled."""
+        layout = self._layout_step()
+        if layout is not None:
+            return layout
+        plan = StepPlan(resize=self._resize)
+        self._resize = None
         resumed = self.resume()
         if resumed is not None:
             plan.swap_in = resumed[1]
         if self.prefilling is None:
-            plan.admitted = self.admit(accept)
+            plan.admitted = self.admit()
             if plan.admitted is not None:
                 self.prefilling, self.prefill_next = plan.admitted, plan.admitted.num_cached
         batch = [s for s in self.running if s.started and s.num_scheduled < s.max_tokens]
@@ -179,26 +262,31 @@ class Scheduler:
             plan.decode_pages = self.blocks.pages([s.seq_id for s in plan.decode])
         if self.prefilling is not None:
             plan.prefill = self._next_piece(decoding=bool(plan.decode))
+        plan.host_pages, self._host_target = self._host_target, 0
         return plan
 
     def _next_piece(self, decoding: bool) -> PrefillPiece:
         """The prompt work of this step: the rest of a piece's layers, or a new piece."""
         seq, piece, slices = self.prefilling, self.piece, self.layer_slices
+        chunk = self.settings.chunk
         if piece is not None:  # part-way through its layers
             start, end, first = piece.start, piece.end, piece.layers[1]
         else:
-            start, first, size = self.prefill_next, 0, self.chunk
+            start, first, size = self.prefill_next, 0, chunk
             if decoding and not slices:
-                size = min(self.chunk, self.piece_tokens)
+                size = min(chunk, self.piece_tokens or self.step_tokens)
             elif decoding:
                 size = self._slice_size(start, len(seq.prompt_ids))
+            if self.chunk_limit is not None:
+                size = min(size, self.chunk_limit)
             end = min(start + size, len(seq.prompt_ids))
-        count = self.num_layers - first
+        num_layers = self.settings.num_layers
+        count = num_layers - first
         if decoding and slices:
             count = min(count, self._layers_per_step(start, end))
         pages = self.blocks.pages([seq.seq_id])
-        piece = PrefillPiece(seq, start, end, pages, (first, first + count), self.num_layers,
-                             end - start == self.chunk)  # fmt: skip
+        piece = PrefillPiece(seq, start, end, pages, (first, first + count), num_layers,
+                             end - start == chunk)  # fmt: skip
         self.piece = None if piece.through else piece
         if piece.through:
             self.prefill_next = end
@@ -209,7 +297,7 @@ class Scheduler:
     def _step_work(self) -> float:
         """One step's prompt work beside decoding sequences: tokens ``0 .. step_tokens-1``
         through every layer."""
-        return self.num_layers * self._layer_cost(0, self.step_tokens)
+        return self.settings.num_layers * self._layer_cost(0, self.step_tokens)
 
     def _layers_per_step(self, start: int, end: int) -> int:
         """Layers of tokens ``start .. end-1`` that fit one step's prompt work (at least
@@ -222,7 +310,7 @@ class Scheduler:
         covers costs more than a step's prompt work, so that deep in a long prompt a step
         still fits its work. Never halved where the prefix streams from host pages: each
         piece stages its whole prefix, so halving would multiply what crosses PCIe."""
-        size, page = self.chunk, self.blocks.page_size
+        size, page = self.settings.chunk, self.blocks.page_size
         if self.prefix_streams:
             return size
         work = self._step_work()
@@ -233,7 +321,7 @@ class Scheduler:
     def _layer_cost(self, start: int, end: int) -> float:
         """Relative cost of tokens ``start .. end-1`` in one layer: their linear layers and
         their attention over the tokens before (on average ``start`` + half of them)."""
-        return (end - start) * (1 + (start + end) / 2 / self.attention_prefix)
+        return (end - start) * (1 + (start + end) / 2 / self.settings.attention_prefix)
 
     def abort(self, seq: Sequence) -> None:
         """Drop ``seq`` wherever it is; its pages return to their pools."""
@@ -245,17 +333,23 @@ class Scheduler:
         else:
             self.finish(seq, "abort")
 
-    def admit(self, accept: Callable[[Sequence], bool] = lambda s: True) -> Sequence | None:
-        """Move the next waiting sequence into the batch if it fits (and ``accept`` agrees);
-        returns it (to prefill)."""
+    def admit(self) -> Sequence | None:
+        """Move the next waiting sequence into the batch if it fits (and the layout takes
+        it); returns it (to prefill)."""
         if not self.waiting or self.swapped or not self.free_slots:
             return None
+        if self.planner is not None and self.plan is None:  # no layout in force yet
+            return None
         seq = self.waiting[0]
-        if len(self.running) >= self.max_batch or not self._fits(seq) or not accept(seq):
+        if self.admit_before is not None and seq.seq_id >= self.admit_before:
+            return None  # an earlier request of another lane waits for room
+        if len(self.running) >= self.settings.max_batch or not self._fits(seq):
+            return None
+        if not self._accepts(seq):
             return None
         try:
             seq.num_cached = self.blocks.allocate_prompt(
-                seq.seq_id, seq.prompt_ids, self.tiers, reuse=self.prefix_caching
+                seq.seq_id, seq.prompt_ids, self.tiers, reuse=self.settings.prefix_caching
             )
         except OutOfPages:  # reused pages were counted as free
             return None
@@ -287,11 +381,9 @@ class Scheduler:
 
     def _swap_out(self, seq: Sequence) -> list[tuple[int, int]]:
         num_pages = len(self.blocks.table(seq.seq_id, GPU).pages)
-        refused = None
-        if num_pages > self.blocks.pools[HOST].num_free:
-            refused = self.grow_host(num_pages)
-        if refused is not None:
-            raise UserError(f"no host pages for a swapped-out sequence ({num_pages}): {refused}")
+        if not self._host_room(num_pages):
+            raise UserError(f"no host pages for a swapped-out sequence ({num_pages} pages): "
+                            "the host budget (--host-memory) is spent")  # fmt: skip
         pairs = self.blocks.swap_out(seq.seq_id)
         self.running.remove(seq)
         self.swapped.appendleft(seq)
@@ -313,12 +405,6 @@ class Scheduler:
         self.running.append(seq)
         return seq, pairs
 
-    def resume_all(self) -> None:
-        """Every swapped-out sequence runs again (a new layout gave it pages in every tier,
-        its K/V copied back by the caller)."""
-        self.running += self.swapped
-        self.swapped.clear()
-
     def finish(self, seq: Sequence, reason: str) -> None:
         """``seq`` ended: its pages and slot go back (once; a second call does nothing)."""
         if seq in self.running:
@@ -330,3 +416,6 @@ class Scheduler:
         seq.finish_reason = reason
         self.blocks.free(seq.seq_id)
         self.free_slots.append(seq.slot)
+
+
+__all__ = ["Scheduler", "SchedulerSettings", "Sequence", "StepPlan"]

@@ -45,6 +45,8 @@ class BlockTable:
 class BlockManager:
     """Allocates and frees the pages of sequences in both tiers; owns their block tables."""
 
+    per_entry = False  # pages hold every entry of a sequence (see EntryBlockManager)
+
     def __init__(self, page_size: int, num_gpu_pages: int, num_host_pages: int = 0):
         if page_size < 1:
             raise ValueError(f"page_size must be positive, got {page_size}")
@@ -67,6 +69,30 @@ class BlockManager:
         self.pools[GPU] = PagePool(layout.num_gpu_pages)
         if layout.drop_host_cache:
             self.pools[HOST].drop_cache()
+
+    def resize_gpu(self, num_pages: int) -> tuple[list[tuple[int, int]], int]:
+        """A GPU pool of ``num_pages`` pages under the sequences that hold GPU pages: a held
+        page at or past the new end takes a free number below it (the cached prefixes of
+        held pages stay; unreferenced cached pages are forgotten when the pool shrinks).
+        Returns the (old, new) page pairs the caller copies, and the pages below which every
+        held page lies. Raises OutOfPages, changing nothing, when the held pages do not fit."""
+        pool = self.pools[GPU]
+        held = [p for p in range(pool.num_pages) if pool.ref_counts[p] > 0]
+        if len(held) > num_pages:
+            raise OutOfPages(f"{len(held)} GPU pages are held, more than {num_pages}")
+        if num_pages >= pool.num_pages:  # nothing moves
+            pool.grow(num_pages)
+            return [], max(held, default=-1) + 1
+        taken = {p for p in held if p < num_pages}
+        free = (p for p in range(num_pages) if p not in taken)
+        mapping = {p: p if p < num_pages else next(free) for p in held}
+        self.pools[GPU] = pool.renumbered(num_pages, mapping)
+        for tables in self.tables.values():
+            if GPU in tables:  # (the lists themselves: step plans hold them)
+                pages = tables[GPU].pages
+                pages[:] = [mapping[p] for p in pages]
+        moves = [(old, new) for old, new in mapping.items() if old != new]
+        return moves, max(mapping.values(), default=-1) + 1
 
     def grow_host(self, num_pages: int) -> None:
         self.pools[HOST].grow(num_pages)

@@ -67,6 +67,8 @@ class EntryBlockManager(BlockManager):
     """A :class:`BlockManager` whose GPU pages belong to single (layer, kv head) entries.
     No prefix reuse, no swapping: a compressed entry depends on its whole prompt."""
 
+    per_entry = True
+
     def __init__(self, page_size: int, num_gpu_pages: int, num_entries: int):
         super().__init__(page_size, num_gpu_pages)
         self.num_entries = num_entries

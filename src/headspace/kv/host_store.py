@@ -23,19 +23,53 @@ import torch
 
 from headspace.errors import UserError
 from headspace.kv.spec import GiB, KVSpec
+from headspace.model.llama import DEVICE_LOCK
+
+
+class HostLedger:
+    """A host budget (``total`` bytes, None: no bound) that several arenas share (one per
+    lane): each may hold what the others leave."""
+
+    def __init__(self, total: int | None):
+        self.total = total
+        self.arenas: list[HostKVArena] = []
+
+    def left_for(self, arena: HostKVArena) -> int | None:
+        """Bytes ``arena`` may hold beside the others (None: no bound)."""
+        if self.total is None:
+            return None
+        return max(self.total - sum(a.num_bytes for a in self.arenas if a is not arena), 0)
 
 
 class HostKVArena:
     """The host tier's pages (``data`` is None until the first page is needed): ``num_pages``
     for sequences and one scratch page after them (padded rows of a CUDA-graph step write
-    there)."""
+    there). ``budget``: its bytes at most (None: no bound), or a :class:`HostLedger` it
+    shares with other arenas."""
 
-    def __init__(self, spec: KVSpec, dtype: torch.dtype, *, pin: bool, budget: int | None):
-        self.spec, self.dtype, self.pin, self.budget = spec, dtype, pin, budget
+    def __init__(self, spec: KVSpec, dtype: torch.dtype, *, pin: bool,
+                 budget: int | None | HostLedger):  # fmt: skip
+        self.spec, self.dtype, self.pin = spec, dtype, pin
+        self.ledger = budget if isinstance(budget, HostLedger) else HostLedger(budget)
+        self.ledger.arenas.append(self)
         self.data: torch.Tensor | None = None
         self.num_pages = 0
         self.rows = spec.num_kv_heads  # kv heads a layer's page holds
         self.generation = 0  # counts reallocations (captured pointers go stale)
+
+    @property
+    def budget(self) -> int | None:
+        """Bytes this arena may hold (what the ledger's other arenas leave)."""
+        return self.ledger.left_for(self)
+
+    def most_pages(self) -> int:
+        """The most pages this arena may grow to within its budget, its pages copied over
+        (both arenas count while they are)."""
+        budget = self.budget
+        if budget is None:
+            return 1 << 40
+        held = self.num_bytes if self.num_pages else 0
+        return max(self.num_pages, (budget - held) // self.page_bytes - 1)
 
     @property
     def page_bytes(self) -> int:
@@ -51,6 +85,12 @@ class HostKVArena:
         return self.num_pages * self.spec.page_size
 
     def ensure(self, num_pages: int, *, keep: bool = True, rows: int | None = None) -> bool:
+        """See :meth:`_ensure`; under the device lock (it may synchronise the device and
+        page-lock memory, which another thread's CUDA-graph capture must not meet)."""
+        with DEVICE_LOCK:
+            return self._ensure(num_pages, keep=keep, rows=rows)
+
+    def _ensure(self, num_pages: int, *, keep: bool = True, rows: int | None = None) -> bool:
         """Hold at least ``num_pages`` pages; returns whether the arena was reallocated.
         It takes up to half again as many, within the budget, so that requests joining
         later need no copy. ``keep``: the old pages are copied over, and both arenas
@@ -65,12 +105,12 @@ class HostKVArena:
             self.data, self.num_pages, self.rows = None, 0, rows
         if num_pages <= self.num_pages:
             return False
-        grown = num_pages + num_pages // 2
-        if self.budget is not None:
+        grown, budget = num_pages + num_pages // 2, self.budget
+        if budget is not None:
             held = self.num_bytes if keep else 0  # both live while pages are copied
-            limit = (self.budget - held) // self.page_bytes - 1
+            limit = (budget - held) // self.page_bytes - 1
             if num_pages > limit:
-                raise UserError(self._over_budget(num_pages, held))
+                raise UserError(self._over_budget(num_pages, held, budget))
             grown = min(grown, limit)
         if self.data is not None and self.pin:  # queued copies may read or write old pages
             torch.cuda.synchronize()
@@ -100,13 +140,13 @@ class HostKVArena:
         self.data, self.num_pages = data, num_pages
         self.generation += 1
 
-    def _over_budget(self, num_pages: int, held: int) -> str:
+    def _over_budget(self, num_pages: int, held: int, budget: int) -> str:
         spec = self.spec
         need = f"{num_pages * self.page_bytes / GiB:.2f} GiB"
         if held:
             need += f" beside the {held / GiB:.2f} GiB arena they are copied from"
         return (f"host pages for {num_pages * spec.page_size} tokens need {need}, more "
-                f"than the {self.budget / GiB:.2f} GiB host budget (--host-memory)")  # fmt: skip
+                f"than the {budget / GiB:.2f} GiB host budget (--host-memory)")  # fmt: skip
 
     def layer(self, layer: int) -> torch.Tensor:
         """``[rows, 2, slots, head_dim]`` of one layer (a view)."""

@@ -38,6 +38,20 @@ class PagePool:
         self._page_by_hash: dict[bytes, int] = {}
         self._hash_by_page: dict[int, bytes] = {}
 
+    def renumbered(self, num_pages: int, mapping: dict[int, int]) -> PagePool:
+        """A pool of ``num_pages`` pages in which each held page ``p`` of this one is page
+        ``mapping[p]`` (same holders, same cached prefix); unreferenced cached pages are
+        forgotten."""
+        pool = PagePool(num_pages)
+        for old, new in mapping.items():
+            pool.ref_counts[new] = self.ref_counts[old]
+            content = self._hash_by_page.get(old)
+            if content is not None:
+                pool._page_by_hash[content], pool._hash_by_page[new] = new, content
+        held = set(mapping.values())
+        pool._free = deque(p for p in range(num_pages) if p not in held)
+        return pool
+
     def grow(self, num_pages: int) -> None:
         """Add pages ``self.num_pages .. num_pages - 1`` (free) to the pool."""
         assert num_pages >= self.num_pages

@@ -7,6 +7,8 @@ returns the attention output. Hidden states are ``[tokens, hidden]`` (no batch a
 
 from __future__ import annotations
 
+import functools
+import threading
 from collections.abc import Callable, Iterable
 
 import torch
@@ -93,6 +95,24 @@ def output_mlp_block(
     return mlp_block(x, F.linear(attn.reshape(x.shape[0], -1), o_weight, o_bias), *mlp_weights)
 
 
+# Compiled blocks run, compile and are captured in CUDA graphs by one thread at a time (the
+# engine's lanes step on two threads): torch.compile is not thread-safe, and a device-wide
+# synchronisation or page-locking in one thread (the host pages' growth) would break
+# another's capture. Held around each compiled call, each capture and each such change.
+DEVICE_LOCK = threading.RLock()
+
+
+def serialised(fn):
+    """``fn`` called under :data:`DEVICE_LOCK`."""
+
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        with DEVICE_LOCK:
+            return fn(*args, **kwargs)
+
+    return call
+
+
 class Blocks:
     """The per-layer compute blocks, eager or compiled (same functions, same math).
 
@@ -116,9 +136,9 @@ class Blocks:
             compile_options = {"fullgraph": True, "dynamic": mode == "dynamic"}
             if mode == "tuned":
                 compile_options["options"] = tuned_options()
-            self.qkv = torch.compile(qkv_block, **compile_options)
-            self.output_mlp = torch.compile(output_mlp_block, **compile_options)
-            self.mlp = torch.compile(mlp_block, **compile_options)
+            self.qkv = serialised(torch.compile(qkv_block, **compile_options))
+            self.output_mlp = serialised(torch.compile(output_mlp_block, **compile_options))
+            self.mlp = serialised(torch.compile(mlp_block, **compile_options))
 
 
 # Inductor's settings for the "tuned" blocks: at one row a layer's output projection and MLP

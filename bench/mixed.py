@@ -1,0 +1,272 @@
+"""A long request and short ones served side by side, each at its own speed: the short ones
+all resident in the resident lane, the long one streaming or CPU-attending heads in the
+offload lane.
+
+    PYTHONPATH=src python bench/mixed.py [--scenarios a,b,c]   # a GPU machine, 128 GiB host
+
+Llama-3.1-8B's architecture with random bf16 weights saved as a checkpoint (``bench/serve.py``'s),
+served by ``headspace serve --gpu-memory 24GiB --host-memory 100GiB`` and driven by the
+``openai`` client (streamed completions; a token's time is its chunk's arrival). Scenarios:
+
+- (a) 4 short streams (1.5K-token prompts, 1,500 new tokens) and a 128K prompt 3 s later;
+- (b) 16 short streams (500-token prompts, 500 new tokens) and a 128K prompt 3 s later;
+- (c) 4 short streams as in (a) and a 512K prompt 3 s later.
+
+The long request asks for 16 new tokens. "Alone": the short streams in the same server with
+no long request; the long request in a server whose GPU budget is 24 GiB less the short
+streams' peak KV (the memory the others leave it, so that it gets the same placement: both
+are recorded). Its floor is its placement's: the offloaded entries' K/V of a step over PCIe
+at the copy rate measured here, or, with hybrid heads, split between PCIe and the CPU at
+the rates measured here (the planner's ``offloaded_seconds``). Every server is warmed up
+alike: the engine's warm-up, then one request that runs in the offload lane, aborted after
+its first tokens. Writes ``mixed_llama3-8b_<gpu>_<date>.json`` (to $OUT when set).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import signal
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from common import LLAMA31_8B, environment, gpu_tag, pinned_h2d_bandwidth, write_result  # noqa: E402
+from headspace.planner.memory import Hardware, offloaded_seconds  # noqa: E402
+from serve import NAME, percentiles, save_checkpoint, scrape, start_server  # noqa: E402
+
+K, GiB = 1024, 2**30
+BUDGET_GIB, HOST = 24, "100GiB"
+MAX_CONTEXT = 512 * K
+LONG_NEW = 16
+SCENARIOS = {  # name: (short streams, short prompt, short new tokens, long prompt)
+    "a": (4, 1536, 1500, 128 * K - 256),
+    "b": (16, 512, 500, 128 * K - 256),
+    "c": (4, 1536, 1500, 512 * K - 1024),
+}
+LONG_AFTER_S = 3.0
+ENTRY_KEYS = ("resident", "streamed", "hybrid")
+KEYS = ("short_tpot_p50_ms", "short_tpot_p99_ms", "short_tpot_p50_ms_alone",
+        "short_tpot_p99_ms_during_long_prefill", "short_tpot_p99_ms_during_long_decode",
+        "long_ttft_s", "long_ttft_s_alone", "long_decode_ms", "long_decode_ms_alone",
+        "long_decode_floor_ms", "peak_reserved_gib", "budget_gib", "num_failed")  # fmt: skip
+
+
+def ids(n: int, seed: int) -> list[int]:
+    return torch.randint(0, 128000, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+async def stream(client, prompt: list[int], new: int, delay: float = 0.0) -> dict:
+    """One streamed completion after ``delay`` s: when it was sent, each token's arrival
+    (perf_counter seconds), or its error."""
+    await asyncio.sleep(delay)
+    sent, times = time.perf_counter(), []
+    try:
+        chunks = await client.completions.create(
+            model=NAME, prompt=prompt, max_tokens=new, temperature=0, stream=True,
+            extra_body={"ignore_eos": True})  # fmt: skip
+        async for chunk in chunks:
+            if chunk.choices and chunk.choices[0].text:
+                times.append(time.perf_counter())
+    except Exception as error:  # noqa: BLE001 (counted as a failure)
+        return {"error": repr(error), "sent": sent, "times": times}
+    return {"sent": sent, "times": times}
+
+
+async def warm(url: str) -> None:
+    """One request that runs in the offload lane (its prompt and new tokens past what the
+    arena holds resident), closed after its first tokens."""
+    from openai import AsyncOpenAI
+
+    client = AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=3600)
+    chunks = await client.completions.create(model=NAME, prompt=ids(4 * K, 7),
+                                             max_tokens=120 * K, temperature=0, stream=True,
+                                             extra_body={"ignore_eos": True})  # fmt: skip
+    seen = 0
+    async for chunk in chunks:
+        seen += bool(chunk.choices and chunk.choices[0].text)
+        if seen >= 4:
+            break
+    await chunks.close()
+    await client.close()
+    await asyncio.sleep(2.0)  # its pages back, the arena joined again
+
+
+def _entries(url: str) -> dict[str, float]:
+    return {tier: scrape(url, f'headspace_head_entries{{model_name="{NAME}",tier="{tier}"}}')
+            for tier in ENTRY_KEYS}  # fmt: skip
+
+
+async def drive(url: str, shorts: list[list[int]], short_new: int,
+                long_prompt: list[int] | None) -> dict:  # fmt: skip
+    """The short streams at once and, ``LONG_AFTER_S`` later, the long one (if any); while
+    the long one runs, the head map in force (the offload lane's) is read from /metrics."""
+    from openai import AsyncOpenAI
+
+    client = AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=3600)
+    tasks = [asyncio.ensure_future(stream(client, p, short_new)) for p in shorts]
+    long_task, entries = None, {}
+    if long_prompt is not None:
+        long_task = asyncio.ensure_future(stream(client, long_prompt, LONG_NEW, LONG_AFTER_S))
+        while not long_task.done():
+            await asyncio.sleep(1.0)
+            seen = await asyncio.to_thread(_entries, url)
+            if seen["streamed"] + seen["hybrid"] > 0:
+                entries = seen
+    results = await asyncio.gather(*tasks)
+    long = await long_task if long_task is not None else None
+    await client.close()
+    return {"shorts": results, "long": long, "entries": entries}
+
+
+def gaps(results: list[dict]) -> list[tuple[float, float]]:
+    """(seconds between two tokens of one short stream, when the second came)."""
+    return [(b - a, b) for r in results for a, b in zip(r["times"], r["times"][1:], strict=False)]
+
+
+def serve_run(model_dir: Path, budget_gib: float, jobs: list) -> list[dict]:
+    """Start a server under ``budget_gib``, warm it, run each ``(shorts, short_new, long)``
+    of ``jobs`` in turn; each run's results with the server's peak reserved GiB so far."""
+    server, url = start_server(model_dir, "--max-context", str(MAX_CONTEXT), "--host-memory",
+                               HOST, budget=f"{budget_gib:.3f}GiB")  # fmt: skip
+    runs = []
+    try:
+        asyncio.run(warm(url))
+        for job in jobs:
+            run = asyncio.run(drive(url, *job))
+            run["peak_reserved_gib"] = scrape(url, "headspace_gpu_peak_reserved_bytes") / GiB
+            runs.append(run)
+    finally:
+        server.send_signal(signal.SIGINT)
+        server.wait(timeout=120)
+    return runs
+
+
+def long_figures(run: dict, prompt_len: int) -> dict:
+    long = run["long"]
+    if "error" in long or len(long["times"]) < 2:
+        return {"error": long.get("error", "no tokens")}
+    first, last = long["times"][0], long["times"][-1]
+    return {"ttft_s": first - long["sent"], "first_at": first, "last_at": last,
+            "decode_ms": 1e3 * (last - first) / (len(long["times"]) - 1),
+            "entries": run["entries"], "prompt_tokens": prompt_len}  # fmt: skip
+
+
+def floor_ms(entries: dict, tokens: int, h2d: float, cpu: float) -> float:
+    """The long request's decode floor for its placement: its offloaded entries' K/V (bf16)
+    over PCIe, with hybrid heads split between PCIe and the CPU at the measured rates."""
+    cfg = LLAMA31_8B
+    entry_bytes = 2 * tokens * cfg["head_dim"] * 2
+    offloaded = entries.get("streamed", 0) + entries.get("hybrid", 0)
+    hybrid = entries.get("hybrid", 0) > 0
+    layers = cfg["num_hidden_layers"]
+    hw = Hardware(h2d_bytes=h2d, cpu_attention_bytes=cpu)
+    return 1e3 * offloaded_seconds(offloaded * entry_bytes, layers, hybrid, None, hw)
+
+
+def scenario(name: str, model_dir: Path, h2d: float, cpu: float) -> dict:
+    count, short_len, short_new, long_len = SCENARIOS[name]
+    shorts = [ids(short_len, 100 + i) for i in range(count)]
+    others = [ids(short_len, 200 + i) for i in range(count)]  # (no prefix cached from alone)
+    long_prompt = ids(long_len, 999)
+    kv_token = LLAMA31_8B["num_hidden_layers"] * LLAMA31_8B["num_key_value_heads"] * 128 * 2 * 2
+    short_kv_gib = count * (short_len + short_new) * kv_token / GiB  # their peak KV
+    alone_short, mixed = serve_run(
+        model_dir, BUDGET_GIB, [(shorts, short_new, None), (others, short_new, long_prompt)]
+    )
+    (alone_long,) = serve_run(model_dir, BUDGET_GIB - short_kv_gib, [([], 0, long_prompt)])
+    long, long_alone = long_figures(mixed, long_len), long_figures(alone_long, long_len)
+    if "error" in long or "error" in long_alone:
+        return {"error": long.get("error") or long_alone.get("error")}
+    all_gaps, alone_gaps = gaps(mixed["shorts"]), gaps(alone_short["shorts"])
+    prefill = [
+        g for g, at in all_gaps if long["first_at"] - long["ttft_s"] < at <= long["first_at"]
+    ]
+    decode = [g for g, at in all_gaps if long["first_at"] < at <= long["last_at"]]
+    p50, p99 = percentiles([g for g, _ in all_gaps])
+    alone50, alone99 = percentiles([g for g, _ in alone_gaps])
+    failed = sum("error" in r for r in mixed["shorts"] + alone_short["shorts"])
+    return {
+        "short_tpot_p50_ms": 1e3 * p50, "short_tpot_p99_ms": 1e3 * p99,
+        "short_tpot_p50_ms_alone": 1e3 * alone50, "short_tpot_p99_ms_alone": 1e3 * alone99,
+        "short_tpot_p99_ms_during_long_prefill": 1e3 * percentiles(prefill)[1],
+        "short_tpot_p99_ms_during_long_decode": 1e3 * percentiles(decode)[1],
+        "short_tokens_during_long_prefill": len(prefill),
+        "short_tokens_during_long_decode": len(decode),
+        "long_ttft_s": long["ttft_s"], "long_ttft_s_alone": long_alone["ttft_s"],
+        "long_decode_ms": long["decode_ms"], "long_decode_ms_alone": long_alone["decode_ms"],
+        "long_decode_floor_ms": floor_ms(long["entries"], long_len, h2d, cpu),
+        "long_placement": long["entries"], "long_placement_alone": long_alone["entries"],
+        "peak_reserved_gib": max(mixed["peak_reserved_gib"], alone_short["peak_reserved_gib"]),
+        "budget_gib": BUDGET_GIB, "alone_budget_gib": BUDGET_GIB - short_kv_gib,
+        "num_failed": failed + ("error" in mixed["long"]),
+        "workload": {"short_streams": count, "short_prompt": short_len, "short_new": short_new,
+                     "long_prompt": long_len, "long_new": LONG_NEW,
+                     "long_after_s": LONG_AFTER_S},
+    }  # fmt: skip
+
+
+def targets(row: dict) -> dict:
+    """Each target of the scenario: (measured ratio, bound, met)."""
+    checks = {
+        "short p50 vs alone": (row["short_tpot_p50_ms"] / row["short_tpot_p50_ms_alone"], 1.2),
+        "short p99 in decode vs alone": (row["short_tpot_p99_ms_during_long_decode"]
+                                         / row["short_tpot_p99_ms_alone"], 2.0),
+        "short p99 in prefill vs alone": (row["short_tpot_p99_ms_during_long_prefill"]
+                                          / row["short_tpot_p99_ms_alone"], 3.0),
+        "long ttft vs alone": (row["long_ttft_s"] / row["long_ttft_s_alone"], 1.2),
+        "long decode vs alone": (row["long_decode_ms"] / row["long_decode_ms_alone"], 1.2),
+        "long decode vs floor": (row["long_decode_ms"] / row["long_decode_floor_ms"], 1.3),
+        "peak vs budget": (row["peak_reserved_gib"] / row["budget_gib"], 1.02),
+    }  # fmt: skip
+    return {name: (value, bound, value <= bound) for name, (value, bound) in checks.items()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--scenarios", default="a,b,c", help="which of a, b, c")
+    parser.add_argument("--tag", default="", help="added to the file name")
+    args = parser.parse_args()
+    env = environment()
+    from cpu_attention import kernel_gb_s
+
+    h2d = pinned_h2d_bandwidth()
+    cpu = kernel_gb_s(128 * K, 4, max(1, (os.cpu_count() or 2) - 1)) * 1e9  # as the engine runs it
+    result = {"env": env, "config": LLAMA31_8B, "gpu_memory": f"{BUDGET_GIB}GiB",
+              "host_memory": HOST, "h2d_bytes_per_s": h2d, "cpu_attention_bytes_per_s": cpu,
+              "scenarios": {}}  # fmt: skip
+    tag = f"_{args.tag}" if args.tag else ""
+    name_of_file = f"mixed{tag}_llama3-8b_{gpu_tag(env)}_{env['date']}.json"
+    with tempfile.TemporaryDirectory(dir=os.environ.get("TMPDIR")) as tmp:
+        model_dir = Path(tmp) / "llama3-8b-random"
+        save_checkpoint(model_dir)
+        for name in args.scenarios.split(","):
+            row = scenario(name, model_dir, h2d, cpu)
+            if "error" not in row:
+                row["targets"] = targets(row)
+            result["scenarios"][name] = row
+            for key in KEYS:  # the issue's keys at the top: {scenario: value}
+                result[key] = {n: r.get(key) for n, r in result["scenarios"].items()}
+            path = write_result(name_of_file, result)  # (after each scenario)
+            print(name, row, flush=True)
+    print(f"\nwrote {path}")
+    _print(result)
+
+
+def _print(result: dict) -> None:
+    print(f"\n{'scenario':<9}{'target':<32}{'measured':>10}{'bound':>8}  met")
+    for name, row in result["scenarios"].items():
+        if "error" in row:
+            print(f"{name:<9}error: {row['error']}")
+            continue
+        for target, (value, bound, met) in row["targets"].items():
+            print(f"{name:<9}{target:<32}{value:>10.3f}{bound:>8.2f}  {'yes' if met else 'NO'}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,144 @@
+"""A lane stepped on a thread of its own, and on a CUDA stream of its own: its copies over
+PCIe and its CPU attention jobs never stand between two steps of the engine's thread, whose
+lane keeps the GPU busy meanwhile.
+
+The engine's thread hands it commands (add a request, abort one, take another part of the
+arena), which run between its steps in the order given, and empties the box its outputs
+wait in. Where CUDA runs, it records an event on its stream each time it finds nothing to
+do, so that the engine's thread can order its own work after the lane's last step.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Callable
+
+import torch
+
+from headspace.engine.lane import Lane
+from headspace.engine.outputs import RequestOutput
+
+IDLE_WAIT_S = 0.05  # how long an idle worker waits for a command before looking again
+
+
+class LaneWorker:
+    """Steps ``lane`` on its own thread (started at the first command); on a GPU its work
+    runs on a stream of ``priority`` (higher numbers are lower priorities)."""
+
+    def __init__(self, lane: Lane, priority: int = 0):
+        self.lane, self.priority = lane, priority
+        self.error: BaseException | None = None  # what stopped the thread, if anything
+        self.idle_event: torch.cuda.Event | None = None  # recorded when it last went idle
+        self._commands: queue.Queue[Callable[[Lane], None] | None] = queue.Queue()
+        self._outputs: list[RequestOutput] = []
+        self._lock = threading.Lock()
+        self._ready = threading.Event()  # outputs to take, or it went idle, or it stopped
+        self._submitted = 0  # commands given (the engine's thread)
+        self._idle_after = 0  # the commands it had applied when it last found nothing to do
+        self._thread: threading.Thread | None = None
+        self._stop = False
+
+    def submit(self, command: Callable[[Lane], None]) -> None:
+        """Run ``command(lane)`` on the worker between two of its steps."""
+        if self.error is not None:
+            raise RuntimeError(f"the {self.lane.name} lane stopped") from self.error
+        with self._lock:
+            self._submitted += 1
+            self._ready.clear()
+        self._commands.put(command)
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name=f"lane-{self.lane.name}",
+                                            daemon=True)  # fmt: skip
+            self._thread.start()
+
+    @property
+    def done(self) -> bool:
+        """Whether it is idle and every output of its steps was taken."""
+        with self._lock:
+            return self._idle_after == self._submitted and not self._outputs
+
+    @property
+    def idle(self) -> bool:
+        """Whether it has applied every command and found nothing left to do (its lane holds
+        no request, no page, and no token is on its way)."""
+        with self._lock:
+            return self._idle_after == self._submitted
+
+    def take(self) -> list[RequestOutput]:
+        """The outputs of its steps since the last call, in order (raises what stopped it)."""
+        with self._lock:
+            outputs, self._outputs = self._outputs, []
+            if not outputs and self._idle_after != self._submitted and self.error is None:
+                self._ready.clear()
+        if self.error is not None and not outputs:
+            raise RuntimeError(f"the {self.lane.name} lane stopped") from self.error
+        return outputs
+
+    def wait(self, timeout: float) -> None:
+        """Until it has outputs, goes idle or stops (at most ``timeout`` seconds)."""
+        self._ready.wait(timeout)
+
+    def close(self) -> None:
+        """Stop the thread after the step it is in (its lane's requests are left as they
+        are)."""
+        self._stop = True
+        if self._thread is not None:
+            self._commands.put(None)
+            self._thread.join(timeout=60)
+
+    def _run(self) -> None:
+        stream = None
+        if self.lane.runner.device.type == "cuda":
+            stream = torch.cuda.Stream(self.lane.runner.device, priority=self.priority)
+        try:
+            with torch.inference_mode(), torch.cuda.stream(stream):
+                self._loop()
+        except BaseException as error:  # noqa: BLE001 (the engine's thread raises it)
+            self.error = error
+            self._ready.set()
+
+    def _loop(self) -> None:
+        applied = 0
+        while not self._stop:
+            applied += self._apply_commands(block=False)
+            if self.lane.has_unfinished():
+                outputs = self.lane.step()
+                if outputs:
+                    with self._lock:
+                        self._outputs += outputs
+                        self._ready.set()
+                continue
+            self._went_idle(applied)
+            applied += self._apply_commands(block=True)
+
+    def _apply_commands(self, block: bool) -> int:
+        """Run the queued commands (waiting a while for one with ``block``); their count."""
+        count = 0
+        try:
+            command = self._commands.get(timeout=IDLE_WAIT_S) if block else \
+                self._commands.get_nowait()  # fmt: skip
+        except queue.Empty:
+            return count
+        while True:
+            if command is None:  # close()
+                self._stop = True
+                return count
+            command(self.lane)
+            count += 1
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return count
+
+    def _went_idle(self, applied: int) -> None:
+        if self.lane.runner.device.type == "cuda":
+            event = torch.cuda.Event()
+            event.record()
+            self.idle_event = event
+        with self._lock:
+            self._idle_after = applied
+            self._ready.set()
+
+
+__all__ = ["LaneWorker"]

@@ -1,0 +1,141 @@
+"""Tiers per request: requests of mixed lengths arrive at random steps and some are aborted;
+those whose KV fits the arena run all resident in the resident lane whatever else runs, the
+others stream heads (or attend them on the CPU) in the offload lane beside them. A
+hypothesis state machine over the stepping engine, in every mode: each finished request's
+greedy tokens equal its run alone, a resident request's placement stays resident while it
+runs, and once idle every page of every lane is back in its pool."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from headspace import LLM, SamplingParams
+from test_stepping import CHUNK, PAGE, budget_for_kib
+
+LENGTHS = (12, 30, 60, 150, 190)  # with their new tokens: 2-13 pages of 16 tokens
+MODES = {  # name: engine options (the arena: 11 resident pages of 16 tokens)
+    "streamed": {"arena_kib": 150},
+    "hybrid": {"arena_kib": 150, "offload": "hybrid", "cpu_share": 1.0, "gpu_window": 16},
+    "budgets": {"kv_budget": 0.5},  # per-entry pages: one lane
+    "swap": {"num_kv_pages": 9},  # all resident: the long ones swap, none offloads
+}
+ENGINES: dict[str, LLM] = {}
+ALONE: dict[tuple, list[int]] = {}  # (mode, length, new tokens) -> its greedy tokens alone
+
+
+def _engine(checkpoint, mode: str) -> LLM:
+    options = dict(MODES[mode])
+    kib = options.pop("arena_kib", None)
+    budget = None if kib is None else budget_for_kib(checkpoint, kib)
+    return LLM(str(checkpoint), prefill_chunk=CHUNK, page_size=PAGE, gpu_memory=budget,
+               prefill_step_tokens=PAGE, **options)  # fmt: skip
+
+
+def _prompt(length: int) -> list[int]:
+    return torch.randint(3, 40000, (length,), generator=torch.Generator().manual_seed(length)
+                         ).tolist()  # fmt: skip
+
+
+class Lanes(RuleBasedStateMachine):
+    """The engine of one mode, driven step by step."""
+
+    mode = "streamed"
+    checkpoint = None
+
+    def __init__(self):
+        super().__init__()
+        self.engine = ENGINES[self.mode].engine
+        self.running: dict[int, tuple[int, int]] = {}  # request id -> (length, new tokens)
+        self.tokens: dict[int, list[int]] = {}
+        self.aborted: set[int] = set()
+
+    @rule(length=st.sampled_from(LENGTHS), new=st.integers(2, 12))
+    def add(self, length: int, new: int) -> None:
+        params = SamplingParams(max_new_tokens=new, ignore_eos=True)
+        request = self.engine.add_request(_prompt(length), params)
+        self.running[request], self.tokens[request] = (length, new), []
+
+    @precondition(lambda self: self.running)
+    @rule(data=st.data())
+    def abort(self, data) -> None:
+        request = data.draw(st.sampled_from(sorted(self.running)))
+        if self.engine.abort(request):
+            self.aborted.add(request)
+
+    @rule(steps=st.integers(1, 6))
+    def step(self, steps: int) -> None:
+        for _ in range(steps):
+            self._take(self.engine.step())
+
+    def _take(self, outputs) -> None:
+        for output in outputs:
+            self.tokens[output.request_id] += output.new_token_ids
+            if output.finished:
+                self._check(output)
+
+    def _check(self, output) -> None:
+        length, new = self.running.pop(output.request_id)
+        if output.request_id in self.aborted:
+            assert output.finish_reason == "abort"
+            return
+        assert output.finish_reason == "length"
+        assert self.tokens[output.request_id] == output.token_ids
+        assert output.token_ids == _alone(self.mode, length, new), (length, new)
+
+    @invariant()
+    def resident_stays_resident(self) -> None:
+        for view in self.engine.load().requests:
+            if view.lane == "resident" and view.state != "waiting":
+                assert set(view.placement) <= {"gpu", "stream", "hybrid"}
+                assert view.placement.get("stream", 0) == view.placement.get("hybrid", 0) == 0
+
+    def teardown(self) -> None:
+        for _ in range(5000):
+            if not self.engine.has_unfinished():
+                break
+            self._take(self.engine.step())
+        assert not self.engine.has_unfinished() and not self.running
+        for lane in self.engine.load().lanes:  # every page back, in every lane
+            assert lane.gpu_pages_used == lane.host_pages_used == 0, lane
+
+
+def _alone(mode: str, length: int, new: int) -> list[int]:
+    key = (mode, length, new)
+    if key not in ALONE:  # a run alone on a fresh engine of the same mode
+        reference = _engine(Lanes.checkpoint, mode)
+        ALONE[key] = reference.engine.run(_prompt(length),
+                                          SamplingParams(max_new_tokens=new,
+                                                         ignore_eos=True)).token_ids  # fmt: skip
+    return ALONE[key]
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_requests_of_mixed_lengths_in_their_lanes(tiny_llama, mode):
+    Lanes.checkpoint = tiny_llama
+    ENGINES.setdefault(mode, _engine(tiny_llama, mode))
+    machine = type(f"Lanes_{mode}", (Lanes,), {"mode": mode})
+    machine.TestCase.settings = settings(max_examples=5, stateful_step_count=12, deadline=None,
+                                         suppress_health_check=list(HealthCheck))  # fmt: skip
+    machine.TestCase().runTest()
+
+
+def test_a_long_and_a_short_request_run_in_their_own_lanes(tiny_llama):
+    """The arena holds 11 pages of 16 tokens: a 20-token request runs all resident beside
+    a 190-token one that streams heads; the view names each one's lane and placement while
+    they run."""
+    llm = _engine(tiny_llama, "streamed")
+    engine = llm.engine
+    params = SamplingParams(max_new_tokens=20, ignore_eos=True)
+    short, long = (engine.add_request(_prompt(n), params) for n in (20, 190))
+    seen = set()
+    while engine.has_unfinished():
+        engine.step()
+        for view in engine.load().requests:
+            if view.state == "decoding":
+                offloaded = view.placement.get("stream", 0) + view.placement.get("hybrid", 0)
+                seen.add((view.request_id, view.lane, offloaded > 0))
+    assert seen == {(short, "resident", False), (long, "offload", True)}
