@@ -239,7 +239,8 @@ class Lanes:
             if self.worker.idle and not self._waiting and not offloaded:
                 self._close_offload()
             return
-        if not self._waiting:
+        if not self._waiting:  # (the one the resident lane let go first may have been aborted)
+            self.resident.scheduler.admit_before = None
             return
         head = self._waiting[0].seq
         scheduler = self.resident.scheduler
