@@ -88,7 +88,7 @@ def run_mode(model, mode: str, lengths: list[int], h2d: float) -> dict:
     floor_s = offloaded * 2 * context * cfg.head_dim * 2 / h2d
     decode_s = _decode_window(outs)  # requests may run together or one after another
     runner = engine.lanes.lane(out.stats.lane).runner
-    split = getattr(runner.tiers[-1], "cpu", None)
+    split = next((t.cpu_split for t in runner.tiers if t.cpu_split), None)
     return {
         "decode_ms": 1000 * decode_s / steps, "pcie_floor_ms": 1000 * floor_s,
         "speedup_vs_pcie_floor": floor_s / (decode_s / steps), "num_requests": len(outs),

@@ -97,7 +97,7 @@ def exact_run(model, length: int, steps: int, h2d: float) -> dict:
     offloaded = stats.num_streamed_heads + stats.num_hybrid_heads
     floor_s = _pcie_floor_s(model, offloaded, length, h2d)
     decode_s = stats.decode_seconds / steps
-    split = getattr(generator.runner.tiers[-1], "cpu", None)
+    split = next((t.cpu_split for t in generator.runner.tiers if t.cpu_split), None)
     row = {
         "prefill_s": stats.prefill_seconds, "prefill_tok_s": stats.prefill_tok_s,
         "warm_up_s": warm_s, "prefill_chunk": engine.lanes.chunk,

@@ -12,14 +12,17 @@ served by ``headspace serve --gpu-memory 24GiB --host-memory 100GiB`` and driven
 - (b) 16 short streams (500-token prompts, 500 new tokens) and a 128K prompt 3 s later;
 - (c) 4 short streams as in (a) and a 512K prompt 3 s later.
 
-The long request asks for 16 new tokens. "Alone": the short streams in the same server with
-no long request; the long request in a server whose GPU budget is 24 GiB less the short
-streams' peak KV (the memory the others leave it, so that it gets the same placement: both
-are recorded). Its floor is its placement's: the offloaded entries' K/V of a step over PCIe
-at the copy rate measured here, or, with hybrid heads, split between PCIe and the CPU at
-the rates measured here (the planner's ``offloaded_seconds``). Every server is warmed up
-alike: the engine's warm-up, then one request that runs in the offload lane, aborted after
-its first tokens. Writes ``mixed_llama3-8b_<gpu>_<date>.json`` (to $OUT when set).
+The long request asks for 16 new tokens. Each short stream is a closed loop: when its request
+ends it sends another of the same shape (a fresh prompt), until the long request has ended, so
+that short tokens fall in the long one's prefill and decode alike. "Alone": the same loops in
+the same server with no long request, for as long as the mixed run took; the long request in a
+server whose GPU budget is 24 GiB less the short streams' peak KV (the memory the others leave
+it, so that it gets the same placement: both are recorded). Its floor is its placement's: the
+offloaded entries' K/V of a step over PCIe at the copy rate measured here, or, with hybrid
+heads, split between PCIe and the CPU at the rates measured here (the planner's
+``offloaded_seconds``). Every server is warmed up alike: the engine's warm-up, then one request
+that runs in the offload lane, aborted after its first tokens. Writes
+``mixed_llama3-8b_<gpu>_<date>.json`` (to $OUT when set).
 """
 
 from __future__ import annotations
@@ -102,26 +105,48 @@ def _entries(url: str) -> dict[str, float]:
             for tier in ENTRY_KEYS}  # fmt: skip
 
 
-async def drive(url: str, shorts: list[list[int]], short_new: int,
-                long_prompt: list[int] | None) -> dict:  # fmt: skip
-    """The short streams at once and, ``LONG_AFTER_S`` later, the long one (if any); while
-    the long one runs, the head map in force (the offload lane's) is read from /metrics."""
+async def short_loop(client, seed: int, prompt_len: int, new: int, going) -> list[dict]:
+    """One short stream: a request of ``prompt_len`` tokens asking for ``new`` ones, then
+    another with a fresh prompt (seeded from ``seed``), while ``going()`` holds (at least
+    one)."""
+    results, turn = [], 0
+    while turn == 0 or going():
+        prompt = ids(prompt_len, seed + 1000 * turn)
+        results.append(await stream(client, prompt, new))
+        turn += 1
+    return results
+
+
+async def drive(url: str, shorts: tuple[int, int, int], long_prompt: list[int] | None,
+                seconds: float, seed: int) -> dict:  # fmt: skip
+    """``shorts`` = (streams, prompt tokens, new tokens), each a closed loop while the long
+    request runs (sent ``LONG_AFTER_S`` in), or for ``seconds`` without one; while the long
+    one runs, the head map in force (the offload lane's) is read from /metrics."""
     from openai import AsyncOpenAI
 
     client = AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=3600)
-    tasks = [asyncio.ensure_future(stream(client, p, short_new)) for p in shorts]
-    long_task, entries = None, {}
+    count, prompt_len, new = shorts
+    start, long_task, entries = time.perf_counter(), None, {}
     if long_prompt is not None:
         long_task = asyncio.ensure_future(stream(client, long_prompt, LONG_NEW, LONG_AFTER_S))
-        while not long_task.done():
-            await asyncio.sleep(1.0)
-            seen = await asyncio.to_thread(_entries, url)
-            if seen["streamed"] + seen["hybrid"] > 0:
-                entries = seen
-    results = await asyncio.gather(*tasks)
+
+    def going() -> bool:
+        if long_task is not None:
+            return not long_task.done()
+        return time.perf_counter() - start < seconds
+
+    tasks = [asyncio.ensure_future(short_loop(client, seed + i, prompt_len, new, going))
+             for i in range(count)]  # fmt: skip
+    while long_task is not None and not long_task.done():
+        await asyncio.sleep(1.0)
+        seen = await asyncio.to_thread(_entries, url)
+        if seen["streamed"] + seen["hybrid"] > 0:
+            entries = seen
+    results = [r for loop in await asyncio.gather(*tasks) for r in loop]
     long = await long_task if long_task is not None else None
     await client.close()
-    return {"shorts": results, "long": long, "entries": entries}
+    return {"shorts": results, "long": long, "entries": entries,
+            "seconds": time.perf_counter() - start}  # fmt: skip
 
 
 def gaps(results: list[dict]) -> list[tuple[float, float]]:
@@ -130,15 +155,18 @@ def gaps(results: list[dict]) -> list[tuple[float, float]]:
 
 
 def serve_run(model_dir: Path, budget_gib: float, jobs: list) -> list[dict]:
-    """Start a server under ``budget_gib``, warm it, run each ``(shorts, short_new, long)``
-    of ``jobs`` in turn; each run's results with the server's peak reserved GiB so far."""
+    """Start a server under ``budget_gib``, warm it, run each ``(shorts, long, seconds)`` of
+    ``jobs`` in turn (``seconds``: a number, or the previous run's length when None); each
+    run's results with the server's peak reserved GiB so far."""
     server, url = start_server(model_dir, "--max-context", str(MAX_CONTEXT), "--host-memory",
                                HOST, budget=f"{budget_gib:.3f}GiB")  # fmt: skip
     runs = []
     try:
         asyncio.run(warm(url))
-        for job in jobs:
-            run = asyncio.run(drive(url, *job))
+        for shorts, long_prompt, seconds in jobs:
+            seconds = runs[-1]["seconds"] if seconds is None else seconds
+            seed = 100 + 100_000 * len(runs)  # (no run's prompt a cached prefix of another's)
+            run = asyncio.run(drive(url, shorts, long_prompt, seconds, seed))
             run["peak_reserved_gib"] = scrape(url, "headspace_gpu_peak_reserved_bytes") / GiB
             runs.append(run)
     finally:
@@ -171,15 +199,14 @@ def floor_ms(entries: dict, tokens: int, h2d: float, cpu: float) -> float:
 
 def scenario(name: str, model_dir: Path, h2d: float, cpu: float) -> dict:
     count, short_len, short_new, long_len = SCENARIOS[name]
-    shorts = [ids(short_len, 100 + i) for i in range(count)]
-    others = [ids(short_len, 200 + i) for i in range(count)]  # (no prefix cached from alone)
+    shorts = (count, short_len, short_new)
     long_prompt = ids(long_len, 999)
     kv_token = LLAMA31_8B["num_hidden_layers"] * LLAMA31_8B["num_key_value_heads"] * 128 * 2 * 2
     short_kv_gib = count * (short_len + short_new) * kv_token / GiB  # their peak KV
-    alone_short, mixed = serve_run(
-        model_dir, BUDGET_GIB, [(shorts, short_new, None), (others, short_new, long_prompt)]
+    mixed, alone_short = serve_run(
+        model_dir, BUDGET_GIB, [(shorts, long_prompt, 0.0), (shorts, None, None)]
     )
-    (alone_long,) = serve_run(model_dir, BUDGET_GIB - short_kv_gib, [([], 0, long_prompt)])
+    (alone_long,) = serve_run(model_dir, BUDGET_GIB - short_kv_gib, [((0, 0, 0), long_prompt, 0.0)])
     long, long_alone = long_figures(mixed, long_len), long_figures(alone_long, long_len)
     if "error" in long or "error" in long_alone:
         return {"error": long.get("error") or long_alone.get("error")}

@@ -247,8 +247,11 @@ def main() -> None:
     model = random_model(LLAMA31_8B)
     rows = []
     for kind in [k for k in KINDS if k in args.kinds]:
+        started = time.perf_counter()
         for figure, value in KINDS[kind](model).items():
             rows.append(judge(figure, value, *committed(kind, gpu, figure), gpu))
+            print(f"{kind}: {figure} {_shown(value)} ({rows[-1]['flag'] or 'ok'})", flush=True)
+        print(f"{kind}: measured in {time.perf_counter() - started:.0f} s", flush=True)
         torch.cuda.empty_cache()
     write_result(f"regress_{gpu}_{env['date']}.json", {"env": env, "rows": rows})
     print(f"\n{'figure':<40}{'measured':>10}{'committed':>11}{'change':>8}  file")

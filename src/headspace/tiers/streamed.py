@@ -31,9 +31,7 @@ from headspace.tiers.base import (
     TierSite,
     q_heads,
 )
-from headspace.tiers.hybrid import CpuSplit, cpu_ends, cpu_split
 from headspace.tiers.hybrid_sparse import SparseSelector
-from headspace.tiers.hybrid_window import GpuWindow
 from headspace.tiers.layout import head_ranges
 from headspace.tiers.pieces import MAX_COPY_RUNS, Piece, decode_pieces, history_pieces
 
@@ -45,15 +43,12 @@ class StreamedTier(Tier):
 
     def __init__(self, host: HostKVArena, staging: list[torch.Tensor],
                  groups: list[list[HeadRange]], q_per_kv: int, page_size: int,
-                 backend: str, cpu: CpuSplit | None, sized: tuple[int, int],
-                 window: GpuWindow | None = None,
+                 backend: str, sized: tuple[int, int],
                  counters: TierCounters | None = None):  # fmt: skip
         """``sized``: the streamed entries and groups a CUDA graph's step is weighed by
-        (under torchrun the most any rank may stream, so that every rank decides alike);
-        ``window``: the hybrid tier's GPU window kept in GPU pages (None: staged)."""
+        (under torchrun the most any rank may stream, so that every rank decides alike)."""
         self.host, self.staging, self.q_per_kv = host, staging, q_per_kv
-        self.cpu = cpu  # the hybrid tier: CPU threads attend the older part of the history
-        self.window, self.window_piece = window, None
+        self.window, self.window_piece = None, None  # (the hybrid tier's GPU window)
         self.counters = counters or TierCounters()
         self.page_size, self.backend = page_size, backend
         self.groups = groups  # per layer: contiguous kv-head ranges, one per group
@@ -69,42 +64,36 @@ class StreamedTier(Tier):
         self.copy_stream = torch.cuda.Stream(self.device, priority=-1) if on_gpu else None
         self._results: dict[int, list] = {}
         self._scored: list = []  # sparse hybrid: this layer's GPU-side scores, per group
-        self._cpu_job = None  # the hybrid tier's CPU part of the layer being attended
         self._aranges: dict[int, torch.Tensor] = {}
-
-    @property
-    def runs_outside_graphs(self) -> bool:
-        return self.cpu is not None  # the hybrid tier's CPU part
 
     @classmethod
     def from_plan(cls, plan, site: TierSite) -> StreamedTier | None:
         """Each layer's offloaded groups (places in this rank's heads), gathered into the
-        arena's staging slots; the hybrid tier's CPU side when the plan says so. A graph's
-        step is weighed by the plan's map, under torchrun the sized one (no rank streams
-        more: all decide alike, so their collectives pair up)."""
-        if plan.staging is None:
+        arena's staging slots (not the hybrid tier's: :class:`HybridTier`). A graph's step
+        is weighed by the plan's map, under torchrun the sized one (no rank streams more:
+        all decide alike, so their collectives pair up)."""
+        if plan.staging is None or plan.offload == "hybrid":
             return None
-        groups = [head_ranges(plan, layer, site.own_heads(layer))[1]
-                  for layer in range(site.spec.num_layers)]  # fmt: skip
+        return cls(site.host, site.store.staging, cls.offloaded_groups(plan, site),
+                   site.q_per_kv, site.spec.page_size, site.backend, cls.sized(plan),
+                   counters=site.counters)  # fmt: skip
+
+    @staticmethod
+    def offloaded_groups(plan, site: TierSite) -> list[list[HeadRange]]:
+        """Per layer, the offloaded groups' kv-head ranges (places in this rank's heads)."""
+        return [head_ranges(plan, layer, site.own_heads(layer))[1]
+                for layer in range(site.spec.num_layers)]  # fmt: skip
+
+    @staticmethod
+    def sized(plan) -> tuple[int, int]:
+        """The streamed entries and groups a graph's step is weighed by."""
         sized = plan.head_map if plan.rank_map is None else plan.rank_map
-        cpu, window = cpu_split(plan, site, groups), None
-        if cpu is not None and plan.gpu_window is not None:
-            window = GpuWindow.over_groups(site.store.window, groups, plan.gpu_window.pages,
-                                           cpu.gpu_window, site.host)  # fmt: skip
-        return cls(site.host, site.store.staging, groups, site.q_per_kv, site.spec.page_size,
-                   site.backend, cpu, sized=(sized.num_offloaded, sized.num_offloaded_groups),
-                   window=window, counters=site.counters)  # fmt: skip
+        return sized.num_offloaded, sized.num_offloaded_groups
 
     @property
     def sparse(self) -> SparseSelector | None:
-        """The sparse hybrid mode's selection; None in other modes."""
-        return None if self.cpu is None else self.cpu.attention.sparse
-
-    def forget(self, seq_id: int) -> None:
-        if self.sparse is not None:
-            self.sparse.forget(seq_id)
-        if self.window is not None:
-            self.window.forget(seq_id)
+        """The sparse hybrid mode's selection (the hybrid tier's); None here."""
+        return None
 
     def _arange(self, n: int, start: int = 0) -> torch.Tensor:
         key = (n, start)
@@ -118,17 +107,7 @@ class StreamedTier(Tier):
         self.fused, self.window_piece = False, None
         size = self.page_size
         if step.decode:
-            first_pages, last_pages = [0] * len(step.positions_list), None
-            if self.cpu is not None:  # tokens 0 .. end-1 of each sequence go to the CPU
-                ends = cpu_ends(step.positions_list, self.cpu.share, self.cpu.gpu_window, size)
-                self.cpu.attention.begin(step.pages["host"], ends)
-                if self.cpu.attention.sparse is not None:
-                    self.cpu.attention.sparse.begin(step.seq_ids, step.positions_list, ends)
-                first_pages = [end // size for end in ends]
-            if self.window is not None:  # the rest before the window streams
-                last_pages = self.window.begin(step.seq_ids, step.positions_list,
-                                               step.pages["host"], first_pages)  # fmt: skip
-                self.window_piece = self.window.piece
+            first_pages, last_pages = self._streamed_pages(step)
             self.pieces, self.fused = decode_pieces(step, first_pages, self.piece_pages,
                                                     self.page_size, self.device,
                                                     last_pages)  # fmt: skip
@@ -142,6 +121,11 @@ class StreamedTier(Tier):
             host_pages = device_ints(pages, self.device)
             self.new_slots = host_pages[step.positions // size] * size + step.positions % size
         self._start(self._first_item(step.first_layer))
+
+    def _streamed_pages(self, step: StepInputs) -> tuple[list[int], list[int] | None]:
+        """Per sequence of a decode step, the first page its staged history starts at and
+        the page it ends before (None: its last)."""
+        return [0] * len(step.positions_list), None
 
     def begin_graph(self, step: StepInputs, views: dict[str, torch.Tensor], key: tuple) -> None:
         self.begin_static(step, views["pages"], views["count"], views["new_slots"])
@@ -157,10 +141,7 @@ class StreamedTier(Tier):
         self.new_slots = new_slots
         self._start()
 
-    @property
-    def layer_slices(self) -> bool:
-        """A prefill chunk may run a few layers a step (not in sparse mode)."""
-        return self.sparse is None
+    layer_slices = True  # a prefill chunk may run a few layers a step
 
     def _first_item(self, layer: int) -> int:
         """The first (group, piece) item of ``layer`` or a later one (their count: none)."""
@@ -237,16 +218,6 @@ class StreamedTier(Tier):
         """Attend every streamed group of ``layer``; results go into their heads of ``out``
         (the hybrid tier's CPU part is merged in at :meth:`collect`)."""
         results = []
-        if self.cpu is not None and self.groups[layer]:  # the layer's hybrid heads (adjacent)
-            heads = (self.groups[layer][0][0], self.groups[layer][-1][1])
-            q_part = q[:, q_heads(heads, self.q_per_kv)]
-            if self.step.decode:  # the CPU starts first, with one job for all the groups
-                self._cpu_job = self.cpu.attention.submit(layer, heads, q_part)
-            elif self.sparse is not None:  # the prompt's queries, for a first selection
-                self.sparse.observe(self.step.seq_ids[0], layer, q_part,
-                                    self.step.start + q.shape[0])  # fmt: skip
-        if self.window_piece is not None:
-            self.counters.window_fill_pages += self.window.fill(layer)
         for kv_range in self.groups[layer]:
             heads = q_heads(kv_range, self.q_per_kv)
             q_part, kv_part = q[:, heads], kv[:, :, slice(*kv_range)]
@@ -256,24 +227,9 @@ class StreamedTier(Tier):
             write_tokens(self.host.layer(layer), self._arange(kv_range[1] - kv_range[0],
                          kv_range[0]), self.new_slots, kv_part)  # fmt: skip
         self._results[layer] = results
-        if self._scored:
-            self._track(layer)
 
     def collect(self, layer: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        results = self._results.pop(layer, [])
-        job, self._cpu_job = self._cpu_job, None
-        if job is None:
-            return results
-        cpu_out, cpu_lse = self.cpu.attention.result(job, results[0][0].device)
-        first = self.groups[layer][0][0]  # the job's first kv head
-        for i, (lo, hi) in enumerate(self.groups[layer]):
-            out, lse = results[i]  # [seqs, heads, dim], [heads, seqs]
-            heads = slice((lo - first) * self.q_per_kv, (hi - first) * self.q_per_kv)
-            merged, lse = merge_attention([out.transpose(0, 1), cpu_out[:, heads].transpose(0, 1)],
-                                          [lse, cpu_lse[:, heads].transpose(0, 1)])  # fmt: skip
-            out.copy_(merged.transpose(0, 1))
-            results[i] = (out, lse)
-        return results
+        return self._results.pop(layer, [])
 
     def _history(self, group: int, num_heads: int, fn) -> tuple[list, list]:
         """``fn(piece, k, v) -> (out, lse)`` over every piece of the group's history."""
@@ -371,19 +327,3 @@ class StreamedTier(Tier):
         if tracked:
             self._scored.append((kv_range, scores, lse.transpose(0, 1)))
         return out, lse
-
-    def _track(self, layer: int) -> None:
-        """The sparse mode's moving averages: weights of this step's GPU-side tokens of all
-        the layer's groups (adjacent kv heads), normalised over the GPU side (``lse``)."""
-        scored, self._scored = self._scored, []
-        kv_range = (scored[0][0][0], scored[-1][0][1])
-        lse = torch.cat([s[2] for s in scored], dim=1).float()[..., None]  # [seqs, heads, 1]
-        tracker = self.cpu.attention.sparse
-        pieces = self.pieces + ([self.window_piece] if self.window_piece is not None else [])
-        for p, piece in enumerate(pieces):
-            probs = torch.exp(torch.cat([s[1][p] for s in scored], dim=1) - lse)
-            tracker.track(layer, kv_range, probs, piece.offsets, piece.lengths)
-        if not self.fused and self.window_piece is None:  # the new token, at its position
-            probs = torch.exp(torch.cat([s[1][-1] for s in scored], dim=1) - lse)
-            tracker.track(layer, kv_range, probs, self.step.positions,
-                          torch.ones_like(self.step.lengths))  # fmt: skip

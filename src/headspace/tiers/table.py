@@ -6,7 +6,8 @@ order the runner submits them.
 | --- | --- | --- |
 | shared (one block table per sequence) | ``gpu`` | :class:`ResidentTier` |
 | | a rank's copy of a shared head | :class:`CopyTier` |
-| | ``stream``, ``hybrid`` (host pages) | :class:`StreamedTier` (hybrid: its CPU side) |
+| | ``stream`` (host pages) | :class:`StreamedTier` |
+| | ``hybrid`` (host pages, the older tokens on the CPU) | :class:`HybridTier` |
 | per entry (budgets, per-head patterns) | any, one process | :class:`BudgetTier` |
 | | any, one rank of several | :class:`RankBudgetTier` |
 """
@@ -17,6 +18,7 @@ from headspace.tiers.base import Tier, TierSite
 from headspace.tiers.budget import BudgetTier
 from headspace.tiers.budget_ranks import RankBudgetTier
 from headspace.tiers.copies import CopyTier
+from headspace.tiers.hybrid_tier import HybridTier
 from headspace.tiers.resident import ResidentTier
 from headspace.tiers.streamed import StreamedTier
 
@@ -25,7 +27,7 @@ SHARED_PAGES: dict[str, type[Tier]] = {
     "gpu": ResidentTier,
     "copy": CopyTier,
     "stream": StreamedTier,
-    "hybrid": StreamedTier,
+    "hybrid": HybridTier,
 }
 # every entry in its own pages: one class attends them all (by whether ranks share heads)
 PER_ENTRY_PAGES: dict[bool, type[Tier]] = {False: BudgetTier, True: RankBudgetTier}
