@@ -75,7 +75,7 @@ class ServerProcess:
         if self.process.poll() is None:
             os.kill(self._rank_zero(), signal.SIGINT)
             try:
-                self.process.wait(timeout=30)
+                self.process.wait(timeout=60)  # (a graceful shutdown may take a while)
             except subprocess.TimeoutExpired:
                 self.process.kill()
                 self.process.wait()

@@ -167,6 +167,12 @@ BAD = {  # name: (request body or raw text, status)
     "token ids past the vocabulary": ({"prompt": [1, 2, 10**9]}, 400),
     "tools": ({"tools": [{"type": "function", "function": {"name": "f"}}]}, 400),
     "stream_options without stream": ({"stream_options": {"include_usage": True}}, 400),
+    "stream given as a string": ({"stream": "yes"}, 400),
+    "max_tokens past the context": ({"max_tokens": 10**9}, 400),
+    "repetition_penalty": ({"repetition_penalty": 1.2}, 400),
+    "min_tokens": ({"min_tokens": 5}, 400),
+    "min_tokens given as a boolean": ({"min_tokens": False}, 400),
+    "stop_token_ids": ({"stop_token_ids": [5]}, 400),
     "a chunked body past --max-body-size": (iter([b" " * 2**20] * 17), 413),
 }
 
@@ -190,12 +196,39 @@ def test_a_bad_request_gets_its_status_and_the_server_keeps_serving(server, case
     assert server.healthy()
 
 
+def test_max_tokens_past_the_context_gets_the_numbers_and_values_that_ask_nothing_pass(client):
+    """An explicit max_tokens that does not fit beside the prompt: 400 with the numbers (chat
+    and completions); fields this server cannot honour pass where their value asks nothing."""
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.completions.create(model=NAME, prompt="Hello there", max_tokens=8191)
+    message = caught.value.body["message"]
+    assert "max_tokens is 8191" in message and "of the context's 8192" in message, message
+    assert caught.value.body["param"] == "max_tokens"
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "Hi"}],
+                                       max_completion_tokens=8192)  # fmt: skip
+    reply = client.completions.create(
+        model=NAME, prompt="Hello", max_tokens=3, temperature=0,
+        extra_body={"repetition_penalty": 1.0, "min_tokens": 0, "stop_token_ids": []},
+    )  # fmt: skip
+    assert reply.choices[0].text and reply.usage.completion_tokens == 3
+
+
 def test_a_wrong_key_gets_401_and_the_open_routes_stay_open(server):
     bad = openai.OpenAI(base_url=server.url + "/v1", api_key="wrong", max_retries=0)
     with pytest.raises(openai.AuthenticationError) as caught:
         bad.models.list()
     assert caught.value.status_code == 401
     assert httpx.post(server.url + "/v1/completions", json={}).status_code == 401  # no key
+    for header, status in (
+        (f"bearer {KEY}", 200),
+        (f"BEARER  {KEY}", 200),
+        (f"Basic {KEY}", 401),
+        (f"Bearer {KEY}x", 401),
+        (KEY, 401),
+    ):
+        reply = httpx.get(server.url + "/v1/models", headers={"Authorization": header})
+        assert reply.status_code == status, header  # the scheme in any case (RFC 9110)
     assert httpx.get(server.url + "/metrics").status_code == 200
     assert server.metrics()['headspace_request_errors_total{status="401"}'] >= 2  # counted
     assert server.healthy()
@@ -299,13 +332,37 @@ def test_a_bounded_load_loses_nothing(client, server):
 
 
 @pytest.mark.parametrize("flags", [["--port", "70000"], ["--max-concurrent-requests", "0"],
-                                   ["--max-body-size", "0.5"]])  # fmt: skip
+                                   ["--max-body-size", "0.5"], ["--api-key", ""],
+                                   ["--api-key", "  "]])  # fmt: skip
 def test_bad_serve_flags_get_one_line_and_exit_2(flags, capsys):
     from headspace.cli.main import main
 
     assert main(["serve", *flags]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and err.count("\n") == 1
+
+
+def test_an_empty_key_in_the_environment_is_refused(monkeypatch, capsys):
+    from headspace.cli.main import main
+
+    monkeypatch.setenv("HEADSPACE_API_KEY", "")
+    assert main(["serve"]) == 2
+    assert capsys.readouterr().err.startswith("error: the API key is empty")
+
+
+@pytest.mark.parametrize("host, warned", [("0.0.0.0", True), ("::", True), ("10.1.2.3", True),
+                                          ("example.org", True), ("127.0.0.1", False),
+                                          ("::1", False), ("localhost", False)])  # fmt: skip
+def test_listening_beyond_loopback_without_a_key_warns(host, warned, monkeypatch, capsys):
+    """The warning comes before the model loads (a bad body size stops it right after)."""
+    from headspace.cli.main import main
+
+    monkeypatch.delenv("HEADSPACE_API_KEY", raising=False)
+    assert main(["serve", "--host", host, "--max-body-size", "0.5"]) == 2
+    err = capsys.readouterr().err
+    assert ("without an API key" in err) == warned, err
+    assert main(["serve", "--host", host, "--api-key", "k", "--max-body-size", "0.5"]) == 2
+    assert "without an API key" not in capsys.readouterr().err
 
 
 def test_under_torchrun_rank_0_serves_and_the_others_follow(llm):

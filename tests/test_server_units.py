@@ -10,7 +10,7 @@ import pytest
 from pydantic import ValidationError
 
 from headspace.engine.outputs import RequestOutput
-from headspace.server.engine_loop import Outbox
+from headspace.server.outbox import Outbox
 from headspace.server.protocol import APIError, ChatRequest, CompletionRequest, Reply
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import ipaddress
 import os
 import sys
 from typing import TYPE_CHECKING
@@ -45,6 +46,9 @@ def add_serve_parser(subparsers) -> None:
                         "(completions: 16, as OpenAI's; default: 4096)")  # fmt: skip
     server.add_argument("--max-body-size", type=memory_value, default=DEFAULT_BODY,
                         help=f"largest request body (default: {DEFAULT_BODY})")  # fmt: skip
+    server.add_argument("--shutdown-timeout", type=float, default=30.0,
+                        help="on SIGINT or SIGTERM, seconds the running requests may finish "
+                        "before the rest are ended (default: 30)")  # fmt: skip
     server.add_argument("--no-warm-up", dest="warm_up", action="store_false",
                         help="skip the start-up request (compiles, captures graphs)")  # fmt: skip
     add_engine_options(p, defaults={"progress": False})
@@ -61,6 +65,16 @@ def _served_name(args) -> str:
     return str(args.model).rstrip("/").split("/")[-1]
 
 
+def _loopback(host: str) -> bool:
+    """Whether ``host`` is reachable from this machine only."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a name: only "localhost" is known to stay local
+        return False
+
+
 def run_serve(args: argparse.Namespace, hooks: EngineHooks | None = None) -> None:
     """Load the model, warm it up, serve until interrupted (Ctrl-C / SIGTERM); ``hooks``:
     a test's seams in the engine."""
@@ -71,8 +85,17 @@ def run_serve(args: argparse.Namespace, hooks: EngineHooks | None = None) -> Non
         if getattr(args, flag) < least:
             raise UserError(f"--{flag.replace('_', '-')} must be an integer >= {least}, got "
                             f"{getattr(args, flag)}")  # fmt: skip
+    if not args.shutdown_timeout >= 0:  # (NaN too)
+        raise UserError(f"--shutdown-timeout must be >= 0 seconds, got {args.shutdown_timeout}")
     if not 0 < args.port < 65536:
         raise UserError(f"--port must be in 1..65535, got {args.port}")
+    if args.api_key is not None and not args.api_key.strip():
+        raise UserError("the API key is empty (--api-key or HEADSPACE_API_KEY): give a key, "
+                        "or unset it to serve without one")  # fmt: skip
+    if args.api_key is None and not _loopback(args.host):
+        print(f"warning: listening on {args.host} without an API key: anyone who reaches "
+              "the port can use the server (--api-key or HEADSPACE_API_KEY)",
+              file=sys.stderr, flush=True)  # fmt: skip
     body_bytes = parse_memory(args.max_body_size, 0)  # a size, not a fraction
     if body_bytes < 1024:
         raise UserError(f"--max-body-size must be a size of 1KiB or more, got {args.max_body_size}")
@@ -87,5 +110,6 @@ def run_serve(args: argparse.Namespace, hooks: EngineHooks | None = None) -> Non
         options = ServerOptions(name, args.api_key, body_bytes, args.default_max_tokens)
         serve(llm.engine, options, args.host, args.port, warm_up=args.warm_up,
               max_concurrent=args.max_concurrent_requests,
-              max_queued=args.max_queued_requests)  # fmt: skip
+              max_queued=args.max_queued_requests,
+              shutdown_timeout=args.shutdown_timeout)  # fmt: skip
     print("stopped", file=sys.stderr)

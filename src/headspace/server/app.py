@@ -122,6 +122,8 @@ def build_app(engine_loop: EngineLoop, options: ServerOptions) -> FastAPI:
     async def health():
         if engine_loop.error is not None:  # (the process is on its way out)
             return JSONResponse({"status": "error"}, 503)
+        if engine_loop.draining:
+            return JSONResponse({"status": "shutting down"}, 503)
         if not engine_loop.ready.is_set():
             return JSONResponse({"status": "warming up"}, 503)
         return {"status": "ok"}
@@ -165,6 +167,7 @@ def build_app(engine_loop: EngineLoop, options: ServerOptions) -> FastAPI:
         engine_loop.reserve()  # 429 (or 503) before any work
         try:
             ids = await _tokens(body, chat)
+            _check_room(len(ids), body.asked_max_tokens, engine.max_context)
             params = body.sampling(options.default_max_tokens)
         except BaseException as error:
             engine_loop.release()
@@ -195,6 +198,17 @@ def build_app(engine_loop: EngineLoop, options: ServerOptions) -> FastAPI:
         return await _serve(request, body, chat=True)
 
     return app
+
+
+def _check_room(prompt_tokens: int, asked: int | None, context: int) -> None:
+    """A 400 with the numbers when the new tokens a request names do not fit the context
+    beside its prompt (one that names none gets what the context leaves; a prompt past the
+    context is the engine's to refuse)."""
+    if asked is None or prompt_tokens >= context or prompt_tokens + asked <= context:
+        return
+    raise APIError(400, f"max_tokens is {asked}, but the prompt's {prompt_tokens} tokens "
+                   f"leave {context - prompt_tokens} of the context's {context}",
+                   param="max_tokens")  # fmt: skip
 
 
 async def _first(outputs: AsyncIterator[RequestOutput]) -> RequestOutput | None:

@@ -15,7 +15,6 @@ turn, broadcasts what it took (new requests, aborts, stop) to the others, whose 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import gc
 import logging
 import queue
@@ -32,6 +31,7 @@ from headspace.engine.sampling import SamplingParams
 from headspace.errors import UserError
 from headspace.parallel.dist import broadcast_object, first_error, is_first_rank
 from headspace.server.metrics import Metrics
+from headspace.server.outbox import Outbox
 from headspace.server.protocol import APIError
 
 log = logging.getLogger("headspace.serve")
@@ -43,49 +43,17 @@ def _stopped() -> APIError:
     return APIError(503, "the engine has stopped; the server exits", "server_error")
 
 
+def _shutting_down(ended: bool) -> APIError:
+    message = ("the server is shutting down; this request was ended before it finished" if ended
+               else "the server is shutting down and takes no new requests")  # fmt: skip
+    return APIError(503, message, "server_error")
+
+
 def _non_finite() -> APIError:
     """What a request whose logits stopped being finite ends with (alone)."""
     message = ("the model's logits for this request were not finite (NaN or infinity); it "
                "was ended, the other requests go on")  # fmt: skip
     return APIError(500, message, "server_error")
-
-
-class Outbox:
-    """What the engine thread hands one request's task: control items (None: accepted; an
-    APIError) and outputs, consecutive outputs merged into one (the latest, with every new
-    token and piece of text since the task last looked), so a slow reader holds one output,
-    not one a step. The task is woken only when the box was empty."""
-
-    def __init__(self, loop: asyncio.AbstractEventLoop):
-        self.loop, self.ready = loop, asyncio.Event()
-        self._items: deque = deque()
-        self._lock = threading.Lock()
-
-    def put(self, item: RequestOutput | APIError | None) -> None:
-        """From the engine thread."""
-        with self._lock:
-            last = self._items[-1] if self._items else None
-            if isinstance(item, RequestOutput) and isinstance(last, RequestOutput):
-                item.new_text = last.new_text + item.new_text
-                item.new_token_ids = last.new_token_ids + item.new_token_ids
-                self._items[-1] = item
-                return
-            self._items.append(item)
-            if len(self._items) > 1:  # already woken
-                return
-        if not self.loop.is_closed():
-            with contextlib.suppress(RuntimeError):  # the event loop closed meanwhile
-                self.loop.call_soon_threadsafe(self.ready.set)
-
-    async def take(self) -> list:
-        """On the event loop: every item put since the last call, in order (waits for one)."""
-        while True:
-            await self.ready.wait()
-            self.ready.clear()
-            with self._lock:
-                items, self._items = list(self._items), deque()
-            if items:
-                return items
 
 
 def freeze_heap() -> None:
@@ -136,6 +104,7 @@ class EngineLoop:
         self.ready = threading.Event()  # warm-up done
         self.error: BaseException | None = None  # what stopped the loop, if anything
         self.on_stopped = lambda: None  # called on the engine's thread once an error stopped it
+        self.draining = False  # shutting down: new requests are refused (the event loop's)
         self._observed = 0.0  # when the load gauges were last set (perf_counter seconds)
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
 
@@ -168,12 +137,25 @@ class EngineLoop:
         the place back."""
         if self.error is not None or not self._thread.is_alive():
             raise _stopped()
+        if self.draining:
+            raise _shutting_down(ended=False)
         with self._count_lock:
             if self._count >= self.max_concurrent + self.max_queued:
                 raise APIError(429, f"the server holds {self._count} requests, its bound "
                                f"({self.max_concurrent} running + {self.max_queued} queued); "
                                "try again later", "rate_limit_error")  # fmt: skip
             self._count += 1
+
+    @property
+    def held(self) -> int:
+        """Requests accepted (or with a place reserved) and not yet ended."""
+        with self._count_lock:
+            return self._count
+
+    def end_all(self) -> None:
+        """End every request held now with a 503 (a stream: an error event, then
+        ``[DONE]``), aborted in the engine between two steps (shutting down)."""
+        self._inbox.put(("end_all", None))
 
     def release(self) -> None:
         """Give back a place taken by ``reserve`` for a request that was not generated."""
@@ -309,6 +291,9 @@ class EngineLoop:
         for command in commands:
             if command[0] == "stop":
                 return False
+            if command[0] == "end_all":
+                self._end_all()
+                continue
             if command[0] == "add" and command[1] not in self._by_key:  # a following rank
                 key, ids, params = command[1:]
                 self._by_key[key] = _Submitted(ids, params, None, key)
@@ -338,6 +323,13 @@ class EngineLoop:
                 self._queued.remove(request)
                 self._end(request)
                 self.metrics.aborted.inc()
+
+    def _end_all(self) -> None:
+        """Every request known ends with a 503 and is aborted (rank 0 delivers it)."""
+        for request in list(self._by_key.values()):
+            if not request.aborted:
+                request.deliver(_shutting_down(ended=True))
+            self._handle("abort", request)
 
     def _admit(self) -> None:
         """Queued requests into the engine while fewer than ``max_concurrent`` run there."""

@@ -49,9 +49,10 @@ class Guard:
     def _refusal(self, path: str, headers: dict[bytes, bytes]) -> APIError | None:
         """``headers``: raw names and values (bytes, as the client sent them)."""
         key = self.api_key
-        if key and path.startswith("/v1"):
-            given = headers.get(b"authorization", b"")
-            if not secrets.compare_digest(given, f"Bearer {key}".encode()):
+        if key is not None and path.startswith("/v1"):
+            scheme, _, given = headers.get(b"authorization", b"").strip().partition(b" ")
+            token_ok = secrets.compare_digest(given.strip(), key.encode())
+            if scheme.lower() != b"bearer" or not token_ok:  # (the scheme: any case, RFC 9110)
                 return APIError(401, "a valid API key is needed (Authorization: Bearer)",
                                 "authentication_error")  # fmt: skip
         length = headers.get(b"content-length", b"").decode("latin-1")

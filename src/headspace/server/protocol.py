@@ -3,7 +3,8 @@
 Requests are pydantic models: a field of the wrong type or out of range is a 400 in OpenAI's
 error shape (``{"error": {"message", "type", "param", "code"}}``); fields this server does
 not know are ignored, as OpenAI-compatible servers do; ones it knows and cannot honour
-(``n`` > 1, penalties, log-probabilities) are refused by name.
+(``n`` > 1, penalties, ``min_tokens``, log-probabilities) are refused by name unless their
+value asks for nothing; booleans are JSON's true and false only.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, model_validator
 
 from headspace.engine.outputs import RequestOutput
 from headspace.engine.sampling import SamplingParams
@@ -22,7 +23,11 @@ GREEDY_BELOW = 1e-5  # a temperature this small is greedy (sampling would overfl
 MOST_STOPS, MOST_STOP_CHARS = 64, 1000  # stop strings a request may give (OpenAI allows 4)
 # fields of OpenAI's API this server cannot honour: refused by name, not ignored
 UNSUPPORTED = ("tools", "tool_choice", "functions", "function_call", "response_format",
-               "logit_bias", "suffix", "prediction", "audio", "modalities")  # fmt: skip
+               "logit_bias", "suffix", "prediction", "audio", "modalities",
+               "repetition_penalty", "min_tokens", "top_logprobs", "stop_token_ids",
+               "use_beam_search", "prompt_logprobs")  # fmt: skip
+ASKS_NOTHING = {"repetition_penalty": (1, 1.0), "min_tokens": (0,), "top_logprobs": (0,),
+                "stop_token_ids": ([],), "use_beam_search": (False,)}  # fmt: skip
 
 
 class APIError(Exception):
@@ -47,11 +52,13 @@ def _asks_nothing(name: str, value) -> bool:
         return value == "none"
     if name == "response_format":
         return isinstance(value, dict) and value.get("type") == "text"
+    if name in ASKS_NOTHING:  # (False == 0 in Python: booleans only where a boolean is meant)
+        return any(value == v and type(value) is type(v) for v in ASKS_NOTHING[name])
     return value in ("", {})
 
 
 class StreamOptions(BaseModel):
-    include_usage: bool = False
+    include_usage: StrictBool = False
 
 
 class _Sampling(BaseModel):
@@ -66,10 +73,10 @@ class _Sampling(BaseModel):
     top_k: Annotated[int, Field(ge=-1)] = 0  # 0 or -1: off
     seed: Annotated[int, Field(ge=-(2**63), le=2**64 - 1)] | None = None
     stop: str | list[str] | None = None
-    stream: bool = False
+    stream: StrictBool = False  # (JSON's true or false: "yes" is refused, not taken as true)
     stream_options: StreamOptions | None = None
     n: int = 1
-    ignore_eos: bool = False
+    ignore_eos: StrictBool = False
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     best_of: int | None = None
@@ -114,6 +121,12 @@ class _Sampling(BaseModel):
                               ignore_eos=self.ignore_eos)  # fmt: skip
 
     @property
+    def asked_max_tokens(self) -> int | None:
+        """The new tokens the request names itself (None: it takes the default)."""
+        named = {"max_tokens", "max_completion_tokens"} & self.model_fields_set
+        return self.max_tokens if named else None
+
+    @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
@@ -123,7 +136,7 @@ class CompletionRequest(_Sampling):
 
     prompt: str | list[int] | list[str] | list[list[int]]
     max_tokens: Annotated[int, Field(ge=1)] | None = 16
-    echo: bool = False
+    echo: StrictBool = False
     logprobs: int | None = None
 
     @model_validator(mode="after")
@@ -163,7 +176,7 @@ class ChatRequest(_Sampling):
 
     messages: Annotated[list[Message], Field(min_length=1)]
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
-    logprobs: bool = False
+    logprobs: StrictBool = False
 
     @model_validator(mode="after")
     def _chat(self):
