@@ -172,7 +172,7 @@ BAD = {  # name: (request body or raw text, status)
     "repetition_penalty": ({"repetition_penalty": 1.2}, 400),
     "min_tokens": ({"min_tokens": 5}, 400),
     "min_tokens given as a boolean": ({"min_tokens": False}, 400),
-    "stop_token_ids": ({"stop_token_ids": [5]}, 400),
+    "a negative stop token id": ({"stop_token_ids": [-1]}, 400),
     "a chunked body past --max-body-size": (iter([b" " * 2**20] * 17), 413),
 }
 
@@ -212,6 +212,20 @@ def test_max_tokens_past_the_context_gets_the_numbers_and_values_that_ask_nothin
         extra_body={"repetition_penalty": 1.0, "min_tokens": 0, "stop_token_ids": []},
     )  # fmt: skip
     assert reply.choices[0].text and reply.usage.completion_tokens == 3
+
+
+def test_stop_token_ids_end_a_request_at_that_token(client, llm):
+    """The token is kept in the ids (and counted), not in the text; as the API gives it."""
+    prompt = "Once upon a time"
+    greedy = llm.generate(prompt, _greedy(12))[0].token_ids
+    at = next(i for i in range(2, len(greedy)) if greedy[i] not in greedy[:i])
+    params = SamplingParams(max_new_tokens=12, stop_token_ids=[greedy[at]])
+    stopped = llm.generate(prompt, params)[0]
+    assert stopped.finish_reason == "stop" and stopped.token_ids == greedy[: at + 1]
+    reply = client.completions.create(model=NAME, prompt=prompt, max_tokens=12, temperature=0,
+                                      extra_body={"stop_token_ids": [greedy[at]]})  # fmt: skip
+    assert reply.choices[0].finish_reason == "stop" and reply.choices[0].text == stopped.text
+    assert reply.usage.completion_tokens == at + 1
 
 
 def test_a_wrong_key_gets_401_and_the_open_routes_stay_open(server):

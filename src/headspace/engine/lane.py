@@ -279,6 +279,9 @@ class Lane:
         if token in self.context.eos_token_ids and not params.ignore_eos:
             request.ended = "end of sequence"
             return "", "stop"
+        if token in params.stop_token_ids:
+            request.ended = "stop token"
+            return "", "stop"
         piece = request.streamer.update(seq.output_ids)
         if request.streamer.stopped:
             request.ended = "stop string"

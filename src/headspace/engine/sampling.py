@@ -16,7 +16,9 @@ def as_float32(value: float) -> float:
 
 @dataclass
 class SamplingParams:
-    """How to pick tokens. ``temperature=0`` is greedy; ``top_k=0`` and ``top_p=1`` are off."""
+    """How to pick tokens. ``temperature=0`` is greedy; ``top_k=0`` and ``top_p=1`` are off.
+    ``stop_token_ids``: tokens that end the request as the end-of-sequence token does (the
+    token is kept in ``token_ids``, not in the text; ``ignore_eos`` leaves them in force)."""
 
     max_new_tokens: int = 128
     temperature: float = 0.0
@@ -25,6 +27,7 @@ class SamplingParams:
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
     ignore_eos: bool = False
+    stop_token_ids: list[int] = field(default_factory=list)
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -44,6 +47,9 @@ class SamplingParams:
             raise UserError(f"top_k must be a non-negative integer, got {self.top_k}")
         if any(not s for s in self.stop):
             raise UserError("stop strings must be non-empty")
+        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+            raise UserError(f"stop_token_ids must be non-negative integers, got "
+                            f"{self.stop_token_ids}")  # fmt: skip
 
 
 def make_generator(params: SamplingParams, device: torch.device) -> torch.Generator | None:

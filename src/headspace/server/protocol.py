@@ -24,10 +24,10 @@ MOST_STOPS, MOST_STOP_CHARS = 64, 1000  # stop strings a request may give (OpenA
 # fields of OpenAI's API this server cannot honour: refused by name, not ignored
 UNSUPPORTED = ("tools", "tool_choice", "functions", "function_call", "response_format",
                "logit_bias", "suffix", "prediction", "audio", "modalities",
-               "repetition_penalty", "min_tokens", "top_logprobs", "stop_token_ids",
-               "use_beam_search", "prompt_logprobs")  # fmt: skip
+               "repetition_penalty", "min_tokens", "top_logprobs", "use_beam_search",
+               "prompt_logprobs")  # fmt: skip
 ASKS_NOTHING = {"repetition_penalty": (1, 1.0), "min_tokens": (0,), "top_logprobs": (0,),
-                "stop_token_ids": ([],), "use_beam_search": (False,)}  # fmt: skip
+                "use_beam_search": (False,)}  # fmt: skip
 
 
 class APIError(Exception):
@@ -73,6 +73,7 @@ class _Sampling(BaseModel):
     top_k: Annotated[int, Field(ge=-1)] = 0  # 0 or -1: off
     seed: Annotated[int, Field(ge=-(2**63), le=2**64 - 1)] | None = None
     stop: str | list[str] | None = None
+    stop_token_ids: Annotated[list[Annotated[int, Field(ge=0)]], Field(max_length=MOST_STOPS)] = []
     stream: StrictBool = False  # (JSON's true or false: "yes" is refused, not taken as true)
     stream_options: StreamOptions | None = None
     n: int = 1
@@ -118,7 +119,8 @@ class _Sampling(BaseModel):
         return SamplingParams(max_new_tokens=self.max_tokens or default_max_tokens,
                               temperature=temperature, top_p=self.top_p,
                               top_k=max(self.top_k, 0), seed=self.seed, stop=stop,
-                              ignore_eos=self.ignore_eos)  # fmt: skip
+                              ignore_eos=self.ignore_eos,
+                              stop_token_ids=list(self.stop_token_ids))  # fmt: skip
 
     @property
     def asked_max_tokens(self) -> int | None:
