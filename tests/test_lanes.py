@@ -49,8 +49,11 @@ class Lanes(RuleBasedStateMachine):
     def __init__(self):
         super().__init__()
         self.engine = ENGINES[self.mode].engine
-        while self.engine.has_unfinished():  # (what an example cut short left)
+        for _ in range(5000):  # what an example cut short left (a stuck engine fails here)
+            if not self.engine.has_unfinished():
+                break
             self.engine.step()
+        assert not self.engine.has_unfinished(), self.engine.load()
         self.added: list[int] = []  # request ids, in order (what a draw picks from)
         self.running: dict[int, tuple[int, int]] = {}  # request id -> (length, new tokens)
         self.tokens: dict[int, list[int]] = {}
