@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import math
 import os
 import signal
 import sys
@@ -251,7 +252,10 @@ def targets(row: dict) -> dict:
         "long decode vs floor": (row["long_decode_ms"] / row["long_decode_floor_ms"], 1.3),
         "peak vs budget": (row["peak_reserved_gib"] / row["budget_gib"], 1.02),
     }  # fmt: skip
-    return {name: (value, bound, value <= bound) for name, (value, bound) in checks.items()}
+    return {
+        name: (None, bound, False) if math.isnan(value) else (value, bound, value <= bound)
+        for name, (value, bound) in checks.items()
+    }  # (NaN: no token in that window)
 
 
 def main() -> None:
@@ -276,6 +280,8 @@ def main() -> None:
             row = scenario(name, model_dir, h2d, cpu)
             if "error" not in row:
                 row["targets"] = targets(row)
+                row = {k: None if isinstance(v, float) and math.isnan(v) else v
+                       for k, v in row.items()}  # (JSON has no NaN)  # fmt: skip
             result["scenarios"][name] = row
             for key in KEYS:  # the keys at the top: {scenario: value}
                 result[key] = {n: r.get(key) for n, r in result["scenarios"].items()}
@@ -292,7 +298,8 @@ def _print(result: dict) -> None:
             print(f"{name:<9}error: {row['error']}")
             continue
         for target, (value, bound, met) in row["targets"].items():
-            print(f"{name:<9}{target:<32}{value:>10.3f}{bound:>8.2f}  {'yes' if met else 'NO'}")
+            shown = "-" if value is None else f"{value:.3f}"
+            print(f"{name:<9}{target:<32}{shown:>10}{bound:>8.2f}  {'yes' if met else 'NO'}")
 
 
 if __name__ == "__main__":
