@@ -158,7 +158,8 @@ BAD = {  # name: (request body or raw text, status)
     "max_tokens of a wrong type": ({"max_tokens": "many"}, 400),
     "temperature -1": ({"temperature": -1}, 400),
     "top_p 2": ({"top_p": 2}, 400),
-    "n 3": ({"n": 3}, 400),
+    "n 0": ({"n": 0}, 400),
+    "n past 16": ({"n": 17}, 400),
     "an unknown model": ({"model": "gpt-5"}, 404),
     "a prompt over the context": ({"prompt": "word " * 9000}, 400),
     "no prompt": ({"prompt": None}, 400),
@@ -226,6 +227,28 @@ def test_stop_token_ids_end_a_request_at_that_token(client, llm):
                                       extra_body={"stop_token_ids": [greedy[at]]})  # fmt: skip
     assert reply.choices[0].finish_reason == "stop" and reply.choices[0].text == stopped.text
     assert reply.usage.completion_tokens == at + 1
+
+
+def test_n_seeded_choices_differ_and_repeat_streamed_or_not(client):
+    ask = {"model": NAME, "prompt": "Once upon a time", "max_tokens": 10, "temperature": 1.0,
+           "seed": 7, "n": 3, "extra_body": NO_EOS}  # fmt: skip
+
+    def texts(reply) -> list[str]:
+        assert sorted(c.index for c in reply.choices) == [0, 1, 2]
+        return [c.text for c in sorted(reply.choices, key=lambda c: c.index)]
+
+    first = client.completions.create(**ask)
+    assert len(set(texts(first))) == 3 and first.usage.completion_tokens == 30
+    assert texts(client.completions.create(**ask)) == texts(first)
+    pieces = ["", "", ""]
+    for chunk in client.completions.create(**ask, stream=True):
+        for choice in chunk.choices:
+            pieces[choice.index] += choice.text
+    assert pieces == texts(first)
+    chat = client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "Hi"}],
+                                          n=2, max_tokens=4, temperature=1.0, seed=3)  # fmt: skip
+    assert sorted(c.index for c in chat.choices) == [0, 1]
+    assert all(c.message.role == "assistant" for c in chat.choices)
 
 
 def test_a_wrong_key_gets_401_and_the_open_routes_stay_open(server):

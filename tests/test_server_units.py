@@ -55,7 +55,7 @@ def test_a_reply_keeps_one_id_and_time_across_its_chunks():
 
 
 @pytest.mark.parametrize("fields", [
-    {"n": 2}, {"seed": 2**64}, {"tools": [{"type": "function"}]}, {"best_of": 3},
+    {"n": 17}, {"seed": 2**64}, {"tools": [{"type": "function"}]}, {"best_of": 3},
     {"stream_options": {"include_usage": True}}, {"presence_penalty": 0.5}, {"stop": [""]},
     {"temperature": 2.5}, {"top_p": 0}, {"max_tokens": 0}, {"prompt": ["a", "b"]},
 ])  # fmt: skip
@@ -70,6 +70,7 @@ def test_sampling_fields_become_sampling_params():
     params = request.sampling(4096)
     assert params.temperature == 0 and params.top_k == 0 and params.stop == ["END"]
     assert params.max_new_tokens == 16  # OpenAI's default for completions
+    assert [request.sampling(4096, i).seed for i in range(3)] == [2**64 - 1, 0, 1]  # (n)
     chat = ChatRequest(model="m", messages=[{"role": "user", "content": [
         {"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}],
         max_completion_tokens=7)  # fmt: skip

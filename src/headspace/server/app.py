@@ -23,6 +23,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
 from headspace.engine.outputs import RequestOutput
+from headspace.engine.sampling import SamplingParams
 from headspace.errors import UserError
 from headspace.server import protocol
 from headspace.server.engine_loop import EngineLoop, log
@@ -163,29 +164,29 @@ def build_app(engine_loop: EngineLoop, options: ServerOptions) -> FastAPI:
         if body.model != name:
             raise APIError(404, f"the model {body.model!r} does not exist; this server serves "
                            f"{name!r}", "not_found_error", "model")  # fmt: skip
-        arrived = time.perf_counter()
-        engine_loop.reserve()  # 429 (or 503) before any work
+        arrived, reserved = time.perf_counter(), 0
         try:
+            for _ in range(body.n):  # a place for each choice (429 or 503 before any work)
+                engine_loop.reserve()
+                reserved += 1
             ids = await _tokens(body, chat)
             _check_room(len(ids), body.asked_max_tokens, engine.max_context)
-            params = body.sampling(options.default_max_tokens)
+            params = [body.sampling(options.default_max_tokens, i) for i in range(body.n)]
         except BaseException as error:
-            engine_loop.release()
+            for _ in range(reserved):
+                engine_loop.release()
             if isinstance(error, UserError):
                 raise APIError(400, str(error)) from None
             raise
         reply = protocol.Reply(protocol.new_id("chatcmpl" if chat else "cmpl"), name, chat)
-        outputs = engine_loop.generate(ids, params, arrived)
-        await _first(outputs)  # accepted: a refusal is a status, before any event
+        choices = await _accepted(engine_loop, ids, params, arrived)
         if body.stream:
-            return StreamingResponse(_events(outputs, reply, body.include_usage),
+            return StreamingResponse(_events(choices, reply, body.include_usage),
                                      media_type="text/event-stream")  # fmt: skip
 
         async def whole():
-            final = None
-            async for output in outputs:
-                final = output
-            return JSONResponse(reply.completion(final))
+            finals = await asyncio.gather(*(_last(outputs) for outputs in choices))
+            return JSONResponse(reply.completion(list(finals)))
 
         return await _unless_disconnected(request, whole())
 
@@ -218,30 +219,77 @@ async def _first(outputs: AsyncIterator[RequestOutput]) -> RequestOutput | None:
         return None
 
 
-async def _events(outputs: AsyncIterator[RequestOutput], reply: protocol.Reply,
+async def _last(outputs: AsyncIterator[RequestOutput]) -> RequestOutput | None:
+    final = None
+    async for output in outputs:
+        final = output
+    return final
+
+
+async def _accepted(engine_loop: EngineLoop, ids: list[int], params: list[SamplingParams],
+                    arrived: float) -> list[AsyncIterator[RequestOutput]]:  # fmt: skip
+    """Each choice's outputs once the engine has accepted it (a refusal is a status, before
+    any event: the choices already accepted are aborted, the places of the others given
+    back)."""
+    choices = []
+    try:
+        for choice in params:
+            outputs = engine_loop.generate(ids, choice, arrived)
+            choices.append(outputs)
+            await _first(outputs)  # (None: accepted; a refusal raises APIError)
+    except BaseException:
+        for outputs in choices:
+            await outputs.aclose()
+        for _ in range(len(params) - len(choices)):
+            engine_loop.release()
+        raise
+    return choices
+
+
+async def _events(choices: list[AsyncIterator[RequestOutput]], reply: protocol.Reply,
                   include_usage: bool) -> AsyncIterator[str]:  # fmt: skip
-    """Server-sent events: a chunk per step with new text (the chat's first carries the
-    role), the finish reason on the last, the usage chunk if asked, then ``[DONE]``. When
-    the client goes, starlette cancels this generator and the request is aborted."""
+    """Server-sent events: a chunk per step and choice with new text (a chat's first of each
+    choice carries the role), the finish reason on each choice's last, the usage chunk if
+    asked, then ``[DONE]``. When the client goes, starlette cancels this generator and the
+    requests are aborted."""
 
     def event(payload: dict) -> str:
         return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
 
-    final = None
+    merged: asyncio.Queue = asyncio.Queue()  # (choice, output or APIError or None: it ended)
+
+    async def pump(index: int, outputs: AsyncIterator[RequestOutput]) -> None:
+        try:
+            async for output in outputs:
+                await merged.put((index, output))
+        except APIError as error:  # the engine stopped, or the server ends it
+            await merged.put((index, error))
+        finally:
+            await merged.put((index, None))
+
+    finals: list[RequestOutput | None] = [None] * len(choices)
+    pumps = [asyncio.ensure_future(pump(i, outputs)) for i, outputs in enumerate(choices)]
     try:
         if reply.chat:
-            yield event(reply.chunk("", None, role=True))
-        output = await _first(outputs)
-        while output is not None:
-            reason = output.finish_reason
-            if output.new_text or reason:
-                yield event(reply.chunk(output.new_text, reason))
-            final = output
-            output = await _first(outputs)
-    except APIError as error:  # the engine stopped mid-stream
-        yield event(error.body())
-    finally:  # also when the client has gone: its request is aborted now
-        await outputs.aclose()
-    if include_usage and final is not None:
-        yield event(reply.usage_chunk(final))
+            for index in range(len(choices)):
+                yield event(reply.chunk("", None, role=True, index=index))
+        running, failed = len(choices), None
+        while running:
+            index, item = await merged.get()
+            if item is None:
+                running -= 1
+            elif isinstance(item, APIError):
+                failed = failed or item
+            else:
+                if item.new_text or item.finish_reason:
+                    yield event(reply.chunk(item.new_text, item.finish_reason, index=index))
+                finals[index] = item
+        if failed is not None:
+            yield event(failed.body())
+    finally:  # also when the client has gone: its requests are aborted now (each pump's
+        for task in pumps:  # generator aborts its request as the cancellation unwinds it)
+            task.cancel()
+        await asyncio.gather(*pumps, return_exceptions=True)
+    if include_usage and failed is None and all(f is not None for f in finals):
+        yield event(reply.usage_chunk(finals))
     yield "data: [DONE]\n\n"

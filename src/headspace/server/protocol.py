@@ -3,7 +3,7 @@
 Requests are pydantic models: a field of the wrong type or out of range is a 400 in OpenAI's
 error shape (``{"error": {"message", "type", "param", "code"}}``); fields this server does
 not know are ignored, as OpenAI-compatible servers do; ones it knows and cannot honour
-(``n`` > 1, penalties, ``min_tokens``, log-probabilities) are refused by name unless their
+(``best_of`` > 1, penalties, ``min_tokens``, log-probabilities) are refused by name unless their
 value asks for nothing; booleans are JSON's true and false only.
 """
 
@@ -21,6 +21,7 @@ from headspace.engine.sampling import SamplingParams
 
 GREEDY_BELOW = 1e-5  # a temperature this small is greedy (sampling would overflow)
 MOST_STOPS, MOST_STOP_CHARS = 64, 1000  # stop strings a request may give (OpenAI allows 4)
+MOST_CHOICES = 16  # ``n``: choices a request may ask for (each runs as a request)
 # fields of OpenAI's API this server cannot honour: refused by name, not ignored
 UNSUPPORTED = ("tools", "tool_choice", "functions", "function_call", "response_format",
                "logit_bias", "suffix", "prediction", "audio", "modalities",
@@ -76,7 +77,7 @@ class _Sampling(BaseModel):
     stop_token_ids: Annotated[list[Annotated[int, Field(ge=0)]], Field(max_length=MOST_STOPS)] = []
     stream: StrictBool = False  # (JSON's true or false: "yes" is refused, not taken as true)
     stream_options: StreamOptions | None = None
-    n: int = 1
+    n: Annotated[int, Field(ge=1, le=MOST_CHOICES)] = 1
     ignore_eos: StrictBool = False
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
@@ -101,8 +102,6 @@ class _Sampling(BaseModel):
             raise ValueError("stream_options is only allowed with stream: true")
         if self.best_of not in (None, 1):
             raise ValueError(f"best_of must be 1, got {self.best_of}")
-        if self.n != 1:
-            raise ValueError(f"n must be 1 (one choice per request), got {self.n}")
         if self.presence_penalty or self.frequency_penalty:
             raise ValueError("presence_penalty and frequency_penalty are not supported")
         stops = [self.stop] if isinstance(self.stop, str) else self.stop or []
@@ -113,12 +112,15 @@ class _Sampling(BaseModel):
                              f"{MOST_STOP_CHARS} characters each")  # fmt: skip
         return self
 
-    def sampling(self, default_max_tokens: int) -> SamplingParams:
+    def sampling(self, default_max_tokens: int, choice: int = 0) -> SamplingParams:
+        """The engine's parameters of choice ``choice`` (of ``n``): a seeded request's
+        choices take the seeds after its own, so they differ and repeat."""
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         temperature = 0.0 if self.temperature < GREEDY_BELOW else self.temperature
+        seed = None if self.seed is None else (self.seed + choice) % 2**64
         return SamplingParams(max_new_tokens=self.max_tokens or default_max_tokens,
                               temperature=temperature, top_p=self.top_p,
-                              top_k=max(self.top_k, 0), seed=self.seed, stop=stop,
+                              top_k=max(self.top_k, 0), seed=seed, stop=stop,
                               ignore_eos=self.ignore_eos,
                               stop_token_ids=list(self.stop_token_ids))  # fmt: skip
 
@@ -194,8 +196,10 @@ def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
-def usage(output: RequestOutput) -> dict:
-    prompt, generated = output.stats.prompt_tokens, len(output.token_ids)
+def usage(outputs: list[RequestOutput]) -> dict:
+    """The prompt counted once, the tokens of every choice."""
+    output = outputs[0]
+    prompt, generated = output.stats.prompt_tokens, sum(len(o.token_ids) for o in outputs)
     return {"prompt_tokens": prompt, "completion_tokens": generated,
             "total_tokens": prompt + generated,
             "prompt_tokens_details": {"cached_tokens": output.num_cached_tokens}}  # fmt: skip
@@ -217,28 +221,32 @@ class Reply:
         return {"id": self.request_id, "object": kind, "created": self.created,
                 "model": self.model}  # fmt: skip
 
-    def completion(self, output: RequestOutput) -> dict:
-        """The whole response of a finished request."""
-        reason = output.finish_reason  # "stop", "length" or "abort", as OpenAI's
-        if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": output.text},
-                      "logprobs": None, "finish_reason": reason}  # fmt: skip
-        else:
-            choice = {"index": 0, "text": output.text, "logprobs": None, "finish_reason": reason}
-        return {**self._head(False), "choices": [choice], "usage": usage(output)}
+    def completion(self, outputs: list[RequestOutput]) -> dict:
+        """The whole response of a finished request: a choice per output, in order."""
+        choices = []
+        for index, output in enumerate(outputs):
+            reason = output.finish_reason  # "stop", "length" or "abort", as OpenAI's
+            if self.chat:
+                choice = {"message": {"role": "assistant", "content": output.text}}
+            else:
+                choice = {"text": output.text}
+            choices.append({"index": index, **choice, "logprobs": None, "finish_reason": reason})
+        return {**self._head(False), "choices": choices, "usage": usage(outputs)}
 
-    def chunk(self, text: str | None, reason: str | None, role: bool = False) -> dict:
-        """One streamed piece: new ``text`` (a chat delta, with the assistant's ``role`` on
-        the first), and the finish reason on the last."""
+    def chunk(self, text: str | None, reason: str | None, role: bool = False,
+              index: int = 0) -> dict:  # fmt: skip
+        """One streamed piece of choice ``index``: new ``text`` (a chat delta, with the
+        assistant's ``role`` on the first), and the finish reason on the last."""
         if self.chat:
             delta = {"role": "assistant"} if role else {}
             if text is not None:
                 delta["content"] = text
-            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}
+            choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": reason}
         else:
-            choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": reason}
+            choice = {"index": index, "text": text or "", "logprobs": None,
+                      "finish_reason": reason}  # fmt: skip
         return {**self._head(True), "choices": [choice]}
 
-    def usage_chunk(self, output: RequestOutput) -> dict:
+    def usage_chunk(self, outputs: list[RequestOutput]) -> dict:
         """The last streamed piece with ``stream_options.include_usage``: usage, no choices."""
-        return {**self._head(True), "choices": [], "usage": usage(output)}
+        return {**self._head(True), "choices": [], "usage": usage(outputs)}
