@@ -49,6 +49,9 @@ def add_serve_parser(subparsers) -> None:
     server.add_argument("--shutdown-timeout", type=float, default=30.0,
                         help="on SIGINT or SIGTERM, seconds the running requests may finish "
                         "before the rest are ended (default: 30)")  # fmt: skip
+    server.add_argument("--header-timeout", type=float, default=10.0,
+                        help="seconds a connection has to send a request's headers whole, "
+                        "else it is closed (default: 10)")  # fmt: skip
     server.add_argument("--no-warm-up", dest="warm_up", action="store_false",
                         help="skip the start-up request (compiles, captures graphs)")  # fmt: skip
     add_engine_options(p, defaults={"progress": False})
@@ -85,6 +88,8 @@ def run_serve(args: argparse.Namespace, hooks: EngineHooks | None = None) -> Non
         if getattr(args, flag) < least:
             raise UserError(f"--{flag.replace('_', '-')} must be an integer >= {least}, got "
                             f"{getattr(args, flag)}")  # fmt: skip
+    if not 0 < args.header_timeout < float("inf"):  # (NaN too)
+        raise UserError(f"--header-timeout must be > 0 seconds, got {args.header_timeout}")
     if not args.shutdown_timeout >= 0:  # (NaN too)
         raise UserError(f"--shutdown-timeout must be >= 0 seconds, got {args.shutdown_timeout}")
     if not 0 < args.port < 65536:
@@ -111,5 +116,6 @@ def run_serve(args: argparse.Namespace, hooks: EngineHooks | None = None) -> Non
         serve(llm.engine, options, args.host, args.port, warm_up=args.warm_up,
               max_concurrent=args.max_concurrent_requests,
               max_queued=args.max_queued_requests,
-              shutdown_timeout=args.shutdown_timeout)  # fmt: skip
+              shutdown_timeout=args.shutdown_timeout,
+              header_timeout=args.header_timeout)  # fmt: skip
     print("stopped", file=sys.stderr)

@@ -12,6 +12,7 @@ from headspace.engine.engine import Engine
 from headspace.parallel.dist import is_first_rank
 from headspace.server.app import ServerOptions, build_app
 from headspace.server.engine_loop import EngineLoop
+from headspace.server.header_deadline import with_header_timeout
 from headspace.server.metrics import Metrics
 
 # The engine thread gives up the GIL at every wait (a CUDA sync, a CPU-attention job) and
@@ -61,13 +62,14 @@ class DrainingServer(uvicorn.Server):
 
 def serve(engine: Engine, options: ServerOptions, host: str, port: int, *,
           max_concurrent: int = 64, max_queued: int = 256, warm_up: bool = True,
-          shutdown_timeout: float = 30.0) -> None:  # fmt: skip
+          shutdown_timeout: float = 30.0, header_timeout: float = 10.0) -> None:  # fmt: skip
     """Serve ``engine`` on ``host:port`` until interrupted; ``/health`` says ready once the
     warm-up request has run. An error that stops the engine ends the process with exit
     code 1 (its requests get a 500 first), never a server that answers 503 for good.
     On SIGINT or SIGTERM it shuts down gracefully (:class:`DrainingServer`, within
     ``shutdown_timeout`` seconds). Under torchrun rank 0 serves and the other ranks follow
-    its steps (they return when it stops)."""
+    its steps (they return when it stops). A connection whose request headers are not whole
+    within ``header_timeout`` seconds is closed (:mod:`headspace.server.header_deadline`)."""
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     sys.setswitchinterval(SWITCH_INTERVAL_S)
     loop = EngineLoop(engine, Metrics(options.served_model_name), max_concurrent, max_queued)
@@ -75,8 +77,9 @@ def serve(engine: Engine, options: ServerOptions, host: str, port: int, *,
         loop.follow(warm_up)
         return
     app = build_app(loop, options)
-    config = uvicorn.Config(app, host=host, port=port, log_level="warning",
-                            loop="auto", timeout_graceful_shutdown=5)  # fmt: skip
+    config = uvicorn.Config(app, host=host, port=port, log_level="warning", loop="auto",
+                            timeout_graceful_shutdown=5,
+                            http=with_header_timeout(header_timeout))  # fmt: skip
     server = DrainingServer(config, loop, shutdown_timeout)
 
     def exit_soon():  # (on the engine's thread; uvicorn looks at the flag every 0.1 s)
