@@ -142,12 +142,15 @@ def test_a_client_that_goes_away_aborts_its_request(client, server):
     stream.close()
     assert _wait_until(lambda: _aborted(server) == aborted + 1)
     assert _wait_until(lambda: _idle(server))
+    gone = server.metrics().get('headspace_request_errors_total{status="499"}', 0.0)
     with pytest.raises(httpx.TimeoutException):  # not streaming: the client times out
         httpx.post(server.url + "/v1/completions", timeout=3,
                    headers={"Authorization": f"Bearer {KEY}"},
                    json={"model": NAME, "prompt": "Count:", "max_tokens": 3000,
                          "ignore_eos": True})  # fmt: skip
     assert _wait_until(lambda: _aborted(server) == aborted + 2)
+    errors = 'headspace_request_errors_total{status="499"}'
+    assert _wait_until(lambda: server.metrics().get(errors) == gone + 1)  # counted, not read
     assert _wait_until(lambda: _idle(server))
     assert client.completions.create(model=NAME, prompt="Still", max_tokens=3).choices[0].text
 

@@ -65,7 +65,10 @@ async def _disconnected(request: Request) -> None:
             return
 
 
-async def _unless_disconnected(request: Request, work) -> Response | None:
+GONE = 499  # the status of an answer whose client went away (nginx's "client closed request")
+
+
+async def _unless_disconnected(request: Request, work) -> Response:
     """Run ``work`` (a coroutine) until done or the client disconnects (then cancelled:
     its request is aborted, and the answer nobody reads is 499)."""
     task, gone = asyncio.ensure_future(work), asyncio.ensure_future(_disconnected(request))
@@ -79,7 +82,7 @@ async def _unless_disconnected(request: Request, work) -> Response | None:
     if task in done:
         return task.result()
     task.cancel()
-    return Response(status_code=499)
+    return Response(status_code=GONE)
 
 
 def build_app(engine_loop: EngineLoop, options: ServerOptions) -> FastAPI:
@@ -188,7 +191,11 @@ def build_app(engine_loop: EngineLoop, options: ServerOptions) -> FastAPI:
             finals = await asyncio.gather(*(_last(outputs) for outputs in choices))
             return JSONResponse(reply.completion(list(finals)))
 
-        return await _unless_disconnected(request, whole())
+        answer = await _unless_disconnected(request, whole())
+        if answer.status_code == GONE:  # (nobody reads it: the log and the metrics do)
+            log.info("a client went away before its answer; its request was aborted (%d)", GONE)
+            counted.error(GONE)
+        return answer
 
     @app.post("/v1/completions")
     async def completions(request: Request, body: CompletionRequest):
