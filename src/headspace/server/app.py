@@ -167,17 +167,14 @@ def build_app(engine_loop: EngineLoop, options: ServerOptions) -> FastAPI:
         if body.model != name:
             raise APIError(404, f"the model {body.model!r} does not exist; this server serves "
                            f"{name!r}", "not_found_error", "model")  # fmt: skip
-        arrived, reserved = time.perf_counter(), 0
+        arrived = time.perf_counter()
+        engine_loop.reserve(body.n)  # a place for each choice (429 or 503 before any work)
         try:
-            for _ in range(body.n):  # a place for each choice (429 or 503 before any work)
-                engine_loop.reserve()
-                reserved += 1
             ids = await _tokens(body, chat)
             _check_room(len(ids), body.asked_max_tokens, engine.max_context)
             params = [body.sampling(options.default_max_tokens, i) for i in range(body.n)]
         except BaseException as error:
-            for _ in range(reserved):
-                engine_loop.release()
+            engine_loop.release(body.n)
             if isinstance(error, UserError):
                 raise APIError(400, str(error)) from None
             raise
@@ -247,8 +244,7 @@ async def _accepted(engine_loop: EngineLoop, ids: list[int], params: list[Sampli
     except BaseException:
         for outputs in choices:
             await outputs.aclose()
-        for _ in range(len(params) - len(choices)):
-            engine_loop.release()
+        engine_loop.release(len(params) - len(choices))
         raise
     return choices
 

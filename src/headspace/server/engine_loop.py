@@ -131,20 +131,20 @@ class EngineLoop:
         self._warm_up = warm_up
         self._run()
 
-    def reserve(self) -> None:
-        """Take a place for a new request (before any work on it), or raise APIError: 503
-        when the engine has stopped, 429 past the bound. ``generate`` or ``release`` gives
-        the place back."""
+    def reserve(self, count: int = 1) -> None:
+        """Take ``count`` places for new requests (before any work on them; all or none),
+        or raise APIError: 503 when the engine has stopped, 429 past the bound. Each
+        ``generate`` or a ``release`` gives one back."""
         if self.error is not None or not self._thread.is_alive():
             raise _stopped()
         if self.draining:
             raise _shutting_down(ended=False)
         with self._count_lock:
-            if self._count >= self.max_concurrent + self.max_queued:
+            if self._count + count > self.max_concurrent + self.max_queued:
                 raise APIError(429, f"the server holds {self._count} requests, its bound "
                                f"({self.max_concurrent} running + {self.max_queued} queued); "
                                "try again later", "rate_limit_error")  # fmt: skip
-            self._count += 1
+            self._count += count
 
     @property
     def held(self) -> int:
@@ -157,10 +157,10 @@ class EngineLoop:
         ``[DONE]``), aborted in the engine between two steps (shutting down)."""
         self._inbox.put(("end_all", None))
 
-    def release(self) -> None:
-        """Give back a place taken by ``reserve`` for a request that was not generated."""
+    def release(self, count: int = 1) -> None:
+        """Give back ``count`` places taken by ``reserve`` for requests not generated."""
         with self._count_lock:
-            self._count -= 1
+            self._count -= count
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams,
                        arrived: float) -> AsyncIterator[RequestOutput]:  # fmt: skip

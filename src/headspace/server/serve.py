@@ -11,7 +11,7 @@ import uvicorn
 from headspace.engine.engine import Engine
 from headspace.parallel.dist import is_first_rank
 from headspace.server.app import ServerOptions, build_app
-from headspace.server.engine_loop import EngineLoop
+from headspace.server.engine_loop import EngineLoop, log
 from headspace.server.header_deadline import with_header_timeout
 from headspace.server.metrics import Metrics
 
@@ -21,7 +21,6 @@ from headspace.server.metrics import Metrics
 # the server, short ones arriving, went from 1007 to 578 ms a token (H200).
 SWITCH_INTERVAL_S = 0.0005
 ENDED_GRACE_S = 5.0  # after the requests still held are ended, the most the server waits
-log = logging.getLogger("headspace.serve")
 
 
 class DrainingServer(uvicorn.Server):

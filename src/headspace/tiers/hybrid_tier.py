@@ -18,8 +18,8 @@ from headspace.tiers.streamed import StreamedTier
 
 
 class HybridTier(StreamedTier):
-    """Attention of the hybrid (layer, kv head) entries: ``cpu`` attends the older part of
-    each history; ``window``: the GPU window kept in GPU pages (None: staged)."""
+    """Attention of the hybrid (layer, kv head) entries: ``cpu`` (``cpu_split``) attends the
+    older part of each history; ``window``: the GPU window kept in GPU pages (None: staged)."""
 
     runs_outside_graphs = True  # the CPU part
 
@@ -28,7 +28,7 @@ class HybridTier(StreamedTier):
                  sized: tuple[int, int], cpu: CpuSplit, window: GpuWindow | None = None,
                  counters: TierCounters | None = None):  # fmt: skip
         super().__init__(host, staging, groups, q_per_kv, page_size, backend, sized, counters)
-        self.cpu, self.window = cpu, window
+        self.cpu_split, self.window = cpu, window  # (the engine's share search sets its share)
         self._cpu_job = None  # the CPU part of the layer being attended
 
     @classmethod
@@ -46,13 +46,8 @@ class HybridTier(StreamedTier):
                    site.backend, cls.sized(plan), cpu, window, site.counters)  # fmt: skip
 
     @property
-    def cpu_split(self) -> CpuSplit:
-        """Its CPU side (the engine's share search sets its ``share``)."""
-        return self.cpu
-
-    @property
     def sparse(self) -> SparseSelector | None:
-        return self.cpu.attention.sparse
+        return self.cpu_split.attention.sparse
 
     @property
     def layer_slices(self) -> bool:
@@ -74,7 +69,7 @@ class HybridTier(StreamedTier):
     def _streamed_pages(self, step: StepInputs) -> tuple[list[int], list[int] | None]:
         """Tokens ``0 .. end - 1`` of each sequence go to the CPU; the rest before the GPU
         window streams; the window is kept in GPU pages (where it is)."""
-        size, cpu = self.page_size, self.cpu
+        size, cpu = self.page_size, self.cpu_split
         ends = cpu_ends(step.positions_list, cpu.share, cpu.gpu_window, size)
         cpu.attention.begin(step.pages["host"], ends)
         if self.sparse is not None:
@@ -94,7 +89,7 @@ class HybridTier(StreamedTier):
             heads = (self.groups[layer][0][0], self.groups[layer][-1][1])
             q_part = q[:, q_heads(heads, self.q_per_kv)]
             if self.step.decode:
-                self._cpu_job = self.cpu.attention.submit(layer, heads, q_part)
+                self._cpu_job = self.cpu_split.attention.submit(layer, heads, q_part)
             elif self.sparse is not None:  # the prompt's queries, for a first selection
                 self.sparse.observe(self.step.seq_ids[0], layer, q_part,
                                     self.step.start + q.shape[0])  # fmt: skip
@@ -110,7 +105,7 @@ class HybridTier(StreamedTier):
         job, self._cpu_job = self._cpu_job, None
         if job is None:
             return results
-        cpu_out, cpu_lse = self.cpu.attention.result(job, results[0][0].device)
+        cpu_out, cpu_lse = self.cpu_split.attention.result(job, results[0][0].device)
         first = self.groups[layer][0][0]  # the job's first kv head
         for i, (lo, hi) in enumerate(self.groups[layer]):
             out, lse = results[i]  # [seqs, heads, dim], [heads, seqs]
