@@ -17,7 +17,8 @@ ends it sends another of the same shape (a fresh prompt), until the long request
 that short tokens fall in the long one's prefill and decode alike. "Alone": the same loops in
 the same server with no long request, for as long as the mixed run took; the long request in a
 server whose GPU budget is 24 GiB less the short streams' peak KV (the memory the others leave
-it, so that it gets the same placement: both are recorded). Its floor is its placement's: the
+it, so that it gets the same placement: both are recorded), with no part of the arena kept for
+arrivals (``--resident-reserve 0``). Its floor is its placement's: the
 offloaded entries' K/V of a step over PCIe at the copy rate measured here, or, with hybrid
 heads, split between PCIe and the CPU at the rates measured here (the planner's
 ``offloaded_seconds``). Every server is warmed up alike: the engine's warm-up, then one request
@@ -54,6 +55,7 @@ SCENARIOS = {  # name: (short streams, short prompt, short new tokens, long prom
     "c": (4, 1536, 1500, 512 * K - 1024),
 }
 LONG_AFTER_S = 3.0
+MAX_CONCURRENT = 32  # (the servers' bound: scenario b's 17 requests; warm-up to its bucket)
 ENTRY_KEYS = ("resident", "streamed", "hybrid")
 KEYS = ("short_tpot_p50_ms", "short_tpot_p99_ms", "short_tpot_p50_ms_alone",
         "short_tpot_p99_ms_during_long_prefill", "short_tpot_p99_ms_during_long_decode",
@@ -106,6 +108,26 @@ def _entries(url: str) -> dict[str, float]:
             for tier in ENTRY_KEYS}  # fmt: skip
 
 
+LANE_SERIES = ("headspace_lane_steps_total", "headspace_lane_prefill_tokens_total",
+               "headspace_lane_requests")  # fmt: skip
+
+
+def lane_sample(url: str) -> dict[str, float]:
+    """The lanes' series of /metrics now, by their labels past the model's ("lane=offload",
+    "lane=resident,state=decoding", ...); zeros left out."""
+    import httpx
+
+    sample = {}
+    for line in httpx.get(url + "/metrics", timeout=30).text.splitlines():
+        name, _, rest = line.partition("{")
+        if name in LANE_SERIES and not line.endswith(" 0.0"):
+            labels = dict(label.split("=") for label in rest.split("}")[0].split(","))
+            shown = [labels[k].strip('"') for k in ("lane", "state") if k in labels]
+            key = name.removeprefix("headspace_lane_").removesuffix("_total")
+            sample[key + ":" + ",".join(shown)] = float(line.rsplit(" ", 1)[1])
+    return sample
+
+
 async def short_loop(client, seed: int, prompt_len: int, new: int, going) -> list[dict]:
     """One short stream: a request of ``prompt_len`` tokens asking for ``new`` ones, then
     another with a fresh prompt (seeded from ``seed``), while ``going()`` holds (at least
@@ -127,7 +149,7 @@ async def drive(url: str, shorts: tuple[int, int, int], long_prompt: list[int] |
 
     client = AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=3600)
     count, prompt_len, new = shorts
-    start, long_task, entries = time.perf_counter(), None, {}
+    start, long_task, entries, timeline = time.perf_counter(), None, {}, []
     if long_prompt is not None:
         long_task = asyncio.ensure_future(stream(client, long_prompt, LONG_NEW, LONG_AFTER_S))
 
@@ -143,10 +165,12 @@ async def drive(url: str, shorts: tuple[int, int, int], long_prompt: list[int] |
         seen = await asyncio.to_thread(_entries, url)
         if seen["streamed"] + seen["hybrid"] > 0:
             entries = seen
+        lanes = await asyncio.to_thread(lane_sample, url)
+        timeline.append({"t": round(time.perf_counter() - start, 2), **lanes})
     results = [r for loop in await asyncio.gather(*tasks) for r in loop]
     long = await long_task if long_task is not None else None
     await client.close()
-    return {"shorts": results, "long": long, "entries": entries,
+    return {"shorts": results, "long": long, "entries": entries, "timeline": timeline,
             "seconds": time.perf_counter() - start}  # fmt: skip
 
 
@@ -155,12 +179,13 @@ def gaps(results: list[dict]) -> list[tuple[float, float]]:
     return [(b - a, b) for r in results for a, b in zip(r["times"], r["times"][1:], strict=False)]
 
 
-def serve_run(model_dir: Path, budget_gib: float, jobs: list) -> list[dict]:
-    """Start a server under ``budget_gib``, warm it, run each ``(shorts, long, seconds)`` of
-    ``jobs`` in turn (``seconds``: a number, or the previous run's length when None); each
-    run's results with the server's peak reserved GiB so far."""
+def serve_run(model_dir: Path, budget_gib: float, jobs: list, *flags: str) -> list[dict]:
+    """Start a server under ``budget_gib`` (and ``flags``), warm it, run each ``(shorts,
+    long, seconds)`` of ``jobs`` in turn (``seconds``: a number, or the previous run's length
+    when None); each run's results with the server's peak reserved GiB so far."""
     server, url = start_server(model_dir, "--max-context", str(MAX_CONTEXT), "--host-memory",
-                               HOST, budget=f"{budget_gib:.3f}GiB")  # fmt: skip
+                               HOST, "--max-concurrent-requests", str(MAX_CONCURRENT), *flags,
+                               budget=f"{budget_gib:.3f}GiB")  # fmt: skip
     runs = []
     try:
         asyncio.run(warm(url))
@@ -207,7 +232,14 @@ def scenario(name: str, model_dir: Path, h2d: float, cpu: float) -> dict:
     mixed, alone_short = serve_run(
         model_dir, BUDGET_GIB, [(shorts, long_prompt, 0.0), (shorts, None, None)]
     )
-    (alone_long,) = serve_run(model_dir, BUDGET_GIB - short_kv_gib, [((0, 0, 0), long_prompt, 0.0)])
+    # (no arena kept for arrivals: the short streams' KV is what the budget leaves out)
+    (alone_long,) = serve_run(
+        model_dir,
+        BUDGET_GIB - short_kv_gib,
+        [((0, 0, 0), long_prompt, 0.0)],
+        "--resident-reserve",
+        "0",
+    )
     long, long_alone = long_figures(mixed, long_len), long_figures(alone_long, long_len)
     if "error" in long or "error" in long_alone:
         return {"error": long.get("error") or long_alone.get("error")}
@@ -233,6 +265,9 @@ def scenario(name: str, model_dir: Path, h2d: float, cpu: float) -> dict:
         "peak_reserved_gib": max(mixed["peak_reserved_gib"], alone_short["peak_reserved_gib"]),
         "budget_gib": BUDGET_GIB, "alone_budget_gib": BUDGET_GIB - short_kv_gib,
         "num_failed": failed + ("error" in mixed["long"]),
+        "timeline": mixed["timeline"],  # the lanes' series each second while the long one ran
+        "short_ttft_s_p50": percentiles([r["times"][0] - r["sent"] for r in mixed["shorts"]
+                                         if r["times"]])[0],  # fmt: skip
         "workload": {"short_streams": count, "short_prompt": short_len, "short_new": short_new,
                      "long_prompt": long_len, "long_new": LONG_NEW,
                      "long_after_s": LONG_AFTER_S},

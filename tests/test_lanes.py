@@ -7,6 +7,8 @@ runs, and once idle every page of every lane is back in its pool."""
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 from hypothesis import HealthCheck, settings
@@ -14,6 +16,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from headspace import LLM, SamplingParams
+from headspace.engine.step_plan import StepPlan
 from test_stepping import CHUNK, PAGE, budget_for_kib
 
 LENGTHS = (12, 30, 60, 150, 190)  # with their new tokens: 2-13 pages of 16 tokens
@@ -148,6 +151,38 @@ def test_a_long_and_a_short_request_run_in_their_own_lanes(tiny_llama):
                 offloaded = view.placement.get("stream", 0) + view.placement.get("hybrid", 0)
                 seen.add((view.request_id, view.lane, offloaded > 0))
     assert seen == {(short, "resident", False), (long, "offload", True)}
+    lanes = {view.name: view for view in engine.load().lanes}
+    prefilled = {name: view.prefilled_tokens for name, view in lanes.items()}
+    assert prefilled == {"resident": 20, "offload": 190}  # every prompt token, in its lane
+    assert lanes["offload"].steps >= 20 and lanes["resident"].steps >= 20
+
+
+def test_lanes_on_the_metrics_page(tiny_llama):
+    """/metrics shows each lane's requests by state, steps and prompt tokens computed."""
+    from headspace.server.metrics import Metrics
+
+    engine = _engine(tiny_llama, "streamed").engine
+    metrics = Metrics("tiny")
+    params = SamplingParams(max_new_tokens=20, ignore_eos=True)
+    for n in (20, 190):
+        engine.add_request(_prompt(n), params)
+    engine.step()
+    metrics.observe_load(engine.load(), 0)
+    page = metrics.text().decode()
+    counts = {
+        line.split("{")[1].split("}")[0]: float(line.rsplit(" ", 1)[1])
+        for line in page.splitlines()
+        if line.startswith("headspace_lane_requests{")
+    }
+    resident = sum(n for labels, n in counts.items() if 'lane="resident"' in labels)
+    assert resident == 1 and sum(counts.values()) == 2  # the long one: queued or offload
+    assert 'steps_total{lane="resident",model_name="tiny"} 1.0' in page
+    while engine.has_unfinished():
+        engine.step()
+    metrics.observe_load(engine.load(), 0)
+    page = metrics.text().decode()
+    assert 'prefill_tokens_total{lane="offload",model_name="tiny"} 190.0' in page
+    assert 'prefill_tokens_total{lane="resident",model_name="tiny"} 20.0' in page
 
 
 @pytest.mark.parametrize("held, count", [(150, 1), (100, 2)])
@@ -173,3 +208,76 @@ def test_a_request_aborted_while_it_waits_for_the_offload_lane_holds_back_nobody
         if not engine.has_unfinished():
             break
     assert ended == {**dict.fromkeys(firsts, "length"), long: "abort", later: "length"}
+
+
+def test_a_warm_up_decodes_every_batch_bucket_up_to_its_bound(tiny_llama):
+    """A server's warm-up (``batch`` = its bound on concurrent requests) decodes batches of
+    every bucket up to the bound (its steps' sizes seen from the lane's last step), so no
+    decode step of a new bucket compiles while users wait."""
+    from headspace.engine.engine import warm_up_batches
+    from headspace.engine.hooks import EngineHooks
+
+    assert warm_up_batches(1, 64) == [] and warm_up_batches(100, 64) == [2, 4, 8, 16, 32, 64]
+    assert warm_up_batches(5, 64) == [2, 4, 5]  # 5 in the bucket of 8
+    sizes = set()
+    llm = LLM(str(tiny_llama), hooks=EngineHooks(lane_step=lambda name: sizes.add(
+        len((llm.engine.lanes.lane(name).last_step or StepPlan()).decode))))  # fmt: skip
+    llm.engine.warm_up(batch=5)
+    assert {1, 2, 3, 4, 5} <= sizes and max(sizes) == 5  # buckets 1, 2, 4 and 8
+
+
+def test_the_offload_lanes_cpu_attention_leaves_cores_while_the_resident_lane_runs(tiny_llama):
+    """A long request's CPU attention (hybrid) runs on fewer threads while a short request
+    decodes beside it (the engine's thread keeps a core), and on all of them once alone."""
+    from headspace.engine.arena_split import SPARED_BESIDE
+    from headspace.engine.hooks import EngineHooks
+
+    seen = []  # (the short one ended, cores the offload lane's attention leaves, threads)
+    ended = []
+    offload_steps = threading.Semaphore(0)
+
+    def look(name: str) -> None:  # the lanes in turn: a resident step after an offload one
+        attention = llm.engine.lanes.lane("offload").runner.site.cpu_attention
+        if name == "offload" and attention is not None:
+            seen.append((bool(ended), attention.spared, attention.threads))
+            offload_steps.release()
+        elif name == "resident" and attention is not None:
+            offload_steps.acquire(timeout=0.5)
+
+    options = dict(MODES["hybrid"])
+    kib = options.pop("arena_kib")
+    llm = LLM(str(tiny_llama), prefill_chunk=CHUNK, page_size=PAGE, prefill_step_tokens=PAGE,
+              gpu_memory=budget_for_kib(tiny_llama, kib), cpu_threads=4,
+              hooks=EngineHooks(lane_step=look), **options)  # fmt: skip
+    engine = llm.engine
+    long = engine.add_request(_prompt(190), SamplingParams(max_new_tokens=150, ignore_eos=True))
+    while not any(view.generated_tokens for view in engine.load().requests):
+        engine.step()  # (the long one decodes)
+    short = engine.add_request(_prompt(20), SamplingParams(max_new_tokens=4, ignore_eos=True))
+    while engine.has_unfinished():
+        for output in engine.step():
+            if output.finished and output.request_id == short:
+                ended.append(len(seen))
+            elif output.finished:
+                assert output.request_id == long and ended, "the long one outlasts the short"
+    beside = seen[: ended[0]]
+    alone = seen[ended[0] + 2 :]  # (the change reaches its thread at its next command)
+    assert (False, SPARED_BESIDE, 4 - SPARED_BESIDE) in beside
+    assert alone and set(alone) == {(True, 0, 4)}
+
+
+@pytest.mark.parametrize("mode", ["streamed", "hybrid"])
+def test_a_short_request_arriving_after_a_long_one_runs_beside_it(tiny_llama, mode):
+    """Requests added one by one keep a reserve of the arena in the resident lane: a short
+    request that arrives while a long one decodes in the offload lane runs at once, all
+    resident, and ends long before the long one (it does not wait for it to end)."""
+    engine = _engine(tiny_llama, mode).engine
+    long = engine.add_request(_prompt(190), SamplingParams(max_new_tokens=60, ignore_eos=True))
+    while not any(view.generated_tokens for view in engine.load().requests):
+        engine.step()
+    short = engine.add_request(_prompt(20), SamplingParams(max_new_tokens=4, ignore_eos=True))
+    order, lanes = [], set()
+    while engine.has_unfinished():
+        order += [o.request_id for o in engine.step() if o.finished]
+        lanes |= {(v.request_id, v.lane) for v in engine.load().requests if v.state == "decoding"}
+    assert order == [short, long] and (short, "resident") in lanes

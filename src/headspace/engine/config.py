@@ -164,6 +164,11 @@ class CacheConfig:
     )
     page_size: int = _option(128, "tokens per KV page")
     prefix_caching: bool = _option(True, "reuse the KV pages of prompt prefixes seen before")
+    resident_reserve: float = _option(
+        0.25, "share of the KV arena kept for all-resident requests while a long one streams "
+        "heads beside them (requests arriving one by one, as a server's: short ones arriving "
+        "after a long one start at once; 0: the long one takes all the others leave)"
+    )  # fmt: skip
     weights: WeightMode = _option(
         "auto", "where decoder layers' weights live: gpu (resident), stream (pinned host "
         "memory, each layer copied to the GPU while the one before computes; no CUDA graphs), "
@@ -174,6 +179,10 @@ class CacheConfig:
         check_choices(self)
         _positive_ints(self, ("page_size",), optional=False)
         _positive_ints(self, ("num_kv_pages",), optional=True)
+        reserve = self.resident_reserve
+        if isinstance(reserve, bool) or not isinstance(reserve, int | float) or \
+                not 0 <= reserve < 1:  # fmt: skip
+            raise UserError(f"resident_reserve must be in [0, 1), got {reserve!r}")
 
 
 @dataclass

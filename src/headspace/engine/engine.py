@@ -77,6 +77,17 @@ def warm_up_request(prompt_len: int, chunk: int, decode: bool) -> tuple[int, int
     return (length if length > 16 else 0), (WARM_UP_DECODE_TOKENS if decode else 1)
 
 
+def warm_up_batches(batch: int, max_batch: int) -> list[int]:
+    """The decode batch sizes a warm-up runs after its first request so that every batch
+    bucket up to ``batch`` (at most ``max_batch``) has its decode step compiled and
+    captured: 2, 4, 8, ... (each a bucket of its own; 1 is the first request's)."""
+    top, sizes, size = min(batch, max_batch), [], 2
+    while size // 2 < top:  # the bucket of ``size`` holds more than the one before
+        sizes.append(min(size, top))
+        size *= 2
+    return sizes
+
+
 class Engine:
     """A model, its tokenizer and the batch generator over the KV tiers."""
 
@@ -282,18 +293,25 @@ class Engine:
         """Generate for one prompt, alone."""
         return self.generate_batch([prompt_ids], [params])[0]
 
-    def warm_up(self, prompt_len: int = 0, decode: bool = True) -> float:
+    def warm_up(self, prompt_len: int = 0, decode: bool = True, batch: int = 1) -> float:
         """Run a request alone, so that compilation and CUDA graph capture happen before the
         first real one (whose timings then leave them out); its seconds. Without
         ``prompt_len``, a short request; with it, one whose prefill takes the shapes a prompt
         of that many tokens takes (:func:`warm_up_request`). ``decode``: whether it
         decodes too (compiling and capturing the decode step): False for a request that
-        ends at its first token."""
+        ends at its first token. ``batch``: then batches of short requests, so that the
+        decode step of every batch bucket up to ``batch`` is compiled too
+        (:func:`warm_up_batches`; a server passes its bound on concurrent requests)."""
         started = time.perf_counter()
         length, new_tokens = warm_up_request(prompt_len, self.lanes.chunk, decode)
         vocab = self.model.config.vocab_size
         ids = [(7 + 31 * i) % vocab for i in range(length)] if length else self.encode("Warm-up.")
         self.run(ids, SamplingParams(max_new_tokens=new_tokens, ignore_eos=True))
+        for size in warm_up_batches(batch, self.config.runtime.max_batch) if decode else []:
+            # (admitted one a step: the first ones still decode when the last one starts)
+            short = SamplingParams(max_new_tokens=size + WARM_UP_DECODE_TOKENS, ignore_eos=True)
+            prompts = [[(11 + 31 * (i + row)) % vocab for i in range(17)] for row in range(size)]
+            self.generate_batch(prompts, [short] * size)
         return time.perf_counter() - started
 
     def logits(self, token_ids: list[int], decode_tokens: int = 0) -> torch.Tensor:

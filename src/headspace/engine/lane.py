@@ -65,6 +65,8 @@ class Lane:
         self.last_step: StepPlan | None = None  # the step plan run last (an engine view's)
         self._hidden = None  # a chunk's states between layer slices
         self.peak_pages = 0
+        self.steps = 0  # steps that ran compute (decode, a prefill piece or both)
+        self.prefilled_tokens = 0.0  # prompt tokens computed so far (a layer slice: its part)
         self._by_id: dict[int, Request] = {}  # the requests not finished or aborted
         self._reads: deque[TokenRead] = deque()
         self._bars: dict[int, tqdm] = {}  # the prefill progress of the prompt being computed
@@ -173,9 +175,13 @@ class Lane:
             pool = self.scheduler.blocks.pool
             self.peak_pages = max(self.peak_pages, pool.num_pages - pool.num_free)
         if plan.prefill is not None:
-            first = self._prefill(plan.prefill)
+            piece = plan.prefill
+            span = (piece.layers[1] - piece.layers[0]) / piece.num_layers  # (a layer slice's part)
+            self.prefilled_tokens += (piece.end - piece.start) * span
+            first = self._prefill(piece)
             if first is not None:
                 sampled.append(first)
+        self.steps += bool(plan.decode) or plan.prefill is not None
         if sampled:  # one read a step: the decode batch's tokens and a first token together
             seqs = [seq for batch, _ in sampled for seq in batch]
             self._reads.append(start_read(seqs, torch.cat([t for _, t in sampled])))

@@ -18,16 +18,20 @@ import torch
 
 from headspace.engine.lane import Lane
 from headspace.engine.outputs import RequestOutput
+from headspace.model.llama import DEVICE_LOCK
 
 IDLE_WAIT_S = 0.05  # how long an idle worker waits for a command before looking again
 
 
 class LaneWorker:
     """Steps ``lane`` on its own thread (started at the first command); on a GPU its work
-    runs on a stream of ``priority`` (higher numbers are lower priorities)."""
+    runs on a stream of ``priority`` while it prefills a prompt, of ``decode_priority``
+    between prompts (higher numbers are lower priorities): a long prompt's kernels yield to
+    the engine's thread's steps, while a decode step's few small kernels, which the lane's
+    CPU attention and copies wait on layer by layer, go first."""
 
-    def __init__(self, lane: Lane, priority: int = 0):
-        self.lane, self.priority = lane, priority
+    def __init__(self, lane: Lane, priority: int = 0, decode_priority: int = 0):
+        self.lane, self.priority, self.decode_priority = lane, priority, decode_priority
         self.error: BaseException | None = None  # what stopped the thread, if anything
         self.idle_event: torch.cuda.Event | None = None  # recorded when it last went idle
         self._commands: queue.Queue[Callable[[Lane], None] | None] = queue.Queue()
@@ -88,21 +92,29 @@ class LaneWorker:
             self._thread.join(timeout=60)
 
     def _run(self) -> None:
-        stream = None
+        streams = None
         if self.lane.runner.device.type == "cuda":
-            stream = torch.cuda.Stream(self.lane.runner.device, priority=self.priority)
+            device = self.lane.runner.device
+            prefill = torch.cuda.Stream(device, priority=self.priority)
+            decode = prefill
+            if self.decode_priority != self.priority:
+                decode = torch.cuda.Stream(device, priority=self.decode_priority)
+            streams = (prefill, decode)
         try:
-            with torch.inference_mode(), torch.cuda.stream(stream):
-                self._loop()
+            with torch.inference_mode(), torch.cuda.stream(streams and streams[0]):
+                self._loop(streams)
         except BaseException as error:  # noqa: BLE001 (the engine's thread raises it)
             self.error = error
             self._ready.set()
 
-    def _loop(self) -> None:
+    def _loop(self, streams: tuple | None) -> None:
         applied = 0
         while not self._stop:
             applied += self._apply_commands(block=False)
             if self.lane.has_unfinished():
+                if streams is not None:
+                    decoding = self.lane.prefilling() is None and not self.lane.scheduler.waiting
+                    _switch(streams[decoding])
                 outputs = self.lane.step()
                 if outputs:
                     with self._lock:
@@ -139,6 +151,19 @@ class LaneWorker:
         with self._lock:
             self._idle_after = applied
             self._ready.set()
+
+
+def _switch(stream: torch.cuda.Stream) -> None:
+    """Make ``stream`` the thread's current one, after all work queued on the one before
+    (so the lane's work stays in order). The allocator keeps freed blocks per stream: the
+    cached ones go back first, so that the two streams' blocks never add up past the budget
+    (its free blocks synchronise the device, once per prompt)."""
+    current = torch.cuda.current_stream()
+    if current != stream:
+        stream.wait_stream(current)
+        torch.cuda.set_stream(stream)
+        with DEVICE_LOCK:  # (no capture on another thread meanwhile)
+            torch.cuda.empty_cache()
 
 
 __all__ = ["LaneWorker"]

@@ -9,13 +9,7 @@ GPU, each at its own speed:
   requests that need heads streamed from host pages or attended on the CPU. Its copies and
   CPU jobs never stand between two resident steps.
 
-When a request needs the offload lane and that lane holds nothing, the arena is split: the
-resident lane keeps the pages its requests may reach (those running, swapped out, and
-waiting since before it), its K/V moved into the smaller pool (:meth:`Scheduler.resize`),
-and the offload lane lays out the rest for the requests handed to it, against the budget
-the others leave (where that gives it at least ``BESIDE_RATE`` of the rate the whole arena
-would, else it waits, and the resident lane admits nobody who came after it). Once the
-offload lane holds nothing again, the resident lane takes the whole arena back.
+How the arena is split between them: :mod:`headspace.engine.arena_split`.
 
 Elsewhere (per-entry pages, torchrun, streamed weights) one lane on the engine's thread
 takes every request, its layout chosen each time nothing holds pages.
@@ -26,10 +20,10 @@ from __future__ import annotations
 import contextlib
 import time
 import weakref
-from collections import deque
 
 import torch
 
+from headspace.engine.arena_split import ArenaSplit
 from headspace.engine.config import EngineConfig
 from headspace.engine.detokenize import StopStringStreamer
 from headspace.engine.hooks import EngineHooks
@@ -44,12 +38,13 @@ from headspace.engine.sampling import SamplingParams, make_generator
 from headspace.engine.step_plan import Sequence
 from headspace.engine.view import engine_view
 from headspace.errors import UserError
-from headspace.kv.paged_store import resident_bytes
 from headspace.model.llama import LlamaModel
 from headspace.planner.plan import Plan
 from headspace.planner.profile import Profile
 
-BESIDE_RATE = 0.5  # see the module's docstring
+# CUDA stream priorities (lower is first): the offload lane's decode steps, then the resident
+# lane's steps, then the offload lane's prefill pieces
+PRIORITIES = {"offload decode": -2, "resident": -1, "offload prefill": 0}
 OFFLOAD_WAIT_S = 0.05  # a step with only the offload lane at work waits this long for it
 
 
@@ -72,22 +67,26 @@ class Lanes:
         self.resident = parts.lane("resident" if self.shared else "main", self.arena_bytes,
                                    context, resident_only=self.shared)  # fmt: skip
         self.offload = parts.lane("offload", 0, context) if self.shared else None
-        self.worker = LaneWorker(self.offload) if self.shared else None
-        self._priority_stream = None  # the resident lane's beside an offload lane (a GPU's)
+        self.worker = self._priority_stream = None  # (the latter a GPU's resident lane's)
+        if self.shared:
+            self.worker = LaneWorker(self.offload, PRIORITIES["offload prefill"],
+                                     PRIORITIES["offload decode"])  # fmt: skip
         if self.shared and config.runtime.on_gpu:
-            self._priority_stream = torch.cuda.Stream(config.runtime.device, priority=-1)
+            self._priority_stream = torch.cuda.Stream(config.runtime.device,
+                                                      priority=PRIORITIES["resident"])  # fmt: skip
         if self.worker is not None:  # its thread stops with the lanes, or at exit
             weakref.finalize(self, self.worker.close)
         # what the whole arena holds: every request is checked against it
         self.whole = parts.planner(LaneMemory(self.arena_bytes, self.host_bytes),
                                    self.resident.runner.budget)  # fmt: skip
         self.full_pages = self.arena_bytes // self.spec.full_page_bytes - 1
+        self.split = None  # the arena's split beside an offload lane
+        if self.shared:
+            self.split = ArenaSplit(self.resident, self.offload, self.worker, self.whole, parts,
+                                    config)  # fmt: skip
         self._next_id = 0
         self._lane_of: dict[int, Lane] = {}  # every request not returned finished, by id
-        self._waiting: deque[Request] = deque()  # for the offload lane's part of the arena
         self._aborted: list[RequestOutput] = []  # of requests never handed to a lane
-        self._open = False  # the offload lane holds a part of the arena
-        self._opening: int | None = None  # the resident pages once the split is made
 
     def given_at_once(self, at_once: bool) -> None:
         """Whether the requests now added come as one batch (``generate``: the step budget
@@ -100,6 +99,7 @@ class Lanes:
         set_budget(self.resident)
         if self.worker is not None:
             self.worker.submit(set_budget)
+            self.split.given_at_once(at_once)
 
     # -- requests ------------------------------------------------------------------------
     def check(self, prompt_ids: list[int], params: SamplingParams) -> Sequence:
@@ -133,10 +133,7 @@ class Lanes:
                           prompt_ids if prompt is None else prompt)  # fmt: skip
         if self.shared and self.spec.pages_for(seq.max_tokens) > self.full_pages:
             self._lane_of[seq.seq_id] = self.offload
-            if self._open:
-                self.worker.submit(lambda lane: lane.add(request))
-            else:
-                self._waiting.append(request)
+            self.split.add(request)
         else:
             self._lane_of[seq.seq_id] = self.resident
             self.resident.add(request)
@@ -150,9 +147,9 @@ class Lanes:
             return False
         if lane is self.resident:
             return self.resident.abort(request_id)
-        waiting = next((r for r in self._waiting if r.seq.seq_id == request_id), None)
+        self.split.handed.pop(request_id, None)
+        waiting = self.split.take_waiting(request_id)
         if waiting is not None:
-            self._waiting.remove(waiting)
             waiting.ended, waiting.finished = "aborted", time.perf_counter()
             waiting.seq.finish_reason = "abort"
             self._aborted.append(waiting.output(None))
@@ -170,7 +167,8 @@ class Lanes:
                     self.worker.wait(OFFLOAD_WAIT_S)
                 self.worker.take()
         finally:
-            self._waiting.clear()
+            if self.split is not None:
+                self.split.clear()
             self._aborted.clear()
             self._lane_of.clear()
 
@@ -178,7 +176,8 @@ class Lanes:
         """Whether a request is waiting, running, has tokens on their way, an ended one is
         still to be returned, or the arena is still split for an offload lane that ended."""
         busy = self.worker is not None and not self.worker.done
-        return bool(self._lane_of or self._aborted) or busy or self._open or \
+        split = self.split is not None and self.split.open
+        return bool(self._lane_of or self._aborted) or busy or split or \
             self.resident.has_unfinished()  # fmt: skip
 
     def has_running(self) -> bool:
@@ -195,13 +194,17 @@ class Lanes:
         """One step of the resident lane (after the split changes it), and what the offload
         lane has produced since the last step; when only the offload lane has work, waits a
         while for it."""
-        self._place()
+        split = self.split
+        if split is not None:
+            split.place(self._offloaded())
+            split.spare_cores()
         outputs, self._aborted = self._aborted, []
         if self.resident.has_unfinished():
             with self._resident_stream():
                 outputs += self.resident.step()
-        if self._opening is not None and not self.resident.scheduler.has_work_due:
-            self._open_offload()
+        if split is not None and split.opening is not None and \
+                not self.resident.scheduler.has_work_due:  # fmt: skip
+            split.open_offload()
         if self.worker is not None:
             outputs += self.worker.take()
             if not outputs and not self.resident.holds_pages() and not self.worker.idle:
@@ -210,9 +213,15 @@ class Lanes:
         for output in outputs:
             if output.finished:
                 self._lane_of.pop(output.request_id, None)
-        if self._open and not outputs:  # (the arena back at once once it ended)
-            self._place()
+                if split is not None:
+                    split.handed.pop(output.request_id, None)
+        if split is not None and split.open and not outputs:  # (the arena back at once)
+            split.place(self._offloaded())
         return outputs
+
+    def _offloaded(self) -> bool:
+        """Whether a request not returned finished is the offload lane's."""
+        return any(lane is self.offload for lane in self._lane_of.values())
 
     @contextlib.contextmanager
     def _resident_stream(self):
@@ -229,101 +238,6 @@ class Lanes:
             yield
         caller.wait_stream(stream)
 
-    def _place(self) -> None:
-        """Split the arena for the request next in line for the offload lane, or give the
-        resident lane the whole arena back once the offload lane holds nothing."""
-        if self.offload is None or self._opening is not None:
-            return
-        offloaded = any(lane is self.offload for lane in self._lane_of.values())
-        if self._open:
-            if self.worker.idle and not self._waiting and not offloaded:
-                self._close_offload()
-            return
-        if not self._waiting:  # (the one the resident lane let go first may have been aborted)
-            self.resident.scheduler.admit_before = None
-            return
-        head = self._waiting[0].seq
-        scheduler = self.resident.scheduler
-        for before in (None, head.seq_id):  # all the resident lane's requests, else earlier
-            pages = self._resident_need(before)
-            if pages is not None and self._starts_beside(head, pages):
-                scheduler.admit_before = None
-                self._set_resident_pages(pages)
-                self._opening = pages
-                return
-        scheduler.admit_before = head.seq_id  # the resident lane lets it go first
-
-    def _resident_need(self, before: int | None) -> int | None:
-        """The pages the resident lane keeps beside the offload lane: what its requests
-        running, swapped out and waiting (all, or those since before request ``before``)
-        may reach (None when that is the whole arena)."""
-        scheduler = self.resident.scheduler
-        seqs = scheduler.running + list(scheduler.swapped)
-        seqs += [s for s in scheduler.waiting if before is None or s.seq_id < before]
-        pages = sum(self.spec.pages_for(s.max_tokens) for s in seqs)
-        pool = scheduler.blocks.pool
-        pages = max(pages, pool.num_pages - pool.num_free if scheduler.plan else 0)
-        return None if pages and pages >= self.full_pages else pages
-
-    def _starts_beside(self, head: Sequence, pages: int) -> bool:
-        """Whether ``head`` has a plan in what ``pages`` resident pages leave, at least
-        ``BESIDE_RATE`` of its rate in the whole arena."""
-        memory = self.offload.scheduler.planner.memory
-        memory.region = self.arena_bytes - self._resident_bytes(pages)
-        planner = self.offload.scheduler.planner
-        try:
-            beside = planner.rate(planner.plan([head]), [head])
-        except UserError:
-            return False
-        alone = self.whole.rate(self.whole.plan([head]), [head])
-        return beside >= BESIDE_RATE * alone
-
-    def _resident_bytes(self, pages: int) -> int:
-        """Bytes of the resident lane's part for ``pages`` pages (none at all for 0: the
-        offload lane takes the whole arena)."""
-        heads = [self.spec.num_kv_heads] * self.spec.num_layers
-        return resident_bytes(self.spec, heads, pages) if pages else 0
-
-    def _set_resident_pages(self, pages: int) -> None:
-        """The resident lane over ``pages`` pages: resized under what its sequences hold, or
-        laid out anew at its next layout step."""
-        scheduler = self.resident.scheduler
-        scheduler.planner.memory.region = self._resident_bytes(pages)
-        scheduler.set_pages(pages)
-
-    def _open_offload(self) -> None:
-        """Hand the offload lane the arena past the resident pages and the requests waiting
-        for it; its stream first waits for the resident lane's work so far."""
-        pages, self._opening = self._opening, None
-        start = self._resident_bytes(pages)
-        part = self.arena.part(start)
-        ready = None
-        if self.resident.runner.device.type == "cuda":
-            ready = torch.cuda.Event()
-            ready.record()
-
-        def take_part(lane: Lane) -> None:
-            if ready is not None:
-                torch.cuda.current_stream().wait_event(ready)
-            lane.runner.rebind(part)
-            lane.scheduler.planner.memory.region = part.nbytes
-            lane.scheduler.replan()
-
-        self.worker.submit(take_part)
-        while self._waiting:
-            request = self._waiting.popleft()
-            self.worker.submit(lambda lane, r=request: lane.add(r))
-        self.resident.scheduler.chunk_limit = self.parts.step_tokens(False, slices=False)
-        self._open = True
-
-    def _close_offload(self) -> None:
-        """The resident lane takes the whole arena back, after the offload lane's last work."""
-        if self.worker.idle_event is not None:
-            torch.cuda.current_stream().wait_event(self.worker.idle_event)
-        self._set_resident_pages(self.full_pages)
-        self.resident.scheduler.chunk_limit = None
-        self._open = False
-
     # -- what it holds -------------------------------------------------------------------
     def lane(self, name: str) -> Lane:
         """The lane of that name ("resident", "offload" or "main"): for tests and benchmarks
@@ -335,9 +249,11 @@ class Lanes:
         """Requests by state and lane with their placements, pages in use per tier, each
         lane's layout and last step, swaps so far (the offload lane's read as it stands)."""
         lanes = [self.resident] + ([self.offload] if self.offload is not None else [])
-        shown = self.offload if self._open and self.offload.runner.plan else self.resident
+        split = self.split
+        shown = self.offload if split and split.open and self.offload.runner.plan else self.resident
+        queued = list(split.waiting) + split.in_transit() if split is not None else []
         runtime = self.config.runtime
-        return engine_view(lanes, list(self._waiting), shown,
+        return engine_view(lanes, queued, shown,
                            runtime.device if runtime.on_gpu else None)  # fmt: skip
 
     def logits(self, token_ids: list[int], decode_tokens: int = 0) -> torch.Tensor:
@@ -367,14 +283,9 @@ class Lanes:
         pages = sum(self.spec.pages_for(s.max_tokens) for s in seqs)
         if self.shared and pages > self.full_pages:
             lane = self.offload  # run here, on this thread: its worker is idle
-            if self.worker.idle_event is not None:
-                torch.cuda.current_stream().wait_event(self.worker.idle_event)
-            self._set_resident_pages(0)
-            lane.runner.rebind(self.arena.part(self._resident_bytes(0)))
-            lane.scheduler.planner.memory.region = lane.runner.store.num_bytes
-            self._open = True  # (the next step gives the resident lane the arena back)
-        elif self._open:
-            self._close_offload()
+            self.split.take_whole()
+        elif self.split is not None and self.split.open:
+            self.split.close_offload()
         lane.scheduler.laid_out(lane.runner.prepare(lane.scheduler.layout_for(seqs)))
         return lane.runner.plan, lane
 
@@ -383,4 +294,4 @@ class Lanes:
             self.worker.close()
 
 
-__all__ = ["BESIDE_RATE", "Lanes"]
+__all__ = ["Lanes"]

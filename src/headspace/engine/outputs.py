@@ -109,8 +109,8 @@ class RequestView:
 class LaneView:
     """One lane: its GPU and host pages (in all and in use), the bytes of the arena it
     holds, the layout in force (``plan``, and ``layout``: its head map's summary line; None
-    before its first), what its last step did (``StepPlan.summary()``) and what its tiers
-    copied so far (``TierCounters``' fields)."""
+    before its first), what its last step did (``StepPlan.summary()``), what its tiers
+    copied so far (``TierCounters``' fields), its steps and prompt tokens computed so far."""
 
     name: str
     gpu_pages: int
@@ -123,6 +123,8 @@ class LaneView:
     plan: Plan | None = None  # the layout in force (the planner's plain data)
     peak_pages: int = 0  # GPU pages its decode steps held at most
     counters: dict[str, int] = field(default_factory=dict)  # its tiers' copies so far
+    steps: int = 0  # steps that ran compute so far
+    prefilled_tokens: float = 0.0  # prompt tokens computed so far (a layer slice: its part)
 
 
 @dataclass(frozen=True)

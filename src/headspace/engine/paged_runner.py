@@ -109,6 +109,9 @@ class PagedRunner:
             cpu_timings=hooks.cpu_timings,
         )  # fmt: skip
         self.tiers: list[Tier] = []  # the current plan's (tiers.table)
+        # CPU cores the hybrid tier's attention leaves to other threads (the lanes set it
+        # while a resident lane's steps run beside this one's)
+        self.cpu_spared = 0
         self.hybrid_share = HybridShare(hooks.step_clock)  # the hybrid tier's CPU share
         self._layout: tuple | None = None
         self._layout_ids: dict[tuple, int] = {}  # a small key per layout seen, for the graphs
@@ -385,6 +388,8 @@ class PagedRunner:
                 pages: Pages) -> DecodeResult:  # fmt: skip
         for tier in self.tiers:  # per-entry tables on the device
             tier.before_decode(seq_ids, slots)
+        if self.site.cpu_attention is not None:
+            self.site.cpu_attention.spared = self.cpu_spared
         graphs = self._graphs
         if graphs is not None and graphs.accepts(positions):
             return graphs.run(slots, positions, pages)

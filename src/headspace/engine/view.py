@@ -67,7 +67,8 @@ def _lane_view(lane: Lane) -> LaneView:
                     host.num_pages - host.num_free, lane.scheduler.planner.memory.region,
                     None if plan is None else plan.head_map.summary(),
                     None if step is None else step.summary(), plan, lane.peak_pages,
-                    dataclasses.asdict(lane.runner.site.counters))  # fmt: skip
+                    dataclasses.asdict(lane.runner.site.counters), lane.steps,
+                    lane.prefilled_tokens)  # fmt: skip
 
 
 __all__ = ["engine_view"]

@@ -193,7 +193,7 @@ class EngineLoop:
     def _run(self) -> None:
         try:
             if self._warm_up:
-                log.info("warm-up %.1f s", self.engine.warm_up())
+                log.info("warm-up %.1f s", self.engine.warm_up(**self._warm_up_shapes()))
             freeze_heap()
             self.ready.set()
             while True:
@@ -216,6 +216,14 @@ class EngineLoop:
             self._fail_all()
             self.ready.set()
             self.on_stopped()
+
+    def _warm_up_shapes(self) -> dict:
+        """What the warm-up runs: where the engine compiles (a GPU), a prompt of a full
+        prefill chunk and a piece of another length, and a decode batch of every bucket up
+        to ``max_concurrent``, so that no compile stands between users and their tokens."""
+        if not self.engine.config.runtime.on_gpu:
+            return {}
+        return {"prompt_len": self.engine.lanes.chunk + 17, "batch": self.max_concurrent}
 
     def _observe(self) -> None:
         """The load gauges, at most every ``OBSERVE_EVERY_S`` while requests run (counting the

@@ -2,7 +2,8 @@
 
 Requests running / waiting / finished / aborted, prompt and generated tokens, time to first
 token and time per output token, and what the head map holds: (layer, kv head) entries per
-tier, KV pages in use on the GPU and in host memory, swaps.
+tier, KV pages in use on the GPU and in host memory, swaps; per lane, its requests by state,
+steps and prompt tokens computed.
 """
 
 from __future__ import annotations
@@ -55,6 +56,13 @@ class Metrics:
         self._swaps_seen = 0
         self._errors = counter("request_errors", "requests answered with an error, by HTTP "
                                "status", ["status"])  # fmt: skip
+        self._lane_requests = gauge("lane_requests", "requests by lane (resident, offload, "
+                                    "main; queued: waiting for the offload lane's part of the "
+                                    "arena) and state", ["lane", "state"])  # fmt: skip
+        self._lane_steps = counter("lane_steps", "steps that ran compute, by lane", ["lane"])
+        self._lane_prefilled = counter("lane_prefill_tokens", "prompt tokens computed, by "
+                                       "lane", ["lane"])  # fmt: skip
+        self._lane_seen: dict[str, tuple[int, float]] = {}  # lane -> (steps, tokens) counted
         self._reserved = gauge("gpu_peak_reserved_bytes", "GPU memory the engine's allocator "
                                "reserved at most (0 on the CPU)")  # fmt: skip
         self._labels = labels
@@ -96,6 +104,25 @@ class Metrics:
         self._swaps.labels(**labels).inc(load.num_swaps - self._swaps_seen)
         self._swaps_seen = load.num_swaps
         self._reserved.labels(**labels).set(load.peak_reserved_bytes)
+        self._observe_lanes(load)
+
+    def _observe_lanes(self, load: EngineLoad) -> None:
+        """Requests per lane and state; each lane's steps and prompt tokens since the last
+        look (a lane's totals only grow)."""
+        labels, counts = self._labels, {}
+        for view in load.requests:
+            counts[view.lane, view.state] = counts.get((view.lane, view.state), 0) + 1
+        lanes = [lane.name for lane in load.lanes] + ["queued"]
+        for lane in lanes:
+            for state in ("waiting", "prefilling", "decoding", "swapped"):
+                self._lane_requests.labels(**labels, lane=lane, state=state).set(
+                    counts.get((lane, state), 0))  # fmt: skip
+        for lane in load.lanes:
+            steps, tokens = self._lane_seen.get(lane.name, (0, 0.0))
+            self._lane_steps.labels(**labels, lane=lane.name).inc(max(lane.steps - steps, 0))
+            self._lane_prefilled.labels(**labels, lane=lane.name).inc(
+                max(lane.prefilled_tokens - tokens, 0.0))  # fmt: skip
+            self._lane_seen[lane.name] = (lane.steps, lane.prefilled_tokens)
 
     def text(self) -> bytes:
         return generate_latest(self.registry)

@@ -50,6 +50,7 @@ class CpuAttention:
     def __init__(self, host: HostKVArena, num_threads: int | None = None,
                  timings: CpuTimings | None = None):  # fmt: skip
         self.host, self.num_threads, self.timings = host, num_threads, timings
+        self.spared = 0  # cores left to other threads this step (the runner sets it)
         self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="headspace-cpu")
         self.sparse: SparseSelector | None = None
         self.tables: torch.Tensor | None = None
@@ -62,6 +63,13 @@ class CpuAttention:
         self._counter: torch.Tensor | None = None  # the step's id, on the query's device
         self._pinned: dict[int, tuple[torch.Tensor, ...]] = {}  # layer -> q, out, lse buffers
         self._landed: dict[int, torch.cuda.Event] = {}  # ticket -> after its flag's copy
+
+    @property
+    def threads(self) -> int | None:
+        """Threads of this step's jobs: ``num_threads`` less the cores ``spared``."""
+        if self.num_threads is None or not self.spared:
+            return self.num_threads
+        return max(self.num_threads - self.spared, 1)
 
     def begin(self, host_pages: list[list[int]], ends: list[int]) -> None:
         """The step's host block tables ``[seqs, pages]`` and CPU token counts."""
@@ -118,7 +126,7 @@ class CpuAttention:
         kv = self.host.layer(layer)[kv_range[0] : kv_range[1]]  # [heads, 2, slots, dim]
         ticket = self.background.submit(q_host, kv[:, 0], kv[:, 1], self.tables, self.ends,
                                         self.host.spec.page_size, flag, self.step_id,
-                                        num_threads=self.num_threads, out=out, lse=lse)  # fmt: skip
+                                        num_threads=self.threads, out=out, lse=lse)  # fmt: skip
         if q.is_cuda:
             self._landed[ticket] = landed
         if self.timings is not None:
@@ -164,7 +172,7 @@ class CpuAttention:
     def _kernel(self, q, k, v, tables, ends, page_size: int, probs=None):
         """:func:`cpu_paged_decode` on this object's threads, timed when ``timings`` is set."""
         start = time.perf_counter() if self.timings is not None else 0.0
-        out = cpu_paged_decode(q, k, v, tables, ends, page_size, num_threads=self.num_threads,
+        out = cpu_paged_decode(q, k, v, tables, ends, page_size, num_threads=self.threads,
                                probs=probs)  # fmt: skip
         if self.timings is not None:
             self.timings.kernel.append((time.perf_counter() - start, _kv_bytes(k, ends)))
@@ -222,7 +230,7 @@ class CpuAttention:
             got = torch.empty(1, folded.shape[1], end)
             cpu_paged_decode(folded, kv[:, 0], kv[:, 1], self.tables[row : row + 1],
                              self.ends[row : row + 1], self.host.spec.page_size,
-                             num_threads=self.num_threads, probs=got)  # fmt: skip
+                             num_threads=self.threads, probs=got)  # fmt: skip
             probs[first : first + n] = got.view(num_kv, n, group, end).transpose(0, 1) \
                 .reshape(n, num_heads, end)  # fmt: skip
         return probs
