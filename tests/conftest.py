@@ -159,3 +159,19 @@ def plan_of(llm, output=None):
 def pools_back(engine) -> bool:
     """Every lane's GPU and host pages back in their pools."""
     return all(lane.gpu_pages_used == lane.host_pages_used == 0 for lane in engine.load().lanes)
+
+
+@pytest.fixture(scope="module")
+def tiny_cpu_llm(tiny_llama):
+    """The engine over ``tiny_llama`` on the CPU, default options."""
+    from headspace import LLM
+
+    return LLM(str(tiny_llama), device="cpu")
+
+
+@pytest.fixture(scope="module")
+def tiny_hf_model(tiny_llama):
+    """transformers' model of ``tiny_llama`` (fp32), the reference of sampling's tests."""
+    import transformers
+
+    return transformers.AutoModelForCausalLM.from_pretrained(tiny_llama).float().eval()

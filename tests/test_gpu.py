@@ -70,6 +70,29 @@ def test_graph_decode_equals_eager_decode_and_batches_equal_one_at_a_time():
     assert graphed.lanes.resident.runner.has_graphs
 
 
+def test_penalties_and_logprobs_in_graph_steps_equal_the_eager_ones():
+    """A penalised request and one asking for log probabilities beside a plain one: the
+    graphed steps' tokens and log probabilities are the eager steps' (fp32)."""
+    from headspace.engine.sampling import SamplingParams
+
+    generator = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(0, 512, (n,), generator=generator).tolist() for n in (40, 260, 90)]
+    params = [SamplingParams(max_new_tokens=24, ignore_eos=True),
+              SamplingParams(max_new_tokens=24, ignore_eos=True, frequency_penalty=1.2,
+                             repetition_penalty=1.3, min_tokens=4),
+              SamplingParams(max_new_tokens=24, ignore_eos=True, logprobs=3)]  # fmt: skip
+    model = tiny_model("cuda", torch.float32)
+    graphed = make_engine(model, dtype="float32").generate_batch(prompts, params)
+    eager = make_engine(model, dtype="float32", cuda_graph=False, compile=False)
+    alone = [eager.generate_batch([p], [q])[0] for p, q in zip(prompts, params, strict=True)]
+    assert [o.token_ids for o in graphed] == [o.token_ids for o in alone]
+    plain = greedy(eager, [torch.tensor(prompts[1])])[0][:24]
+    assert graphed[1].token_ids != plain  # (the penalties change the greedy tokens)
+    got, want = graphed[2].logprobs, alone[2].logprobs
+    assert [lp.logprob for lp in got] == pytest.approx([lp.logprob for lp in want], abs=1e-3)
+    assert [[i for i, _ in lp.top] for lp in got] == [[i for i, _ in lp.top] for lp in want]
+
+
 NO_WAIT_CASES = {  # (the streamed case: one request, in the offload lane alone, since the
     # sync debug mode is the process's, and the lanes step on two threads)
     "graphs": {},

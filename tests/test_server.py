@@ -173,8 +173,9 @@ BAD = {  # name: (request body or raw text, status)
     "stream_options without stream": ({"stream_options": {"include_usage": True}}, 400),
     "stream given as a string": ({"stream": "yes"}, 400),
     "max_tokens past the context": ({"max_tokens": 10**9}, 400),
-    "repetition_penalty": ({"repetition_penalty": 1.2}, 400),
-    "min_tokens": ({"min_tokens": 5}, 400),
+    "repetition_penalty 0": ({"repetition_penalty": 0}, 400),
+    "presence_penalty past 2": ({"presence_penalty": 2.5}, 400),
+    "min_tokens past max_tokens": ({"min_tokens": 5}, 400),
     "min_tokens given as a boolean": ({"min_tokens": False}, 400),
     "a negative stop token id": ({"stop_token_ids": [-1]}, 400),
     "a chunked body past --max-body-size": (iter([b" " * 2**20] * 17), 413),
@@ -213,7 +214,7 @@ def test_max_tokens_past_the_context_gets_the_numbers_and_values_that_ask_nothin
                                        max_completion_tokens=8192)  # fmt: skip
     reply = client.completions.create(
         model=NAME, prompt="Hello", max_tokens=3, temperature=0,
-        extra_body={"repetition_penalty": 1.0, "min_tokens": 0, "stop_token_ids": []},
+        extra_body={"top_logprobs": 0, "use_beam_search": False, "stop_token_ids": []},
     )  # fmt: skip
     assert reply.choices[0].text and reply.usage.completion_tokens == 3
 
@@ -230,6 +231,59 @@ def test_stop_token_ids_end_a_request_at_that_token(client, llm):
                                       extra_body={"stop_token_ids": [greedy[at]]})  # fmt: skip
     assert reply.choices[0].finish_reason == "stop" and reply.choices[0].text == stopped.text
     assert reply.usage.completion_tokens == at + 1
+
+
+def test_penalties_and_min_tokens_as_the_engine_runs_them(client, llm):
+    """Penalties and min_tokens reach the engine: the server's greedy text is the engine's
+    under the same parameters, and differs from the plain greedy text."""
+    prompt = "Once upon a time"
+    asked = {"frequency_penalty": 1.5, "presence_penalty": 0.5, "repetition_penalty": 1.3,
+             "min_tokens": 10}  # fmt: skip
+    ours = llm.generate(prompt, SamplingParams(max_new_tokens=12, **asked))[0]
+    assert ours.text != llm.generate(prompt, _greedy(12))[0].text
+    reply = client.completions.create(
+        model=NAME,
+        prompt=prompt,
+        max_tokens=12,
+        temperature=0,
+        frequency_penalty=1.5,
+        presence_penalty=0.5,
+        extra_body={"repetition_penalty": 1.3, "min_tokens": 10},
+    )
+    assert reply.choices[0].text == ours.text and reply.usage.completion_tokens >= 10
+
+
+def test_logprobs_of_completions_and_chat_as_the_engine_gives_them(client, llm):
+    """A completion's logprobs (OpenAI's parallel lists) and a chat's (its content list),
+    streamed as whole, are the engine's log probabilities of the same greedy tokens."""
+    prompt = "Once upon a time"
+    ours = llm.generate(prompt, SamplingParams(max_new_tokens=6, logprobs=2))[0]
+    reply = client.completions.create(model=NAME, prompt=prompt, max_tokens=6, temperature=0,
+                                      logprobs=2)  # fmt: skip
+    shown = reply.choices[0].logprobs
+    assert len(shown.tokens) == reply.usage.completion_tokens == len(ours.token_ids)
+    assert shown.token_logprobs == pytest.approx([lp.logprob for lp in ours.logprobs], abs=1e-4)
+    assert all(len(top) == 2 and max(top.values()) >= lp for top, lp in
+               zip(shown.top_logprobs, shown.token_logprobs, strict=True))  # fmt: skip
+    assert "".join(shown.tokens) == reply.choices[0].text
+    assert shown.text_offset[0] == 0 and shown.text_offset[-1] == len(
+        "".join(shown.tokens[:-1]))  # fmt: skip
+    messages = [{"role": "user", "content": "Tell me a story."}]
+    asked = {"model": NAME, "messages": messages, "max_tokens": 5, "temperature": 0,
+             "logprobs": True, "top_logprobs": 3}  # fmt: skip
+    whole = client.chat.completions.create(**asked)
+    content = whole.choices[0].logprobs.content
+    assert len(content) == whole.usage.completion_tokens and all(
+        len(c.top_logprobs) == 3 and c.top_logprobs[0].logprob >= c.logprob for c in content
+    )
+    stream = client.chat.completions.create(**asked, stream=True)
+    streamed = [c for chunk in stream if chunk.choices and chunk.choices[0].logprobs
+                for c in chunk.choices[0].logprobs.content]  # fmt: skip
+    assert [(c.token, round(c.logprob, 4)) for c in streamed] == [
+        (c.token, round(c.logprob, 4)) for c in content
+    ]
+    plain = client.chat.completions.create(model=NAME, messages=messages, max_tokens=2)
+    assert plain.choices[0].logprobs is None
 
 
 def test_n_seeded_choices_differ_and_repeat_streamed_or_not(client):

@@ -56,8 +56,9 @@ def test_a_reply_keeps_one_id_and_time_across_its_chunks():
 
 @pytest.mark.parametrize("fields", [
     {"n": 17}, {"seed": 2**64}, {"tools": [{"type": "function"}]}, {"best_of": 3},
-    {"stream_options": {"include_usage": True}}, {"presence_penalty": 0.5}, {"stop": [""]},
+    {"stream_options": {"include_usage": True}}, {"presence_penalty": 2.5}, {"stop": [""]},
     {"temperature": 2.5}, {"top_p": 0}, {"max_tokens": 0}, {"prompt": ["a", "b"]},
+    {"repetition_penalty": 200}, {"min_tokens": -1}, {"frequency_penalty": True},
 ])  # fmt: skip
 def test_what_cannot_be_honoured_is_refused(fields):
     with pytest.raises(ValidationError):
@@ -113,3 +114,18 @@ def test_the_engine_loop_takes_the_heap_out_of_the_collectors_view_before_it_ser
     finally:
         loop.stop()
         gc.unfreeze()  # the test process's other objects back in view
+
+
+def test_the_outbox_merges_log_probabilities_with_their_tokens():
+    from headspace.engine.outputs import TokenLogprob
+
+    async def run() -> list:
+        box = Outbox(asyncio.get_running_loop())
+        for n in range(1, 3):
+            output = _output(list(range(n)), [n - 1])
+            output.new_logprobs = [TokenLogprob(n - 1, -float(n))]
+            box.put(output)
+        return await box.take()
+
+    (merged,) = asyncio.run(run())
+    assert merged.new_logprobs == [TokenLogprob(0, -1.0), TokenLogprob(1, -2.0)]

@@ -49,8 +49,20 @@ def _add_generate(subparsers) -> None:
         "--seed", type=int, default=None, help="seed of the sampler (default: none, a fresh one)"
     )
     sampling.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    for flag, default, kind, text in PENALTY_FLAGS:
+        sampling.add_argument(flag, type=kind, default=default, help=text)
     add_engine_options(p)
     add_engine_parallel_options(p)
+
+
+PENALTY_FLAGS = (  # (flag, default, type, help): SamplingParams' fields of the same names
+    ("--repetition-penalty", 1.0, float, "over the prompt and generated tokens, in [0.01, 100] "
+     "(default: 1, off)"),
+    ("--presence-penalty", 0.0, float, "over the generated tokens, in [-2, 2] (default: 0)"),
+    ("--frequency-penalty", 0.0, float, "per occurrence in the generated tokens, in [-2, 2] "
+     "(default: 0)"),
+    ("--min-tokens", 0, int, "no end-of-sequence or stop token before this many (default: 0)"),
+)  # fmt: skip
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -96,7 +108,9 @@ def _generate(args) -> None:
         top_k=args.top_k,
         seed=args.seed,
         stop=args.stop,
-    )
+        **{flag[2:].replace("-", "_"): getattr(args, flag[2:].replace("-", "_"))
+           for flag, *_ in PENALTY_FLAGS},
+    )  # fmt: skip
     prompt = _read_prompt(args)
     started = time.perf_counter()
     options = engine_options(args)

@@ -21,10 +21,17 @@ from tqdm import tqdm
 
 from headspace.engine.config import EngineConfig
 from headspace.engine.forcing import forced_logits
+from headspace.engine.logits_process import process, record, start_history
 from headspace.engine.outputs import GenerationStats, RequestOutput
 from headspace.engine.paged_runner import PagedRunner
 from headspace.engine.ranks import Ranks
-from headspace.engine.requests import Request, TokenRead, start_read
+from headspace.engine.requests import (
+    Request,
+    TokenRead,
+    logprob_row,
+    read_logprob,
+    start_read,
+)
 from headspace.engine.sampling import finite_rows, sample
 from headspace.engine.scheduler import Scheduler
 from headspace.engine.step_plan import PrefillPiece, Sequence, StepPlan
@@ -165,12 +172,13 @@ class Lane:
         if plan.admitted is not None:
             self._admitted(plan.admitted)
         sampled: list[tuple[list[Sequence], torch.Tensor]] = []  # (sequences, their tokens)
+        logprobs: dict[int, torch.Tensor] = {}  # seq id -> its token's logprob row
         if plan.decode:
             batch = plan.decode
             positions = [s.num_scheduled - 1 for s in batch]
             seq_ids, slots = [s.seq_id for s in batch], [s.slot for s in batch]
             logits, slots = self.runner.decode(seq_ids, positions, slots, plan.decode_pages)
-            finite = self._sample(batch, logits)
+            finite = self._sample(batch, logits, logprobs)
             sampled.append((batch, _picked(self.runner.tokens.index_select(0, slots), finite)))
             pool = self.scheduler.blocks.pool
             self.peak_pages = max(self.peak_pages, pool.num_pages - pool.num_free)
@@ -178,13 +186,13 @@ class Lane:
             piece = plan.prefill
             span = (piece.layers[1] - piece.layers[0]) / piece.num_layers  # (a layer slice's part)
             self.prefilled_tokens += (piece.end - piece.start) * span
-            first = self._prefill(piece)
+            first = self._prefill(piece, logprobs)
             if first is not None:
                 sampled.append(first)
         self.steps += bool(plan.decode) or plan.prefill is not None
         if sampled:  # one read a step: the decode batch's tokens and a first token together
             seqs = [seq for batch, _ in sampled for seq in batch]
-            self._reads.append(start_read(seqs, torch.cat([t for _, t in sampled])))
+            self._reads.append(start_read(seqs, torch.cat([t for _, t in sampled]), logprobs))
 
     def _admitted(self, seq: Sequence) -> None:
         """A request whose prefill begins: the tiers it runs on, its progress bar."""
@@ -196,14 +204,22 @@ class Lane:
         request.num_hybrid_heads = head_map.count("hybrid")
         if request.num_hybrid_heads:
             request.cpu_share = self.runner.cpu_share
+        if request.params.logprobs is not None and request.logprobs is None:
+            request.logprobs = []
+        if request.history is None:  # (once: a prompt computed again keeps its counts)
+            vocab = self.runner.model.config.vocab_size
+            request.history = start_history(request.params, seq.prompt_ids,
+                                            self.context.eos_token_ids, vocab,
+                                            self.runner.device)  # fmt: skip
         total = len(seq.prompt_ids) - seq.num_cached
         show = self.context.config.runtime.progress and total >= PROGRESS_MIN_TOKENS
         self._bars[seq.seq_id] = tqdm(total=total, desc="prefill", unit="tok", disable=not show,
                                       leave=False)  # fmt: skip
 
-    def _prefill(self, piece: PrefillPiece) -> tuple[list[Sequence], torch.Tensor] | None:
+    def _prefill(self, piece: PrefillPiece, logprobs: dict[int, torch.Tensor]
+                 ) -> tuple[list[Sequence], torch.Tensor] | None:  # fmt: skip
         """One piece of a prompt; after its last, its sequence and first token (on the
-        device)."""
+        device; its logprob row into ``logprobs`` where asked for)."""
         seq = piece.seq
         carried = self._hidden if piece.layers[0] > 0 else None  # the slice before's states
         hidden = self.runner.prefill_chunk(seq, piece.start, piece.end, piece.pages, piece.recurs,
@@ -219,24 +235,40 @@ class Lane:
         del self._bars[seq.seq_id]
         self.scheduler.blocks.cache_full_pages(seq.seq_id, seq.prompt_ids)
         logits = self.runner.end_prefill(seq, hidden, seq.slot)
-        finite = self._sample([seq], logits[None])
+        finite = self._sample([seq], logits[None], logprobs)
         return [seq], _picked(self.runner.tokens[seq.slot : seq.slot + 1], finite)
 
-    def _sample(self, batch: list[Sequence], logits: torch.Tensor) -> torch.Tensor:
+    def _sample(self, batch: list[Sequence], logits: torch.Tensor,
+                logprobs: dict[int, torch.Tensor]) -> torch.Tensor:  # fmt: skip
         """Sampled rows overwrite the greedy pick in their slot (on the device, no sync);
-        under torchrun every rank takes rank 0's tokens. Returns whether each row's
-        ``logits [rows, vocab]`` were finite (bool ``[rows]``, on the device)."""
+        under torchrun every rank takes rank 0's tokens; the rows whose requests ask for
+        log probabilities put them in ``logprobs``. Returns whether each row's ``logits
+        [rows, vocab]`` were finite (bool ``[rows]``, on the device)."""
         if self.context.logits_filter is not None:
             logits = self.context.logits_filter([seq.prompt_ids for seq in batch], logits)
-        sampled = False
+        finite, sampled, counted = finite_rows(logits), False, []  # (before any -inf mask)
         for row, seq in enumerate(batch):
             request = self._by_id[seq.seq_id]
-            if request.params.temperature > 0:
-                token = sample(logits[row], request.params, request.generator)
-                self.runner.tokens[seq.slot], sampled = token, True
+            params, history = request.params, request.history
+            if params.temperature == 0 and history is None:
+                continue  # (the step's own greedy pick stands)
+            row_logits = logits[row]
+            if history is not None:
+                generated = seq.num_scheduled - len(seq.prompt_ids)  # (in flight included)
+                row_logits = process(row_logits, params, history, generated)
+                counted.append((history, seq.slot))
+            self.runner.tokens[seq.slot] = sample(row_logits, params, request.generator)
+            sampled = True
         if sampled and self.context.ranks is not None:
             broadcast_(self.runner.tokens)
-        return finite_rows(logits)
+        for history, slot in counted:  # (rank 0's tokens, under torchrun)
+            record(history, self.runner.tokens[slot])
+        for row, seq in enumerate(batch):
+            top = self._by_id[seq.seq_id].params.logprobs
+            if top is not None:
+                token = self.runner.tokens[seq.slot]
+                logprobs[seq.seq_id] = logprob_row(logits[row], token, top)
+        return finite
 
     def _resolve(self, read: TokenRead) -> list[Request]:
         """Take the read tokens into their requests; the requests that advanced."""
@@ -248,6 +280,8 @@ class Lane:
             if request is None:  # launched before its end (or its abort) was known
                 continue
             request.seq.num_pending -= 1
+            if seq_id in read.logprobs and token != NON_FINITE:
+                request.logprobs.append(read_logprob(token, read.logprobs[seq_id]))
             request.new_text += self._accept(request, token)
             advanced.append(request)
             if request.seq.finish_reason:

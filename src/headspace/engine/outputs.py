@@ -67,6 +67,17 @@ class GenerationStats:
         return " | ".join(parts)
 
 
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A generated token's log probability under the model (natural log, before
+    temperature and penalties) and the likeliest tokens' ``top``: (token id, log
+    probability), likeliest first."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
 @dataclass
 class RequestOutput:
     """A request as it stands after a step: generated text and token ids so far (prompt
@@ -83,6 +94,9 @@ class RequestOutput:
     request_id: int = -1  # as Engine.add_request returned it
     new_text: str = ""  # text this step added
     new_token_ids: list[int] = field(default_factory=list)  # tokens this step added
+    # with ``logprobs`` asked: one per generated token so far, and those this step added
+    logprobs: list[TokenLogprob] | None = None
+    new_logprobs: list[TokenLogprob] | None = None
 
     @property
     def finished(self) -> bool:

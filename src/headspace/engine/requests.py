@@ -10,7 +10,8 @@ from dataclasses import dataclass
 import torch
 
 from headspace.engine.detokenize import StopStringStreamer
-from headspace.engine.outputs import GenerationStats, RequestOutput
+from headspace.engine.logits_process import TokenHistory
+from headspace.engine.outputs import GenerationStats, RequestOutput, TokenLogprob
 from headspace.engine.sampling import SamplingParams
 from headspace.engine.step_plan import Sequence
 
@@ -39,6 +40,8 @@ class Request:
     ended: str | None = None  # why, in words (GenerationStats.ended)
     new_text: str = ""  # text of the step being read
     num_sent: int = 0  # output tokens returned by earlier steps
+    history: TokenHistory | None = None  # its tokens on the device, where penalties need them
+    logprobs: list[TokenLogprob] | None = None  # one per output token, where asked for
 
     def output(
         self, final_stats: Callable[[Request, GenerationStats], None] | None
@@ -59,31 +62,63 @@ class Request:
         elif self.first_token:  # so far
             stats.decode_seconds = time.perf_counter() - self.first_token
         new_ids = seq.output_ids[self.num_sent :]
+        logprobs = new_logprobs = None
+        if self.logprobs is not None:
+            logprobs, new_logprobs = list(self.logprobs), self.logprobs[self.num_sent :]
         new_text, self.new_text = self.new_text, ""
         self.num_sent = len(seq.output_ids)
         return RequestOutput(self.prompt, self.streamer.text, list(seq.output_ids),
                              seq.finish_reason, stats, seq.num_cached, seq.seq_id,
-                             new_text, new_ids)  # fmt: skip
+                             new_text, new_ids, logprobs, new_logprobs)  # fmt: skip
 
 
 @dataclass
 class TokenRead:
-    """Tokens of one launched step on their way to the host (``ready`` once copied)."""
+    """Tokens of one launched step on their way to the host (``ready`` once copied), and
+    the log probabilities of those whose requests ask for them."""
 
     seq_ids: list[int]
     tokens: torch.Tensor  # [sequences]
     ready: torch.cuda.Event | None
+    logprobs: dict[int, torch.Tensor]  # seq id -> [1 + 2 * top] fp32 (see ``logprob_row``)
 
 
-def start_read(batch: list[Sequence], tokens: torch.Tensor) -> TokenRead:
-    """Start copying ``tokens`` (a fresh tensor, one per sequence of ``batch``) to the host;
-    until they are read, each sequence has one more token pending."""
+def logprob_row(logits: torch.Tensor, token: torch.Tensor, top: int) -> torch.Tensor:
+    """The log probability of ``token`` (0-d) under fp32 ``logits [vocab]``, then the
+    ``top`` likeliest tokens' ids and log probabilities: ``[1 + 2 * top]`` fp32 (ids below
+    2**24 are exact in fp32), on the logits' device (no sync)."""
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    chosen = logprobs[token].view(1)
+    if not top:
+        return chosen
+    values, ids = logprobs.topk(top)
+    return torch.cat([chosen, ids.float(), values])
+
+
+def read_logprob(token: int, row: torch.Tensor) -> TokenLogprob:
+    """A :func:`logprob_row` as read on the host."""
+    values = row.tolist()
+    top = (len(values) - 1) // 2
+    pairs = zip(values[1 : 1 + top], values[1 + top :], strict=True)
+    return TokenLogprob(token, values[0], tuple((int(i), v) for i, v in pairs))
+
+
+def start_read(batch: list[Sequence], tokens: torch.Tensor,
+               logprobs: dict[int, torch.Tensor] | None = None) -> TokenRead:  # fmt: skip
+    """Start copying ``tokens`` (a fresh tensor, one per sequence of ``batch``) and the
+    ``logprobs`` rows of some of them to the host; until they are read, each sequence has
+    one more token pending."""
     for seq in batch:
         seq.num_pending += 1
+    logprobs = logprobs or {}
     if not tokens.is_cuda:
-        return TokenRead([s.seq_id for s in batch], tokens, None)
+        return TokenRead([s.seq_id for s in batch], tokens, None, logprobs)
     host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
     host.copy_(tokens, non_blocking=True)
+    rows = {}
+    for seq_id, row in logprobs.items():
+        rows[seq_id] = torch.empty(row.shape, dtype=row.dtype, pin_memory=True)
+        rows[seq_id].copy_(row, non_blocking=True)
     ready = torch.cuda.Event()
     ready.record()
-    return TokenRead([s.seq_id for s in batch], host, ready)
+    return TokenRead([s.seq_id for s in batch], host, ready, rows)

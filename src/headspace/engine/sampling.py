@@ -8,6 +8,9 @@ import torch
 
 from headspace.errors import UserError
 
+REPETITION_PENALTY = (0.01, 100.0)  # the range a repetition penalty may take
+MOST_LOGPROBS = 20  # likeliest tokens a request may ask the log probabilities of (OpenAI's)
+
 
 def as_float32(value: float) -> float:
     """``value`` as the sampler's float32 arithmetic holds it (what a float64 becomes)."""
@@ -18,7 +21,13 @@ def as_float32(value: float) -> float:
 class SamplingParams:
     """How to pick tokens. ``temperature=0`` is greedy; ``top_k=0`` and ``top_p=1`` are off.
     ``stop_token_ids``: tokens that end the request as the end-of-sequence token does (the
-    token is kept in ``token_ids``, not in the text; ``ignore_eos`` leaves them in force)."""
+    token is kept in ``token_ids``, not in the text; ``ignore_eos`` leaves them in force).
+    ``repetition_penalty`` (1: off; over the prompt and output tokens), ``presence_penalty``
+    and ``frequency_penalty`` (0: off; over the output tokens), ``min_tokens`` (the
+    end-of-sequence and stop tokens cannot come before that many tokens): as vLLM's
+    (:mod:`headspace.engine.logits_process`). ``logprobs``: each generated token's log
+    probability under the model (before temperature and penalties) and the ``logprobs``
+    likeliest tokens' (None: none; at most ``MOST_LOGPROBS``)."""
 
     max_new_tokens: int = 128
     temperature: float = 0.0
@@ -28,6 +37,11 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     ignore_eos: bool = False
     stop_token_ids: list[int] = field(default_factory=list)
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    min_tokens: int = 0
+    logprobs: int | None = None
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -50,6 +64,23 @@ class SamplingParams:
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             raise UserError(f"stop_token_ids must be non-negative integers, got "
                             f"{self.stop_token_ids}")  # fmt: skip
+        self._check_penalties()
+        top = self.logprobs
+        if top is not None and (isinstance(top, bool) or not isinstance(top, int)
+                                or not 0 <= top <= MOST_LOGPROBS):  # fmt: skip
+            raise UserError(f"logprobs must be an integer in [0, {MOST_LOGPROBS}], got {top}")
+
+    def _check_penalties(self) -> None:
+        penalty = self.repetition_penalty  # (within it, fp32 logits stay finite)
+        if not REPETITION_PENALTY[0] <= penalty <= REPETITION_PENALTY[1]:
+            raise UserError(f"repetition_penalty must be in [{REPETITION_PENALTY[0]}, "
+                            f"{REPETITION_PENALTY[1]}], got {penalty}")  # fmt: skip
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2 <= getattr(self, name) <= 2:
+                raise UserError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        if not isinstance(self.min_tokens, int) or not 0 <= self.min_tokens <= self.max_new_tokens:
+            raise UserError(f"min_tokens must be an integer in [0, max_new_tokens="
+                            f"{self.max_new_tokens}], got {self.min_tokens}")  # fmt: skip
 
 
 def make_generator(params: SamplingParams, device: torch.device) -> torch.Generator | None:

@@ -102,6 +102,9 @@ def build_app(engine_loop: EngineLoop, options: ServerOptions) -> FastAPI:
     name = options.served_model_name
     created = int(time.time())
 
+    def token_text(token: int) -> str:
+        return engine.tokenizer.decode([token])
+
     @app.exception_handler(APIError)
     async def api_error(_, error: APIError):
         return _error(error, counted)
@@ -178,7 +181,8 @@ def build_app(engine_loop: EngineLoop, options: ServerOptions) -> FastAPI:
             if isinstance(error, UserError):
                 raise APIError(400, str(error)) from None
             raise
-        reply = protocol.Reply(protocol.new_id("chatcmpl" if chat else "cmpl"), name, chat)
+        reply = protocol.Reply(protocol.new_id("chatcmpl" if chat else "cmpl"), name, chat,
+                               token_text)  # fmt: skip
         choices = await _accepted(engine_loop, ids, params, arrived)
         if body.stream:
             return StreamingResponse(_events(choices, reply, body.include_usage),
@@ -284,8 +288,9 @@ async def _events(choices: list[AsyncIterator[RequestOutput]], reply: protocol.R
             elif isinstance(item, APIError):
                 failed = failed or item
             else:
-                if item.new_text or item.finish_reason:
-                    yield event(reply.chunk(item.new_text, item.finish_reason, index=index))
+                if item.new_text or item.finish_reason or item.new_logprobs:
+                    yield event(reply.chunk(item.new_text, item.finish_reason, index=index,
+                                            logprobs=item.new_logprobs))  # fmt: skip
                 finals[index] = item
         if failed is not None:
             yield event(failed.body())

@@ -15,8 +15,8 @@ from headspace.server.protocol import APIError
 class Outbox:
     """What the engine thread hands one request's task: control items (None: accepted; an
     APIError) and outputs, consecutive outputs merged into one (the latest, with every new
-    token and piece of text since the task last looked), so a slow reader holds one output,
-    not one a step. The task is woken only when the box was empty."""
+    token, piece of text and log probability since the task last looked), so a slow reader
+    holds one output, not one a step. The task is woken only when the box was empty."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop):
         self.loop, self.ready = loop, asyncio.Event()
@@ -30,6 +30,8 @@ class Outbox:
             if isinstance(item, RequestOutput) and isinstance(last, RequestOutput):
                 item.new_text = last.new_text + item.new_text
                 item.new_token_ids = last.new_token_ids + item.new_token_ids
+                if item.new_logprobs is not None:
+                    item.new_logprobs = (last.new_logprobs or []) + item.new_logprobs
                 self._items[-1] = item
                 return
             self._items.append(item)

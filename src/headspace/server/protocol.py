@@ -3,21 +3,23 @@
 Requests are pydantic models: a field of the wrong type or out of range is a 400 in OpenAI's
 error shape (``{"error": {"message", "type", "param", "code"}}``); fields this server does
 not know are ignored, as OpenAI-compatible servers do; ones it knows and cannot honour
-(``best_of`` > 1, penalties, ``min_tokens``, log-probabilities) are refused by name unless their
-value asks for nothing; booleans are JSON's true and false only.
+(``best_of`` > 1, ``echo``, prompt log-probabilities, tools) are refused by name unless their
+value asks for nothing; booleans are JSON's true and false only. Penalties and
+``min_tokens`` are vLLM's; log probabilities of generated tokens are OpenAI's shapes.
 """
 
 from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, model_validator
 
-from headspace.engine.outputs import RequestOutput
-from headspace.engine.sampling import SamplingParams
+from headspace.engine.outputs import RequestOutput, TokenLogprob
+from headspace.engine.sampling import MOST_LOGPROBS, REPETITION_PENALTY, SamplingParams
 
 GREEDY_BELOW = 1e-5  # a temperature this small is greedy (sampling would overflow)
 MOST_STOPS, MOST_STOP_CHARS = 64, 1000  # stop strings a request may give (OpenAI allows 4)
@@ -25,10 +27,9 @@ MOST_CHOICES = 16  # ``n``: choices a request may ask for (each runs as a reques
 # fields of OpenAI's API this server cannot honour: refused by name, not ignored
 UNSUPPORTED = ("tools", "tool_choice", "functions", "function_call", "response_format",
                "logit_bias", "suffix", "prediction", "audio", "modalities",
-               "repetition_penalty", "min_tokens", "top_logprobs", "use_beam_search",
-               "prompt_logprobs")  # fmt: skip
-ASKS_NOTHING = {"repetition_penalty": (1, 1.0), "min_tokens": (0,), "top_logprobs": (0,),
-                "use_beam_search": (False,)}  # fmt: skip
+               "use_beam_search", "prompt_logprobs")  # fmt: skip
+ASKS_NOTHING = {"use_beam_search": (False,)}
+TopLogprobs = Annotated[int, Field(strict=True, ge=0, le=MOST_LOGPROBS)]
 
 
 class APIError(Exception):
@@ -79,8 +80,12 @@ class _Sampling(BaseModel):
     stream_options: StreamOptions | None = None
     n: Annotated[int, Field(ge=1, le=MOST_CHOICES)] = 1
     ignore_eos: StrictBool = False
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    # (numbers only: a boolean given for one is a 400)
+    presence_penalty: Annotated[float, Field(strict=True, ge=-2, le=2)] = 0.0
+    frequency_penalty: Annotated[float, Field(strict=True, ge=-2, le=2)] = 0.0
+    repetition_penalty: Annotated[float, Field(strict=True, ge=REPETITION_PENALTY[0],
+                                               le=REPETITION_PENALTY[1])] = 1.0  # fmt: skip
+    min_tokens: Annotated[int, Field(strict=True, ge=0)] = 0
     best_of: int | None = None
 
     @model_validator(mode="before")
@@ -102,8 +107,6 @@ class _Sampling(BaseModel):
             raise ValueError("stream_options is only allowed with stream: true")
         if self.best_of not in (None, 1):
             raise ValueError(f"best_of must be 1, got {self.best_of}")
-        if self.presence_penalty or self.frequency_penalty:
-            raise ValueError("presence_penalty and frequency_penalty are not supported")
         stops = [self.stop] if isinstance(self.stop, str) else self.stop or []
         if any(not s for s in stops):
             raise ValueError("stop strings must be non-empty")
@@ -122,7 +125,17 @@ class _Sampling(BaseModel):
                               temperature=temperature, top_p=self.top_p,
                               top_k=max(self.top_k, 0), seed=seed, stop=stop,
                               ignore_eos=self.ignore_eos,
-                              stop_token_ids=list(self.stop_token_ids))  # fmt: skip
+                              stop_token_ids=list(self.stop_token_ids),
+                              repetition_penalty=self.repetition_penalty,
+                              presence_penalty=self.presence_penalty,
+                              frequency_penalty=self.frequency_penalty,
+                              min_tokens=self.min_tokens,
+                              logprobs=self.top_logprobs_asked)  # fmt: skip
+
+    @property
+    def top_logprobs_asked(self) -> int | None:
+        """The likeliest tokens whose log probabilities each token carries (None: none)."""
+        return None
 
     @property
     def asked_max_tokens(self) -> int | None:
@@ -141,7 +154,11 @@ class CompletionRequest(_Sampling):
     prompt: str | list[int] | list[str] | list[list[int]]
     max_tokens: Annotated[int, Field(ge=1)] | None = 16
     echo: StrictBool = False
-    logprobs: int | None = None
+    logprobs: TopLogprobs | None = None
+
+    @property
+    def top_logprobs_asked(self) -> int | None:
+        return self.logprobs
 
     @model_validator(mode="after")
     def _one_prompt(self):
@@ -151,8 +168,8 @@ class CompletionRequest(_Sampling):
             self.prompt = self.prompt[0]
         if not self.prompt:
             raise ValueError("the prompt is empty")
-        if self.echo or self.logprobs is not None:
-            raise ValueError("echo and logprobs are not supported")
+        if self.echo:
+            raise ValueError("echo is not supported")
         return self
 
 
@@ -181,14 +198,19 @@ class ChatRequest(_Sampling):
     messages: Annotated[list[Message], Field(min_length=1)]
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
     logprobs: StrictBool = False
+    top_logprobs: TopLogprobs | None = None
 
     @model_validator(mode="after")
     def _chat(self):
         if self.max_completion_tokens is not None:
             self.max_tokens = self.max_completion_tokens
-        if self.logprobs:
-            raise ValueError("logprobs are not supported")
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs: true")
         return self
+
+    @property
+    def top_logprobs_asked(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
 
 # -- responses ---------------------------------------------------------------------------
@@ -213,7 +235,9 @@ class Reply:
     request_id: str
     model: str
     chat: bool
+    token_text: Callable[[int], str] = str  # a token's text (log probabilities name it)
     created: int = field(default_factory=lambda: int(time.time()))
+    _offsets: dict[int, int] = field(default_factory=dict)  # choice -> text offset so far
 
     def _head(self, chunk: bool) -> dict:
         kind = ("chat.completion.chunk" if chunk else "chat.completion") if self.chat \
@@ -230,22 +254,52 @@ class Reply:
                 choice = {"message": {"role": "assistant", "content": output.text}}
             else:
                 choice = {"text": output.text}
-            choices.append({"index": index, **choice, "logprobs": None, "finish_reason": reason})
+            logprobs = self._logprobs(output.logprobs, index)
+            choices.append({"index": index, **choice, "logprobs": logprobs,
+                            "finish_reason": reason})  # fmt: skip
         return {**self._head(False), "choices": choices, "usage": usage(outputs)}
 
-    def chunk(self, text: str | None, reason: str | None, role: bool = False,
-              index: int = 0) -> dict:  # fmt: skip
+    def chunk(self, text: str | None, reason: str | None, role: bool = False, index: int = 0,
+              logprobs: list[TokenLogprob] | None = None) -> dict:  # fmt: skip
         """One streamed piece of choice ``index``: new ``text`` (a chat delta, with the
-        assistant's ``role`` on the first), and the finish reason on the last."""
+        assistant's ``role`` on the first), its tokens' ``logprobs`` where asked for, and
+        the finish reason on the last."""
+        shown = self._logprobs(logprobs, index)
         if self.chat:
             delta = {"role": "assistant"} if role else {}
             if text is not None:
                 delta["content"] = text
-            choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": reason}
+            choice = {"index": index, "delta": delta, "logprobs": shown, "finish_reason": reason}
         else:
-            choice = {"index": index, "text": text or "", "logprobs": None,
+            choice = {"index": index, "text": text or "", "logprobs": shown,
                       "finish_reason": reason}  # fmt: skip
         return {**self._head(True), "choices": [choice]}
+
+    def _logprobs(self, logprobs: list[TokenLogprob] | None, index: int) -> dict | None:
+        """OpenAI's shape of ``logprobs`` (None where not asked for): a chat's ``content``
+        list, a completion's parallel lists (``text_offset`` counted from the choice's
+        first token, across chunks)."""
+        if logprobs is None:
+            return None
+        text = self.token_text
+        if self.chat:
+
+            def entry(token: int, logprob: float) -> dict:
+                shown = text(token)
+                return {"token": shown, "logprob": logprob, "bytes": list(shown.encode())}
+
+            return {"content": [{**entry(lp.token_id, lp.logprob),
+                                 "top_logprobs": [entry(t, v) for t, v in lp.top]}
+                                for lp in logprobs]}  # fmt: skip
+        tokens = [text(lp.token_id) for lp in logprobs]
+        offsets, at = [], self._offsets.get(index, 0)
+        for token in tokens:
+            offsets.append(at)
+            at += len(token)
+        self._offsets[index] = at
+        return {"tokens": tokens, "token_logprobs": [lp.logprob for lp in logprobs],
+                "top_logprobs": [{text(t): v for t, v in lp.top} for lp in logprobs],
+                "text_offset": offsets}  # fmt: skip
 
     def usage_chunk(self, outputs: list[RequestOutput]) -> dict:
         """The last streamed piece with ``stream_options.include_usage``: usage, no choices."""
