@@ -281,3 +281,32 @@ def test_a_short_request_arriving_after_a_long_one_runs_beside_it(tiny_llama, mo
         order += [o.request_id for o in engine.step() if o.finished]
         lanes |= {(v.request_id, v.lane) for v in engine.load().requests if v.state == "decoding"}
     assert order == [short, long] and (short, "resident") in lanes
+
+
+def test_a_prefix_cached_beside_a_long_request_is_still_right_once_the_arena_joins(tiny_llama):
+    """A short request's prompt cached in the resident lane's smaller pool while a long one
+    runs in the offload lane, the pool growing back while another request still holds
+    pages: the same prompt later reuses its cached page and gets the tokens it gets alone
+    (before, the page past the held ones was not moved to the larger layout)."""
+    params = SamplingParams(max_new_tokens=3, ignore_eos=True)
+    alone = _engine(tiny_llama, "streamed").engine.run(_prompt(30), params).token_ids
+    engine = _engine(tiny_llama, "streamed").engine
+
+    def run_until(request_id: int):
+        for _ in range(500):
+            for output in engine.step():
+                if output.finished and output.request_id == request_id:
+                    return output
+        raise AssertionError("it did not end")
+
+    holder = engine.add_request(_prompt(60), SamplingParams(max_new_tokens=60, ignore_eos=True))
+    for _ in range(3):
+        engine.step()
+    long = engine.add_request(_prompt(190), SamplingParams(max_new_tokens=4, ignore_eos=True))
+    for _ in range(3):
+        engine.step()
+    assert run_until(engine.add_request(_prompt(30), params)).token_ids == alone
+    run_until(long)
+    again = run_until(engine.add_request(_prompt(30), params))
+    assert again.num_cached_tokens > 0 and again.token_ids == alone
+    assert engine.abort(holder)

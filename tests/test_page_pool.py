@@ -123,6 +123,22 @@ def test_grow_and_drop_cache():
     assert pool.num_kept == 0
 
 
+def test_a_growing_pool_keeps_the_cached_pages_past_the_held_ones_in_what_moves():
+    """A resident pool that grows keeps its unreferenced cached pages in the cache, so the
+    bound of what its store moves to the new layout covers them too (else a later prompt
+    reuses a page whose K/V stayed behind)."""
+    blocks = BlockManager(page_size=4, num_gpu_pages=6)
+    blocks.allocate_prompt(0, list(range(1, 5)))  # page 0, held
+    blocks.allocate_prompt(1, list(range(10, 19)))  # pages 1-3; 1 and 2 full
+    blocks.cache_full_pages(1, list(range(10, 19)))
+    blocks.free(1)  # pages 1 and 2 cached, unreferenced
+    assert blocks.resize_gpu(9) == ([], 3)  # pages 0 (held), 1 and 2 (cached) move
+    assert blocks.allocate_prompt(2, list(range(10, 19))) == 8  # the cache still hits
+    blocks.free(2)
+    moves, bound = blocks.resize_gpu(4)  # shrinking forgets them: only held pages move
+    assert (moves, bound) == ([], 1) and blocks.allocate_prompt(3, list(range(10, 19))) == 0
+
+
 def _arena(budget_pages: int | None) -> tuple[HostKVArena, KVSpec]:
     spec = KVSpec(2, 2, 4, 8, 4)  # layers, kv heads, head dim, page size, bytes
     budget = None if budget_pages is None else budget_pages * spec.full_page_bytes

@@ -75,14 +75,18 @@ class BlockManager:
         page at or past the new end takes a free number below it (the cached prefixes of
         held pages stay; unreferenced cached pages are forgotten when the pool shrinks).
         Returns the (old, new) page pairs the caller copies, and the pages below which every
-        held page lies. Raises OutOfPages, changing nothing, when the held pages do not fit."""
+        page whose content is kept lies (held ones; when the pool grows, the unreferenced
+        cached ones too, which stay in the cache). Raises OutOfPages, changing nothing, when
+        the held pages do not fit."""
         pool = self.pools[GPU]
         held = [p for p in range(pool.num_pages) if pool.ref_counts[p] > 0]
         if len(held) > num_pages:
             raise OutOfPages(f"{len(held)} GPU pages are held, more than {num_pages}")
-        if num_pages >= pool.num_pages:  # nothing moves
+        if num_pages >= pool.num_pages:  # nothing renumbered; the layout moves what is kept
+            kept = [p for p in range(pool.num_pages) if pool.ref_counts[p] > 0
+                    or pool.is_cached(p)]  # fmt: skip
             pool.grow(num_pages)
-            return [], max(held, default=-1) + 1
+            return [], max(kept, default=-1) + 1
         taken = {p for p in held if p < num_pages}
         free = (p for p in range(num_pages) if p not in taken)
         mapping = {p: p if p < num_pages else next(free) for p in held}

@@ -106,6 +106,10 @@ class PagePool:
             else:
                 self._free.append(page)
 
+    def is_cached(self, page: int) -> bool:
+        """Whether ``page`` holds a cached prefix (held or not)."""
+        return page in self._hash_by_page
+
     def lookup(self, content_hash: bytes) -> int | None:
         """The cached page holding this content, if any."""
         return self._page_by_hash.get(content_hash)
