@@ -222,8 +222,12 @@ def test_a_warm_up_decodes_every_batch_bucket_up_to_its_bound(tiny_llama):
     sizes = set()
     llm = LLM(str(tiny_llama), hooks=EngineHooks(lane_step=lambda name: sizes.add(
         len((llm.engine.lanes.lane(name).last_step or StepPlan()).decode))))  # fmt: skip
-    llm.engine.warm_up(batch=5)
+    lines = []
+    llm.engine.warm_up(batch=5, report=lines.append)
     assert {1, 2, 3, 4, 5} <= sizes and max(sizes) == 5  # buckets 1, 2, 4 and 8
+    assert [line.split(" (")[0] for line in lines] == [
+        f"warm-up: decode batch {n}" for n in (2, 4, 5)
+    ]  # a progress line each
 
 
 def test_the_offload_lanes_cpu_attention_leaves_cores_while_the_resident_lane_runs(tiny_llama):

@@ -61,3 +61,41 @@ def test_logprobs_in_a_batch_and_sampled_and_streamed(tiny_cpu_llm, tiny_hf_mode
 def test_bad_logprobs_are_refused(top):
     with pytest.raises(UserError, match="logprobs"):
         SamplingParams(logprobs=top)
+
+
+def test_prompt_logprobs_equal_transformers_and_skip_the_prefix_cache(
+    tiny_llama, tiny_hf_model, prompt
+):
+    """Each prompt token's log probability (None for the first), across prefill pieces of
+    64 tokens, as transformers' logits give them; a prompt seen before is computed again for
+    them."""
+    from headspace import LLM
+
+    engine = LLM(str(tiny_llama), device="cpu", prefill_chunk=64, page_size=16).engine
+    engine.run(prompt, SamplingParams(max_new_tokens=2))  # (its pages now in the prefix cache)
+    out = engine.run(prompt, SamplingParams(max_new_tokens=2, prompt_logprobs=2))
+    assert out.num_cached_tokens == 0 and len(out.prompt_logprobs) == len(prompt)
+    assert out.prompt_logprobs[0] is None
+    with torch.no_grad():
+        logits = tiny_hf_model(torch.tensor([prompt])).logits[0].float()
+    reference = torch.log_softmax(logits[:-1], dim=-1)
+    got = [lp.logprob for lp in out.prompt_logprobs[1:]]
+    assert got == pytest.approx([reference[i, t].item() for i, t in enumerate(prompt[1:])],
+                                abs=2e-4)  # fmt: skip
+    assert [lp.token_id for lp in out.prompt_logprobs[1:]] == prompt[1:]
+    assert [i for i, _ in out.prompt_logprobs[5].top] == reference[4].topk(2).indices.tolist()
+
+
+def test_logprobs_equal_log_softmax_of_the_engines_own_logits(tiny_cpu_llm, prompt):
+    """Generated and prompt tokens' log probabilities against ``log_softmax`` of
+    ``Engine.logits`` over the same tokens (its last rows from decode steps, as generation
+    runs them): within 1e-5 in fp32."""
+    engine = tiny_cpu_llm.engine
+    params = SamplingParams(max_new_tokens=6, ignore_eos=True, logprobs=0, prompt_logprobs=0)
+    out = engine.run(prompt, params)
+    tokens = prompt + out.token_ids
+    logits = engine.logits(tokens[:-1], decode_tokens=len(out.token_ids) - 1)
+    reference = torch.log_softmax(logits, dim=-1)  # [positions, vocab]
+    want = [reference[i, tokens[i + 1]].item() for i in range(len(tokens) - 1)]
+    got = [lp.logprob for lp in out.prompt_logprobs[1:]] + [lp.logprob for lp in out.logprobs]
+    assert got == pytest.approx(want, abs=1e-5)

@@ -286,6 +286,31 @@ def test_logprobs_of_completions_and_chat_as_the_engine_gives_them(client, llm):
     assert plain.choices[0].logprobs is None
 
 
+def test_echo_gives_the_prompt_tokens_log_probabilities_as_harnesses_ask(client, llm):
+    """echo with max_tokens 0 and logprobs (a log-likelihood request): the prompt back, its
+    tokens' log probabilities (null for the first) as the engine's, no generated token; with
+    max_tokens 3 the three follow."""
+    prompt = "The capital of France is Paris"
+    ids = llm.engine.encode(prompt)
+    ours = llm.engine.run(ids, SamplingParams(max_new_tokens=1, prompt_logprobs=1))
+    reply = client.completions.create(model=NAME, prompt=prompt, max_tokens=0, echo=True,
+                                      logprobs=1, temperature=0)  # fmt: skip
+    choice = reply.choices[0]
+    assert choice.text == prompt and reply.usage.completion_tokens == 0
+    shown = choice.logprobs
+    assert len(shown.tokens) == len(ids) and shown.token_logprobs[0] is None
+    assert shown.top_logprobs[0] is None and all(len(t) == 1 for t in shown.top_logprobs[1:])
+    assert shown.token_logprobs[1:] == pytest.approx(
+        [lp.logprob for lp in ours.prompt_logprobs[1:]], abs=1e-4)  # fmt: skip
+    more = client.completions.create(model=NAME, prompt=prompt, max_tokens=3, echo=True,
+                                     logprobs=0, temperature=0)  # fmt: skip
+    assert more.choices[0].text.startswith(prompt) and more.usage.completion_tokens == 3
+    assert len(more.choices[0].logprobs.tokens) == len(ids) + 3
+    for bad in ({"max_tokens": 0}, {"echo": True, "stream": True}):
+        with pytest.raises(openai.BadRequestError):
+            client.completions.create(model=NAME, prompt=prompt, **bad)
+
+
 def test_n_seeded_choices_differ_and_repeat_streamed_or_not(client):
     ask = {"model": NAME, "prompt": "Once upon a time", "max_tokens": 10, "temperature": 1.0,
            "seed": 7, "n": 3, "extra_body": NO_EOS}  # fmt: skip

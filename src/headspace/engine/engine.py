@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from functools import cached_property
 from pathlib import Path
 
@@ -293,7 +293,8 @@ class Engine:
         """Generate for one prompt, alone."""
         return self.generate_batch([prompt_ids], [params])[0]
 
-    def warm_up(self, prompt_len: int = 0, decode: bool = True, batch: int = 1) -> float:
+    def warm_up(self, prompt_len: int = 0, decode: bool = True, batch: int = 1,
+                report: Callable[[str], None] | None = None) -> float:  # fmt: skip
         """Run a request alone, so that compilation and CUDA graph capture happen before the
         first real one (whose timings then leave them out); its seconds. Without
         ``prompt_len``, a short request; with it, one whose prefill takes the shapes a prompt
@@ -301,13 +302,18 @@ class Engine:
         decodes too (compiling and capturing the decode step): False for a request that
         ends at its first token. ``batch``: then batches of short requests, so that the
         decode step of every batch bucket up to ``batch`` is compiled too
-        (:func:`warm_up_batches`; a server passes its bound on concurrent requests)."""
+        (:func:`warm_up_batches`; a server passes its bound on concurrent requests), each
+        batch told to ``report`` (a progress line) as it starts."""
         started = time.perf_counter()
         length, new_tokens = warm_up_request(prompt_len, self.lanes.chunk, decode)
         vocab = self.model.config.vocab_size
         ids = [(7 + 31 * i) % vocab for i in range(length)] if length else self.encode("Warm-up.")
         self.run(ids, SamplingParams(max_new_tokens=new_tokens, ignore_eos=True))
-        for size in warm_up_batches(batch, self.config.runtime.max_batch) if decode else []:
+        sizes = warm_up_batches(batch, self.config.runtime.max_batch) if decode else []
+        for done, size in enumerate(sizes):
+            if report is not None:
+                report(f"warm-up: decode batch {size} ({done + 1} of {len(sizes)}, "
+                       f"{time.perf_counter() - started:.0f} s so far)")  # fmt: skip
             # (admitted one a step: the first ones still decode when the last one starts)
             short = SamplingParams(max_new_tokens=size + WARM_UP_DECODE_TOKENS, ignore_eos=True)
             prompts = [[(11 + 31 * (i + row)) % vocab for i in range(17)] for row in range(size)]

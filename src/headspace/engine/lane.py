@@ -29,6 +29,7 @@ from headspace.engine.requests import (
     Request,
     TokenRead,
     logprob_row,
+    prompt_logprobs,
     read_logprob,
     start_read,
 )
@@ -227,6 +228,11 @@ class Lane:
         self._hidden = None if piece.through else hidden
         if not piece.through:
             return None
+        request = self._by_id[seq.seq_id]
+        if request.params.prompt_logprobs is not None:
+            request.prompt_logprobs = (request.prompt_logprobs or [None]) + prompt_logprobs(
+                self.runner.model, hidden, seq.prompt_ids, piece.start,
+                request.params.prompt_logprobs)  # fmt: skip
         bar = self._bars[seq.seq_id]
         bar.update(piece.end - piece.start)
         if not piece.last:

@@ -108,6 +108,7 @@ class Lanes:
         self.check_length(len(prompt_ids), room_for_one=True)
         max_tokens = min(len(prompt_ids) + params.max_new_tokens, self.max_context)
         seq = Sequence(self._next_id, list(prompt_ids), max_tokens)
+        seq.reuse_prefix = params.prompt_logprobs is None  # (each position's logits needed)
         self.whole.plan([seq])  # refuses, with the numbers, what no plan can hold
         return seq
 

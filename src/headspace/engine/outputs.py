@@ -97,6 +97,9 @@ class RequestOutput:
     # with ``logprobs`` asked: one per generated token so far, and those this step added
     logprobs: list[TokenLogprob] | None = None
     new_logprobs: list[TokenLogprob] | None = None
+    # with ``prompt_logprobs`` asked: one per prompt token (None for the first, which nothing
+    # predicts), once its prefill is done
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
     @property
     def finished(self) -> bool:

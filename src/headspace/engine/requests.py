@@ -42,6 +42,7 @@ class Request:
     num_sent: int = 0  # output tokens returned by earlier steps
     history: TokenHistory | None = None  # its tokens on the device, where penalties need them
     logprobs: list[TokenLogprob] | None = None  # one per output token, where asked for
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # one per prompt token, asked for
 
     def output(
         self, final_stats: Callable[[Request, GenerationStats], None] | None
@@ -69,7 +70,8 @@ class Request:
         self.num_sent = len(seq.output_ids)
         return RequestOutput(self.prompt, self.streamer.text, list(seq.output_ids),
                              seq.finish_reason, stats, seq.num_cached, seq.seq_id,
-                             new_text, new_ids, logprobs, new_logprobs)  # fmt: skip
+                             new_text, new_ids, logprobs, new_logprobs,
+                             self.prompt_logprobs)  # fmt: skip
 
 
 @dataclass
@@ -101,6 +103,31 @@ def read_logprob(token: int, row: torch.Tensor) -> TokenLogprob:
     top = (len(values) - 1) // 2
     pairs = zip(values[1 : 1 + top], values[1 + top :], strict=True)
     return TokenLogprob(token, values[0], tuple((int(i), v) for i, v in pairs))
+
+
+PROMPT_LOGPROB_ROWS = 256  # prompt positions whose vocabulary logits exist at once
+
+
+def prompt_logprobs(model, hidden: torch.Tensor, prompt_ids: list[int], start: int,
+                    top: int) -> list[TokenLogprob]:  # fmt: skip
+    """The log probability of each prompt token that positions ``start ..`` predict, from
+    their last layer's ``hidden [tokens, hidden]`` (a prompt piece's), with the ``top``
+    likeliest tokens' (read on the host: the piece waits for the device)."""
+    found = []
+    last = min(start + hidden.shape[0], len(prompt_ids) - 1)  # (the last predicts no prompt)
+    for low in range(start, last, PROMPT_LOGPROB_ROWS):
+        high = min(low + PROMPT_LOGPROB_ROWS, last)
+        logits = model.logits(hidden[low - start : high - start])  # [rows, vocab] fp32
+        following = torch.tensor(prompt_ids[low + 1 : high + 1], device=logits.device)
+        logprobs = torch.log_softmax(logits, dim=-1)
+        parts = [logprobs.gather(1, following[:, None])]  # (as logprob_row's, row by row)
+        if top:
+            values, ids = logprobs.topk(top, dim=-1)
+            parts += [ids.float(), values]
+        rows = torch.cat(parts, dim=1).cpu()
+        found += [read_logprob(token, row) for token, row in
+                  zip(prompt_ids[low + 1 : high + 1], rows, strict=True)]  # fmt: skip
+    return found
 
 
 def start_read(batch: list[Sequence], tokens: torch.Tensor,

@@ -27,7 +27,8 @@ class SamplingParams:
     end-of-sequence and stop tokens cannot come before that many tokens): as vLLM's
     (:mod:`headspace.engine.logits_process`). ``logprobs``: each generated token's log
     probability under the model (before temperature and penalties) and the ``logprobs``
-    likeliest tokens' (None: none; at most ``MOST_LOGPROBS``)."""
+    likeliest tokens' (None: none; at most ``MOST_LOGPROBS``). ``prompt_logprobs``: the same
+    for each prompt token after the first (its prompt then skips the prefix cache)."""
 
     max_new_tokens: int = 128
     temperature: float = 0.0
@@ -42,6 +43,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     min_tokens: int = 0
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -65,10 +67,11 @@ class SamplingParams:
             raise UserError(f"stop_token_ids must be non-negative integers, got "
                             f"{self.stop_token_ids}")  # fmt: skip
         self._check_penalties()
-        top = self.logprobs
-        if top is not None and (isinstance(top, bool) or not isinstance(top, int)
-                                or not 0 <= top <= MOST_LOGPROBS):  # fmt: skip
-            raise UserError(f"logprobs must be an integer in [0, {MOST_LOGPROBS}], got {top}")
+        for name in ("logprobs", "prompt_logprobs"):
+            top = getattr(self, name)
+            if top is not None and (isinstance(top, bool) or not isinstance(top, int)
+                                    or not 0 <= top <= MOST_LOGPROBS):  # fmt: skip
+                raise UserError(f"{name} must be an integer in [0, {MOST_LOGPROBS}], got {top}")
 
     def _check_penalties(self) -> None:
         penalty = self.repetition_penalty  # (within it, fp32 logits stay finite)

@@ -348,7 +348,10 @@ class Scheduler:
             return None
         try:
             seq.num_cached = self.blocks.allocate_prompt(
-                seq.seq_id, seq.prompt_ids, self.tiers, reuse=self.settings.prefix_caching
+                seq.seq_id,
+                seq.prompt_ids,
+                self.tiers,
+                reuse=self.settings.prefix_caching and seq.reuse_prefix,
             )
         except OutOfPages:  # reused pages were counted as free
             return None

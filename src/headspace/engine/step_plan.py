@@ -22,6 +22,7 @@ class Sequence:
     slot: int = -1  # where its last sampled token lives on the device
     num_pending: int = 0  # tokens sampled on the device, not read yet
     num_swaps: int = 0
+    reuse_prefix: bool = True  # whether its prompt may start from the prefix cache
 
     @property
     def token_ids(self) -> list[int]:

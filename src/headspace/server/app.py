@@ -183,6 +183,9 @@ def build_app(engine_loop: EngineLoop, options: ServerOptions) -> FastAPI:
             raise
         reply = protocol.Reply(protocol.new_id("chatcmpl" if chat else "cmpl"), name, chat,
                                token_text)  # fmt: skip
+        if not chat and body.echo:
+            text = body.prompt if isinstance(body.prompt, str) else engine.tokenizer.decode(ids)
+            reply.echo, reply.hidden = (text, ids), body.max_tokens == 0
         choices = await _accepted(engine_loop, ids, params, arrived)
         if body.stream:
             return StreamingResponse(_events(choices, reply, body.include_usage),

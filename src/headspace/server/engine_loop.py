@@ -223,7 +223,11 @@ class EngineLoop:
         to ``max_concurrent``, so that no compile stands between users and their tokens."""
         if not self.engine.config.runtime.on_gpu:
             return {}
-        return {"prompt_len": self.engine.lanes.chunk + 17, "batch": self.max_concurrent}
+        return {
+            "prompt_len": self.engine.lanes.chunk + 17,
+            "batch": self.max_concurrent,
+            "report": log.info,
+        }
 
     def _observe(self) -> None:
         """The load gauges, at most every ``OBSERVE_EVERY_S`` while requests run (counting the

@@ -3,9 +3,10 @@
 Requests are pydantic models: a field of the wrong type or out of range is a 400 in OpenAI's
 error shape (``{"error": {"message", "type", "param", "code"}}``); fields this server does
 not know are ignored, as OpenAI-compatible servers do; ones it knows and cannot honour
-(``best_of`` > 1, ``echo``, prompt log-probabilities, tools) are refused by name unless their
-value asks for nothing; booleans are JSON's true and false only. Penalties and
-``min_tokens`` are vLLM's; log probabilities of generated tokens are OpenAI's shapes.
+(``best_of`` > 1, ``echo`` with ``stream``, vLLM's ``prompt_logprobs``, tools) are refused by
+name unless their value asks for nothing; booleans are JSON's true and false only.
+Penalties and ``min_tokens`` are vLLM's; log probabilities, ``echo`` and ``max_tokens`` 0
+are OpenAI's.
 """
 
 from __future__ import annotations
@@ -152,13 +153,23 @@ class CompletionRequest(_Sampling):
     """``POST /v1/completions``: ``prompt`` is text, token ids, or a list of one of them."""
 
     prompt: str | list[int] | list[str] | list[list[int]]
-    max_tokens: Annotated[int, Field(ge=1)] | None = 16
+    max_tokens: Annotated[int, Field(ge=0)] | None = 16  # (0: with echo, the prompt alone)
     echo: StrictBool = False
     logprobs: TopLogprobs | None = None
 
     @property
     def top_logprobs_asked(self) -> int | None:
         return self.logprobs
+
+    def sampling(self, default_max_tokens: int, choice: int = 0) -> SamplingParams:
+        """As a chat's, and with ``echo`` the prompt tokens' log probabilities where asked
+        for; ``max_tokens`` 0 computes one token that the answer leaves out."""
+        params = super().sampling(default_max_tokens, choice)
+        if self.max_tokens == 0:
+            params.max_new_tokens = 1
+        if self.echo and self.logprobs is not None:
+            params.prompt_logprobs = self.logprobs
+        return params
 
     @model_validator(mode="after")
     def _one_prompt(self):
@@ -168,8 +179,10 @@ class CompletionRequest(_Sampling):
             self.prompt = self.prompt[0]
         if not self.prompt:
             raise ValueError("the prompt is empty")
-        if self.echo:
-            raise ValueError("echo is not supported")
+        if self.max_tokens == 0 and not self.echo:
+            raise ValueError("max_tokens 0 needs echo: true (the prompt alone)")
+        if self.echo and self.stream:
+            raise ValueError("echo is not supported with stream")
         return self
 
 
@@ -218,10 +231,11 @@ def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
-def usage(outputs: list[RequestOutput]) -> dict:
-    """The prompt counted once, the tokens of every choice."""
+def usage(outputs: list[RequestOutput], hidden: bool = False) -> dict:
+    """The prompt counted once, the tokens of every choice (none where ``hidden``)."""
     output = outputs[0]
-    prompt, generated = output.stats.prompt_tokens, sum(len(o.token_ids) for o in outputs)
+    prompt = output.stats.prompt_tokens
+    generated = 0 if hidden else sum(len(o.token_ids) for o in outputs)
     return {"prompt_tokens": prompt, "completion_tokens": generated,
             "total_tokens": prompt + generated,
             "prompt_tokens_details": {"cached_tokens": output.num_cached_tokens}}  # fmt: skip
@@ -236,6 +250,8 @@ class Reply:
     model: str
     chat: bool
     token_text: Callable[[int], str] = str  # a token's text (log probabilities name it)
+    echo: tuple[str, list[int]] | None = None  # a completion's prompt (text, ids), echoed
+    hidden: bool = False  # a completion's generated token left out (max_tokens 0)
     created: int = field(default_factory=lambda: int(time.time()))
     _offsets: dict[int, int] = field(default_factory=dict)  # choice -> text offset so far
 
@@ -252,12 +268,28 @@ class Reply:
             reason = output.finish_reason  # "stop", "length" or "abort", as OpenAI's
             if self.chat:
                 choice = {"message": {"role": "assistant", "content": output.text}}
+                logprobs = self._logprobs(output.logprobs, index)
             else:
-                choice = {"text": output.text}
-            logprobs = self._logprobs(output.logprobs, index)
+                choice, logprobs = self._text_choice(output, index)
             choices.append({"index": index, **choice, "logprobs": logprobs,
                             "finish_reason": reason})  # fmt: skip
-        return {**self._head(False), "choices": choices, "usage": usage(outputs)}
+        return {**self._head(False), "choices": choices, "usage": usage(outputs, self.hidden)}
+
+    def _text_choice(self, output: RequestOutput, index: int) -> tuple[dict, dict | None]:
+        """A completion's text and log probabilities: the prompt's first when echoed (its
+        first token's log probability null, as OpenAI's), the generated ones unless
+        hidden."""
+        text, logprobs = output.text, output.logprobs
+        if self.hidden:
+            text, logprobs = "", logprobs and []
+        if self.echo is None:
+            return {"text": text}, self._logprobs(logprobs, index)
+        prompt_text, prompt_ids = self.echo
+        shown = None
+        if logprobs is not None:
+            prompt = output.prompt_logprobs or [None] * len(prompt_ids)
+            shown = self._logprobs([*zip(prompt_ids, prompt, strict=True), *logprobs], index)
+        return {"text": prompt_text + text}, shown
 
     def chunk(self, text: str | None, reason: str | None, role: bool = False, index: int = 0,
               logprobs: list[TokenLogprob] | None = None) -> dict:  # fmt: skip
@@ -291,14 +323,17 @@ class Reply:
             return {"content": [{**entry(lp.token_id, lp.logprob),
                                  "top_logprobs": [entry(t, v) for t, v in lp.top]}
                                 for lp in logprobs]}  # fmt: skip
-        tokens = [text(lp.token_id) for lp in logprobs]
+        # (an echoed prompt's tokens come as (id, TokenLogprob or None for the first))
+        entries = [e if isinstance(e, tuple) else (e.token_id, e) for e in logprobs]
+        tokens = [text(token) for token, _ in entries]
         offsets, at = [], self._offsets.get(index, 0)
         for token in tokens:
             offsets.append(at)
             at += len(token)
         self._offsets[index] = at
-        return {"tokens": tokens, "token_logprobs": [lp.logprob for lp in logprobs],
-                "top_logprobs": [{text(t): v for t, v in lp.top} for lp in logprobs],
+        return {"tokens": tokens,
+                "token_logprobs": [lp and lp.logprob for _, lp in entries],
+                "top_logprobs": [lp and {text(t): v for t, v in lp.top} for _, lp in entries],
                 "text_offset": offsets}  # fmt: skip
 
     def usage_chunk(self, outputs: list[RequestOutput]) -> dict:
