@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 import torch
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from conftest import make_tiny_checkpoint
@@ -131,6 +131,50 @@ def test_requests_arriving_between_steps_under_two_ranks(tiny_llama, prompt, tmp
         llm = LLM(case["model"], **case["options"])
         alone = [llm.engine.run(p, SamplingParams(**GREEDY)).token_ids for p in batch(case)]
         assert got["arrivals"] == alone
+
+
+ARRIVING_MODES = (  # under torchrun, one lane: shared pages (stepped in pieces), swaps, budgets
+    {"balance": "uniform", "prefill_step_tokens": 16},
+    {"balance": "uniform", "num_kv_pages": 10},
+    {"balance": "uniform", "kv_budget": 0.5},
+)
+ALONE_RUNS: dict[tuple, list[int]] = {}  # (mode, length) -> its greedy tokens alone
+
+
+@settings(max_examples=3, deadline=None, suppress_health_check=list(HealthCheck))
+@given(
+    schedule=st.lists(
+        st.tuples(
+            st.sampled_from([150, 30, 60, 12]), st.integers(0, 6), st.none() | st.integers(0, 8)
+        ),
+        min_size=2,
+        max_size=4,
+    )
+)
+def test_requests_arriving_and_aborted_at_random_steps_under_two_ranks(
+    tiny_llama, prompt, tmp_path, schedule
+):
+    """Hypothesis draws when each request arrives and whether (how many steps later) it is
+    aborted; under two ranks (gloo), in every mode torchrun runs, each request that is not
+    aborted first ends with its tokens alone in one process."""
+    lengths = [length for length, _, _ in schedule]
+    arrivals = [at for _, at, _ in schedule]
+    aborts = [[i, at + later] for i, (_, at, later) in enumerate(schedule) if later is not None]
+    cases = [{**_case(tiny_llama, prompt, options), "batch": lengths, "arrivals": arrivals,
+              "aborts": aborts} for options in ARRIVING_MODES]  # fmt: skip
+    results = run_cases(2, cases, tmp_path)
+    for got, case, mode in zip(results, cases, range(len(ARRIVING_MODES)), strict=True):
+        llm = None
+        for index, (tokens, prompt_ids) in enumerate(zip(got["arrivals"], batch(case),
+                                                         strict=True)):  # fmt: skip
+            if tokens == "abort":
+                assert any(i == index for i, _ in aborts), (case["options"], index)
+                continue
+            key = (mode, len(prompt_ids))
+            if key not in ALONE_RUNS:
+                llm = llm or LLM(case["model"], **case["options"])
+                ALONE_RUNS[key] = llm.engine.run(prompt_ids, SamplingParams(**GREEDY)).token_ids
+            assert tokens == ALONE_RUNS[key], (case["options"], index, schedule)
 
 
 def test_four_ranks_equal_one_process(tiny_llama, wide_llama, prompt, tmp_path):

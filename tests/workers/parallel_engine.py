@@ -156,19 +156,27 @@ def left(llm: LLM) -> dict:
     }
 
 
-def arrive(llm: LLM, case: dict) -> list[list[int]]:
+def arrive(llm: LLM, case: dict) -> list[list[int] | str]:
     """The batch's prompts added to the stepping engine before steps ``case["arrivals"]``
-    (every rank alike); each one's final tokens."""
+    (every rank alike), and aborted before the steps of ``case.get("aborts")`` ([index,
+    step] pairs; one that has ended by then is left); each one's final tokens, or "abort"."""
     engine, prompts, finals = llm.engine, batch(case), {}
     params = SamplingParams(**case["params"])
-    ids, step = {}, 0
-    while step <= max(case["arrivals"]) or engine.has_unfinished():
+    ids, step, aborts = {}, 0, case.get("aborts", [])
+    last = max(case["arrivals"] + [at for _, at in aborts])
+    while step <= last or engine.has_unfinished():
         for i, at in enumerate(case["arrivals"]):
             if at == step:
                 ids[engine.add_request(prompts[i], params)] = i
+        for i, at in aborts:
+            request = next((r for r, index in ids.items() if index == i), None)
+            if at == step and request is not None:
+                engine.abort(request)
         for output in engine.step():
             if output.finished:
-                finals[ids[output.request_id]] = output.token_ids
+                reason = output.finish_reason
+                finals[ids[output.request_id]] = "abort" if reason == "abort" else \
+                    output.token_ids  # fmt: skip
         step += 1
     return [finals[i] for i in range(len(prompts))]
 
