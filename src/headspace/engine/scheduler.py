@@ -22,6 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from headspace.engine.layout_plan import LayoutPlanner
+from headspace.engine.piece_work import layers_per_step, slice_size, step_work
 from headspace.engine.step_plan import (
     LayoutResult,
     PrefillPiece,
@@ -294,33 +295,20 @@ class Scheduler:
         return piece
 
     def _step_work(self) -> float:
-        """One step's prompt work beside decoding sequences: tokens ``0 .. step_tokens-1``
-        through every layer."""
-        return self.settings.num_layers * self._layer_cost(0, self.step_tokens)
+        settings = self.settings
+        return step_work(self.step_tokens, settings.num_layers, settings.attention_prefix)
 
     def _layers_per_step(self, start: int, end: int) -> int:
-        """Layers of tokens ``start .. end-1`` that fit one step's prompt work (at least
-        one)."""
-        return max(1, int(self._step_work() // self._layer_cost(start, end)))
+        return layers_per_step(start, end, self._step_work(), self.settings.attention_prefix)
 
     def _slice_size(self, start: int, num_tokens: int) -> int:
-        """The length of a chunk run in layer slices from ``start`` (of a prompt of
-        ``num_tokens``): ``chunk``, halved (down to a page) while one layer of what it
-        covers costs more than a step's prompt work, so that deep in a long prompt a step
-        still fits its work. Never halved where the prefix streams from host pages: each
-        piece stages its whole prefix, so halving would multiply what crosses PCIe."""
-        size, page = self.settings.chunk, self.blocks.page_size
+        """A chunk run in layer slices (:func:`slice_size`); never halved where the prefix
+        streams from host pages: each piece stages its whole prefix, so halving would
+        multiply what crosses PCIe."""
         if self.prefix_streams:
-            return size
-        work = self._step_work()
-        while size > page and self._layer_cost(start, min(start + size, num_tokens)) > work:
-            size = max(page, size // 2 // page * page)
-        return size
-
-    def _layer_cost(self, start: int, end: int) -> float:
-        """Relative cost of tokens ``start .. end-1`` in one layer: their linear layers and
-        their attention over the tokens before (on average ``start`` + half of them)."""
-        return (end - start) * (1 + (start + end) / 2 / self.settings.attention_prefix)
+            return self.settings.chunk
+        return slice_size(start, num_tokens, self.settings.chunk, self.blocks.page_size,
+                          self._step_work(), self.settings.attention_prefix)  # fmt: skip
 
     def abort(self, seq: Sequence) -> None:
         """Drop ``seq`` wherever it is; its pages return to their pools."""
