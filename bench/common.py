@@ -53,8 +53,8 @@ def code_version() -> dict:
 
 
 def environment() -> dict:
-    """GPU, driver-visible versions, the host's cores, the code and the date, recorded in
-    every result file."""
+    """GPU (None on the CPU), driver-visible versions, the host's cores, the code and the
+    date, recorded in every result file."""
     import transformers
 
     try:
@@ -63,11 +63,13 @@ def environment() -> dict:
         triton_version = triton.__version__
     except ImportError:
         triton_version = None
-    props = torch.cuda.get_device_properties(0)
+    gpu = {"gpu": None}  # (a CPU run's file says so)
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(0)
+        gpu = {"gpu": props.name, "gpu_memory_gib": round(props.total_memory / 2**30, 1),
+               "num_sms": props.multi_processor_count}  # fmt: skip
     return {
-        "gpu": props.name,
-        "gpu_memory_gib": round(props.total_memory / 2**30, 1),
-        "num_sms": props.multi_processor_count,
+        **gpu,
         "torch": torch.__version__,
         "cuda": torch.version.cuda,
         "transformers": transformers.__version__,
