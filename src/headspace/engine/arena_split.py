@@ -69,6 +69,10 @@ class ArenaSplit:
         self.handed[request.seq.seq_id] = request
         self.worker.submit(lambda lane: lane.add(request))
 
+    def ended(self, request_id: int) -> None:
+        """Request ``request_id`` ended or was aborted: the offload lane no longer holds it."""
+        self.handed.pop(request_id, None)
+
     def take_waiting(self, request_id: int) -> Request | None:
         """Remove and return the queued request ``request_id`` (None: not queued)."""
         waiting = next((r for r in self.waiting if r.seq.seq_id == request_id), None)
@@ -93,16 +97,16 @@ class ArenaSplit:
         count = SPARED_BESIDE if self.open and self.resident.has_running() else 0
         if count != self._spared:
             self._spared = count
-            self.worker.submit(lambda lane: setattr(lane.runner, "cpu_spared", count))
+            self.worker.submit(lambda lane: lane.runner.spare_cpu_cores(count))
 
-    def place(self, offloaded: bool) -> None:
+    def place(self) -> None:
         """Split the arena for the request next in line for the offload lane, or give the
-        resident lane the whole arena back once the offload lane holds nothing (and no
-        request is ``offloaded``)."""
+        resident lane the whole arena back once the offload lane holds nothing (no request
+        waits for it or was handed to it and has not ended)."""
         if self.opening is not None:
             return
         if self.open:
-            if self.worker.idle and not self.waiting and not offloaded:
+            if self.worker.idle and not self.waiting and not self.handed:
                 self.close_offload()
             return
         if not self.waiting:  # (the one the resident lane let go first may have been aborted)

@@ -28,7 +28,7 @@ from headspace.engine.ranks import Ranks
 from headspace.engine.requests import (
     Request,
     TokenRead,
-    logprob_row,
+    logprob_rows,
     prompt_logprobs,
     read_logprob,
     start_read,
@@ -269,12 +269,22 @@ class Lane:
             broadcast_(self.runner.tokens)
         for history, slot in counted:  # (rank 0's tokens, under torchrun)
             record(history, self.runner.tokens[slot])
-        for row, seq in enumerate(batch):
-            top = self._by_id[seq.seq_id].params.logprobs
-            if top is not None:
-                token = self.runner.tokens[seq.slot]
-                logprobs[seq.seq_id] = logprob_row(logits[row], token, top)
+        self._logprobs(batch, logits, logprobs)
         return finite
+
+    def _logprobs(self, batch: list[Sequence], logits: torch.Tensor,
+                  logprobs: dict[int, torch.Tensor]) -> None:  # fmt: skip
+        """The rows of ``batch`` whose requests ask for log probabilities: their tokens'
+        (the picks in their slots), computed together, into ``logprobs`` by sequence id."""
+        asking = [(row, seq) for row, seq in enumerate(batch)
+                  if self._by_id[seq.seq_id].params.logprobs is not None]  # fmt: skip
+        if not asking:
+            return
+        top = max(self._by_id[seq.seq_id].params.logprobs for _, seq in asking)
+        rows = torch.tensor([row for row, _ in asking], device=logits.device)
+        slots = torch.tensor([seq.slot for _, seq in asking], device=logits.device)
+        found = logprob_rows(logits.index_select(0, rows), self.runner.tokens[slots], top)
+        logprobs.update((seq.seq_id, found[i]) for i, (_, seq) in enumerate(asking))
 
     def _resolve(self, read: TokenRead) -> list[Request]:
         """Take the read tokens into their requests; the requests that advanced."""
@@ -287,7 +297,8 @@ class Lane:
                 continue
             request.seq.num_pending -= 1
             if seq_id in read.logprobs and token != NON_FINITE:
-                request.logprobs.append(read_logprob(token, read.logprobs[seq_id]))
+                row, top = read.logprobs[seq_id], request.params.logprobs
+                request.logprobs.append(read_logprob(token, row, top))
             request.new_text += self._accept(request, token)
             advanced.append(request)
             if request.seq.finish_reason:

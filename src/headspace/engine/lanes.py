@@ -79,7 +79,6 @@ class Lanes:
         # what the whole arena holds: every request is checked against it
         self.whole = parts.planner(LaneMemory(self.arena_bytes, self.host_bytes),
                                    self.resident.runner.budget)  # fmt: skip
-        self.full_pages = self.arena_bytes // self.spec.full_page_bytes - 1
         self.split = None  # the arena's split beside an offload lane
         if self.shared:
             self.split = ArenaSplit(self.resident, self.offload, self.worker, self.whole, parts,
@@ -132,7 +131,7 @@ class Lanes:
         request = Request(seq, params, make_generator(params, self.resident.runner.device),
                           StopStringStreamer(self.tokenizer, params.stop), time.perf_counter(),
                           prompt_ids if prompt is None else prompt)  # fmt: skip
-        if self.shared and self.spec.pages_for(seq.max_tokens) > self.full_pages:
+        if self._offloads(self.spec.pages_for(seq.max_tokens)):
             self._lane_of[seq.seq_id] = self.offload
             self.split.add(request)
         else:
@@ -148,7 +147,7 @@ class Lanes:
             return False
         if lane is self.resident:
             return self.resident.abort(request_id)
-        self.split.handed.pop(request_id, None)
+        self.split.ended(request_id)
         waiting = self.split.take_waiting(request_id)
         if waiting is not None:
             waiting.ended, waiting.finished = "aborted", time.perf_counter()
@@ -190,6 +189,11 @@ class Lanes:
         found = self.resident.prefilling()
         return found if found is not None or self.offload is None else self.offload.prefilling()
 
+    def _offloads(self, pages: int) -> bool:
+        """Whether a request that may reach ``pages`` pages runs in the offload lane (more
+        than the whole arena holds resident)."""
+        return self.split is not None and pages > self.split.full_pages
+
     # -- steps ---------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """One step of the resident lane (after the split changes it), and what the offload
@@ -197,7 +201,7 @@ class Lanes:
         while for it."""
         split = self.split
         if split is not None:
-            split.place(self._offloaded())
+            split.place()
             split.spare_cores()
         outputs, self._aborted = self._aborted, []
         if self.resident.has_unfinished():
@@ -215,14 +219,10 @@ class Lanes:
             if output.finished:
                 self._lane_of.pop(output.request_id, None)
                 if split is not None:
-                    split.handed.pop(output.request_id, None)
+                    split.ended(output.request_id)
         if split is not None and split.open and not outputs:  # (the arena back at once)
-            split.place(self._offloaded())
+            split.place()
         return outputs
-
-    def _offloaded(self) -> bool:
-        """Whether a request not returned finished is the offload lane's."""
-        return any(lane is self.offload for lane in self._lane_of.values())
 
     @contextlib.contextmanager
     def _resident_stream(self):
@@ -282,7 +282,7 @@ class Lanes:
             raise UserError("requests are running: the layout cannot change under them")
         lane = self.resident
         pages = sum(self.spec.pages_for(s.max_tokens) for s in seqs)
-        if self.shared and pages > self.full_pages:
+        if self._offloads(pages):
             lane = self.offload  # run here, on this thread: its worker is idle
             self.split.take_whole()
         elif self.split is not None and self.split.open:

@@ -109,9 +109,7 @@ class PagedRunner:
             cpu_timings=hooks.cpu_timings,
         )  # fmt: skip
         self.tiers: list[Tier] = []  # the current plan's (tiers.table)
-        # CPU cores the hybrid tier's attention leaves to other threads (the lanes set it
-        # while a resident lane's steps run beside this one's)
-        self.cpu_spared = 0
+        self._cpu_spared = 0  # CPU cores the hybrid tier's attention leaves (spare_cpu_cores)
         self.hybrid_share = HybridShare(hooks.step_clock)  # the hybrid tier's CPU share
         self._layout: tuple | None = None
         self._layout_ids: dict[tuple, int] = {}  # a small key per layout seen, for the graphs
@@ -213,6 +211,11 @@ class PagedRunner:
         self.plan, self._layout = plan, key
         self._layout_id = self._layout_ids.setdefault(key, len(self._layout_ids))
         return pools
+
+    def spare_cpu_cores(self, count: int) -> None:
+        """From the next decode step, the hybrid tier's CPU attention leaves ``count`` cores
+        to other threads (a resident lane's steps beside this one's)."""
+        self._cpu_spared = count
 
     def kept_summary(self, seq_id: int) -> tuple[float, float, float] | None:
         """Sparse hybrid mode: (min, median, max) share of the CPU-side tokens kept per
@@ -388,8 +391,8 @@ class PagedRunner:
                 pages: Pages) -> DecodeResult:  # fmt: skip
         for tier in self.tiers:  # per-entry tables on the device
             tier.before_decode(seq_ids, slots)
-        if self.site.cpu_attention is not None:
-            self.site.cpu_attention.spared = self.cpu_spared
+        if self.site.cpu_attention is not None:  # (made with the first hybrid layout)
+            self.site.cpu_attention.spared = self._cpu_spared
         graphs = self._graphs
         if graphs is not None and graphs.accepts(positions):
             return graphs.run(slots, positions, pages)

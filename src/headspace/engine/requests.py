@@ -82,26 +82,28 @@ class TokenRead:
     seq_ids: list[int]
     tokens: torch.Tensor  # [sequences]
     ready: torch.cuda.Event | None
-    logprobs: dict[int, torch.Tensor]  # seq id -> [1 + 2 * top] fp32 (see ``logprob_row``)
+    logprobs: dict[int, torch.Tensor]  # seq id -> [1 + 2 * top] fp32 (``logprob_rows``' row)
 
 
-def logprob_row(logits: torch.Tensor, token: torch.Tensor, top: int) -> torch.Tensor:
-    """The log probability of ``token`` (0-d) under fp32 ``logits [vocab]``, then the
-    ``top`` likeliest tokens' ids and log probabilities: ``[1 + 2 * top]`` fp32 (ids below
-    2**24 are exact in fp32), on the logits' device (no sync)."""
+def logprob_rows(logits: torch.Tensor, tokens: torch.Tensor, top: int) -> torch.Tensor:
+    """The log probability of each row's token (``tokens [rows]``) under fp32 ``logits
+    [rows, vocab]``, then the ``top`` likeliest tokens' ids and log probabilities: ``[rows,
+    1 + 2 * top]`` fp32 (ids below 2**24 are exact in fp32), on the logits' device (no
+    sync)."""
     logprobs = torch.log_softmax(logits.float(), dim=-1)
-    chosen = logprobs[token].view(1)
-    if not top:
-        return chosen
-    values, ids = logprobs.topk(top)
-    return torch.cat([chosen, ids.float(), values])
+    parts = [logprobs.gather(1, tokens.view(-1, 1))]
+    if top:
+        values, ids = logprobs.topk(top, dim=-1)
+        parts += [ids.float(), values]
+    return torch.cat(parts, dim=1)
 
 
-def read_logprob(token: int, row: torch.Tensor) -> TokenLogprob:
-    """A :func:`logprob_row` as read on the host."""
+def read_logprob(token: int, row: torch.Tensor, top: int) -> TokenLogprob:
+    """A row of :func:`logprob_rows` as read on the host, its first ``top`` likeliest kept
+    (a row computed for more)."""
     values = row.tolist()
-    top = (len(values) - 1) // 2
-    pairs = zip(values[1 : 1 + top], values[1 + top :], strict=True)
+    most = (len(values) - 1) // 2
+    pairs = zip(values[1 : 1 + top], values[1 + most : 1 + most + top], strict=True)
     return TokenLogprob(token, values[0], tuple((int(i), v) for i, v in pairs))
 
 
@@ -117,16 +119,10 @@ def prompt_logprobs(model, hidden: torch.Tensor, prompt_ids: list[int], start: i
     last = min(start + hidden.shape[0], len(prompt_ids) - 1)  # (the last predicts no prompt)
     for low in range(start, last, PROMPT_LOGPROB_ROWS):
         high = min(low + PROMPT_LOGPROB_ROWS, last)
+        following = prompt_ids[low + 1 : high + 1]
         logits = model.logits(hidden[low - start : high - start])  # [rows, vocab] fp32
-        following = torch.tensor(prompt_ids[low + 1 : high + 1], device=logits.device)
-        logprobs = torch.log_softmax(logits, dim=-1)
-        parts = [logprobs.gather(1, following[:, None])]  # (as logprob_row's, row by row)
-        if top:
-            values, ids = logprobs.topk(top, dim=-1)
-            parts += [ids.float(), values]
-        rows = torch.cat(parts, dim=1).cpu()
-        found += [read_logprob(token, row) for token, row in
-                  zip(prompt_ids[low + 1 : high + 1], rows, strict=True)]  # fmt: skip
+        rows = logprob_rows(logits, torch.tensor(following, device=logits.device), top).cpu()
+        found += [read_logprob(t, row, top) for t, row in zip(following, rows, strict=True)]
     return found
 
 

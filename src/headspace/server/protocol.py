@@ -268,7 +268,7 @@ class Reply:
             reason = output.finish_reason  # "stop", "length" or "abort", as OpenAI's
             if self.chat:
                 choice = {"message": {"role": "assistant", "content": output.text}}
-                logprobs = self._logprobs(output.logprobs, index)
+                logprobs = self._chat_logprobs(output.logprobs)
             else:
                 choice, logprobs = self._text_choice(output, index)
             choices.append({"index": index, **choice, "logprobs": logprobs,
@@ -281,50 +281,55 @@ class Reply:
         hidden."""
         text, logprobs = output.text, output.logprobs
         if self.hidden:
-            text, logprobs = "", logprobs and []
-        if self.echo is None:
-            return {"text": text}, self._logprobs(logprobs, index)
-        prompt_text, prompt_ids = self.echo
-        shown = None
-        if logprobs is not None:
-            prompt = output.prompt_logprobs or [None] * len(prompt_ids)
-            shown = self._logprobs([*zip(prompt_ids, prompt, strict=True), *logprobs], index)
-        return {"text": prompt_text + text}, shown
+            text, logprobs = "", None if logprobs is None else []
+        entries = None if logprobs is None else [(lp.token_id, lp) for lp in logprobs]
+        if self.echo is not None:
+            prompt_text, prompt_ids = self.echo
+            text = prompt_text + text
+            if entries is not None:
+                prompt = output.prompt_logprobs or [None] * len(prompt_ids)
+                entries = [*zip(prompt_ids, prompt, strict=True), *entries]
+        return {"text": text}, self._text_logprobs(entries, index)
 
     def chunk(self, text: str | None, reason: str | None, role: bool = False, index: int = 0,
               logprobs: list[TokenLogprob] | None = None) -> dict:  # fmt: skip
         """One streamed piece of choice ``index``: new ``text`` (a chat delta, with the
         assistant's ``role`` on the first), its tokens' ``logprobs`` where asked for, and
         the finish reason on the last."""
-        shown = self._logprobs(logprobs, index)
         if self.chat:
             delta = {"role": "assistant"} if role else {}
             if text is not None:
                 delta["content"] = text
-            choice = {"index": index, "delta": delta, "logprobs": shown, "finish_reason": reason}
+            choice = {"index": index, "delta": delta, "logprobs": self._chat_logprobs(logprobs),
+                      "finish_reason": reason}  # fmt: skip
         else:
-            choice = {"index": index, "text": text or "", "logprobs": shown,
+            entries = None if logprobs is None else [(lp.token_id, lp) for lp in logprobs]
+            choice = {"index": index, "text": text or "",
+                      "logprobs": self._text_logprobs(entries, index),
                       "finish_reason": reason}  # fmt: skip
         return {**self._head(True), "choices": [choice]}
 
-    def _logprobs(self, logprobs: list[TokenLogprob] | None, index: int) -> dict | None:
-        """OpenAI's shape of ``logprobs`` (None where not asked for): a chat's ``content``
-        list, a completion's parallel lists (``text_offset`` counted from the choice's
-        first token, across chunks)."""
+    def _chat_logprobs(self, logprobs: list[TokenLogprob] | None) -> dict | None:
+        """A chat's ``logprobs``: a ``content`` list (None where not asked for)."""
         if logprobs is None:
             return None
+
+        def entry(token: int, logprob: float) -> dict:
+            shown = self.token_text(token)
+            return {"token": shown, "logprob": logprob, "bytes": list(shown.encode())}
+
+        return {"content": [{**entry(lp.token_id, lp.logprob),
+                             "top_logprobs": [entry(t, v) for t, v in lp.top]}
+                            for lp in logprobs]}  # fmt: skip
+
+    def _text_logprobs(self, entries: list[tuple[int, TokenLogprob | None]] | None,
+                       index: int) -> dict | None:  # fmt: skip
+        """A completion's ``logprobs`` of ``entries`` (token id, its log probability or None
+        for an echoed prompt's first): OpenAI's parallel lists, ``text_offset`` counted from
+        the choice's first token across chunks (None where not asked for)."""
+        if entries is None:
+            return None
         text = self.token_text
-        if self.chat:
-
-            def entry(token: int, logprob: float) -> dict:
-                shown = text(token)
-                return {"token": shown, "logprob": logprob, "bytes": list(shown.encode())}
-
-            return {"content": [{**entry(lp.token_id, lp.logprob),
-                                 "top_logprobs": [entry(t, v) for t, v in lp.top]}
-                                for lp in logprobs]}  # fmt: skip
-        # (an echoed prompt's tokens come as (id, TokenLogprob or None for the first))
-        entries = [e if isinstance(e, tuple) else (e.token_id, e) for e in logprobs]
         tokens = [text(token) for token, _ in entries]
         offsets, at = [], self._offsets.get(index, 0)
         for token in tokens:
