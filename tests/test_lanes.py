@@ -8,6 +8,7 @@ runs, and once idle every page of every lane is back in its pool."""
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 import torch
@@ -292,16 +293,31 @@ def test_a_prefix_cached_beside_a_long_request_is_still_right_once_the_arena_joi
     runs in the offload lane, the pool growing back while another request still holds
     pages: the same prompt later reuses its cached page and gets the tokens it gets alone
     (before, the page past the held ones was not moved to the larger layout)."""
+    from headspace.engine.hooks import EngineHooks
+
     params = SamplingParams(max_new_tokens=3, ignore_eos=True)
     alone = _engine(tiny_llama, "streamed").engine.run(_prompt(30), params).token_ids
-    engine = _engine(tiny_llama, "streamed").engine
+    offload_steps = threading.Semaphore(0)
+
+    def in_turn(name: str) -> None:  # a resident step after an offload one, while it runs
+        if name == "offload":
+            offload_steps.release()
+        elif engine.lanes.split.handed:
+            offload_steps.acquire(timeout=0.5)
+
+    kib = MODES["streamed"]["arena_kib"]
+    engine = LLM(str(tiny_llama), prefill_chunk=CHUNK, page_size=PAGE, prefill_step_tokens=PAGE,
+                 gpu_memory=budget_for_kib(tiny_llama, kib),
+                 hooks=EngineHooks(lane_step=in_turn)).engine  # fmt: skip
+
+    ended = {}  # request id -> its final output (one may end while waiting for another)
 
     def run_until(request_id: int):
-        for _ in range(500):
-            for output in engine.step():
-                if output.finished and output.request_id == request_id:
-                    return output
-        raise AssertionError("it did not end")
+        deadline = time.monotonic() + 120
+        while request_id not in ended and time.monotonic() < deadline:
+            ended.update((o.request_id, o) for o in engine.step() if o.finished)
+        assert request_id in ended, "it did not end"
+        return ended[request_id]
 
     holder = engine.add_request(_prompt(60), SamplingParams(max_new_tokens=60, ignore_eos=True))
     for _ in range(3):
