@@ -64,6 +64,8 @@ def compile_in_process() -> None:
 
 
 WARM_UP_DECODE_TOKENS = 4  # decode steps a warm-up request takes (the graph of its batch)
+# tokens of a warm-up piece of no chunk's length: above 1, which compiled code specialises
+WARM_UP_PIECE = 17
 
 
 def warm_up_request(prompt_len: int, chunk: int, decode: bool) -> tuple[int, int]:
@@ -316,7 +318,8 @@ class Engine:
                        f"{time.perf_counter() - started:.0f} s so far)")  # fmt: skip
             # (admitted one a step: the first ones still decode when the last one starts)
             short = SamplingParams(max_new_tokens=size + WARM_UP_DECODE_TOKENS, ignore_eos=True)
-            prompts = [[(11 + 31 * (i + row)) % vocab for i in range(17)] for row in range(size)]
+            prompts = [[(11 + 31 * (i + row)) % vocab for i in range(WARM_UP_PIECE)]
+                       for row in range(size)]  # fmt: skip
             self.generate_batch(prompts, [short] * size)
         return time.perf_counter() - started
 

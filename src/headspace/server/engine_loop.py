@@ -25,7 +25,7 @@ from collections import deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from headspace.engine.engine import Engine
+from headspace.engine.engine import WARM_UP_PIECE, Engine
 from headspace.engine.outputs import RequestOutput
 from headspace.engine.sampling import SamplingParams
 from headspace.errors import UserError
@@ -224,7 +224,7 @@ class EngineLoop:
         if not self.engine.config.runtime.on_gpu:
             return {}
         return {
-            "prompt_len": self.engine.lanes.chunk + 17,
+            "prompt_len": self.engine.lanes.chunk + WARM_UP_PIECE,
             "batch": self.max_concurrent,
             "report": log.info,
         }
