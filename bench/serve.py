@@ -95,30 +95,71 @@ def offline(model_dir: Path, requests, **options) -> dict:
     return {"seconds": seconds, "output_tokens": tokens, "head_map": head_map}
 
 
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def start_server(model_dir: Path, *flags: str,
                  budget: str = BUDGET) -> tuple[subprocess.Popen, str]:  # fmt: skip
     """``headspace serve`` of ``model_dir`` under the GPU ``budget`` (and ``flags``), once
     its /health says ready; (process, base URL)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    server, url, _ = start_server_timed(model_dir, *flags, budget=budget)
+    return server, url
+
+
+def start_server_timed(model_dir: Path, *flags: str, budget: str = BUDGET,
+                       env: dict | None = None) -> tuple[subprocess.Popen, str, float]:  # fmt: skip
+    """As :func:`start_server`, in ``env`` (default: this one's); also its seconds from
+    start to ready."""
+    port = free_port()
     command = [sys.executable, "-m", "headspace.cli", "serve", "--model", str(model_dir),
                "--device", "cuda", "--gpu-memory", budget, "--port", str(port),
                "--served-model-name", NAME, *flags]  # fmt: skip
-    server = subprocess.Popen(command, env=dict(os.environ, PYTHONUNBUFFERED="1"))
-    url = f"http://127.0.0.1:{port}"
+    return wait_ready(command, f"http://127.0.0.1:{port}", env)
+
+
+def wait_ready(command: list[str], url: str,
+               env: dict | None = None) -> tuple[subprocess.Popen, str, float]:  # fmt: skip
+    """Start ``command`` (a server) and wait until ``url``/health answers 200: (process,
+    ``url``, seconds from start to ready)."""
+    server = subprocess.Popen(command, env=dict(env or os.environ, PYTHONUNBUFFERED="1"))
     started = time.perf_counter()
     while time.perf_counter() - started < 600:
         if server.poll() is not None:
             raise SystemExit("the server exited")
         try:
             if httpx.get(url + "/health", timeout=5).status_code == 200:
-                print(f"server ready in {time.perf_counter() - started:.1f} s", flush=True)
-                return server, url
+                ready = time.perf_counter() - started
+                print(f"server ready in {ready:.1f} s", flush=True)
+                return server, url, ready
         except httpx.HTTPError:
             pass
-        time.sleep(1)
+        time.sleep(0.5)
     raise SystemExit("the server was not ready in 600 s")
+
+
+async def stream_one(client: httpx.AsyncClient, url: str, body: dict) -> dict:
+    """One streamed completion: send time, each text chunk's arrival, usage; or its error."""
+    sent, times, usage = time.perf_counter(), [], None
+    try:
+        async with client.stream("POST", url + "/v1/completions", json=body) as reply:
+            if reply.status_code != 200:
+                return {"error": f"{reply.status_code} {(await reply.aread())[:300]!r}"}
+            async for line in reply.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                event = json.loads(line[6:])
+                if "error" in event:
+                    return {"error": str(event["error"])[:300]}
+                if event.get("usage"):
+                    usage = event["usage"]
+                if event.get("choices") and event["choices"][0].get("text"):
+                    times.append(time.perf_counter())
+    except httpx.HTTPError as error:
+        return {"error": repr(error)}
+    return {"sent": sent, "times": times, "usage": usage}
 
 
 async def one(client: httpx.AsyncClient, url: str, prompt: list[int], new: int,
@@ -128,22 +169,7 @@ async def one(client: httpx.AsyncClient, url: str, prompt: list[int], new: int,
     body = {"model": NAME, "prompt": prompt, "max_tokens": new, "ignore_eos": True,
             "temperature": 0, "stream": True,
             "stream_options": {"include_usage": True}}  # fmt: skip
-    sent, times, usage = time.perf_counter(), [], None
-    try:
-        async with client.stream("POST", url + "/v1/completions", json=body) as reply:
-            if reply.status_code != 200:
-                return {"error": f"{reply.status_code} {await reply.aread()}"}
-            async for line in reply.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                event = json.loads(line[6:])
-                if event.get("usage"):
-                    usage = event["usage"]
-                elif event["choices"] and event["choices"][0]["text"]:
-                    times.append(time.perf_counter())
-    except httpx.HTTPError as error:
-        return {"error": repr(error)}
-    return {"sent": sent, "times": times, "usage": usage}
+    return await stream_one(client, url, body)
 
 
 def percentiles(values: list[float]) -> tuple[float, float]:

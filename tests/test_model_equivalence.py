@@ -133,3 +133,29 @@ def test_tuned_blocks_take_only_options_this_torch_knows():
     assert options["max_autotune"] and options["triton.cudagraphs"] is False
     known = [k for k in QUIET_OPTIONS if hasattr(inductor_config, k)]
     assert known and all(options[k] == QUIET_OPTIONS[k] for k in known)
+
+
+def test_rows_blocks_compile_once_for_every_batch_past_one():
+    """The decode step's blocks with symbolic rows ("rows"): one compile for a single row and one
+    for every count past it (2 to 32 rows), each equal to the eager block; with the count
+    fixed, one compile per count."""
+    from torch._dynamo.testing import CompileCounter
+
+    from headspace.model.llama import QKV_ROW_ARGS, _compiled, qkv_block
+
+    hidden, heads, kv_heads, dim = 32, 4, 2, 8
+    weights = (torch.ones(hidden), 1e-6,
+               torch.randn((heads + 2 * kv_heads) * dim, hidden) / hidden**0.5, None)  # fmt: skip
+    rows_seen = (1, 2, 4, 8, 32, 3)
+    for row_args, compiles in ((QKV_ROW_ARGS, 2), ((), len(rows_seen))):
+        torch._dynamo.reset()
+        counter = CompileCounter()
+        block = _compiled(qkv_block, {"backend": counter, "fullgraph": True, "dynamic": False},
+                          row_args)  # fmt: skip
+        for rows in rows_seen:
+            x, pending = torch.randn(rows, hidden), torch.randn(rows, hidden)
+            cos, sin = torch.randn(rows, dim), torch.randn(rows, dim)
+            args = (x, pending, *weights, cos, sin, (heads, kv_heads, dim))
+            for got, want in zip(block(*args), qkv_block(*args), strict=True):
+                torch.testing.assert_close(got, want)
+        assert counter.frame_count == compiles

@@ -96,9 +96,10 @@ class RuntimeConfig:
     cuda_graph: bool = _option(True, "capture the decode step in CUDA graphs (GPU)")
     compile: bool = _option(True, "fuse each layer's elementwise work with torch.compile (GPU)")
     tune_decode: bool = _option(
-        True, "the CUDA-graphed decode step's compiled blocks tuned by Inductor's max-autotune "
-        "(GPU, with compile: the first compile of each batch bucket takes longer; kept in "
-        "the compile cache)"
+        False, "the CUDA-graphed decode step's blocks compiled per batch bucket with "
+        "Inductor's max-autotune (GPU: about 40 s a bucket on a fresh machine, and no faster "
+        "step on an H100); else compiled once for every batch past one row and once for one "
+        "row, with Inductor's defaults"
     )  # fmt: skip
     progress: bool = _option(False, "progress bars on long prefills", cli_default=True)
     max_batch: int = _option(64, "most sequences decoded together")

@@ -22,6 +22,10 @@ from headspace.tiers import StepInputs, Tier, attend_tiers
 from headspace.tiers.base import MIN_WIDTH, bucket
 
 
+def _queries_as_output(layer: int, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
+    return q  # [tokens, heads, dim]: an attention stand-in of the right shape
+
+
 def graphs_allowed(runtime, plan, streamed_weights: bool) -> bool:
     """Whether a layout's decode step may be captured: CUDA graphs asked for, no new
     FlexAttention block mask each step, resident weights, a layout in force whose
@@ -96,7 +100,9 @@ class DecodeGraphs:
         self.device = tokens.device
         vocab = model.lm_head.weight.shape[0]
         self.logits = torch.empty(bucket(max_batch), vocab, device=self.device)
+        self.top_rows = bucket(max_batch)  # the largest batch bucket
         self._graphs: dict[tuple[int, int, int], CapturedStep] = {}
+        self._rows_compiled = blocks_mode != "rows"
         self._pool = pool
 
     def accepts(self, positions: list[int]) -> bool:
@@ -174,8 +180,20 @@ class DecodeGraphs:
         inputs.copy_(staging[0])  # every row padding: writes go to scratch pages
         views = self._views(inputs, key)
         with DEVICE_LOCK:  # (no other thread compiles or synchronises the device meanwhile)
+            if batch > 1 and not self._rows_compiled:
+                self._compile_rows()
             graph = self._capture_into(views, key)
         return CapturedStep(graph, inputs, staging)
+
+    def _compile_rows(self) -> None:
+        """Compile the blocks of symbolic rows at the largest bucket first (Inductor sizes
+        its kernels by the first count it meets; max-autotune's timed at 2 rows and run at
+        64 took 44% longer at 2: bench/NOTES.md). The layers run over dummy tokens with the
+        queries for attention (no K/V written)."""
+        rows = self.top_rows
+        ids = torch.zeros(rows, dtype=torch.long, device=self.device)
+        self.model(ids, ids, _queries_as_output, self.blocks_mode)
+        self._rows_compiled = True
 
     def _capture_into(self, views: dict[str, torch.Tensor], key) -> torch.cuda.CUDAGraph:
         stream = torch.cuda.Stream(self.device)

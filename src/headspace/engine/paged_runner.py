@@ -256,7 +256,7 @@ class PagedRunner:
     def _new_graphs(self, pool):
         mode = "eager"
         if self._compiled:
-            mode = "tuned" if self.config.runtime.tune_decode else "static"
+            mode = "tuned" if self.config.runtime.tune_decode else "rows"
         return (self.graphs_class or DecodeGraphs)(
             self.model, self.tiers, self.tokens, self.page_size, self.store.num_pages,
             self.host.scratch_slot, self.config.runtime.max_batch, mode, pool,

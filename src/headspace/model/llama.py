@@ -120,11 +120,15 @@ class Blocks:
     the decode step); "dynamic" (torch.compile over any number of tokens: prefill chunks);
     "tuned" (as "static", with Inductor's max-autotune and coordinate-descent tuning: the
     decode step's GEMVs and their fused elementwise kernels chosen by timing, once per
-    shape; kept in the compile cache).
+    shape; kept in the compile cache); "rows" (Inductor's defaults, compiled once for every
+    count of rows past one, the count symbolic, and once for a single row: the decode
+    step's batch buckets 2, 4, 8, ... share one compile, its GEMMs cuBLAS's chosen per call).
     """
 
+    MODES = ("eager", "static", "dynamic", "tuned", "rows")
+
     def __init__(self, mode: str = "eager"):
-        assert mode in ("eager", "static", "dynamic", "tuned")
+        assert mode in self.MODES
         # a sharded layer runs ``mlp`` between its two sums over ranks (compiled pieces
         # with the collectives outside them)
         self.qkv, self.output_mlp, self.mlp = qkv_block, output_mlp_block, mlp_block
@@ -136,9 +140,36 @@ class Blocks:
             compile_options = {"fullgraph": True, "dynamic": mode == "dynamic"}
             if mode == "tuned":
                 compile_options["options"] = tuned_options()
-            self.qkv = serialised(torch.compile(qkv_block, **compile_options))
-            self.output_mlp = serialised(torch.compile(output_mlp_block, **compile_options))
-            self.mlp = serialised(torch.compile(mlp_block, **compile_options))
+            rows = mode == "rows"
+            self.qkv = _compiled(qkv_block, compile_options, QKV_ROW_ARGS if rows else ())
+            self.output_mlp = _compiled(output_mlp_block, compile_options,
+                                        OUTPUT_MLP_ROW_ARGS if rows else ())  # fmt: skip
+            self.mlp = _compiled(mlp_block, compile_options, MLP_ROW_ARGS if rows else ())
+
+
+# the arguments of each block whose first dimension is the token count (x, pending, cos,
+# sin; x, attn; x, attn_out): symbolic in the "rows" blocks
+QKV_ROW_ARGS, OUTPUT_MLP_ROW_ARGS, MLP_ROW_ARGS = (0, 1, 6, 7), (0, 1), (0, 1)
+
+
+def _compiled(fn, compile_options: dict, row_args: tuple[int, ...]):
+    """``fn`` compiled (called under :data:`DEVICE_LOCK`); with ``row_args``, the first
+    dimension of those tensor arguments symbolic whenever it is past one (a single row is
+    compiled apart: torch.compile specialises sizes 0 and 1)."""
+    compiled = torch.compile(fn, **compile_options)
+    if not row_args:
+        return serialised(compiled)
+
+    @functools.wraps(fn)
+    def call(*args):
+        if args[0].shape[0] > 1:
+            for index in row_args:
+                if args[index] is not None:
+                    torch._dynamo.mark_dynamic(args[index], 0)
+        with DEVICE_LOCK:
+            return compiled(*args)
+
+    return call
 
 
 # Inductor's settings for the "tuned" blocks: at one row a layer's output projection and MLP
