@@ -49,6 +49,9 @@ def test_literal_types_are_the_choices_and_refuse_others():
         with pytest.raises(UserError, match=f"{name} must be one of .*, got None"):
             EngineConfig.of(**{name: None})
     assert EngineConfig.of(dtype=None).runtime.dtype == "float32"  # None: by the device
+    for slowdown in (0.5, float("nan")):
+        with pytest.raises(UserError, match="prefill_slowdown must be at least 1"):
+            EngineConfig.of(prefill_slowdown=slowdown)
 
 
 def test_unknown_options_and_checks_across_groups_are_refused():

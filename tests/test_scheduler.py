@@ -11,8 +11,9 @@ PAGE = 16
 
 def _scheduler(gpu_pages: int, host_pages: int = 0, chunk: int = 64, step_tokens: int = 16,
                page: int = PAGE, num_layers: int = 1, attention_prefix: int = 1 << 30,
-               host_limit=None) -> Scheduler:  # fmt: skip
-    """A scheduler over a fixed layout (no planner): its pools as given."""
+               host_limit=None, **settings) -> Scheduler:  # fmt: skip
+    """A scheduler over a fixed layout (no planner): its pools as given; ``settings``: the
+    rest of its :class:`SchedulerSettings`."""
     blocks = BlockManager(page, gpu_pages, host_pages)
     settings = SchedulerSettings(
         max_batch=4,
@@ -21,6 +22,7 @@ def _scheduler(gpu_pages: int, host_pages: int = 0, chunk: int = 64, step_tokens
         step_tokens=step_tokens,
         num_layers=num_layers,
         attention_prefix=attention_prefix,
+        **settings,
     )
     return Scheduler(blocks, settings, host_limit=host_limit)
 
@@ -224,3 +226,54 @@ def test_where_the_prefix_streams_a_chunk_is_never_halved():
     pieces = [p.prefill for p in plans]
     assert {(p.start, p.end) for p in pieces} == {(s, s + 64) for s in range(0, 256, 64)}
     assert all(p.layers[1] - p.layers[0] == 1 and p.recurs for p in pieces)
+
+
+def _first_queued_piece(slices: bool, slowdown: float, queued: bool):
+    """The first piece of a 192-token prompt beside one decoding sequence, with another
+    prompt waiting behind it or not: 8 layers, attention free, a step's work that of 16
+    tokens (128), a decode step's 8 x 100 (each layer's weights as long as 100 tokens)."""
+    scheduler = _scheduler(gpu_pages=64, chunk=256, step_tokens=16, num_layers=8,
+                           decode_rates=(100.0, 0.0), prefill_slowdown=slowdown)  # fmt: skip
+    scheduler.layer_slices = slices
+    _until_first_token(scheduler, Sequence(0, list(range(20)), 400))
+    scheduler.add(Sequence(1, list(range(192)), 200))
+    if queued:
+        scheduler.add(Sequence(2, list(range(40)), 50))
+    plan = scheduler.schedule()
+    assert plan.decode and plan.prefill.seq.seq_id == 1
+    return plan.prefill
+
+
+def test_while_prompts_wait_a_step_carries_prompt_work_up_to_the_slowdown():
+    """With a prompt waiting, the step beside decoding sequences takes up to
+    ``prefill_slowdown`` times the decode step's work (here (3 - 1) x 800 = 1,600 against
+    128): layer slices of a chunk run more layers a step, and a piece through every layer
+    more tokens (whole pages). Nothing waiting, or a slowdown of 1: the step as before."""
+    sliced = _first_queued_piece(slices=True, slowdown=3, queued=True)
+    assert (sliced.start, sliced.end, sliced.layers) == (0, 192, (0, 8))  # 192 x 8 <= 1,600
+    for slowdown, queued in ((3, False), (1, True)):
+        piece = _first_queued_piece(slices=True, slowdown=slowdown, queued=queued)
+        # a layer of 192 tokens costs more than 128: halved to 64 tokens, one layer a step
+        # (two would cost a hair more than 128, attention's 32 / 2^30 a token included)
+        assert (piece.start, piece.end, piece.layers) == (0, 64, (0, 1))
+    piece = _first_queued_piece(slices=False, slowdown=3, queued=True)
+    assert (piece.end, piece.layers) == (192, (0, 8))  # 16 x 1,600 / 128 = 200: 192
+    for slowdown, queued in ((3, False), (1, True)):
+        piece = _first_queued_piece(slices=False, slowdown=slowdown, queued=queued)
+        assert (piece.end, piece.layers) == (16, (0, 8))
+
+
+def test_decode_rates_of_llama3_8b_by_hand():
+    """Llama-3-8B in bf16 at 790 TFLOP/s and 3 TB/s: a layer's weights (2 bytes a
+    parameter) read in the time a prompt token's linear layers take 790 / 3 = 263.3 times
+    over; a context token's K/V (2 x 8 x 128 x 2 = 4,096 bytes) in 1.365 ns against a prompt
+    token's 436,207,616 FLOPs there, 552.2 ns: 0.00247."""
+    import pytest
+
+    from headspace.engine.memory import decode_rates
+    from headspace.model.config import config_from_dict
+    from test_planner import LLAMA3_8B
+
+    weights, kv = decode_rates(config_from_dict(LLAMA3_8B), 2, 790e12, 3.0e12)
+    assert weights == pytest.approx(263.33, abs=0.01)
+    assert kv == pytest.approx(4096 / 3.0e12 / (436207616 / 790e12), rel=1e-3)

@@ -31,6 +31,9 @@ KV_POLICIES = get_args(PolicyName)
 # pieces through every layer (each re-reads the prompt's prefix), as vLLM sizes its token
 # budget by usage
 ARRIVING_STEP_TOKENS, AT_ONCE_STEP_TOKENS = 512, 8192
+# the running requests' time per token while prompts queue, as a multiple of their decode
+# step alone (the short streams' p99 target of issue 72 during a long prefill)
+PREFILL_SLOWDOWN = 3.0
 
 
 def _option(default, help: str, *, flag: str | None = None, cli_default=None):
@@ -118,6 +121,11 @@ class RuntimeConfig:
         f"else {AT_ONCE_STEP_TOKENS} (a batch given at once, generate: throughput first; "
         "pieces of other layouts: each re-reads the prompt's prefix)",
     )  # fmt: skip
+    prefill_slowdown: float = _option(
+        PREFILL_SLOWDOWN, "while other prompts wait their turn, a step carries more prompt "
+        "work beside decoding requests: up to this many times their decode step alone (the "
+        "cap on their time per token then), never less than prefill_step_tokens; 1: no more",
+    )  # fmt: skip
 
     def __post_init__(self):
         if self.device != "cpu" and not self.device.startswith("cuda"):
@@ -129,6 +137,8 @@ class RuntimeConfig:
         check_choices(self)
         _positive_ints(self, ("max_batch",), optional=False)
         _positive_ints(self, ("max_context", "prefill_chunk", "prefill_step_tokens"), True)
+        if not self.prefill_slowdown >= 1:  # (NaN too)
+            raise UserError(f"prefill_slowdown must be at least 1, got {self.prefill_slowdown}")
 
     def step_tokens(self, at_once: bool, slices: bool = True) -> int:
         """``prefill_step_tokens`` as asked, else its default for requests given at once

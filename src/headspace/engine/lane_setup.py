@@ -12,6 +12,7 @@ from headspace.engine.lane import Lane, LaneContext
 from headspace.engine.layout_plan import LaneMemory, LayoutPlanner
 from headspace.engine.memory import (
     attention_prefix,
+    decode_rates,
     flex_pool_pages,
     kv_arena_bytes,
     prefill_chunk_size,
@@ -103,7 +104,9 @@ class LaneFactory:
             max_batch, 2 * max_batch, config.cache.prefix_caching, self.chunk,
             self.step_tokens(False), self.model.config.num_layers,
             attention_prefix(self.model.config), self.step_tokens(False, slices=False),
-            swaps=config.swaps,
+            swaps=config.swaps, prefill_slowdown=config.runtime.prefill_slowdown,
+            decode_rates=decode_rates(self.model.config, config.runtime.torch_dtype.itemsize,
+                                      self.hardware.gemm_flops, self.hardware.hbm_bytes),
         )  # fmt: skip
         ranked = self.ranks is not None
         own_pools = ranked and blocks.per_entry  # pages per rank

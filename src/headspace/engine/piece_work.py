@@ -18,6 +18,27 @@ def step_work(step_tokens: int, num_layers: int, attention_prefix: int) -> float
     return num_layers * layer_cost(0, step_tokens, attention_prefix)
 
 
+def decode_work(num_layers: int, weight_work: float, kv_work: float,
+                context_tokens: int) -> float:  # fmt: skip
+    """A decode step's cost in prompt work: each layer's weights read once (as long as
+    ``weight_work`` prompt tokens' linear layers there) and the K/V of the batch's
+    ``context_tokens`` (``kv_work`` a token)."""
+    return num_layers * (weight_work + kv_work * context_tokens)
+
+
+def queued_step_work(base: float, slowdown: float, decode: float) -> float:
+    """A step's prompt work while prompts wait their turn: enough that the step takes up to
+    ``slowdown`` times the decode step alone (``decode``, its work), never less than
+    ``base`` (the work while none waits)."""
+    return max(base, (slowdown - 1) * decode)
+
+
+def grown_piece(tokens: int, scale: float, page: int) -> int:
+    """A piece of ``tokens`` (through every layer) given ``scale`` times its work: whole
+    pages of ``tokens * scale``, never fewer than ``tokens``."""
+    return max(tokens, int(tokens * scale) // page * page)
+
+
 def layers_per_step(start: int, end: int, work: float, attention_prefix: int) -> int:
     """Layers of tokens ``start .. end-1`` that fit one step's prompt ``work`` (at least
     one)."""
@@ -36,4 +57,12 @@ def slice_size(start: int, num_tokens: int, chunk: int, page: int, work: float,
     return size
 
 
-__all__ = ["layer_cost", "layers_per_step", "slice_size", "step_work"]
+__all__ = [
+    "decode_work",
+    "grown_piece",
+    "layer_cost",
+    "layers_per_step",
+    "queued_step_work",
+    "slice_size",
+    "step_work",
+]

@@ -22,7 +22,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from headspace.engine.layout_plan import LayoutPlanner
-from headspace.engine.piece_work import layers_per_step, slice_size, step_work
+from headspace.engine.piece_work import (
+    decode_work,
+    grown_piece,
+    layers_per_step,
+    queued_step_work,
+    slice_size,
+    step_work,
+)
 from headspace.engine.step_plan import (
     LayoutResult,
     PrefillPiece,
@@ -43,7 +50,10 @@ class SchedulerSettings:
     slices: a chunk keeps its size and runs a few of its ``num_layers`` layers a step, a
     token's attention over ``attention_prefix`` earlier tokens costing as much as its linear
     layers), else pieces of ``piece_tokens`` (default ``step_tokens``) through every layer;
-    ``swaps``: a sequence may be swapped out to host pages in the all-resident layout."""
+    while other prompts wait their turn, more: up to ``prefill_slowdown`` times the decode
+    step's own work (``decode_rates``: a layer's weights and a context token's K/V read, in
+    prompt work, :func:`decode_work`); ``swaps``: a sequence may be swapped out to host
+    pages in the all-resident layout."""
 
     max_batch: int
     num_slots: int
@@ -54,6 +64,8 @@ class SchedulerSettings:
     attention_prefix: int = 1 << 30
     piece_tokens: int | None = None
     swaps: bool = False
+    decode_rates: tuple[float, float] = (0.0, 0.0)
+    prefill_slowdown: float = 1.0
 
 
 class Scheduler:
@@ -261,29 +273,33 @@ class Scheduler:
         if plan.decode:
             plan.decode_pages = self.blocks.pages([s.seq_id for s in plan.decode])
         if self.prefilling is not None:
-            plan.prefill = self._next_piece(decoding=bool(plan.decode))
+            plan.prefill = self._next_piece(plan.decode)
         plan.host_pages, self._host_target = self._host_target, 0
         return plan
 
-    def _next_piece(self, decoding: bool) -> PrefillPiece:
-        """The prompt work of this step: the rest of a piece's layers, or a new piece."""
+    def _next_piece(self, batch: list[Sequence]) -> PrefillPiece:
+        """The prompt work of this step beside the decoding ``batch``: the rest of a
+        piece's layers, or a new piece."""
         seq, piece, slices = self.prefilling, self.piece, self.layer_slices
+        decoding, work = bool(batch), self._step_work(batch)
         chunk = self.settings.chunk
         if piece is not None:  # part-way through its layers
             start, end, first = piece.start, piece.end, piece.layers[1]
         else:
             start, first, size = self.prefill_next, 0, chunk
-            if decoding and not slices:
-                size = min(chunk, self.piece_tokens or self.step_tokens)
+            if decoding and not slices:  # (it grows with the work while prompts wait)
+                size = grown_piece(self.piece_tokens or self.step_tokens,
+                                   work / self._base_work(), self.blocks.page_size)  # fmt: skip
+                size = min(chunk, size)
             elif decoding:
-                size = self._slice_size(start, len(seq.prompt_ids))
+                size = self._slice_size(start, len(seq.prompt_ids), work)
             if self.chunk_limit is not None:
                 size = min(size, self.chunk_limit)
             end = min(start + size, len(seq.prompt_ids))
         num_layers = self.settings.num_layers
         count = num_layers - first
         if decoding and slices:
-            count = min(count, self._layers_per_step(start, end))
+            count = min(count, layers_per_step(start, end, work, self.settings.attention_prefix))
         pages = self.blocks.pages([seq.seq_id])
         piece = PrefillPiece(seq, start, end, pages, (first, first + count), num_layers,
                              end - start == chunk)  # fmt: skip
@@ -294,21 +310,28 @@ class Scheduler:
                 self.prefilling = None
         return piece
 
-    def _step_work(self) -> float:
+    def _step_work(self, batch: list[Sequence]) -> float:
+        """A step's prompt work beside ``batch``: the work of ``step_tokens``, more while
+        prompts wait (:func:`queued_step_work`)."""
+        settings, base = self.settings, self._base_work()
+        if not self.waiting or not batch or settings.prefill_slowdown <= 1:
+            return base
+        context = sum(s.num_scheduled for s in batch)
+        decode = decode_work(settings.num_layers, *settings.decode_rates, context)
+        return queued_step_work(base, settings.prefill_slowdown, decode)
+
+    def _base_work(self) -> float:
         settings = self.settings
         return step_work(self.step_tokens, settings.num_layers, settings.attention_prefix)
 
-    def _layers_per_step(self, start: int, end: int) -> int:
-        return layers_per_step(start, end, self._step_work(), self.settings.attention_prefix)
-
-    def _slice_size(self, start: int, num_tokens: int) -> int:
+    def _slice_size(self, start: int, num_tokens: int, work: float) -> int:
         """A chunk run in layer slices (:func:`slice_size`); never halved where the prefix
         streams from host pages: each piece stages its whole prefix, so halving would
         multiply what crosses PCIe."""
         if self.prefix_streams:
             return self.settings.chunk
         return slice_size(start, num_tokens, self.settings.chunk, self.blocks.page_size,
-                          self._step_work(), self.settings.attention_prefix)  # fmt: skip
+                          work, self.settings.attention_prefix)  # fmt: skip
 
     def abort(self, seq: Sequence) -> None:
         """Drop ``seq`` wherever it is; its pages return to their pools."""
