@@ -223,9 +223,12 @@ class Engine:
 
     def abort(self, request_id: int) -> bool:
         """Drop a request wherever it is; its GPU and host pages go back to their pools at
-        once, and the next step returns it with ``finish_reason`` "abort". False if the id
-        is unknown or the request already ended. Under torchrun every rank adds and aborts
-        the same requests between the same steps (their schedulers decide alike)."""
+        once (the offload lane's between two of its steps), and a coming step returns it
+        with ``finish_reason`` "abort". False if the id is unknown or the request was
+        already returned finished. The offload lane steps on a thread of its own: a request
+        there may end before the abort reaches it, and is then returned as it ended (its
+        tokens whole, "length" or "stop"). Under torchrun every rank adds and aborts the
+        same requests between the same steps (their schedulers decide alike)."""
         return self.lanes.abort(request_id)
 
     def step(self) -> list[RequestOutput]:
