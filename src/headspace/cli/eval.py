@@ -5,6 +5,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+from headspace.cli.commands import COMMAND_HELP
 from headspace.cli.options import add_engine_parallel_options
 from headspace.errors import UserError
 
@@ -17,7 +18,7 @@ def add_eval_parser(subparsers, add_engine_options) -> None:
     from headspace.cli.plan import parse_tokens
     from headspace.eval.ruler import TASKS
 
-    p = subparsers.add_parser("eval", help="needle in a haystack, RULER-style tasks, perplexity")
+    p = subparsers.add_parser("eval", help=COMMAND_HELP["eval"])
     p.add_argument("suite", choices=["niah", "ruler", "ppl"])
     p.add_argument("--model", help="checkpoint directory or .gguf file (default: embedded model)")
     p.add_argument("--lengths", default="1k,2k,4k,8k", help="prompt lengths (niah, ruler)")

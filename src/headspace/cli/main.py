@@ -7,16 +7,7 @@ import os
 import sys
 import time
 
-from headspace.cli.eval import add_eval_parser, run_eval
-from headspace.cli.options import (
-    add_engine_options,
-    add_engine_parallel_options,
-    engine_options,
-    join_negative_values,
-)
-from headspace.cli.plan import add_plan_parser, run_plan
-from headspace.cli.profile import add_profile_parser, run_profile
-from headspace.cli.serve import add_serve_parser, run_serve
+from headspace.cli.commands import COMMAND_HELP
 from headspace.errors import UserError
 
 
@@ -26,7 +17,9 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _add_generate(subparsers) -> None:
-    p = subparsers.add_parser("generate", help="generate text from a prompt (streams to stdout)")
+    from headspace.cli.options import add_engine_options, add_engine_parallel_options
+
+    p = subparsers.add_parser("generate", help=COMMAND_HELP["generate"])
     p.add_argument("--model", help="checkpoint directory or .gguf file (default: embedded model)")
     p.add_argument("--prompt", help="prompt text (appended after --prompt-file if both given)")
     p.add_argument("--prompt-file", help="read the prompt (e.g. a document) from this file")
@@ -65,12 +58,24 @@ PENALTY_FLAGS = (  # (flag, default, type, help): SamplingParams' fields of the 
 )  # fmt: skip
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(options: bool = True) -> argparse.ArgumentParser:
+    """The command line's parser; without ``options``, its subcommands' names and help only
+    (``--help`` and ``--version``, answered without importing torch)."""
     from headspace import __version__
 
     parser = _Parser(prog="headspace", description="Long-context LLM inference.")
     parser.add_argument("--version", action="version", version=f"headspace {__version__}")
     subparsers = parser.add_subparsers(dest="command", parser_class=_Parser)
+    if not options:
+        for name, text in COMMAND_HELP.items():
+            subparsers.add_parser(name, help=text)
+        return parser
+    from headspace.cli.eval import add_eval_parser
+    from headspace.cli.options import add_engine_options
+    from headspace.cli.plan import add_plan_parser
+    from headspace.cli.profile import add_profile_parser
+    from headspace.cli.serve import add_serve_parser
+
     _add_generate(subparsers)
     add_plan_parser(subparsers)
     add_eval_parser(subparsers, add_engine_options)
@@ -111,10 +116,13 @@ def _generate(args) -> None:
         **{flag[2:].replace("-", "_"): getattr(args, flag[2:].replace("-", "_"))
            for flag, *_ in PENALTY_FLAGS},
     )  # fmt: skip
+    from headspace.cli.options import engine_options
+
     prompt = _read_prompt(args)
     started = time.perf_counter()
     options = engine_options(args)
-    if str(options.get("device", "cpu")).startswith("cuda"):  # torch.compile runs on GPUs
+    on_gpu = str(options.get("device", "cpu")).startswith("cuda")
+    if on_gpu:  # torch.compile runs on GPUs
         compile_in_process()  # one request: no pool of compile workers to start and stop
     llm = LLM(args.model, **options)
     load_seconds = time.perf_counter() - started
@@ -126,7 +134,8 @@ def _generate(args) -> None:
           f"{llm.engine.load_seconds:.1f} s)", file=sys.stderr)  # fmt: skip
     if args.warm_up:  # on its own line: the summary's prefill is the prompt's alone
         seconds = llm.engine.warm_up(len(prompt_ids), decode=params.max_new_tokens > 1)
-        print(f"warm-up {seconds:.1f} s (compilation, graph capture)", file=sys.stderr)
+        what = "compilation, graph capture" if on_gpu else "a first request, no compilation"
+        print(f"warm-up {seconds:.1f} s ({what})", file=sys.stderr)
     pieces = 0
     try:
         for piece in llm.stream(prompt_ids, params):
@@ -143,6 +152,25 @@ def _generate(args) -> None:
     print(llm.last_output.stats.summary(), file=sys.stderr)
 
 
+def _command(name: str):
+    """The function that runs subcommand ``name``, given its parsed arguments."""
+    if name == "plan":
+        from headspace.cli.plan import run_plan as run
+    elif name == "eval":
+        from headspace.cli.eval import run_eval
+        from headspace.cli.options import engine_options
+
+        def run(args):
+            return run_eval(args, engine_options(args))
+    elif name == "profile":
+        from headspace.cli.profile import run_profile as run
+    elif name == "serve":
+        from headspace.cli.serve import run_serve as run
+    else:
+        run = _generate
+    return run
+
+
 def _quiet_other_ranks() -> bool:
     """Under torchrun only rank 0 writes (the output, progress bars, one-line errors); the
     others keep stderr for tracebacks only. Returns whether this rank is quiet."""
@@ -155,16 +183,19 @@ def _quiet_other_ranks() -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help", "--version"):  # (no torch imported)
+        parser = build_parser(options=False)
+        parser.parse_args(argv)  # --help and --version print and exit 0
+        parser.print_help()  # no command
+        return 2
+    from headspace.cli.options import join_negative_values
+
     parser = build_parser()
     quiet = _quiet_other_ranks()
     try:
-        args = parser.parse_args(join_negative_values(sys.argv[1:] if argv is None else argv))
-        if args.command is None:
-            parser.print_help()
-            return 2
-        commands = {"plan": run_plan, "eval": lambda a: run_eval(a, engine_options(a)),
-                    "profile": run_profile, "serve": run_serve}  # fmt: skip
-        commands.get(args.command, _generate)(args)
+        args = parser.parse_args(join_negative_values(argv))
+        _command(args.command)(args)
     except UserError as exc:
         print("error: " + " ".join(str(exc).split()), file=sys.stderr)  # always one line
         return 2

@@ -7,8 +7,10 @@ import re
 from pathlib import Path
 
 from headspace.cli.balance import format_balance, plan_balance
+from headspace.cli.commands import COMMAND_HELP
 from headspace.cli.options import add_engine_options, add_parallel_options, parallel_config
 from headspace.errors import UserError
+from headspace.kv.spec import byte_size
 
 GiB = 2**30
 
@@ -23,7 +25,7 @@ def parse_tokens(text: str) -> int:
 
 
 def add_plan_parser(subparsers) -> None:
-    p = subparsers.add_parser("plan", help="print the head map and memory plan for a context")
+    p = subparsers.add_parser("plan", help=COMMAND_HELP["plan"])
     p.add_argument(
         "--model", help="checkpoint directory, config.json, or .gguf (default: embedded)"
     )
@@ -177,7 +179,7 @@ def _weights_line(config, request, memory) -> str:
     layer = memory["weights_host"] / config.num_layers
     return (
         f"decoder layers streamed from pinned host memory, each copied to the GPU while "
-        f"the one before computes ({layer / GiB:.2f} GiB a layer; asked: {request.weights})"
+        f"the one before computes ({byte_size(layer)} a layer; asked: {request.weights})"
     )
 
 
@@ -199,8 +201,8 @@ def format_plan(config, request, plan, gpus: int = 1) -> str:
         f"model {config.architecture}: {config.num_layers} layers, {config.num_heads}/"
         f"{config.num_kv_heads} heads, head dim {config.head_dim}; "
         f"KV {config.kv_bytes_per_token * request.dtype_bytes // 2 / 1024:.0f} KiB per token",
-        f"context {request.context:,} tokens; GPU budget {request.gpu_memory / GiB:.2f} GiB, "
-        f"host budget {request.host_memory / GiB:.2f} GiB{' a rank' if gpus > 1 else ''}; "
+        f"context {request.context:,} tokens; GPU budget {byte_size(request.gpu_memory)}, "
+        f"host budget {byte_size(request.host_memory)}{' a rank' if gpus > 1 else ''}; "
         f"offload {plan.offload} "
         f"(asked: {request.offload}){groups}",
         f"weights: {_weights_line(config, request, m)}",

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from headspace.cli.commands import COMMAND_HELP
 from headspace.errors import UserError
 
 # the budget whose per-head shares the profile records (FairKV's profile of Ada-SnapKV)
@@ -12,7 +13,7 @@ SHARE_POLICY, SHARE_BUDGET = "ada_snapkv", 0.25
 
 
 def add_profile_parser(subparsers, add_engine_options) -> None:
-    p = subparsers.add_parser("profile", help="per-head retrieval scores and pattern costs")
+    p = subparsers.add_parser("profile", help=COMMAND_HELP["profile"])
     p.add_argument("--model", help="checkpoint directory or .gguf file (default: embedded model)")
     p.add_argument("--lengths", default="1k,2k", help="needle prompt lengths")
     p.add_argument("--depths", default="10,50,90", help="needle depths in percent")

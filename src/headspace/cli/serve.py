@@ -9,6 +9,7 @@ import os
 import sys
 from typing import TYPE_CHECKING
 
+from headspace.cli.commands import COMMAND_HELP
 from headspace.cli.options import (
     add_engine_options,
     add_engine_parallel_options,
@@ -24,7 +25,7 @@ DEFAULT_BODY = "16MiB"  # a 1M-token prompt is about 4 MB of text; JSON escapes 
 
 
 def add_serve_parser(subparsers) -> None:
-    p = subparsers.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API")
+    p = subparsers.add_parser("serve", help=COMMAND_HELP["serve"])
     p.add_argument("--model", help="checkpoint directory or .gguf file (default: embedded model)")
     server = p.add_argument_group("server")
     server.add_argument("--host", default="127.0.0.1", help="address to listen on "

@@ -12,6 +12,7 @@ from headspace.engine.lane import Lane, LaneContext
 from headspace.engine.layout_plan import LaneMemory, LayoutPlanner
 from headspace.engine.memory import (
     attention_prefix,
+    check_host_room,
     decode_rates,
     flex_pool_pages,
     kv_arena_bytes,
@@ -63,6 +64,8 @@ class LaneFactory:
         host = config.host_kv_bytes(host, box_bytes_per_kv_byte(dtype.itemsize))
         self.host_bytes = host_min(host) if ranks is not None else host
         self.arena_bytes = arena
+        if not config.runtime.on_gpu and config.cache.gpu_memory is not None:
+            check_host_room(arena)  # (refused before it is allocated)
         self.arena = KVArena(arena, dtype=dtype, device=config.runtime.device)
         self.ledger = HostLedger(self.host_bytes)
         has_kernel = kernel_isa() is not None  # no CPU attention where the kernel does not build

@@ -9,7 +9,7 @@ import re
 import torch
 
 from headspace.errors import UserError
-from headspace.kv.spec import GiB, KVSpec
+from headspace.kv.spec import GiB, KVSpec, byte_size
 from headspace.model.config import ModelConfig
 from headspace.planner.memory import prefill_chunk, split_gpu_budget
 from headspace.planner.sparsity import arena_after_gathers, prefill_gathers
@@ -58,19 +58,23 @@ def device_total_bytes(device: torch.device) -> int:
 def host_budget(value: str | float | None) -> int:
     """Host bytes for KV pages: the user's budget (fractions of total RAM), else 90% of
     the memory available now (a plan must not push the machine into swap)."""
-    total = device_total_bytes(torch.device("cpu"))
     if value is not None:
-        return parse_memory(value, total)
+        return parse_memory(value, device_total_bytes(torch.device("cpu")))
+    return int(0.9 * available_host_bytes())
+
+
+def available_host_bytes() -> int:
+    """Host memory available now (reclaimable page cache counted; else what is free, else
+    the total)."""
     try:
-        with open("/proc/meminfo") as meminfo:  # counts reclaimable page cache as available
+        with open("/proc/meminfo") as meminfo:
             fields = dict(line.split(":", 1) for line in meminfo)
-        available = int(fields["MemAvailable"].split()[0]) * 1024
-    except (OSError, KeyError, ValueError):  # not Linux: what is free, else the total
+        return int(fields["MemAvailable"].split()[0]) * 1024
+    except (OSError, KeyError, ValueError):  # not Linux
         try:
-            available = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+            return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
         except (OSError, ValueError):
-            available = total
-    return int(0.9 * available)
+            return device_total_bytes(torch.device("cpu"))
 
 
 def rank_host_bytes(value: str | float | None, ranks_on_host: int = 1,
@@ -86,7 +90,7 @@ def rank_host_bytes(value: str | float | None, ranks_on_host: int = 1,
     if value is None and unloaded_weight_bytes:
         if unloaded_weight_bytes >= budget:
             raise UserError(f"host memory too small: the streamed layers need "
-                            f"{unloaded_weight_bytes / GiB:.2f} GiB of the {budget / GiB:.2f} "
+                            f"{byte_size(unloaded_weight_bytes)} of the {budget / GiB:.2f} "
                             f"GiB available")  # fmt: skip
         budget -= unloaded_weight_bytes
     return budget // ranks_on_host
@@ -101,6 +105,19 @@ def gpu_budget(engine_config, weight_bytes: int) -> int | None:
     if device.type == "cuda":
         return int(FREE_MEMORY_SHARE * torch.cuda.mem_get_info(device)[0]) + weight_bytes
     return None
+
+
+def check_host_room(arena_bytes: int) -> None:
+    """On the CPU, where the GPU memory budget is host memory: UserError when its KV arena
+    of ``arena_bytes`` passes the host memory available (the kernel would kill the process
+    part-way through instead)."""
+    available = available_host_bytes()
+    if arena_bytes > available:
+        raise UserError(
+            f"on the CPU the GPU memory budget is host memory: its KV arena of "
+            f"{byte_size(arena_bytes)} is more than the {byte_size(available)} available "
+            f"(lower --gpu-memory / gpu_memory)"
+        )
 
 
 def prefill_chunk_size(config: ModelConfig, engine_config, weight_bytes: int,

@@ -22,7 +22,7 @@ import weakref
 import torch
 
 from headspace.errors import UserError
-from headspace.kv.spec import GiB, KVSpec
+from headspace.kv.spec import KVSpec, byte_size
 from headspace.model.llama import DEVICE_LOCK
 
 
@@ -142,11 +142,11 @@ class HostKVArena:
 
     def _over_budget(self, num_pages: int, held: int, budget: int) -> str:
         spec = self.spec
-        need = f"{num_pages * self.page_bytes / GiB:.2f} GiB"
+        need = f"{byte_size(num_pages * self.page_bytes)}"
         if held:
-            need += f" beside the {held / GiB:.2f} GiB arena they are copied from"
+            need += f" beside the {byte_size(held)} arena they are copied from"
         return (f"host pages for {num_pages * spec.page_size} tokens need {need}, more "
-                f"than the {budget / GiB:.2f} GiB host budget (--host-memory)")  # fmt: skip
+                f"than the {byte_size(budget)} host budget (--host-memory)")  # fmt: skip
 
     def layer(self, layer: int) -> torch.Tensor:
         """``[rows, 2, slots, head_dim]`` of one layer (a view)."""
@@ -161,7 +161,7 @@ def page_lock(buffer: torch.Tensor, what: str, remedy: str) -> None:
     status = torch.cuda.cudart().cudaHostRegister(buffer.data_ptr(), num_bytes, 0)
     if int(status) != 0:
         raise UserError(
-            f"cannot page-lock {num_bytes / GiB:.2f} GiB of host memory for {what} "
+            f"cannot page-lock {byte_size(num_bytes)} of host memory for {what} "
             f"(CUDA error {int(status)}); {remedy} raise the locked-memory limit"
         )
     weakref.finalize(buffer, _unregister, buffer.data_ptr())

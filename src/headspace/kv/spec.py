@@ -12,6 +12,16 @@ from headspace.model.config import ModelConfig
 
 GiB = 2**30
 
+
+def byte_size(num_bytes: float) -> str:
+    """``num_bytes`` in a unit that fits it, for messages: "1.50 GiB", "3.0 MiB", "12 KiB",
+    "100 bytes"."""
+    for unit, size, digits in (("GiB", GiB, 2), ("MiB", 2**20, 1), ("KiB", 2**10, 0)):
+        if abs(num_bytes) >= size:
+            return f"{num_bytes / size:.{digits}f} {unit}"
+    return f"{num_bytes:.0f} bytes"
+
+
 BLOCK = 128  # tokens per query and key block of the block masks
 LAST_QUERIES = 64  # queries of a chunk that estimate vertical-slash (MInference's last_q)
 FORCED_SINK = 1  # key blocks every vertical-slash head keeps (the first: attention sinks)

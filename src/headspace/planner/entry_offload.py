@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from headspace.errors import UserError
-from headspace.kv.spec import GiB, KVSpec, Pattern, prefill_ring
+from headspace.kv.spec import KVSpec, Pattern, byte_size, prefill_ring
 from headspace.planner.head_map import HeadMap
 from headspace.planner.memory import Hardware
 from headspace.planner.plan import Plan
@@ -126,16 +126,16 @@ def plan_entries(spec: KVSpec, arena: int, head_map: HeadMap, max_tokens: list[i
         return Plan(head_map, "none", plane - 1, 0, None, 0, ring_chunk=ring_chunk or 0)
     if offload not in ("auto", "head"):
         raise UserError(
-            f"{what} needs {needed * spec.entry_page_bytes / GiB:.2f} GiB "
+            f"{what} needs {byte_size(needed * spec.entry_page_bytes)} "
             f"of KV before its prompt is compressed, but the GPU budget leaves "
-            f"{arena / GiB:.2f} GiB; allow offload (auto or head) or raise the budget"
+            f"{byte_size(arena)}; allow offload (auto or head) or raise the budget"
         )
     found = _offload_counts(spec, plane, per_entry, per_ring, bounds, parts)
     if found is None:
         raise UserError(
             f"GPU budget too small: {what} needs more kv heads in host pages than it can "
             f"stage, or than keep every token (streaming heads stay on the GPU), within the "
-            f"{arena / GiB:.2f} GiB left for KV; raise the GPU budget"
+            f"{byte_size(arena)} left for KV; raise the GPU budget"
         )
     staging, counts = found
     offloaded = {
@@ -151,8 +151,8 @@ def plan_entries(spec: KVSpec, arena: int, head_map: HeadMap, max_tokens: list[i
     page_bytes = spec.host_page_bytes(rows)
     if host_budget is not None and (host_pages + 1) * page_bytes > host_budget:
         raise UserError(
-            f"{what} needs {host_pages * page_bytes / GiB:.2f} GiB of host memory "
-            f"for its KV pages, more than the {host_budget / GiB:.2f} GiB host budget"
+            f"{what} needs {byte_size(host_pages * page_bytes)} of host memory "
+            f"for its KV pages, more than the {byte_size(host_budget)} host budget"
         )
     num_pool = plane - 1 - STAGING_DEPTH * staging
     head_map = HeadMap(head_map.num_layers, head_map.num_kv_heads, entries)

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Literal, get_args
 
 from headspace.errors import UserError
-from headspace.kv.spec import GiB
+from headspace.kv.spec import byte_size
 from headspace.model.config import ModelConfig
 
 MAX_PREFILL_CHUNK = 32768
@@ -276,10 +276,10 @@ def split_gpu_budget(config: ModelConfig, budget: int, weights: int, chunk: int,
                      decode_bytes(config, max_batch, dtype_bytes))  # fmt: skip
     if split.arena <= 0:
         raise UserError(
-            f"GPU budget too small: {budget / GiB:.2f} GiB holds the weights "
-            f"({weights / GiB:.2f} GiB) and the activations of a {chunk}-token prefill chunk "
-            f"with allocator slack ({(activations + split.allocator_slack) / GiB:.2f} GiB) "
-            f"and batched decode ({split.decode / GiB:.2f} GiB), but leaves no room for KV"
+            f"GPU budget too small: {byte_size(budget)} holds the weights "
+            f"({byte_size(weights)}) and the activations of a {chunk}-token prefill chunk "
+            f"with allocator slack ({byte_size(activations + split.allocator_slack)}) "
+            f"and batched decode ({byte_size(split.decode)}), but leaves no room for KV"
         )
     return split
 

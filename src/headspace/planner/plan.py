@@ -14,7 +14,7 @@ from dataclasses import dataclass, field, replace
 from typing import Literal, get_args
 
 from headspace.errors import UserError
-from headspace.kv.spec import GiB, KVSpec
+from headspace.kv.spec import GiB, KVSpec, byte_size
 from headspace.model.config import ModelConfig
 from headspace.planner.head_map import HeadEntry, HeadMap
 from headspace.planner.memory import Hardware, hybrid_share, offloaded_seconds, weight_bytes
@@ -310,8 +310,8 @@ def plan_batch(spec: KVSpec, arena: int, total_pages: int, *, offload: str = "au
         return Plan(all_resident, "none", arena // full - 1, 0, None, 0)
     if offload == "none":
         raise UserError(
-            f"{what} needs {total_pages * full / GiB:.2f} GiB of KV ({total_pages} pages of "
-            f"{spec.page_size} tokens) but the GPU budget leaves {arena / GiB:.2f} GiB for KV; "
+            f"{what} needs {byte_size(total_pages * full)} of KV ({total_pages} pages of "
+            f"{spec.page_size} tokens) but the GPU budget leaves {byte_size(arena)} for KV; "
             "allow offload (auto, layer, head) or raise the budget"
         )
     mode = "layer" if offload == "layer" else "head"
@@ -337,8 +337,8 @@ def plan_batch(spec: KVSpec, arena: int, total_pages: int, *, offload: str = "au
     host_bytes = total_pages * full
     if host_budget is not None and host_bytes > host_budget:
         raise UserError(
-            f"{what} needs {host_bytes / GiB:.2f} GiB of host memory for its KV pages, "
-            f"more than the {host_budget / GiB:.2f} GiB host budget"
+            f"{what} needs {byte_size(host_bytes)} of host memory for its KV pages, "
+            f"more than the {byte_size(host_budget)} host budget"
         )
     return Plan(head_map, "hybrid" if hybrid else mode, gpu_pages, total_pages, staging, 0,
                 cpu_share=share, gpu_window=window)  # fmt: skip

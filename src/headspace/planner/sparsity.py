@@ -12,8 +12,8 @@ from headspace.kv.spec import (
     FORCED_LOCAL,
     FORCED_SINK,
     LAST_QUERIES,
-    GiB,
     Pattern,
+    byte_size,
     padded_length,
     prefix_piece,
 )
@@ -125,7 +125,7 @@ def arena_after_gathers(arena: int, gathered: int, context: int) -> int:
     if arena <= gathered:
         raise UserError(
             f"GPU budget too small: after weights, activations and decode it leaves "
-            f"{arena / GiB:.2f} GiB, less than the {gathered / GiB:.2f} GiB a layer's "
+            f"{byte_size(arena)}, less than the {byte_size(gathered)} a layer's "
             f"prefill gathers with patterns or KV budgets at {context} tokens"
         )
     return arena - gathered
