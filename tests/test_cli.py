@@ -116,7 +116,7 @@ def test_prompt_longer_than_context_and_override(capsys, tiny_dir):
     long_prompt = "word " * 700  # tiny models have a 512-token context
     code, _, err = _run(capsys, "generate", "--model", str(tiny_dir), "--prompt", long_prompt)
     _assert_user_error(code, err, "does not fit the context of 512 tokens")
-    code, out, _ = _run(
+    code, out, err = _run(
         capsys,
         "generate",
         "--model",
@@ -129,6 +129,11 @@ def test_prompt_longer_than_context_and_override(capsys, tiny_dir):
         "4",
     )
     assert code == 0
+    notes = [line for line in err.splitlines() if line.startswith("note: ")]
+    assert len(notes) == 1 and "past the model's trained context of 512" in notes[0]
+    code, _, err = _run(capsys, "generate", "--model", str(tiny_dir), "--prompt", "word " * 10,
+                        "--max-context", "2048", "--max-new-tokens", "4")  # fmt: skip
+    assert code == 0 and "note: " not in err  # (within the trained context: no note)
 
 
 @pytest.mark.parametrize(
@@ -215,7 +220,8 @@ def test_multi_gpu_flags_parse_where_the_help_leaves_them_out(capsys, tiny_dir):
 def test_summary_says_why_generation_ended(capsys, tiny_dir):
     code, _, err = _run(capsys, "generate", "--model", str(tiny_dir), "--prompt", "x y z",
                         "--max-new-tokens", "3")  # fmt: skip
-    assert code == 0 and err.strip().endswith("ended: max_new_tokens")
+    # one vocabulary: the API's finish reason first, then the cause in detail
+    assert code == 0 and err.strip().endswith("ended: length (max_new_tokens)")
 
 
 def test_load_and_warm_up_are_reported_on_their_own_lines(capsys, tiny_dir):
@@ -240,6 +246,10 @@ def test_plan_says_when_the_context_is_past_the_trained_one(capsys):
                         "--host-memory", "8GiB")  # fmt: skip
     assert code == 0
     assert "past the model's trained context of 8,192; generate runs it only with" in out
+    # the head map's grid comes with what its marks mean, right below it
+    grid_end = out.index("\nlegend: ")
+    assert out[:grid_end].rsplit("\n", 1)[-1].startswith("layer ")
+    assert all(f"{mark} " in out[grid_end:] for mark in ("G", "S", "H"))
 
 
 def test_cuda_without_gpu(capsys, tiny_dir, monkeypatch):
@@ -382,7 +392,7 @@ def test_ctrl_c_during_decode_ends_the_line_and_prints_the_summary():
     assert process.returncode == 130, err
     assert text.endswith("\n") and text.count(",") >= 3
     summary = err.strip().splitlines()[-1]
-    assert "ended: interrupted" in summary and "decode" in summary, err
+    assert "ended: abort (interrupted)" in summary and "decode" in summary, err
     generated = int(re.search(r"\((\d+) tokens\)", summary).group(1))
     assert 3 <= generated < 400
 

@@ -128,6 +128,8 @@ def _generate(args) -> None:
     load_seconds = time.perf_counter() - started
     prompt_ids = llm.engine.encode(prompt, chat=args.chat)
     llm.engine.check_request(prompt_ids, params)  # bad input refused before the warm-up
+    _note_past_trained_context(len(prompt_ids) + params.max_new_tokens,
+                               llm.engine.model.config.max_context)  # fmt: skip
     # after the check, so that an error stays the one line on stderr
     weights = sum(p.nbytes for p in llm.engine.model.parameters())
     print(f"load {load_seconds:.1f} s ({weights / 1e9:.2f} GB of weights read in "
@@ -150,6 +152,15 @@ def _generate(args) -> None:
         raise
     sys.stdout.write("\n")
     print(llm.last_output.stats.summary(), file=sys.stderr)
+
+
+def _note_past_trained_context(most_tokens: int, trained: int) -> None:
+    """A note on stderr when a request may run past the model's trained context (allowed
+    with --max-context): ``plan`` says the same."""
+    if most_tokens > trained:
+        print(f"note: this request may reach {most_tokens:,} tokens, past the model's trained "
+              f"context of {trained:,}: what it generates there is outside its training",
+              file=sys.stderr)  # fmt: skip
 
 
 def _command(name: str):

@@ -224,6 +224,7 @@ def format_plan(config, request, plan, gpus: int = 1) -> str:
         "",
         f"head map: {plan.head_map.summary()}",
         plan.head_map.grid(),
+        plan.head_map.legend(),
     ]
     if gpus == 1:
         lines += ["", f"predicted (roofline): prefill {plan.prefill_tok_s:,.0f} tok/s; decode "

@@ -17,8 +17,11 @@ class GenerationStats:
     generated_tokens: int = 0
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0
-    # why it ended: "end of sequence", "stop string", "max_new_tokens", "context", "aborted"
+    # why it ended, in detail: "end of sequence", "stop token", "stop string" (its finish
+    # reason "stop"), "max_new_tokens", "context" ("length"), "aborted", "interrupted"
+    # ("abort"), "non-finite logits" ("error"); the summary shows both, reason first
     ended: str | None = None
+    finish_reason: str | None = None  # as RequestOutput.finish_reason
     num_gpu_heads: int = 0  # (layer, kv head) entries resident while it ran
     num_streamed_heads: int = 0  # entries streamed from host pages
     num_hybrid_heads: int = 0  # offloaded entries whose older tokens the CPU attends
@@ -63,7 +66,8 @@ class GenerationStats:
         if self.peak_reserved_bytes is not None:
             parts.append(f"peak GPU memory {self.peak_reserved_bytes / 2**30:.2f} GiB reserved")
         if self.ended is not None:
-            parts.append(f"ended: {self.ended}")
+            reason = self.finish_reason or self.ended
+            parts.append(f"ended: {reason}" + (f" ({self.ended})" if reason != self.ended else ""))
         return " | ".join(parts)
 
 

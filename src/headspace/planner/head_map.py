@@ -125,6 +125,14 @@ class HeadMap:
             lines.append(f"layer {layer:>3}  " + " ".join(cells))
         return "\n".join(lines)
 
+    @staticmethod
+    def legend() -> str:
+        """What :meth:`grid`'s marks and :meth:`summary`'s words mean, for a reader."""
+        return ("legend: G resident on the GPU; S streamed from host pages each step; H "
+                "hybrid (its older tokens attended on the CPU); the digit after S or H: the "
+                "streamed group it moves with (group size: kv heads a group holds); lower "
+                "case: a pattern other than full attention")  # fmt: skip
+
     def to_dict(self) -> dict:
         return {
             "num_layers": self.num_layers,
