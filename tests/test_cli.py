@@ -412,3 +412,35 @@ def test_eval_refuses_what_would_score_nothing_before_any_run(capsys, tmp_path, 
     code, _, err = _run(capsys, "eval", *argv, "--output", str(tmp_path))
     _assert_user_error(code, err, message)
     assert not list(tmp_path.iterdir())  # no mode ran before the refusal
+
+
+def test_an_offload_mode_the_request_did_not_need_is_said(capsys, tiny_dir):
+    """``--offload head`` on a prompt whose KV fits runs all resident: a note says so; the
+    default mode gets no note."""
+    args = ("generate", "--model", str(tiny_dir), "--prompt", "x y", "--max-new-tokens", "2")
+    code, _, err = _run(capsys, *args, "--offload", "head")
+    notes = [line for line in err.splitlines() if line.startswith("note: ")]
+    assert code == 0 and notes == [
+        "note: --offload head was not needed: the request's KV fit the GPU budget, so every "
+        "head stayed resident"
+    ]
+    code, _, err = _run(capsys, *args)
+    assert code == 0 and "note: " not in err
+
+
+def test_a_kv_budget_on_a_short_prompt_or_keeping_almost_all_gets_a_note(capsys, tiny_dir):
+    """A budget over a prompt within its observation window keeps everything (the note says
+    why); one that keeps 90% or more is said to save little; a real cut, nothing."""
+    from headspace.cli.main import summary_notes
+    from headspace.engine.outputs import GenerationStats
+
+    code, _, err = _run(capsys, "generate", "--model", str(tiny_dir), "--prompt", "x y z",
+                        "--kv-budget", "0.5", "--max-new-tokens", "2")  # fmt: skip
+    assert code == 0 and "within the KV budget's 32-token observation window" in err
+
+    def notes(fraction: float) -> list[str]:
+        stats = GenerationStats(prompt_tokens=4096, kv_held_bytes=1, kv_held_fraction=fraction)
+        return summary_notes(stats, "auto")
+
+    assert notes(0.95) and "kept 95% of the full KV: it saves little" in notes(0.95)[0]
+    assert notes(0.25) == []

@@ -151,7 +151,35 @@ def _generate(args) -> None:
               else partial.stats.summary(), file=sys.stderr)  # fmt: skip
         raise
     sys.stdout.write("\n")
-    print(llm.last_output.stats.summary(), file=sys.stderr)
+    stats = llm.last_output.stats
+    print(stats.summary(), file=sys.stderr)
+    for note in summary_notes(stats, llm.engine.config.offload.mode):
+        print(f"note: {note}", file=sys.stderr)
+
+
+ALMOST_ALL_KV = 0.9  # a KV budget keeping this share of the full KV or more saves little
+
+
+def summary_notes(stats, offload_mode: str) -> list[str]:
+    """What the summary's figures mean for the options asked: an offload mode the request
+    did not need; a KV budget on a prompt too short for it, or keeping almost everything."""
+    from headspace.budgets import WINDOW
+
+    notes = []
+    if offload_mode in ("layer", "head", "hybrid") and not stats.num_streamed_heads + \
+            stats.num_hybrid_heads:  # fmt: skip
+        notes.append(f"--offload {offload_mode} was not needed: the request's KV fit the GPU "
+                     f"budget, so every head stayed resident")  # fmt: skip
+    if stats.kv_held_fraction is not None:
+        if stats.prompt_tokens <= WINDOW:
+            notes.append(f"the prompt ({stats.prompt_tokens} tokens) is within the KV "
+                         f"budget's {WINDOW}-token observation window, which is always kept: "
+                         f"budgets are for long prompts")  # fmt: skip
+        elif stats.kv_held_fraction >= ALMOST_ALL_KV:
+            notes.append(f"the KV budget kept {stats.kv_held_fraction:.0%} of the full KV: "
+                         f"it saves little here, and the tokens it dropped may still change "
+                         f"the output")  # fmt: skip
+    return notes
 
 
 def _note_past_trained_context(most_tokens: int, trained: int) -> None:
