@@ -54,7 +54,7 @@ def test_shared_prefix_reuses_pages_and_gives_identical_outputs(tiny_llama):
 
 def test_request_that_can_never_fit_is_refused_without_a_host_tier(tiny_llama):
     llm = LLM(str(tiny_llama), page_size=16, num_kv_pages=4, offload="none")
-    with pytest.raises(UserError, match=r"needs .* GiB of KV \(5 pages of 16 tokens\)"):
+    with pytest.raises(UserError, match=r"needs [0-9.]+ KiB of KV \(5 pages of 16 tokens\)"):
         llm.generate(_prompts([70])[0], SamplingParams(max_new_tokens=10))
 
 

@@ -263,7 +263,7 @@ def test_plan_cli_says_the_layers_stream_and_counts_them_in_host_memory(capsys, 
     assert main(args) == 0
     out = capsys.readouterr().out
     assert "weights: decoder layers streamed from pinned host memory" in out
-    assert "0.41 GiB a layer; asked: auto" in out
+    assert "416.0 MiB a layer; asked: auto" in out
     host = WeightSpec.of(config_from_dict(LLAMA3_8B), 2, streamed=True).host_bytes
     row = next(line for line in out.splitlines() if line.startswith("weights "))
     assert row.split()[-1] == f"{host / GiB:.2f}"  # the weights row's host column

@@ -14,9 +14,9 @@ GiB = 2**30
 
 
 def byte_size(num_bytes: float) -> str:
-    """``num_bytes`` in a unit that fits it, for messages: "1.50 GiB", "3.0 MiB", "12 KiB",
+    """``num_bytes`` in a unit that fits it, for messages: "1.50 GiB", "3.0 MiB", "12.5 KiB",
     "100 bytes"."""
-    for unit, size, digits in (("GiB", GiB, 2), ("MiB", 2**20, 1), ("KiB", 2**10, 0)):
+    for unit, size, digits in (("GiB", GiB, 2), ("MiB", 2**20, 1), ("KiB", 2**10, 1)):
         if abs(num_bytes) >= size:
             return f"{num_bytes / size:.{digits}f} {unit}"
     return f"{num_bytes:.0f} bytes"
