@@ -152,3 +152,100 @@ def test_ppl_compare_scores_budgets_at_decode(tmp_path, capsys, embedded_dir):
     values = dict(zip(header, row, strict=True))
     assert values["tokens"] == "636"  # every token after the first 64 (history only)
     assert values["perplexity[none]"] != values["perplexity[snapkv:0.25]"]  # the budget acted
+
+
+def test_ppl_counts_its_windows_up_front_and_keeps_finished_rows_on_ctrl_c(tmp_path):
+    """run_ppl says how many windows it will score, then, after the first, how long they
+    should take; Ctrl-C part-way raises EvalInterrupted holding the rows finished."""
+    from types import SimpleNamespace
+
+    from headspace.eval.run import EvalInterrupted, ppl_windows, run_ppl
+
+    assert ppl_windows(700, 320) == 4 and ppl_windows(700, 320, decode_tokens=256) == 3
+    assert ppl_windows(10, 320) == 1
+    text = tmp_path / "text.txt"
+    text.write_text("x " * 100)
+    calls = []
+
+    def logits(window, decode_tokens=0):
+        calls.append(len(window))
+        if len(calls) == 5:  # the second row's second window
+            raise KeyboardInterrupt
+        return torch.zeros(len(window), 8)
+
+    tokenizer = lambda text: {"input_ids": [i % 8 for i in range(len(text.split()))]}  # noqa: E731
+    llm = SimpleNamespace(engine=SimpleNamespace(tokenizer=tokenizer), logits=logits)
+    said = []
+    with pytest.raises(EvalInterrupted) as stopped:
+        run_ppl(llm, [str(text)], [40, 60], report=said.append)
+    rows = stopped.value.rows
+    assert [(r["context"], r["tokens"]) for r in rows] == [(40, 99)]  # 40-token windows: 4
+    assert said[0] == f"ppl: {ppl_windows(100, 40) + ppl_windows(100, 60):,} windows to score"
+    assert said[1].startswith("ppl: the first window took") and len(said) == 2
+    assert rows[0]["perplexity"] == pytest.approx(8.0)  # uniform logits over 8 tokens
+
+
+def test_eval_ppl_on_the_cpu_defaults_to_short_texts(tmp_path, capsys, embedded_dir):
+    """Without --context and --max-tokens, ppl on the CPU reads each text's first 2,048
+    tokens at 1K and 2K (said on stderr): minutes, not the hours whole texts take."""
+    from conftest import make_tiny_checkpoint
+    from headspace.cli.main import main
+
+    model = tmp_path / "tiny"
+    make_tiny_checkpoint("llama3", model, embedded_dir)
+    text = tmp_path / "text.txt"
+    text.write_text("The lighthouse keeper wrote down every ship that passed. " * 400)
+    code = main(["eval", "ppl", "--model", str(model), "--text", str(text), "--max-context",
+                 "2048", "--output", str(tmp_path / "out")])  # fmt: skip
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    assert "ppl on the CPU: each text's first 2,048 tokens at contexts 1k,2k" in captured.err
+    header, *rows = [line.split() for line in captured.out.strip().splitlines()[-3:]]
+    assert [row[header.index("context")] for row in rows] == ["1024", "2048"]
+
+
+def test_ctrl_c_during_eval_ppl_keeps_the_rows_finished(tmp_path, embedded_dir):
+    """SIGINT once the first context's row is done (the second's bar shows): exit 130, the
+    finished row in a partial CSV, a line that says where; no traceback."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import threading
+    import time
+
+    from conftest import make_tiny_checkpoint
+
+    model = tmp_path / "tiny"
+    make_tiny_checkpoint("llama3", model, embedded_dir)
+    text = tmp_path / "text.txt"
+    text.write_text("The lighthouse keeper wrote down every ship that passed. " * 400)
+    out = tmp_path / "out"
+    command = [sys.executable, "-m", "headspace.cli", "eval", "ppl", "--model", str(model),
+               "--text", str(text), "--context", "32,256", "--max-tokens", "600",
+               "--decode-tokens", "64", "--output", str(out)]  # fmt: skip
+    process = subprocess.Popen(command, stderr=subprocess.PIPE,
+                               env=dict(os.environ, PYTHONUNBUFFERED="1"))  # fmt: skip
+    chunks: list[bytes] = []
+
+    def pump() -> None:  # stderr as it comes (the progress bars end no line)
+        while data := os.read(process.stderr.fileno(), 4096):
+            chunks.append(data)
+
+    reader = threading.Thread(target=pump, daemon=True)
+    reader.start()
+    deadline = time.monotonic() + 240
+    while b"@256" not in b"".join(chunks) and time.monotonic() < deadline \
+            and process.poll() is None:  # fmt: skip
+        time.sleep(0.05)
+    assert b"@256" in b"".join(chunks), b"".join(chunks)[-2000:]
+    process.send_signal(signal.SIGINT)
+    process.wait(timeout=120)
+    reader.join(timeout=30)
+    seen = b"".join(chunks).decode(errors="replace")
+    partial = out / "ppl_partial.csv"
+    assert process.returncode == 130, seen[-2000:]
+    assert f"interrupted: the 1 rows finished are in {partial}" in seen
+    assert "Traceback" not in seen
+    lines = partial.read_text().strip().splitlines()
+    assert len(lines) == 2 and lines[1].split(",")[1] == "32"  # the header, the 32-token row

@@ -9,6 +9,10 @@ from headspace.cli.commands import COMMAND_HELP
 from headspace.cli.options import add_engine_parallel_options
 from headspace.errors import UserError
 
+# ppl's defaults by device: a CPU run of two modes over the two built-in texts finishes in
+# minutes (whole texts at 2K and 8K would take hours there)
+GPU_CONTEXTS, CPU_CONTEXTS, CPU_MAX_TOKENS = "2k,8k", "1k,2k", 2048
+
 
 def _list(text: str, parse=str) -> list:
     return [parse(x) for x in text.split(",") if x.strip()]
@@ -28,12 +32,15 @@ def add_eval_parser(subparsers, add_engine_options) -> None:
     p.add_argument(
         "--text", default="alice29,plrabn12", help="texts for ppl: built-in names or files"
     )
-    p.add_argument("--context", default="2k,8k", help="perplexity windows")
+    p.add_argument("--context", default=None,
+                   help=f"perplexity windows (default: {GPU_CONTEXTS} on a GPU, {CPU_CONTEXTS} "
+                   f"on the CPU)")  # fmt: skip
     p.add_argument(
         "--max-tokens",
         type=int,
         default=None,
-        help="ppl: read at most this many tokens of each text (then cut into windows)",
+        help="ppl: read at most this many tokens of each text, then cut into windows "
+        f"(default: all on a GPU, {CPU_MAX_TOKENS:,} on the CPU)",
     )
     p.add_argument(
         "--decode-tokens", type=int, default=0,
@@ -74,7 +81,7 @@ def _rows(args, llm) -> tuple[list[dict], list[str], list[str]]:
         rows = run.run_ruler(llm, lengths, _list(args.tasks), args.seed, args.samples)
         return rows, ["task", "length", "sample"], ["score", "prompt_tokens"]
     rows = run.run_ppl(llm, _list(args.text), _list(args.context, args.parse_tokens),
-                       args.max_tokens, args.decode_tokens)  # fmt: skip
+                       args.max_tokens, args.decode_tokens, report=_say)  # fmt: skip
     return rows, ["text", "context"], ["perplexity", "tokens"]
 
 
@@ -155,6 +162,24 @@ def _decode_scoring(args, mode_options: list[dict]) -> None:
           f"(--decode-tokens sets it)", file=sys.stderr)  # fmt: skip
 
 
+def _say(line: str) -> None:
+    print(line, file=sys.stderr)
+
+
+def _ppl_defaults(args, options: dict) -> None:
+    """ppl's windows and text length where not given, by device (said on stderr for the
+    CPU's shorter texts)."""
+    if args.suite != "ppl":
+        return
+    on_gpu = str(options.get("device") or "cpu").startswith("cuda")
+    if args.context is None:
+        args.context = GPU_CONTEXTS if on_gpu else CPU_CONTEXTS
+    if args.max_tokens is None and not on_gpu:
+        args.max_tokens = CPU_MAX_TOKENS
+        _say(f"ppl on the CPU: each text's first {CPU_MAX_TOKENS:,} tokens at contexts "
+             f"{args.context} (--max-tokens and --context set them)")  # fmt: skip
+
+
 def _check_counts(args) -> None:
     """One-line errors for counts that would score nothing."""
     lengths = args.context if args.suite == "ppl" else args.lengths
@@ -177,11 +202,23 @@ def _check_modes(mode_options: list[dict]) -> None:
         EngineConfig.of(**{k: v for k, v in options.items() if k not in ENGINE_FIELDS})
 
 
+def _keep_partial(rows: list[dict], path: Path) -> None:
+    """After Ctrl-C: the rows finished so far into ``path``, said on stderr."""
+    from headspace.eval import run
+
+    if not rows:
+        _say("interrupted before any row finished: nothing written")
+        return
+    run.write_csv(rows, path)
+    _say(f"interrupted: the {len(rows)} rows finished are in {path}")
+
+
 def run_eval(args, options: dict) -> None:
     from headspace.api import LLM
     from headspace.eval import run
     from headspace.parallel.dist import is_first_rank
 
+    _ppl_defaults(args, options)
     _check_counts(args)
     modes = args.compare or [options["offload"]]
     per_mode = [_mode_options(m, options) if args.compare else options for m in modes]
@@ -193,10 +230,14 @@ def run_eval(args, options: dict) -> None:
         if args.compare and mode == "none":  # the all-resident reference ignores the budget
             mode_options["gpu_memory"] = None
         llm = LLM(args.model, **mode_options)
-        rows, keys, values = _rows(args, llm)
-        results[mode] = rows
         suffix = f"_{mode.replace(':', '-')}" if args.compare else ""  # each mode as it ends
         out = Path(args.output)
+        try:
+            rows, keys, values = _rows(args, llm)
+        except run.EvalInterrupted as stopped:
+            _keep_partial(stopped.rows, out / f"{args.suite}{suffix}_partial.csv")
+            raise
+        results[mode] = rows
         if not is_first_rank():  # under torchrun, rank 0 writes the files
             continue
         run.write_csv(rows, out / f"{args.suite}{suffix}.csv")

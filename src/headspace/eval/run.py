@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import math
+import time
 from pathlib import Path
 
 from tqdm import tqdm
@@ -78,31 +79,89 @@ def _generate(llm, prompts: list[list[int]], params: SamplingParams):
     return llm.generate(prompts, params, use_tqdm=True)
 
 
+class EvalInterrupted(KeyboardInterrupt):
+    """Ctrl-C during an evaluation: ``rows``, the results finished before it."""
+
+    def __init__(self, rows: list[dict]):
+        super().__init__()
+        self.rows = rows
+
+
+def ppl_windows(num_tokens: int, context: int, decode_tokens: int = 0) -> int:
+    """Windows a sliding-window perplexity over ``num_tokens`` tokens runs at ``context``
+    (advancing by half a window, or by ``decode_tokens``)."""
+    stride = decode_tokens or context // 2
+    return max(1, math.ceil((num_tokens - context) / stride) + 1)
+
+
 def run_ppl(llm, texts: list[str], contexts: list[int], max_tokens: int | None = None,
-            decode_tokens: int = 0) -> list[dict]:  # fmt: skip
+            decode_tokens: int = 0, report=None) -> list[dict]:  # fmt: skip
     """Sliding-window perplexity per (text, context). With ``decode_tokens``, each window's
     last ``decode_tokens`` tokens are scored, predicted by decode steps (teacher forcing):
-    the path generation takes, with its tiers."""
+    the path generation takes, with its tiers. ``report(line)``: the run's windows up
+    front and, after the first, the time they should take. Ctrl-C raises
+    :class:`EvalInterrupted` with the rows finished."""
+    token_ids = {name: llm.engine.tokenizer(builtin_text(name))["input_ids"][:max_tokens]
+                 for name in texts}  # fmt: skip
+    total = sum(ppl_windows(len(ids), c, decode_tokens) for ids in token_ids.values()
+                for c in contexts)  # fmt: skip
+    clock = _WindowClock(total, report)
     rows = []
-    for name in texts:
-        ids = llm.engine.tokenizer(builtin_text(name))["input_ids"][:max_tokens]
-        for context in contexts:
-            stride = decode_tokens or context // 2
-            windows = max(1, math.ceil((len(ids) - context) / stride) + 1)
-
-            def logits(window: list[int]):  # (the last window may be shorter)
-                steps = min(decode_tokens + 1, len(window) - 1) if decode_tokens else 0
-                return llm.logits(window, decode_tokens=steps)
-
-            with tqdm(total=windows, desc=f"ppl {name} @{context}", unit="window") as bar:
-                nll, count = sliding_window_nll(logits, ids, context, on_window=bar.update,
-                                                score_last=decode_tokens or None)  # fmt: skip
-            if count == 0:
-                raise UserError(f"{name}: no token to score at context {context} "
-                                f"({len(ids)} tokens read)")  # fmt: skip
-            rows.append({"text": Path(name).stem, "context": context, "tokens": count,
-                         "perplexity": math.exp(nll / count)})  # fmt: skip
+    try:
+        for name, ids in token_ids.items():
+            for context in contexts:
+                rows.append(_ppl_row(llm, name, ids, context, decode_tokens, clock))
+    except KeyboardInterrupt:
+        raise EvalInterrupted(rows) from None
     return rows
+
+
+class _WindowClock:
+    """Counts a run's windows; after the first, reports how long all should take."""
+
+    def __init__(self, total: int, report=None):
+        self.total, self.report, self.done = total, report, 0
+        self.started = time.perf_counter()
+        if report is not None:
+            report(f"ppl: {total:,} windows to score")
+
+    def tick(self) -> None:
+        self.done += 1
+        if self.done == 1 and self.report is not None:
+            seconds = time.perf_counter() - self.started
+            self.report(f"ppl: the first window took {seconds:.1f} s: about "
+                        f"{_duration(seconds * self.total)} for all {self.total:,} (Ctrl-C "
+                        f"keeps the rows finished)")  # fmt: skip
+
+
+def _duration(seconds: float) -> str:
+    if seconds < 120:
+        return f"{seconds:.0f} s"
+    return f"{seconds / 60:.0f} min" if seconds < 7200 else f"{seconds / 3600:.1f} h"
+
+
+def _ppl_row(llm, name: str, ids: list[int], context: int, decode_tokens: int,
+             clock: _WindowClock) -> dict:  # fmt: skip
+    """Perplexity of one text at one context."""
+
+    def logits(window: list[int]):  # (the last window may be shorter)
+        steps = min(decode_tokens + 1, len(window) - 1) if decode_tokens else 0
+        return llm.logits(window, decode_tokens=steps)
+
+    windows = ppl_windows(len(ids), context, decode_tokens)
+    with tqdm(total=windows, desc=f"ppl {name} @{context}", unit="window") as bar:
+
+        def on_window() -> None:
+            bar.update()
+            clock.tick()
+
+        nll, count = sliding_window_nll(logits, ids, context, on_window=on_window,
+                                        score_last=decode_tokens or None)  # fmt: skip
+    if count == 0:
+        raise UserError(f"{name}: no token to score at context {context} "
+                        f"({len(ids)} tokens read)")  # fmt: skip
+    return {"text": Path(name).stem, "context": context, "tokens": count,
+            "perplexity": math.exp(nll / count)}  # fmt: skip
 
 
 def accuracy_by(rows: list[dict], keys: list[str]) -> list[dict]:
