@@ -444,3 +444,13 @@ def test_a_kv_budget_on_a_short_prompt_or_keeping_almost_all_gets_a_note(capsys,
 
     assert notes(0.95) and "kept 95% of the full KV: it saves little" in notes(0.95)[0]
     assert notes(0.25) == []
+
+
+def test_a_budget_the_engine_cannot_split_is_refused_when_the_llm_is_made(embedded_dir):
+    """A budget that holds the weights and one sequence's decode but not the engine's batch
+    of them is refused by ``LLM(...)`` itself, with the numbers, not by its first request."""
+    from headspace import LLM, UserError
+
+    with pytest.raises(UserError, match="GPU budget too small: 534.1 MiB holds the weights"):
+        LLM(str(embedded_dir), gpu_memory="560MB", offload="head")
+    LLM(str(embedded_dir), gpu_memory="570MB", offload="head")  # enough: made

@@ -166,18 +166,19 @@ def _say(line: str) -> None:
     print(line, file=sys.stderr)
 
 
-def _ppl_defaults(args, options: dict) -> None:
-    """ppl's windows and text length where not given, by device (said on stderr for the
-    CPU's shorter texts)."""
+def _ppl_defaults(args, options: dict) -> str | None:
+    """ppl's windows and text length where not given, by device; the line that says the
+    CPU's shorter texts (for stderr, once the options are checked)."""
     if args.suite != "ppl":
-        return
+        return None
     on_gpu = str(options.get("device") or "cpu").startswith("cuda")
     if args.context is None:
         args.context = GPU_CONTEXTS if on_gpu else CPU_CONTEXTS
-    if args.max_tokens is None and not on_gpu:
-        args.max_tokens = CPU_MAX_TOKENS
-        _say(f"ppl on the CPU: each text's first {CPU_MAX_TOKENS:,} tokens at contexts "
-             f"{args.context} (--max-tokens and --context set them)")  # fmt: skip
+    if args.max_tokens is not None or on_gpu:
+        return None
+    args.max_tokens = CPU_MAX_TOKENS
+    return (f"ppl on the CPU: each text's first {CPU_MAX_TOKENS:,} tokens at contexts "
+            f"{args.context} (--max-tokens and --context set them)")  # fmt: skip
 
 
 def _check_counts(args) -> None:
@@ -218,12 +219,14 @@ def run_eval(args, options: dict) -> None:
     from headspace.eval import run
     from headspace.parallel.dist import is_first_rank
 
-    _ppl_defaults(args, options)
+    defaults = _ppl_defaults(args, options)
     _check_counts(args)
     modes = args.compare or [options["offload"]]
     per_mode = [_mode_options(m, options) if args.compare else options for m in modes]
     if args.compare:
         _check_modes(per_mode)
+    if defaults is not None:
+        _say(defaults)
     _decode_scoring(args, per_mode)
     results = {}
     for mode, mode_options in zip(modes, per_mode, strict=True):

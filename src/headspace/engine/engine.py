@@ -12,6 +12,7 @@ import torch
 
 from headspace.engine.config import EngineConfig
 from headspace.engine.hooks import EngineHooks
+from headspace.engine.lane_setup import kv_sizes
 from headspace.engine.lanes import Lanes
 from headspace.engine.outputs import EngineLoad, GenerationStats, RequestOutput
 from headspace.engine.ranks import join, plan_ranks, setup_ranks
@@ -155,6 +156,8 @@ class Engine:
             eos.add(tokenizer.eos_token_id)
         self.eos_token_ids = eos
         self._lanes: Lanes | None = None  # made on first use
+        if ranks is None:  # the budget the lanes will split, refused now rather than then
+            kv_sizes(model, config, self.max_context)
         self.stream_output: RequestOutput | None = None  # stream's request, as it stands
 
     @cached_property

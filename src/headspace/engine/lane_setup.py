@@ -34,6 +34,22 @@ from headspace.planner.profile import Profile
 from headspace.tiers.hybrid_blocks import box_bytes_per_kv_byte
 
 
+def kv_sizes(model: LlamaModel, config: EngineConfig,
+             max_context: int) -> tuple[KVSpec, int, int, int, int]:  # fmt: skip
+    """(page shape, weight bytes on the device, weight bytes streamed from the host, prefill
+    chunk, KV arena bytes) of one process: UserError, with the numbers, when the budget
+    leaves nothing for KV, or on the CPU an arena past the host memory available (what the
+    lanes will hold, checked when the engine is made)."""
+    cfg = model.config
+    spec = KVSpec.of(cfg, config.cache.page_size, config.runtime.torch_dtype.itemsize)
+    weights, streamed = device_weight_bytes(model), streamed_weight_bytes(model)
+    chunk = prefill_chunk_size(cfg, config, weights, max_context, streamed > 0)
+    arena = kv_arena_bytes(cfg, config, spec, weights, chunk, max_context)
+    if not config.runtime.on_gpu and config.cache.gpu_memory is not None:
+        check_host_room(arena)  # (the "GPU" budget is host memory there)
+    return spec, weights, streamed, chunk, arena
+
+
 class LaneFactory:
     """Sizes (``spec``, ``chunk``, ``arena`` of ``arena_bytes``, ``host_bytes`` shared by
     the lanes' host pages through ``ledger``, ``rates``) and lanes over parts of the arena."""
@@ -48,13 +64,12 @@ class LaneFactory:
               ranks: Ranks | None) -> None:  # fmt: skip
         """The page shape, prefill chunk, KV arena and host budget (every rank alike)."""
         cfg, dtype = model.config, config.runtime.torch_dtype
-        self.spec = KVSpec.of(cfg, config.cache.page_size, dtype.itemsize)
-        self.weight_bytes = weights = device_weight_bytes(model)  # on the device
-        self.streamed_bytes = streamed = streamed_weight_bytes(model)
-        self.chunk = prefill_chunk_size(cfg, config, weights, max_context, streamed > 0)
+        self.spec, self.weight_bytes, self.streamed_bytes, self.chunk, arena = kv_sizes(
+            model, config, max_context)  # fmt: skip
+        weights, streamed = self.weight_bytes, self.streamed_bytes
         if ranks is not None:  # the same chunks on every rank (their collectives pair up)
             self.chunk = host_min(self.chunk)
-        arena = kv_arena_bytes(cfg, config, self.spec, weights, self.chunk, max_context)
+            arena = kv_arena_bytes(cfg, config, self.spec, weights, self.chunk, max_context)
         if ranks is not None:  # the same pages on every rank
             self.spec, arena = ranks.pages(self.spec, arena)
         # (the machine's budget, divided between its ranks, the same on every rank)
@@ -64,8 +79,6 @@ class LaneFactory:
         host = config.host_kv_bytes(host, box_bytes_per_kv_byte(dtype.itemsize))
         self.host_bytes = host_min(host) if ranks is not None else host
         self.arena_bytes = arena
-        if not config.runtime.on_gpu and config.cache.gpu_memory is not None:
-            check_host_room(arena)  # (refused before it is allocated)
         self.arena = KVArena(arena, dtype=dtype, device=config.runtime.device)
         self.ledger = HostLedger(self.host_bytes)
         has_kernel = kernel_isa() is not None  # no CPU attention where the kernel does not build
@@ -128,4 +141,4 @@ class LaneFactory:
         return max(page, self.config.runtime.step_tokens(at_once, slices) // page * page)
 
 
-__all__ = ["LaneFactory"]
+__all__ = ["LaneFactory", "kv_sizes"]
