@@ -79,7 +79,7 @@ def _partial_kernel(
         # row holds its position (a copy stores it whether or not its range has it); the
         # slice that attends it masks its slot out of the loads and adds the token's term
         # from registers after the loop (a select on every K/V block instead held the
-        # kernel to 2.2 of 3.8 TB/s: bench/entry_splits.py --append)
+        # kernel to 2.2 of 3.8 TB/s: bench/profiles/entry_splits.py --append)
         new_k = tl.load(NEW_K + seq * stride_nb + kv_head * stride_nh + offs_d)
         new_v = tl.load(NEW_V + seq * stride_nb + kv_head * stride_nh + offs_d)
         owner = (new_pos >= start) & (new_pos < end)
@@ -92,7 +92,7 @@ def _partial_kernel(
     else:
         new_pos = -1  # no slot masked out
     # A slice wholly past its row's end (rows under a KV budget differ in length) skips its
-    # blocks, so the long rows' slices have the GPU to themselves (bench/entry_splits.py:
+    # blocks, so the long rows' slices have the GPU to themselves (bench/profiles/entry_splits.py:
     # 128K rows keeping 1K-118K tokens, 2.45 -> 1.87 ms per 32 layers on an H100; rows of
     # equal length unchanged). Static trip count (pipelined); blocks past `end` are fully
     # masked and read no memory. A block never straddles two pages: BLOCK_N divides
@@ -177,7 +177,7 @@ def num_splits_for(capacity: int, num_rows: int, num_sms: int = 132) -> int:
 
     Eight, not four: rows shorter than the capacity (a batch's, or a KV budget's uneven
     rows, padded to the widest) leave their slices past the end idle. On an H200
-    (bench/entry_splits.py, 32 layers): 32 rows keeping 0.05-0.58 of 128K, 6.34 -> 4.45 ms
+    (bench/profiles/entry_splits.py, 32 layers): 32 rows keeping 0.05-0.58 of 128K, 6.34 -> 4.45 ms
     (2.71 -> 3.86 TB/s); 32 full rows of 32K 4.66 -> 4.27; 8 rows 1.43-1.71 -> 1.33-1.46;
     on an H100 8 rows 1.80-1.86 -> 1.76-1.81 ms. Earlier, at 8K (length-bound either way):
     64 slices per head of one 128-key block each, 4 warps, 2 stages, 2.37 TB/s on an H200.

@@ -33,7 +33,7 @@ class Hardware:
     # (0: no CPU attention here, so ``offload="auto"`` never picks the hybrid tier)
     hybrid_layer_seconds: float = 1.2e-3  # per layer with hybrid heads, on the CPU's path:
     # from its (out, lse) to the next layer's query (the merge, the rest of the layer, the
-    # next query's copy); measured on an H200 host at 128K (bench/profile_hybrid_split.py)
+    # next query's copy); measured on an H200 host at 128K (bench/profiles/profile_hybrid_split.py)
     graph_gather_share: float = 0.8  # of ``h2d_bytes``: a CUDA-graph decode step's gather
     # kernels beside its attention (the copy engine needs copy sizes known on the host)
     copy_seconds: float = 20e-6  # what each copy of a divided kv head adds to its rank's

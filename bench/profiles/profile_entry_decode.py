@@ -2,7 +2,7 @@
 half the heads streaming (Llama-3.1-8B architecture, random bf16 weights): the GPU kernels
 of a few decode steps by total time, from torch.profiler, and the step's wall time.
 
-    PYTHONPATH=src python bench/profile_entry_decode.py [--context 32768]
+    PYTHONPATH=src python bench/profiles/profile_entry_decode.py [--context 32768]
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile, schedule
 
-sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).parent.parent))
 from common import LLAMA31_8B, make_engine, pinned_h2d_bandwidth, ran_lane, random_model  # noqa: E402
 from headspace.engine.sampling import SamplingParams  # noqa: E402
 from sparsity import (  # noqa: E402

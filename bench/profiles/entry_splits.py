@@ -4,7 +4,7 @@ CUDA graph of 32 layers at the default key slices and at 2x, 4x and 8x as many, 
 same bytes in rows of equal length and the device's copy bandwidth measured in the run.
 ``--append`` also stores each row's new token as it attends it, as the engine's decode does.
 
-    PYTHONPATH=src python bench/entry_splits.py [--context 131072] [--append]
+    PYTHONPATH=src python bench/profiles/entry_splits.py [--context 131072] [--append]
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).parent.parent))
 from common import environment, gpu_tag, graph_seconds, measure_hbm_bandwidth, write_result  # noqa: E402
 from headspace.attention.triton_decode import num_splits_for, paged_decode_attention  # noqa: E402
 

@@ -1,6 +1,6 @@
 """Where the time goes: kernel tables for prefill and decode of Llama-3-8B (random bf16).
 
-PYTHONPATH=src python bench/profile_foundation.py [--length 32768]
+PYTHONPATH=src python bench/profiles/profile_foundation.py [--length 32768]
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).parent.parent))
 from common import LLAMA3_8B, cuda_time, make_engine, prefill_once, random_hf_llama  # noqa: E402
 from headspace.engine.step_plan import Sequence  # noqa: E402
 from headspace.model.config import config_from_dict  # noqa: E402

@@ -1,7 +1,8 @@
 """Where a hybrid decode step's time goes: each CPU kernel call (its GB/s), the worker's wait
 for the query, and the GPU thread's wait for the CPU result, at 128K with ``cpu_share`` 1.
 
-    PYTHONPATH=src python bench/profile_hybrid.py [--share 1.0] [--sparse BETA] [--tokens N]
+    PYTHONPATH=src python bench/profiles/profile_hybrid.py [--share 1.0] [--sparse BETA]
+        [--tokens N]
 
 The engine records them itself (``EngineHooks(cpu_timings=CpuTimings())``). The exact mode's
 kernel runs as native jobs, out of Python's sight: only their bytes and the GPU thread's
@@ -20,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).parent.parent))
 from common import LLAMA31_8B, make_engine, random_model  # noqa: E402
 from headspace.engine.hooks import EngineHooks  # noqa: E402
 from headspace.engine.sampling import SamplingParams  # noqa: E402

@@ -2,7 +2,7 @@
 resident lane's decode steps and the offload lane's prefill pieces, each on its own CUDA
 stream, measured from a kernel trace of a window during the long prefill.
 
-    PYTHONPATH=src python bench/profile_mixed.py [--window 2.0] [--after 6.0]
+    PYTHONPATH=src python bench/profiles/profile_mixed.py [--window 2.0] [--after 6.0]
 
 Four short requests (1,536-token prompts) decode; a 128K prompt arrives; ``--after``
 seconds later a ``--window`` of kernels is traced (torch.profiler). Per stream it prints
@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).parent.parent))
 from common import LLAMA31_8B, environment, gpu_tag, make_engine, random_model, write_result  # noqa: E402
 from headspace.engine.hooks import EngineHooks  # noqa: E402
 from headspace.engine.sampling import SamplingParams  # noqa: E402

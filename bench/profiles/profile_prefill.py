@@ -6,7 +6,7 @@ kernels by CUDA time (torch.profiler) and the host ops during the GPU's idle str
 writes both to ``profile_prefill_<scenarios>_<gpu>_<date>.json``, each scenario's prefill
 beside the first's, measured in one run.
 
-    PYTHONPATH=src python bench/profile_prefill.py [--context 65536] [--scenarios duo ...]
+    PYTHONPATH=src python bench/profiles/profile_prefill.py [--context 65536] [--scenarios duo ...]
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).parent.parent))
 from common import (  # noqa: E402
     LLAMA31_8B,
     environment,
@@ -30,7 +30,8 @@ from common import (  # noqa: E402
     write_result,
 )
 from headspace.engine.sampling import SamplingParams  # noqa: E402
-from multigpu import SCENARIOS, _prompt, make_profile  # noqa: E402
+from multigpu import SCENARIOS, make_profile  # noqa: E402
+from multigpu_batch import prompt  # noqa: E402
 
 
 def idle_gaps(prof, min_us: float = 200.0) -> dict:
@@ -76,9 +77,9 @@ def profiled_prefill(scenario: str, context: int) -> dict:
     engine = make_engine(random_model(LLAMA31_8B), **options)
     params = SamplingParams(max_new_tokens=2, ignore_eos=True)
     engine.generate_batch(
-        [_prompt(LLAMA31_8B, context - 2, seed=4)], [params]
+        [prompt(LLAMA31_8B, context - 2, seed=4)], [params]
     )  # compiles its shapes
-    ids = _prompt(LLAMA31_8B, context - 2, seed=3)
+    ids = prompt(LLAMA31_8B, context - 2, seed=3)
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 

@@ -2,7 +2,7 @@
 one sequence (decode steps over allocated pages: an exact step's work does not depend on
 the values in them, so no prefill is needed).
 
-    PYTHONPATH=src python bench/profile_hybrid_split.py [--length 131008] [--steps 6]
+    PYTHONPATH=src python bench/profiles/profile_hybrid_split.py [--length 131008] [--steps 6]
 
 For each variant (share; the CPU job on the native thread or on a Python worker), at
 ``--threads`` kernel threads (the engine's ``cpu_threads``), in two rounds of alternating
@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).parent.parent))
 from common import (  # noqa: E402
     LLAMA31_8B,
     environment,

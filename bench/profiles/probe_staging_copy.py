@@ -3,7 +3,7 @@ offloaded (layer, kv head) entry's kept pages go from page-locked host pages to 
 staging pages of the plane. How fast is the engine's paired page kernel, against the copy
 engine over each entry's contiguous run and against one contiguous copy (the floor)?
 
-    PYTHONPATH=src python bench/probe_staging_copy.py [--kept-pages 256] [--entries 6]
+    PYTHONPATH=src python bench/profiles/probe_staging_copy.py [--kept-pages 256] [--entries 6]
 
 The shape is SnapKV at 0.25 over 128K with heads offloaded (Llama-3.1-8B: 128-token pages of
 128 dims in bf16, 32 KiB per K or V page, about 6 offloaded entries a layer). Prints one

@@ -1,6 +1,6 @@
 """Where the time of a 32K prefill goes under head offload at a 17 GiB budget.
 
-    PYTHONPATH=src python bench/profile_offload.py
+    PYTHONPATH=src python bench/profiles/profile_offload.py
 
 Separates the chunk size from streaming: no offload with the offload run's 4096-token chunk,
 then head offload, then the head run's top CUDA kernels and CPU-side ops (torch.profiler).
@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).parent.parent))
 from common import LLAMA3_8B, cuda_time, make_engine, prefill_once, random_model  # noqa: E402
 from offload_runs import gpu_cap  # noqa: E402
 

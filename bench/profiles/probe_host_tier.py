@@ -1,7 +1,7 @@
 """Probe of the host tier's data paths on a GPU machine: how fast can kernels read and write
 page-locked host memory in place (through unified addressing), against the copy engine?
 
-    PYTHONPATH=src python bench/probe_host_tier.py
+    PYTHONPATH=src python bench/profiles/probe_host_tier.py
 
 Prints one table; the numbers decide how streamed heads reach the GPU (see bench/NOTES.md).
 """
@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).parent.parent))
 from common import cuda_time  # noqa: E402
 
 GiB = 2**30
