@@ -29,6 +29,15 @@ def test_the_budgeted_prefill_and_the_roofline_fraction_are_read_from_the_founda
     assert 0.3 < fraction < 1
 
 
+def test_a_first_format_foundation_file_holds_no_roofline_fraction(tmp_path):
+    """The first foundation files keep decode tok/s by length and no fraction of the
+    roofline: the fraction is not read as the tok/s (142.0 against 0.87, a false drop)."""
+    old = {"prefill_tok_s": {str(8 * K): 34000.0}, "decode_tok_s": {str(8 * K): 142.0}}
+    (tmp_path / "foundation_llama3-8b_h100_2026-11-21.json").write_text(json.dumps(old))
+    assert committed("foundation", "h100", "decode 8K tok/s", tmp_path)[0] == 142.0
+    assert committed("foundation", "h100", "decode 8K of HBM roofline", tmp_path) == (None, None)
+
+
 def test_the_batched_offload_figures_are_read_from_its_file():
     tok_s, name = committed("batch_offload", "h200", "batched offload tok/s")
     assert tok_s == _read(name)["aggregate_decode_tok_s"]
