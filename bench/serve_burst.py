@@ -181,7 +181,14 @@ def main() -> None:
         save_checkpoint(model_dir)
         print(f"checkpoint saved in {time.perf_counter() - started:.0f} s", flush=True)
         ours = headspace_runs(model_dir, lengths, Path(tmp) / "caches")
-        peer = None if args.no_peer else peer_run(model_dir, lengths)
+        peer = None
+        if not args.no_peer:  # (a peer that fails to start or serve leaves ours recorded)
+            try:
+                peer = peer_run(model_dir, lengths)
+            except (Exception, SystemExit) as error:  # noqa: BLE001
+                print(f"peer failed: {error!r}", flush=True)
+                peer = {"error": repr(error)[:500], "ttft_p50_s": None, "tpot_p50_ms": None,
+                        "output_tok_s": None}  # fmt: skip
     warm = ours["warm"]
     result = {
         "env": env, "config": LLAMA31_8B, "gpu_memory": BUDGET, "hbm_bytes_per_s": hbm,
