@@ -313,7 +313,8 @@ def _engine_flags() -> dict:
     the engine's option groups, and the head-parallel ones (ParallelConfig's)."""
     from dataclasses import fields
 
-    from headspace.engine.config import GROUPS, flat_name
+    from headspace.engine.config import GROUPS
+    from headspace.engine.config_fields import flat_name
     from headspace.parallel.config import ENGINE_FIELDS, ParallelConfig
 
     flags = {flat_name(f): f for group in GROUPS.values() for f in fields(group)}

@@ -12,9 +12,9 @@ from headspace.engine.config import (
     BudgetConfig,
     EngineConfig,
     OffloadConfig,
-    choices,
     flat_fields,
 )
+from headspace.engine.config_fields import choices
 from headspace.parallel.config import ENGINE_FIELDS, ParallelConfig
 
 

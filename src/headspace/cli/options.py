@@ -8,7 +8,8 @@ import re
 from dataclasses import fields
 from typing import get_args, get_type_hints
 
-from headspace.engine.config import GROUPS, choices, flat_fields, flat_name
+from headspace.engine.config import GROUPS, flat_fields
+from headspace.engine.config_fields import choices, flat_name
 from headspace.errors import UserError
 
 MEMORY_FLAGS = ("gpu_memory", "host_memory")

@@ -8,11 +8,18 @@ one help section per group; a field's choices are its ``Literal`` type."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields, replace
-from typing import ClassVar, Literal, get_args, get_origin, get_type_hints
+from typing import ClassVar, Literal, get_args
 
 import torch
 
 from headspace.budgets import POOL, KVBudget, PolicyName
+from headspace.engine.config_fields import (
+    _is_number,
+    _option,
+    _positive_ints,
+    check_choices,
+    flat_name,
+)
 from headspace.errors import UserError
 from headspace.kv.spec import Pattern
 from headspace.parallel.config import ENGINE_FIELDS, ParallelConfig
@@ -34,52 +41,6 @@ ARRIVING_STEP_TOKENS, AT_ONCE_STEP_TOKENS = 512, 8192
 # the running requests' time per token while prompts queue, as a multiple of their decode
 # step alone (the short streams' p99 target of issue 72 during a long prefill)
 PREFILL_SLOWDOWN = 3.0
-
-
-def _option(default, help: str, *, flag: str | None = None, cli_default=None):
-    """A documented field: ``help`` is its flag's help text; ``flag`` its flat name (API
-    keyword and ``--flag``) when it differs from the field's; ``cli_default`` the command
-    line's default when it differs from the API's."""
-    meta = {"help": help, "flag": flag, "cli_default": cli_default}
-    return field(default=default, metadata={k: v for k, v in meta.items() if v is not None})
-
-
-def choices(config_class, optional: bool = False) -> dict[str, tuple]:
-    """Each field of ``config_class`` typed by a ``Literal``: its allowed values (with
-    ``optional``, None too where the type allows it)."""
-    found = {}
-    for name, hint in get_type_hints(config_class).items():
-        options = [hint] + list(get_args(hint))  # Literal[...] or Literal[...] | None
-        literal = next((o for o in options if get_origin(o) is Literal), None)
-        if literal is not None:
-            found[name] = get_args(literal) + ((None,) if optional and None in options else ())
-    return found
-
-
-def check_choices(config) -> None:
-    """UserError naming the first field whose value its type does not allow."""
-    for name, allowed in choices(type(config), optional=True).items():
-        value = getattr(config, name)
-        if value not in allowed:
-            flag = flat_name(next(f for f in fields(config) if f.name == name))
-            named = ", ".join(str(a) for a in allowed if a is not None)
-            raise UserError(f"{flag} must be one of {named}, got {value!r}")
-
-
-def flat_name(f) -> str:
-    """A field's API keyword and flag name."""
-    return f.metadata.get("flag", f.name)
-
-
-def _is_number(value) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool)
-
-
-def _positive_ints(config, names: tuple[str, ...], optional: bool) -> None:
-    for name in names:
-        value = getattr(config, name)
-        if (value is not None or not optional) and (type(value) is not int or value < 1):
-            raise UserError(f"{name} must be a positive integer, got {value}")
 
 
 @dataclass

@@ -1,0 +1,60 @@
+"""How an engine option group's fields are declared and checked: a documented field
+(:func:`_option`: its help text, flat name and command-line default), the choices its
+``Literal`` type allows, and the checks that refuse other values with one line. Pure
+Python, no torch."""
+
+from __future__ import annotations
+
+from dataclasses import field, fields
+from typing import Literal, get_args, get_origin, get_type_hints
+
+from headspace.errors import UserError
+
+
+def _option(default, help: str, *, flag: str | None = None, cli_default=None):
+    """A documented field: ``help`` is its flag's help text; ``flag`` its flat name (API
+    keyword and ``--flag``) when it differs from the field's; ``cli_default`` the command
+    line's default when it differs from the API's."""
+    meta = {"help": help, "flag": flag, "cli_default": cli_default}
+    return field(default=default, metadata={k: v for k, v in meta.items() if v is not None})
+
+
+def choices(config_class, optional: bool = False) -> dict[str, tuple]:
+    """Each field of ``config_class`` typed by a ``Literal``: its allowed values (with
+    ``optional``, None too where the type allows it)."""
+    found = {}
+    for name, hint in get_type_hints(config_class).items():
+        options = [hint] + list(get_args(hint))  # Literal[...] or Literal[...] | None
+        literal = next((o for o in options if get_origin(o) is Literal), None)
+        if literal is not None:
+            found[name] = get_args(literal) + ((None,) if optional and None in options else ())
+    return found
+
+
+def check_choices(config) -> None:
+    """UserError naming the first field whose value its type does not allow."""
+    for name, allowed in choices(type(config), optional=True).items():
+        value = getattr(config, name)
+        if value not in allowed:
+            flag = flat_name(next(f for f in fields(config) if f.name == name))
+            named = ", ".join(str(a) for a in allowed if a is not None)
+            raise UserError(f"{flag} must be one of {named}, got {value!r}")
+
+
+def flat_name(f) -> str:
+    """A field's API keyword and flag name."""
+    return f.metadata.get("flag", f.name)
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def _positive_ints(config, names: tuple[str, ...], optional: bool) -> None:
+    for name in names:
+        value = getattr(config, name)
+        if (value is not None or not optional) and (type(value) is not int or value < 1):
+            raise UserError(f"{name} must be a positive integer, got {value}")
+
+
+__all__ = ["_is_number", "_option", "_positive_ints", "check_choices", "choices", "flat_name"]
