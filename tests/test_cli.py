@@ -252,6 +252,22 @@ def test_plan_says_when_the_context_is_past_the_trained_one(capsys):
     assert all(f"{mark} " in out[grid_end:] for mark in ("G", "S", "H"))
 
 
+def test_plan_without_a_gpu_asks_for_both_budgets_at_once(capsys):
+    """On a machine without a GPU, plan names both flags it needs in one error; with the
+    GPU's given, a refusal for want of this machine's host memory says which flag sets
+    the planned machine's."""
+    if torch.cuda.is_available():
+        pytest.skip("a GPU here: plan reads its memory")
+    code, _, err = _run(capsys, "plan", "--context", "32K")
+    _assert_user_error(code, err, "pass --gpu-memory (e.g. 24GiB) and --host-memory")
+    code, _, err = _run(capsys, "plan", "--context", "64M", "--gpu-memory", "24GiB")
+    _assert_user_error(code, err, "host budget (this machine's available memory: "
+                                  "--host-memory sets the planned machine's)")  # fmt: skip
+    code, _, err = _run(capsys, "plan", "--context", "32K", "--gpu-memory", "24GiB",
+                        "--host-memory", "64GiB")  # fmt: skip
+    assert code == 0
+
+
 def test_cuda_without_gpu(capsys, tiny_dir, monkeypatch):
     monkeypatch.setattr("torch.cuda.is_available", lambda: False)
     code, _, err = _run(

@@ -55,9 +55,26 @@ def _gpu_budget(args) -> int:
     from headspace.engine.memory import device_total_bytes, parse_memory
 
     if args.gpu_memory is None and not torch.cuda.is_available():
-        raise UserError("no GPU here: pass --gpu-memory (e.g. 24GiB) to plan for one")
+        host = (
+            ""
+            if args.host_memory is not None
+            else (" and --host-memory (its machine's, e.g. 200GiB; this one's is used otherwise)")
+        )
+        raise UserError(f"no GPU here: pass --gpu-memory (e.g. 24GiB){host} to plan for one")
     gpu_total = device_total_bytes(torch.device("cuda")) if torch.cuda.is_available() else 0
     return parse_memory(args.gpu_memory or 1.0, gpu_total)
+
+
+def _host_hint(make, args):
+    """``make()``; a refusal for want of host memory, with no --host-memory given, says
+    that the budget was this machine's and which flag sets the planned one's."""
+    try:
+        return make()
+    except UserError as error:
+        if args.host_memory is not None or "host budget" not in str(error):
+            raise
+        raise UserError(f"{error} (this machine's available memory: --host-memory sets the "
+                        f"planned machine's)") from None  # fmt: skip
 
 
 def run_plan(args) -> None:
@@ -86,9 +103,11 @@ def run_plan(args) -> None:
     host = rank_host_bytes(args.host_memory, ranks, ranks * layers)
     request = replace(request, host_memory=host)
     if chosen is None:
-        plan = make_plan(config, request)
+        plan = _host_hint(lambda: make_plan(config, request), args)
     else:  # the widest rank's part, as the engine plans it under torchrun
-        plan = plan_for_ranks(config, request, chosen.head_map, parallel.gpus)
+        plan = _host_hint(
+            lambda: plan_for_ranks(config, request, chosen.head_map, parallel.gpus), args
+        )
     if args.json:
         print(json.dumps(_plan_json(config, request, plan, parallel, chosen, uniform), indent=2))
         return
