@@ -109,8 +109,7 @@ class LLM:
                 self.last_output = self.engine.stream_output
                 if self.last_output is not None:
                     self.last_output.prompt = prompt
-                    stats = self.last_output.stats
-                    stats.ended, stats.finish_reason = "interrupted", "abort"
+                    self.last_output.stats.ended = "interrupted"
                 raise
 
     def logits(self, token_ids: list[int] | torch.Tensor, decode_tokens: int = 0) -> torch.Tensor:

@@ -6,3 +6,8 @@ class UserError(ValueError):
 
     The CLI prints ``error: <message>`` on stderr and exits with code 2, no traceback.
     """
+
+
+class HostBudgetError(UserError):
+    """A plan whose KV pages need more host memory than its host budget (a caller that
+    chose that budget itself, such as ``plan`` from this machine's memory, may say so)."""

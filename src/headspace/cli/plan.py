@@ -9,7 +9,7 @@ from pathlib import Path
 from headspace.cli.balance import format_balance, plan_balance
 from headspace.cli.commands import COMMAND_HELP
 from headspace.cli.options import add_engine_options, add_parallel_options, parallel_config
-from headspace.errors import UserError
+from headspace.errors import HostBudgetError, UserError
 from headspace.kv.spec import byte_size
 
 GiB = 2**30
@@ -70,8 +70,8 @@ def _host_hint(make, args):
     that the budget was this machine's and which flag sets the planned one's."""
     try:
         return make()
-    except UserError as error:
-        if args.host_memory is not None or "host budget" not in str(error):
+    except HostBudgetError as error:
+        if args.host_memory is not None:
             raise
         raise UserError(f"{error} (this machine's available memory: --host-memory sets the "
                         f"planned machine's)") from None  # fmt: skip

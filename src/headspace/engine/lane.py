@@ -22,7 +22,7 @@ from tqdm import tqdm
 from headspace.engine.config import EngineConfig
 from headspace.engine.forcing import forced_logits
 from headspace.engine.logits_process import process, record, start_history
-from headspace.engine.outputs import GenerationStats, RequestOutput
+from headspace.engine.outputs import FINISH_REASONS, GenerationStats, RequestOutput
 from headspace.engine.paged_runner import PagedRunner
 from headspace.engine.ranks import Ranks
 from headspace.engine.requests import (
@@ -311,7 +311,8 @@ class Lane:
         seq = request.seq
         piece, reason = "", None
         if token == NON_FINITE:
-            reason, request.ended = "error", "non-finite logits"
+            request.ended = "non-finite logits"
+            reason = FINISH_REASONS[request.ended]
         else:
             if not seq.output_ids:
                 request.first_token = time.perf_counter()
@@ -330,24 +331,22 @@ class Lane:
         return piece
 
     def _advance(self, request: Request, token: int) -> tuple[str, str | None]:
-        """The new text of an appended ``token`` and why the request ends with it (None:
-        it goes on); sets ``request.ended``."""
+        """The new text of an appended ``token`` and the finish reason it ends the request
+        with (None: it goes on); sets ``request.ended``, the reason in detail."""
         seq, params = request.seq, request.params
+        piece = ""
         if token in self.context.eos_token_ids and not params.ignore_eos:
             request.ended = "end of sequence"
-            return "", "stop"
-        if token in params.stop_token_ids:
+        elif token in params.stop_token_ids:
             request.ended = "stop token"
-            return "", "stop"
-        piece = request.streamer.update(seq.output_ids)
-        if request.streamer.stopped:
-            request.ended = "stop string"
-            return piece, "stop"
-        if seq.num_tokens >= seq.max_tokens:
-            request.ended = "max_new_tokens" if len(seq.output_ids) >= params.max_new_tokens \
-                else "context"  # fmt: skip
-            return piece, "length"
-        return piece, None
+        else:
+            piece = request.streamer.update(seq.output_ids)
+            if request.streamer.stopped:
+                request.ended = "stop string"
+            elif seq.num_tokens >= seq.max_tokens:
+                request.ended = "max_new_tokens" if len(seq.output_ids) >= \
+                    params.max_new_tokens else "context"  # fmt: skip
+        return piece, FINISH_REASONS.get(request.ended)
 
     def _output(self, request: Request, final: bool) -> RequestOutput:
         """The request as it stands; ``final``: with its whole stats (it has ended)."""

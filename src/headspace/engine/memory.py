@@ -9,7 +9,7 @@ import re
 import torch
 
 from headspace.errors import UserError
-from headspace.kv.spec import GiB, KVSpec, byte_size
+from headspace.kv.spec import KVSpec, byte_size
 from headspace.model.config import ModelConfig
 from headspace.planner.memory import prefill_chunk, split_gpu_budget
 from headspace.planner.sparsity import arena_after_gathers, prefill_gathers
@@ -90,8 +90,8 @@ def rank_host_bytes(value: str | float | None, ranks_on_host: int = 1,
     if value is None and unloaded_weight_bytes:
         if unloaded_weight_bytes >= budget:
             raise UserError(f"host memory too small: the streamed layers need "
-                            f"{byte_size(unloaded_weight_bytes)} of the {budget / GiB:.2f} "
-                            f"GiB available")  # fmt: skip
+                            f"{byte_size(unloaded_weight_bytes)} of the {byte_size(budget)} "
+                            f"available")  # fmt: skip
         budget -= unloaded_weight_bytes
     return budget // ranks_on_host
 

@@ -9,6 +9,14 @@ if TYPE_CHECKING:
     from headspace.planner.plan import Plan
 
 
+# why a request ended, in detail (GenerationStats.ended) -> its finish reason, as the API says
+FINISH_REASONS = {
+    "end of sequence": "stop", "stop token": "stop", "stop string": "stop",
+    "max_new_tokens": "length", "context": "length",
+    "aborted": "abort", "interrupted": "abort", "non-finite logits": "error",
+}  # fmt: skip
+
+
 @dataclass
 class GenerationStats:
     """Counts and timings of one request (seconds, bytes), and the tiers it ran on."""
@@ -17,11 +25,9 @@ class GenerationStats:
     generated_tokens: int = 0
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0
-    # why it ended, in detail: "end of sequence", "stop token", "stop string" (its finish
-    # reason "stop"), "max_new_tokens", "context" ("length"), "aborted", "interrupted"
-    # ("abort"), "non-finite logits" ("error"); the summary shows both, reason first
+    # why it ended, in detail (FINISH_REASONS' keys); the summary shows its finish reason
+    # first
     ended: str | None = None
-    finish_reason: str | None = None  # as RequestOutput.finish_reason
     num_gpu_heads: int = 0  # (layer, kv head) entries resident while it ran
     num_streamed_heads: int = 0  # entries streamed from host pages
     num_hybrid_heads: int = 0  # offloaded entries whose older tokens the CPU attends
@@ -66,8 +72,7 @@ class GenerationStats:
         if self.peak_reserved_bytes is not None:
             parts.append(f"peak GPU memory {self.peak_reserved_bytes / 2**30:.2f} GiB reserved")
         if self.ended is not None:
-            reason = self.finish_reason or self.ended
-            parts.append(f"ended: {reason}" + (f" ({self.ended})" if reason != self.ended else ""))
+            parts.append(f"ended: {FINISH_REASONS.get(self.ended, self.ended)} ({self.ended})")
         return " | ".join(parts)
 
 

@@ -54,7 +54,6 @@ class Request:
         stats = GenerationStats(
             prompt_tokens=len(seq.prompt_ids), generated_tokens=len(seq.output_ids),
             prefill_seconds=first - self.submitted, ended=self.ended,
-            finish_reason=seq.finish_reason if self.ended is not None else None,
             num_gpu_heads=self.num_gpu_heads, num_streamed_heads=self.num_streamed_heads,
             num_hybrid_heads=self.num_hybrid_heads, cpu_share=self.cpu_share,
             num_swaps=seq.num_swaps, lane=self.lane,

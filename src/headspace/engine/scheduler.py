@@ -281,15 +281,17 @@ class Scheduler:
         """The prompt work of this step beside the decoding ``batch``: the rest of a
         piece's layers, or a new piece."""
         seq, piece, slices = self.prefilling, self.piece, self.layer_slices
-        decoding, work = bool(batch), self._step_work(batch)
+        base = step_work(self.step_tokens, self.settings.num_layers,
+                         self.settings.attention_prefix)  # fmt: skip
+        decoding, work = bool(batch), self._step_work(batch, base)
         chunk = self.settings.chunk
         if piece is not None:  # part-way through its layers
             start, end, first = piece.start, piece.end, piece.layers[1]
         else:
             start, first, size = self.prefill_next, 0, chunk
             if decoding and not slices:  # (it grows with the work while prompts wait)
-                size = grown_piece(self.piece_tokens or self.step_tokens,
-                                   work / self._base_work(), self.blocks.page_size)  # fmt: skip
+                size = grown_piece(self.piece_tokens or self.step_tokens, work / base,
+                                   self.blocks.page_size)  # fmt: skip
                 size = min(chunk, size)
             elif decoding:
                 size = self._slice_size(start, len(seq.prompt_ids), work)
@@ -310,19 +312,15 @@ class Scheduler:
                 self.prefilling = None
         return piece
 
-    def _step_work(self, batch: list[Sequence]) -> float:
-        """A step's prompt work beside ``batch``: the work of ``step_tokens``, more while
-        prompts wait (:func:`queued_step_work`)."""
-        settings, base = self.settings, self._base_work()
+    def _step_work(self, batch: list[Sequence], base: float) -> float:
+        """A step's prompt work beside ``batch``: ``base`` (the work of ``step_tokens``),
+        more while prompts wait (:func:`queued_step_work`)."""
+        settings = self.settings
         if not self.waiting or not batch or settings.prefill_slowdown <= 1:
             return base
         context = sum(s.num_scheduled for s in batch)
         decode = decode_work(settings.num_layers, *settings.decode_rates, context)
         return queued_step_work(base, settings.prefill_slowdown, decode)
-
-    def _base_work(self) -> float:
-        settings = self.settings
-        return step_work(self.step_tokens, settings.num_layers, settings.attention_prefix)
 
     def _slice_size(self, start: int, num_tokens: int, work: float) -> int:
         """A chunk run in layer slices (:func:`slice_size`); never halved where the prefix

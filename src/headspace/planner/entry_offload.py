@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from headspace.errors import UserError
+from headspace.errors import HostBudgetError, UserError
 from headspace.kv.spec import KVSpec, Pattern, byte_size, prefill_ring
 from headspace.planner.head_map import HeadMap
 from headspace.planner.memory import Hardware
@@ -150,7 +150,7 @@ def plan_entries(spec: KVSpec, arena: int, head_map: HeadMap, max_tokens: list[i
     rows = max(n for part in counts for n in part)  # a host page: the fullest layer's entries
     page_bytes = spec.host_page_bytes(rows)
     if host_budget is not None and (host_pages + 1) * page_bytes > host_budget:
-        raise UserError(
+        raise HostBudgetError(
             f"{what} needs {byte_size(host_pages * page_bytes)} of host memory "
             f"for its KV pages, more than the {byte_size(host_budget)} host budget"
         )

@@ -13,7 +13,7 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import Literal, get_args
 
-from headspace.errors import UserError
+from headspace.errors import HostBudgetError, UserError
 from headspace.kv.spec import GiB, KVSpec, byte_size
 from headspace.model.config import ModelConfig
 from headspace.planner.head_map import HeadEntry, HeadMap
@@ -336,7 +336,7 @@ def plan_batch(spec: KVSpec, arena: int, total_pages: int, *, offload: str = "au
         gpu_pages = min(gpu_pages, max_gpu_pages)
     host_bytes = total_pages * full
     if host_budget is not None and host_bytes > host_budget:
-        raise UserError(
+        raise HostBudgetError(
             f"{what} needs {byte_size(host_bytes)} of host memory for its KV pages, "
             f"more than the {byte_size(host_budget)} host budget"
         )
