@@ -59,6 +59,23 @@ def test_gpu_engine_matches_cpu_reference():
     assert (bf16_logits - ref_logits).abs().max().item() <= 2e-2 * ref_logits.abs().max().item()
 
 
+def test_the_gpu_budget_is_read_once_when_the_engine_is_made():
+    """Without a budget the engine's is its weights plus 90% of the GPU's free memory when
+    it is made, resolved to bytes once: memory taken afterwards (its own arena, or another
+    tensor) changes no later reading; ``plan`` reads the same default."""
+    from headspace.engine.memory import default_gpu_budget, gpu_budget
+
+    model = tiny_model("cuda", torch.float32)
+    weights = sum(p.nbytes for p in model.parameters())
+    expected = default_gpu_budget(torch.device("cuda"), weights)
+    engine = make_engine(model, dtype="float32")
+    budget = engine.config.cache.gpu_memory
+    assert isinstance(budget, int) and abs(budget - expected) <= 0.01 * expected
+    assert 0 < engine.lanes.arena_bytes < budget  # (its arena allocated)
+    taken = torch.empty(2**28, dtype=torch.uint8, device="cuda")
+    assert gpu_budget(engine.config, weights) == budget and taken.numel() == 2**28
+
+
 def test_graph_decode_equals_eager_decode_and_batches_equal_one_at_a_time():
     generator = torch.Generator().manual_seed(2)
     prompts = [torch.randint(0, 512, (n,), generator=generator) for n in (30, 300, 129, 700)]

@@ -52,7 +52,7 @@ def _model_config(model: str | None):
 def _gpu_budget(args) -> int:
     import torch
 
-    from headspace.engine.memory import device_total_bytes, parse_memory
+    from headspace.engine.memory import default_gpu_budget, device_total_bytes, parse_memory
 
     if args.gpu_memory is None and not torch.cuda.is_available():
         host = (
@@ -61,8 +61,10 @@ def _gpu_budget(args) -> int:
             else (" and --host-memory (its machine's, e.g. 200GiB; this one's is used otherwise)")
         )
         raise UserError(f"no GPU here: pass --gpu-memory (e.g. 24GiB){host} to plan for one")
+    if args.gpu_memory is None:  # what an engine made now on this GPU would hold
+        return default_gpu_budget(torch.device("cuda"))
     gpu_total = device_total_bytes(torch.device("cuda")) if torch.cuda.is_available() else 0
-    return parse_memory(args.gpu_memory or 1.0, gpu_total)
+    return parse_memory(args.gpu_memory, gpu_total)
 
 
 def _host_hint(make, args):

@@ -14,6 +14,7 @@ from headspace.engine.config import EngineConfig
 from headspace.engine.hooks import EngineHooks
 from headspace.engine.lane_setup import kv_sizes
 from headspace.engine.lanes import Lanes
+from headspace.engine.memory import with_gpu_budget
 from headspace.engine.outputs import EngineLoad, GenerationStats, RequestOutput
 from headspace.engine.ranks import join, plan_ranks, setup_ranks
 from headspace.engine.sampling import SamplingParams
@@ -97,6 +98,7 @@ class Engine:
     def __init__(self, model_dir: Path, config: EngineConfig, hooks: EngineHooks | None = None):
         model_cfg = load_config(model_dir)  # refuse a bad directory before the slower loads
         config = join(config)  # under torchrun: the process group, this rank's GPU
+        config = with_gpu_budget(config, 0)  # free memory read once, before the weights load
         started = time.perf_counter()
         tokenizer = load_tokenizer(model_dir)
         self.tokenizer_seconds = time.perf_counter() - started  # its imports included
@@ -128,6 +130,7 @@ class Engine:
         max_context = cls._max_context(model.config, config)
         ranks = setup_ranks(model, config, engine.profile, max_context)
         on_device = sum(p.nbytes for p in model.parameters() if p.device.type != "cpu")
+        config = with_gpu_budget(config, on_device)  # free memory read once, now
         if weights_streamed(model.config, config, ranks, on_device):
             WeightStream(model, config.runtime.device, delay=hooks and hooks.weight_delay)
         engine._setup(model, tokenizer, config, ranks, hooks)

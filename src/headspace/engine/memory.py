@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import re
+from dataclasses import replace
 
 import torch
 
@@ -98,13 +99,30 @@ def rank_host_bytes(value: str | float | None, ranks_on_host: int = 1,
 
 def gpu_budget(engine_config, weight_bytes: int) -> int | None:
     """Bytes the engine may hold on its device: the user's budget, else on a GPU the weights
-    plus 90% of what is free now; None on the CPU without a budget."""
+    plus 90% of what is free now (:func:`default_gpu_budget`); None on the CPU without a
+    budget. An engine reads it from a config that :func:`with_gpu_budget` resolved once."""
     device = torch.device(engine_config.runtime.device)
     if engine_config.cache.gpu_memory is not None:
         return parse_memory(engine_config.cache.gpu_memory, device_total_bytes(device))
     if device.type == "cuda":
-        return int(FREE_MEMORY_SHARE * torch.cuda.mem_get_info(device)[0]) + weight_bytes
+        return default_gpu_budget(device, weight_bytes)
     return None
+
+
+def default_gpu_budget(device: torch.device, weight_bytes: int = 0) -> int:
+    """Without a budget given, what an engine made now on the GPU ``device`` may hold: the
+    ``weight_bytes`` already on it plus 90% of its free memory (``plan`` reads the same)."""
+    return int(FREE_MEMORY_SHARE * torch.cuda.mem_get_info(device)[0]) + weight_bytes
+
+
+def with_gpu_budget(engine_config, weight_bytes: int):
+    """``engine_config`` with its GPU budget resolved to bytes once (:func:`gpu_budget`,
+    ``weight_bytes`` already on the device): the free memory sampled when the engine is
+    made, not again as its parts are sized (each after the last one's allocations)."""
+    if engine_config.cache.gpu_memory is not None or not engine_config.runtime.on_gpu:
+        return engine_config
+    budget = gpu_budget(engine_config, weight_bytes)
+    return replace(engine_config, cache=replace(engine_config.cache, gpu_memory=budget))
 
 
 def check_host_room(arena_bytes: int) -> None:
