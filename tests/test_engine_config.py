@@ -52,6 +52,10 @@ def test_literal_types_are_the_choices_and_refuse_others():
     for slowdown in (0.5, float("nan")):
         with pytest.raises(UserError, match="prefill_slowdown must be at least 1"):
             EngineConfig.of(prefill_slowdown=slowdown)
+    for share in (0.0, 1.5, float("nan")):
+        with pytest.raises(UserError, match="prefill_sm_share must be in \\(0, 1\\]"):
+            EngineConfig.of(prefill_sm_share=share)
+    assert EngineConfig.of(prefill_sm_share=1.0).runtime.prefill_sm_share == 1.0
 
 
 def test_unknown_options_and_checks_across_groups_are_refused():

@@ -240,11 +240,13 @@ def test_the_offload_lanes_cpu_attention_leaves_cores_while_the_resident_lane_ru
     from headspace.engine.hooks import EngineHooks
 
     seen = []  # (the short one ended, cores the offload lane's attention leaves, threads)
+    confined = []  # (the short one ended, whether its prompt pieces would be confined)
     ended = []
     offload_steps = threading.Semaphore(0)
 
     def look(name: str) -> None:  # the lanes in turn: a resident step after an offload one
         attention = llm.engine.lanes.lane("offload").runner.site.cpu_attention
+        confined.append((bool(ended), llm.engine.lanes.worker.beside))
         if name == "offload" and attention is not None:
             seen.append((bool(ended), attention.spared, attention.threads))
             offload_steps.release()
@@ -271,6 +273,30 @@ def test_the_offload_lanes_cpu_attention_leaves_cores_while_the_resident_lane_ru
     alone = seen[ended[0] + 2 :]  # (the change reaches its thread at its next command)
     assert (False, SPARED_BESIDE, 4 - SPARED_BESIDE) in beside
     assert alone and set(alone) == {(True, 0, 4)}
+    # its prompt pieces' SMs follow the same signal (on a GPU: a green context's stream)
+    assert (False, True) in confined and confined[-1] == (True, False)
+
+
+def test_the_offload_lanes_prompt_pieces_leave_sms_beside_decoding_requests():
+    """Beside decoding requests, a prompt piece of the offload lane goes to the stream
+    confined to part of the SMs, in whole groups of SMs; its decode steps to their own
+    stream; alone, to the stream of every SM. Where no green context can be made (here: no
+    GPU), a warning says so and every SM is kept."""
+    from headspace.engine import lane_worker as worker
+
+    GREEN_SM_STEP, confined_sms = worker.GREEN_SM_STEP, worker.confined_sms
+    green_stream, step_stream = worker.green_stream, worker.step_stream
+
+    streams = ("prefill", "decode", "confined")
+    assert step_stream(False, True, *streams) == "confined"
+    assert step_stream(False, False, *streams) == "prefill"
+    assert step_stream(True, True, *streams) == "decode"
+    assert confined_sms(132, 0.85) == 112 and 112 % GREEN_SM_STEP == 0
+    assert confined_sms(132, 0.01) == GREEN_SM_STEP  # (one group at least)
+    assert confined_sms(132, 1.0) is None and confined_sms(8, 0.5) is None
+    if not torch.cuda.is_available():
+        with pytest.warns(UserWarning, match="keep every SM beside decoding requests"):
+            assert green_stream(torch.device("cuda"), 8) is None
 
 
 @pytest.mark.parametrize("mode", ["streamed", "hybrid"])

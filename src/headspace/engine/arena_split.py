@@ -91,10 +91,13 @@ class ArenaSplit:
         self.handed.clear()
 
     # -- the split -----------------------------------------------------------------------
-    def spare_cores(self) -> None:
-        """Have the offload lane's CPU attention leave ``SPARED_BESIDE`` cores while the
-        resident lane runs beside it, none otherwise (from its next step)."""
-        count = SPARED_BESIDE if self.open and self.resident.has_running() else 0
+    def make_room(self) -> None:
+        """While the resident lane runs beside it, have the offload lane leave room for its
+        steps: its CPU attention ``SPARED_BESIDE`` cores, its prompt pieces part of the
+        GPU's SMs (from its next step); all of both otherwise."""
+        beside = self.open and self.resident.has_running()
+        self.worker.beside = beside
+        count = SPARED_BESIDE if beside else 0
         if count != self._spared:
             self._spared = count
             self.worker.submit(lambda lane: lane.runner.spare_cpu_cores(count))

@@ -14,6 +14,10 @@ import torch
 
 from headspace.budgets import POOL, KVBudget, PolicyName
 from headspace.engine.config_fields import (
+    ARRIVING_STEP_TOKENS,
+    AT_ONCE_STEP_TOKENS,
+    PREFILL_SLOWDOWN,
+    PREFILL_SM_SHARE,
     _is_number,
     _option,
     _positive_ints,
@@ -32,15 +36,6 @@ from headspace.tiers.base import HybridSettings
 DType = Literal["float32", "bfloat16", "float16"]
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 KV_POLICIES = get_args(PolicyName)
-# a step's prompt work beside decoding requests, by default: small while requests arrive one
-# by one and a chunk runs in layer slices (their time per output token stays within a few
-# times its usual value), large for a batch given at once (fewer, fuller steps) and for
-# pieces through every layer (each re-reads the prompt's prefix), as vLLM sizes its token
-# budget by usage
-ARRIVING_STEP_TOKENS, AT_ONCE_STEP_TOKENS = 512, 8192
-# the running requests' time per token while prompts queue, as a multiple of their decode
-# step alone (the short streams' p99 target of issue 72 during a long prefill)
-PREFILL_SLOWDOWN = 3.0
 
 
 @dataclass
@@ -87,6 +82,11 @@ class RuntimeConfig:
         "work beside decoding requests: up to this many times their decode step alone (the "
         "cap on their time per token then), never less than prefill_step_tokens; 1: no more",
     )  # fmt: skip
+    prefill_sm_share: float = _option(
+        PREFILL_SM_SHARE, "beside decoding requests on a GPU, the share of its SMs that a long "
+        "prompt's pieces in the offload lane run on (a CUDA green context), the rest kept for "
+        "the others' decode steps; 1: no SM kept",
+    )  # fmt: skip
 
     def __post_init__(self):
         if self.device != "cpu" and not self.device.startswith("cuda"):
@@ -100,6 +100,8 @@ class RuntimeConfig:
         _positive_ints(self, ("max_context", "prefill_chunk", "prefill_step_tokens"), True)
         if not self.prefill_slowdown >= 1:  # (NaN too)
             raise UserError(f"prefill_slowdown must be at least 1, got {self.prefill_slowdown}")
+        if not 0 < self.prefill_sm_share <= 1:
+            raise UserError(f"prefill_sm_share must be in (0, 1], got {self.prefill_sm_share}")
 
     def step_tokens(self, at_once: bool, slices: bool = True) -> int:
         """``prefill_step_tokens`` as asked, else its default for requests given at once

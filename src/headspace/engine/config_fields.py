@@ -10,6 +10,20 @@ from typing import Literal, get_args, get_origin, get_type_hints
 
 from headspace.errors import UserError
 
+# a step's prompt work beside decoding requests, by default: small while requests arrive one
+# by one and a chunk runs in layer slices (their time per output token stays within a few
+# times its usual value), large for a batch given at once (fewer, fuller steps) and for
+# pieces through every layer (each re-reads the prompt's prefix), as vLLM sizes its token
+# budget by usage
+ARRIVING_STEP_TOKENS, AT_ONCE_STEP_TOKENS = 512, 8192
+# the running requests' time per token while prompts queue, as a multiple of their decode
+# step alone (the short streams' p99 target of issue 72 during a long prefill)
+PREFILL_SLOWDOWN = 3.0
+# beside decoding requests on a GPU, the share of its SMs a long prompt's pieces in the offload
+# lane may use (a CUDA green context): the rest are always free for the others' decode steps,
+# whose kernels otherwise wait for the prompt's long attention blocks to leave an SM
+PREFILL_SM_SHARE = 0.85
+
 
 def _option(default, help: str, *, flag: str | None = None, cli_default=None):
     """A documented field: ``help`` is its flag's help text; ``flag`` its flat name (API

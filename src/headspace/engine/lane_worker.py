@@ -2,6 +2,10 @@
 PCIe and its CPU attention jobs never stand between two steps of the engine's thread, whose
 lane keeps the GPU busy meanwhile.
 
+Beside the engine's thread's decoding requests (``beside``), its prompt pieces run on a
+stream confined to part of the GPU's SMs (a CUDA green context): a decode step's kernels
+then always find free SMs, instead of waiting for a long attention block to leave one.
+
 The engine's thread hands it commands (add a request, abort one, take another part of the
 arena), which run between its steps in the order given, and empties the box its outputs
 wait in. Where CUDA runs, it records an event on its stream each time it finds nothing to
@@ -12,6 +16,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import warnings
 from collections.abc import Callable
 
 import torch
@@ -21,6 +26,7 @@ from headspace.engine.outputs import RequestOutput
 from headspace.model.llama import DEVICE_LOCK
 
 IDLE_WAIT_S = 0.05  # how long an idle worker waits for a command before looking again
+GREEN_SM_STEP = 8  # a green context's SMs come in groups of this many (Hopper's clusters)
 
 
 class LaneWorker:
@@ -30,8 +36,12 @@ class LaneWorker:
     the engine's thread's steps, while a decode step's few small kernels, which the lane's
     CPU attention and copies wait on layer by layer, go first."""
 
-    def __init__(self, lane: Lane, priority: int = 0, decode_priority: int = 0):
+    def __init__(self, lane: Lane, priority: int = 0, decode_priority: int = 0,
+                 prefill_sms: int | None = None):  # fmt: skip
+        """``prefill_sms``: the SMs its prompt pieces run on while ``beside`` (None: all)."""
         self.lane, self.priority, self.decode_priority = lane, priority, decode_priority
+        self.prefill_sms = prefill_sms
+        self.beside = False  # whether the engine's thread has requests decoding (it sets it)
         self.error: BaseException | None = None  # what stopped the thread, if anything
         self.idle_event: torch.cuda.Event | None = None  # recorded when it last went idle
         self._commands: queue.Queue[Callable[[Lane], None] | None] = queue.Queue()
@@ -99,7 +109,12 @@ class LaneWorker:
             decode = prefill
             if self.decode_priority != self.priority:
                 decode = torch.cuda.Stream(device, priority=self.decode_priority)
-            streams = (prefill, decode)
+            confined = prefill
+            if self.prefill_sms is not None:
+                green = green_stream(device, self.prefill_sms)
+                confined = prefill if green is None else green[1]
+                self._green = green  # (the context lives as long as its stream is used)
+            streams = (prefill, decode, confined)
         try:
             with torch.inference_mode(), torch.cuda.stream(streams and streams[0]):
                 self._loop(streams)
@@ -113,8 +128,7 @@ class LaneWorker:
             applied += self._apply_commands(block=False)
             if self.lane.has_unfinished():
                 if streams is not None:
-                    decoding = self.lane.prefilling() is None and not self.lane.scheduler.waiting
-                    _switch(streams[decoding])
+                    _switch(self._stream(*streams))
                 outputs = self.lane.step()
                 if outputs:
                     with self._lock:
@@ -123,6 +137,10 @@ class LaneWorker:
                 continue
             self._went_idle(applied)
             applied += self._apply_commands(block=True)
+
+    def _stream(self, prefill, decode, confined) -> torch.cuda.Stream:
+        decoding = self.lane.prefilling() is None and not self.lane.scheduler.waiting
+        return step_stream(decoding, self.beside, prefill, decode, confined)
 
     def _apply_commands(self, block: bool) -> int:
         """Run the queued commands (waiting a while for one with ``block``); their count."""
@@ -153,6 +171,45 @@ class LaneWorker:
             self._ready.set()
 
 
+def step_stream(decoding: bool, beside: bool, prefill, decode, confined):
+    """The stream of the lane's next step: a decode step's, else a prompt piece's, confined
+    to part of the SMs while the engine's thread decodes ``beside`` it."""
+    if decoding:
+        return decode
+    return confined if beside else prefill
+
+
+def confined_sms(num_sms: int, share: float) -> int | None:
+    """The SMs of ``num_sms`` that a prompt piece beside decoding requests runs on:
+    ``share`` of them in whole groups of ``GREEN_SM_STEP`` (one at least); None where that
+    is all of them."""
+    if share >= 1:
+        return None
+    count = max(GREEN_SM_STEP, int(num_sms * share) // GREEN_SM_STEP * GREEN_SM_STEP)
+    return count if count < num_sms else None
+
+
+def green_stream(device: torch.device, num_sms: int) -> tuple[object, torch.cuda.Stream] | None:
+    """``(context, stream)``: a stream whose kernels run on ``num_sms`` of the device's SMs
+    (a CUDA green context; the context must outlive the stream's use); None, with a warning,
+    where this torch or driver has none."""
+    try:
+        from torch.cuda.green_contexts import GreenContext
+
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        context = GreenContext.create(num_sms=num_sms, device_id=index)
+        if hasattr(context, "Stream"):
+            return context, context.Stream()
+        context.set_context()  # (a torch whose green context makes its own stream current)
+        stream = torch.cuda.current_stream()
+        context.pop_context()
+        return context, stream
+    except Exception as error:  # noqa: BLE001 (any failure: the prompt keeps every SM)
+        warnings.warn(f"prompt pieces keep every SM beside decoding requests: no CUDA green "
+                      f"context here ({type(error).__name__}: {error})", stacklevel=2)  # fmt: skip
+        return None
+
+
 def _switch(stream: torch.cuda.Stream) -> None:
     """Make ``stream`` the thread's current one, after all work queued on the one before
     (so the lane's work stays in order). The allocator keeps freed blocks per stream: the
@@ -166,4 +223,4 @@ def _switch(stream: torch.cuda.Stream) -> None:
             torch.cuda.empty_cache()
 
 
-__all__ = ["LaneWorker"]
+__all__ = ["GREEN_SM_STEP", "LaneWorker", "confined_sms", "green_stream", "step_stream"]

@@ -29,7 +29,7 @@ from headspace.engine.detokenize import StopStringStreamer
 from headspace.engine.hooks import EngineHooks
 from headspace.engine.lane import Lane, LaneContext
 from headspace.engine.lane_setup import LaneFactory
-from headspace.engine.lane_worker import LaneWorker
+from headspace.engine.lane_worker import LaneWorker, confined_sms
 from headspace.engine.layout_plan import LaneMemory
 from headspace.engine.outputs import EngineLoad, RequestOutput
 from headspace.engine.ranks import Ranks
@@ -70,7 +70,8 @@ class Lanes:
         self.worker = self._priority_stream = None  # (the latter a GPU's resident lane's)
         if self.shared:
             self.worker = LaneWorker(self.offload, PRIORITIES["offload prefill"],
-                                     PRIORITIES["offload decode"])  # fmt: skip
+                                     PRIORITIES["offload decode"],
+                                     _prefill_sms(config.runtime))  # fmt: skip
         if self.shared and config.runtime.on_gpu:
             self._priority_stream = torch.cuda.Stream(config.runtime.device,
                                                       priority=PRIORITIES["resident"])  # fmt: skip
@@ -202,7 +203,7 @@ class Lanes:
         split = self.split
         if split is not None:
             split.place()
-            split.spare_cores()
+            split.make_room()
         outputs, self._aborted = self._aborted, []
         if self.resident.has_unfinished():
             with self._resident_stream():
@@ -293,6 +294,15 @@ class Lanes:
     def close(self) -> None:
         if self.worker is not None:
             self.worker.close()
+
+
+def _prefill_sms(runtime) -> int | None:
+    """The SMs the offload lane's prompt pieces run on beside decoding requests (None: all,
+    or no GPU)."""
+    if not runtime.on_gpu or runtime.prefill_sm_share >= 1:
+        return None
+    num_sms = torch.cuda.get_device_properties(runtime.device).multi_processor_count
+    return confined_sms(num_sms, runtime.prefill_sm_share)
 
 
 __all__ = ["Lanes"]
