@@ -223,14 +223,20 @@ def floor_ms(entries: dict, tokens: int, h2d: float, cpu: float) -> float:
     return 1e3 * offloaded_seconds(offloaded * entry_bytes, layers, hybrid, None, hw)
 
 
-def scenario(name: str, model_dir: Path, h2d: float, cpu: float) -> dict:
+def largest_gaps(pairs: list[tuple[float, float]], start: float, count: int = 8) -> list:
+    """The ``count`` longest gaps of ``pairs`` as (ms, seconds after ``start`` it ended)."""
+    ranked = sorted(pairs, reverse=True)[:count]
+    return [(round(1e3 * gap, 1), round(at - start, 2)) for gap, at in ranked]
+
+
+def scenario(name: str, model_dir: Path, h2d: float, cpu: float, flags: tuple = ()) -> dict:
     count, short_len, short_new, long_len = SCENARIOS[name]
     shorts = (count, short_len, short_new)
     long_prompt = ids(long_len, 999)
     kv_token = LLAMA31_8B["num_hidden_layers"] * LLAMA31_8B["num_key_value_heads"] * 128 * 2 * 2
     short_kv_gib = count * (short_len + short_new) * kv_token / GiB  # their peak KV
     mixed, alone_short = serve_run(
-        model_dir, BUDGET_GIB, [(shorts, long_prompt, 0.0), (shorts, None, None)]
+        model_dir, BUDGET_GIB, [(shorts, long_prompt, 0.0), (shorts, None, None)], *flags
     )
     # (no arena kept for arrivals: the short streams' KV is what the budget leaves out)
     (alone_long,) = serve_run(
@@ -239,6 +245,7 @@ def scenario(name: str, model_dir: Path, h2d: float, cpu: float) -> dict:
         [((0, 0, 0), long_prompt, 0.0)],
         "--resident-reserve",
         "0",
+        *flags,
     )
     long, long_alone = long_figures(mixed, long_len), long_figures(alone_long, long_len)
     if "error" in long or "error" in long_alone:
@@ -248,6 +255,9 @@ def scenario(name: str, model_dir: Path, h2d: float, cpu: float) -> dict:
         g for g, at in all_gaps if long["first_at"] - long["ttft_s"] < at <= long["first_at"]
     ]
     decode = [g for g, at in all_gaps if long["first_at"] < at <= long["last_at"]]
+    sent = long["first_at"] - long["ttft_s"]
+    in_prefill = [(g, at) for g, at in all_gaps if sent < at <= long["first_at"]]
+    in_decode = [(g, at) for g, at in all_gaps if long["first_at"] < at <= long["last_at"]]
     p50, p99 = percentiles([g for g, _ in all_gaps])
     alone50, alone99 = percentiles([g for g, _ in alone_gaps])
     failed = sum("error" in r for r in mixed["shorts"] + alone_short["shorts"])
@@ -258,6 +268,9 @@ def scenario(name: str, model_dir: Path, h2d: float, cpu: float) -> dict:
         "short_tpot_p99_ms_during_long_decode": 1e3 * percentiles(decode)[1],
         "short_tokens_during_long_prefill": len(prefill),
         "short_tokens_during_long_decode": len(decode),
+        # (ms, seconds after the long prompt was sent)
+        "short_largest_gaps_during_long_prefill": largest_gaps(in_prefill, sent),
+        "short_largest_gaps_during_long_decode": largest_gaps(in_decode, sent),
         "long_ttft_s": long["ttft_s"], "long_ttft_s_alone": long_alone["ttft_s"],
         "long_decode_ms": long["decode_ms"], "long_decode_ms_alone": long_alone["decode_ms"],
         "long_decode_floor_ms": floor_ms(long["entries"], long_len, h2d, cpu),
@@ -297,6 +310,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--scenarios", default="a,b,c", help="which of a, b, c")
     parser.add_argument("--tag", default="", help="added to the file name")
+    parser.add_argument("--serve-flags", default="", help="more flags for every server, "
+                        "e.g. '--prefill-sm-share 1'")  # fmt: skip
     args = parser.parse_args()
     env = environment()
     from cpu_attention import kernel_gb_s
@@ -305,14 +320,14 @@ def main() -> None:
     cpu = kernel_gb_s(128 * K, 4, max(1, (os.cpu_count() or 2) - 1)) * 1e9  # as the engine runs it
     result = {"env": env, "config": LLAMA31_8B, "gpu_memory": f"{BUDGET_GIB}GiB",
               "host_memory": HOST, "h2d_bytes_per_s": h2d, "cpu_attention_bytes_per_s": cpu,
-              "scenarios": {}}  # fmt: skip
+              "serve_flags": args.serve_flags, "scenarios": {}}  # fmt: skip
     tag = f"_{args.tag}" if args.tag else ""
     name_of_file = f"mixed{tag}_llama3-8b_{gpu_tag(env)}_{env['date']}.json"
     with tempfile.TemporaryDirectory(dir=os.environ.get("TMPDIR")) as tmp:
         model_dir = Path(tmp) / "llama3-8b-random"
         save_checkpoint(model_dir)
         for name in args.scenarios.split(","):
-            row = scenario(name, model_dir, h2d, cpu)
+            row = scenario(name, model_dir, h2d, cpu, tuple(args.serve_flags.split()))
             if "error" not in row:
                 row["targets"] = targets(row)
                 row = {k: None if isinstance(v, float) and math.isnan(v) else v

@@ -40,8 +40,10 @@ class LaneWorker:
                  prefill_sms: int | None = None):  # fmt: skip
         """``prefill_sms``: the SMs its prompt pieces run on while ``beside`` (None: all)."""
         self.lane, self.priority, self.decode_priority = lane, priority, decode_priority
-        self.prefill_sms = prefill_sms
         self.beside = False  # whether the engine's thread has requests decoding (it sets it)
+        self._green = None  # (context, stream) of prefill_sms SMs; made here, where CUDA is
+        if prefill_sms is not None and lane.runner.device.type == "cuda":  # current already
+            self._green = green_stream(lane.runner.device, prefill_sms)
         self.error: BaseException | None = None  # what stopped the thread, if anything
         self.idle_event: torch.cuda.Event | None = None  # recorded when it last went idle
         self._commands: queue.Queue[Callable[[Lane], None] | None] = queue.Queue()
@@ -109,11 +111,7 @@ class LaneWorker:
             decode = prefill
             if self.decode_priority != self.priority:
                 decode = torch.cuda.Stream(device, priority=self.decode_priority)
-            confined = prefill
-            if self.prefill_sms is not None:
-                green = green_stream(device, self.prefill_sms)
-                confined = prefill if green is None else green[1]
-                self._green = green  # (the context lives as long as its stream is used)
+            confined = prefill if self._green is None else self._green[1]
             streams = (prefill, decode, confined)
         try:
             with torch.inference_mode(), torch.cuda.stream(streams and streams[0]):
