@@ -141,6 +141,21 @@ def test_merge_of_random_splits_equals_union(num_kv, cuts, seed):
     assert (lse - ref_lse).abs().max().item() < 1e-5
 
 
+@settings(max_examples=40, deadline=None)
+@given(num_kv=st.integers(1, 90), span=st.one_of(st.none(), st.integers(1, 100)),
+       seed=st.integers(0, 1000))  # fmt: skip
+def test_attention_over_key_spans_equals_one_call(num_kv, span, seed):
+    """A prompt piece's attention in runs of at most ``span`` keys, merged by LSE, is
+    attention over all of them (the runs' count grows as the span shrinks)."""
+    from headspace.attention import attend_spans
+
+    q, k, v = _qkv(4, 2, 5, num_kv, seed=seed)
+    out, lse = attend_spans(q, k, v, span, backend="reference")
+    ref_out, ref_lse = reference_attention(q, k, v)
+    assert (out - ref_out).abs().max().item() < 1e-5
+    assert (lse - ref_lse).abs().max().item() < 1e-5
+
+
 def test_merge_with_empty_parts_keeps_zero_rows():
     q, k, v = _qkv(2, 2, 3, 0)
     empty = reference_attention(q, k, v)

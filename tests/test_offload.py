@@ -185,6 +185,21 @@ def test_embedded_model_with_streamed_heads(embedded_dir):
     assert 0 < plan.head_map.count("gpu") < 90
 
 
+@pytest.mark.parametrize("offload", ["layer", "hybrid"])
+def test_a_bound_on_the_keys_a_prompt_kernel_reads_keeps_the_logits(tiny_llama, spec, prompt,
+                                                                     offload):  # fmt: skip
+    """``prefill_key_span`` cuts a prompt piece's attention over its prefix into runs of at
+    most that many keys (resident prefix pieces and staged history alike): the logits stay
+    those of the unbounded run, within rounding."""
+    arena = 6 * spec.full_page_bytes
+    unbounded = make(tiny_llama, arena=arena, offload=offload).logits(prompt[:400])
+    spans = make(tiny_llama, arena=arena, offload=offload, prefill_key_span=40)
+    assert spans.engine.config.runtime.prefill_key_span == 40
+    torch.testing.assert_close(spans.logits(prompt[:400]), unbounded, atol=1e-4, rtol=0)
+    resident = make(tiny_llama, prefill_key_span=40).logits(prompt[:400])
+    torch.testing.assert_close(resident, unbounded, atol=1e-4, rtol=0)
+
+
 def test_streamed_prefill_sums_in_the_resident_order_where_the_pieces_agree(tiny_llama, spec,
                                                                              prompt):  # fmt: skip
     """The stream tier merges its staged pieces of a chunk's prefix into the chunk's running

@@ -17,7 +17,14 @@ from headspace.attention.sdpa import sdpa_attention
 
 BACKENDS = {"reference": reference_attention, "sdpa": sdpa_attention, "flex": flex_attention_dense}
 
-__all__ = ["BACKENDS", "attend", "decode_attend", "merge_attention", "reference_attention"]
+__all__ = [
+    "BACKENDS",
+    "attend",
+    "attend_spans",
+    "decode_attend",
+    "merge_attention",
+    "reference_attention",
+]
 
 
 def attend(
@@ -44,6 +51,25 @@ def attend(
     past = fn(q, k[:, :prefix], v[:, :prefix], causal=False, scale=scale)
     diagonal = fn(q, k[:, prefix:], v[:, prefix:], causal=True, scale=scale)
     return merge_attention([past[0], diagonal[0]], [past[1], diagonal[1]])
+
+
+def attend_spans(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    span: int | None,
+    *,
+    backend: str | Callable = "sdpa",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`attend` (not causal) over the keys in runs of at most ``span`` (None: one
+    run), merged by LSE: the same result, from kernels whose thread blocks each read at most
+    ``span`` keys (shorter blocks, which other streams' kernels wait for less)."""
+    num_kv = k.shape[1]
+    if span is None or num_kv <= span:
+        return attend(q, k, v, backend=backend)
+    parts = [attend(q, k[:, s : s + span], v[:, s : s + span], backend=backend)
+             for s in range(0, num_kv, span)]  # fmt: skip
+    return merge_attention([p[0] for p in parts], [p[1] for p in parts])
 
 
 def decode_attend(

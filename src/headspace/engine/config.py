@@ -82,6 +82,11 @@ class RuntimeConfig:
         "work beside decoding requests: up to this many times their decode step alone (the "
         "cap on their time per token then), never less than prefill_step_tokens; 1: no more",
     )  # fmt: skip
+    prefill_key_span: int | None = _option(
+        None, "a prompt piece's attention over its prefix reads at most this many keys a "
+        "kernel (runs merged by log-sum-exp: shorter thread blocks, which the decode steps "
+        "of requests beside it wait for less); default: no bound",
+    )  # fmt: skip
     prefill_sm_share: float = _option(
         PREFILL_SM_SHARE, "beside decoding requests on a GPU, the share of its SMs that a long "
         "prompt's pieces in the offload lane run on (a CUDA green context), the rest kept for "
@@ -97,7 +102,8 @@ class RuntimeConfig:
             self.dtype = "bfloat16" if self.on_gpu else "float32"
         check_choices(self)
         _positive_ints(self, ("max_batch",), optional=False)
-        _positive_ints(self, ("max_context", "prefill_chunk", "prefill_step_tokens"), True)
+        _positive_ints(self, ("max_context", "prefill_chunk", "prefill_step_tokens",
+                              "prefill_key_span"), True)  # fmt: skip
         if not self.prefill_slowdown >= 1:  # (NaN too)
             raise UserError(f"prefill_slowdown must be at least 1, got {self.prefill_slowdown}")
         if not 0 < self.prefill_sm_share <= 1:

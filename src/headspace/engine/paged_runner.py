@@ -105,7 +105,7 @@ class PagedRunner:
             per_entry_pages=parts.blocks.per_entry, layout=layout, budget=self.budget,
             head_scores=None if profile is None else torch.tensor(profile.retrieval),
             hybrid=config.hybrid_settings(),
-            prefix_piece=hooks.prefix_piece,
+            prefix_piece=hooks.prefix_piece, key_span=config.runtime.prefill_key_span,
             cpu_timings=hooks.cpu_timings,
         )  # fmt: skip
         self.tiers: list[Tier] = []  # the current plan's (tiers.table)

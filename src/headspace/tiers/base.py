@@ -200,6 +200,7 @@ class TierSite:
     # every rank's tensor stacked ``[world, ...]`` (an all-gather), for copies and budgets
     exchange: Callable[[torch.Tensor], torch.Tensor] = all_gather_stack
     prefix_piece: int | None = None  # prefix tokens gathered at a time (None: the rule)
+    key_span: int | None = None  # most keys a prompt piece's attention kernel reads (None: all)
     cpu_attention: CpuAttention | None = None  # the hybrid tier's threads, kept across plans
     cpu_timings: CpuTimings | None = None  # a benchmark's profile of them (None: none)
     counters: TierCounters = field(default_factory=TierCounters)

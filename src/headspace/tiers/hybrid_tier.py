@@ -26,8 +26,9 @@ class HybridTier(StreamedTier):
     def __init__(self, host: HostKVArena, staging: list[torch.Tensor],
                  groups: list[list[HeadRange]], q_per_kv: int, page_size: int, backend: str,
                  sized: tuple[int, int], cpu: CpuSplit, window: GpuWindow | None = None,
-                 counters: TierCounters | None = None):  # fmt: skip
-        super().__init__(host, staging, groups, q_per_kv, page_size, backend, sized, counters)
+                 counters: TierCounters | None = None, key_span: int | None = None):  # fmt: skip
+        super().__init__(host, staging, groups, q_per_kv, page_size, backend, sized, counters,
+                         key_span)  # fmt: skip
         self.cpu_split, self.window = cpu, window  # (the engine's share search sets its share)
         self._cpu_job = None  # the CPU part of the layer being attended
 
@@ -43,7 +44,8 @@ class HybridTier(StreamedTier):
             window = GpuWindow.over_groups(site.store.window, groups, plan.gpu_window.pages,
                                            cpu.gpu_window, site.host)  # fmt: skip
         return cls(site.host, site.store.staging, groups, site.q_per_kv, site.spec.page_size,
-                   site.backend, cls.sized(plan), cpu, window, site.counters)  # fmt: skip
+                   site.backend, cls.sized(plan), cpu, window, site.counters,
+                   site.key_span)  # fmt: skip
 
     @property
     def sparse(self) -> SparseSelector | None:

@@ -42,12 +42,13 @@ class ResidentTier(Tier):
 
     def __init__(self, store: PagedKVStore, ranges: list[HeadRange | None], q_per_kv: int,
                  backend: str, patterns: list[list[Pattern] | None] | None = None,
-                 piece: int | None = None):  # fmt: skip
+                 piece: int | None = None, key_span: int | None = None):  # fmt: skip
         """``ranges``: per layer the resident kv heads (places in the layer's heads; None:
-        none); ``piece``: prefix tokens gathered at a time (None: :func:`prefix_piece`)."""
+        none); ``piece``: prefix tokens gathered at a time (None: :func:`prefix_piece`);
+        ``key_span``: at most this many of them (None: no bound)."""
         self.store, self.ranges, self.q_per_kv, self.backend = store, ranges, q_per_kv, backend
         self.patterns = patterns or [None] * len(ranges)
-        self.piece = piece
+        self.piece, self.key_span = piece, key_span
         self.on_gpu = store.buffer.is_cuda
         self.page_size = store.page_size
         self._results: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -61,7 +62,8 @@ class ResidentTier(Tier):
             return None
         patterns = [r and prefill_patterns(plan, layer, own[layer][: r[1]], site.q_per_kv)
                     for layer, r in enumerate(ranges)]  # fmt: skip
-        return cls(site.store, ranges, site.q_per_kv, site.backend, patterns, site.prefix_piece)
+        return cls(site.store, ranges, site.q_per_kv, site.backend, patterns, site.prefix_piece,
+                   site.key_span)  # fmt: skip
 
     def begin(self, step: StepInputs) -> None:
         self.step = step
@@ -133,6 +135,7 @@ class ResidentTier(Tier):
         piece and one result are held at a time."""
         store_kv, page_size = self.store.kv[layer], self.store.page_size
         size = prefix_piece(q.shape[1], self.piece)
+        size = size if self.key_span is None else min(size, self.key_span)
         for start in range(0, prefix, size):
             k, v = gather_pages(store_kv, self.pages, min(prefix, start + size), page_size,
                                 start)  # fmt: skip

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from headspace.attention import attend, merge_attention
+from headspace.attention import attend, attend_spans, merge_attention
 from headspace.attention.flex import decode_block_mask, flex_paged_decode
 from headspace.attention.paged import (
     paged_decode_reference,
@@ -44,10 +44,12 @@ class StreamedTier(Tier):
     def __init__(self, host: HostKVArena, staging: list[torch.Tensor],
                  groups: list[list[HeadRange]], q_per_kv: int, page_size: int,
                  backend: str, sized: tuple[int, int],
-                 counters: TierCounters | None = None):  # fmt: skip
+                 counters: TierCounters | None = None, key_span: int | None = None):  # fmt: skip
         """``sized``: the streamed entries and groups a CUDA graph's step is weighed by
-        (under torchrun the most any rank may stream, so that every rank decides alike)."""
+        (under torchrun the most any rank may stream, so that every rank decides alike);
+        ``key_span``: the most keys a prompt piece's attention kernel reads (None: all)."""
         self.host, self.staging, self.q_per_kv = host, staging, q_per_kv
+        self.key_span = key_span
         self.window, self.window_piece = None, None  # (the hybrid tier's GPU window)
         self.counters = counters or TierCounters()
         self.page_size, self.backend = page_size, backend
@@ -76,7 +78,7 @@ class StreamedTier(Tier):
             return None
         return cls(site.host, site.store.staging, cls.offloaded_groups(plan, site),
                    site.q_per_kv, site.spec.page_size, site.backend, cls.sized(plan),
-                   counters=site.counters)  # fmt: skip
+                   counters=site.counters, key_span=site.key_span)  # fmt: skip
 
     @staticmethod
     def offloaded_groups(plan, site: TierSite) -> list[list[HeadRange]]:
@@ -257,8 +259,8 @@ class StreamedTier(Tier):
             def over(_, k, v):  # k, v: [group heads, tokens, dim]
                 for j in range(k.shape[0]):
                     heads = slice(j * per_kv, (j + 1) * per_kv)
-                    part = attend(q_first[heads], k[j : j + 1], v[j : j + 1],
-                                  backend=self.backend)  # fmt: skip
+                    part = attend_spans(q_first[heads], k[j : j + 1], v[j : j + 1],
+                                        self.key_span, backend=self.backend)  # fmt: skip
                     merged[heads], lse[heads] = merge_attention([merged[heads], part[0]],
                                                                 [lse[heads], part[1]])  # fmt: skip
                 return None, None
