@@ -21,8 +21,11 @@ ARRIVING_STEP_TOKENS, AT_ONCE_STEP_TOKENS = 512, 8192
 PREFILL_SLOWDOWN = 3.0
 # beside decoding requests on a GPU, the share of its SMs a long prompt's pieces in the offload
 # lane may use (a CUDA green context): the rest are always free for the others' decode steps,
-# whose kernels otherwise wait for the prompt's long attention blocks to leave an SM
-PREFILL_SM_SHARE = 0.85
+# whose kernels otherwise wait for the prompt's long attention blocks to leave an SM. All by
+# default: on an H100, 0.85 brought the short streams' p99 during a 128K prefill from 5.7x to
+# 2.6x their pace alone, but their p50 from 1.02x to 1.42x and the long request's first token
+# from 1.14x to 1.46x its time alone (bench/NOTES.md)
+PREFILL_SM_SHARE = 1.0
 
 
 def _option(default, help: str, *, flag: str | None = None, cli_default=None):
