@@ -201,11 +201,18 @@ class DecodeGraphs:
         with torch.cuda.stream(stream):  # warm-up (compiles)
             for _ in range(2):
                 self._step(views, key)
-        torch.cuda.current_stream(self.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
+        # Captured on the side stream without torch.cuda.graph's device-wide synchronisation
+        # and cache release: those waited for the offload lane's prompt piece in flight, a
+        # stall of every resident stream of 1.2-2.5 s when the arena split (bench/NOTES.md).
         # (thread_local: the offload lane's thread goes on working while this one captures)
-        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
-            self._step(views, key)
+        with torch.cuda.stream(stream):
+            graph.capture_begin(self._pool, capture_error_mode="thread_local")
+            try:
+                self._step(views, key)
+            finally:
+                graph.capture_end()
+        torch.cuda.current_stream(self.device).wait_stream(stream)
         return graph
 
     def _pack(self, slots: list[int], positions: list[int], pages: dict, key) -> list[int]:
