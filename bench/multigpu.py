@@ -32,7 +32,7 @@ The driver first measures the heads' uneven loads on this model (``--scenario``)
   takes a step, in which those before it decode) for the whole batch to decode together in
   the steps timed. Result:
   ``multigpu_copies_<model>_<gpu>x<N>_<date>``, with ``copy_cost_us`` from
-  ``bench/copy_cost.py``'s result (``--copy-cost PATH``, same machine) and
+  ``bench/profiles/copy_cost.py``'s result (``--copy-cost PATH``, same machine) and
   ``run_to_run_spread`` (``uniform-again`` against ``uniform``); ``--copy-seconds S`` sets
   the engine's ``copy_seconds`` (0: copies free), the result named ``...-copy<S in us>us_...``.
 

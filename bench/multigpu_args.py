@@ -46,7 +46,9 @@ def command_line(description: str, scenarios: tuple[str, ...],
     )
     parser.add_argument("--model", default="llama3-8b", choices=tuple(MODELS))
     parser.add_argument("--layers", type=int, help="the model's first LAYERS layers only")
-    parser.add_argument("--copy-cost", help="bench/copy_cost.py's result, for copy_cost_us")
+    parser.add_argument(
+        "--copy-cost", help="bench/profiles/copy_cost.py's result, for copy_cost_us"
+    )
     parser.add_argument(
         "--copy-seconds",
         type=float,

@@ -40,7 +40,7 @@ PHASE_KEYS = (("prefill", "prefill"), ("decode", "decode_step"))  # attention_se
 
 
 def copies_keys(copy_cost: str | None, runs: list[dict]) -> dict:
-    """``copy_cost_us`` (before/after, from ``bench/copy_cost.py``'s result) and the
+    """``copy_cost_us`` (before/after, from ``bench/profiles/copy_cost.py``'s result) and the
     run-to-run spread of decode and prefill (``uniform-again`` over ``uniform``), where
     measured."""
     keys = {}

@@ -78,13 +78,14 @@ def test_pure_layers_import_no_torch():
 
 
 def test_benchmarks_import_only_names_that_exist():
-    """Every ``from headspace... import name`` in bench/ (module level or inside a function,
-    which only a GPU run would reach) names something the package has: a refactor that
-    moves a name must move the benchmarks with it."""
+    """Every ``from headspace... import name`` in bench/ and bench/profiles/ (module level
+    or inside a function, which only a GPU run would reach) names something the package
+    has: a refactor that moves a name must move the benchmarks with it."""
     import importlib
 
     missing = []
-    for path in sorted((PACKAGE.parents[1] / "bench").glob("*.py")):
+    bench = PACKAGE.parents[1] / "bench"
+    for path in sorted([*bench.glob("*.py"), *bench.glob("profiles/*.py")]):
         for node in ast.walk(ast.parse(path.read_text())):
             if not (
                 isinstance(node, ast.ImportFrom) and (node.module or "").startswith("headspace")

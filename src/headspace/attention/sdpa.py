@@ -8,7 +8,7 @@ cuDNN builds an execution plan for every new shape (45-70 ms on an H100), and a 
 chunk has a new row count at every new prompt length. So cuDNN's calls run whole multiples of
 :data:`CUDNN_ROWS` query rows (:func:`cudnn_rows`), shapes that repeat across lengths: the
 rows past a call's end are zeros, and a causal block's keys too (after every real row's, so
-the mask hides them); their outputs are dropped (``bench/prompt_lengths.py``).
+the mask hides them); their outputs are dropped (``bench/profiles/prompt_lengths.py``).
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ LOG2E = 1.4426950408889634
 # slices the merge kernel weighs at a time: a row of one kv head's few query heads over a
 # 64K slot has 512 slices; weighed at once they took 59.8 us on an H100 (partial kernel
 # included), in blocks of 128 14.6 us (rows of up to 256 slices unchanged;
-# bench/decode_attention.py --groups)
+# bench/profiles/decode_attention.py --groups)
 MERGE_SPLIT_BLOCK = 128
 
 

@@ -38,7 +38,7 @@ class Hardware:
     # kernels beside its attention (the copy engine needs copy sizes known on the host)
     copy_seconds: float = 20e-6  # what each copy of a divided kv head adds to its rank's
     # step: at decode its rows join the own heads' kernel launch and the layer's merge is a
-    # fixed few kernels and one lse all-gather (bench/copy_cost.py); 73-100 us a copy when
+    # fixed few kernels and one lse all-gather (bench/profiles/copy_cost.py); 73-100 us a copy when
     # each copy ran its own key range, launch and merge (four H100s, 2026-11-26). The merge
     # is now a cost per layer (every rank's, once any copies) priced here per copy; charged
     # at prefill too, where a copy still runs its own calls (not measured there)

@@ -1,7 +1,7 @@
 """What a copy of a shared kv head adds to a rank's decode step (FairKV's fair-copying), the
 copies found inside the decode kernel against separate launches, measured in one run.
 
-    PYTHONPATH=src python bench/copy_cost.py [--batch 4 64] [--copies 1 2 4] [--kept 1024]
+    PYTHONPATH=src python bench/profiles/copy_cost.py [--batch 4 64] [--copies 1 2 4] [--kept 1024]
 
 One rank of two, one layer of Llama-3.1-8B (32 query heads over 8 kv heads, bf16): four own
 kv heads under a KV budget (each (sequence, head) row keeps ``--kept`` tokens on average,
@@ -34,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).parent.parent))
 from common import environment, gpu_tag, graph_seconds, write_result  # noqa: E402
 from headspace.attention.entry_decode import entry_decode, new_token_slots, share_ranges  # noqa: E402
 from headspace.tiers.copies import merge_copies  # noqa: E402

@@ -4,7 +4,8 @@
 staging slot, the default slices) with the merge kernel weighing its slices all at once
 against in blocks of ``MERGE_SPLIT_BLOCK``.
 
-    PYTHONPATH=src python bench/decode_attention.py [--contexts 8192,32768,131072] [--groups]
+    PYTHONPATH=src python bench/profiles/decode_attention.py [--contexts 8192,32768,131072]
+        [--groups]
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).parent.parent))
 from common import environment, gpu_tag, graph_seconds, write_result  # noqa: E402
 from headspace.attention import triton_decode  # noqa: E402
 from headspace.attention.triton_decode import triton_decode_attention  # noqa: E402

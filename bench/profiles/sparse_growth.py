@@ -3,7 +3,8 @@ the CPU, a 4K prompt of alice29 with a 1K GPU window (the quality runs' set-up),
 tokens to ``--new-tokens``; every ``--every`` tokens, the (min, median, max) share of the
 CPU-side tokens kept per hybrid (layer, kv head) and the CPU side's length.
 
-    PYTHONPATH=src python bench/sparse_growth.py [--beta 1] [--new-tokens 2048] [--every 256]
+    PYTHONPATH=src python bench/profiles/sparse_growth.py [--beta 1] [--new-tokens 2048]
+        [--every 256]
 
 Each page that leaves the window is re-evaluated and a dropped token can be reinstated, so
 the share could drift up (more tokens pass the threshold as queries vary) or down (the
@@ -18,7 +19,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).parent.parent))
 from common import ran_lane, write_result  # noqa: E402
 from headspace.api import LLM  # noqa: E402
 from headspace.engine.sampling import SamplingParams  # noqa: E402

@@ -7,7 +7,7 @@ Attention and the all-reduces are left out (an identity stands in for each), so 
 timed is the weights' GEMVs and the small kernels between them, against the weights' bytes
 at the device copy bandwidth measured in the same run.
 
-    PYTHONPATH=src python bench/rank_step.py [--worlds 1 2 4]
+    PYTHONPATH=src python bench/profiles/rank_step.py [--worlds 1 2 4]
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).parent.parent))
 from common import (  # noqa: E402
     LLAMA31_8B,
     environment,

@@ -2,7 +2,7 @@
 shape: 32 query heads over 8 kv heads, head dim 128, bf16): the last chunk of a long
 prompt, all heads full against half the heads sparse, on this GPU.
 
-    PYTHONPATH=src python bench/patterns.py [--contexts 32768 131072] [--chunk 8192]
+    PYTHONPATH=src python bench/profiles/patterns.py [--contexts 32768 131072] [--chunk 8192]
 
 For each context and mix: milliseconds of the patterned attention (estimation, block mask,
 the full kv heads through cuDNN SDPA and the sparse ones through compiled FlexAttention),
@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).parent.parent))
 from common import cuda_time, environment, gpu_tag, write_result  # noqa: E402
 from headspace.attention import attend  # noqa: E402
 from headspace.attention.patterns import estimate

@@ -4,7 +4,7 @@ needle's tokens, on the embedded model (CPU): for 4K NIAH prompts at a few depth
 sentence among the prompt's scored tokens, and how many heads would keep them at an even
 share of a 0.25 budget.
 
-    PYTHONPATH=src python bench/needle_scores.py [--length 4096] [--depths 10 50 90]
+    PYTHONPATH=src python bench/profiles/needle_scores.py [--length 4096] [--depths 10 50 90]
 
 A rank near half the prompt is no better than chance: no policy that ranks by these scores
 can keep that needle. Writes ``needle_scores_<model>_cpu.json`` (to $OUT when set).
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).parent.parent))
 import headspace.tiers.budget as budget_executor  # noqa: E402
 from common import write_result  # noqa: E402
 from headspace.api import LLM  # noqa: E402

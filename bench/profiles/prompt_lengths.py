@@ -3,7 +3,8 @@ default options): the first request of a length against a second one of the same
 (other tokens: nothing reused), with cuDNN's calls over exactly the prompt's rows ("plain")
 and padded to whole multiples of ``attention.sdpa.CUDNN_ROWS`` rows (the default, "padded").
 
-    PYTHONPATH=src python bench/prompt_lengths.py [--num-lengths 12] [--low 9000] [--high 30000]
+    PYTHONPATH=src python bench/profiles/prompt_lengths.py [--num-lengths 12] [--low 9000]
+        [--high 30000]
 
 cuDNN builds an execution plan for each new shape; a prompt's last chunk has a new row count
 at each new length. Padded, cuDNN's shapes depend only on the length rounded up to the row
@@ -24,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).parent.parent))
 from common import (  # noqa: E402
     LLAMA31_8B,
     environment,
