@@ -76,6 +76,30 @@ def test_the_gpu_budget_is_read_once_when_the_engine_is_made():
     assert gpu_budget(engine.config, weights) == budget and taken.numel() == 2**28
 
 
+def test_two_fresh_processes_give_the_same_greedy_tokens(tmp_path):
+    """Each process compiles its kernels into empty caches: kernels whose configuration
+    changes their sums are chosen by rule, not timed, so greedy tokens do not depend on a
+    process's timings or its cache (tune_decode aside)."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    worker = Path(__file__).parent / "workers" / "greedy_tokens.py"
+    runs = []
+    for name in ("first", "second"):
+        env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(tmp_path / name / "inductor"),
+                   HEADSPACE_CACHE=str(tmp_path / name / "headspace"),
+                   TRITON_CACHE_DIR=str(tmp_path / name / "triton"))  # fmt: skip
+        env.pop("TORCHINDUCTOR_DETERMINISTIC", None)
+        done = subprocess.run([sys.executable, str(worker)], env=env, capture_output=True,
+                              text=True, timeout=600)  # fmt: skip
+        assert done.returncode == 0, done.stderr[-2000:]
+        runs.append(json.loads(done.stdout.strip().splitlines()[-1]))
+    assert len(runs[0]) > 16 and runs[0] == runs[1]
+
+
 def test_graph_decode_equals_eager_decode_and_batches_equal_one_at_a_time():
     generator = torch.Generator().manual_seed(2)
     prompts = [torch.randint(0, 512, (n,), generator=generator) for n in (30, 300, 129, 700)]

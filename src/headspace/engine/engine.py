@@ -50,6 +50,21 @@ def keep_compile_caches() -> None:
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(folder)
 
 
+def kernels_chosen_by_rule(tune_decode: bool) -> None:
+    """Inductor chooses a kernel's configuration by rule where the choice changes its sums
+    (a reduction's block sizes), not by timing the candidates on this GPU, so that greedy
+    tokens do not depend on a first process's timings or on what the compile cache held
+    (fresh H100 processes had given different continuations of one 32K prompt after about
+    15 tokens). Not with ``tune_decode`` (max-autotune times the decode step's kernels),
+    nor where the user set ``TORCHINDUCTOR_DETERMINISTIC``."""
+    if tune_decode or "TORCHINDUCTOR_DETERMINISTIC" in os.environ:
+        return
+    import torch._inductor.config as inductor_config
+
+    if hasattr(inductor_config, "deterministic"):
+        inductor_config.deterministic = True
+
+
 def compile_in_process() -> None:
     """Inductor compiles in this process, without its pool of worker processes, unless the
     user set ``TORCHINDUCTOR_COMPILE_THREADS`` (a process-wide setting, for a process that
@@ -151,6 +166,7 @@ class Engine:
         self.config, self.model, self.tokenizer, self.ranks = config, model, tokenizer, ranks
         if config.runtime.on_gpu:  # before anything compiles
             keep_compile_caches()
+            kernels_chosen_by_rule(config.runtime.tune_decode)
         self.hooks = hooks
         model_cfg = model.config
         self.max_context = self._max_context(model_cfg, config)
