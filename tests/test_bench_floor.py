@@ -75,3 +75,12 @@ def test_without_a_budget_every_entry_holds_the_whole_prompt(tmp_path):
     args = SimpleNamespace(context=5000, decode=50, stand_in=False, batch=2)
     kept = entry_tokens_at_end(args, _entries([["full", "full"]]), {}, str(tmp_path / "p.json"))
     assert kept == [[4950 + 49, 4950 + 49]]
+
+
+def test_a_long_prompts_decode_floor_is_its_offloaded_kv_over_pcie():
+    """bench/long_prompt.py's floor: each offloaded entry's K and V (bf16, head_dim 128) of
+    every token, once a step, at the measured copy rate."""
+    from long_prompt import floor_ms
+
+    assert floor_ms(1, 1024, 1e9) == pytest.approx(1e3 * 2 * 1024 * 128 * 2 / 1e9)
+    assert floor_ms(190, 130_048, 52e9) == pytest.approx(190 * floor_ms(1, 130_048, 52e9))
