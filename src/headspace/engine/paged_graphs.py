@@ -12,6 +12,7 @@ while the copy of the other is queued.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 
 import torch
@@ -33,6 +34,21 @@ def graphs_allowed(runtime, plan, streamed_weights: bool) -> bool:
     if not runtime.cuda_graph or runtime.attention_backend == "flex":
         return False
     return plan is not None and not streamed_weights and not plan.entry_staging
+
+
+# The decode graphs' capture stream: one a device, of a priority no other stream of the
+# engine uses, so that torch's pool of streams (32 a priority, handed out in turn) never
+# hands the same CUDA stream to another thread, whose work a capture would then record;
+# one stream for every capture, so that the graphs' memory pool reuses its blocks.
+CAPTURE_PRIORITY = -3
+_CAPTURE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def capture_stream(device: torch.device) -> torch.cuda.Stream:
+    """The stream the decode graphs of ``device`` are captured on (made at first use)."""
+    if device not in _CAPTURE_STREAMS:
+        _CAPTURE_STREAMS[device] = torch.cuda.Stream(device, priority=CAPTURE_PRIORITY)
+    return _CAPTURE_STREAMS[device]
 
 
 class GraphCache:
@@ -196,23 +212,37 @@ class DecodeGraphs:
         self._rows_compiled = True
 
     def _capture_into(self, views: dict[str, torch.Tensor], key) -> torch.cuda.CUDAGraph:
-        stream = torch.cuda.Stream(self.device)
-        stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream):  # warm-up (compiles)
+        """Two warm-up steps (they compile), then the step captured, on the capture stream
+        (:func:`capture_stream`), without torch.cuda.graph's device-wide synchronisation and
+        cache release: those waited for the offload lane's prompt piece in flight, a stall of
+        every resident stream of 1.2-2.5 s when the arena split (bench/NOTES.md). Where the
+        capture finds no memory (no cached block is released while one runs), the cache is
+        released and it is captured once more."""
+        stream, current = capture_stream(self.device), torch.cuda.current_stream(self.device)
+        stream.wait_stream(current)
+        with torch.cuda.stream(stream):
             for _ in range(2):
                 self._step(views, key)
-        graph = torch.cuda.CUDAGraph()
-        # Captured on the side stream without torch.cuda.graph's device-wide synchronisation
-        # and cache release: those waited for the offload lane's prompt piece in flight, a
-        # stall of every resident stream of 1.2-2.5 s when the arena split (bench/NOTES.md).
-        # (thread_local: the offload lane's thread goes on working while this one captures)
-        with torch.cuda.stream(stream):
-            graph.capture_begin(self._pool, capture_error_mode="thread_local")
             try:
-                self._step(views, key)
-            finally:
+                graph = self._captured(views, key)
+            except torch.OutOfMemoryError:
+                torch.cuda.empty_cache()  # (the caller holds DEVICE_LOCK)
+                graph = self._captured(views, key)
+        current.wait_stream(stream)
+        return graph
+
+    def _captured(self, views: dict[str, torch.Tensor], key) -> torch.cuda.CUDAGraph:
+        """The step captured on the current stream (thread_local: the offload lane's thread
+        goes on working meanwhile, on streams of its own)."""
+        graph = torch.cuda.CUDAGraph()
+        graph.capture_begin(self._pool, capture_error_mode="thread_local")
+        try:
+            self._step(views, key)
+        except BaseException:
+            with contextlib.suppress(RuntimeError):  # (it ends invalid; the step's error raised)
                 graph.capture_end()
-        torch.cuda.current_stream(self.device).wait_stream(stream)
+            raise
+        graph.capture_end()
         return graph
 
     def _pack(self, slots: list[int], positions: list[int], pages: dict, key) -> list[int]:
