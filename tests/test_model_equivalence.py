@@ -159,3 +159,19 @@ def test_rows_blocks_compile_once_for_every_batch_past_one():
             for got, want in zip(block(*args), qkv_block(*args), strict=True):
                 torch.testing.assert_close(got, want)
         assert counter.frame_count == compiles
+
+
+def test_blocks_not_tuned_choose_their_kernels_by_rule(monkeypatch):
+    """The compiled blocks other than the tuned ones ask Inductor for its deterministic mode
+    (a configuration that changes a kernel's sums is chosen by rule, not timed), per compile;
+    the tuned ones time their choices; a user's TORCHINDUCTOR_DETERMINISTIC is left to rule."""
+    import torch._inductor.config as inductor_config
+
+    from headspace.model.llama import ruled_options, tuned_options
+
+    monkeypatch.delenv("TORCHINDUCTOR_DETERMINISTIC", raising=False)
+    assert ruled_options() == ({"deterministic": True}
+                               if hasattr(inductor_config, "deterministic") else {})  # fmt: skip
+    assert "deterministic" not in tuned_options()
+    monkeypatch.setenv("TORCHINDUCTOR_DETERMINISTIC", "0")
+    assert ruled_options() == {}

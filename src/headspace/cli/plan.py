@@ -49,7 +49,7 @@ def _model_config(model: str | None):
     return load_config(resolve_model_dir(model))
 
 
-def _gpu_budget(args) -> int:
+def _gpu_budget(args, config) -> int:
     import torch
 
     from headspace.engine.memory import default_gpu_budget, device_total_bytes, parse_memory
@@ -62,7 +62,10 @@ def _gpu_budget(args) -> int:
         )
         raise UserError(f"no GPU here: pass --gpu-memory (e.g. 24GiB){host} to plan for one")
     if args.gpu_memory is None:  # what an engine made now on this GPU would hold
-        return default_gpu_budget(torch.device("cuda"))
+        from headspace.planner.memory import weight_bytes
+
+        itemsize = 4 if args.dtype == "float32" else 2
+        return default_gpu_budget(torch.device("cuda"), 0, weight_bytes(config, itemsize))
     gpu_total = device_total_bytes(torch.device("cuda")) if torch.cuda.is_available() else 0
     return parse_memory(args.gpu_memory, gpu_total)
 
@@ -93,7 +96,7 @@ def run_plan(args) -> None:
         raise UserError(f"{args.model} is not a config.json")
     parallel = parallel_config(args)
     profile = Profile.load(args.profile) if args.profile else None
-    gpu = _gpu_budget(args)
+    gpu = _gpu_budget(args, config)
     request = _request(args, config, profile, context, gpu)
     share_key = None if args.kv_budget is None else budget_key(args.kv_policy, args.kv_budget)
     chosen, uniform = plan_balance(config, request, parallel, profile, share_key)

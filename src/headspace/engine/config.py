@@ -85,7 +85,8 @@ class RuntimeConfig:
     prefill_key_span: int | None = _option(
         None, "a prompt piece's attention over its prefix reads at most this many keys a "
         "kernel (runs merged by log-sum-exp: shorter thread blocks, which the decode steps "
-        "of requests beside it wait for less); default: no bound",
+        "of requests beside it wait for less; not under the flex backend or per-head "
+        "patterns); default: no bound",
     )  # fmt: skip
     prefill_sm_share: float = _option(
         PREFILL_SM_SHARE, "beside decoding requests on a GPU, the share of its SMs that a long "

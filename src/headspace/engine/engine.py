@@ -30,6 +30,7 @@ from headspace.model.tokenizer import (
     tokens_at_least,
     transformers_tokenizer,
 )
+from headspace.planner.memory import weight_bytes
 from headspace.planner.profile import Profile
 
 __all__ = ["Engine", "EngineLoad", "GenerationStats", "RequestOutput"]
@@ -48,21 +49,6 @@ def keep_compile_caches() -> None:
     except OSError:
         return
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(folder)
-
-
-def kernels_chosen_by_rule(tune_decode: bool) -> None:
-    """Inductor chooses a kernel's configuration by rule where the choice changes its sums
-    (a reduction's block sizes), not by timing the candidates on this GPU, so that greedy
-    tokens do not depend on a first process's timings or on what the compile cache held
-    (fresh H100 processes had given different continuations of one 32K prompt after about
-    15 tokens). Not with ``tune_decode`` (max-autotune times the decode step's kernels),
-    nor where the user set ``TORCHINDUCTOR_DETERMINISTIC``."""
-    if tune_decode or "TORCHINDUCTOR_DETERMINISTIC" in os.environ:
-        return
-    import torch._inductor.config as inductor_config
-
-    if hasattr(inductor_config, "deterministic"):
-        inductor_config.deterministic = True
 
 
 def compile_in_process() -> None:
@@ -113,7 +99,8 @@ class Engine:
     def __init__(self, model_dir: Path, config: EngineConfig, hooks: EngineHooks | None = None):
         model_cfg = load_config(model_dir)  # refuse a bad directory before the slower loads
         config = join(config)  # under torchrun: the process group, this rank's GPU
-        config = with_gpu_budget(config, 0)  # free memory read once, before the weights load
+        itemsize = config.runtime.torch_dtype.itemsize  # free memory read once, before the
+        config = with_gpu_budget(config, 0, weight_bytes(model_cfg, itemsize))  # weights load
         started = time.perf_counter()
         tokenizer = load_tokenizer(model_dir)
         self.tokenizer_seconds = time.perf_counter() - started  # its imports included
@@ -166,7 +153,6 @@ class Engine:
         self.config, self.model, self.tokenizer, self.ranks = config, model, tokenizer, ranks
         if config.runtime.on_gpu:  # before anything compiles
             keep_compile_caches()
-            kernels_chosen_by_rule(config.runtime.tune_decode)
         self.hooks = hooks
         model_cfg = model.config
         self.max_context = self._max_context(model_cfg, config)

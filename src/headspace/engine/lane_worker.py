@@ -2,9 +2,10 @@
 PCIe and its CPU attention jobs never stand between two steps of the engine's thread, whose
 lane keeps the GPU busy meanwhile.
 
-Beside the engine's thread's decoding requests (``beside``), its prompt pieces run on a
-stream confined to part of the GPU's SMs (a CUDA green context): a decode step's kernels
-then always find free SMs, instead of waiting for a long attention block to leave one.
+With ``prefill_sms`` (the engine's ``prefill_sm_share`` below 1), its prompt pieces run,
+beside the engine's thread's decoding requests (``beside``), on a stream confined to part of
+the GPU's SMs (a CUDA green context): a decode step's kernels then always find free SMs,
+instead of waiting for a long attention block to leave one.
 
 The engine's thread hands it commands (add a request, abort one, take another part of the
 arena), which run between its steps in the order given, and empties the box its outputs
@@ -196,12 +197,7 @@ def green_stream(device: torch.device, num_sms: int) -> tuple[object, torch.cuda
 
         index = device.index if device.index is not None else torch.cuda.current_device()
         context = GreenContext.create(num_sms=num_sms, device_id=index)
-        if hasattr(context, "Stream"):
-            return context, context.Stream()
-        context.set_context()  # (a torch whose green context makes its own stream current)
-        stream = torch.cuda.current_stream()
-        context.pop_context()
-        return context, stream
+        return context, context.Stream()  # (torch 2.11 on; before it, no stream of its own)
     except Exception as error:  # noqa: BLE001 (any failure: the prompt keeps every SM)
         warnings.warn(f"prompt pieces keep every SM beside decoding requests: no CUDA green "
                       f"context here ({type(error).__name__}: {error})", stacklevel=2)  # fmt: skip
@@ -211,8 +207,9 @@ def green_stream(device: torch.device, num_sms: int) -> tuple[object, torch.cuda
 def _switch(stream: torch.cuda.Stream) -> None:
     """Make ``stream`` the thread's current one, after all work queued on the one before
     (so the lane's work stays in order). The allocator keeps freed blocks per stream: the
-    cached ones go back first, so that the two streams' blocks never add up past the budget
-    (its free blocks synchronise the device, once per prompt)."""
+    cached ones go back first, so that two streams' blocks never add up past the budget
+    (freeing them synchronises the device: once per prompt, and with ``prefill_sms`` each
+    time the engine's thread starts or stops decoding beside a prompt)."""
     current = torch.cuda.current_stream()
     if current != stream:
         stream.wait_stream(current)

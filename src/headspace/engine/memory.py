@@ -109,19 +109,23 @@ def gpu_budget(engine_config, weight_bytes: int) -> int | None:
     return None
 
 
-def default_gpu_budget(device: torch.device, weight_bytes: int = 0) -> int:
-    """Without a budget given, what an engine made now on the GPU ``device`` may hold: the
-    ``weight_bytes`` already on it plus 90% of its free memory (``plan`` reads the same)."""
-    return int(FREE_MEMORY_SHARE * torch.cuda.mem_get_info(device)[0]) + weight_bytes
+def default_gpu_budget(device: torch.device, weight_bytes: int = 0, to_load: int = 0) -> int:
+    """Without a budget given, what an engine made now on the GPU ``device`` may hold: its
+    weights (``weight_bytes`` on the device, ``to_load`` still to be loaded) plus 90% of
+    the memory free once they are there (``plan`` reads the same)."""
+    free = torch.cuda.mem_get_info(device)[0] - to_load
+    return int(FREE_MEMORY_SHARE * max(free, 0)) + weight_bytes + to_load
 
 
-def with_gpu_budget(engine_config, weight_bytes: int):
-    """``engine_config`` with its GPU budget resolved to bytes once (:func:`gpu_budget`,
-    ``weight_bytes`` already on the device): the free memory sampled when the engine is
-    made, not again as its parts are sized (each after the last one's allocations)."""
+def with_gpu_budget(engine_config, weight_bytes: int, to_load: int = 0):
+    """``engine_config`` with its GPU budget resolved to bytes once (the user's, else
+    :func:`default_gpu_budget` of ``weight_bytes`` on the device and ``to_load`` still to
+    load): the free memory sampled when the engine is made, not again as its parts are
+    sized (each after the last one's allocations)."""
     if engine_config.cache.gpu_memory is not None or not engine_config.runtime.on_gpu:
         return engine_config
-    budget = gpu_budget(engine_config, weight_bytes)
+    device = torch.device(engine_config.runtime.device)
+    budget = default_gpu_budget(device, weight_bytes, to_load)
     return replace(engine_config, cache=replace(engine_config.cache, gpu_memory=budget))
 
 

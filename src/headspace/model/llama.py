@@ -8,6 +8,7 @@ returns the attention output. Hidden states are ``[tokens, hidden]`` (no batch a
 from __future__ import annotations
 
 import functools
+import os
 import threading
 from collections.abc import Callable, Iterable
 
@@ -138,8 +139,9 @@ class Blocks:
             # fullgraph, passing the limit is an error
             torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 256)
             compile_options = {"fullgraph": True, "dynamic": mode == "dynamic"}
-            if mode == "tuned":
-                compile_options["options"] = tuned_options()
+            options = tuned_options() if mode == "tuned" else ruled_options()
+            if options:
+                compile_options["options"] = options
             rows = mode == "rows"
             self.qkv = _compiled(qkv_block, compile_options, QKV_ROW_ARGS if rows else ())
             self.output_mlp = _compiled(output_mlp_block, compile_options,
@@ -188,6 +190,21 @@ def tuned_options() -> dict:
 
     quiet = {k: v for k, v in QUIET_OPTIONS.items() if hasattr(inductor_config, k)}
     return {**TUNED_OPTIONS, **quiet}
+
+
+def ruled_options() -> dict:
+    """Inductor's deterministic mode for the blocks that are not tuned: a kernel
+    configuration that changes the sums (a reduction's block sizes) is chosen by rule, not by
+    timing the candidates on this GPU, so that greedy tokens do not depend on a first
+    process's timings or on what the compile cache held (fresh H100 processes had given
+    different continuations of one 32K prompt after about 15 tokens). Per compile, not
+    process-wide (a user's own torch.compile keeps its settings); none where the user set
+    ``TORCHINDUCTOR_DETERMINISTIC`` or this torch has no such mode."""
+    import torch._inductor.config as inductor_config
+
+    if "TORCHINDUCTOR_DETERMINISTIC" in os.environ or not hasattr(inductor_config, "deterministic"):
+        return {}
+    return {"deterministic": True}
 
 
 EAGER_BLOCKS = Blocks()
