@@ -70,7 +70,7 @@ FOUNDATION = "foundation_llama3-8b_h200_2026-12-01.json"
 COMPILE = "decode_compile_llama3-8b_h100_2026-12-06.json"
 PAGED = "paged_llama3-8b_h100_2026-11-21.json"
 ARRIVALS = "arrivals_llama3-8b_h200_2026-11-28.json"
-MIXED = "mixed_share1_llama3-8b_h100_2026-12-06.json"
+MIXED = "mixed_llama3-8b_h100_2026-12-06.json"
 OFFLOAD, REGRESS_H200 = "offload_llama3-8b_h200_2026-11-21.json", "regress_h200_2026-12-01.json"
 MILLION = "million_llama3-8b_h100_2026-11-27.json"
 MILLION2 = "million_approximate_llama3-8b_h100_2026-11-28.json"
@@ -112,12 +112,12 @@ FIGURES = {
         ("at most {:.2f}x the tuned step's time", lambda: _untuned_over_tuned(COMPILE)),
     ]),
     "paged pool": ((PAGED,), [
-        ("{:.0f} tok/s", "batch_tok_s"),
+        ("0.5K-8K: {:.0f} tok/s", "batch_tok_s"),
         ("{:.1f}x transformers' padded batch", "batch_ratio_vs_transformers"),
         ("KV held {:.3f}x the minimum", "kv_overhead_ratio"),
     ]),
     "requests arriving": ((ARRIVALS,), [
-        ("{:.1f} tok/s", "throughput_tok_s"),
+        ("Poisson process: {:.1f} tok/s", "throughput_tok_s"),
         ("{:.2f}x the same requests given at once", "throughput_vs_offline"),
         ("p50 {:.1f} ms", "tpot_p50_ms"),
         ("p99 {:.1f} ms while a 32K+ prompt prefills", "tpot_p99_ms_during_long_prefill"),
@@ -137,7 +137,7 @@ FIGURES = {
         ("decode {:.0f} ms/token", lambda: _mixed("long_decode_ms")),
         ("({:.0f} alone)", lambda: _mixed("long_decode_ms_alone")),
         ("peak {:.1f} GiB", lambda: _mixed("peak_reserved_gib")),
-        ("{:d} failed", lambda: _mixed("num_failed")),
+        ("GiB, {:d} failed", lambda: _mixed("num_failed")),
     ]),
     "head offload": ((OFFLOAD, REGRESS_H200), [
         ("{:.0f}K tokens under", lambda: _at(OFFLOAD, "max_context/head/tokens") / 1024),
@@ -184,7 +184,7 @@ FIGURES = {
     ]),
     "batched offload": ((BATCH,), [
         ("({:.1f} GiB of KV)", "kv_gib"),
-        ("{:.1f} tok/s", "aggregate_decode_tok_s"),
+        ("GiB of KV): {:.1f} tok/s", "aggregate_decode_tok_s"),
         ("{:.2f}x its PCIe floor", "ratio_vs_batch_pcie_floor"),
         ("{:.1f}x transformers' offloaded cache", "speedup_vs_transformers_offload"),
         ("which ran {:d} of the 8", lambda: len(_at(BATCH, "transformers_lengths"))),
