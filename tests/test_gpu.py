@@ -82,6 +82,19 @@ def test_the_gpu_budget_is_read_once_when_the_engine_is_made(monkeypatch):
     assert abs(budget - expected) <= 0.01 * expected and 0 < arena < budget
 
 
+def test_copies_and_captures_keep_one_stream_each_apart_from_the_others():
+    """Copy and capture streams are made once a device and priority; the capture stream is
+    none of the streams torch hands out at the priorities the engine's other streams use,
+    however many are drawn (a capture records whatever is queued on its stream)."""
+    from headspace.engine.paged_graphs import capture_stream
+    from headspace.kv.transfer import shared_stream
+
+    device = torch.device("cuda")
+    assert shared_stream(device, -1) is shared_stream(torch.device("cuda", 0), -1)
+    drawn = {torch.cuda.Stream(priority=p).cuda_stream for p in (0, -1, -2) for _ in range(40)}
+    assert capture_stream(device).cuda_stream not in drawn
+
+
 def test_two_fresh_processes_give_the_same_greedy_tokens(tmp_path):
     """Each process compiles its kernels into empty caches: kernels whose configuration
     changes their sums are chosen by rule, not timed, so greedy tokens do not depend on a

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from headspace.kv.transfer import shared_stream
 from headspace.model.llama import DEVICE_LOCK
 from headspace.planner.memory import graph_step_faster
 from headspace.tiers import StepInputs, Tier, attend_tiers
@@ -36,19 +37,16 @@ def graphs_allowed(runtime, plan, streamed_weights: bool) -> bool:
     return plan is not None and not streamed_weights and not plan.entry_staging
 
 
-# The decode graphs' capture stream: one a device, of a priority no other stream of the
-# engine uses, so that torch's pool of streams (32 a priority, handed out in turn) never
-# hands the same CUDA stream to another thread, whose work a capture would then record;
-# one stream for every capture, so that the graphs' memory pool reuses its blocks.
+# The decode graphs' capture stream: one a device (:func:`shared_stream`), of a priority no
+# other stream of the engine uses, so that no other thread's work is ever queued on it (a
+# capture records whatever its stream is given); one stream for every capture, so that the
+# graphs' memory pool reuses its blocks.
 CAPTURE_PRIORITY = -3
-_CAPTURE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
 
 
 def capture_stream(device: torch.device) -> torch.cuda.Stream:
     """The stream the decode graphs of ``device`` are captured on (made at first use)."""
-    if device not in _CAPTURE_STREAMS:
-        _CAPTURE_STREAMS[device] = torch.cuda.Stream(device, priority=CAPTURE_PRIORITY)
-    return _CAPTURE_STREAMS[device]
+    return shared_stream(device, CAPTURE_PRIORITY)
 
 
 class GraphCache:

@@ -250,3 +250,20 @@ def swap_pages(arena_layers: list[torch.Tensor], host_layer,
         host = host_layer(layer), heads + first
         (src, src_heads), (dst, dst_heads) = (gpu, host) if to_host else (host, gpu)
         copy_pages(src, dst, src_pages, dst_pages, src_heads, dst_heads, page_size)
+
+
+# (device, priority): the one stream of that priority a user of shared_stream gets
+_SHARED_STREAMS: dict[tuple[int, int], torch.cuda.Stream] = {}
+
+
+def shared_stream(device: torch.device, priority: int = 0) -> torch.cuda.Stream:
+    """The one side stream of ``priority`` on the GPU ``device`` that copies (and captures)
+    run on, made at first use. torch hands out a new stream from a pool of 32 a priority,
+    in turn, at each ``torch.cuda.Stream()``: one made per layout would, within 32 layouts,
+    be the very CUDA stream another thread or lane works on, its work then queued behind
+    theirs (or recorded by their capture)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    key = (index, priority)
+    if key not in _SHARED_STREAMS:
+        _SHARED_STREAMS[key] = torch.cuda.Stream(torch.device("cuda", index), priority=priority)
+    return _SHARED_STREAMS[key]

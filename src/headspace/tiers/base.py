@@ -32,6 +32,9 @@ if TYPE_CHECKING:
     from headspace.tiers.hybrid import CpuAttention
 
 HeadRange = tuple[int, int]  # kv heads lo..hi-1 of a layer
+# the CUDA priority of the stream that stages a tier's history from host pages (above the
+# default: its copies are what the step's attention waits for)
+COPY_PRIORITY = -1
 MIN_WIDTH = 8  # pages per block-table row, at least
 
 

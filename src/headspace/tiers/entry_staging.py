@@ -17,9 +17,15 @@ import torch
 from headspace.attention.entry_decode import new_token_slots
 from headspace.kv.host_store import HostKVArena
 from headspace.kv.paged_store import token_slots
-from headspace.kv.transfer import as_heads, copy_pages, device_ints, write_tokens
+from headspace.kv.transfer import (
+    as_heads,
+    copy_pages,
+    device_ints,
+    shared_stream,
+    write_tokens,
+)
 from headspace.planner.entry_offload import STAGING_DEPTH
-from headspace.tiers.base import TierCounters, block_table
+from headspace.tiers.base import COPY_PRIORITY, TierCounters, block_table
 
 
 class EntryStaging:
@@ -59,7 +65,7 @@ class EntryStaging:
         self._layer_entries = [torch.nonzero(self._layer_of == layer)[:, 0].to(device)
                                for layer in range(len(offloaded))]  # fmt: skip
         on_gpu = device.type == "cuda"
-        self.copy_stream = torch.cuda.Stream(device, priority=-1) if on_gpu else None
+        self.copy_stream = shared_stream(device, COPY_PRIORITY) if on_gpu else None
         self.streamed_bytes = 0  # what the last decode step copied from host pages
 
     def any(self, layer: int) -> bool:

@@ -31,7 +31,7 @@ import torch
 
 from headspace.budgets.scores import WINDOW as OBSERVED_QUERIES
 from headspace.kv.paged_store import token_slots
-from headspace.kv.transfer import device_ints
+from headspace.kv.transfer import device_ints, shared_stream
 from headspace.tiers.base import CpuTimings, timed
 from headspace.tiers.hybrid_blocks import KeyBoxes, add_query_blocks, spare_columns
 
@@ -236,7 +236,7 @@ class SparseSelector:
             return tail.float()
         ready.synchronize()  # the clone is done; the copy runs on a stream of its own, so
         if self._copies is None:  # it does not wait for the step queued on the main one
-            self._copies = torch.cuda.Stream(tail.device)
+            self._copies = shared_stream(tail.device)
         with torch.cuda.stream(self._copies):
             return tail.float().cpu()
 

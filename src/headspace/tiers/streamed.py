@@ -22,8 +22,15 @@ from headspace.attention.paged import (
     paged_token_slots,
 )
 from headspace.kv.host_store import HostKVArena
-from headspace.kv.transfer import as_heads, copy_pages, device_ints, write_tokens
+from headspace.kv.transfer import (
+    as_heads,
+    copy_pages,
+    device_ints,
+    shared_stream,
+    write_tokens,
+)
 from headspace.tiers.base import (
+    COPY_PRIORITY,
     HeadRange,
     StepInputs,
     Tier,
@@ -63,7 +70,7 @@ class StreamedTier(Tier):
         # the last page of each slot is its scratch page
         self.depth, self.piece_pages = len(staging), staging[0].shape[2] // page_size - 1
         on_gpu = self.device.type == "cuda"
-        self.copy_stream = torch.cuda.Stream(self.device, priority=-1) if on_gpu else None
+        self.copy_stream = shared_stream(self.device, COPY_PRIORITY) if on_gpu else None
         self._results: dict[int, list] = {}
         self._scored: list = []  # sparse hybrid: this layer's GPU-side scores, per group
         self._aranges: dict[int, torch.Tensor] = {}
