@@ -85,14 +85,12 @@ class Machine:
 
     @classmethod
     def here(cls) -> Machine:
-        try:
-            import torch
+        import torch
 
-            gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        except ImportError:
-            gpus = 0
-        host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
-        return cls(gpus, host)
+        from headspace.engine.memory import device_total_bytes
+
+        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        return cls(gpus, device_total_bytes(torch.device("cpu")) / 2**30)
 
 
 def skip_reason(headline: Headline, machine: Machine) -> str | None:

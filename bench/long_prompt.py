@@ -38,8 +38,12 @@ TRAINED_CONTEXT = LLAMA31_8B["max_position_embeddings"]
 
 def floor_ms(offloaded_entries: int, tokens: int, h2d: float) -> float:
     """A decode step's PCIe floor: the offloaded entries' K and V (bf16) of ``tokens`` tokens
-    at ``h2d`` bytes/s, in ms."""
-    return 1e3 * offloaded_entries * 2 * tokens * LLAMA31_8B["head_dim"] * 2 / h2d
+    at ``h2d`` bytes/s, in ms (the planner's :func:`offloaded_seconds` over PCIe alone)."""
+    from headspace.planner.memory import Hardware, offloaded_seconds
+
+    entries_bytes = offloaded_entries * 2 * tokens * LLAMA31_8B["head_dim"] * 2
+    layers = LLAMA31_8B["num_hidden_layers"]
+    return 1e3 * offloaded_seconds(entries_bytes, layers, False, None, Hardware(h2d_bytes=h2d))
 
 
 def worker(model_dir: str, length: int, budget: str, steps: int) -> None:

@@ -99,8 +99,9 @@ class Engine:
     def __init__(self, model_dir: Path, config: EngineConfig, hooks: EngineHooks | None = None):
         model_cfg = load_config(model_dir)  # refuse a bad directory before the slower loads
         config = join(config)  # under torchrun: the process group, this rank's GPU
-        itemsize = config.runtime.torch_dtype.itemsize  # free memory read once, before the
-        config = with_gpu_budget(config, 0, weight_bytes(model_cfg, itemsize))  # weights load
+        # free memory read once, before the weights load (which the budget counts in)
+        to_load = weight_bytes(model_cfg, config.runtime.torch_dtype.itemsize)
+        config = with_gpu_budget(config, 0, to_load)
         started = time.perf_counter()
         tokenizer = load_tokenizer(model_dir)
         self.tokenizer_seconds = time.perf_counter() - started  # its imports included

@@ -38,6 +38,7 @@ from headspace.engine.sampling import SamplingParams, make_generator
 from headspace.engine.step_plan import Sequence
 from headspace.engine.view import engine_view
 from headspace.errors import UserError
+from headspace.kv.transfer import sm_count
 from headspace.model.llama import LlamaModel
 from headspace.planner.plan import Plan
 from headspace.planner.profile import Profile
@@ -301,8 +302,7 @@ def _prefill_sms(runtime) -> int | None:
     or no GPU)."""
     if not runtime.on_gpu or runtime.prefill_sm_share >= 1:
         return None
-    num_sms = torch.cuda.get_device_properties(runtime.device).multi_processor_count
-    return confined_sms(num_sms, runtime.prefill_sm_share)
+    return confined_sms(sm_count(torch.device(runtime.device)), runtime.prefill_sm_share)
 
 
 __all__ = ["Lanes"]

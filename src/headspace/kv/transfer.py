@@ -189,8 +189,12 @@ def gather_programs(device: torch.device) -> int:
     """
     if device.type != "cuda":
         return 3
-    return max(1, _sm_count(device.index if device.index is not None else
-                            torch.cuda.current_device()) // 2)  # fmt: skip
+    return max(1, sm_count(device) // 2)
+
+
+def sm_count(device: torch.device) -> int:
+    """The streaming multiprocessors of the GPU ``device``."""
+    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
 
 
 @functools.cache
