@@ -50,6 +50,26 @@ def _imports(path: Path) -> list[tuple[int, str]]:
     return found
 
 
+def test_no_class_or_module_defines_a_function_twice():
+    """A second ``def`` of a name in one class silently replaces the first, and its callers
+    then call the other one (only the code path that runs reveals it: a GPU's graph capture
+    did, a CPU test could not)."""
+    twice = []
+    for path in PACKAGE.rglob("*.py"):
+        for scope in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(scope, (ast.Module, ast.ClassDef)):
+                continue
+            seen = set()
+            for node in scope.body:
+                if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    continue
+                decorators = " ".join(ast.unparse(d) for d in node.decorator_list)
+                if node.name in seen and not any(w in decorators for w in ("setter", "overload")):
+                    twice.append(f"{path.relative_to(PACKAGE)}:{node.lineno} {node.name}")
+                seen.add(node.name)
+    assert not twice, twice
+
+
 def test_every_package_has_a_layer():
     names = {p.stem if p.is_file() else p.name for p in PACKAGE.iterdir()
              if not p.name.startswith("_") or p.name == "__init__.py"}  # fmt: skip

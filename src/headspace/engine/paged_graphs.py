@@ -222,14 +222,14 @@ class DecodeGraphs:
             for _ in range(2):
                 self._step(views, key)
             try:
-                graph = self._captured(views, key)
+                graph = self._recorded(views, key)
             except torch.OutOfMemoryError:
                 torch.cuda.empty_cache()  # (the caller holds DEVICE_LOCK)
-                graph = self._captured(views, key)
+                graph = self._recorded(views, key)
         current.wait_stream(stream)
         return graph
 
-    def _captured(self, views: dict[str, torch.Tensor], key) -> torch.cuda.CUDAGraph:
+    def _recorded(self, views: dict[str, torch.Tensor], key) -> torch.cuda.CUDAGraph:
         """The step captured on the current stream (thread_local: the offload lane's thread
         goes on working meanwhile, on streams of its own)."""
         graph = torch.cuda.CUDAGraph()
