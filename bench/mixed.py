@@ -32,7 +32,9 @@ import argparse
 import asyncio
 import math
 import os
+import shutil
 import signal
+import subprocess
 import sys
 import tempfile
 import time
@@ -55,6 +57,7 @@ SCENARIOS = {  # name: (short streams, short prompt, short new tokens, long prom
     "c": (4, 1536, 1500, 512 * K - 1024),
 }
 LONG_AFTER_S = 3.0
+SPY_SECONDS = 30  # --profile: the long request of (a) or (b), its prefill and decode
 MAX_CONCURRENT = 32  # (the servers' bound: scenario b's 17 requests; warm-up to its bucket)
 ENTRY_KEYS = ("resident", "streamed", "hybrid")
 KEYS = ("short_tpot_p50_ms", "short_tpot_p99_ms", "short_tpot_p50_ms_alone",
@@ -141,10 +144,11 @@ async def short_loop(client, seed: int, prompt_len: int, new: int, going) -> lis
 
 
 async def drive(url: str, shorts: tuple[int, int, int], long_prompt: list[int] | None,
-                seconds: float, seed: int) -> dict:  # fmt: skip
+                seconds: float, seed: int, on_long=None) -> dict:  # fmt: skip
     """``shorts`` = (streams, prompt tokens, new tokens), each a closed loop while the long
     request runs (sent ``LONG_AFTER_S`` in), or for ``seconds`` without one; while the long
-    one runs, the head map in force (the offload lane's) is read from /metrics."""
+    one runs, the head map in force (the offload lane's) is read from /metrics. ``on_long``:
+    called half a second before the long request is sent."""
     from openai import AsyncOpenAI
 
     client = AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=3600)
@@ -152,6 +156,8 @@ async def drive(url: str, shorts: tuple[int, int, int], long_prompt: list[int] |
     start, long_task, entries, timeline = time.perf_counter(), None, {}, []
     if long_prompt is not None:
         long_task = asyncio.ensure_future(stream(client, long_prompt, LONG_NEW, LONG_AFTER_S))
+        if on_long is not None:
+            asyncio.get_running_loop().call_later(max(0.0, LONG_AFTER_S - 0.5), on_long)
 
     def going() -> bool:
         if long_task is not None:
@@ -179,26 +185,51 @@ def gaps(results: list[dict]) -> list[tuple[float, float]]:
     return [(b - a, b) for r in results for a, b in zip(r["times"], r["times"][1:], strict=False)]
 
 
-def serve_run(model_dir: Path, budget_gib: float, jobs: list, *flags: str) -> list[dict]:
+def serve_run(model_dir: Path, budget_gib: float, jobs: list, *flags: str,
+              profile: Path | None = None) -> list[dict]:  # fmt: skip
     """Start a server under ``budget_gib`` (and ``flags``), warm it, run each ``(shorts,
     long, seconds)`` of ``jobs`` in turn (``seconds``: a number, or the previous run's length
-    when None); each run's results with the server's peak reserved GiB so far."""
+    when None); each run's results with the server's peak reserved GiB so far. ``profile``:
+    where py-spy writes the server's threads from just before the first long request on."""
     server, url = start_server(model_dir, "--max-context", str(MAX_CONTEXT), "--host-memory",
                                HOST, "--max-concurrent-requests", str(MAX_CONCURRENT), *flags,
                                budget=f"{budget_gib:.3f}GiB")  # fmt: skip
-    runs = []
+    runs, spies = [], []
+
+    def spy() -> None:
+        if profile is not None and not spies:
+            spies.append(record_threads(server.pid, SPY_SECONDS, profile))
+
     try:
         asyncio.run(warm(url))
         for shorts, long_prompt, seconds in jobs:
             seconds = runs[-1]["seconds"] if seconds is None else seconds
             seed = 100 + 100_000 * len(runs)  # (no run's prompt a cached prefix of another's)
-            run = asyncio.run(drive(url, shorts, long_prompt, seconds, seed))
+            run = asyncio.run(drive(url, shorts, long_prompt, seconds, seed, spy))
             run["peak_reserved_gib"] = scrape(url, "headspace_gpu_peak_reserved_bytes") / GiB
             runs.append(run)
     finally:
+        for process in spies:
+            if process is not None:
+                process.wait(timeout=SPY_SECONDS + 60)
         server.send_signal(signal.SIGINT)
         server.wait(timeout=120)
     return runs
+
+
+def record_threads(pid: int, seconds: float, path: Path) -> subprocess.Popen | None:
+    """py-spy sampling every thread of ``pid`` (idle ones too: a thread waiting on a lock
+    shows where) for ``seconds`` into ``path`` (speedscope JSON: each thread's samples in
+    time order); None without py-spy on the PATH."""
+    binary = shutil.which("py-spy")
+    if binary is None:
+        print("py-spy is not on the PATH: no profile", file=sys.stderr)
+        return None
+    command = [binary, "record", "--pid", str(pid), "--duration", str(seconds), "--rate",
+               "200", "--threads", "--idle", "--nonblocking", "--format", "speedscope",
+               "--output", str(path)]  # fmt: skip
+    with open(path.with_suffix(".log"), "w") as said:  # (what py-spy says, beside it)
+        return subprocess.Popen(command, stdout=said, stderr=subprocess.STDOUT)
 
 
 def long_figures(run: dict, prompt_len: int) -> dict:
@@ -229,15 +260,15 @@ def largest_gaps(pairs: list[tuple[float, float]], start: float, count: int = 8)
     return [(round(1e3 * gap, 1), round(at - start, 2)) for gap, at in ranked]
 
 
-def scenario(name: str, model_dir: Path, h2d: float, cpu: float, flags: tuple = ()) -> dict:
+def scenario(name: str, model_dir: Path, h2d: float, cpu: float, flags: tuple = (),
+             profile: Path | None = None) -> dict:  # fmt: skip
     count, short_len, short_new, long_len = SCENARIOS[name]
     shorts = (count, short_len, short_new)
     long_prompt = ids(long_len, 999)
     kv_token = LLAMA31_8B["num_hidden_layers"] * LLAMA31_8B["num_key_value_heads"] * 128 * 2 * 2
     short_kv_gib = count * (short_len + short_new) * kv_token / GiB  # their peak KV
-    mixed, alone_short = serve_run(
-        model_dir, BUDGET_GIB, [(shorts, long_prompt, 0.0), (shorts, None, None)], *flags
-    )
+    jobs = [(shorts, long_prompt, 0.0), (shorts, None, None)]
+    mixed, alone_short = serve_run(model_dir, BUDGET_GIB, jobs, *flags, profile=profile)
     # (no arena kept for arrivals: the short streams' KV is what the budget leaves out)
     (alone_long,) = serve_run(
         model_dir,
@@ -312,6 +343,9 @@ def main() -> None:
     parser.add_argument("--tag", default="", help="added to the file name")
     parser.add_argument("--serve-flags", default="", help="more flags for every server, "
                         "e.g. '--prefill-sm-share 1'")  # fmt: skip
+    parser.add_argument("--profile", action="store_true", help="py-spy the mixed server's "
+                        f"threads for {SPY_SECONDS} s from the long request's arrival "
+                        "(speedscope files beside the result)")  # fmt: skip
     args = parser.parse_args()
     env = environment()
     from cpu_attention import kernel_gb_s
@@ -327,7 +361,9 @@ def main() -> None:
         model_dir = Path(tmp) / "llama3-8b-random"
         save_checkpoint(model_dir)
         for name in args.scenarios.split(","):
-            row = scenario(name, model_dir, h2d, cpu, tuple(args.serve_flags.split()))
+            spied = Path(os.environ.get("OUT", ".")) / f"mixed{tag}_threads_{name}.json"
+            row = scenario(name, model_dir, h2d, cpu, tuple(args.serve_flags.split()),
+                           spied if args.profile else None)  # fmt: skip
             if "error" not in row:
                 row["targets"] = targets(row)
                 row = {k: None if isinstance(v, float) and math.isnan(v) else v

@@ -17,6 +17,8 @@ counted against the budget, or freeing the old one first when no page matters.
 
 from __future__ import annotations
 
+import logging
+import time
 import weakref
 
 import torch
@@ -24,6 +26,8 @@ import torch
 from headspace.errors import UserError
 from headspace.kv.spec import KVSpec, byte_size
 from headspace.model.llama import DEVICE_LOCK
+
+log = logging.getLogger("headspace.kv")
 
 
 class HostLedger:
@@ -112,18 +116,23 @@ class HostKVArena:
             if num_pages > limit:
                 raise UserError(self._over_budget(num_pages, held, budget))
             grown = min(grown, limit)
+        started = time.perf_counter()
         if self.data is not None and self.pin:  # queued copies may read or write old pages
             torch.cuda.synchronize()
+        waited = time.perf_counter() - started
         if keep:
             self._allocate(grown)
-            return True
-        old_pages, self.data, self.num_pages = self.num_pages, None, 0  # freed first
-        try:
-            self._allocate(grown)
-        except BaseException:
-            if old_pages:  # the pool still hands out the old pages: hold them again
-                self._allocate(old_pages)
-            raise
+        else:
+            old_pages, self.data, self.num_pages = self.num_pages, None, 0  # freed first
+            try:
+                self._allocate(grown)
+            except BaseException:
+                if old_pages:  # the pool still hands out the old pages: hold them again
+                    self._allocate(old_pages)
+                raise
+        log.info("host KV arena: %s for %d tokens in %.2f s (%.2f s waiting for the device)",
+                 byte_size(self.num_bytes), grown * self.spec.page_size,
+                 time.perf_counter() - started, waited)  # fmt: skip
         return True
 
     def _allocate(self, num_pages: int) -> None:
