@@ -19,6 +19,13 @@ LOG2E = 1.4426950408889634
 # included), in blocks of 128 14.6 us (rows of up to 256 slices unchanged;
 # bench/profiles/decode_attention.py --groups)
 MERGE_SPLIT_BLOCK = 128
+MERGE_SMALL_BLOCK = 32  # rows of at most this many slices: one block of this size
+
+
+def merge_block(num_splits: int) -> int:
+    """Slices the merge kernel weighs at a time for rows of ``num_splits``: two sizes, so
+    that two compiles serve every count."""
+    return MERGE_SMALL_BLOCK if num_splits <= MERGE_SMALL_BLOCK else MERGE_SPLIT_BLOCK
 
 
 @triton.jit
@@ -140,35 +147,44 @@ def _partial_kernel(
     tl.store(LSE + seq * stride_lb + heads * stride_lh + split, lse, mask=head_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _merge_kernel(
-    PART_OUT, PART_LSE, OUT, LSE, stride_ph, stride_ps, stride_lh, stride_ob, stride_oh,
-    NUM_HEADS: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr,
-    SPLIT_BLOCK: tl.constexpr, DIM: tl.constexpr,
+    PART_OUT, PART_LSE, OUT, LSE, num_splits, stride_ph, stride_ps, stride_lh, stride_ob,
+    stride_oh, NUM_HEADS: tl.constexpr, SPLIT_BLOCK: tl.constexpr, DIM: tl.constexpr,
 ):  # fmt: skip
+    """One (sequence, head) row's ``num_splits`` slices merged by LSE, ``SPLIT_BLOCK`` slices
+    at a time with a running maximum (a row of a few heads over a long history has hundreds
+    of slices, too many ``[slices, dim]`` values to hold at once). The count is a runtime
+    value, not specialised on: a longer block table (a batch's next width bucket) needs no
+    new compile while users wait (one took 0.3 s of a serving step: bench/NOTES.md). A row
+    of one block sums as a single pass over all its slices would."""
     head = tl.program_id(0)  # a (sequence, head) row
-    offs_s = tl.arange(0, SPLITS_PAD)
+    offs_b = tl.arange(0, SPLIT_BLOCK)
     offs_d = tl.arange(0, DIM)
     lse_row = PART_LSE + head * stride_lh
-    lse = tl.load(lse_row + offs_s, mask=offs_s < NUM_SPLITS, other=float("-inf"))
-    lse_max = tl.max(lse, 0)
-    safe_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)
-    total = tl.sum(tl.exp(lse - safe_max), 0)  # empty splits weigh 0
-    # the slices' outputs a block of slices at a time: a row of a few heads over a long
-    # history has hundreds of slices, too many [slices, dim] values to hold at once
+    m_i = tl.max(tl.full([SPLIT_BLOCK], float("-inf"), tl.float32), 0)  # running maximum
+    total = tl.sum(tl.zeros([SPLIT_BLOCK], tl.float32), 0)
     acc = tl.zeros([DIM], tl.float32)
-    offs_b = tl.arange(0, SPLIT_BLOCK)
-    for first in tl.range(0, NUM_SPLITS, SPLIT_BLOCK):
+    first = 0
+    while first < num_splits:  # (a while loop: the interpreter ranges over no tensor bounds)
         split = first + offs_b
-        ok = split < NUM_SPLITS
-        weights = tl.exp(tl.load(lse_row + split, mask=ok, other=float("-inf")) - safe_max)
+        ok = split < num_splits
+        lse = tl.load(lse_row + split, mask=ok, other=float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(lse, 0))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp(m_i - m_safe)  # (0 at the first block: nothing summed yet)
+        weights = tl.exp(lse - m_safe)  # empty splits weigh 0
         part_ptrs = PART_OUT + head * stride_ph + split[:, None] * stride_ps + offs_d[None, :]
         parts = tl.load(part_ptrs, mask=ok[:, None], other=0.0)
-        acc += tl.sum(parts * weights[:, None], 0)
+        acc = acc * alpha + tl.sum(parts * weights[:, None], 0)
+        total = total * alpha + tl.sum(weights, 0)
+        m_i = m_new
+        first += SPLIT_BLOCK
+    m_safe = tl.where(m_i == float("-inf"), 0.0, m_i)
     out = acc / tl.where(total > 0, total, 1.0)
     out_row = OUT + (head // NUM_HEADS) * stride_ob + (head % NUM_HEADS) * stride_oh
     tl.store(out_row + offs_d, out.to(OUT.dtype.element_ty))
-    tl.store(LSE + head, tl.where(total > 0, safe_max + tl.log(total), float("-inf")))
+    tl.store(LSE + head, tl.where(total > 0, m_safe + tl.log(total), float("-inf")))
 
 
 def num_splits_for(capacity: int, num_rows: int, num_sms: int = 132) -> int:
@@ -267,10 +283,9 @@ def paged_decode_attention(
     lse = torch.empty(num_seqs, num_heads, device=q.device, dtype=torch.float32)
     rows_out, rows_lse = part_out.view(-1, num_splits, dim), part_lse.view(-1, num_splits)
     _merge_kernel[(num_seqs * num_heads,)](
-        rows_out, rows_lse, out, lse, rows_out.stride(0), rows_out.stride(1), rows_lse.stride(0),
-        out.stride(0), out.stride(1), NUM_HEADS=num_heads, NUM_SPLITS=num_splits,
-        SPLITS_PAD=triton.next_power_of_2(num_splits), DIM=dim,
-        SPLIT_BLOCK=min(MERGE_SPLIT_BLOCK, triton.next_power_of_2(num_splits)),
+        rows_out, rows_lse, out, lse, num_splits, rows_out.stride(0), rows_out.stride(1),
+        rows_lse.stride(0), out.stride(0), out.stride(1), NUM_HEADS=num_heads,
+        SPLIT_BLOCK=merge_block(num_splits), DIM=dim,
     )  # fmt: skip
     return out, lse
 
