@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from headspace import SamplingParams, UserError
-from headspace.engine.detokenize import StopStringStreamer
+from headspace.engine.detokenize import CONTEXT_TOKENS, StopStringStreamer
 from headspace.engine.sampling import finite_rows, make_generator, sample
 
 
@@ -136,3 +138,43 @@ def test_streamer_without_stop_shows_everything_in_order():
 def test_streamer_holds_back_a_partial_stop():
     streamer = StopStringStreamer(_CharTokenizer(), ["STOP"])
     assert streamer.update([ord(c) for c in "abcST"]) == "ab"  # "cST" could start "STOP"
+
+
+@pytest.fixture(scope="module")
+def embedded_tokenizer(embedded_dir):
+    from headspace.model.tokenizer import load_tokenizer
+
+    return load_tokenizer(embedded_dir)
+
+
+class _CountingTokenizer:
+    """The embedded tokenizer, counting the tokens each decode call is given."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer, self.decoded = tokenizer, []
+
+    def decode(self, ids, **kwargs):
+        self.decoded.append(len(ids))
+        return self.tokenizer.decode(ids, **kwargs)
+
+
+@settings(
+    max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(text=st.text(min_size=1, max_size=80), extra=st.lists(st.integers(0, 49151), max_size=12))
+def test_streamed_pieces_are_the_whole_decode_of_a_real_tokenizer(embedded_tokenizer, text, extra):
+    """With the embedded (byte-level BPE) tokenizer, the pieces of a stream of any text's
+    tokens, and of arbitrary ids after them (partial characters among them), join to the
+    decode of all of them at once; each step decodes a few tokens, not the whole stream."""
+    ids = embedded_tokenizer(text, add_special_tokens=False)["input_ids"] + extra
+    counting = _CountingTokenizer(embedded_tokenizer)
+    streamer = StopStringStreamer(counting, [])
+    pieces = [streamer.update(ids[: i + 1]) for i in range(len(ids))] + [streamer.finish()]
+    whole = embedded_tokenizer.decode(ids, skip_special_tokens=True,
+                                      clean_up_tokenization_spaces=False)  # fmt: skip
+    assert "".join(pieces) == streamer.text
+    if not whole.endswith("\ufffd"):
+        assert streamer.text == whole
+    if not extra:  # whole characters: a window holds the context and the newest character
+        # (the context and the newest character: a bound that the stream's length never moves)
+        assert max(counting.decoded[2 * CONTEXT_TOKENS :], default=0) <= CONTEXT_TOKENS + 8
