@@ -105,6 +105,7 @@ def _generate(args) -> None:
     from headspace.api import LLM
     from headspace.engine.engine import compile_in_process
     from headspace.engine.sampling import SamplingParams
+    from headspace.model.compile_meter import COMPILE_METER
 
     params = SamplingParams(
         max_new_tokens=args.max_new_tokens,
@@ -134,10 +135,14 @@ def _generate(args) -> None:
     weights = sum(p.nbytes for p in llm.engine.model.parameters())
     print(f"load {load_seconds:.1f} s ({weights / 1e9:.2f} GB of weights read in "
           f"{llm.engine.load_seconds:.1f} s)", file=sys.stderr)  # fmt: skip
+    compiled = COMPILE_METER.seconds
     if args.warm_up:  # on its own line: the summary's prefill is the prompt's alone
         seconds = llm.engine.warm_up(len(prompt_ids), decode=params.max_new_tokens > 1)
-        what = "compilation, graph capture" if on_gpu else "a first request, no compilation"
+        what = "a first request, no compilation"
+        if on_gpu:
+            what = f"{COMPILE_METER.seconds - compiled:.1f} s compiling, graph capture"
         print(f"warm-up {seconds:.1f} s ({what})", file=sys.stderr)
+    compiled = COMPILE_METER.seconds
     pieces = 0
     try:
         for piece in llm.stream(prompt_ids, params):
@@ -153,7 +158,9 @@ def _generate(args) -> None:
     sys.stdout.write("\n")
     stats = llm.last_output.stats
     print(stats.summary(), file=sys.stderr)
-    for note in summary_notes(stats, llm.engine.config.offload.mode):
+    notes = summary_notes(stats, llm.engine.config.offload.mode)
+    notes += compile_notes(COMPILE_METER.seconds - compiled)
+    for note in notes:
         print(f"note: {note}", file=sys.stderr)
 
 
@@ -180,6 +187,18 @@ def summary_notes(stats, offload_mode: str) -> list[str]:
                          f"it saves little here, and the tokens it dropped may still change "
                          f"the output")  # fmt: skip
     return notes
+
+
+COMPILE_NOTE_S = 0.05  # compiling during the request worth a note (seconds)
+
+
+def compile_notes(seconds: float) -> list[str]:
+    """A note when the request itself compiled (shapes the warm-up did not meet: a later
+    prefix length, another layout): its figures include that time."""
+    if seconds < COMPILE_NOTE_S:
+        return []
+    return [f"{seconds:.1f} s of this request went to compiling shapes the warm-up did not "
+            f"meet; its prefill and decode figures include them"]  # fmt: skip
 
 
 def _note_past_trained_context(most_tokens: int, trained: int) -> None:

@@ -20,6 +20,7 @@ from headspace.engine.ranks import join, plan_ranks, setup_ranks
 from headspace.engine.sampling import SamplingParams
 from headspace.engine.weight_stream import WeightStream, weights_streamed
 from headspace.errors import UserError
+from headspace.model.compile_meter import COMPILE_METER
 from headspace.model.config import load_config
 from headspace.model.llama import LlamaModel
 from headspace.model.loader import load_model
@@ -154,6 +155,7 @@ class Engine:
         self.config, self.model, self.tokenizer, self.ranks = config, model, tokenizer, ranks
         if config.runtime.on_gpu:  # before anything compiles
             keep_compile_caches()
+        COMPILE_METER.install()  # (what compiles outside the warm-up is told apart)
         self.hooks = hooks
         model_cfg = model.config
         self.max_context = self._max_context(model_cfg, config)

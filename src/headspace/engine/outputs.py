@@ -170,6 +170,7 @@ class EngineLoad:
     hybrid_entries: int = 0
     num_swaps: int = 0  # sequences swapped out since the engine started
     peak_reserved_bytes: int = 0  # GPU memory torch's allocator reserved at most (0 on CPU)
+    compile_seconds: float = 0.0  # the process's compiling so far (model.compile_meter)
     requests: tuple[RequestView, ...] = ()
     lanes: tuple[LaneView, ...] = ()
 

@@ -11,6 +11,7 @@ import torch
 from headspace.engine.lane import Lane
 from headspace.engine.outputs import EngineLoad, LaneView, RequestView
 from headspace.kv.block_table import GPU, HOST
+from headspace.model.compile_meter import COMPILE_METER
 
 
 def engine_view(lanes: list[Lane], queued: list, shown: Lane, device: str | None) -> EngineLoad:
@@ -33,7 +34,8 @@ def engine_view(lanes: list[Lane], queued: list, shown: Lane, device: str | None
         resident_entries=entries["gpu"], streamed_entries=entries["stream"],
         hybrid_entries=entries["hybrid"],
         num_swaps=sum(lane.scheduler.num_swaps for lane in lanes),
-        peak_reserved_bytes=reserved, requests=tuple(requests), lanes=tuple(views),
+        peak_reserved_bytes=reserved, compile_seconds=COMPILE_METER.seconds,
+        requests=tuple(requests), lanes=tuple(views),
     )  # fmt: skip
 
 

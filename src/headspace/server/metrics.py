@@ -65,6 +65,12 @@ class Metrics:
         self._lane_seen: dict[str, tuple[int, float]] = {}  # lane -> (steps, tokens) counted
         self._reserved = gauge("gpu_peak_reserved_bytes", "GPU memory the engine's allocator "
                                "reserved at most (0 on the CPU)")  # fmt: skip
+        self._compile = counter(
+            "compile_seconds",
+            "seconds the process spent compiling "
+            "kernels (torch.compile and Triton), the warm-up's included",
+        )
+        self._compile_seen = 0.0
         self._labels = labels
         self.prompt_tokens = self._prompt.labels(**labels)
         self.aborted = self._finished.labels(**labels, reason="abort")
@@ -104,6 +110,8 @@ class Metrics:
         self._swaps.labels(**labels).inc(load.num_swaps - self._swaps_seen)
         self._swaps_seen = load.num_swaps
         self._reserved.labels(**labels).set(load.peak_reserved_bytes)
+        self._compile.labels(**labels).inc(max(load.compile_seconds - self._compile_seen, 0.0))
+        self._compile_seen = max(load.compile_seconds, self._compile_seen)
         self._observe_lanes(load)
 
     def _observe_lanes(self, load: EngineLoad) -> None:
