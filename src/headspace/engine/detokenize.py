@@ -5,6 +5,7 @@ from __future__ import annotations
 # tokens decoded again before the new ones, for their context (a SentencePiece token's
 # leading space, a byte-level token's partial character): as vLLM's incremental decoding
 CONTEXT_TOKENS = 5
+LOOK_BACK = 32  # tokens a window's start may go back to begin on a whole character
 
 
 class StopStringStreamer:
@@ -48,14 +49,27 @@ class StopStringStreamer:
         window = self._decode(token_ids[self._context :])
         if window.endswith("\ufffd"):
             return None
-        if len(window) > len(before) and window.startswith(before):
-            self._decoded += window[len(before) :]
-        elif len(window) > len(before):  # the context reads otherwise now: from the start
-            self._decoded = self._decode(token_ids)
         if len(window) > len(before):
-            self._context = max(0, len(token_ids) - CONTEXT_TOKENS)
+            if window.startswith(before):
+                self._decoded += window[len(before) :]
+            else:  # the context reads otherwise now: from the start
+                self._decoded = self._decode(token_ids)
             self._read = len(token_ids)
+            self._context = self._context_start(token_ids)
         return self._decoded
+
+    def _context_start(self, token_ids: list[int]) -> int:
+        """The first token of the next window: ``CONTEXT_TOKENS`` before the end, or earlier
+        where that one starts inside a character (a byte-fallback decoder turns a whole run
+        of bytes into replacement characters if it starts mid-character, so that no later
+        window would end whole); the very start when none within ``LOOK_BACK`` does."""
+        end = len(token_ids)
+        start = max(0, end - CONTEXT_TOKENS)
+        while start > 0 and self._decode(token_ids[start:end]).startswith("\ufffd"):
+            start -= 1
+            if end - start > LOOK_BACK:
+                return 0
+        return start
 
     def _decode(self, token_ids: list[int]) -> str:
         if not token_ids:
