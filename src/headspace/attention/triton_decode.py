@@ -147,7 +147,7 @@ def _partial_kernel(
     tl.store(LSE + seq * stride_lb + heads * stride_lh + split, lse, mask=head_ok)
 
 
-@triton.jit(do_not_specialize=["num_splits"])
+@triton.jit(do_not_specialize=["num_splits", "stride_lh"])  # (stride_lh is num_splits)
 def _merge_kernel(
     PART_OUT, PART_LSE, OUT, LSE, num_splits, stride_ph, stride_ps, stride_lh, stride_ob,
     stride_oh, NUM_HEADS: tl.constexpr, SPLIT_BLOCK: tl.constexpr, DIM: tl.constexpr,
