@@ -155,7 +155,7 @@ class Engine:
         self.config, self.model, self.tokenizer, self.ranks = config, model, tokenizer, ranks
         if config.runtime.on_gpu:  # before anything compiles
             keep_compile_caches()
-        COMPILE_METER.install()  # (what compiles outside the warm-up is told apart)
+            COMPILE_METER.install()  # (what compiles outside the warm-up is told apart)
         self.hooks = hooks
         model_cfg = model.config
         self.max_context = self._max_context(model_cfg, config)
