@@ -29,6 +29,7 @@ from headspace.engine.engine import WARM_UP_PIECE, Engine
 from headspace.engine.outputs import RequestOutput
 from headspace.engine.sampling import SamplingParams
 from headspace.errors import UserError
+from headspace.model.compile_meter import COMPILE_METER
 from headspace.parallel.dist import broadcast_object, first_error, is_first_rank
 from headspace.server.metrics import Metrics
 from headspace.server.outbox import Outbox
@@ -193,7 +194,10 @@ class EngineLoop:
     def _run(self) -> None:
         try:
             if self._warm_up:
-                log.info("warm-up %.1f s", self.engine.warm_up(**self._warm_up_shapes()))
+                compiled = COMPILE_METER.seconds
+                seconds = self.engine.warm_up(**self._warm_up_shapes())
+                log.info("warm-up %.1f s (%.1f s compiling)", seconds,
+                         COMPILE_METER.seconds - compiled)  # fmt: skip
             freeze_heap()
             self.ready.set()
             while True:
