@@ -13,7 +13,8 @@ request of random token ids. The roofline counts the GEMMs and the causal attent
 GEMM and cuDNN attention rates measured here (`bench/million.py`'s); the floor is the
 offloaded entries' K/V of one step over PCIe at the copy rate measured here. Writes
 ``long_prompt_llama3-8b_<gpu>_<date>.json`` (to $OUT when set); its ``runs`` hold the
-second process's figures, with the first's prefill beside them.
+second process's figures, with the first's prefill beside them; each process's seconds of
+compiling, in its warm-up and in the request, are recorded apart (the compile meter).
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ def worker(model_dir: str, length: int, budget: str, steps: int) -> None:
     from headspace.api import LLM
     from headspace.engine.engine import compile_in_process
     from headspace.engine.sampling import SamplingParams
+    from headspace.model.compile_meter import COMPILE_METER
 
     compile_in_process()  # as generate does; past the trained context, as --max-context does
     longer = {"max_context": length + steps + 1} if length + steps >= TRAINED_CONTEXT else {}
@@ -58,11 +60,15 @@ def worker(model_dir: str, length: int, budget: str, steps: int) -> None:
     vocab = llm.engine.model.config.vocab_size
     ids = torch.randint(0, vocab, (length,), generator=torch.Generator().manual_seed(3)).tolist()
     params = SamplingParams(max_new_tokens=steps + 1, ignore_eos=True)
+    compiled = COMPILE_METER.seconds
     warm_up_s = llm.engine.warm_up(length, decode=True)
+    warm_up_compile_s, compiled = COMPILE_METER.seconds - compiled, COMPILE_METER.seconds
     torch.cuda.reset_peak_memory_stats()
     stats = llm.generate(ids, params)[0].stats
     print(json.dumps({
-        "warm_up_s": warm_up_s, "prefill_s": stats.prefill_seconds,
+        "warm_up_s": warm_up_s, "warm_up_compile_s": warm_up_compile_s,
+        "request_compile_s": COMPILE_METER.seconds - compiled,  # (in prefill_s or decode_ms)
+        "prefill_s": stats.prefill_seconds,
         "decode_ms": 1e3 * stats.decode_seconds / max(1, stats.generated_tokens - 1),
         "heads": {"resident": stats.num_gpu_heads, "streamed": stats.num_streamed_heads,
                   "hybrid": stats.num_hybrid_heads},
@@ -97,6 +103,8 @@ def measure(model_dir: Path, kilo: int, steps: int, h2d: float, rates: dict) -> 
     return {**run, "prompt_tokens": length, "budget_gib": float(budget[:-3]),
             "prefill_roofline_s": roofline_s, "prefill_vs_roofline": run["prefill_s"] / roofline_s,
             "first_process_prefill_s": first["prefill_s"],
+            "first_process_compile_s": {k: first[k] for k in ("warm_up_compile_s",
+                                                              "request_compile_s")},
             "decode_pcie_floor_ms": floor,
             "decode_speedup_vs_floor": floor / run["decode_ms"] if offloaded else None}  # fmt: skip
 
