@@ -136,6 +136,7 @@ def _entries(url: str) -> dict[str, float]:
             for tier in ENTRY_KEYS}  # fmt: skip
 
 
+COMPILE_SERIES = f'headspace_compile_seconds_total{{model_name="{NAME}"}}'
 LANE_SERIES = ("headspace_lane_steps_total", "headspace_lane_prefill_tokens_total",
                "headspace_lane_requests")  # fmt: skip
 
@@ -202,7 +203,9 @@ async def drive(url: str, shorts: tuple[int, int, int], long_prompt: list[int] |
         if seen["streamed"] + seen["hybrid"] > 0:
             entries = seen
         lanes = await asyncio.to_thread(lane_sample, url)
-        timeline.append({"t": round(time.perf_counter() - start, 2), **lanes})
+        compiled = await asyncio.to_thread(scrape, url, COMPILE_SERIES)  # (the server's so far)
+        timeline.append({"t": round(time.perf_counter() - start, 2), **lanes,
+                         "compile_s": round(compiled, 2)})  # fmt: skip
     results = [r for loop in await asyncio.gather(*tasks) for r in loop]
     long = None
     if long_task is not None:
