@@ -28,6 +28,7 @@ class StopStringStreamer:
         self._decoded = ""  # the text of every token before ``_read`` (not cut)
         self._context = 0  # the first token the next window decodes
         self._read = 0  # the tokens whose text ``_decoded`` holds
+        self._before = ""  # the text of tokens ``_context .. _read`` (the window's context)
 
     def update(self, token_ids: list[int]) -> str:
         """Decode ``token_ids`` (all generated so far, the earlier ones as before); returns
@@ -45,8 +46,7 @@ class StopStringStreamer:
 
     def _grown(self, token_ids: list[int]) -> str | None:
         """The text of all of ``token_ids``; None while its last character is unfinished."""
-        before = self._decode(token_ids[self._context : self._read])
-        window = self._decode(token_ids[self._context :])
+        before, window = self._before, self._decode(token_ids[self._context :])
         if window.endswith("\ufffd"):
             return None
         if len(window) > len(before):
@@ -55,21 +55,22 @@ class StopStringStreamer:
             else:  # the context reads otherwise now: from the start
                 self._decoded = self._decode(token_ids)
             self._read = len(token_ids)
-            self._context = self._context_start(token_ids)
+            self._next_context(token_ids)
         return self._decoded
 
-    def _context_start(self, token_ids: list[int]) -> int:
-        """The first token of the next window: ``CONTEXT_TOKENS`` before the end, or earlier
-        where that one starts inside a character (a byte-fallback decoder turns a whole run
-        of bytes into replacement characters if it starts mid-character, so that no later
-        window would end whole); the very start when none within ``LOOK_BACK`` does."""
+    def _next_context(self, token_ids: list[int]) -> None:
+        """The next window's context and its text: ``CONTEXT_TOKENS`` before the end, or
+        earlier where that one starts inside a character (a byte-fallback decoder turns a
+        whole run of bytes into replacement characters if it starts mid-character, so that
+        no later window would end whole); the very start when none within ``LOOK_BACK``
+        does."""
         end = len(token_ids)
         start = max(0, end - CONTEXT_TOKENS)
-        while start > 0 and self._decode(token_ids[start:end]).startswith("\ufffd"):
-            start -= 1
-            if end - start > LOOK_BACK:
-                return 0
-        return start
+        text = self._decode(token_ids[start:end])
+        while start > 0 and text.startswith("\ufffd"):
+            start = start - 1 if end - start < LOOK_BACK else 0
+            text = self._decode(token_ids[start:end])
+        self._context, self._before = start, text
 
     def _decode(self, token_ids: list[int]) -> str:
         if not token_ids:

@@ -194,7 +194,12 @@ def gather_programs(device: torch.device) -> int:
 
 def sm_count(device: torch.device) -> int:
     """The streaming multiprocessors of the GPU ``device``."""
-    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+    return _sm_count(_index(device))
+
+
+def _index(device: torch.device) -> int:
+    """The CUDA device ``device`` names (the current one where it names none)."""
+    return device.index if device.index is not None else torch.cuda.current_device()
 
 
 @functools.cache
@@ -256,18 +261,15 @@ def swap_pages(arena_layers: list[torch.Tensor], host_layer,
         copy_pages(src, dst, src_pages, dst_pages, src_heads, dst_heads, page_size)
 
 
-# (device, priority): the one stream of that priority a user of shared_stream gets
-_SHARED_STREAMS: dict[tuple[int, int], torch.cuda.Stream] = {}
-
-
 def shared_stream(device: torch.device, priority: int = 0) -> torch.cuda.Stream:
     """The one side stream of ``priority`` on the GPU ``device`` that copies (and captures)
     run on, made at first use. torch hands out a new stream from a pool of 32 a priority,
     in turn, at each ``torch.cuda.Stream()``: one made per layout would, within 32 layouts,
     be the very CUDA stream another thread or lane works on, its work then queued behind
     theirs (or recorded by their capture)."""
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    key = (index, priority)
-    if key not in _SHARED_STREAMS:
-        _SHARED_STREAMS[key] = torch.cuda.Stream(torch.device("cuda", index), priority=priority)
-    return _SHARED_STREAMS[key]
+    return _shared_stream(_index(device), priority)
+
+
+@functools.cache
+def _shared_stream(index: int, priority: int) -> torch.cuda.Stream:
+    return torch.cuda.Stream(torch.device("cuda", index), priority=priority)
