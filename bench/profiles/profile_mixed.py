@@ -3,14 +3,17 @@ resident lane's decode steps and the offload lane's prefill pieces, each on its 
 stream, measured from a kernel trace of a window during the long prefill.
 
     PYTHONPATH=src python bench/profiles/profile_mixed.py [--window 2.0] [--after 6.0]
+        [--phase prefill|decode] [--alone]
 
 Four short requests (1,536-token prompts) decode; a 128K prompt arrives; ``--after``
 seconds later a ``--window`` of kernels is traced (torch.profiler). Per stream it prints
 the time busy (the union of its kernels' intervals), the time both streams run at once, the
 kernels that take most, and the short requests' time per token inside and outside the
 window; then how far the long prefill went, against its rate alone (``--alone``: the same
-prompt with no short ones, same GPU budget). Writes ``profile_mixed_<gpu>_<date>.json``
-(to $OUT when set) and the trace beside it.
+prompt with no short ones, same GPU budget). With ``--phase decode`` the window opens
+``--after`` seconds past the long request's first token instead, and the long request's own
+time per token in the window is printed beside the short ones'. Writes
+``profile_mixed_<phase>_<gpu>_<date>.json`` (to $OUT when set) and the trace beside it.
 """
 
 from __future__ import annotations
@@ -80,9 +83,11 @@ class StackSampler:
 
 
 def run(engine, lane_steps: dict, shorts: int, after_s: float, window_s: float,
-        trace_path: Path) -> dict:  # fmt: skip
-    """Shorts decoding, the long prompt added, a traced window; the long one aborted at the
-    end. Returns the short tokens' times, the window and the long prefill's progress."""
+        trace_path: Path, phase: str = "prefill") -> dict:  # fmt: skip
+    """Shorts decoding, the long prompt added, a traced window (``after_s`` seconds after
+    the arrival, or with ``phase="decode"`` after the long request's first token); the long
+    one aborted at the end. Returns the short and long tokens' times, the window and the
+    long request's progress."""
     params = SamplingParams(max_new_tokens=SHORT_NEW, ignore_eos=True)
     short_ids = [engine.add_request(_ids(SHORT_PROMPT, i), params) for i in range(shorts)]
     token_times: list[float] = []  # when any short request's token came out
@@ -90,14 +95,18 @@ def run(engine, lane_steps: dict, shorts: int, after_s: float, window_s: float,
         token_times += [time.perf_counter() for o in engine.step() if o.new_token_ids]
     token_times.clear()
     arrived = time.perf_counter()
-    long_id = engine.add_request(_ids(LONG_PROMPT, 99), SamplingParams(max_new_tokens=16))
-    window, first_token, sampler = None, None, StackSampler()
+    long_new = 16 if phase == "prefill" else 100_000  # (decode: aborted after the window)
+    long_id = engine.add_request(
+        _ids(LONG_PROMPT, 99), SamplingParams(max_new_tokens=long_new, ignore_eos=True)
+    )
+    window, long_times, sampler = None, [], StackSampler()
     profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA])
-    deadline = arrived + after_s + window_s + 120
+    deadline = arrived + after_s + window_s + 180
     traced = lambda: window is not None and window[1] is not None  # noqa: E731
-    while (first_token is None or not traced()) and time.perf_counter() < deadline:
+    while (not long_times or not traced()) and time.perf_counter() < deadline:
         now = time.perf_counter()
-        if window is None and now - arrived >= after_s:
+        since = arrived if phase == "prefill" else (long_times[0] if long_times else None)
+        if window is None and since is not None and now - since >= after_s:
             profiler.start()
             sampler.__enter__()
             window = [now, None]
@@ -106,11 +115,11 @@ def run(engine, lane_steps: dict, shorts: int, after_s: float, window_s: float,
             profiler.stop()
             sampler.__exit__()
             window[1] = time.perf_counter()
-            if not shorts:
+            if not shorts and phase == "prefill":
                 break
         for out in engine.step():
             if out.request_id == long_id and out.new_token_ids:
-                first_token = time.perf_counter() - arrived
+                long_times.append(time.perf_counter())
             elif out.new_token_ids:
                 token_times.append(time.perf_counter())
         if not shorts and not engine.has_unfinished():
@@ -124,9 +133,9 @@ def run(engine, lane_steps: dict, shorts: int, after_s: float, window_s: float,
     while engine.has_unfinished():
         engine.step()
     profiler.export_chrome_trace(str(trace_path))
-    return {"token_times": token_times, "window": window, "arrived": arrived,
-            "first_token_s": first_token, "offload_steps_in_window": len(inside), "lanes": lanes,
-            "stacks": sampler.top(),
+    return {"token_times": token_times, "long_times": long_times, "window": window,
+            "arrived": arrived, "first_token_s": long_times[0] - arrived if long_times else None,
+            "offload_steps_in_window": len(inside), "lanes": lanes, "stacks": sampler.top(),
             "long_state": None if progress is None else progress.state}  # fmt: skip
 
 
@@ -197,6 +206,13 @@ def main() -> None:
     parser.add_argument("--after", type=float, default=6.0, help="seconds after the arrival")
     parser.add_argument("--window", type=float, default=2.0, help="seconds traced")
     parser.add_argument("--alone", action="store_true", help="also trace the long one alone")
+    parser.add_argument(
+        "--phase",
+        choices=("prefill", "decode"),
+        default="prefill",
+        help="trace the long request's prefill or its decode (window from "
+        "--after seconds past its first token)",
+    )
     args = parser.parse_args()
     sys.setswitchinterval(0.0005)  # as `headspace serve` sets it (its lanes share the GIL)
     env = environment()
@@ -205,21 +221,22 @@ def main() -> None:
     lane_steps: dict[str, list[float]] = defaultdict(list)  # when each lane began a step
     hooks = EngineHooks(lane_step=lambda lane: lane_steps[lane].append(time.perf_counter()))
     engine = make_engine(model, hooks=hooks, **OPTIONS)
-    result = {"env": env, "config": LLAMA31_8B, "options": OPTIONS, "runs": {}}
+    result = {"env": env, "config": LLAMA31_8B, "options": OPTIONS, "phase": args.phase, "runs": {}}
     for name, shorts in [("mixed", SHORTS)] + ([("alone", 0)] if args.alone else []):
         trace = out / f"profile_mixed_{name}_trace.json"
-        got = run(engine, lane_steps, shorts, args.after, args.window, trace)
+        got = run(engine, lane_steps, shorts, args.after, args.window, trace, args.phase)
         summary = kernel_summary(trace)
         window = tuple(got["window"]) if got["window"] and got["window"][1] else None
         summary["short_tpot_ms_in_window"] = tpot_ms(got["token_times"], window)
         before = (got["arrived"], window[0]) if window else None  # the prefill, untraced
         summary["short_tpot_ms_before_window"] = tpot_ms(got["token_times"], before)
+        summary["long_tpot_ms_in_window"] = tpot_ms(got["long_times"], window)
         for key in ("long_state", "first_token_s", "offload_steps_in_window", "lanes", "stacks"):
             summary[key] = got[key]
         result["runs"][name] = summary
         if trace.stat().st_size > 60 * 2**20:  # (too large to bring back)
             trace.unlink()
-    write_result(f"profile_mixed_{gpu_tag(env)}_{env['date']}.json", result)
+    write_result(f"profile_mixed_{args.phase}_{gpu_tag(env)}_{env['date']}.json", result)
     print(f"\n{'run':<7}{'stream':>8}{'busy s':>8}{'kernels':>9}  top kernels (s)")
     for name, summary in result["runs"].items():
         for stream, row in summary["streams"].items():
@@ -229,7 +246,8 @@ def main() -> None:
               f"{summary.get('both_busy_s', 0):.3f} s; offload lane steps in window "
               f"{summary['offload_steps_in_window']}; short tpot in window "
               f"{summary['short_tpot_ms_in_window']}, before it "
-              f"{summary['short_tpot_ms_before_window']}; {summary['lanes']}")  # fmt: skip
+              f"{summary['short_tpot_ms_before_window']}; long tpot in window "
+              f"{summary['long_tpot_ms_in_window']}; {summary['lanes']}")  # fmt: skip
         for thread, stacks in summary["stacks"].items():
             for where, count in stacks[:5]:
                 print(f"  {thread[:14]:<14}{count:>5}  {where[:160]}")
