@@ -47,12 +47,42 @@ def _share_cut(fraction, length, PAGE_SIZE: tl.constexpr):
 
 
 @triton.jit
+def _attend_block(q, k_base, v_base, table, block_start, end, new_pos, m_i, l_i, acc,
+                  stride_kt, stride_vt, scale_log2, DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
+                  BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):  # fmt: skip
+    """One block of ``BLOCK_N`` keys from ``block_start`` (those before ``end``, but the
+    slot ``new_pos``) added to a running softmax: ``(m_i, l_i, acc)`` updated, base 2."""
+    offs_n = block_start + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, DIM)
+    n_ok = (offs_n < end) & (offs_n != new_pos)
+    # int64: one plane of entry pages (KV budgets) holds more than 2^31 elements
+    page = tl.load(table + block_start // PAGE_SIZE).to(tl.int64)
+    slots = page * PAGE_SIZE + offs_n % PAGE_SIZE
+    k = tl.load(k_base + slots[:, None] * stride_kt + offs_d[None, :], mask=n_ok[:, None],
+                other=0.0)  # fmt: skip
+    s = tl.dot(q, tl.trans(k), input_precision=PRECISION).to(tl.float32) * scale_log2
+    s = tl.where(n_ok[None, :], s, float("-inf"))
+    m_new, m_safe, alpha = _running_max(m_i, tl.max(s, 1))
+    p = tl.exp2(s - m_safe[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    v = tl.load(v_base + slots[:, None] * stride_vt + offs_d[None, :], mask=n_ok[:, None],
+                other=0.0)  # fmt: skip
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION).to(tl.float32)
+    return m_new, l_i, acc
+
+
+# The slice length and the strides that follow the slice count are run-time values, not
+# specialised: a block table's width sets them, and each new width compiled the kernel in the
+# middle of serving (about 2.5 s at a 128K request's first decode steps; bench/NOTES.md).
+@triton.jit(do_not_specialize=["tokens_per_split", "stride_tb", "stride_ob", "stride_oh",
+                               "stride_lb", "stride_lh"])  # fmt: skip
 def _partial_kernel(
     Q, K, V, TABLE, LENGTHS, NEW_K, NEW_V, NEW_INDEX, KEY_SHARES, OUT, LSE, scale_log2,
     stride_qb, stride_qh, stride_kh, stride_kt, stride_vh, stride_vt, stride_tb,
     stride_nb, stride_nh, stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
+    tokens_per_split,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
-    BLOCK_N: tl.constexpr, TOKENS_PER_SPLIT: tl.constexpr, APPEND: tl.constexpr,
+    BLOCK_N: tl.constexpr, APPEND: tl.constexpr, WHILE_LOOP: tl.constexpr,
     AT_INDEX: tl.constexpr, PRECISION: tl.constexpr, SHARE_PERIOD: tl.constexpr,
 ):  # fmt: skip
     kv_head = tl.program_id(0)
@@ -65,8 +95,8 @@ def _partial_kernel(
         row = (seq * tl.num_programs(0) + kv_head) % SHARE_PERIOD
         first = _share_cut(tl.load(KEY_SHARES + 2 * row), length, PAGE_SIZE)
         last = _share_cut(tl.load(KEY_SHARES + 2 * row + 1), length, PAGE_SIZE)
-    start = first + split * TOKENS_PER_SPLIT
-    end = tl.minimum(start + TOKENS_PER_SPLIT, last)
+    start = first + split * tokens_per_split
+    end = tl.minimum(start + tokens_per_split, last)
     offs_g = tl.arange(0, GROUP_PAD)
     offs_d = tl.arange(0, DIM)
     heads = kv_head * GROUP + offs_g
@@ -90,8 +120,8 @@ def _partial_kernel(
         new_k = tl.load(NEW_K + seq * stride_nb + kv_head * stride_nh + offs_d)
         new_v = tl.load(NEW_V + seq * stride_nb + kv_head * stride_nh + offs_d)
         owner = (new_pos >= start) & (new_pos < end)
-        place = split * TOKENS_PER_SPLIT
-        stores = (new_pos >= place) & (new_pos < place + TOKENS_PER_SPLIT) & (new_pos < length)
+        place = split * tokens_per_split
+        stores = (new_pos >= place) & (new_pos < place + tokens_per_split) & (new_pos < length)
         new_page = tl.load(table + new_pos // PAGE_SIZE, mask=stores, other=0).to(tl.int64)
         new_slot = new_page * PAGE_SIZE + new_pos % PAGE_SIZE
         tl.store(k_base + new_slot * stride_kt + offs_d, new_k, mask=(offs_d < DIM) & stores)
@@ -101,33 +131,20 @@ def _partial_kernel(
     # A slice wholly past its row's end (rows under a KV budget differ in length) skips its
     # blocks, so the long rows' slices have the GPU to themselves (bench/profiles/entry_splits.py:
     # 128K rows keeping 1K-118K tokens, 2.45 -> 1.87 ms per 32 layers on an H100; rows of
-    # equal length unchanged). Static trip count (pipelined); blocks past `end` are fully
-    # masked and read no memory. A block never straddles two pages: BLOCK_N divides
-    # PAGE_SIZE and split starts.
-    if start < end:
-        for block_offset in tl.range(0, TOKENS_PER_SPLIT, BLOCK_N):
-            block_start = start + block_offset
-            offs_n = block_start + tl.arange(0, BLOCK_N)
-            n_ok = (offs_n < end) & (offs_n != new_pos)
-            # int64: one plane of entry pages (KV budgets) holds more than 2^31 elements
-            page = tl.load(table + block_start // PAGE_SIZE, mask=block_start < end, other=0)
-            page = page.to(tl.int64)
-            slots = page * PAGE_SIZE + offs_n % PAGE_SIZE
-            k = tl.load(
-                k_base + slots[:, None] * stride_kt + offs_d[None, :], mask=n_ok[:, None], other=0.0
-            )
-            s = tl.dot(q, tl.trans(k), input_precision=PRECISION).to(tl.float32) * scale_log2
-            s = tl.where(n_ok[None, :], s, float("-inf"))
-            m_new, m_safe, alpha = _running_max(m_i, tl.max(s, 1))
-            p = tl.exp2(s - m_safe[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            v = tl.load(
-                v_base + slots[:, None] * stride_vt + offs_d[None, :], mask=n_ok[:, None], other=0.0
-            )
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION).to(
-                tl.float32
-            )
-            m_i = m_new
+    # equal length unchanged). The trip count is a run-time value (the loop is pipelined all
+    # the same). A block never straddles two pages: BLOCK_N divides PAGE_SIZE and split starts.
+    if WHILE_LOOP:  # (the interpreter ranges over no run-time bounds)
+        block_start = start
+        while block_start < end:
+            m_i, l_i, acc = _attend_block(q, k_base, v_base, table, block_start, end, new_pos,
+                                          m_i, l_i, acc, stride_kt, stride_vt, scale_log2,
+                                          DIM, PAGE_SIZE, BLOCK_N, PRECISION)  # fmt: skip
+            block_start += BLOCK_N
+    else:
+        for block_start in tl.range(start, end, BLOCK_N):
+            m_i, l_i, acc = _attend_block(q, k_base, v_base, table, block_start, end, new_pos,
+                                          m_i, l_i, acc, stride_kt, stride_vt, scale_log2,
+                                          DIM, PAGE_SIZE, BLOCK_N, PRECISION)  # fmt: skip
     if APPEND:  # the new token's term, in the slice that owns it (new_k and new_v are in the
         # cache's dtype, which is q's)
         s_new = tl.sum(q.to(tl.float32) * new_k.to(tl.float32)[None, :], 1)
@@ -269,9 +286,9 @@ def paged_decode_attention(
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         block_tables.stride(0), new_k.stride(0), new_k.stride(1),
         part_out.stride(0), part_out.stride(1), part_out.stride(2),
-        part_lse.stride(0), part_lse.stride(1),
+        part_lse.stride(0), part_lse.stride(1), tokens_per_split,
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
-        DIM=dim, PAGE_SIZE=page_size, BLOCK_N=block_n, TOKENS_PER_SPLIT=tokens_per_split,
+        DIM=dim, PAGE_SIZE=page_size, BLOCK_N=block_n, WHILE_LOOP=q.device.type != "cuda",
         APPEND=new_kv is not None, AT_INDEX=new_kv is not None and new_index is not None,
         num_warps=num_warps, num_stages=num_stages,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",  # float32 stays exact
