@@ -29,6 +29,34 @@ def test_triton_decode_matches_reference(heads, kv_heads, length):
     assert (lse - ref_lse).abs().max().item() < 1e-2
 
 
+def test_new_block_table_widths_compile_no_decode_kernel():
+    """A longer block table (a batch's next width, a long request's first decode steps)
+    changes the slices' length and count: run-time values, so nothing compiles while a
+    request waits. Each width's result still matches the reference."""
+    from headspace.attention.triton_decode import paged_decode_attention
+    from headspace.model.compile_meter import COMPILE_METER
+
+    COMPILE_METER.install()
+    page, pool = 128, 700
+    q = torch.randn(1, 32, 128, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(8, pool * page, 128, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    compiled = None  # (the merge kernel has two blocks: of 32 slices and of 128)
+    for index, width in enumerate((16, 640, 40, 100, 256)):  # slices of 128 to 1,024 tokens
+        table = torch.randperm(pool, device="cuda", dtype=torch.int32)[:width].view(1, width)
+        length = width * page - 77
+        out, lse = paged_decode_attention(q, k, v, table, torch.tensor([length], device="cuda"),
+                                          page)  # fmt: skip
+        torch.cuda.synchronize()
+        compiled = COMPILE_METER.count if index == 1 else compiled  # (after both merges')
+        slots = (table[0].long()[:, None] * page + torch.arange(page, device="cuda")).flatten()
+        ref_out, ref_lse = reference_attention(q.transpose(0, 1), k[:, slots[:length]],
+                                               v[:, slots[:length]])  # fmt: skip
+        assert _rel(out.transpose(0, 1), ref_out) < 1e-2
+        assert (lse.transpose(0, 1) - ref_lse).abs().max().item() < 1e-2
+    assert COMPILE_METER.count == compiled
+
+
 @pytest.mark.parametrize(
     "num_q,num_kv", [(1000, 1000), (300, 1300), (77, 77), (2500, 2500), (1500, 3600), (2048, 2048)]
 )
