@@ -1,0 +1,77 @@
+"""The Triton kernels compiled for a Hopper GPU (sm_90) with Triton's own compiler and
+ptxas, no device needed. Run as a script in a process without ``TRITON_INTERPRET`` (the
+interpreter's kernels cannot be compiled); prints one JSON line: each case's PTX checks."""
+
+from __future__ import annotations
+
+import inspect
+import json
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from headspace.attention import triton_decode
+from headspace.kv import transfer
+
+HOPPER = GPUTarget("cuda", 90, 32)
+# (dtype, group, block_n, append, at_index, share_period): the decode kernel's variants
+DECODE_CASES = [("bf16", 4, 128, True, False, 0), ("bf16", 1, 64, True, True, 0),
+                ("fp16", 3, 32, False, False, 3), ("fp32", 4, 64, True, False, 0)]  # fmt: skip
+
+
+def compile_for_hopper(kernel, pointers: dict[str, str], constants: dict, floats=(), **options):
+    """``kernel`` compiled for sm_90: ``pointers`` name -> element type ("bf16", "i32", ...),
+    ``constants`` its constexpr values, ``floats`` its float scalars, the rest int32."""
+    params = list(inspect.signature(kernel.fn).parameters)
+    signature = {}
+    for name in params:
+        if name in constants:
+            signature[name] = "constexpr"
+        elif name in pointers:
+            signature[name] = "*" + pointers[name]
+        else:
+            signature[name] = "fp32" if name in floats else "i32"
+    fixed = {(params.index(name),): value for name, value in constants.items()}
+    source = ASTSource(fn=kernel, signature=signature, constexprs=fixed)
+    return triton.compile(source, target=HOPPER, options=options)
+
+
+def decode_kernels(dtype, group, block_n, append, at_index, share_period) -> dict:
+    """The partial kernel of one variant and the merge kernel's two blocks."""
+    pointers = dict.fromkeys(("Q", "K", "V", "NEW_K", "NEW_V"), dtype)
+    pointers |= dict.fromkeys(("TABLE", "LENGTHS", "NEW_INDEX"), "i32")
+    pointers |= {"KEY_SHARES": "fp64" if share_period else "fp32", "OUT": "fp32", "LSE": "fp32"}
+    constants = dict(GROUP=group, GROUP_PAD=16, DIM=128, PAGE_SIZE=128, BLOCK_N=block_n,
+                     APPEND=append, AT_INDEX=at_index, WHILE_LOOP=False,
+                     PRECISION="ieee" if dtype == "fp32" else "tf32",
+                     SHARE_PERIOD=share_period)  # fmt: skip
+    partial = compile_for_hopper(triton_decode._partial_kernel, pointers, constants,
+                                 floats=("scale_log2",), num_warps=4, num_stages=3)  # fmt: skip
+    merges = [compile_for_hopper(
+        triton_decode._merge_kernel, dict(PART_OUT="fp32", PART_LSE="fp32", OUT=dtype, LSE="fp32"),
+        dict(NUM_HEADS=32, SPLIT_BLOCK=triton_decode.merge_block(splits), DIM=128),
+    ) for splits in (32, 300)]  # fmt: skip
+    ptx = partial.asm["ptx"]
+    return {"partial_stores": "st.global" in ptx,
+            "tensor_cores_but_fp32": ("mma" in ptx) == (dtype != "fp32"),  # (ieee: FMAs)
+            "merges_store": all("st.global" in m.asm["ptx"] for m in merges)}  # fmt: skip
+
+
+def copy_kernels(has_count: bool, paired: bool) -> dict:
+    """The page gather and the token writer."""
+    indices = dict.fromkeys(("SRC_PAGES", "DST_PAGES", "SRC_HEADS", "DST_HEADS", "COUNT"), "i64")
+    pages = compile_for_hopper(transfer._pages_kernel, dict(SRC="bf16", DST="bf16") | indices,
+                               dict(PAGE_ELEMS=128 * 128, BLOCK=4096, HAS_COUNT=has_count,
+                                    PAIRED=paired), num_warps=8)  # fmt: skip
+    tokens = compile_for_hopper(transfer._tokens_kernel,
+                                dict(DST="bf16", DST_HEADS="i64", SLOTS="i64", KV="bf16"),
+                                dict(DIM=128, BLOCK_T=16, PAIRED=paired), num_warps=4)  # fmt: skip
+    return {"pages_store": "st.global" in pages.asm["ptx"],
+            "tokens_store": "st.global" in tokens.asm["ptx"]}  # fmt: skip
+
+
+if __name__ == "__main__":
+    results = {f"decode {case}": decode_kernels(*case) for case in DECODE_CASES}
+    results |= {f"copies {case}": copy_kernels(*case) for case in [(False, False), (True, True)]}
+    print(json.dumps(results))
