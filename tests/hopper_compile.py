@@ -6,6 +6,10 @@ from __future__ import annotations
 
 import inspect
 import json
+import re
+import subprocess
+import tempfile
+from pathlib import Path
 
 import triton
 from triton.backends.compiler import GPUTarget
@@ -15,6 +19,7 @@ from headspace.attention import triton_decode
 from headspace.kv import transfer
 
 HOPPER = GPUTarget("cuda", 90, 32)
+CUOBJDUMP = Path(triton.backends.nvidia.__file__).parent / "bin" / "cuobjdump"
 # (dtype, group, block_n, append, at_index, share_period): the decode kernel's variants
 DECODE_CASES = [("bf16", 4, 128, True, False, 0), ("bf16", 1, 64, True, True, 0),
                 ("fp16", 3, 32, False, False, 3), ("fp32", 4, 64, True, False, 0)]  # fmt: skip
@@ -37,6 +42,17 @@ def compile_for_hopper(kernel, pointers: dict[str, str], constants: dict, floats
     return triton.compile(source, target=HOPPER, options=options)
 
 
+def stack_bytes(cubin: bytes) -> int:
+    """The per-thread stack a compiled kernel uses (registers spilled, mostly), read by the
+    cuobjdump that Triton ships."""
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as file:
+        file.write(cubin)
+        file.flush()
+        usage = subprocess.run([str(CUOBJDUMP), "--dump-resource-usage", file.name],
+                               capture_output=True, text=True, check=True).stdout  # fmt: skip
+    return int(re.search(r"STACK:(\d+)", usage).group(1))
+
+
 def decode_kernels(dtype, group, block_n, append, at_index, share_period) -> dict:
     """The partial kernel of one variant and the merge kernel's two blocks."""
     pointers = dict.fromkeys(("Q", "K", "V", "NEW_K", "NEW_V"), dtype)
@@ -53,7 +69,8 @@ def decode_kernels(dtype, group, block_n, append, at_index, share_period) -> dic
         dict(NUM_HEADS=32, SPLIT_BLOCK=triton_decode.merge_block(splits), DIM=128),
     ) for splits in (32, 300)]  # fmt: skip
     ptx = partial.asm["ptx"]
-    return {"partial_stores": "st.global" in ptx,
+    return {"partial_stack_bytes": stack_bytes(partial.asm["cubin"]),
+            "partial_stores": "st.global" in ptx,
             "tensor_cores_but_fp32": ("mma" in ptx) == (dtype != "fp32"),  # (ieee: FMAs)
             "merges_store": all("st.global" in m.asm["ptx"] for m in merges)}  # fmt: skip
 

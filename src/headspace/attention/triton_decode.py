@@ -52,21 +52,24 @@ def _attend_block(q, k_base, v_base, table, block_start, end, new_pos, m_i, l_i,
                   BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):  # fmt: skip
     """One block of ``BLOCK_N`` keys from ``block_start`` (those before ``end``, but the
     slot ``new_pos``) added to a running softmax: ``(m_i, l_i, acc)`` updated, base 2."""
-    offs_n = block_start + tl.arange(0, BLOCK_N)
+    offs_b = tl.arange(0, BLOCK_N)
+    offs_n = block_start + offs_b
     offs_d = tl.arange(0, DIM)
     n_ok = (offs_n < end) & (offs_n != new_pos)
-    # int64: one plane of entry pages (KV budgets) holds more than 2^31 elements
-    page = tl.load(table + block_start // PAGE_SIZE).to(tl.int64)
-    slots = page * PAGE_SIZE + offs_n % PAGE_SIZE
-    k = tl.load(k_base + slots[:, None] * stride_kt + offs_d[None, :], mask=n_ok[:, None],
-                other=0.0)  # fmt: skip
+    # int64: one plane of entry pages (KV budgets) holds more than 2^31 elements. The block's
+    # first slot is a scalar, so that each key's offset is the same at every block (hoisted
+    # out of the loop, as when the slice length was a compile-time constant)
+    first = tl.load(table + block_start // PAGE_SIZE).to(tl.int64) * PAGE_SIZE \
+        + block_start % PAGE_SIZE  # fmt: skip
+    k = tl.load(k_base + first * stride_kt + offs_b[:, None] * stride_kt + offs_d[None, :],
+                mask=n_ok[:, None], other=0.0)  # fmt: skip
     s = tl.dot(q, tl.trans(k), input_precision=PRECISION).to(tl.float32) * scale_log2
     s = tl.where(n_ok[None, :], s, float("-inf"))
     m_new, m_safe, alpha = _running_max(m_i, tl.max(s, 1))
     p = tl.exp2(s - m_safe[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
-    v = tl.load(v_base + slots[:, None] * stride_vt + offs_d[None, :], mask=n_ok[:, None],
-                other=0.0)  # fmt: skip
+    v = tl.load(v_base + first * stride_vt + offs_b[:, None] * stride_vt + offs_d[None, :],
+                mask=n_ok[:, None], other=0.0)  # fmt: skip
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION).to(tl.float32)
     return m_new, l_i, acc
 
