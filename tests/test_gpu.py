@@ -37,12 +37,13 @@ def test_new_block_table_widths_compile_no_decode_kernel():
     from headspace.model.compile_meter import COMPILE_METER
 
     COMPILE_METER.install()
-    page, pool = 128, 700
+    page, pool = 128, 1100
     q = torch.randn(1, 32, 128, device="cuda", dtype=torch.bfloat16)
     k = torch.randn(8, pool * page, 128, device="cuda", dtype=torch.bfloat16)
     v = torch.randn_like(k)
     compiled = None  # (the merge kernel has two blocks: of 32 slices and of 128)
-    for index, width in enumerate((16, 640, 40, 100, 256)):  # slices of 128 to 1,024 tokens
+    for index, width in enumerate((16, 640, 300, 450, 1000)):  # slices of 128, 640, 384,
+        # 512 and 1,024 tokens; 16 to 128 of them
         table = torch.randperm(pool, device="cuda", dtype=torch.int32)[:width].view(1, width)
         length = width * page - 77
         out, lse = paged_decode_attention(q, k, v, table, torch.tensor([length], device="cuda"),

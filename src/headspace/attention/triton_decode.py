@@ -52,24 +52,21 @@ def _attend_block(q, k_base, v_base, table, block_start, end, new_pos, m_i, l_i,
                   BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):  # fmt: skip
     """One block of ``BLOCK_N`` keys from ``block_start`` (those before ``end``, but the
     slot ``new_pos``) added to a running softmax: ``(m_i, l_i, acc)`` updated, base 2."""
-    offs_b = tl.arange(0, BLOCK_N)
-    offs_n = block_start + offs_b
+    offs_n = block_start + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, DIM)
     n_ok = (offs_n < end) & (offs_n != new_pos)
-    # int64: one plane of entry pages (KV budgets) holds more than 2^31 elements. The block's
-    # first slot is a scalar, so that each key's offset is the same at every block (hoisted
-    # out of the loop, as when the slice length was a compile-time constant)
-    first = tl.load(table + block_start // PAGE_SIZE).to(tl.int64) * PAGE_SIZE \
-        + block_start % PAGE_SIZE  # fmt: skip
-    k = tl.load(k_base + first * stride_kt + offs_b[:, None] * stride_kt + offs_d[None, :],
-                mask=n_ok[:, None], other=0.0)  # fmt: skip
+    # int64: one plane of entry pages (KV budgets) holds more than 2^31 elements
+    page = tl.load(table + block_start // PAGE_SIZE).to(tl.int64)
+    slots = page * PAGE_SIZE + offs_n % PAGE_SIZE
+    k = tl.load(k_base + slots[:, None] * stride_kt + offs_d[None, :], mask=n_ok[:, None],
+                other=0.0)  # fmt: skip
     s = tl.dot(q, tl.trans(k), input_precision=PRECISION).to(tl.float32) * scale_log2
     s = tl.where(n_ok[None, :], s, float("-inf"))
     m_new, m_safe, alpha = _running_max(m_i, tl.max(s, 1))
     p = tl.exp2(s - m_safe[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
-    v = tl.load(v_base + first * stride_vt + offs_b[:, None] * stride_vt + offs_d[None, :],
-                mask=n_ok[:, None], other=0.0)  # fmt: skip
+    v = tl.load(v_base + slots[:, None] * stride_vt + offs_d[None, :], mask=n_ok[:, None],
+                other=0.0)  # fmt: skip
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION).to(tl.float32)
     return m_new, l_i, acc
 
@@ -291,7 +288,7 @@ def paged_decode_attention(
         part_out.stride(0), part_out.stride(1), part_out.stride(2),
         part_lse.stride(0), part_lse.stride(1), tokens_per_split,
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
-        DIM=dim, PAGE_SIZE=page_size, BLOCK_N=block_n, WHILE_LOOP=q.device.type != "cuda",
+        DIM=dim, PAGE_SIZE=page_size, BLOCK_N=block_n, WHILE_LOOP=triton.knobs.runtime.interpret,
         APPEND=new_kv is not None, AT_INDEX=new_kv is not None and new_index is not None,
         num_warps=num_warps, num_stages=num_stages,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",  # float32 stays exact
