@@ -25,10 +25,9 @@ class StopStringStreamer:
         self.text = ""
         self.emitted = 0
         self.stopped = False
-        self._decoded = ""  # the text of every token before ``_read`` (not cut)
+        self._decoded = ""  # the text of the tokens read so far (not cut)
         self._context = 0  # the first token the next window decodes
-        self._read = 0  # the tokens whose text ``_decoded`` holds
-        self._before = ""  # the text of tokens ``_context .. _read`` (the window's context)
+        self._before = ""  # the text of the tokens from ``_context`` on, read so far
 
     def update(self, token_ids: list[int]) -> str:
         """Decode ``token_ids`` (all generated so far, the earlier ones as before); returns
@@ -54,7 +53,6 @@ class StopStringStreamer:
                 self._decoded += window[len(before) :]
             else:  # the context reads otherwise now: from the start
                 self._decoded = self._decode(token_ids)
-            self._read = len(token_ids)
             self._next_context(token_ids)
         return self._decoded
 
