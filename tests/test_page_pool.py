@@ -10,7 +10,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from headspace.errors import UserError
 from headspace.kv.block_table import GPU, HOST, BlockManager, OutOfPages, PoolLayout
-from headspace.kv.host_store import HostKVArena
+from headspace.kv.host_store import HostKVArena, HostLedger
 from headspace.kv.page_pool import PagePool
 from headspace.kv.spec import KVSpec
 
@@ -170,6 +170,29 @@ def test_host_arena_counts_both_arenas_while_it_copies():
     assert float(arena.data.abs().sum()) == 0.0
     with pytest.raises(UserError, match="more than the .* host budget"):
         arena.ensure(20, keep=False)
+
+
+def test_arenas_sharing_a_ledger_leave_what_the_others_hold_and_go_by_reference_counts():
+    """Two arenas (two lanes) share one host budget: each may hold what the other leaves;
+    one dropped frees its memory at once, with the collector off (a server's heap is
+    frozen after its warm-up), and the other may then hold the whole budget."""
+    import gc
+    import weakref
+
+    spec = KVSpec(2, 2, 4, 8, 4)
+    ledger = HostLedger(20 * spec.full_page_bytes)
+    first = HostKVArena(spec, torch.float32, pin=False, budget=ledger)
+    second = HostKVArena(spec, torch.float32, pin=False, budget=ledger)
+    first.ensure(10)  # 15 pages + scratch
+    assert second.budget == 4 * spec.full_page_bytes
+    gone = weakref.ref(first)
+    gc.disable()
+    try:
+        del first
+        assert gone() is None  # no cycle through the ledger
+    finally:
+        gc.enable()
+    assert second.budget == 20 * spec.full_page_bytes
 
 
 class PoolMachine(RuleBasedStateMachine):

@@ -173,13 +173,36 @@ def _placements(engine: Engine, ids: list[int]) -> list[tuple[str, dict]]:
     return [(view.lane, view.placement) for i in ids if (view := load.request(i)) is not None]
 
 
+class OffloadPace:
+    """A ``lane_step`` hook by which a test steps the engine no faster than the offload
+    lane's thread: :meth:`wait` takes one of its steps (waiting at most ``timeout_s``
+    seconds), so on a loaded machine the engine's thread cannot finish the resident
+    requests before the offload lane's thread has been scheduled at all."""
+
+    def __init__(self, timeout_s: float = 2.0):
+        import threading
+
+        self.steps, self.timeout_s = threading.Semaphore(0), timeout_s
+
+    def __call__(self, lane_name: str) -> None:
+        if lane_name == "offload":
+            self.steps.release()
+
+    def wait(self) -> None:
+        self.steps.acquire(timeout=self.timeout_s)
+
+
 def test_a_prompt_that_needs_streaming_runs_in_the_offload_lane_beside_the_others(tiny_llama):
     """Two short requests decode all resident; a prompt that fits only with heads streamed
     arrives. It runs in the offload lane at once, over what the short ones leave of the
     arena (their pool resized under their pages), while they go on all resident: its first
-    token comes while they still decode, their placement never changes, and every
-    request's tokens equal its own run alone."""
-    engine = _make(tiny_llama, arena_kib=150).engine  # 11 resident pages
+    token comes while they still decode (the engine stepped no faster than the offload
+    lane's thread), their placement never changes, and every request's tokens equal its
+    own run alone."""
+    from headspace.engine.hooks import EngineHooks
+
+    pace = OffloadPace()
+    engine = _make(tiny_llama, arena_kib=150, hooks=EngineHooks(lane_step=pace)).engine
     short, long_prompt = _prompts([20, 30], seed=3), _prompts([150], seed=4)[0]
     params = SamplingParams(max_new_tokens=40, ignore_eos=True)
     alone = [engine.run(p, params).token_ids for p in short + [long_prompt]]
@@ -201,6 +224,8 @@ def test_a_prompt_that_needs_streaming_runs_in_the_offload_lane_beside_the_other
         resized |= engine.load().lane("resident").gpu_pages < 11 and bool(short_ones)
         long_one = _placements(engine, ids[2:])
         assert all(lane in ("offload", "queued") for lane, _ in long_one)
+        if long_one and engine.load().lane("resident").gpu_pages < 11:
+            pace.wait()
     assert first_token_beside and resized  # it did not wait for the short ones to end
     assert [tokens[i] for i in ids] == alone
     assert _pools_full(engine) and engine.load().lane("resident").gpu_pages == 11
@@ -252,8 +277,10 @@ def test_the_offload_lane_waits_where_the_others_leave_it_too_little(tiny_llama)
     """Two short requests hold 14 of the 11 pages they may reach (one is swapped out at
     times): a long arrival would get less than half the rate of the whole arena beside
     them, so it waits, and a request that came after it waits too (the resident lane lets
-    it go first); once one short request has ended it starts beside the other. Every
-    request's tokens equal its own run alone."""
+    it go first); once one short request has ended it starts beside the other (the arena
+    is split while that one runs: read from the split, not from when the offload lane's
+    thread gives its first token, which is the threads' race). Every request's tokens equal
+    its own run alone."""
     engine = _make(tiny_llama, arena_kib=150).engine  # 11 resident pages of 16 tokens
     short, long_prompt = _prompts([60, 60], seed=3), _prompts([150], seed=4)[0]
     later = _prompts([20], seed=9)[0]
@@ -271,10 +298,12 @@ def test_the_offload_lane_waits_where_the_others_leave_it_too_little(tiny_llama)
             tokens[output.request_id] += output.new_token_ids
         both_short = all(len(tokens[i]) < 40 for i in ids[:2])
         assert not (both_short and (tokens[ids[2]] or tokens[ids[3]]))
+        split = engine.load().lane("resident").gpu_pages < 11
+        assert not (both_short and split)
         long_view, later_view = (engine.load().request(i) for i in ids[2:])
         if later_view is not None and later_view.state != "waiting":
             assert long_view is None or long_view.lane == "offload"  # it went first
-        beside |= bool(tokens[ids[2]]) and any(len(tokens[i]) < 40 for i in ids[:2])
+        beside |= split and any(len(tokens[i]) < 40 for i in ids[:2])
     assert beside
     assert [tokens[i] for i in ids] == alone
     assert _pools_full(engine)

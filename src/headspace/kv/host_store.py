@@ -32,11 +32,13 @@ log = logging.getLogger("headspace.kv")
 
 class HostLedger:
     """A host budget (``total`` bytes, None: no bound) that several arenas share (one per
-    lane): each may hold what the others leave."""
+    lane): each may hold what the others leave. It holds its arenas weakly (an arena holds
+    its ledger): an engine dropped frees their page-locked memory by reference counts, with
+    no collection, as a server whose heap is frozen after its warm-up needs."""
 
     def __init__(self, total: int | None):
         self.total = total
-        self.arenas: list[HostKVArena] = []
+        self.arenas: weakref.WeakSet[HostKVArena] = weakref.WeakSet()
 
     def left_for(self, arena: HostKVArena) -> int | None:
         """Bytes ``arena`` may hold beside the others (None: no bound)."""
@@ -55,7 +57,7 @@ class HostKVArena:
                  budget: int | None | HostLedger):  # fmt: skip
         self.spec, self.dtype, self.pin = spec, dtype, pin
         self.ledger = budget if isinstance(budget, HostLedger) else HostLedger(budget)
-        self.ledger.arenas.append(self)
+        self.ledger.arenas.add(self)
         self.data: torch.Tensor | None = None
         self.num_pages = 0
         self.rows = spec.num_kv_heads  # kv heads a layer's page holds
