@@ -16,7 +16,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from headspace.attention import triton_decode
+from headspace.attention import merge_kernel, triton_decode
 from headspace.kv import transfer
 
 HOPPER = GPUTarget("cuda", 90, 32)
@@ -116,10 +116,24 @@ def copy_kernels(has_count: bool, paired: bool) -> dict:
                        "tokens_store": "st.global" in tokens.asm["ptx"]}}  # fmt: skip
 
 
+def merge_pair_kernel(parts: str, out: str) -> dict:
+    """The merge of two partial states (parts of dtype ``parts`` into an ``out``)."""
+    pointers = dict(A_OUT=parts, B_OUT=parts, OUT=out, A_LSE="fp32", B_LSE="fp32", LSE="fp32")
+    compiled = compile_for_hopper(merge_kernel._merge_pair_kernel, pointers,
+                                  dict(DIM=128, BLOCK_D=128, BLOCK_R=merge_kernel.BLOCK_ROWS),
+                                  num_warps=4)  # fmt: skip
+    ptx = compiled.asm["ptx"]
+    return {"checks": {"stores": "st.global" in ptx, "exponents": "ex2.approx" in ptx},
+            "kernel": resources(compiled, num_warps=4)}  # fmt: skip
+
+
 if __name__ == "__main__":
     results = {f"decode {case}": decode_kernels(*case) for case in DECODE_CASES}
     results |= {f"copies {case}": copy_kernels(*case) for case in [(False, False), (True, True)]}
+    results |= {f"merge pair {case}": merge_pair_kernel(*case)
+                for case in [("bf16", "bf16"), ("fp32", "fp32")]}  # fmt: skip
     results["unspecialised"] = {"partial": unspecialised(triton_decode._partial_kernel),
                                 "merge": unspecialised(triton_decode._merge_kernel),
+                                "merge_pair": unspecialised(merge_kernel._merge_pair_kernel),
                                 "pages": unspecialised(transfer._pages_kernel)}  # fmt: skip
     print(json.dumps(results))

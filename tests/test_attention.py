@@ -164,6 +164,73 @@ def test_merge_with_empty_parts_keeps_zero_rows():
     assert torch.isneginf(lse).all() and (out == 0).all()
 
 
+@settings(max_examples=25, deadline=None)
+@given(heads=st.integers(1, 9), tokens=st.integers(1, 40), dim=st.sampled_from([16, 24, 64]),
+       cut=st.integers(0, 30), empty=st.sampled_from(["none", "a", "b", "both"]),
+       layout=st.sampled_from(["contiguous", "transposed"]), seed=st.integers(0, 1000))  # fmt: skip
+def test_merge_kernel_equals_the_union_and_the_torch_merge(heads, tokens, dim, cut, empty,
+                                                           layout, seed):  # fmt: skip
+    """The GPU's merge of two states (Triton's interpreter on CPU tensors): attention over
+    the union of the two key sets, as the torch merge gives it; over views of other strides
+    (a decode step's ``[seqs, heads, dim]`` transposed) and parts of other dtypes; a part
+    with no key (its values garbage) weighs nothing; a row with none in either gives 0 and
+    -inf."""
+    from headspace.attention.merge import _merged
+    from headspace.attention.merge_kernel import merge_pair
+
+    q, k, v = (t.to(DEVICE) for t in _qkv(heads, heads, tokens, 30, dim, seed=seed))
+    cuts = {"none": (cut, 30), "a": (0, 30), "b": (30, 30), "both": (0, 0)}[empty]
+    a = reference_attention(q, k[:, : cuts[0]], v[:, : cuts[0]])
+    b = reference_attention(q, k[:, cuts[0] : cuts[1]], v[:, cuts[0] : cuts[1]])
+    if empty in ("a", "both"):
+        a[0].fill_(float("nan"))  # an empty part's values are never read
+    if layout == "transposed":  # views [heads, tokens, dim] of [tokens, heads, dim] storage
+        a = (a[0].transpose(0, 1).contiguous().transpose(0, 1), a[1].t().contiguous().t())
+    b = (b[0].half(), b[1])
+    out, lse = merge_pair(a[0], a[1], b[0], b[1])
+    assert out.dtype == a[0].dtype and lse.dtype == torch.float32
+    want_out, want_lse = reference_attention(q, k[:, : cuts[1]], v[:, : cuts[1]])
+    if empty != "both":
+        assert (out - want_out).abs().max().item() < 2e-3  # (b's values in fp16)
+        torch_out, torch_lse = _merged([a[0].nan_to_num(0.0), b[0]], [a[1], b[1]])
+        assert (out - torch_out).abs().max().item() < 1e-5
+        assert torch.allclose(lse, torch_lse, atol=1e-5, rtol=0)
+    assert torch.equal(torch.isneginf(lse), torch.isneginf(want_lse))
+    assert torch.allclose(lse[~torch.isneginf(lse)], want_lse[~torch.isneginf(want_lse)],
+                          atol=1e-5)  # fmt: skip
+    assert not out.isnan().any() and (empty != "both" or (out == 0).all())
+
+
+def test_merge_kernel_writes_into_its_first_part_and_a_slice_of_a_wider_state():
+    """A layer merges the CPU's part into the GPU's result in place (``out`` is the first
+    part), and a prompt piece merges one kv head's query heads into rows of a wider running
+    state (``out`` a slice of it): the rows outside are left as they were."""
+    from headspace.attention.merge_kernel import merge_pair
+
+    q, k, v = (t.to(DEVICE) for t in _qkv(6, 6, 3, 20, 32, seed=4))
+    a = reference_attention(q, k[:, :7], v[:, :7])
+    b = reference_attention(q, k[:, 7:], v[:, 7:])
+    want = reference_attention(q, k, v)
+    first_out, first_lse = a[0].clone(), a[1].clone()
+    out, lse = merge_pair(first_out, first_lse, b[0], b[1], out=first_out, lse=first_lse)
+    assert out is first_out and lse is first_lse
+    assert (out - want[0]).abs().max().item() < 1e-5
+    assert (lse - want[1]).abs().max().item() < 1e-5
+    rows = slice(2, 4)
+    for merge in (merge_pair, merge_attention):  # the kernel, and the CPU's torch merge
+        wide_out, wide_lse = a[0].clone(), a[1].clone()
+        if merge is merge_pair:
+            merge_pair(wide_out[rows], wide_lse[rows], b[0][rows], b[1][rows],
+                       out=wide_out[rows], lse=wide_lse[rows])  # fmt: skip
+        else:
+            merge_attention([wide_out[rows], b[0][rows]], [wide_lse[rows], b[1][rows]],
+                            out=wide_out[rows], lse_out=wide_lse[rows])  # fmt: skip
+        assert (wide_out[rows] - want[0][rows]).abs().max().item() < 1e-5
+        assert (wide_lse[rows] - want[1][rows]).abs().max().item() < 1e-5
+        assert torch.equal(wide_out[:2], a[0][:2]) and torch.equal(wide_out[4:], a[0][4:])
+        assert torch.equal(wide_lse[:2], a[1][:2]) and torch.equal(wide_lse[4:], a[1][4:])
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize(
     "heads,kv_heads,capacity,length",

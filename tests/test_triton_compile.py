@@ -24,6 +24,7 @@ UNSPECIALISED = {
     "partial": ["stride_lb", "stride_lh", "stride_ob", "stride_oh", "stride_tb",
                 "tokens_per_split"],
     "merge": ["num_splits", "stride_lh"],
+    "merge_pair": ["num_rows", "tokens"],
     "pages": ["num_heads", "num_pages"],
 }  # fmt: skip
 
@@ -40,7 +41,7 @@ def hopper_builds() -> dict:
 
 def test_the_decode_and_copy_kernels_compile_for_hopper(hopper_builds):
     cases = {k: v for k, v in hopper_builds.items() if k != "unspecialised"}
-    assert len(cases) == 6
+    assert len(cases) == 8
     for case, built in cases.items():
         assert all(built["checks"].values()), (case, built)
 
@@ -53,6 +54,14 @@ def test_the_16_bit_decode_kernels_keep_their_registers_and_blocks(hopper_builds
         for variant, blocks in BLOCKS_PER_SM.items():
             if variant in case:
                 assert built["partial"]["blocks_per_sm"] >= blocks, (case, built)
+
+
+def test_the_merge_of_two_states_fills_an_sm(hopper_builds):
+    """A prompt piece's merge is memory-bound: its blocks must fill an SM's 64 warps (16
+    rows a program took 144 registers a thread, 3 blocks of 4 warps), spilling nothing."""
+    for case, built in hopper_builds.items():
+        if case.startswith("merge pair"):
+            assert built["kernel"]["stack"] == 0 and built["kernel"]["blocks_per_sm"] == 16, built
 
 
 def test_what_a_new_width_changes_is_never_specialised(hopper_builds):

@@ -1,4 +1,6 @@
-"""Exact merge of partial attention states by log-sum-exp."""
+"""Exact merge of partial attention states by log-sum-exp: on a GPU a Triton kernel per pair
+of states (:mod:`headspace.attention.merge_kernel`), on the CPU (and while torch compiles)
+torch's operations."""
 
 from __future__ import annotations
 
@@ -6,15 +8,39 @@ import torch
 
 
 def merge_attention(
-    outs: list[torch.Tensor], lses: list[torch.Tensor]
+    outs: list[torch.Tensor],
+    lses: list[torch.Tensor],
+    out: torch.Tensor | None = None,
+    lse_out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Combine attention over disjoint key sets into attention over their union.
 
-    ``outs[i]`` is ``[heads, tokens, dim]`` and ``lses[i]`` its fp32 ``[heads, tokens]``
+    ``outs[i]`` is ``[heads, tokens, dim]`` and ``lses[i]`` its ``[heads, tokens]``
     natural-log normaliser (-inf where part ``i`` saw no key). Returns ``(out, lse)``
-    with out in the dtype of ``outs[0]``; rows empty in every part give 0 and -inf.
+    with out in the dtype of ``outs[0]`` (written into ``out`` when given, which may be
+    ``outs[0]`` itself but must overlap no other part otherwise) and an fp32 lse (into
+    ``lse_out`` when given, likewise); rows empty in every part give 0 and -inf.
     """
     assert outs and len(outs) == len(lses)
+    if len(outs) > 1 and outs[0].is_cuda and not torch.compiler.is_compiling():
+        from headspace.attention.merge_kernel import merge_pair
+
+        result = outs[0], lses[0]
+        for i in range(1, len(outs)):  # the parts pairwise, the last pair into ``out``
+            last = i == len(outs) - 1
+            result = merge_pair(*result, outs[i], lses[i], out if last else None,
+                                lse_out if last else None)  # fmt: skip
+        return result
+    merged, lse = _merged(outs, lses)
+    if out is not None:
+        merged = out.copy_(merged)
+    if lse_out is not None:
+        lse = lse_out.copy_(lse)
+    return merged, lse
+
+
+def _merged(outs: list[torch.Tensor], lses: list[torch.Tensor]):
+    """:func:`merge_attention` through torch's operations."""
     if len(outs) == 1:
         return outs[0], lses[0]
     lse_stack = torch.stack([lse.float() for lse in lses])  # [parts, heads, tokens]

@@ -112,9 +112,9 @@ class HybridTier(StreamedTier):
         for i, (lo, hi) in enumerate(self.groups[layer]):
             out, lse = results[i]  # [seqs, heads, dim], [heads, seqs]
             heads = slice((lo - first) * self.q_per_kv, (hi - first) * self.q_per_kv)
-            merged, lse = merge_attention([out.transpose(0, 1), cpu_out[:, heads].transpose(0, 1)],
-                                          [lse, cpu_lse[:, heads].transpose(0, 1)])  # fmt: skip
-            out.copy_(merged.transpose(0, 1))
+            _, lse = merge_attention([out.transpose(0, 1), cpu_out[:, heads].transpose(0, 1)],
+                                     [lse, cpu_lse[:, heads].transpose(0, 1)],
+                                     out=out.transpose(0, 1))  # fmt: skip
             results[i] = (out, lse)
         return results
 

@@ -268,8 +268,8 @@ class StreamedTier(Tier):
                     heads = slice(j * per_kv, (j + 1) * per_kv)
                     part = attend_spans(q_first[heads], k[j : j + 1], v[j : j + 1],
                                         self.key_span, backend=self.backend)  # fmt: skip
-                    merged[heads], lse[heads] = merge_attention([merged[heads], part[0]],
-                                                                [lse[heads], part[1]])  # fmt: skip
+                    merge_attention([merged[heads], part[0]], [lse[heads], part[1]],
+                                    out=merged[heads], lse_out=lse[heads])  # fmt: skip
                 return None, None
 
             self._history(group, kv_range[1] - kv_range[0], over)
@@ -330,9 +330,9 @@ class StreamedTier(Tier):
                 outs.append(kv[1].repeat_interleave(self.q_per_kv, dim=1).to(q.dtype))
                 lses.append((q.float() * k_new).sum(-1) * scale)
                 scores.append(lses[-1][..., None])  # the new token's score
-            merged, lse = merge_attention([o.transpose(0, 1) for o in outs],
-                                          [x.transpose(0, 1) for x in lses])  # fmt: skip
-            out.copy_(merged.transpose(0, 1))
+            _, lse = merge_attention([o.transpose(0, 1) for o in outs],
+                                     [x.transpose(0, 1) for x in lses],
+                                     out=out.transpose(0, 1))  # fmt: skip
         if tracked:
             self._scored.append((kv_range, scores, lse.transpose(0, 1)))
         return out, lse
