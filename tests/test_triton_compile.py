@@ -14,6 +14,8 @@ from pathlib import Path
 import pytest
 
 pytest.importorskip("triton")
+from headspace.attention import merge_kernel  # noqa: E402
+
 # blocks an H100 SM holds of each 16-bit decode variant, as the slice length's compile-time
 # version held them (bf16 groups of 4 over blocks of 128 keys: the engine's Llama launch;
 # groups of 1 over blocks of 64: ring rows). A run-time slice length first cost the first
@@ -24,7 +26,7 @@ UNSPECIALISED = {
     "partial": ["stride_lb", "stride_lh", "stride_ob", "stride_oh", "stride_tb",
                 "tokens_per_split"],
     "merge": ["num_splits", "stride_lh"],
-    "merge_pair": ["num_rows", "tokens"],
+    "merge_pair": sorted(merge_kernel.RUN_TIME),
     "pages": ["num_heads", "num_pages"],
 }  # fmt: skip
 

@@ -21,7 +21,15 @@ import triton.language as tl
 BLOCK_ROWS = 4  # (head, token) rows a program merges: 32 registers a thread on sm_90, a full SM
 
 
-@triton.jit(do_not_specialize=["num_rows", "tokens"])
+# every integer argument a run-time value: one compile for each dtype and head dim serves
+# every caller's strides and sizes (a compile while a long request decodes stalls it; the
+# values are read coalesced across a block's threads, aligned or not)
+RUN_TIME = ["num_rows", "tokens", "stride_ah", "stride_at", "stride_lah", "stride_lat",
+            "stride_bh", "stride_bt", "stride_lbh", "stride_lbt", "stride_oh", "stride_ot",
+            "stride_loh", "stride_lot"]  # fmt: skip
+
+
+@triton.jit(do_not_specialize=RUN_TIME)
 def _merge_pair_kernel(
     A_OUT, A_LSE, B_OUT, B_LSE, OUT, LSE, num_rows, tokens,
     stride_ah, stride_at, stride_lah, stride_lat, stride_bh, stride_bt, stride_lbh, stride_lbt,
@@ -92,4 +100,4 @@ def merge_pair(
     return out, lse
 
 
-__all__ = ["BLOCK_ROWS", "merge_pair"]
+__all__ = ["BLOCK_ROWS", "RUN_TIME", "merge_pair"]
