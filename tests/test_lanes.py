@@ -17,7 +17,6 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from headspace import LLM, SamplingParams
-from headspace.engine.step_plan import StepPlan
 from test_stepping import CHUNK, PAGE, budget_for_kib
 
 LENGTHS = (12, 30, 60, 150, 190)  # with their new tokens: 2-13 pages of 16 tokens
@@ -211,26 +210,6 @@ def test_a_request_aborted_while_it_waits_for_the_offload_lane_holds_back_nobody
         if not engine.has_unfinished():
             break
     assert ended == {**dict.fromkeys(firsts, "length"), long: "abort", later: "length"}
-
-
-def test_a_warm_up_decodes_every_batch_bucket_up_to_its_bound(tiny_llama):
-    """A server's warm-up (``batch`` = its bound on concurrent requests) decodes batches of
-    every bucket up to the bound (its steps' sizes seen from the lane's last step), so no
-    decode step of a new bucket compiles while users wait."""
-    from headspace.engine.engine import warm_up_batches
-    from headspace.engine.hooks import EngineHooks
-
-    assert warm_up_batches(1, 64) == [] and warm_up_batches(100, 64) == [2, 4, 8, 16, 32, 64]
-    assert warm_up_batches(5, 64) == [2, 4, 5]  # 5 in the bucket of 8
-    sizes = set()
-    llm = LLM(str(tiny_llama), hooks=EngineHooks(lane_step=lambda name: sizes.add(
-        len((llm.engine.lanes.lane(name).last_step or StepPlan()).decode))))  # fmt: skip
-    lines = []
-    llm.engine.warm_up(batch=5, report=lines.append)
-    assert {1, 2, 3, 4, 5} <= sizes and max(sizes) == 5  # buckets 1, 2, 4 and 8
-    assert [line.split(" (")[0] for line in lines] == [
-        f"warm-up: decode batch {n}" for n in (2, 4, 5)
-    ]  # a progress line each
 
 
 def test_the_offload_lanes_cpu_attention_leaves_cores_while_the_resident_lane_runs(tiny_llama):

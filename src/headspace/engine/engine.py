@@ -310,7 +310,8 @@ class Engine:
         return self.generate_batch([prompt_ids], [params])[0]
 
     def warm_up(self, prompt_len: int = 0, decode: bool = True, batch: int = 1,
-                report: Callable[[str], None] | None = None) -> float:  # fmt: skip
+                report: Callable[[str], None] | None = None,
+                offload: bool = False) -> float:  # fmt: skip
         """Run a request alone, so that compilation and CUDA graph capture happen before the
         first real one (whose timings then leave them out); its seconds. Without
         ``prompt_len``, a short request; with it, one whose prefill takes the shapes a prompt
@@ -319,7 +320,9 @@ class Engine:
         ends at its first token. ``batch``: then batches of short requests, so that the
         decode step of every batch bucket up to ``batch`` is compiled too
         (:func:`warm_up_batches`; a server passes its bound on concurrent requests), each
-        batch told to ``report`` (a progress line) as it starts."""
+        batch told to ``report`` (a progress line) as it starts. ``offload``: then, where
+        the engine has an offload lane, the same prompt through it as a request of the
+        whole context (:meth:`_warm_up_offload`)."""
         started = time.perf_counter()
         length, new_tokens = warm_up_request(prompt_len, self.lanes.chunk, decode)
         vocab = self.model.config.vocab_size
@@ -335,7 +338,37 @@ class Engine:
             prompts = [[(11 + 31 * (i + row)) % vocab for i in range(WARM_UP_PIECE)]
                        for row in range(size)]  # fmt: skip
             self.generate_batch(prompts, [short] * size)
+        if offload and decode:
+            self._warm_up_offload(ids, report)
         return time.perf_counter() - started
+
+    def _warm_up_offload(self, ids: list[int], report: Callable[[str], None] | None) -> None:
+        """``ids`` as a request that may grow to the whole context, which the arena does not
+        hold resident: it runs in the offload lane, laid out as the longest request would
+        be (its heads streamed or attended on the CPU, its host pages allocated), prefills
+        and decodes WARM_UP_DECODE_TOKENS tokens, and is aborted. The kernels of that layout
+        compile here rather than at a long request's first steps, and the host pages are
+        page-locked once. Nothing happens without an offload lane, where the whole context
+        fits resident, or where no plan holds it (the host budget too small: such a
+        request is refused with the numbers when it comes)."""
+        room = self.max_context - len(ids)
+        if room < 1 or not self.lanes.offloads(self.max_context):
+            return
+        params = SamplingParams(max_new_tokens=room, ignore_eos=True)
+        try:
+            request_id, decoded = self.add_request(ids, params), 0
+        except UserError:
+            return
+        if report is not None:
+            report("warm-up: the offload lane, laid out for the whole context")
+        try:
+            while decoded < WARM_UP_DECODE_TOKENS and self.has_unfinished():
+                for output in self.step():
+                    decoded += len(output.new_token_ids) if output.request_id == request_id else 0
+        finally:
+            self.abort(request_id)
+            while self.has_unfinished():
+                self.step()
 
     def logits(self, token_ids: list[int], decode_tokens: int = 0) -> torch.Tensor:
         """fp32 logits ``[len(token_ids), vocab]`` (CPU) through the chunked prefill path,

@@ -191,6 +191,10 @@ class Lanes:
         found = self.resident.prefilling()
         return found if found is not None or self.offload is None else self.offload.prefilling()
 
+    def offloads(self, num_tokens: int) -> bool:
+        """Whether a request that may reach ``num_tokens`` tokens runs in the offload lane."""
+        return self._offloads(self.spec.pages_for(num_tokens))
+
     def _offloads(self, pages: int) -> bool:
         """Whether a request that may reach ``pages`` pages runs in the offload lane (more
         than the whole arena holds resident)."""

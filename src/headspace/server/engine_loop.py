@@ -223,14 +223,16 @@ class EngineLoop:
 
     def _warm_up_shapes(self) -> dict:
         """What the warm-up runs: where the engine compiles (a GPU), a prompt of a full
-        prefill chunk and a piece of another length, and a decode batch of every bucket up
-        to ``max_concurrent``, so that no compile stands between users and their tokens."""
+        prefill chunk and a piece of another length, a decode batch of every bucket up to
+        ``max_concurrent``, and the prompt again through the offload lane laid out for the
+        whole context, so that no compile stands between users and their tokens."""
         if not self.engine.config.runtime.on_gpu:
             return {}
         return {
             "prompt_len": self.engine.lanes.chunk + WARM_UP_PIECE,
             "batch": self.max_concurrent,
             "report": log.info,
+            "offload": True,
         }
 
     def _observe(self) -> None:
