@@ -135,5 +135,8 @@ if __name__ == "__main__":
     results["unspecialised"] = {"partial": unspecialised(triton_decode._partial_kernel),
                                 "merge": unspecialised(triton_decode._merge_kernel),
                                 "merge_pair": unspecialised(merge_kernel._merge_pair_kernel),
+                                "merge_pair_alignment": sorted(
+                                    p.name for p in merge_kernel._merge_pair_kernel.params
+                                    if p.do_not_specialize_on_alignment),
                                 "pages": unspecialised(transfer._pages_kernel)}  # fmt: skip
     print(json.dumps(results))

@@ -231,6 +231,45 @@ def test_merge_kernel_writes_into_its_first_part_and_a_slice_of_a_wider_state():
         assert torch.equal(wide_lse[:2], a[1][:2]) and torch.equal(wide_lse[4:], a[1][4:])
 
 
+def test_the_kernels_fold_of_many_bf16_parts_rounds_once():
+    """A decode step's staged pieces of a long history (here 9 parts, bf16) merged two at a
+    time by the kernel: the states between pairs stay fp32, so the result is the union's
+    attention rounded to bf16 once, as torch's sum gives it, whatever the number of parts
+    (rounded at every pair, the error grew with the parts: 3x torch's at 17)."""
+    from headspace.attention.merge import _merged, merged_by_kernel
+
+    q, k, v = (t.to(DEVICE) for t in _qkv(8, 8, 4, 90, 64, seed=3))
+    cuts = list(range(0, 91, 10))
+    parts = [reference_attention(q, k[:, a:b], v[:, a:b]) for a, b in itertools.pairwise(cuts)]
+    outs, lses = [p[0].bfloat16() for p in parts], [p[1] for p in parts]
+    out, lse = merged_by_kernel(outs, lses)
+    want, want_lse = reference_attention(q, k, v)
+    torch_out, _ = _merged(outs, lses)
+    assert out.dtype == torch.bfloat16 and (lse - want_lse).abs().max().item() < 1e-5
+    kernel_error = (out.float() - want).abs().max().item()
+    torch_error = (torch_out.float() - want).abs().max().item()
+    ulp = want.abs().max().item() * 2**-7  # one bf16 step at the largest value
+    assert kernel_error <= torch_error + ulp  # (the interpreter truncates its last rounding)
+
+
+def test_the_merge_kernel_keeps_a_nan_where_torch_would():
+    """A NaN log-sum-exp (a layer that went non-finite) stays NaN in the merged row, values
+    and normaliser, so that the engine's check of the logits ends that request; the other
+    rows merge as usual."""
+    from headspace.attention.merge_kernel import merge_pair
+
+    q, k, v = (t.to(DEVICE) for t in _qkv(2, 2, 3, 20, 16, seed=8))
+    a = reference_attention(q, k[:, :9], v[:, :9])
+    b = reference_attention(q, k[:, 9:], v[:, 9:])
+    a[1][1, 2] = float("nan")
+    out, lse = merge_pair(a[0], a[1], b[0], b[1])
+    assert torch.isnan(lse[1, 2]) and torch.isnan(out[1, 2]).all()
+    want = reference_attention(q, k, v)
+    rows = torch.ones(2, 3, dtype=torch.bool, device=DEVICE)
+    rows[1, 2] = False
+    assert (out[rows] - want[0][rows]).abs().max().item() < 1e-5
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize(
     "heads,kv_heads,capacity,length",

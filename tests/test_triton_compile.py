@@ -27,6 +27,7 @@ UNSPECIALISED = {
                 "tokens_per_split"],
     "merge": ["num_splits", "stride_lh"],
     "merge_pair": sorted(merge_kernel.RUN_TIME),
+    "merge_pair_alignment": sorted(merge_kernel.LSE_POINTERS),
     "pages": ["num_heads", "num_pages"],
 }  # fmt: skip
 

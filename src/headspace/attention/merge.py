@@ -23,20 +23,36 @@ def merge_attention(
     """
     assert outs and len(outs) == len(lses)
     if len(outs) > 1 and outs[0].is_cuda and not torch.compiler.is_compiling():
-        from headspace.attention.merge_kernel import merge_pair
-
-        result = outs[0], lses[0]
-        for i in range(1, len(outs)):  # the parts pairwise, the last pair into ``out``
-            last = i == len(outs) - 1
-            result = merge_pair(*result, outs[i], lses[i], out if last else None,
-                                lse_out if last else None)  # fmt: skip
-        return result
+        return merged_by_kernel(outs, lses, out, lse_out)
     merged, lse = _merged(outs, lses)
     if out is not None:
         merged = out.copy_(merged)
     if lse_out is not None:
         lse = lse_out.copy_(lse)
     return merged, lse
+
+
+def merged_by_kernel(
+    outs: list[torch.Tensor],
+    lses: list[torch.Tensor],
+    out: torch.Tensor | None = None,
+    lse_out: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`merge_attention` through the Triton kernel, the parts two at a time (between
+    pairs an fp32 state, rounded to ``outs[0]``'s dtype once, at the last pair, as torch's
+    sum is); the last pair writes into ``out`` and ``lse_out``."""
+    from headspace.attention.merge_kernel import merge_pair
+
+    result = outs[0], lses[0]
+    for i in range(1, len(outs)):
+        last = i == len(outs) - 1
+        into = out
+        if not last:
+            into = torch.empty(outs[0].shape, dtype=torch.float32, device=outs[0].device)
+        elif out is None and result[0].dtype != outs[0].dtype:
+            into = torch.empty(outs[0].shape, dtype=outs[0].dtype, device=outs[0].device)
+        result = merge_pair(*result, outs[i], lses[i], into, lse_out if last else None)
+    return result
 
 
 def _merged(outs: list[torch.Tensor], lses: list[torch.Tensor]):

@@ -29,7 +29,12 @@ RUN_TIME = ["num_rows", "tokens", "stride_ah", "stride_at", "stride_lah", "strid
             "stride_loh", "stride_lot"]  # fmt: skip
 
 
-@triton.jit(do_not_specialize=RUN_TIME)
+# the log-sum-exps are read a row at a time: their alignment is nothing to the kernel, and
+# the hybrid tier's are slices at any head
+LSE_POINTERS = ["A_LSE", "B_LSE", "LSE"]
+
+
+@triton.jit(do_not_specialize=RUN_TIME, do_not_specialize_on_alignment=LSE_POINTERS)
 def _merge_pair_kernel(
     A_OUT, A_LSE, B_OUT, B_LSE, OUT, LSE, num_rows, tokens,
     stride_ah, stride_at, stride_lah, stride_lat, stride_bh, stride_bt, stride_lbh, stride_lbt,
@@ -38,7 +43,8 @@ def _merge_pair_kernel(
 ):  # fmt: skip
     """``BLOCK_R`` (head, token) rows of ``A`` and ``B`` merged into ``OUT`` / ``LSE``:
     each row's values read once, as fp32. A part with ``-inf`` weighs nothing (whatever its
-    values hold); a row empty in both gives 0 and ``-inf``."""
+    values hold); a row empty in both gives 0 and ``-inf``; a NaN log-sum-exp gives NaN in
+    both (the engine's check of the logits then ends that request)."""
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     valid = rows < num_rows
     head = (rows // tokens).to(tl.int64)  # int64: a prompt piece's rows pass 2^31 elements
@@ -50,8 +56,9 @@ def _merge_pair_kernel(
     top = tl.maximum(lse_a, lse_b)
     top = tl.where(top == float("-inf"), 0.0, top)
     weight_a, weight_b = tl.exp(lse_a - top), tl.exp(lse_b - top)  # [BLOCK_R]
-    total = weight_a + weight_b
-    scale = tl.where(total > 0, 1.0 / tl.where(total > 0, total, 1.0), 0.0)
+    total = weight_a + weight_b  # (NaN where a log-sum-exp is: it stays so)
+    empty = total == 0
+    scale = tl.where(empty, 0.0, 1.0 / tl.where(empty, 1.0, total))
     offs_d = tl.arange(0, BLOCK_D)
     cells = valid[:, None] & (offs_d[None, :] < DIM)  # [BLOCK_R, BLOCK_D]
     a = tl.load(A_OUT + (head * stride_ah + token * stride_at)[:, None] + offs_d[None, :],
@@ -61,7 +68,7 @@ def _merge_pair_kernel(
     merged = (a * (weight_a * scale)[:, None]) + (b * (weight_b * scale)[:, None])
     out_ptrs = OUT + (head * stride_oh + token * stride_ot)[:, None] + offs_d[None, :]
     tl.store(out_ptrs, merged.to(OUT.dtype.element_ty), mask=cells)
-    lse = tl.where(total > 0, top + tl.log(tl.where(total > 0, total, 1.0)), float("-inf"))
+    lse = tl.where(empty, float("-inf"), top + tl.log(tl.where(empty, 1.0, total)))
     tl.store(LSE + head * stride_loh + token * stride_lot, lse, mask=valid)
 
 
@@ -100,4 +107,4 @@ def merge_pair(
     return out, lse
 
 
-__all__ = ["BLOCK_ROWS", "RUN_TIME", "merge_pair"]
+__all__ = ["BLOCK_ROWS", "LSE_POINTERS", "RUN_TIME", "merge_pair"]
