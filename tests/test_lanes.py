@@ -141,17 +141,25 @@ def test_a_long_and_a_short_request_run_in_their_own_lanes(tiny_llama):
     """The arena holds 11 pages of 16 tokens: a 20-token request runs all resident beside
     a 190-token one that streams heads; the view names each one's lane and placement while
     they run."""
-    llm = _engine(tiny_llama, "streamed")
+    from headspace.engine.hooks import EngineHooks
+
+    seen = set()
+
+    def look(name: str) -> None:  # on each lane's own thread, before each of its steps
+        lane = llm.engine.lanes.lane(name)
+        plan = lane.runner.plan
+        for request in lane.requests():
+            if request.seq.started and plan is not None:  # (decoding)
+                seen.add((request.seq.seq_id, name, plan.head_map.num_offloaded > 0))
+
+    llm = LLM(str(tiny_llama), prefill_chunk=CHUNK, page_size=PAGE, prefill_step_tokens=PAGE,
+              gpu_memory=budget_for_kib(tiny_llama, MODES["streamed"]["arena_kib"]),
+              hooks=EngineHooks(lane_step=look))  # fmt: skip
     engine = llm.engine
     params = SamplingParams(max_new_tokens=20, ignore_eos=True)
     short, long = (engine.add_request(_prompt(n), params) for n in (20, 190))
-    seen = set()
     while engine.has_unfinished():
         engine.step()
-        for view in engine.load().requests:
-            if view.state == "decoding":
-                offloaded = view.placement.get("stream", 0) + view.placement.get("hybrid", 0)
-                seen.add((view.request_id, view.lane, offloaded > 0))
     assert seen == {(short, "resident", False), (long, "offload", True)}
     lanes = {view.name: view for view in engine.load().lanes}
     prefilled = {name: view.prefilled_tokens for name, view in lanes.items()}
@@ -220,17 +228,22 @@ def test_the_offload_lanes_cpu_attention_leaves_cores_while_the_resident_lane_ru
 
     seen = []  # (the short one ended, cores the offload lane's attention leaves, threads)
     confined = []  # (the short one ended, whether its prompt pieces would be confined)
-    ended = []
-    offload_steps = threading.Semaphore(0)
+    ended, beside_short = [], threading.Event()
+    offload_steps, resident_steps = threading.Semaphore(0), threading.Semaphore(0)
 
-    def look(name: str) -> None:  # the lanes in turn: a resident step after an offload one
+    def look(name: str) -> None:  # the lanes in turn: a resident step after an offload one,
+        # and while the short one runs an offload step after a resident one (a loaded
+        # machine's threads would otherwise let either lane run far ahead)
         attention = llm.engine.lanes.lane("offload").runner.site.cpu_attention
         confined.append((bool(ended), llm.engine.lanes.worker.beside))
         if name == "offload" and attention is not None:
             seen.append((bool(ended), attention.spared, attention.threads))
             offload_steps.release()
+            if beside_short.is_set():
+                resident_steps.acquire(timeout=0.5)
         elif name == "resident" and attention is not None:
             offload_steps.acquire(timeout=0.5)
+            resident_steps.release()
 
     options = dict(MODES["hybrid"])
     kib = options.pop("arena_kib")
@@ -241,11 +254,14 @@ def test_the_offload_lanes_cpu_attention_leaves_cores_while_the_resident_lane_ru
     long = engine.add_request(_prompt(190), SamplingParams(max_new_tokens=150, ignore_eos=True))
     while not any(view.generated_tokens for view in engine.load().requests):
         engine.step()  # (the long one decodes)
+    offload_steps, resident_steps = threading.Semaphore(0), threading.Semaphore(0)
+    beside_short.set()
     short = engine.add_request(_prompt(20), SamplingParams(max_new_tokens=4, ignore_eos=True))
     while engine.has_unfinished():
         for output in engine.step():
             if output.finished and output.request_id == short:
                 ended.append(len(seen))
+                beside_short.clear()
             elif output.finished:
                 assert output.request_id == long and ended, "the long one outlasts the short"
     beside = seen[: ended[0]]
@@ -282,16 +298,34 @@ def test_the_offload_lanes_prompt_pieces_leave_sms_beside_decoding_requests():
 def test_a_short_request_arriving_after_a_long_one_runs_beside_it(tiny_llama, mode):
     """Requests added one by one keep a reserve of the arena in the resident lane: a short
     request that arrives while a long one decodes in the offload lane runs at once, all
-    resident, and ends long before the long one (it does not wait for it to end)."""
-    engine = _engine(tiny_llama, mode).engine
+    resident, and ends while the long one still runs (it does not wait for it to end; the
+    offload lane held at the start of its steps meanwhile, so that its thread cannot
+    finish first on a loaded machine)."""
+    from headspace.engine.hooks import EngineHooks
+
+    held = threading.Event()
+    held.set()
+
+    def lane_step(name: str) -> None:
+        if name == "offload":
+            held.wait(timeout=60)
+
+    options = dict(MODES[mode])
+    llm = LLM(str(tiny_llama), prefill_chunk=CHUNK, page_size=PAGE, prefill_step_tokens=PAGE,
+              gpu_memory=budget_for_kib(tiny_llama, options.pop("arena_kib")),
+              hooks=EngineHooks(lane_step=lane_step), **options)  # fmt: skip
+    engine = llm.engine
     long = engine.add_request(_prompt(190), SamplingParams(max_new_tokens=60, ignore_eos=True))
     while not any(view.generated_tokens for view in engine.load().requests):
         engine.step()
+    held.clear()
     short = engine.add_request(_prompt(20), SamplingParams(max_new_tokens=4, ignore_eos=True))
     order, lanes = [], set()
     while engine.has_unfinished():
         order += [o.request_id for o in engine.step() if o.finished]
         lanes |= {(v.request_id, v.lane) for v in engine.load().requests if v.state == "decoding"}
+        if short in order:
+            held.set()
     assert order == [short, long] and (short, "resident") in lanes
 
 
@@ -328,10 +362,10 @@ def test_a_prefix_cached_beside_a_long_request_is_still_right_once_the_arena_joi
 
     holder = engine.add_request(_prompt(60), SamplingParams(max_new_tokens=60, ignore_eos=True))
     for _ in range(3):
-        engine.step()
+        ended.update((o.request_id, o) for o in engine.step() if o.finished)
     long = engine.add_request(_prompt(190), SamplingParams(max_new_tokens=4, ignore_eos=True))
-    for _ in range(3):
-        engine.step()
+    for _ in range(3):  # (the long one may end in these steps on a fast offload lane)
+        ended.update((o.request_id, o) for o in engine.step() if o.finished)
     assert run_until(engine.add_request(_prompt(30), params)).token_ids == alone
     run_until(long)
     again = run_until(engine.add_request(_prompt(30), params))
