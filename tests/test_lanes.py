@@ -30,12 +30,13 @@ ENGINES: dict[str, LLM] = {}
 ALONE: dict[tuple, list[int]] = {}  # (mode, length, new tokens) -> its greedy tokens alone
 
 
-def _engine(checkpoint, mode: str) -> LLM:
+def _engine(checkpoint, mode: str, **extra) -> LLM:
+    """The engine of ``mode`` over ``checkpoint``; ``extra``: more options (hooks, ...)."""
     options = dict(MODES[mode])
     kib = options.pop("arena_kib", None)
     budget = None if kib is None else budget_for_kib(checkpoint, kib)
     return LLM(str(checkpoint), prefill_chunk=CHUNK, page_size=PAGE, gpu_memory=budget,
-               prefill_step_tokens=PAGE, **options)  # fmt: skip
+               prefill_step_tokens=PAGE, **options, **extra)  # fmt: skip
 
 
 def _prompt(length: int) -> list[int]:
@@ -152,9 +153,7 @@ def test_a_long_and_a_short_request_run_in_their_own_lanes(tiny_llama):
             if request.seq.started and plan is not None:  # (decoding)
                 seen.add((request.seq.seq_id, name, plan.head_map.num_offloaded > 0))
 
-    llm = LLM(str(tiny_llama), prefill_chunk=CHUNK, page_size=PAGE, prefill_step_tokens=PAGE,
-              gpu_memory=budget_for_kib(tiny_llama, MODES["streamed"]["arena_kib"]),
-              hooks=EngineHooks(lane_step=look))  # fmt: skip
+    llm = _engine(tiny_llama, "streamed", hooks=EngineHooks(lane_step=look))
     engine = llm.engine
     params = SamplingParams(max_new_tokens=20, ignore_eos=True)
     short, long = (engine.add_request(_prompt(n), params) for n in (20, 190))
@@ -310,11 +309,7 @@ def test_a_short_request_arriving_after_a_long_one_runs_beside_it(tiny_llama, mo
         if name == "offload":
             held.wait(timeout=60)
 
-    options = dict(MODES[mode])
-    llm = LLM(str(tiny_llama), prefill_chunk=CHUNK, page_size=PAGE, prefill_step_tokens=PAGE,
-              gpu_memory=budget_for_kib(tiny_llama, options.pop("arena_kib")),
-              hooks=EngineHooks(lane_step=lane_step), **options)  # fmt: skip
-    engine = llm.engine
+    engine = _engine(tiny_llama, mode, hooks=EngineHooks(lane_step=lane_step)).engine
     long = engine.add_request(_prompt(190), SamplingParams(max_new_tokens=60, ignore_eos=True))
     while not any(view.generated_tokens for view in engine.load().requests):
         engine.step()

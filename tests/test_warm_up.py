@@ -9,8 +9,7 @@ import pytest
 from headspace import LLM, SamplingParams
 from headspace.engine.step_plan import StepPlan
 from headspace.errors import UserError
-from test_lanes import MODES, _engine, _prompt
-from test_stepping import CHUNK, PAGE, budget_for_kib
+from test_lanes import _engine, _prompt
 
 
 def test_a_warm_up_decodes_every_batch_bucket_up_to_its_bound(tiny_llama):
@@ -52,11 +51,7 @@ def test_a_warm_up_runs_the_offload_lane_laid_out_for_the_whole_context(tiny_lla
             plan = llm.engine.lanes.lane("offload").runner.plan
             offloaded.append(0 if plan is None else plan.head_map.num_offloaded)
 
-    options = dict(MODES[mode])
-    kib = options.pop("arena_kib", None)
-    llm = LLM(str(tiny_llama), prefill_chunk=CHUNK, page_size=PAGE, prefill_step_tokens=PAGE,
-              gpu_memory=None if kib is None else budget_for_kib(tiny_llama, kib),
-              hooks=EngineHooks(lane_step=look), **options)  # fmt: skip
+    llm = _engine(tiny_llama, mode, hooks=EngineHooks(lane_step=look))
     lines = []
     llm.engine.warm_up(report=lines.append, offload=True)
     engine, warmed = llm.engine, list(offloaded)
@@ -79,8 +74,7 @@ def test_a_warm_up_skips_the_offload_lane_where_no_plan_holds_the_whole_context(
     """A host budget too small for a request of the whole context: the warm-up leaves the
     offload lane alone (such a request is refused with the numbers when it comes) instead
     of stopping the server's start."""
-    llm = LLM(str(tiny_llama), prefill_chunk=CHUNK, page_size=PAGE, prefill_step_tokens=PAGE,
-              gpu_memory=budget_for_kib(tiny_llama, 150), host_memory="60KB")  # fmt: skip
+    llm = _engine(tiny_llama, "streamed", host_memory="60KB")  # (an arena of 150 KiB)
     lines = []
     llm.engine.warm_up(report=lines.append, offload=True)
     assert lines == [] and llm.engine.load().requests == ()

@@ -46,11 +46,10 @@ def merged_by_kernel(
     result = outs[0], lses[0]
     for i in range(1, len(outs)):
         last = i == len(outs) - 1
-        into = out
-        if not last:
-            into = torch.empty(outs[0].shape, dtype=torch.float32, device=outs[0].device)
-        elif out is None and result[0].dtype != outs[0].dtype:
-            into = torch.empty(outs[0].shape, dtype=outs[0].dtype, device=outs[0].device)
+        into = out if last else None
+        if into is None:
+            dtype = outs[0].dtype if last else torch.float32
+            into = torch.empty(outs[0].shape, dtype=dtype, device=outs[0].device)
         result = merge_pair(*result, outs[i], lses[i], into, lse_out if last else None)
     return result
 

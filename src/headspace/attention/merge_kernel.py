@@ -7,7 +7,7 @@ prefix. In torch one merge of two ``[heads, tokens, dim]`` states is about fifte
 (casts, a stack, the log-sum-exp, the weights, a product and a sum per part, a cast back)
 and as many passes over the values; at decode sizes each of them costs its launch and
 nothing else, and in the trace of a 128K request decoding beside short streams (H100) the
-torch merge took a fifth of the offload lane's thread. This kernel reads each part once and
+torch merge took 23% of the offload lane's thread. This kernel reads each part once and
 writes the result once, in one launch. Runs under ``TRITON_INTERPRET=1`` on CPU tensors,
 which is how CI compares it with the torch merge.
 """
