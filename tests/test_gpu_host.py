@@ -40,6 +40,38 @@ def test_transfer_kernels_read_and_write_page_locked_host_pages():
     assert torch.equal(host.data, twin)
 
 
+def test_a_run_of_pages_moves_in_one_2d_copy_both_ways_on_a_side_stream():
+    """``copy_rows`` between page-locked host pages (``[heads, 2, slots, dim]``) and a
+    staging slot (``[2, heads, slots, dim]``), as the stream tier moves a run of a head
+    group's pages: CUDA's 2-D copy is found, and each head's rows land where a copy a
+    row puts them, on the stream it is issued on, in both directions."""
+    from headspace.kv.host_store import HostKVArena
+    from headspace.kv.spec import KVSpec
+    from headspace.kv.transfer import _memcpy_2d, copy_rows
+
+    assert _memcpy_2d() is not None
+    host = HostKVArena(KVSpec(2, 5, 16, 64, 2), torch.bfloat16, pin=True, budget=None)
+    host.ensure(12)
+    host.data.normal_()
+    layer = host.layer(1)  # [5 heads, 2, slots, 64]
+    slot = torch.zeros(2, 4, 8 * 16, 64, device="cuda", dtype=torch.bfloat16)
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):  # heads 1..3, pages 5..7 into slot pages 2..4
+        for kv in range(2):
+            copy_rows(slot[kv, :3, 2 * 16 : 5 * 16], layer[1:4, kv, 5 * 16 : 8 * 16])
+    side.synchronize()
+    expected = torch.zeros(slot.shape, dtype=torch.bfloat16)
+    for kv in range(2):
+        for j in range(3):
+            expected[kv, j, 2 * 16 : 5 * 16] = layer[1 + j, kv, 5 * 16 : 8 * 16]
+    assert torch.equal(slot.cpu(), expected) and expected.abs().sum() > 0
+    before = host.data.clone()
+    copy_rows(layer[2:5, 0, 0:32], slot[1, 1:4, 0:32])  # back to the host: V of slot heads
+    torch.cuda.synchronize()
+    before[1, 2:5, 0, 0:32] = slot[1, 1:4, 0:32].cpu()
+    assert torch.equal(host.data, before)
+
+
 def test_streamed_weights_on_the_gpu_equal_resident_ones():
     """Layers copied on a side stream while the one before computes (compiled blocks,
     eager decode): the same logits and tokens as resident weights decoding eagerly too (a

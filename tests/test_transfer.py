@@ -153,3 +153,18 @@ def test_int_tables_equal_torchs_from_any_lists(rows, width, data, dtype):
                 device_ints(ragged, "cpu", dtype)
         else:
             assert torch.equal(device_ints(ragged, "cpu", dtype), expected)
+
+
+def test_copy_rows_moves_each_row_of_strided_views():
+    """``copy_rows`` on the CPU (the GPU's 2-D copy is tested on a GPU): rows of a host
+    layout's head group land in a staging slot's rows, and nothing beside them moves."""
+    from headspace.kv.transfer import copy_rows
+
+    host, slot = _tiers(3, 5, 16, 4, num_pages=6)
+    before = slot.clone()
+    copy_rows(slot[1, 0:3, 8:20], host[2:5, 1, 4:16])
+    assert torch.equal(slot[1, 0:3, 8:20], host[2:5, 1, 4:16])
+    slot[1, 0:3, 8:20] = before[1, 0:3, 8:20]
+    assert torch.equal(slot, before)
+    with pytest.raises(AssertionError):
+        copy_rows(slot[1, 0:2, 8:20], host[2:5, 1, 4:16])

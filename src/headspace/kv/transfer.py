@@ -12,6 +12,7 @@ the tests.
 
 from __future__ import annotations
 
+import ctypes
 import functools
 from itertools import chain
 
@@ -99,6 +100,53 @@ def copy_pages(src: torch.Tensor, dst: torch.Tensor, src_pages: torch.Tensor,
     if not paired:  # every head with every page
         src_h, dst_h, src_i, dst_i = src_h[:, None], dst_h[:, None], src_i[None], dst_i[None]
     dst_p[dst_h, :, dst_i] = src_p[src_h, :, src_i]
+
+
+def copy_rows(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """``dst[i] = src[i]`` for every row ``i`` of two ``[rows, ...]`` views of one shape and
+    dtype whose rows are each one contiguous block (the stride between rows free): a run of
+    a head group's pages, between host pages and a staging slot. Where the GPU is one side,
+    one 2-D copy through the copy engine on the current stream (asynchronous where the
+    host side is page-locked) in place of one copy a row; else, or without CUDA's runtime
+    at hand, one copy a row."""
+    assert dst.shape == src.shape and dst.dtype == src.dtype, (dst.shape, src.shape)
+    rows = dst.shape[0]
+    if rows == 0 or dst[0].numel() == 0:
+        return
+    memcpy_2d = _memcpy_2d() if (dst.is_cuda or src.is_cuda) else None
+    if memcpy_2d is None or not (dst[0].is_contiguous() and src[0].is_contiguous()):
+        for row in range(rows):
+            dst[row].copy_(src[row], non_blocking=True)
+        return
+    size = dst.element_size()
+    stream = torch.cuda.current_stream(dst.device if dst.is_cuda else src.device)
+    status = memcpy_2d(dst.data_ptr(), dst.stride(0) * size, src.data_ptr(),
+                       src.stride(0) * size, dst[0].numel() * size, rows,
+                       _CUDA_MEMCPY_DEFAULT, stream.cuda_stream)  # fmt: skip
+    if status != 0:
+        raise RuntimeError(f"cudaMemcpy2DAsync failed with CUDA error {status}")
+
+
+_CUDA_MEMCPY_DEFAULT = 4  # cudaMemcpyDefault: the direction read from unified addresses
+
+
+@functools.cache
+def _memcpy_2d():
+    """``cudaMemcpy2DAsync`` of the CUDA runtime torch has loaded (None when not found)."""
+    if torch.version.cuda is None:
+        return None
+    major = torch.version.cuda.split(".")[0]
+    for name in (f"libcudart.so.{major}", "libcudart.so"):
+        try:
+            function = ctypes.CDLL(name).cudaMemcpy2DAsync
+        except (OSError, AttributeError):
+            continue
+        size_t, pointer = ctypes.c_size_t, ctypes.c_void_p
+        function.argtypes = [pointer, size_t, pointer, size_t, size_t, size_t, ctypes.c_int,
+                             pointer]  # fmt: skip
+        function.restype = ctypes.c_int
+        return function
+    return None
 
 
 def write_tokens(dst: torch.Tensor, dst_heads: torch.Tensor, slots: torch.Tensor,

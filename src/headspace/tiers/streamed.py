@@ -25,6 +25,7 @@ from headspace.kv.host_store import HostKVArena
 from headspace.kv.transfer import (
     as_heads,
     copy_pages,
+    copy_rows,
     device_ints,
     shared_stream,
     write_tokens,
@@ -170,8 +171,9 @@ class StreamedTier(Tier):
 
     # -- staging -------------------------------------------------------------------------
     def _gather(self, i: int) -> None:
-        """Item ``i``'s pages into its slot: a few large copies through the copy engine when
-        the pages lie in a few runs (as a fresh sequence's do), else one gather kernel."""
+        """Item ``i``'s pages into its slot: through the copy engine when the pages lie in a
+        few runs (as a fresh sequence's do), two 2-D copies a run (K and V of the group's
+        heads), else one gather kernel."""
         group, piece_index = self.items[i]
         layer, (lo, hi) = self.order[group]
         piece, slot = self.pieces[piece_index], self.staging[i % self.depth]
@@ -180,13 +182,10 @@ class StreamedTier(Tier):
             self.counters.staged_entry_pages += piece.pages.numel() * (hi - lo)
         if self.copy_stream is not None and piece.runs and len(piece.runs) <= MAX_COPY_RUNS:
             size = self.page_size
-            for first, at, count in piece.runs:
-                for j in range(hi - lo):
-                    for kv in range(2):
-                        source = host[lo + j, kv, first * size : (first + count) * size]
-                        slot[kv, j, at * size : (at + count) * size].copy_(
-                            source, non_blocking=True
-                        )
+            for first, at, count in piece.runs:  # [heads, run's slots, dim] each
+                for kv in range(2):
+                    copy_rows(slot[kv, : hi - lo, at * size : (at + count) * size],
+                              host[lo:hi, kv, first * size : (first + count) * size])  # fmt: skip
             return
         copy_pages(host, as_heads(slot, kv_first=True), piece.pages,
                    self._arange(piece.pages.numel()), self._arange(hi - lo, lo),
