@@ -124,6 +124,29 @@ def test_a_prefilling_prompt_is_never_swapped_out():
     assert len(plan.swap_out) == 3 and scheduler.blocks.pools[HOST].num_free == 13
 
 
+def test_a_sequence_with_no_room_to_swap_out_ends_alone_and_its_pages_go_back():
+    """Optimistic admission where the host budget has no room for a victim's pages: that
+    sequence ends (finish reason "error", in the plan's ``ended``), never the step or the
+    others; the pages it held go back and the others take their next token."""
+    scheduler = _scheduler(gpu_pages=5, host_pages=1, host_limit=lambda: 1)
+    scheduler.tiers, scheduler.optimistic = (GPU,), True
+    first, second = Sequence(0, list(range(30)), 80), Sequence(1, list(range(30)), 80)
+    _until_first_token(scheduler, first)
+    _until_first_token(scheduler, second)  # 2 pages each, one free
+    ended = []
+    for _ in range(40):
+        plan = scheduler.schedule()
+        _ran(plan)
+        ended += plan.ended
+        if ended:
+            break
+    assert ended == [second] and second.finish_reason == "error"
+    assert plan.decode == [first] and not plan.swap_out
+    assert second not in scheduler.running and not scheduler.swapped
+    pool = scheduler.blocks.pools[GPU]
+    assert pool.num_pages - pool.num_free == len(scheduler.blocks.table(0, GPU).pages) == 3
+
+
 def test_where_the_layout_allows_a_chunk_runs_a_few_layers_a_step_beside_decoding_ones():
     """Layer slices: a new prompt beside a decoding one keeps whole chunks (one compiled
     shape) and spreads each chunk's layers over steps, as many a step as its prompt work

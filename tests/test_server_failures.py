@@ -148,3 +148,31 @@ def test_a_fault_that_stops_the_engine_ends_the_process(alone):
         assert "exiting" in server.output()
     finally:
         server.stop()
+
+
+def test_a_request_with_no_room_for_its_pages_ends_alone(alone):
+    """Three streams outgrow 8 KV pages of 16 tokens, and the host budget (1 KiB) has no
+    room to swap one out: the one that finds no page ends with a 503 error event and
+    [DONE] (a full server: sent again later, it may run), the others stream on to their
+    text run alone, and the server keeps serving."""
+    server = ServerProcess("--served-model-name", NAME, "--num-kv-pages", "8", "--page-size",
+                           "16", "--host-memory", "1KiB", "--no-warm-up")  # fmt: skip
+    try:
+        body = {"max_tokens": TOKENS, "temperature": 0}
+        with ThreadPoolExecutor(len(PROMPTS)) as pool:
+            runs = list(pool.map(lambda p: _events(server, {**body, "prompt": p}), PROMPTS))
+        ended = [i for i, events in enumerate(runs) if "error" in json.loads(events[-2])]
+        assert ended and len(ended) < len(PROMPTS)
+        for i, events in enumerate(runs):
+            assert events[-1] == "[DONE]"
+            if i in ended:
+                error = json.loads(events[-2])["error"]
+                assert error["code"] == 503 and "ran out of KV cache memory" in error["message"]
+            else:
+                assert "".join(json.loads(e)["choices"][0]["text"] for e in events[:-1]) \
+                    == alone[i]  # fmt: skip
+        assert server.healthy()
+        assert _streamed(server, PROMPTS[0]) == alone[0]
+        assert "no room in the host budget" in server.output()
+    finally:
+        server.stop()

@@ -11,6 +11,7 @@ pieces between the decode steps of the others.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import deque
 from collections.abc import Callable
@@ -40,6 +41,7 @@ from headspace.kv.spec import KVSpec
 from headspace.parallel.dist import broadcast_
 
 PROGRESS_MIN_TOKENS = 4096  # show a prefill progress bar from this prompt length on
+log = logging.getLogger("headspace.engine")
 NON_FINITE = -1  # a read token that says its row's logits were not finite
 
 
@@ -78,7 +80,7 @@ class Lane:
         self._by_id: dict[int, Request] = {}  # the requests not finished or aborted
         self._reads: deque[TokenRead] = deque()
         self._bars: dict[int, tqdm] = {}  # the prefill progress of the prompt being computed
-        self._aborted: list[RequestOutput] = []  # aborted requests, returned by the next step
+        self._ended: list[RequestOutput] = []  # ended between reads, returned next step
 
     # -- requests ------------------------------------------------------------------------
     def add(self, request: Request) -> None:
@@ -94,20 +96,25 @@ class Lane:
         """Drop a request wherever it is (waiting, prefilling, decoding, swapped out): its
         GPU and host pages return to their pools now, and the next step returns it with
         ``finish_reason`` "abort". False if it is unknown or done."""
-        request = self._by_id.pop(request_id, None)
+        request = self._by_id.get(request_id)
         if request is None:
             return False
-        seq = request.seq
-        bar = self._bars.pop(seq.seq_id, None)
+        if request.seq is self.scheduler.prefilling:  # a chunk part-way through its layers
+            self._hidden = None
+        self.scheduler.abort(request.seq)
+        self._end(request, "aborted")
+        return True
+
+    def _end(self, request: Request, why: str) -> None:
+        """``request`` ended outside a token's read (``why``: FINISH_REASONS' key), its
+        pages already back: the next step returns it."""
+        del self._by_id[request.seq.seq_id]
+        bar = self._bars.pop(request.seq.seq_id, None)
         if bar is not None:
             bar.close()
-        if seq is self.scheduler.prefilling:  # a chunk part-way through its layers goes too
-            self._hidden = None
-        self.scheduler.abort(seq)
-        request.ended, request.finished = "aborted", time.perf_counter()
+        request.ended, request.finished = why, time.perf_counter()
         request.new_text = ""
-        self._aborted.append(self._output(request, final=True))
-        return True
+        self._ended.append(self._output(request, final=True))
 
     def abort_all(self) -> None:
         """Abort every request and forget them (an error or a closed loop left the batch:
@@ -117,7 +124,7 @@ class Lane:
                 self.abort(request_id)
         finally:
             self._reads.clear()
-            self._aborted.clear()
+            self._ended.clear()
 
     def prefilling(self) -> int | None:
         """The request whose prompt is being prefilled (None between prompts)."""
@@ -127,7 +134,7 @@ class Lane:
     def has_unfinished(self) -> bool:
         """Whether a request is waiting, running, has tokens on their way or an aborted one
         is still to be returned, or the scheduler has a change due."""
-        return self.has_running() or bool(self._aborted) or self.scheduler.has_work
+        return self.has_running() or bool(self._ended) or self.scheduler.has_work
 
     def has_running(self) -> bool:
         """Whether a request is waiting or running, or has tokens on their way."""
@@ -144,7 +151,7 @@ class Lane:
         requests that advanced (finished and aborted ones marked)."""
         if self.context.lane_step is not None:
             self.context.lane_step(self.name)
-        outputs, self._aborted = self._aborted, []
+        outputs, self._ended = self._ended, []
         before = len(self._reads)
         self._launch()
         in_flight = 1 if len(self._reads) > before else 0  # this step's read, if it made one
@@ -170,6 +177,10 @@ class Lane:
         """Execute ``plan``: its changes on the runner, then its compute; sampled tokens
         start their way to the host."""
         self.runner.prepare(plan)
+        for seq in plan.ended:  # no page for its next token, no room to swap it out
+            log.warning("request %d ended: no free KV page and no room in the host budget "
+                        "(--host-memory) to swap it out", seq.seq_id)  # fmt: skip
+            self._end(self._by_id[seq.seq_id], "no pages")
         if plan.admitted is not None:
             self._admitted(plan.admitted)
         sampled: list[tuple[list[Sequence], torch.Tensor]] = []  # (sequences, their tokens)

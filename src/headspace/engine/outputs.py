@@ -14,6 +14,7 @@ FINISH_REASONS = {
     "end of sequence": "stop", "stop token": "stop", "stop string": "stop",
     "max_new_tokens": "length", "context": "length",
     "aborted": "abort", "interrupted": "abort", "non-finite logits": "error",
+    "no pages": "error",  # none free on the GPU, and no room in the host budget to swap out
 }  # fmt: skip
 
 

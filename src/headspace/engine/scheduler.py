@@ -10,7 +10,9 @@ throughput), and a step carrying that layout alone is returned. Admission follow
 layout in force. In the all-resident layout, with the host tier allowed, a prompt is
 admitted when its pages fit (plus a page of headroom per running sequence), like vLLM: a
 sequence that later finds no page for its next token swaps the most recently admitted one
-out to host pages (its K/V copied, not recomputed) and that one resumes when pages free up.
+out to host pages (its K/V copied, not recomputed) and that one resumes when pages free up;
+where the host budget has no room for its pages, that one ends alone (finish reason
+"error", the plan's ``ended``) and the others go on.
 Without a host tier, and while heads stream, a prompt is admitted only when the pages it may
 ever need fit beside those the running sequences may still need.
 """
@@ -19,7 +21,6 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
 
 from headspace.engine.layout_plan import LayoutPlanner
 from headspace.engine.piece_work import (
@@ -34,38 +35,13 @@ from headspace.engine.step_plan import (
     LayoutResult,
     PrefillPiece,
     Resize,
+    SchedulerSettings,
     Sequence,
     StepPlan,
 )
 from headspace.errors import UserError
 from headspace.kv.block_table import GPU, HOST, BlockManager, OutOfPages, PoolLayout
 from headspace.planner.plan import Plan
-
-
-@dataclass(frozen=True)
-class SchedulerSettings:
-    """How a lane's scheduler batches: at most ``max_batch`` sequences in ``num_slots`` token
-    slots; ``chunk`` prompt tokens a step when nothing decodes; beside decoding sequences at
-    most the work of a prompt's first ``step_tokens`` tokens through every layer (with layer
-    slices: a chunk keeps its size and runs a few of its ``num_layers`` layers a step, a
-    token's attention over ``attention_prefix`` earlier tokens costing as much as its linear
-    layers), else pieces of ``piece_tokens`` (default ``step_tokens``) through every layer;
-    while other prompts wait their turn, more: up to ``prefill_slowdown`` times the decode
-    step's own work (``decode_rates``: a layer's weights and a context token's K/V read, in
-    prompt work, :func:`decode_work`); ``swaps``: a sequence may be swapped out to host
-    pages in the all-resident layout."""
-
-    max_batch: int
-    num_slots: int
-    prefix_caching: bool = True
-    chunk: int = 8192
-    step_tokens: int = 8192
-    num_layers: int = 1
-    attention_prefix: int = 1 << 30
-    piece_tokens: int | None = None
-    swaps: bool = False
-    decode_rates: tuple[float, float] = (0.0, 0.0)
-    prefill_slowdown: float = 1.0
 
 
 class Scheduler:
@@ -269,7 +245,7 @@ class Scheduler:
                 self.prefilling, self.prefill_next = plan.admitted, plan.admitted.num_cached
         batch = [s for s in self.running if s.started and s.num_scheduled < s.max_tokens]
         if batch:
-            plan.decode, plan.swap_out = self.grow(batch)
+            plan.decode, plan.swap_out, plan.ended = self.grow(batch)
         if plan.decode:
             plan.decode_pages = self.blocks.pages([s.seq_id for s in plan.decode])
         if self.prefilling is not None:
@@ -369,12 +345,15 @@ class Scheduler:
         self.running.append(seq)
         return seq
 
-    def grow(self, batch: list[Sequence]) -> tuple[list[Sequence], list[tuple[int, int]]]:
+    def grow(self, batch: list[Sequence]) -> tuple[list[Sequence], list[tuple[int, int]],
+                                                  list[Sequence]]:  # fmt: skip
         """A slot for one more token of every sequence of ``batch``; on shortage the most
         recently admitted sequences past their prompts are swapped out first (never one
-        being prefilled). Returns (the sequences that step,
-        (GPU page, host page) pairs the caller copies before anything reuses them)."""
-        pairs, stepping, pools = [], list(batch), self.blocks.pools
+        being prefilled), or ended (finish reason "error") where the host budget has no
+        room for their pages: one request fails, the others go on. Returns (the sequences that step,
+        (GPU page, host page) pairs the caller copies before anything reuses them, the
+        sequences ended)."""
+        pairs, stepping, ended, pools = [], list(batch), [], self.blocks.pools
         while True:
             needed = sum(self.blocks.pages_needed(s.seq_id) for s in stepping)
             if self.agree(all(needed <= pools[tier].num_free for tier in self.tiers)):
@@ -383,18 +362,23 @@ class Scheduler:
             if not self.optimistic or not victims:
                 raise OutOfPages(f"{needed} pages needed, fewer free")
             victim = victims[-1]
-            pairs += self._swap_out(victim)
+            swapped = self._swap_out(victim)
+            if swapped is None:  # (its pages go back to the pool)
+                self.finish(victim, "error")
+                ended.append(victim)
+            pairs += swapped or []
             if victim in stepping:
                 stepping.remove(victim)
         for seq in stepping:
             self.blocks.append_token(seq.seq_id)
-        return stepping, pairs
+        return stepping, pairs, ended
 
-    def _swap_out(self, seq: Sequence) -> list[tuple[int, int]]:
+    def _swap_out(self, seq: Sequence) -> list[tuple[int, int]] | None:
+        """Swap ``seq`` out: its (GPU page, host page) pairs; None, and nothing moved,
+        where the host budget has no room for its pages."""
         num_pages = len(self.blocks.table(seq.seq_id, GPU).pages)
         if not self._host_room(num_pages):
-            raise UserError(f"no host pages for a swapped-out sequence ({num_pages} pages): "
-                            "the host budget (--host-memory) is spent")  # fmt: skip
+            return None
         pairs = self.blocks.swap_out(seq.seq_id)
         self.running.remove(seq)
         self.swapped.appendleft(seq)

@@ -1,5 +1,5 @@
-"""What a step runs: the sequences inside a lane and the plan the scheduler hands the runner.
-Plain data, no tensors."""
+"""What a step runs: how a lane's scheduler batches, the sequences inside a lane and the plan
+the scheduler hands the runner. Plain data, no tensors."""
 
 from __future__ import annotations
 
@@ -7,6 +7,32 @@ from dataclasses import dataclass, field
 
 from headspace.kv.block_table import Pages, PoolLayout
 from headspace.planner.plan import Plan
+
+
+@dataclass(frozen=True)
+class SchedulerSettings:
+    """How a lane's scheduler batches: at most ``max_batch`` sequences in ``num_slots`` token
+    slots; ``chunk`` prompt tokens a step when nothing decodes; beside decoding sequences at
+    most the work of a prompt's first ``step_tokens`` tokens through every layer (with layer
+    slices: a chunk keeps its size and runs a few of its ``num_layers`` layers a step, a
+    token's attention over ``attention_prefix`` earlier tokens costing as much as its linear
+    layers), else pieces of ``piece_tokens`` (default ``step_tokens``) through every layer;
+    while other prompts wait their turn, more: up to ``prefill_slowdown`` times the decode
+    step's own work (``decode_rates``: a layer's weights and a context token's K/V read, in
+    prompt work, :func:`decode_work`); ``swaps``: a sequence may be swapped out to host
+    pages in the all-resident layout."""
+
+    max_batch: int
+    num_slots: int
+    prefix_caching: bool = True
+    chunk: int = 8192
+    step_tokens: int = 8192
+    num_layers: int = 1
+    attention_prefix: int = 1 << 30
+    piece_tokens: int | None = None
+    swaps: bool = False
+    decode_rates: tuple[float, float] = (0.0, 0.0)
+    prefill_slowdown: float = 1.0
 
 
 @dataclass
@@ -102,6 +128,9 @@ class StepPlan:
     decode_pages: Pages = field(default_factory=dict)
     prefill: PrefillPiece | None = None
     admitted: Sequence | None = None
+    # sequences the scheduler ended for want of pages (none free on the GPU, no room in
+    # the host budget to swap them out): their pages went back; their requests end alone
+    ended: list[Sequence] = field(default_factory=list)
 
     @property
     def computes(self) -> bool:
@@ -115,6 +144,7 @@ class StepPlan:
                 "resize": self.resize.num_pages if self.resize is not None else None,
                 "host_pages": self.host_pages, "swap_in": len(self.swap_in),
                 "swap_out": len(self.swap_out), "decode": [s.seq_id for s in self.decode],
+                "ended": [s.seq_id for s in self.ended],
                 "prefill": None if piece is None else
                 (piece.seq.seq_id, piece.start, piece.end, piece.layers)}  # fmt: skip
 
@@ -133,4 +163,4 @@ class LayoutResult:
     host_reset: bool = False
 
 
-__all__ = ["LayoutResult", "PrefillPiece", "Resize", "Sequence", "StepPlan"]
+__all__ = ["LayoutResult", "PrefillPiece", "Resize", "SchedulerSettings", "Sequence", "StepPlan"]

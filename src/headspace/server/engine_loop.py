@@ -50,8 +50,16 @@ def _shutting_down(ended: bool) -> APIError:
     return APIError(503, message, "server_error")
 
 
-def _non_finite() -> APIError:
-    """What a request whose logits stopped being finite ends with (alone)."""
+def _failed(ended: str | None) -> APIError:
+    """What a request the engine ended alone (finish reason "error") gets, by why it ended
+    (``GenerationStats.ended``): its logits not finite (500), or no KV page for it and no
+    room in the host budget to swap it out (503: the server is full; sent again later, it
+    may run)."""
+    if ended == "no pages":
+        message = ("the server ran out of KV cache memory for this request (no free page, "
+                   "and no room in its host memory to swap it out); it was ended, the other "
+                   "requests go on")  # fmt: skip
+        return APIError(503, message, "server_error")
     message = ("the model's logits for this request were not finite (NaN or infinity); it "
                "was ended, the other requests go on")  # fmt: skip
     return APIError(500, message, "server_error")
@@ -379,7 +387,8 @@ class EngineLoop:
                 self.metrics.finished(output.finish_reason)
             if request.aborted:
                 continue
-            request.deliver(_non_finite() if output.finish_reason == "error" else output)
+            failed = output.finish_reason == "error"
+            request.deliver(_failed(output.stats.ended) if failed else output)
 
     def _refuse(self, request: _Submitted, error: Exception) -> None:
         """End ``request`` with a 400 (what the engine refuses) or, for anything else, a 500
