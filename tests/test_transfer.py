@@ -168,3 +168,16 @@ def test_copy_rows_moves_each_row_of_strided_views():
     assert torch.equal(slot, before)
     with pytest.raises(AssertionError):
         copy_rows(slot[1, 0:2, 8:20], host[2:5, 1, 4:16])
+
+
+def test_rows_read_as_contiguous_from_their_strides_alone():
+    """Which views ``copy_rows`` may move as one 2-D copy: each row one block, whatever the
+    stride between rows; a row with a gap or a transposed row is not."""
+    from headspace.kv.transfer import _rows_contiguous
+
+    host, slot = _tiers(3, 5, 16, 4, num_pages=6)  # [heads, 2, slots, dim], [2, heads, ...]
+    assert _rows_contiguous(host[2:5, 1, 4:16]) and _rows_contiguous(slot[1, 0:3, 8:20])
+    assert _rows_contiguous(host[:, 1, 3:4])  # one slot a row (a length-1 dim)
+    assert not _rows_contiguous(host[2:5, :, 4:16])  # K then V: a gap inside each row
+    assert not _rows_contiguous(slot[1, 0:3, 8:20, :8])  # part of each token's dims
+    assert not _rows_contiguous(slot[1, 0:3, 8:20].transpose(1, 2))

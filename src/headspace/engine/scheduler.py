@@ -350,9 +350,9 @@ class Scheduler:
         """A slot for one more token of every sequence of ``batch``; on shortage the most
         recently admitted sequences past their prompts are swapped out first (never one
         being prefilled), or ended (finish reason "error") where the host budget has no
-        room for their pages: one request fails, the others go on. Returns (the sequences that step,
-        (GPU page, host page) pairs the caller copies before anything reuses them, the
-        sequences ended)."""
+        room for their pages: one request fails, the others go on. Returns (the sequences
+        that step, (GPU page, host page) pairs the caller copies before anything reuses
+        them, the sequences ended)."""
         pairs, stepping, ended, pools = [], list(batch), [], self.blocks.pools
         while True:
             needed = sum(self.blocks.pages_needed(s.seq_id) for s in stepping)
@@ -363,10 +363,11 @@ class Scheduler:
                 raise OutOfPages(f"{needed} pages needed, fewer free")
             victim = victims[-1]
             swapped = self._swap_out(victim)
-            if swapped is None:  # (its pages go back to the pool)
+            if swapped is not None:
+                pairs += swapped
+            else:  # no room in the host budget: it ends, its pages back in the pool
                 self.finish(victim, "error")
                 ended.append(victim)
-            pairs += swapped or []
             if victim in stepping:
                 stepping.remove(victim)
         for seq in stepping:

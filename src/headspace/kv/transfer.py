@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import math
 from itertools import chain
 
 import numpy as np
@@ -110,21 +111,33 @@ def copy_rows(dst: torch.Tensor, src: torch.Tensor) -> None:
     host side is page-locked) in place of one copy a row; else, or without CUDA's runtime
     at hand, one copy a row."""
     assert dst.shape == src.shape and dst.dtype == src.dtype, (dst.shape, src.shape)
-    rows = dst.shape[0]
-    if rows == 0 or dst[0].numel() == 0:
+    rows, row_elements = dst.shape[0], math.prod(dst.shape[1:])
+    if rows == 0 or row_elements == 0:
         return
     memcpy_2d = _memcpy_2d() if (dst.is_cuda or src.is_cuda) else None
-    if memcpy_2d is None or not (dst[0].is_contiguous() and src[0].is_contiguous()):
+    if memcpy_2d is None or not (_rows_contiguous(dst) and _rows_contiguous(src)):
         for row in range(rows):
             dst[row].copy_(src[row], non_blocking=True)
         return
     size = dst.element_size()
     stream = torch.cuda.current_stream(dst.device if dst.is_cuda else src.device)
     status = memcpy_2d(dst.data_ptr(), dst.stride(0) * size, src.data_ptr(),
-                       src.stride(0) * size, dst[0].numel() * size, rows,
+                       src.stride(0) * size, row_elements * size, rows,
                        _CUDA_MEMCPY_DEFAULT, stream.cuda_stream)  # fmt: skip
     if status != 0:
         raise RuntimeError(f"cudaMemcpy2DAsync failed with CUDA error {status}")
+
+
+def _rows_contiguous(view: torch.Tensor) -> bool:
+    """Whether each row (``view[i]``) is one contiguous block, read from the strides
+    (no view made: the stream tier calls this twice a run)."""
+    expected = 1
+    for length, stride in zip(reversed(view.shape[1:]), reversed(view.stride()[1:]),
+                              strict=True):  # fmt: skip
+        if length != 1 and stride != expected:
+            return False
+        expected *= length
+    return True
 
 
 _CUDA_MEMCPY_DEFAULT = 4  # cudaMemcpyDefault: the direction read from unified addresses
