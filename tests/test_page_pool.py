@@ -195,6 +195,29 @@ def test_arenas_sharing_a_ledger_leave_what_the_others_hold_and_go_by_reference_
     assert second.budget == 20 * spec.full_page_bytes
 
 
+def test_a_claimed_growth_keeps_its_bytes_from_the_other_lanes_until_it_is_made():
+    """Lanes schedule on their own threads and grow their arenas a moment later: a growth a
+    lane's scheduler planned claims its bytes at once, so the other lane can no longer plan
+    them (before claims, both plans passed and the later growth stopped the engine); the
+    claim ends when the growth is made or refused."""
+    spec = KVSpec(2, 2, 4, 8, 4)
+    page = spec.full_page_bytes
+    ledger = HostLedger(20 * page)
+    first = HostKVArena(spec, torch.float32, pin=False, budget=ledger)
+    second = HostKVArena(spec, torch.float32, pin=False, budget=ledger)
+    assert first.claim(10)  # 10 pages + scratch claimed
+    assert second.budget == 9 * page
+    assert not second.claim(9)  # 9 pages need a scratch page too
+    assert second.claim(8) and second.ensure(8)  # within what the claim leaves
+    assert first.ensure(10) and first.num_pages == 10  # the growth planned first is made
+    assert first.claimed == 0 and second.claimed == 0
+    assert not first.claim(11) and not second.claim(9)  # the budget is spent
+    assert first.claim(6, rows=1)  # fewer rows: a new arena, the old one dropped first
+    with pytest.raises(UserError, match="host budget"):
+        second.ensure(12)
+    assert second.claimed == 0 and second.num_pages == 8  # refused: nothing held back
+
+
 class PoolMachine(RuleBasedStateMachine):
     """Random allocate / append / swap out / swap in / free sequences over both tiers keep
     both pools consistent."""

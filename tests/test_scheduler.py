@@ -11,7 +11,7 @@ PAGE = 16
 
 def _scheduler(gpu_pages: int, host_pages: int = 0, chunk: int = 64, step_tokens: int = 16,
                page: int = PAGE, num_layers: int = 1, attention_prefix: int = 1 << 30,
-               host_limit=None, **settings) -> Scheduler:  # fmt: skip
+               host_claim=None, **settings) -> Scheduler:  # fmt: skip
     """A scheduler over a fixed layout (no planner): its pools as given; ``settings``: the
     rest of its :class:`SchedulerSettings`."""
     blocks = BlockManager(page, gpu_pages, host_pages)
@@ -24,7 +24,7 @@ def _scheduler(gpu_pages: int, host_pages: int = 0, chunk: int = 64, step_tokens
         attention_prefix=attention_prefix,
         **settings,
     )
-    return Scheduler(blocks, settings, host_limit=host_limit)
+    return Scheduler(blocks, settings, host_claim=host_claim)
 
 
 def _ran(plan) -> None:
@@ -107,7 +107,7 @@ def test_a_prefilling_prompt_is_never_swapped_out():
     """Optimistic admission: a decoding sequence that needs a page swaps out one past its
     prompt, never the one being prefilled (its pages are being written)."""
     scheduler = _scheduler(gpu_pages=13, host_pages=16, step_tokens=4, page=4,
-                           host_limit=lambda: 1 << 20)  # fmt: skip
+                           host_claim=lambda pages, rows: True)  # fmt: skip
     scheduler.tiers, scheduler.optimistic = (GPU,), True
     old = Sequence(0, list(range(8)), 40)  # two pages of 4 tokens, one more every 4 tokens
     _until_first_token(scheduler, old)
@@ -128,7 +128,7 @@ def test_a_sequence_with_no_room_to_swap_out_ends_alone_and_its_pages_go_back():
     """Optimistic admission where the host budget has no room for a victim's pages: that
     sequence ends (finish reason "error", in the plan's ``ended``), never the step or the
     others; the pages it held go back and the others take their next token."""
-    scheduler = _scheduler(gpu_pages=5, host_pages=1, host_limit=lambda: 1)
+    scheduler = _scheduler(gpu_pages=5, host_pages=1, host_claim=lambda pages, rows: pages <= 1)
     scheduler.tiers, scheduler.optimistic = (GPU,), True
     first, second = Sequence(0, list(range(30)), 80), Sequence(1, list(range(30)), 80)
     _until_first_token(scheduler, first)
@@ -300,3 +300,33 @@ def test_decode_rates_of_llama3_8b_by_hand():
     weights, kv = decode_rates(config_from_dict(LLAMA3_8B), 2, 790e12, 3.0e12)
     assert weights == pytest.approx(263.33, abs=0.01)
     assert kv == pytest.approx(4096 / 3.0e12 / (436207616 / 790e12), rel=1e-3)
+
+
+def test_a_layout_whose_host_pages_another_lane_claimed_meanwhile_waits_and_is_planned_again():
+    """The layout step claims its plan's host pages at once; where another lane claimed
+    them since the plan was chosen, the step is empty (nothing laid out, nothing admitted)
+    and the next step plans again, then lays out once the claim is granted."""
+    from types import SimpleNamespace
+
+    class Planner:
+        chosen = 0
+
+        def choose(self, queue):
+            self.chosen += 1
+            return SimpleNamespace(num_host_pages=6, host_rows=0), None
+
+    grants = iter([False, True])
+    claims = []
+
+    def host_claim(pages, rows):
+        claims.append((pages, rows))
+        return next(grants)
+
+    scheduler = _scheduler(gpu_pages=8, host_pages=0, host_claim=host_claim)
+    scheduler.planner = planner = Planner()
+    scheduler.add(Sequence(0, list(range(30)), 40))
+    first = scheduler.schedule()
+    assert first.layout is None and first.admitted is None and not first.decode
+    second = scheduler.schedule()
+    assert second.layout is not None and second.host_pages == 6
+    assert planner.chosen == 2 and claims == [(6, None), (6, None)]

@@ -127,11 +127,11 @@ class LaneFactory:
         ranked = self.ranks is not None
         own_pools = ranked and blocks.per_entry  # pages per rank
 
-        def host_limit() -> int:  # (no reference to the lanes: no cycle holds the arena)
-            return host_min(host.most_pages()) if ranked else host.most_pages()
+        def host_claim(num_pages: int, rows: int | None) -> bool:  # (no cycle holds the arena)
+            return host.claim(num_pages, rows, host_min if ranked else None)
 
         scheduler = Scheduler(blocks, settings, planner, all_agree if own_pools else bool,
-                              host_limit)  # fmt: skip
+                              host_claim)  # fmt: skip
         return Lane(name, scheduler, runner, context)
 
     def step_tokens(self, at_once: bool, slices: bool = True) -> int:

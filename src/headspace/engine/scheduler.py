@@ -49,14 +49,15 @@ class Scheduler:
 
     ``planner``: chooses the lane's layout each time nothing holds pages (None: the pools
     stay as given, a test's fixed layout); ``agree``: whether a page check holds everywhere
-    (ranks with their own pools); ``host_limit()``: the most host pages the lane's host
-    arena may hold within the host budget (None: the host pool as given)."""
+    (ranks with their own pools); ``host_claim(pages, rows)``: whether the lane's host arena
+    may grow to ``pages`` pages (of ``rows`` kv heads a layer; None: as now) within the host
+    budget, those bytes then claimed from the other lanes (None: the host pool as given)."""
 
     def __init__(self, blocks: BlockManager, settings: SchedulerSettings,
                  planner: LayoutPlanner | None = None, agree: Callable[[bool], bool] = bool,
-                 host_limit: Callable[[], int] | None = None):  # fmt: skip
+                 host_claim: Callable[[int, int | None], bool] | None = None):  # fmt: skip
         self.blocks, self.settings, self.planner = blocks, settings, planner
-        self.agree, self.host_limit = agree, host_limit
+        self.agree, self.host_claim = agree, host_claim
         self.step_tokens, self.piece_tokens = settings.step_tokens, settings.piece_tokens
         self.chunk_limit: int | None = None  # a cap on new pieces (the offload lane runs)
         self.admit_before: int | None = None  # only sequences of lower ids are admitted
@@ -182,18 +183,28 @@ class Scheduler:
             plan, planned = self.planner.choose(queue)
         except UserError:  # (the resident lane beside an offload lane: it waits for room)
             return StepPlan()
+        if not self._claims_host(plan):  # another lane claimed the bytes: planned again next
+            self._laid_for = ()
+            return StepPlan()
         self._chosen = (plan, planned)
         return StepPlan(layout=plan, host_pages=plan.num_host_pages, host_kept=kept)
 
     # -- host pages ------------------------------------------------------------------------
+    def _claims_host(self, plan: Plan) -> bool:
+        """Whether the host pages ``plan`` needs are claimed from the other lanes (or need
+        no claim)."""
+        if self.host_claim is None or not plan.num_host_pages:
+            return True
+        return self.host_claim(plan.num_host_pages, plan.host_rows or None)
+
     def _host_room(self, num_pages: int) -> bool:
         """Whether ``num_pages`` host pages are free, growing the host pool (and asking the
-        runner for the arena's pages in the step plan) within ``host_limit``."""
+        runner for the arena's pages in the step plan) within what ``host_claim`` grants."""
         pool = self.blocks.pools[HOST]
         if num_pages <= pool.num_free:
             return True
         wanted = pool.num_pages - pool.num_free + num_pages
-        if self.host_limit is None or wanted > self.host_limit():
+        if self.host_claim is None or not self.host_claim(wanted, None):
             return False
         self.blocks.grow_host(wanted)
         self._host_target = max(self._host_target, wanted)

@@ -18,8 +18,10 @@ counted against the budget, or freeing the old one first when no page matters.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 import weakref
+from collections.abc import Callable
 
 import torch
 
@@ -32,19 +34,24 @@ log = logging.getLogger("headspace.kv")
 
 class HostLedger:
     """A host budget (``total`` bytes, None: no bound) that several arenas share (one per
-    lane): each may hold what the others leave. It holds its arenas weakly (an arena holds
-    its ledger): an engine dropped frees their page-locked memory by reference counts, with
-    no collection, as a server whose heap is frozen after its warm-up needs."""
+    lane): each may hold what the others leave, counting what each has claimed for a growth
+    planned but not yet made (lanes schedule on their own threads: a claim is checked and
+    made under ``lock``, so two lanes never plan the same bytes). It holds its arenas weakly
+    (an arena holds its ledger): an engine dropped frees their page-locked memory by
+    reference counts, with no collection, as a server whose heap is frozen after its
+    warm-up needs."""
 
     def __init__(self, total: int | None):
         self.total = total
         self.arenas: weakref.WeakSet[HostKVArena] = weakref.WeakSet()
+        self.lock = threading.Lock()
 
     def left_for(self, arena: HostKVArena) -> int | None:
-        """Bytes ``arena`` may hold beside the others (None: no bound)."""
+        """Bytes ``arena`` may hold beside the others and their claims (None: no bound)."""
         if self.total is None:
             return None
-        return max(self.total - sum(a.num_bytes for a in self.arenas if a is not arena), 0)
+        others = sum(max(a.num_bytes, a.claimed) for a in self.arenas if a is not arena)
+        return max(self.total - others, 0)
 
 
 class HostKVArena:
@@ -62,6 +69,7 @@ class HostKVArena:
         self.num_pages = 0
         self.rows = spec.num_kv_heads  # kv heads a layer's page holds
         self.generation = 0  # counts reallocations (captured pointers go stale)
+        self.claimed = 0  # bytes a planned growth will hold at most (0: none planned)
 
     @property
     def budget(self) -> int | None:
@@ -76,6 +84,29 @@ class HostKVArena:
             return 1 << 40
         held = self.num_bytes if self.num_pages else 0
         return max(self.num_pages, (budget - held) // self.page_bytes - 1)
+
+    def claim(self, num_pages: int, rows: int | None = None,
+              agree: Callable[[int], int] | None = None) -> bool:  # fmt: skip
+        """Whether the arena may grow to ``num_pages`` pages (of ``rows`` kv heads a layer,
+        default as now; the same rows: its pages copied over) within what the other arenas
+        hold and claim; if so, the bytes are claimed until the growth is made
+        (:meth:`ensure`), so no other lane plans them meanwhile. ``agree``: the most pages
+        every rank may hold, from this rank's (under torchrun)."""
+        same = rows is None or rows == self.rows
+        page_bytes = self.page_bytes if same else self.spec.host_page_bytes(rows)
+        with self.ledger.lock:
+            budget = self.budget
+            if same:
+                most = self.most_pages()
+            else:  # a new arena, the old one dropped first
+                most = (1 << 40) if budget is None else budget // page_bytes - 1
+            most = most if agree is None else agree(most)
+            if num_pages > most:
+                return False
+            if not same or num_pages > self.num_pages:
+                needed = (self.num_bytes if same else 0) + (num_pages + 1) * page_bytes
+                self.claimed = max(self.claimed, needed)
+            return True
 
     @property
     def page_bytes(self) -> int:
@@ -110,14 +141,34 @@ class HostKVArena:
                 torch.cuda.synchronize()
             self.data, self.num_pages, self.rows = None, 0, rows
         if num_pages <= self.num_pages:
+            self.claimed = 0
             return False
-        grown, budget = num_pages + num_pages // 2, self.budget
-        if budget is not None:
-            held = self.num_bytes if keep else 0  # both live while pages are copied
-            limit = (budget - held) // self.page_bytes - 1
-            if num_pages > limit:
-                raise UserError(self._over_budget(num_pages, held, budget))
-            grown = min(grown, limit)
+        try:
+            grown = self._claim_growth(num_pages, keep)
+            self._reallocate(grown, keep)
+        finally:
+            self.claimed = 0  # grown, or refused: the bytes go back to the ledger
+        return True
+
+    def _claim_growth(self, num_pages: int, keep: bool) -> int:
+        """The pages to grow to for ``num_pages`` (up to half again, within what the other
+        arenas hold and claim), its bytes claimed under the ledger's lock while the arena
+        is allocated. Raises UserError beyond the host budget."""
+        grown = num_pages + num_pages // 2
+        held = self.num_bytes if keep else 0  # both live while pages are copied
+        with self.ledger.lock:
+            budget = self.budget
+            if budget is not None:
+                limit = (budget - held) // self.page_bytes - 1
+                if num_pages > limit:
+                    raise UserError(self._over_budget(num_pages, held, budget))
+                grown = min(grown, limit)
+            self.claimed = held + (grown + 1) * self.page_bytes
+        return grown
+
+    def _reallocate(self, grown: int, keep: bool) -> None:
+        """A page-locked arena of ``grown`` pages in place of this one (its pages copied
+        over when ``keep``, else the old one freed first)."""
         started = time.perf_counter()
         if self.data is not None and self.pin:  # queued copies may read or write old pages
             torch.cuda.synchronize()
@@ -135,7 +186,6 @@ class HostKVArena:
         log.info("host KV arena: %s for %d tokens in %.2f s (%.2f s waiting for the device)",
                  byte_size(self.num_bytes), grown * self.spec.page_size,
                  time.perf_counter() - started, waited)  # fmt: skip
-        return True
 
     def _allocate(self, num_pages: int) -> None:
         """A page-locked arena of ``num_pages`` pages (+ scratch) in place of the current
