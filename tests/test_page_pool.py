@@ -212,10 +212,25 @@ def test_a_claimed_growth_keeps_its_bytes_from_the_other_lanes_until_it_is_made(
     assert first.ensure(10) and first.num_pages == 10  # the growth planned first is made
     assert first.claimed == 0 and second.claimed == 0
     assert not first.claim(11) and not second.claim(9)  # the budget is spent
-    assert first.claim(6, rows=1)  # fewer rows: a new arena, the old one dropped first
     with pytest.raises(UserError, match="host budget"):
         second.ensure(12)
     assert second.claimed == 0 and second.num_pages == 8  # refused: nothing held back
+
+
+def test_a_claim_counts_the_old_arena_only_while_its_pages_are_copied():
+    """A growth that keeps the arena's pages needs the old arena beside the new one; one
+    that frees it first (nothing in it matters, or new rows) needs only the new one."""
+    spec = KVSpec(2, 2, 4, 8, 4)
+    page = spec.full_page_bytes
+    arena = HostKVArena(spec, torch.float32, pin=False, budget=HostLedger(30 * page))
+    arena.ensure(10, keep=False)  # half again: 15 pages + scratch
+    assert arena.num_pages == 15 and arena.claim(15) and arena.claimed == 0  # held already
+    assert not arena.claim(20)  # 16 held + 21 new > 30
+    assert arena.claim(20, keep=False) and arena.claimed == 21 * page
+    assert arena.ensure(20, keep=False) and arena.claimed == 0
+    assert arena.claim(9, rows=1) and arena.claimed == 10 * spec.host_page_bytes(1)
+    arena.ensure(9, keep=False, rows=1)
+    assert arena.rows == 1 and arena.claimed == 0
 
 
 class PoolMachine(RuleBasedStateMachine):

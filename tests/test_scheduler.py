@@ -107,7 +107,7 @@ def test_a_prefilling_prompt_is_never_swapped_out():
     """Optimistic admission: a decoding sequence that needs a page swaps out one past its
     prompt, never the one being prefilled (its pages are being written)."""
     scheduler = _scheduler(gpu_pages=13, host_pages=16, step_tokens=4, page=4,
-                           host_claim=lambda pages, rows: True)  # fmt: skip
+                           host_claim=lambda pages, rows, keep: True)  # fmt: skip
     scheduler.tiers, scheduler.optimistic = (GPU,), True
     old = Sequence(0, list(range(8)), 40)  # two pages of 4 tokens, one more every 4 tokens
     _until_first_token(scheduler, old)
@@ -128,7 +128,8 @@ def test_a_sequence_with_no_room_to_swap_out_ends_alone_and_its_pages_go_back():
     """Optimistic admission where the host budget has no room for a victim's pages: that
     sequence ends (finish reason "error", in the plan's ``ended``), never the step or the
     others; the pages it held go back and the others take their next token."""
-    scheduler = _scheduler(gpu_pages=5, host_pages=1, host_claim=lambda pages, rows: pages <= 1)
+    scheduler = _scheduler(gpu_pages=5, host_pages=1,
+                           host_claim=lambda pages, rows, keep: pages <= 1)  # fmt: skip
     scheduler.tiers, scheduler.optimistic = (GPU,), True
     first, second = Sequence(0, list(range(30)), 80), Sequence(1, list(range(30)), 80)
     _until_first_token(scheduler, first)
@@ -145,6 +146,42 @@ def test_a_sequence_with_no_room_to_swap_out_ends_alone_and_its_pages_go_back():
     assert second not in scheduler.running and not scheduler.swapped
     pool = scheduler.blocks.pools[GPU]
     assert pool.num_pages - pool.num_free == len(scheduler.blocks.table(0, GPU).pages) == 3
+
+
+def test_two_lanes_short_of_pages_at_once_never_plan_the_same_host_bytes():
+    """Two lanes' schedulers share one host budget with room for one victim's pages, and
+    both run short of GPU pages before either lane grows its arena (they schedule on their
+    own threads): the first swaps its victim out, the second's victim ends alone, and both
+    growths then fit (before claims, both planned the swap and the second growth raised
+    inside its step, stopping the engine)."""
+    import torch
+
+    from headspace.kv.host_store import HostKVArena, HostLedger
+    from headspace.kv.spec import KVSpec
+
+    spec = KVSpec(2, 2, 4, 8, 4)
+    ledger = HostLedger(3 * spec.full_page_bytes)  # a victim's 2 pages and the scratch page
+    lanes = []
+    for _ in range(2):
+        arena = HostKVArena(spec, torch.float32, pin=False, budget=ledger)
+        scheduler = _scheduler(gpu_pages=5, host_claim=arena.claim)
+        scheduler.tiers, scheduler.optimistic = (GPU,), True
+        first, second = Sequence(0, list(range(30)), 80), Sequence(1, list(range(30)), 80)
+        _until_first_token(scheduler, first)
+        _until_first_token(scheduler, second)  # 2 pages each, one free
+        lanes.append((scheduler, arena, []))
+    for _ in range(40):  # both lanes step; no arena grows yet
+        for scheduler, _, plans in lanes:
+            plans.append(scheduler.schedule())
+            _ran(plans[-1])
+    (_, first_arena, first_plans), (_, second_arena, second_plans) = lanes
+    assert sum(len(p.swap_out) for p in first_plans) == 2 and not any(p.ended for p in first_plans)
+    assert [s.seq_id for p in second_plans for s in p.ended] == [1]
+    assert not any(p.swap_out for p in second_plans)
+    for plans, arena in ((first_plans, first_arena), (second_plans, second_arena)):
+        for plan in plans:
+            arena.ensure(plan.host_pages)  # raised for the second lane before claims
+    assert first_arena.num_pages == 2 and second_arena.num_pages == 0
 
 
 def test_where_the_layout_allows_a_chunk_runs_a_few_layers_a_step_beside_decoding_ones():
@@ -318,8 +355,8 @@ def test_a_layout_whose_host_pages_another_lane_claimed_meanwhile_waits_and_is_p
     grants = iter([False, True])
     claims = []
 
-    def host_claim(pages, rows):
-        claims.append((pages, rows))
+    def host_claim(pages, rows, keep):
+        claims.append((pages, rows, keep))
         return next(grants)
 
     scheduler = _scheduler(gpu_pages=8, host_pages=0, host_claim=host_claim)
@@ -329,4 +366,33 @@ def test_a_layout_whose_host_pages_another_lane_claimed_meanwhile_waits_and_is_p
     assert first.layout is None and first.admitted is None and not first.decode
     second = scheduler.schedule()
     assert second.layout is not None and second.host_pages == 6
-    assert planner.chosen == 2 and claims == [(6, None), (6, None)]
+    assert planner.chosen == 2 and claims == [(6, None, False), (6, None, False)]
+
+
+def test_a_layout_with_room_only_if_the_cached_host_prefixes_go_drops_them():
+    """Cached prefixes in host pages are kept (copied over) as the arena grows for a new
+    layout, unless keeping them is what leaves no room: the layout is then laid out over
+    a fresh arena and the host pool forgets them."""
+    from types import SimpleNamespace
+
+    class Planner:
+        def choose(self, queue):
+            return SimpleNamespace(num_host_pages=6, host_rows=0), None
+
+    claims = []
+
+    def host_claim(pages, rows, keep):
+        claims.append(keep)
+        return not keep  # room only without the old arena beside the new one
+
+    scheduler = _scheduler(gpu_pages=8, host_pages=4, host_claim=host_claim)
+    scheduler.planner = Planner()
+    host = scheduler.blocks.pools[HOST]
+    page = host.allocate()
+    host.register(page, b"a cached prefix")
+    host.release(page)
+    assert host.num_kept == 1
+    scheduler.add(Sequence(0, list(range(30)), 40))
+    plan = scheduler.schedule()
+    assert plan.layout is not None and plan.host_kept is False and claims == [True, False]
+    assert host.num_kept == 0 and host.lookup(b"a cached prefix") is None

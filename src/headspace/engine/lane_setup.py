@@ -127,8 +127,8 @@ class LaneFactory:
         ranked = self.ranks is not None
         own_pools = ranked and blocks.per_entry  # pages per rank
 
-        def host_claim(num_pages: int, rows: int | None) -> bool:  # (no cycle holds the arena)
-            return host.claim(num_pages, rows, host_min if ranked else None)
+        def host_claim(num_pages: int, rows: int | None, keep: bool) -> bool:  # (no cycle)
+            return host.claim(num_pages, rows, keep, host_min if ranked else None)
 
         scheduler = Scheduler(blocks, settings, planner, all_agree if own_pools else bool,
                               host_claim)  # fmt: skip

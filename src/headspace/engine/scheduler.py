@@ -50,12 +50,13 @@ class Scheduler:
     ``planner``: chooses the lane's layout each time nothing holds pages (None: the pools
     stay as given, a test's fixed layout); ``agree``: whether a page check holds everywhere
     (ranks with their own pools); ``host_claim(pages, rows)``: whether the lane's host arena
-    may grow to ``pages`` pages (of ``rows`` kv heads a layer; None: as now) within the host
-    budget, those bytes then claimed from the other lanes (None: the host pool as given)."""
+    may grow to ``pages`` pages (of ``rows`` kv heads a layer; None: as now; its data copied
+    over when ``keep``) within the host budget, those bytes then claimed from the other lanes
+    (None: the host pool as given)."""
 
     def __init__(self, blocks: BlockManager, settings: SchedulerSettings,
                  planner: LayoutPlanner | None = None, agree: Callable[[bool], bool] = bool,
-                 host_claim: Callable[[int, int | None], bool] | None = None):  # fmt: skip
+                 host_claim: Callable[[int, int | None, bool], bool] | None = None):  # fmt: skip
         self.blocks, self.settings, self.planner = blocks, settings, planner
         self.agree, self.host_claim = agree, host_claim
         self.step_tokens, self.piece_tokens = settings.step_tokens, settings.piece_tokens
@@ -183,19 +184,27 @@ class Scheduler:
             plan, planned = self.planner.choose(queue)
         except UserError:  # (the resident lane beside an offload lane: it waits for room)
             return StepPlan()
-        if not self._claims_host(plan):  # another lane claimed the bytes: planned again next
+        kept = self._claim_host(plan, kept)
+        if kept is None:  # another lane claimed the bytes since: planned again next step
             self._laid_for = ()
             return StepPlan()
         self._chosen = (plan, planned)
         return StepPlan(layout=plan, host_pages=plan.num_host_pages, host_kept=kept)
 
     # -- host pages ------------------------------------------------------------------------
-    def _claims_host(self, plan: Plan) -> bool:
-        """Whether the host pages ``plan`` needs are claimed from the other lanes (or need
-        no claim)."""
+    def _claim_host(self, plan: Plan, kept: bool) -> bool | None:
+        """Claim the host pages ``plan`` needs from the other lanes: whether the host pages'
+        data is kept as the arena grows (``kept``, unless keeping the cached prefixes is
+        what leaves no room: they are dropped), or None when the bytes are not there now."""
         if self.host_claim is None or not plan.num_host_pages:
-            return True
-        return self.host_claim(plan.num_host_pages, plan.host_rows or None)
+            return kept
+        rows = plan.host_rows or None
+        if self.host_claim(plan.num_host_pages, rows, kept):
+            return kept
+        if kept and self.host_claim(plan.num_host_pages, rows, False):
+            self.blocks.pools[HOST].drop_cache()
+            return False
+        return None
 
     def _host_room(self, num_pages: int) -> bool:
         """Whether ``num_pages`` host pages are free, growing the host pool (and asking the
@@ -204,7 +213,7 @@ class Scheduler:
         if num_pages <= pool.num_free:
             return True
         wanted = pool.num_pages - pool.num_free + num_pages
-        if self.host_claim is None or not self.host_claim(wanted, None):
+        if self.host_claim is None or not self.host_claim(wanted, None, True):
             return False
         self.blocks.grow_host(wanted)
         self._host_target = max(self._host_target, wanted)

@@ -76,37 +76,33 @@ class HostKVArena:
         """Bytes this arena may hold (what the ledger's other arenas leave)."""
         return self.ledger.left_for(self)
 
-    def most_pages(self) -> int:
-        """The most pages this arena may grow to within its budget, its pages copied over
-        (both arenas count while they are)."""
-        budget = self.budget
-        if budget is None:
-            return 1 << 40
-        held = self.num_bytes if self.num_pages else 0
-        return max(self.num_pages, (budget - held) // self.page_bytes - 1)
-
-    def claim(self, num_pages: int, rows: int | None = None,
+    def claim(self, num_pages: int, rows: int | None = None, keep: bool = True,
               agree: Callable[[int], int] | None = None) -> bool:  # fmt: skip
-        """Whether the arena may grow to ``num_pages`` pages (of ``rows`` kv heads a layer,
-        default as now; the same rows: its pages copied over) within what the other arenas
-        hold and claim; if so, the bytes are claimed until the growth is made
-        (:meth:`ensure`), so no other lane plans them meanwhile. ``agree``: the most pages
-        every rank may hold, from this rank's (under torchrun)."""
-        same = rows is None or rows == self.rows
-        page_bytes = self.page_bytes if same else self.spec.host_page_bytes(rows)
+        """Whether the arena may grow to ``num_pages`` pages (of ``rows`` kv heads a layer;
+        default: as now) within what the other arenas hold and claim; if so, the bytes are
+        claimed until the growth is made (:meth:`ensure`), so no other lane plans them
+        meanwhile. ``keep``: its pages are copied over, the old arena counted while they
+        are (new rows: never); else it is freed first. ``agree``: the most pages every rank
+        may hold, from this rank's (under torchrun; called once a claim, on every rank)."""
+        new_rows = rows is not None and rows != self.rows
+        page_bytes = self.spec.host_page_bytes(rows) if new_rows else self.page_bytes
         with self.ledger.lock:
-            budget = self.budget
-            if same:
-                most = self.most_pages()
-            else:  # a new arena, the old one dropped first
-                most = (1 << 40) if budget is None else budget // page_bytes - 1
+            budget, held = self.budget, self.num_bytes if keep and not new_rows else 0
+            most = (1 << 40) if budget is None else (budget - held) // page_bytes - 1
+            if not new_rows:  # what it holds needs no room
+                most = max(most, self.num_pages)
             most = most if agree is None else agree(most)
             if num_pages > most:
                 return False
-            if not same or num_pages > self.num_pages:
-                needed = (self.num_bytes if same else 0) + (num_pages + 1) * page_bytes
-                self.claimed = max(self.claimed, needed)
+            if new_rows or num_pages > self.num_pages:
+                self.claimed = max(self.claimed, held + (num_pages + 1) * page_bytes)
             return True
+
+    def _end_claim(self) -> None:
+        """The claimed growth was made or refused: its bytes go back to the ledger (under
+        its lock, after the new arena is in place, so no reader sees neither)."""
+        with self.ledger.lock:
+            self.claimed = 0
 
     @property
     def page_bytes(self) -> int:
@@ -141,13 +137,13 @@ class HostKVArena:
                 torch.cuda.synchronize()
             self.data, self.num_pages, self.rows = None, 0, rows
         if num_pages <= self.num_pages:
-            self.claimed = 0
+            self._end_claim()
             return False
         try:
             grown = self._claim_growth(num_pages, keep)
             self._reallocate(grown, keep)
         finally:
-            self.claimed = 0  # grown, or refused: the bytes go back to the ledger
+            self._end_claim()
         return True
 
     def _claim_growth(self, num_pages: int, keep: bool) -> int:

@@ -335,7 +335,7 @@ def plan_batch(spec: KVSpec, arena: int, total_pages: int, *, offload: str = "au
     if max_gpu_pages is not None:  # fewer heads a layer take more pages each, up to this
         gpu_pages = min(gpu_pages, max_gpu_pages)
     host_bytes = total_pages * full
-    if host_budget is not None and host_bytes > host_budget:
+    if host_budget is not None and host_bytes + full > host_budget:  # + the scratch page
         raise HostBudgetError(
             f"{what} needs {byte_size(host_bytes)} of host memory for its KV pages, "
             f"more than the {byte_size(host_budget)} host budget"
