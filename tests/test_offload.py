@@ -11,7 +11,9 @@ import torch
 
 from conftest import plan_of, pools_back, ran_in
 from headspace import LLM, SamplingParams, UserError
+from headspace.engine.hooks import EngineHooks
 from headspace.engine.step_plan import Sequence
+from headspace.kv.host_store import HostKVArena
 from headspace.kv.spec import KVSpec
 from headspace.model.config import load_config
 from headspace.planner.memory import decode_bytes, weight_bytes, working_bytes
@@ -151,14 +153,28 @@ def test_swap_out_and_in_keeps_outputs_identical(tiny_llama):
     assert pools_back(llm.engine)
 
 
-def test_a_sequence_with_no_room_in_the_host_budget_to_swap_out_ends_alone(tiny_llama, spec):
-    """Five requests outgrow 12 pages while the host budget holds 3 pages: a sequence that
-    must swap out and finds no room ends alone (finish reason "error", "no pages"); the
-    others, swapped out and back or not, give their tokens run alone; every page goes
-    back, and the next request runs."""
+class CappedArena(HostKVArena):
+    """Host pages that cannot grow past 3 pages, as where page-locking is refused."""
+
+    def ensure(self, num_pages: int, *, keep: bool = True, rows: int | None = None) -> bool:
+        if num_pages > 3:
+            raise UserError("cannot page-lock 1.00 MiB of host memory for KV pages")
+        return super().ensure(num_pages, keep=keep, rows=rows)
+
+
+@pytest.mark.parametrize("short_of", ["budget", "page-locking"])
+def test_a_sequence_with_no_host_page_to_swap_out_to_ends_alone(tiny_llama, spec, short_of):
+    """Five requests outgrow 12 pages while the host pages hold 3: the host budget has
+    room for no more, or it has but no more can be page-locked (the arena refuses to grow
+    after the step was planned). A sequence that must swap out and finds no host page ends
+    alone (finish reason "error", "no pages"), never the step or the others; the others,
+    swapped out and back or not, give their tokens run alone; every page goes back, the
+    host pool holds no page the arena lacks, and the next request runs."""
     prompts = _prompts([60, 50, 70, 40, 65], seed=7)
     params = SamplingParams(max_new_tokens=48, ignore_eos=True)
-    llm = make(tiny_llama, num_kv_pages=12, host_memory=3 * spec.full_page_bytes)
+    options = ({"host_memory": 3 * spec.full_page_bytes} if short_of == "budget"
+               else {"hooks": EngineHooks(host_arena=CappedArena)})  # fmt: skip
+    llm = make(tiny_llama, num_kv_pages=12, **options)
     outputs = llm.generate(prompts, params)
     ended = [o for o in outputs if o.finish_reason == "error"]
     assert ended and len(ended) < len(prompts)
@@ -168,9 +184,28 @@ def test_a_sequence_with_no_room_in_the_host_budget_to_swap_out_ends_alone(tiny_
         if output.finish_reason != "error":
             assert output.token_ids == alone.generate(prompt, params)[0].token_ids
     assert pools_back(llm.engine)
+    assert llm.engine.load().lane("resident").host_pages <= 3  # none the arena lacks
     short = SamplingParams(max_new_tokens=8, ignore_eos=True)
     assert llm.generate(prompts[0], short)[0].token_ids == \
         alone.generate(prompts[0], short)[0].token_ids  # fmt: skip
+
+
+def test_a_layout_whose_host_pages_cannot_be_page_locked_ends_its_longest_request(tiny_llama):
+    """Requests that stream heads need more host pages than can be page-locked (3): the
+    layout is refused, the request it was for that may grow longest ends alone (finish
+    reason "error", "no pages"), the others are planned again; those that fit the GPU run
+    as alone, every page goes back."""
+    prompts = _prompts([180, 12, 30, 7, 25])
+    params = SamplingParams(max_new_tokens=40, ignore_eos=True)
+    alone = make(tiny_llama)
+    expected = [alone.generate(p, params)[0].token_ids for p in prompts]
+    llm = make(tiny_llama, arena=60 * 1024, hooks=EngineHooks(host_arena=CappedArena))
+    outputs = llm.generate(prompts, params)
+    assert outputs[0].finish_reason == "error" and outputs[0].stats.ended == "no pages"
+    for output, tokens in zip(outputs, expected, strict=True):
+        assert output.finish_reason == "error" or output.token_ids == tokens
+    assert [o.token_ids for o in (outputs[1], outputs[3])] == [expected[1], expected[3]]
+    assert pools_back(llm.engine)
 
 
 def test_without_a_host_tier_a_request_beyond_the_pool_is_refused(tiny_llama):

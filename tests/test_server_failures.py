@@ -173,6 +173,6 @@ def test_a_request_with_no_room_for_its_pages_ends_alone(alone):
                     == alone[i]  # fmt: skip
         assert server.healthy()
         assert _streamed(server, PROMPTS[0]) == alone[0]
-        assert "no room in the host budget" in server.output()
+        assert "no host page to swap it out to" in server.output()
     finally:
         server.stop()

@@ -11,3 +11,12 @@ class UserError(ValueError):
 class HostBudgetError(UserError):
     """A plan whose KV pages need more host memory than its host budget (a caller that
     chose that budget itself, such as ``plan`` from this machine's memory, may say so)."""
+
+
+class HostPagesRefused(UserError):
+    """The host arena could not grow to the pages a step planned (page-locking was refused);
+    it holds ``num_pages`` pages still."""
+
+    def __init__(self, message: str, num_pages: int):
+        super().__init__(message)
+        self.num_pages = num_pages

@@ -37,6 +37,7 @@ from headspace.engine.requests import (
 from headspace.engine.sampling import finite_rows, sample
 from headspace.engine.scheduler import Scheduler
 from headspace.engine.step_plan import PrefillPiece, Sequence, StepPlan
+from headspace.errors import HostPagesRefused
 from headspace.kv.spec import KVSpec
 from headspace.parallel.dist import broadcast_
 
@@ -168,7 +169,13 @@ class Lane:
         due: that plan carries nothing else)."""
         plan = self.scheduler.schedule()
         while plan.layout is not None:  # (a new part first, then the queue's)
-            self.scheduler.laid_out(self.runner.prepare(plan))
+            try:
+                self.scheduler.laid_out(self.runner.prepare(plan))
+            except HostPagesRefused as refused:  # the longest request it was for ends alone
+                seq = self.scheduler.layout_refused(refused.num_pages)
+                log.warning("%s; the request that may grow longest ends", refused)
+                if seq is not None:
+                    self._end(self._by_id[seq.seq_id], "no pages")
             plan = self.scheduler.schedule()
         self.last_step = plan
         self._run(plan)
@@ -176,10 +183,10 @@ class Lane:
     def _run(self, plan: StepPlan) -> None:
         """Execute ``plan``: its changes on the runner, then its compute; sampled tokens
         start their way to the host."""
-        self.runner.prepare(plan)
-        for seq in plan.ended:  # no page for its next token, no room to swap it out
-            log.warning("request %d ended: no free KV page and no room in the host budget "
-                        "(--host-memory) to swap it out", seq.seq_id)  # fmt: skip
+        self._prepare(plan)
+        for seq in plan.ended:  # no page for its next token, no host page to swap it out to
+            log.warning("request %d ended: no free KV page, and no host page to swap it out "
+                        "to (--host-memory)", seq.seq_id)  # fmt: skip
             self._end(self._by_id[seq.seq_id], "no pages")
         if plan.admitted is not None:
             self._admitted(plan.admitted)
@@ -205,6 +212,20 @@ class Lane:
         if sampled:  # one read a step: the decode batch's tokens and a first token together
             seqs = [seq for batch, _ in sampled for seq in batch]
             self._reads.append(start_read(seqs, torch.cat([t for _, t in sampled]), logprobs))
+
+    def _prepare(self, plan: StepPlan) -> None:
+        """The runner makes ``plan``'s changes; where the host pages it grows cannot be had
+        (page-locking refused), the sequences on those pages end alone and the runner
+        makes the rest of the plan."""
+        try:
+            self.runner.prepare(plan)
+        except HostPagesRefused as refused:
+            log.warning("%s; the requests on those pages end, the others go on", refused)
+            piece = plan.prefill
+            self.scheduler.host_refused(refused.num_pages, plan)
+            if piece is not None and plan.prefill is None:  # its sequence ended
+                self._hidden = None
+            self.runner.prepare(plan)
 
     def _admitted(self, seq: Sequence) -> None:
         """A request whose prefill begins: the tiers it runs on, its progress bar."""

@@ -22,7 +22,7 @@ from headspace.engine.hooks import EngineHooks
 from headspace.engine.hybrid_share import HybridShare
 from headspace.engine.paged_graphs import DecodeGraphs, GraphCache, graphs_allowed
 from headspace.engine.step_plan import LayoutResult, Resize, StepPlan
-from headspace.errors import UserError
+from headspace.errors import HostPagesRefused, UserError
 from headspace.kv.block_table import BlockManager, Pages, PoolLayout
 from headspace.kv.host_store import HostKVArena
 from headspace.kv.paged_store import KVArena, PagedKVStore
@@ -121,7 +121,8 @@ class PagedRunner:
     def prepare(self, step: StepPlan) -> LayoutResult | None:
         """Make the changes ``step`` plans before its compute, in order: a new layout (such a
         step carries nothing else; returns what it made, for the scheduler), or the
-        resident pool's resize; the host pages grown; page copies in, then out."""
+        resident pool's resize; the host pages grown (HostPagesRefused, the resize made,
+        when they cannot be); page copies in, then out."""
         if step.layout is not None:
             return self._lay_out_plan(step.layout, step.host_pages, step.host_kept)
         if step.resize is not None:
@@ -130,8 +131,9 @@ class PagedRunner:
             try:
                 self._grow_host(step.host_pages, keep=True)
             except UserError as error:  # (on every rank alike)
-                raise UserError(f"no host pages for a swapped-out sequence or a prompt "
-                                f"({step.host_pages} pages): {error}") from None  # fmt: skip
+                raise HostPagesRefused(f"no host pages for a swapped-out sequence or a "
+                                       f"prompt ({step.host_pages} pages): {error}",
+                                       self._host_pages()) from None  # fmt: skip
         self._swap(step.swap_in, to_host=False)
         self._swap(step.swap_out, to_host=True)
         return None
@@ -148,12 +150,15 @@ class PagedRunner:
         layout and its tiers."""
         rows = plan.host_rows or None
         reset = rows is not None and rows != self.host.rows  # nothing in host pages
-        if reset:
-            host_pages = self._grow_host(host_pages, keep=False, rows=rows)
-        elif host_pages > self.host.num_pages:
-            host_pages = self._grow_host(host_pages, keep=keep)
-        else:
-            host_pages = self._host_pages()
+        try:
+            if reset:
+                host_pages = self._grow_host(host_pages, keep=False, rows=rows)
+            elif host_pages > self.host.num_pages:
+                host_pages = self._grow_host(host_pages, keep=keep)
+            else:
+                host_pages = self._host_pages()
+        except UserError as error:  # (on every rank alike)
+            raise HostPagesRefused(str(error), self._host_pages()) from None
         pools = self._apply(plan)
         return LayoutResult(pools, self.layer_slices, host_pages, reset)
 

@@ -23,14 +23,7 @@ from collections import deque
 from collections.abc import Callable
 
 from headspace.engine.layout_plan import LayoutPlanner
-from headspace.engine.piece_work import (
-    decode_work,
-    grown_piece,
-    layers_per_step,
-    queued_step_work,
-    slice_size,
-    step_work,
-)
+from headspace.engine.prompt_pieces import PromptPieces
 from headspace.engine.step_plan import (
     LayoutResult,
     PrefillPiece,
@@ -44,7 +37,7 @@ from headspace.kv.block_table import GPU, HOST, BlockManager, OutOfPages, PoolLa
 from headspace.planner.plan import Plan
 
 
-class Scheduler:
+class Scheduler(PromptPieces):
     """Waiting, running and swapped-out sequences of one lane over its BlockManager.
 
     ``planner``: chooses the lane's layout each time nothing holds pages (None: the pools
@@ -148,6 +141,24 @@ class Scheduler:
         they hold more."""
         moves, held = self.blocks.resize_gpu(num_pages)
         self._resize = Resize(num_pages, tuple(moves), held)
+
+    def layout_refused(self, num_pages: int) -> Sequence | None:
+        """The host pages of the layout last handed out could not be had (page-locking
+        refused; the arena holds ``num_pages``, maybe none: one of new rows is dropped
+        first): of the waiting requests it was chosen for, the one that may grow longest
+        ends (finish reason "error"; returned); the next step plans for the others. The
+        host pool forgets its cached prefixes and keeps only pages the arena holds."""
+        host = self.blocks.pools[HOST]  # (nothing holds pages: the lane is idle)
+        host.drop_cache()
+        host.shrink(num_pages)
+        chosen = [s for s in self.waiting if s.seq_id in self._laid_for]
+        self._chosen, self._laid_for = None, ()
+        if not chosen:  # (a layout for nobody needs no host pages)
+            return None
+        seq = max(chosen, key=lambda s: s.max_tokens)
+        self.waiting.remove(seq)
+        seq.finish_reason = "error"
+        return seq
 
     def layout_for(self, seqs: list[Sequence]) -> StepPlan:
         """A step laying out the plan for ``seqs`` alone, outside the queue (teacher forcing;
@@ -273,60 +284,6 @@ class Scheduler:
         plan.host_pages, self._host_target = self._host_target, 0
         return plan
 
-    def _next_piece(self, batch: list[Sequence]) -> PrefillPiece:
-        """The prompt work of this step beside the decoding ``batch``: the rest of a
-        piece's layers, or a new piece."""
-        seq, piece, slices = self.prefilling, self.piece, self.layer_slices
-        base = step_work(self.step_tokens, self.settings.num_layers,
-                         self.settings.attention_prefix)  # fmt: skip
-        decoding, work = bool(batch), self._step_work(batch, base)
-        chunk = self.settings.chunk
-        if piece is not None:  # part-way through its layers
-            start, end, first = piece.start, piece.end, piece.layers[1]
-        else:
-            start, first, size = self.prefill_next, 0, chunk
-            if decoding and not slices:  # (it grows with the work while prompts wait)
-                size = grown_piece(self.piece_tokens or self.step_tokens, work / base,
-                                   self.blocks.page_size)  # fmt: skip
-                size = min(chunk, size)
-            elif decoding:
-                size = self._slice_size(start, len(seq.prompt_ids), work)
-            if self.chunk_limit is not None:
-                size = min(size, self.chunk_limit)
-            end = min(start + size, len(seq.prompt_ids))
-        num_layers = self.settings.num_layers
-        count = num_layers - first
-        if decoding and slices:
-            count = min(count, layers_per_step(start, end, work, self.settings.attention_prefix))
-        pages = self.blocks.pages([seq.seq_id])
-        piece = PrefillPiece(seq, start, end, pages, (first, first + count), num_layers,
-                             end - start == chunk)  # fmt: skip
-        self.piece = None if piece.through else piece
-        if piece.through:
-            self.prefill_next = end
-            if piece.last:
-                self.prefilling = None
-        return piece
-
-    def _step_work(self, batch: list[Sequence], base: float) -> float:
-        """A step's prompt work beside ``batch``: ``base`` (the work of ``step_tokens``),
-        more while prompts wait (:func:`queued_step_work`)."""
-        settings = self.settings
-        if not self.waiting or not batch or settings.prefill_slowdown <= 1:
-            return base
-        context = sum(s.num_scheduled for s in batch)
-        decode = decode_work(settings.num_layers, *settings.decode_rates, context)
-        return queued_step_work(base, settings.prefill_slowdown, decode)
-
-    def _slice_size(self, start: int, num_tokens: int, work: float) -> int:
-        """A chunk run in layer slices (:func:`slice_size`); never halved where the prefix
-        streams from host pages: each piece stages its whole prefix, so halving would
-        multiply what crosses PCIe."""
-        if self.prefix_streams:
-            return self.settings.chunk
-        return slice_size(start, num_tokens, self.settings.chunk, self.blocks.page_size,
-                          work, self.settings.attention_prefix)  # fmt: skip
-
     def abort(self, seq: Sequence) -> None:
         """Drop ``seq`` wherever it is; its pages return to their pools."""
         if seq is self.prefilling:
@@ -406,6 +363,31 @@ class Scheduler:
         seq.num_swaps += 1
         self.num_swaps += 1
         return pairs
+
+    def host_refused(self, num_pages: int, plan: StepPlan) -> None:
+        """The host arena could not grow past ``num_pages`` pages for ``plan`` (page-locking
+        was refused): every sequence holding a host page past them ends (finish reason
+        "error", into ``plan.ended``), never the step or the others; ``plan`` keeps the
+        rest (copies into pages that exist; no resize or growth, both already made) and
+        the host pool shrinks back."""
+        past = self.blocks.holding_host_past(num_pages)
+        ended = [s for s in self.running + list(self.swapped) if s.seq_id in past]
+        for seq in ended:
+            if seq is self.prefilling:
+                self.prefilling, self.piece = None, None
+            self.finish(seq, "error")
+        plan.ended += ended
+        plan.decode = [s for s in plan.decode if s not in ended]
+        plan.decode_pages = (
+            self.blocks.pages([s.seq_id for s in plan.decode]) if plan.decode else {}
+        )
+        if plan.prefill is not None and plan.prefill.seq in ended:
+            plan.prefill = None
+        if plan.admitted in ended:
+            plan.admitted = None
+        plan.swap_out = [(gpu, host) for gpu, host in plan.swap_out if host < num_pages]
+        plan.resize, plan.host_pages = None, 0
+        self.blocks.pools[HOST].shrink(num_pages)
 
     def resume(self) -> tuple[Sequence, list[tuple[int, int]]] | None:
         """Swap the first swapped-out sequence back in when its pages (and a page of

@@ -108,6 +108,11 @@ class BlockManager:
         assert pool.num_free == pool.num_pages, "host pages in use"
         self.pools[HOST] = PagePool(num_pages)
 
+    def holding_host_past(self, num_pages: int) -> set[int]:
+        """The sequences that hold a host page at or past ``num_pages``."""
+        return {seq_id for seq_id, tables in self.tables.items()
+                if HOST in tables and max(tables[HOST].pages, default=-1) >= num_pages}  # fmt: skip
+
     def pages_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.page_size)
 

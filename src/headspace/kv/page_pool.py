@@ -59,6 +59,15 @@ class PagePool:
         self.ref_counts += [0] * (num_pages - self.num_pages)
         self.num_pages = num_pages
 
+    def shrink(self, num_pages: int) -> None:
+        """Drop pages ``num_pages ..`` from the pool (each free: none held or cached), as
+        when their memory could not be had after all."""
+        gone = range(num_pages, self.num_pages)
+        assert all(self.ref_counts[p] == 0 and p not in self._hash_by_page for p in gone)
+        self._free = deque(p for p in self._free if p < num_pages)
+        del self.ref_counts[num_pages:]
+        self.num_pages = min(self.num_pages, num_pages)
+
     def drop_cache(self) -> None:
         """Forget every cached prefix: unreferenced cached pages become free."""
         self._free.extend(self._evictable)
