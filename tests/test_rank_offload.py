@@ -34,7 +34,6 @@ from test_parallel_engine import (
     _random_profile,
     _uneven,
     run_cases,
-    single,
 )
 
 RESIDENT = {"num_kv_pages": None}  # one process: everything on the "GPU"
@@ -85,27 +84,22 @@ def _swapping(model, prompt, balance: str, num_kv_pages: int) -> dict:
 
 
 def test_ranks_refuse_host_pages_alike(wide_llama, prompt, tmp_path):
-    """One rank's host pages cannot grow (page-locking failed there): when sequences must
-    swap out, every rank ends the same ones alone (finish reason "error") and the others
-    give one process's tokens; when a plan streams heads, every rank refuses it with that
-    rank's one-line error (none waits on the others); then a request that fits runs as one
-    process runs it."""
+    """One rank's host pages cannot grow (page-locking failed there): when a sequence must
+    swap out, and when a plan streams heads, every rank stops with that rank's one-line
+    error (none waits on the others), and after the refused swap a request that fits runs
+    as one process runs it."""
     cases = [
         {**_swapping(wide_llama, prompt, "uniform", 6), "host_refuses_on_rank": 1, "after": True},
         {**_case(wide_llama, prompt, {"num_kv_pages": 3, "balance": "uniform",
                                       "offload": "head"}), "host_refuses_on_rank": 1},
     ]  # fmt: skip
     swap, stream = run_cases(2, cases, tmp_path, timeout=240)  # a rank left waiting: timeout
-    assert swap["errors"] == [None, None]
-    finished = swap["finished"]
-    assert finished[0] == finished[1] and "error" in finished[0], finished
-    _, tokens = single(cases[0])
-    for got, want, reason in zip(swap["tokens"], tokens, finished[0], strict=True):
-        assert reason == "error" or got == want
-    errors = stream["errors"]
-    assert errors[0] is not None and errors == [errors[0]] * 2, errors
-    assert errors[0].endswith("cannot page-lock host memory on this rank"), errors
-    assert stream["logits"] is None  # refused at the plan
+    for result in (swap, stream):
+        errors = result["errors"]
+        assert errors[0] is not None and errors == [errors[0]] * 2, errors
+        assert errors[0].endswith("cannot page-lock host memory on this rank"), errors
+    assert swap["errors"][0].startswith("no host pages for a swapped-out sequence")
+    assert swap["logits"] is not None and stream["logits"] is None  # refused at the plan
     short = SamplingParams(max_new_tokens=8, ignore_eos=True)
     one = LLM(cases[0]["model"], **{**cases[0]["options"], **RESIDENT})  # one process
     expected = one.generate(prompt[:40], short)[0].token_ids

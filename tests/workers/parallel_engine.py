@@ -112,13 +112,11 @@ def run_case(case: dict) -> dict:
         outputs = llm.generate(batch(case), params)
     except UserError as refused:  # every rank must refuse alike (or the others would hang)
         error = str(refused)
-    if case.get("after"):  # then a request that fits
-        short = SamplingParams(max_new_tokens=8, ignore_eos=True)
-        after = llm.generate(ids[:40], short)[0].token_ids
+        short = SamplingParams(max_new_tokens=8, ignore_eos=True)  # then a request that fits
+        after = llm.generate(ids[:40], short)[0].token_ids if case.get("after") else None
     arrivals = arrive(llm, case) if "arrivals" in case else None
     ranks = llm.engine.ranks
     errors = every_rank(error)
-    finished = every_rank([o.finish_reason for o in outputs])
     heads = [lay.layer_heads for lay in ranks.layouts]  # every rank's heads per layer
     widths = every_rank(list(WIDTHS))  # step widths (a graph's key: they must agree)
     staged = every_rank(list(STAGED))  # bytes staged from host pages per decode step
@@ -131,7 +129,6 @@ def run_case(case: dict) -> dict:
             "graphs": graphs[0], "graphs_all": graphs,
             "graph_decisions": every_rank(GRAPH_DECISIONS), "weighed": weighed,
             "swaps": list(SWAPS), "staged": staged, "errors": errors, "after": after,
-            "finished": finished,
             "tiers": [tiers(o.stats) for o in outputs], "arrivals": arrivals,
             "streamed": llm.engine.model.layer_source is not None,
             "searching": searching, "kept": every_rank(list(KEPT)),

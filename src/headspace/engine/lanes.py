@@ -37,7 +37,7 @@ from headspace.engine.requests import Request
 from headspace.engine.sampling import SamplingParams, make_generator
 from headspace.engine.step_plan import Sequence
 from headspace.engine.view import engine_view
-from headspace.errors import UserError
+from headspace.errors import HostPagesRefused, UserError
 from headspace.kv.transfer import sm_count
 from headspace.model.llama import LlamaModel
 from headspace.planner.plan import Plan
@@ -293,7 +293,11 @@ class Lanes:
             self.split.take_whole()
         elif self.split is not None and self.split.open:
             self.split.close_offload()
-        lane.scheduler.laid_out(lane.runner.prepare(lane.scheduler.layout_for(seqs)))
+        try:
+            lane.scheduler.laid_out(lane.runner.prepare(lane.scheduler.layout_for(seqs)))
+        except HostPagesRefused as refused:  # (the pools follow what the arena holds)
+            lane.scheduler.layout_refused(refused.num_pages)
+            raise
         return lane.runner.plan, lane
 
     def close(self) -> None:

@@ -131,9 +131,8 @@ class PagedRunner:
             try:
                 self._grow_host(step.host_pages, keep=True)
             except UserError as error:  # (on every rank alike)
-                raise HostPagesRefused(f"no host pages for a swapped-out sequence or a "
-                                       f"prompt ({step.host_pages} pages): {error}",
-                                       self._host_pages()) from None  # fmt: skip
+                raise self._refused(f"no host pages for a swapped-out sequence or a prompt "
+                                    f"({step.host_pages} pages): {error}") from None  # fmt: skip
         self._swap(step.swap_in, to_host=False)
         self._swap(step.swap_out, to_host=True)
         return None
@@ -158,7 +157,7 @@ class PagedRunner:
             else:
                 host_pages = self._host_pages()
         except UserError as error:  # (on every rank alike)
-            raise HostPagesRefused(str(error), self._host_pages()) from None
+            raise self._refused(str(error)) from None
         pools = self._apply(plan)
         return LayoutResult(pools, self.layer_slices, host_pages, reset)
 
@@ -285,6 +284,14 @@ class PagedRunner:
     def _host_pages(self) -> int:
         """Pages the host arena holds (under torchrun the fewest any rank holds)."""
         return host_min(self.host.num_pages) if self.layout is not None else self.host.num_pages
+
+    def _refused(self, message: str) -> UserError:
+        """The error for host pages that cannot be had: HostPagesRefused, whose requests
+        end alone; under torchrun a UserError that stops every rank alike (the ranks'
+        arenas may now differ, and their next growths would not meet)."""
+        if self.layout is not None:
+            return UserError(message)
+        return HostPagesRefused(message, self.host.num_pages)
 
     def _grow_host(self, num_pages: int, keep: bool, rows: int | None = None) -> int:
         """Host pages for at least ``num_pages`` (grows the arena, copying it when ``keep``:

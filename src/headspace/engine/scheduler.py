@@ -22,6 +22,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable
 
+from headspace.engine.host_refusals import HostRefusals
 from headspace.engine.layout_plan import LayoutPlanner
 from headspace.engine.prompt_pieces import PromptPieces
 from headspace.engine.step_plan import (
@@ -37,7 +38,7 @@ from headspace.kv.block_table import GPU, HOST, BlockManager, OutOfPages, PoolLa
 from headspace.planner.plan import Plan
 
 
-class Scheduler(PromptPieces):
+class Scheduler(PromptPieces, HostRefusals):
     """Waiting, running and swapped-out sequences of one lane over its BlockManager.
 
     ``planner``: chooses the lane's layout each time nothing holds pages (None: the pools
@@ -141,24 +142,6 @@ class Scheduler(PromptPieces):
         they hold more."""
         moves, held = self.blocks.resize_gpu(num_pages)
         self._resize = Resize(num_pages, tuple(moves), held)
-
-    def layout_refused(self, num_pages: int) -> Sequence | None:
-        """The host pages of the layout last handed out could not be had (page-locking
-        refused; the arena holds ``num_pages``, maybe none: one of new rows is dropped
-        first): of the waiting requests it was chosen for, the one that may grow longest
-        ends (finish reason "error"; returned); the next step plans for the others. The
-        host pool forgets its cached prefixes and keeps only pages the arena holds."""
-        host = self.blocks.pools[HOST]  # (nothing holds pages: the lane is idle)
-        host.drop_cache()
-        host.shrink(num_pages)
-        chosen = [s for s in self.waiting if s.seq_id in self._laid_for]
-        self._chosen, self._laid_for = None, ()
-        if not chosen:  # (a layout for nobody needs no host pages)
-            return None
-        seq = max(chosen, key=lambda s: s.max_tokens)
-        self.waiting.remove(seq)
-        seq.finish_reason = "error"
-        return seq
 
     def layout_for(self, seqs: list[Sequence]) -> StepPlan:
         """A step laying out the plan for ``seqs`` alone, outside the queue (teacher forcing;
@@ -363,31 +346,6 @@ class Scheduler(PromptPieces):
         seq.num_swaps += 1
         self.num_swaps += 1
         return pairs
-
-    def host_refused(self, num_pages: int, plan: StepPlan) -> None:
-        """The host arena could not grow past ``num_pages`` pages for ``plan`` (page-locking
-        was refused): every sequence holding a host page past them ends (finish reason
-        "error", into ``plan.ended``), never the step or the others; ``plan`` keeps the
-        rest (copies into pages that exist; no resize or growth, both already made) and
-        the host pool shrinks back."""
-        past = self.blocks.holding_host_past(num_pages)
-        ended = [s for s in self.running + list(self.swapped) if s.seq_id in past]
-        for seq in ended:
-            if seq is self.prefilling:
-                self.prefilling, self.piece = None, None
-            self.finish(seq, "error")
-        plan.ended += ended
-        plan.decode = [s for s in plan.decode if s not in ended]
-        plan.decode_pages = (
-            self.blocks.pages([s.seq_id for s in plan.decode]) if plan.decode else {}
-        )
-        if plan.prefill is not None and plan.prefill.seq in ended:
-            plan.prefill = None
-        if plan.admitted in ended:
-            plan.admitted = None
-        plan.swap_out = [(gpu, host) for gpu, host in plan.swap_out if host < num_pages]
-        plan.resize, plan.host_pages = None, 0
-        self.blocks.pools[HOST].shrink(num_pages)
 
     def resume(self) -> tuple[Sequence, list[tuple[int, int]]] | None:
         """Swap the first swapped-out sequence back in when its pages (and a page of

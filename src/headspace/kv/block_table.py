@@ -113,6 +113,25 @@ class BlockManager:
         return {seq_id for seq_id, tables in self.tables.items()
                 if HOST in tables and max(tables[HOST].pages, default=-1) >= num_pages}  # fmt: skip
 
+    def host_pages_below(self, seq_id: int, num_pages: int) -> bool:
+        """Move the host pages of ``seq_id`` at or past ``num_pages`` (just handed out:
+        nothing is written in them yet) to free pages below it; False, and nothing moved,
+        where too few are free."""
+        pool, pages = self.pools[HOST], self.tables[seq_id][HOST].pages
+        moved = [i for i, page in enumerate(pages) if page >= num_pages]
+        taken = []
+        for _ in moved:
+            page = pool.allocate_below(num_pages)
+            if page is None:
+                for page in taken:
+                    pool.release(page)
+                return False
+            taken.append(page)
+        for i, page in zip(moved, taken, strict=True):
+            pool.release(pages[i])
+            pages[i] = page  # (the list itself: step plans hold it)
+        return True
+
     def pages_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.page_size)
 

@@ -98,6 +98,15 @@ class PagePool:
         self.ref_counts[page] = 1
         return page
 
+    def allocate_below(self, num_pages: int) -> int | None:
+        """A free (never cached) page below ``num_pages`` with reference count 1 (None:
+        there is none)."""
+        page = next((p for p in self._free if p < num_pages), None)
+        if page is not None:
+            self._free.remove(page)
+            self.ref_counts[page] = 1
+        return page
+
     def retain(self, page: int) -> None:
         """One more holder of ``page`` (a prefix-cache hit or a fork)."""
         if self.ref_counts[page] == 0:
