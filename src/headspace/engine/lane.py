@@ -133,7 +133,7 @@ class Lane:
         return None if seq is None else seq.seq_id
 
     def has_unfinished(self) -> bool:
-        """Whether a request is waiting, running, has tokens on their way or an aborted one
+        """Whether a request is waiting, running, has tokens on their way or an ended one
         is still to be returned, or the scheduler has a change due."""
         return self.has_running() or bool(self._ended) or self.scheduler.has_work
 
@@ -171,9 +171,9 @@ class Lane:
         while plan.layout is not None:  # (a new part first, then the queue's)
             try:
                 self.scheduler.laid_out(self.runner.prepare(plan))
-            except HostPagesRefused as refused:  # the longest request it was for ends alone
+            except HostPagesRefused as refused:  # the first request it was for ends alone
                 seq = self.scheduler.layout_refused(refused.num_pages)
-                log.warning("%s; the request that may grow longest ends", refused)
+                log.warning("%s; the first request it was laid out for ends", refused)
                 if seq is not None:
                     self._end(self._by_id[seq.seq_id], "no pages")
             plan = self.scheduler.schedule()
@@ -184,7 +184,7 @@ class Lane:
         """Execute ``plan``: its changes on the runner, then its compute; sampled tokens
         start their way to the host."""
         self._prepare(plan)
-        for seq in plan.ended:  # no page for its next token, no host page to swap it out to
+        for seq in plan.ended:  # no page for it: none free, no host page to swap it out to
             log.warning("request %d ended: no free KV page, and no host page to swap it out "
                         "to (--host-memory)", seq.seq_id)  # fmt: skip
             self._end(self._by_id[seq.seq_id], "no pages")

@@ -14,7 +14,7 @@ FINISH_REASONS = {
     "end of sequence": "stop", "stop token": "stop", "stop string": "stop",
     "max_new_tokens": "length", "context": "length",
     "aborted": "abort", "interrupted": "abort", "non-finite logits": "error",
-    "no pages": "error",  # none free on the GPU, and no room in the host budget to swap out
+    "no pages": "error",  # none free on the GPU, and no host page to swap out to or grow into
 }  # fmt: skip
 
 

@@ -43,7 +43,7 @@ class Scheduler(PromptPieces, HostRefusals):
 
     ``planner``: chooses the lane's layout each time nothing holds pages (None: the pools
     stay as given, a test's fixed layout); ``agree``: whether a page check holds everywhere
-    (ranks with their own pools); ``host_claim(pages, rows)``: whether the lane's host arena
+    (ranks with their own pools); ``host_claim(pages, rows, keep)``: whether the lane's host arena
     may grow to ``pages`` pages (of ``rows`` kv heads a layer; None: as now; its data copied
     over when ``keep``) within the host budget, those bytes then claimed from the other lanes
     (None: the host pool as given)."""

@@ -128,8 +128,9 @@ class StepPlan:
     decode_pages: Pages = field(default_factory=dict)
     prefill: PrefillPiece | None = None
     admitted: Sequence | None = None
-    # sequences the scheduler ended for want of pages (none free on the GPU, no room in
-    # the host budget to swap them out): their pages went back; their requests end alone
+    # sequences the scheduler ended for want of pages (none free on the GPU and no room in
+    # the host budget to swap them out, or host pages refused): their pages went back;
+    # their requests end alone
     ended: list[Sequence] = field(default_factory=list)
 
     @property

@@ -86,9 +86,9 @@ class HostKVArena:
         may hold, from this rank's (under torchrun; called once a claim, on every rank)."""
         new_rows = rows is not None and rows != self.rows
         page_bytes = self.spec.host_page_bytes(rows) if new_rows else self.page_bytes
+        held = self.num_bytes if keep and not new_rows else 0
         with self.ledger.lock:
-            budget, held = self.budget, self.num_bytes if keep and not new_rows else 0
-            most = (1 << 40) if budget is None else (budget - held) // page_bytes - 1
+            most = self._room(held, page_bytes)
             if not new_rows:  # what it holds needs no room
                 most = max(most, self.num_pages)
             most = most if agree is None else agree(most)
@@ -97,6 +97,12 @@ class HostKVArena:
             if new_rows or num_pages > self.num_pages:
                 self.claimed = max(self.claimed, held + (num_pages + 1) * page_bytes)
             return True
+
+    def _room(self, held: int, page_bytes: int) -> int:
+        """The most pages of ``page_bytes`` (and the scratch page) the budget leaves beside
+        ``held`` bytes of this arena (read under the ledger's lock)."""
+        budget = self.budget
+        return (1 << 40) if budget is None else (budget - held) // page_bytes - 1
 
     def _end_claim(self) -> None:
         """The claimed growth was made or refused: its bytes go back to the ledger (under
@@ -153,12 +159,10 @@ class HostKVArena:
         grown = num_pages + num_pages // 2
         held = self.num_bytes if keep else 0  # both live while pages are copied
         with self.ledger.lock:
-            budget = self.budget
-            if budget is not None:
-                limit = (budget - held) // self.page_bytes - 1
-                if num_pages > limit:
-                    raise UserError(self._over_budget(num_pages, held, budget))
-                grown = min(grown, limit)
+            limit = self._room(held, self.page_bytes)
+            if num_pages > limit:
+                raise UserError(self._over_budget(num_pages, held, self.budget))
+            grown = min(grown, limit)
             self.claimed = held + (grown + 1) * self.page_bytes
         return grown
 

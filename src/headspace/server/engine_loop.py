@@ -52,12 +52,11 @@ def _shutting_down(ended: bool) -> APIError:
 
 def _failed(ended: str | None) -> APIError:
     """What a request the engine ended alone (finish reason "error") gets, by why it ended
-    (``GenerationStats.ended``): its logits not finite (500), or no KV page for it and no
-    room in the host budget to swap it out (503: the server is full; sent again later, it
-    may run)."""
+    (``GenerationStats.ended``): its logits not finite (500), or no KV page for it, on
+    the GPU or in host memory (503: the server is full; sent again later, it may run)."""
     if ended == "no pages":
         message = ("the server ran out of KV cache memory for this request (no free page, "
-                   "and no room in its host memory to swap it out); it was ended, the other "
+                   "and none in host memory to move it to); it was ended, the other "
                    "requests go on")  # fmt: skip
         return APIError(503, message, "server_error")
     message = ("the model's logits for this request were not finite (NaN or infinity); it "
