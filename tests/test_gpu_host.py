@@ -50,7 +50,7 @@ def test_a_run_of_pages_moves_in_one_2d_copy_both_ways_on_a_side_stream():
     from headspace.kv.transfer import _memcpy_2d, copy_rows
 
     assert _memcpy_2d() is not None
-    host = HostKVArena(KVSpec(2, 5, 16, 64, 2), torch.bfloat16, pin=True, budget=None)
+    host = HostKVArena(KVSpec(2, 5, 64, 16, 2), torch.bfloat16, pin=True, budget=None)
     host.ensure(12)
     host.data.normal_()
     layer = host.layer(1)  # [5 heads, 2, slots, 64]
