@@ -201,10 +201,18 @@ def test_four_ranks_equal_one_process(tiny_llama, wide_llama, prompt, tmp_path):
     assert results[2]["graphs"] and "6 entries copied" in results[2]["summary"]
 
 
-def test_eight_ranks_equal_one_process(wide_llama, embedded_dir, prompt, tmp_path):
+def test_eight_ranks_equal_one_process(wide_llama, prompt, tmp_path):
     """Eight ranks over 4 kv heads (FairKV's eight-way setting): every head copied on two
-    ranks. Over 70B's grouping (8 kv heads of 8 query heads each), half the heads streaming:
-    one head a rank leaves the full heads' ranks the dearer, so fairkv copies those onto the
+    ranks. (Over 70B's grouping: test_grouped_heads_with_streaming_ones_four_ranks.)"""
+    cases = [_case(wide_llama, prompt, FREE_COPIES)]
+    results = _check(run_cases(8, cases, tmp_path), cases)
+    assert "32 entries copied" in results[0]["summary"]
+    assert all(sum(rank[layer] for rank in results[0]["heads"]) == 8 for layer in range(8))
+
+
+def test_grouped_heads_with_streaming_ones_four_ranks(embedded_dir, prompt, tmp_path):
+    """Over 70B's grouping (8 kv heads of 8 query heads each), half the heads streaming, on
+    four ranks: the full heads' ranks are the dearer, so fairkv copies those onto the
     streaming heads' ranks (uneven maps), dense and under Ada-SnapKV. (Copies under budgets
     over the uniform map: test_budget_copies_four_ranks.)"""
     grouped = tmp_path / "gqa8"
@@ -214,14 +222,11 @@ def test_eight_ranks_equal_one_process(wide_llama, embedded_dir, prompt, tmp_pat
                  "retrieval_heads": 0.5, "sparse_pattern": "streaming(4,16)",
                  "max_context": 4096, **FREE_COPIES}  # fmt: skip
     cases = [
-        _case(wide_llama, prompt, FREE_COPIES),
         _case(grouped, prompt, streaming),
         _case(grouped, prompt, {**streaming, "kv_budget": 0.5, "kv_policy": "ada_snapkv"}),
     ]  # fmt: skip
-    results = _check(run_cases(8, cases, tmp_path), cases)
-    assert "32 entries copied" in results[0]["summary"]
-    assert all(sum(rank[layer] for rank in results[0]["heads"]) == 8 for layer in range(8))
-    for result in results[1:]:
+    results = _check(run_cases(4, cases, tmp_path), cases)
+    for result in results:
         assert _uneven(result["heads"]) and "copied" in result["summary"], result["summary"]
 
 

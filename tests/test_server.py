@@ -394,11 +394,11 @@ def test_a_tiny_temperature_is_greedy_and_the_chat_is_checked(client, server, ll
 
 
 def test_a_bounded_load_loses_nothing(client, server):
-    """200 requests over about half a minute (arrivals spread over 20 s) from 8 clients, one
-    in 20 cancelled after its first piece: every other one completes, the counters account
-    for all, pages go back."""
+    """104 requests (arrivals spread over 12 s) from 8 clients, one in 20 cancelled after its
+    first piece: every other one completes, the counters account for all, pages go back."""
     before = server.metrics()
-    clients, per_client, span_s = 8, 25, 20.0
+    clients, per_client, span_s = 8, 13, 12.0
+    cancels = sum(1 for n in range(clients * per_client) if n % 20 == 7)
     outcomes: list[str] = []
     failures: list[BaseException] = []
     lock = threading.Lock()
@@ -435,7 +435,7 @@ def test_a_bounded_load_loses_nothing(client, server):
         thread.join(timeout=max(0.0, deadline - time.monotonic()))
     assert not failures, failures[:3]
     assert len(outcomes) == clients * per_client
-    assert outcomes.count("cancelled") == 10
+    assert outcomes.count("cancelled") == cancels
     assert set(outcomes) <= {"stop", "length", "cancelled"}
     assert _wait_until(lambda: _idle(server))
     after = server.metrics()
@@ -445,7 +445,7 @@ def test_a_bounded_load_loses_nothing(client, server):
 
     finished = {r: delta(f'headspace_requests_finished_total{{reason="{r}"}}')
                 for r in ("stop", "length", "abort")}  # fmt: skip
-    assert finished["abort"] == 10 and sum(finished.values()) == clients * per_client
+    assert finished["abort"] == cancels and sum(finished.values()) == clients * per_client
     assert delta("headspace_time_to_first_token_seconds_count") == clients * per_client
     assert delta("headspace_generation_tokens_total") > clients * per_client
 

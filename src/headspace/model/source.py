@@ -72,8 +72,11 @@ def convert_gguf(gguf: Path, out_dir: Path, dtype: str = "float32") -> Path:
     ]
     config_from_dict(hf_config.to_dict())  # refuse unsupported families before loading
     try:
-        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
-        model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+        # (the config given: each from_pretrained would read the file's metadata again,
+        # seconds of Python a read for a tokenizer's vocabulary)
+        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name, config=hf_config)
+        model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, config=hf_config,
+                                                     dtype=torch.float32)  # fmt: skip
     except Exception as exc:
         raise UserError(f"corrupted or unreadable GGUF file {gguf}: {exc}") from None
     torch_dtype = getattr(torch, dtype)
