@@ -73,3 +73,66 @@ def test_the_cli_notes_a_request_that_compiled_and_the_server_counts_it():
     metrics.observe_load(EngineLoad(compile_seconds=4.5), 0)
     page = metrics.text().decode()
     assert 'headspace_compile_seconds_total{model_name="tiny"} 4.5' in page
+
+
+def test_a_listener_hears_each_outer_compile_by_name():
+    """A listener gets what compiled and its seconds, once per outer compile: a
+    torch.compile frame by its trigger and compile id, a Triton kernel by its name and
+    specialisation; the inner compile of a nested pair is not heard apart."""
+    heard: list[tuple[str, float]] = []
+    meter = CompileMeter()
+    meter.install()
+    meter.listen(lambda what, seconds: heard.append((what, seconds)))
+    torch.compile(lambda x: x * 3 - 1, backend="eager")(torch.ones(2))
+    ((frame, seconds),) = heard
+    assert frame.startswith("torch.compile dynamo ") and "/" in frame and seconds > 0
+    heard.clear()
+    meter.start("Triton merge_kernel[num_warps=4](out: *bf16)")
+    meter.start("an inner compile")
+    meter.end()
+    assert heard == []
+    meter.end()
+    assert [what for what, _ in heard] == ["Triton merge_kernel[num_warps=4](out: *bf16)"]
+    meter.listen(None)
+    meter.start()
+    meter.end()
+    assert len(heard) == 1
+
+
+def test_triton_hooks_name_the_kernel_they_compile():
+    knobs = pytest.importorskip("triton").knobs
+    before_hook, after_hook = knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook
+    heard = []
+    try:
+        knobs.runtime.jit_cache_hook = knobs.runtime.jit_post_compile_hook = None
+        meter = CompileMeter()
+        meter.install()
+        meter.listen(lambda what, seconds: heard.append(what))
+        knobs.runtime.jit_cache_hook(key="k", repr="gather[num_warps=8](src: *bf16, n: i32)")
+        knobs.runtime.jit_post_compile_hook(key="k")
+        assert heard == ["Triton gather[num_warps=8](src: *bf16, n: i32)"]
+    finally:
+        knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook = before_hook, after_hook
+
+
+def test_a_ready_server_logs_each_compile_where_the_meter_runs(caplog, monkeypatch):
+    """log_compiles: where the meter is installed, each later compile is a warning naming
+    it; where it is not (a CPU engine compiles nothing), no listener is set."""
+    import logging
+
+    from headspace.model.compile_meter import log_compiles
+
+    monkeypatch.setenv("TORCH_LOGS", "recompiles")  # (torch's own logs: the user's choice)
+    logger = logging.getLogger("headspace.test_compiles")
+    idle = CompileMeter()
+    log_compiles(logger, idle)
+    assert not idle.listening
+    meter = CompileMeter()
+    meter.install()
+    log_compiles(logger, meter)
+    assert meter.listening
+    with caplog.at_level(logging.WARNING, logger="headspace.test_compiles"):
+        meter.start("Triton decode_kernel[num_warps=4]()")
+        meter.end()
+    (record,) = caplog.records
+    assert record.getMessage().startswith("compiled while serving: Triton decode_kernel")

@@ -10,8 +10,14 @@ Triton's count includes kernels read back from its disk cache (milliseconds each
 
 from __future__ import annotations
 
+import logging
+import os
 import threading
 import time
+from collections.abc import Callable
+
+# a listener of finished compiles: (what compiled, seconds)
+CompileListener = Callable[[str, float], None]
 
 
 class CompileMeter:
@@ -23,15 +29,16 @@ class CompileMeter:
         self._lock = threading.Lock()
         self._seconds = 0.0
         self._count = 0
-        self._started: dict[int, tuple[float, int]] = {}  # thread -> (start, depth)
+        self._started: dict[int, tuple[float, int, str]] = {}  # thread -> (start, depth, what)
         self._installed = False
+        self._listener: CompileListener | None = None
 
     @property
     def seconds(self) -> float:
         """Seconds of compiling so far; a compile in progress counts up to now."""
         now = time.perf_counter()
         with self._lock:
-            running = sum(now - start for start, _ in self._started.values())
+            running = sum(now - start for start, _, _ in self._started.values())
             return self._seconds + running
 
     @property
@@ -40,12 +47,28 @@ class CompileMeter:
         with self._lock:
             return self._count
 
-    def start(self) -> None:
-        """A compile begins on this thread."""
+    @property
+    def installed(self) -> bool:
+        """Whether the hooks are in (where the engine compiles: a GPU)."""
+        return self._installed
+
+    @property
+    def listening(self) -> bool:
+        """Whether a listener is set (:meth:`listen`)."""
+        return self._listener is not None
+
+    def listen(self, listener: CompileListener | None) -> None:
+        """Call ``listener(what, seconds)`` as each compile ends (an outer one only, on the
+        thread that compiled), from now on; None: no more. A server sets one once it is
+        ready, so that a compile while users wait is logged with its name."""
+        self._listener = listener
+
+    def start(self, what: str = "a compile") -> None:
+        """A compile of ``what`` begins on this thread."""
         thread = threading.get_ident()
         with self._lock:
-            start, depth = self._started.get(thread, (time.perf_counter(), 0))
-            self._started[thread] = (start, depth + 1)
+            start, depth, outer = self._started.get(thread, (time.perf_counter(), 0, what))
+            self._started[thread] = (start, depth + 1, outer)
 
     def end(self) -> None:
         """The compile this thread began last has ended."""
@@ -53,12 +76,16 @@ class CompileMeter:
         with self._lock:
             if thread not in self._started:  # (installed while one was running)
                 return
-            start, depth = self._started.pop(thread)
+            start, depth, what = self._started.pop(thread)
             if depth > 1:
-                self._started[thread] = (start, depth - 1)
+                self._started[thread] = (start, depth - 1, what)
                 return
-            self._seconds += time.perf_counter() - start
+            seconds = time.perf_counter() - start
+            self._seconds += seconds
             self._count += 1
+            listener = self._listener
+        if listener is not None:
+            listener(what, seconds)
 
     def install(self) -> None:
         """Hook into torch.compile's compile callbacks and Triton's JIT hooks (once a
@@ -69,7 +96,7 @@ class CompileMeter:
             self._installed = True
         from torch._dynamo.callback import callback_handler
 
-        callback_handler.register_start_callback(lambda *_: self.start())
+        callback_handler.register_start_callback(lambda args: self.start(_frame_name(args)))
         callback_handler.register_end_callback(lambda *_: self.end())
         try:
             from triton import knobs
@@ -80,14 +107,29 @@ class CompileMeter:
         runtime.jit_post_compile_hook = _after(runtime.jit_post_compile_hook, self.end)
 
 
+def _frame_name(args) -> str:
+    """What a torch.compile start callback names: what set it off (Dynamo, a CUDA graph's
+    recording, ...) and its compile id ("frame/attempt"; the server's log of recompiles
+    gives the function and the guard that failed)."""
+    trigger = getattr(getattr(args, "callback_trigger", None), "name", "compile").lower()
+    return f"torch.compile {trigger} {getattr(args, 'compile_id', '?')}"
+
+
+def _kernel_name(kwargs: dict) -> str:
+    """A Triton kernel's name with its specialisation (Triton's ``repr``: the kernel, its
+    launch options and each argument's type), at most 300 characters."""
+    what = kwargs.get("repr") or getattr(kwargs.get("fn"), "name", None) or "a Triton kernel"
+    return f"Triton {what}"[:300]
+
+
 def _before(hook, start):
-    """Triton's hook before a compile: ``hook`` (when set), then ``start()`` unless ``hook``
-    skips the compile (returns True)."""
+    """Triton's hook before a compile: ``hook`` (when set), then ``start(its name)`` unless
+    ``hook`` skips the compile (returns True)."""
 
     def call(*args, **kwargs):
         skip = hook(*args, **kwargs) if hook is not None else None
         if not skip:
-            start()
+            start(_kernel_name(kwargs))
         return skip
 
     return call
@@ -105,4 +147,21 @@ def _after(hook, end):
 
 COMPILE_METER = CompileMeter()  # the process's
 
-__all__ = ["COMPILE_METER", "CompileMeter"]
+
+def log_compiles(logger: logging.Logger, meter: CompileMeter = COMPILE_METER) -> None:
+    """From now on (a server once ready), each compile that ``meter`` times is a warning in
+    ``logger`` with what compiled and its seconds, and torch.compile's recompiles are logged
+    with the function and the guard that failed (torch's own log, unless TORCH_LOGS chose
+    its logs): a compile while users wait, named, for a shape the warm-up did not meet.
+    Nothing where the meter is not installed (nothing compiles: a CPU)."""
+    if not meter.installed:
+        return
+    meter.listen(lambda what, seconds: logger.warning("compiled while serving: %s (%.2f s)",
+                                                      what, seconds))  # fmt: skip
+    if not os.environ.get("TORCH_LOGS"):
+        import torch._logging
+
+        torch._logging.set_logs(recompiles=True)
+
+
+__all__ = ["COMPILE_METER", "CompileMeter", "log_compiles"]

@@ -29,7 +29,7 @@ from headspace.engine.engine import WARM_UP_PIECE, Engine
 from headspace.engine.outputs import RequestOutput
 from headspace.engine.sampling import SamplingParams
 from headspace.errors import UserError
-from headspace.model.compile_meter import COMPILE_METER
+from headspace.model.compile_meter import COMPILE_METER, log_compiles
 from headspace.parallel.dist import broadcast_object, first_error, is_first_rank
 from headspace.server.metrics import Metrics
 from headspace.server.outbox import Outbox
@@ -205,6 +205,7 @@ class EngineLoop:
                 seconds = self.engine.warm_up(**self._warm_up_shapes())
                 log.info("warm-up %.1f s (%.1f s compiling)", seconds,
                          COMPILE_METER.seconds - compiled)  # fmt: skip
+            log_compiles(log)  # (what compiles from now on, users wait for: named)
             freeze_heap()
             self.ready.set()
             while True:
