@@ -230,7 +230,7 @@ def serve_run(model_dir: Path, budget_gib: float, jobs: list, *flags: str,
     """Start a server under ``budget_gib`` (and ``flags``), warm it, run each ``(shorts,
     long, seconds)`` of ``jobs`` in turn (``seconds``: a number, or the previous run's length
     when None); each run's results with the server's peak reserved GiB so far, and at ready
-    (after the warm-up, before any request). ``profile``:
+    (after the server's warm-up, before this bench's first request). ``profile``:
     where py-spy writes the server's threads from just before the first long request on."""
     server, url = start_server(model_dir, "--max-context", str(MAX_CONTEXT), "--host-memory",
                                HOST, "--max-concurrent-requests", str(MAX_CONCURRENT), *flags,
@@ -243,9 +243,9 @@ def serve_run(model_dir: Path, budget_gib: float, jobs: list, *flags: str,
             spies.extend(record_threads(server.pid, SPY_SECONDS, profile))
 
     try:
-        asyncio.run(warm(url))
-        # (the warm-up's own peak apart: the offload lane's warm-up lays out the whole context)
+        # (the server's warm-up's own peak apart: its offload lane's lays out the whole context)
         ready_peak_gib = scrape(url, "headspace_gpu_peak_reserved_bytes") / GiB
+        asyncio.run(warm(url))
         for shorts, long_prompt, seconds in jobs:
             seconds = runs[-1]["seconds"] if seconds is None else seconds
             seed = 100 + 100_000 * len(runs)  # (no run's prompt a cached prefix of another's)

@@ -13,8 +13,23 @@ from headspace.model.compile_meter import CompileMeter
 from headspace.server.metrics import Metrics
 
 
-def test_a_torch_compile_frame_is_counted_once_and_a_cached_call_not():
-    meter = CompileMeter()
+@pytest.fixture
+def meters():
+    """Meters of a test's own; each one's hooks taken out again after it (the process's
+    compiles are left alone)."""
+    made: list[CompileMeter] = []
+
+    def make() -> CompileMeter:
+        made.append(CompileMeter())
+        return made[-1]
+
+    yield make
+    for meter in made:
+        meter.uninstall()
+
+
+def test_a_torch_compile_frame_is_counted_once_and_a_cached_call_not(meters):
+    meter = meters()
     meter.install()
     compiled = torch.compile(lambda x: x * 2 + 1, backend="eager")
     before = meter.count
@@ -25,7 +40,7 @@ def test_a_torch_compile_frame_is_counted_once_and_a_cached_call_not():
     assert meter.count == before + 1 and meter.seconds == pytest.approx(seconds)
 
 
-def test_a_triton_compile_is_timed_between_its_hooks_and_a_skipped_one_not():
+def test_a_triton_compile_is_timed_between_its_hooks_and_a_skipped_one_not(meters):
     """Triton calls its cache hook before a compile and its post-compile hook after; a hook
     already set is kept (and one that skips the compile starts no timing)."""
     knobs = pytest.importorskip("triton").knobs
@@ -33,7 +48,7 @@ def test_a_triton_compile_is_timed_between_its_hooks_and_a_skipped_one_not():
     seen = []
     try:
         knobs.runtime.jit_cache_hook = lambda **kwargs: seen.append(kwargs["key"]) or False
-        meter = CompileMeter()
+        meter = meters()
         meter.install()
         knobs.runtime.jit_cache_hook(key="a")
         time.sleep(0.02)
@@ -43,7 +58,7 @@ def test_a_triton_compile_is_timed_between_its_hooks_and_a_skipped_one_not():
         seconds = meter.seconds
         assert meter.seconds == seconds  # nothing running
         knobs.runtime.jit_cache_hook = lambda **kwargs: True  # a hook that skips compiles
-        skipping = CompileMeter()
+        skipping = meters()
         skipping.install()
         assert knobs.runtime.jit_cache_hook(key="b") is True
         assert skipping.seconds == 0.0
@@ -75,12 +90,13 @@ def test_the_cli_notes_a_request_that_compiled_and_the_server_counts_it():
     assert 'headspace_compile_seconds_total{model_name="tiny"} 4.5' in page
 
 
-def test_a_listener_hears_each_outer_compile_by_name():
+def test_a_listener_hears_each_outer_compile_by_name(meters):
     """A listener gets what compiled and its seconds, once per outer compile: a
     torch.compile frame by its trigger and compile id, a Triton kernel by its name and
-    specialisation; the inner compile of a nested pair is not heard apart."""
+    specialisation; the inner compile of a nested pair is not heard apart; a listener that
+    raises does not reach the compiler; taken out, the hooks time nothing more."""
     heard: list[tuple[str, float]] = []
-    meter = CompileMeter()
+    meter = meters()
     meter.install()
     meter.listen(lambda what, seconds: heard.append((what, seconds)))
     torch.compile(lambda x: x * 3 - 1, backend="eager")(torch.ones(2))
@@ -93,46 +109,53 @@ def test_a_listener_hears_each_outer_compile_by_name():
     assert heard == []
     meter.end()
     assert [what for what, _ in heard] == ["Triton merge_kernel[num_warps=4](out: *bf16)"]
-    meter.listen(None)
+    meter.listen(lambda what, seconds: 1 / 0)
     meter.start()
-    meter.end()
-    assert len(heard) == 1
+    meter.end()  # (the listener's error stays here)
+    assert meter.count == 3
+    meter.listen(None)
+    meter.uninstall()
+    torch.compile(lambda x: x * 5 - 2, backend="eager")(torch.ones(2))
+    assert meter.count == 3 and not meter.installed
 
 
-def test_triton_hooks_name_the_kernel_they_compile():
+def test_triton_hooks_name_the_kernel_they_compile_and_are_put_back(meters):
     knobs = pytest.importorskip("triton").knobs
     before_hook, after_hook = knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook
     heard = []
     try:
         knobs.runtime.jit_cache_hook = knobs.runtime.jit_post_compile_hook = None
-        meter = CompileMeter()
+        meter = meters()
         meter.install()
         meter.listen(lambda what, seconds: heard.append(what))
         knobs.runtime.jit_cache_hook(key="k", repr="gather[num_warps=8](src: *bf16, n: i32)")
         knobs.runtime.jit_post_compile_hook(key="k")
         assert heard == ["Triton gather[num_warps=8](src: *bf16, n: i32)"]
+        meter.uninstall()
+        assert knobs.runtime.jit_cache_hook is None and knobs.runtime.jit_post_compile_hook is None
     finally:
         knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook = before_hook, after_hook
 
 
-def test_a_ready_server_logs_each_compile_where_the_meter_runs(caplog, monkeypatch):
-    """log_compiles: where the meter is installed, each later compile is a warning naming
-    it; where it is not (a CPU engine compiles nothing), no listener is set."""
+def test_a_ready_server_logs_each_compile_by_name(caplog, tiny_llama):
+    """The engine loop, once ready, has its meter's compiles logged as warnings that name
+    them (a GPU's; the test's meter stands in for one, started and ended by hand)."""
     import logging
 
-    from headspace.model.compile_meter import log_compiles
+    from headspace import LLM
+    from headspace.server.engine_loop import EngineLoop
 
-    monkeypatch.setenv("TORCH_LOGS", "recompiles")  # (torch's own logs: the user's choice)
-    logger = logging.getLogger("headspace.test_compiles")
-    idle = CompileMeter()
-    log_compiles(logger, idle)
-    assert not idle.listening
     meter = CompileMeter()
-    meter.install()
-    log_compiles(logger, meter)
-    assert meter.listening
-    with caplog.at_level(logging.WARNING, logger="headspace.test_compiles"):
-        meter.start("Triton decode_kernel[num_warps=4]()")
-        meter.end()
-    (record,) = caplog.records
+    loop = EngineLoop(LLM(str(tiny_llama), device="cpu").engine, Metrics("tiny"), 1, 0,
+                      compile_meter=meter)  # fmt: skip
+    assert not meter.listening
+    try:
+        loop.start(warm_up=False)
+        assert loop.ready.wait(60) and loop.error is None and meter.listening
+        with caplog.at_level(logging.WARNING, logger="headspace.serve"):
+            meter.start("Triton decode_kernel[num_warps=4]()")
+            meter.end()
+    finally:
+        loop.stop()
+    (record,) = [r for r in caplog.records if r.name == "headspace.serve"]
     assert record.getMessage().startswith("compiled while serving: Triton decode_kernel")

@@ -11,7 +11,6 @@ Triton's count includes kernels read back from its disk cache (milliseconds each
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 from collections.abc import Callable
@@ -32,6 +31,8 @@ class CompileMeter:
         self._started: dict[int, tuple[float, int, str]] = {}  # thread -> (start, depth, what)
         self._installed = False
         self._listener: CompileListener | None = None
+        self._dynamo: tuple = ()  # the callbacks given to torch.compile's handler
+        self._triton: tuple | None = None  # Triton's hooks before, and this meter's
 
     @property
     def seconds(self) -> float:
@@ -85,7 +86,10 @@ class CompileMeter:
             self._count += 1
             listener = self._listener
         if listener is not None:
-            listener(what, seconds)
+            try:  # (inside torch.compile's callback: an error must not reach it)
+                listener(what, seconds)
+            except Exception:
+                logging.getLogger(__name__).debug("a compile listener failed", exc_info=True)
 
     def install(self) -> None:
         """Hook into torch.compile's compile callbacks and Triton's JIT hooks (once a
@@ -96,21 +100,45 @@ class CompileMeter:
             self._installed = True
         from torch._dynamo.callback import callback_handler
 
-        callback_handler.register_start_callback(lambda args: self.start(_frame_name(args)))
-        callback_handler.register_end_callback(lambda *_: self.end())
+        self._dynamo = (lambda args: self.start(_frame_name(args)), lambda *_: self.end())
+        callback_handler.register_start_callback(self._dynamo[0])
+        callback_handler.register_end_callback(self._dynamo[1])
         try:
             from triton import knobs
         except ImportError:  # (no Triton: torch.compile's frames alone)
             return
         runtime = knobs.runtime
-        runtime.jit_cache_hook = _before(runtime.jit_cache_hook, self.start)
-        runtime.jit_post_compile_hook = _after(runtime.jit_post_compile_hook, self.end)
+        before, after = runtime.jit_cache_hook, runtime.jit_post_compile_hook
+        runtime.jit_cache_hook = _before(before, self.start)
+        runtime.jit_post_compile_hook = _after(after, self.end)
+        self._triton = (before, after, runtime.jit_cache_hook, runtime.jit_post_compile_hook)
+
+    def uninstall(self) -> None:
+        """Take the hooks out again (tests: a meter of their own leaves the process's
+        compiles alone); Triton's are put back only where they are still this meter's."""
+        with self._lock:
+            if not self._installed:
+                return
+            self._installed = False
+        from torch._dynamo.callback import callback_handler
+
+        callback_handler.remove_start_callback(self._dynamo[0])
+        callback_handler.remove_end_callback(self._dynamo[1])
+        if self._triton is not None:
+            from triton import knobs
+
+            before, after, ours_before, ours_after = self._triton
+            if knobs.runtime.jit_cache_hook is ours_before:
+                knobs.runtime.jit_cache_hook = before
+            if knobs.runtime.jit_post_compile_hook is ours_after:
+                knobs.runtime.jit_post_compile_hook = after
+            self._triton = None
 
 
 def _frame_name(args) -> str:
     """What a torch.compile start callback names: what set it off (Dynamo, a CUDA graph's
-    recording, ...) and its compile id ("frame/attempt"; the server's log of recompiles
-    gives the function and the guard that failed)."""
+    recording, ...) and its compile id ("frame/attempt"; ``TORCH_LOGS=recompiles`` gives
+    the function and the guard that failed)."""
     trigger = getattr(getattr(args, "callback_trigger", None), "name", "compile").lower()
     return f"torch.compile {trigger} {getattr(args, 'compile_id', '?')}"
 
@@ -150,18 +178,12 @@ COMPILE_METER = CompileMeter()  # the process's
 
 def log_compiles(logger: logging.Logger, meter: CompileMeter = COMPILE_METER) -> None:
     """From now on (a server once ready), each compile that ``meter`` times is a warning in
-    ``logger`` with what compiled and its seconds, and torch.compile's recompiles are logged
-    with the function and the guard that failed (torch's own log, unless TORCH_LOGS chose
-    its logs): a compile while users wait, named, for a shape the warm-up did not meet.
-    Nothing where the meter is not installed (nothing compiles: a CPU)."""
-    if not meter.installed:
-        return
+    ``logger`` with what compiled and its seconds: a compile while users wait, named, for a
+    shape the warm-up did not meet (nothing compiles on the CPU, so nothing is said there).
+    The guard that failed, for a torch.compile frame, is torch's own log
+    (``TORCH_LOGS=recompiles``)."""
     meter.listen(lambda what, seconds: logger.warning("compiled while serving: %s (%.2f s)",
                                                       what, seconds))  # fmt: skip
-    if not os.environ.get("TORCH_LOGS"):
-        import torch._logging
-
-        torch._logging.set_logs(recompiles=True)
 
 
 __all__ = ["COMPILE_METER", "CompileMeter", "log_compiles"]

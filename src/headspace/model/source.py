@@ -72,9 +72,9 @@ def convert_gguf(gguf: Path, out_dir: Path, dtype: str = "float32") -> Path:
     ]
     config_from_dict(hf_config.to_dict())  # refuse unsupported families before loading
     try:
-        # (the config given: each from_pretrained would read the file's metadata again,
+        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+        # (the config given, the model's loading reads the file's metadata once, not twice:
         # seconds of Python a read for a tokenizer's vocabulary)
-        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name, config=hf_config)
         model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, config=hf_config,
                                                      dtype=torch.float32)  # fmt: skip
     except Exception as exc:

@@ -29,7 +29,7 @@ from headspace.engine.engine import WARM_UP_PIECE, Engine
 from headspace.engine.outputs import RequestOutput
 from headspace.engine.sampling import SamplingParams
 from headspace.errors import UserError
-from headspace.model.compile_meter import COMPILE_METER, log_compiles
+from headspace.model.compile_meter import COMPILE_METER, CompileMeter, log_compiles
 from headspace.parallel.dist import broadcast_object, first_error, is_first_rank
 from headspace.server.metrics import Metrics
 from headspace.server.outbox import Outbox
@@ -97,8 +97,9 @@ class _Submitted:
 class EngineLoop:
     """Runs ``engine`` on its own thread; ``submit`` / ``abort`` from the event loop."""
 
-    def __init__(self, engine: Engine, metrics: Metrics, max_concurrent: int, max_queued: int):
-        self.engine, self.metrics = engine, metrics
+    def __init__(self, engine: Engine, metrics: Metrics, max_concurrent: int, max_queued: int,
+                 compile_meter: CompileMeter = COMPILE_METER):  # fmt: skip
+        self.engine, self.metrics, self.compile_meter = engine, metrics, compile_meter
         self.max_concurrent, self.max_queued = max_concurrent, max_queued
         self._inbox: queue.Queue = queue.Queue()  # ("add" | "abort" | "stop", _Submitted)
         self._queued: deque[_Submitted] = deque()  # checked, waiting for a place
@@ -201,11 +202,11 @@ class EngineLoop:
     def _run(self) -> None:
         try:
             if self._warm_up:
-                compiled = COMPILE_METER.seconds
+                compiled = self.compile_meter.seconds
                 seconds = self.engine.warm_up(**self._warm_up_shapes())
                 log.info("warm-up %.1f s (%.1f s compiling)", seconds,
-                         COMPILE_METER.seconds - compiled)  # fmt: skip
-            log_compiles(log)  # (what compiles from now on, users wait for: named)
+                         self.compile_meter.seconds - compiled)  # fmt: skip
+            log_compiles(log, self.compile_meter)  # (from now on users wait for it: named)
             freeze_heap()
             self.ready.set()
             while True:
