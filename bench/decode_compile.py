@@ -9,7 +9,10 @@ in a process of its own with empty compile caches (as on a fresh machine):
 - ``tuned``: max-autotune once per bucket (the count of rows static);
 - ``static``: Inductor's defaults, once per bucket;
 - ``rows_top``: Inductor's defaults, once for a single row and once for every count past it
-  (the count symbolic), the largest bucket met first: the engine's default.
+  (the count symbolic), the largest bucket met first, in Inductor's deterministic mode
+  (kernel configurations chosen by rule): the engine's default;
+- ``rows_top_timed``: the same with the configurations chosen by timing them on this GPU
+  (``TORCHINDUCTOR_DETERMINISTIC=0``), the engine's default before the deterministic mode.
 (A max-autotune variant of symbolic rows, measured once and removed, is in bench/NOTES.md.)
 Per bucket: the first call's seconds (compile, and tuning where asked) and a graph replay's
 milliseconds. Writes ``decode_compile_llama3-8b_<gpu>_<date>.json`` (to $OUT when set).
@@ -34,7 +37,9 @@ from common import LLAMA31_8B, environment, gpu_tag, random_model, write_result 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64)  # (the engine's default max_batch: 64)
 TOP_FIRST = (1, *reversed(BUCKETS[1:]))
 VARIANTS = {"tuned": ("tuned", BUCKETS), "static": ("static", BUCKETS),
-            "rows_top": ("rows", TOP_FIRST)}  # fmt: skip
+            "rows_top": ("rows", TOP_FIRST), "rows_top_timed": ("rows", TOP_FIRST)}  # fmt: skip
+VARIANT_ENV = {"rows_top_timed": {"TORCHINDUCTOR_DETERMINISTIC": "0"}}  # (the engine's
+# blocks leave Inductor's deterministic mode to a user who sets it: model/llama.py)
 
 
 def copy_queries(layer: int, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
@@ -82,7 +87,7 @@ def run_variant(name: str) -> dict:
     """``name`` in a fresh process over empty compile caches."""
     with tempfile.TemporaryDirectory() as caches:
         env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=f"{caches}/inductor",
-                   TRITON_CACHE_DIR=f"{caches}/triton")  # fmt: skip
+                   TRITON_CACHE_DIR=f"{caches}/triton", **VARIANT_ENV.get(name, {}))  # fmt: skip
         out = Path(caches) / "result.json"
         subprocess.run([sys.executable, __file__, "--variant", name, "--write", str(out)],
                        env=env, check=True)  # fmt: skip
