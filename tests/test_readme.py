@@ -27,3 +27,16 @@ def test_readme_python_snippets_run_as_written(capsys):
     assert logits.shape == (len(outs[0].token_ids), namespace["llm"].engine.model.config.vocab_size)
     assert not namespace["llm"].engine.has_unfinished()  # the engine loop ran to its end
     assert capsys.readouterr().out  # the stream and the loop printed
+
+
+def test_readme_python_snippets_are_formatted_as_the_code_is():
+    """Each snippet as ``ruff format`` leaves it (the tree's own style, checked by make test)."""
+    import shutil
+    import subprocess
+    import sys
+
+    ruff = shutil.which("ruff") or str(Path(sys.executable).with_name("ruff"))
+    for code in _snippets():
+        done = subprocess.run([ruff, "format", "--check", "--stdin-filename", "README.py", "-"],
+                              input=code, capture_output=True, text=True)  # fmt: skip
+        assert done.returncode == 0, code
