@@ -111,6 +111,25 @@ def test_tokens_counted_in_pieces_never_exceed_the_whole_count(embedded_pair, wo
     assert tokens_at_least(embedded_pair[0], long_text, 100, 64) < 200
 
 
+def test_text_with_no_space_to_cut_at_is_counted_in_pieces_too(embedded_pair):
+    """A base64 blob or CJK text has no lone space to cut at: it is cut inside a word
+    (its bound still at most the whole count), and text far past ``past`` is tokenized
+    only about that far (one piece of 15 MB was tokenized whole, seconds of every other
+    request's time)."""
+    for tokenizer in embedded_pair:
+        for text in ("QUJDRA" * 2000, "漢字かな" * 2000, "a" * 9000, "x=1;" * 3000):
+            whole = len(tokenizer(text, add_special_tokens=False)["input_ids"])
+            assert tokens_at_least(tokenizer, text, 10**9, 1000) <= whole
+    seen: list[int] = []
+
+    def counting(piece: str, add_special_tokens: bool):
+        seen.append(len(piece))
+        return embedded_pair[0](piece, add_special_tokens=add_special_tokens)
+
+    assert tokens_at_least(counting, "QUJDRA" * 400_000, 1000, 4096) > 1000
+    assert max(seen) <= 4096 and sum(seen) <= 10 * 4096
+
+
 def _save(tokenizer, folder: Path, **config) -> Path:
     """``tokenizer`` (a transformers fast tokenizer) saved beside a llama config.json."""
     tokenizer.save_pretrained(folder)

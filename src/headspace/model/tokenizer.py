@@ -314,21 +314,25 @@ def load_tokenizer(model_dir: Path):
 
 PIECE_CHARS = 1 << 16  # characters of text tokenized at a time by ``tokens_at_least``
 PIECE_MARGIN = 4  # tokens a cut between two pieces may add, at most, on any tokenizer here
+HARD_CUT_MARGIN = 64  # the same for a cut inside a word (text with no lone space to cut at)
 _CUT = re.compile(r"(?<=\S) (?=\S)")  # a lone space between words: BPE's pre-tokens keep
 
 
 def tokens_at_least(tokenizer, text: str, past: int, piece_chars: int = PIECE_CHARS) -> int:
     """A lower bound on the tokens of ``text`` (special tokens aside), found by tokenizing
-    it in pieces of about ``piece_chars`` characters cut before a lone space, less
-    ``PIECE_MARGIN`` a cut; stops once the bound passes ``past``, so that text far past a
-    context costs about ``past`` tokens' work, not its whole length."""
+    it in pieces of about ``piece_chars`` characters cut before a lone space (less
+    ``PIECE_MARGIN`` a cut), or, where the next ``piece_chars`` characters hold none (a
+    base64 blob, CJK text), cut inside a word (less ``HARD_CUT_MARGIN``); stops once the
+    bound passes ``past``, so that text far past a context costs about ``past`` tokens'
+    work, not its whole length (one piece of it was tokenized whole, holding the
+    interpreter for seconds)."""
     count, start = 0, 0
     while start < len(text) and count <= past:
-        found = _CUT.search(text, start + piece_chars) if len(text) - start > piece_chars else None
-        end = found.start() if found else len(text)
-        piece = text[start:end]
-        count += len(tokenizer(piece, add_special_tokens=False)["input_ids"])
-        if end < len(text):
-            count -= PIECE_MARGIN
+        end, margin = len(text), 0
+        if len(text) - start > piece_chars:
+            found = _CUT.search(text, start + piece_chars, start + 2 * piece_chars)
+            end, margin = ((found.start(), PIECE_MARGIN) if found
+                           else (start + piece_chars, HARD_CUT_MARGIN))  # fmt: skip
+        count += len(tokenizer(text[start:end], add_special_tokens=False)["input_ids"]) - margin
         start = end
     return count
