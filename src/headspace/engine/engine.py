@@ -192,16 +192,42 @@ class Engine:
             return list(self.tokenizer(prompt)["input_ids"])
         return self.encode_chat([{"role": "user", "content": prompt}])
 
-    def check_text(self, texts: list[str]) -> None:
+    def check_text(self, texts: list[str], least: int = 0) -> None:
         """Refuse (UserError) ``texts`` (a prompt, or a conversation's messages) whose tokens
         cannot fit the context, found without tokenizing them whole (a few of the context's
-        worth of tokens at most)."""
-        least = 0
+        worth of tokens at most); ``least``: tokens known to come besides them."""
         for text in texts:
-            least += tokens_at_least(self.tokenizer, text, self.max_context - least)
             if least >= self.max_context:
-                raise UserError(f"the prompt has at least {least} tokens, which does not fit "
-                                f"the context of {self.max_context} tokens")  # fmt: skip
+                break
+            least += tokens_at_least(self.tokenizer, text, self.max_context - least)
+        if least >= self.max_context:
+            raise UserError(f"the prompt has at least {least} tokens, which does not fit "
+                            f"the context of {self.max_context} tokens")  # fmt: skip
+
+    def check_chat(self, messages: list[dict]) -> None:
+        """:meth:`check_text` for a conversation: each user or assistant message adds at
+        least the tokens the chat template gives an empty one (:attr:`turn_tokens`), so that
+        half a million empty messages are refused before the template renders them all."""
+        turns = sum(message.get("role") in ("user", "assistant") for message in messages)
+        self.check_text([message["content"] for message in messages], turns * self.turn_tokens)
+
+    @cached_property
+    def turn_tokens(self) -> int:
+        """Tokens the chat template gives an empty user or assistant message, the fewer of
+        the two (measured once, from a conversation of one, two and three turns); 0 without
+        a template or where it cannot render them."""
+
+        def count(roles: tuple[str, ...]) -> int:
+            turns = [{"role": role, "content": ""} for role in roles]
+            ids = self.tokenizer.apply_chat_template(turns, add_generation_prompt=False)
+            return len(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+        try:
+            one, two = count(("user",)), count(("user", "assistant"))
+            three = count(("user", "assistant", "user"))
+        except Exception:  # noqa: BLE001 (no template, or one that refuses these turns)
+            return 0
+        return max(0, min(two - one, three - two))
 
     def encode_chat(self, messages: list[dict]) -> list[int]:
         """Token ids of a conversation (``{"role", "content"}`` dicts) through the

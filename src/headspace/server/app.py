@@ -149,7 +149,7 @@ def build_app(engine_loop: EngineLoop, options: ServerOptions) -> FastAPI:
         def encode():
             if chat:
                 messages = [m.as_dict() for m in body.messages]
-                engine.check_text([m["content"] for m in messages])  # before the whole text
+                engine.check_chat(messages)  # before the whole text
                 return engine.encode_chat(messages)
             if isinstance(body.prompt, str):
                 engine.check_text([body.prompt])
