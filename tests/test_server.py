@@ -198,6 +198,8 @@ def test_a_bad_request_gets_its_status_and_the_server_keeps_serving(server, case
     assert error["code"] == status and error["message"] and error["type"]
     if case == "malformed JSON":  # no field is at fault
         assert error["param"] is None and "not valid JSON" in error["message"]
+    if case == "a lone surrogate":  # said in the server's words, not the tokenizer's
+        assert "unpaired surrogate" in error["message"] and error["param"] == "prompt"
     assert server.healthy()
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import re
 import time
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
@@ -149,9 +150,11 @@ def build_app(engine_loop: EngineLoop, options: ServerOptions) -> FastAPI:
         def encode():
             if chat:
                 messages = [m.as_dict() for m in body.messages]
+                _refuse_surrogates([m["content"] for m in messages])
                 engine.check_chat(messages)  # before the whole text
                 return engine.encode_chat(messages)
             if isinstance(body.prompt, str):
+                _refuse_surrogates([body.prompt])
                 engine.check_text([body.prompt])
                 return engine.encode(body.prompt)
             vocab = engine.model.config.vocab_size
@@ -162,8 +165,10 @@ def build_app(engine_loop: EngineLoop, options: ServerOptions) -> FastAPI:
         try:
             return await asyncio.get_running_loop().run_in_executor(tokenizing, encode)
         except Exception as error:  # noqa: BLE001 (text the tokenizer cannot take is the client's)
+            if not isinstance(error, UserError):  # (its words stay in the log)
+                log.warning("the tokenizer refused a request's text: %r", error)
             raise APIError(400, str(error) if isinstance(error, UserError) else
-                           f"cannot tokenize the {'messages' if chat else 'prompt'}: {error}",
+                           f"cannot tokenize the {'messages' if chat else 'prompt'}",
                            param="messages" if chat else "prompt") from None  # fmt: skip
 
     async def _serve(request: Request, body, chat: bool):
@@ -210,6 +215,19 @@ def build_app(engine_loop: EngineLoop, options: ServerOptions) -> FastAPI:
         return await _serve(request, body, chat=True)
 
     return app
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")  # halves of UTF-16 pairs: not text
+
+
+def _refuse_surrogates(texts: list[str]) -> None:
+    """A one-line UserError for text holding an unpaired surrogate (JSON's escapes let
+    one through; no tokenizer takes it)."""
+    if any(_SURROGATE.search(text) for text in texts):
+        raise UserError(
+            "the text holds an unpaired surrogate (U+D800-U+DFFF), which is not a "
+            "character: send UTF-8 text"
+        )
 
 
 def _check_room(prompt_tokens: int, asked: int | None, context: int) -> None:
