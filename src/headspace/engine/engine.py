@@ -27,6 +27,8 @@ from headspace.model.loader import load_model
 from headspace.model.source import cache_root
 from headspace.model.tokenizer import (
     JsonTokenizer,
+    chat_ids,
+    empty_turn_tokens,
     load_tokenizer,
     tokens_at_least,
     transformers_tokenizer,
@@ -214,20 +216,8 @@ class Engine:
     @cached_property
     def turn_tokens(self) -> int:
         """Tokens the chat template gives an empty user or assistant message, the fewer of
-        the two (measured once, from a conversation of one, two and three turns); 0 without
-        a template or where it cannot render them."""
-
-        def count(roles: tuple[str, ...]) -> int:
-            turns = [{"role": role, "content": ""} for role in roles]
-            ids = self.tokenizer.apply_chat_template(turns, add_generation_prompt=False)
-            return len(ids["input_ids"] if hasattr(ids, "keys") else ids)
-
-        try:
-            one, two = count(("user",)), count(("user", "assistant"))
-            three = count(("user", "assistant", "user"))
-        except Exception:  # noqa: BLE001 (no template, or one that refuses these turns)
-            return 0
-        return max(0, min(two - one, three - two))
+        the two (:func:`~headspace.model.tokenizer.empty_turn_tokens`, measured once)."""
+        return empty_turn_tokens(self.tokenizer)
 
     def encode_chat(self, messages: list[dict]) -> list[int]:
         """Token ids of a conversation (``{"role", "content"}`` dicts) through the
@@ -235,10 +225,9 @@ class Engine:
         if not self.tokenizer.chat_template:
             raise UserError("chat mode needs a tokenizer with a chat template; this one has none")
         try:
-            ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+            return chat_ids(self.tokenizer, messages, add_generation_prompt=True)
         except Exception as exc:  # jinja raises its own kinds for messages it cannot render
             raise UserError(f"the chat template cannot render these messages: {exc}") from None
-        return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
     # -- stepping --------------------------------------------------------------------------
     def add_request(self, prompt_ids: list[int], params: SamplingParams | None = None,

@@ -336,3 +336,26 @@ def tokens_at_least(tokenizer, text: str, past: int, piece_chars: int = PIECE_CH
         count += len(tokenizer(text[start:end], add_special_tokens=False)["input_ids"]) - margin
         start = end
     return count
+
+
+def chat_ids(tokenizer, messages: list[dict], add_generation_prompt: bool) -> list[int]:
+    """Token ids of a conversation through ``tokenizer``'s chat template (a list of ids
+    whether the tokenizer returns a list or an encoding)."""
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+
+def empty_turn_tokens(tokenizer) -> int:
+    """Tokens the chat template gives an empty user or assistant message, the fewer of the
+    two (from conversations of one, two and three empty turns); 0 without a template or
+    where it cannot render them."""
+
+    def count(*roles: str) -> int:
+        return len(chat_ids(tokenizer, [{"role": r, "content": ""} for r in roles], False))
+
+    try:
+        one, two = count("user"), count("user", "assistant")
+        three = count("user", "assistant", "user")
+    except Exception:  # noqa: BLE001 (no template, or one that refuses these turns)
+        return 0
+    return max(0, min(two - one, three - two))
