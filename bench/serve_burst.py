@@ -150,6 +150,25 @@ def headspace_runs(model_dir: Path, lengths: list[int], caches: Path) -> dict:
             "prefill_tok_s": PREFILL_PROBE / probe_s}  # fmt: skip
 
 
+def variant_runs(model_dir: Path, lengths: list[int], caches: Path,
+                 variants: list[str]) -> dict:  # fmt: skip
+    """Each of ``variants`` (server flags) on a server over the fresh run's caches: a first
+    burst, then the measured one (the warm run's prompts)."""
+    env = dict(os.environ, HEADSPACE_CACHE=str(caches / "headspace"),
+               TORCHINDUCTOR_CACHE_DIR=str(caches / "inductor"),
+               TRITON_CACHE_DIR=str(caches / "triton"))  # fmt: skip
+    runs = {}
+    for flags in variants:
+        server, url, _ = start_server_timed(model_dir, *flags.split(), budget=BUDGET, env=env)
+        try:
+            burst(url, prompts(1, lengths), NAME)
+            runs[flags] = _short(figures(burst(url, prompts(2, lengths), NAME)))
+            print(f"variant {flags!r}: {runs[flags]}", flush=True)
+        finally:
+            stop(server)
+    return runs
+
+
 def peer_run(model_dir: Path, lengths: list[int]) -> dict:
     """``transformers serve --continuous-batching`` of the same checkpoint: one burst after
     a small one."""
@@ -170,6 +189,9 @@ def peer_run(model_dir: Path, lengths: list[int]) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--no-peer", action="store_true", help="leave transformers serve out")
+    parser.add_argument("--variant", action="append", default=[],
+                        help="server flags of another warm burst (repeatable): e.g. "
+                        "'--no-mixed-steps' or '--prefill-slowdown 2'")  # fmt: skip
     args = parser.parse_args()
     env = environment()
     hbm = measure_hbm_bandwidth()
@@ -181,6 +203,7 @@ def main() -> None:
         save_checkpoint(model_dir)
         print(f"checkpoint saved in {time.perf_counter() - started:.0f} s", flush=True)
         ours = headspace_runs(model_dir, lengths, Path(tmp) / "caches")
+        variants = variant_runs(model_dir, lengths, Path(tmp) / "caches", args.variant)
         peer = None
         if not args.no_peer:  # (a peer that fails to start or serve leaves ours recorded)
             try:
@@ -205,6 +228,7 @@ def main() -> None:
         "peer_output_tok_s": peer and peer["output_tok_s"],
         "num_failed": warm["num_failed"] + ours["fresh"]["num_failed"],
         "runs": {"fresh": ours["fresh"], "warm": warm, "peer": peer},
+        "variants": variants,  # server flags -> their warm burst (default flags above)
     }  # fmt: skip
     path = write_result(f"serve_burst16_llama3-8b_{gpu_tag(env)}_{env['date']}.json", result)
     print(f"\nwrote {path}")

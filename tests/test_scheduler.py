@@ -323,6 +323,51 @@ def test_while_prompts_wait_a_step_carries_prompt_work_up_to_the_slowdown():
         assert (piece.end, piece.layers) == (16, (0, 8))
 
 
+def _first_mixed_piece(slowdown: float, queued: bool, context: int = 30):
+    """The first piece of a 640-token prompt beside one decoding sequence (of ``context``
+    tokens) in a layout that mixes them, another prompt waiting or not: 8 layers, chunks of
+    512, a step's work that of 16 tokens, a layer's weights as long as 100 tokens' linear
+    layers and a context token's K/V as 0.5 of one."""
+    scheduler = _scheduler(gpu_pages=128, chunk=512, step_tokens=16, num_layers=8,
+                           decode_rates=(100.0, 0.5), prefill_slowdown=slowdown)  # fmt: skip
+    scheduler.mixes = True
+    _until_first_token(scheduler, Sequence(0, list(range(context)), context + 200))
+    scheduler.add(Sequence(1, list(range(640)), 650))
+    if queued:
+        scheduler.add(Sequence(2, list(range(40)), 50))
+    plan = scheduler.schedule()
+    assert plan.decode and plan.prefill.seq.seq_id == 1 and plan.mixed
+    assert plan.prefill.layers == (0, 8)  # through every layer, in the decode rows' forward
+    return plan.prefill
+
+
+def test_a_mixed_step_carries_the_piece_that_keeps_it_within_the_slowdown():
+    """A piece run in one forward with the decode rows shares their weights' read: while a
+    prompt waits, the step may take ``prefill_slowdown`` times the decode step alone, a
+    layer of which costs max(100, 1 row) + 0.5 x 31 context tokens = 115.5 (in prompt
+    tokens' work): (3 - 1) x 115.5 + the 99 tokens hidden under the weights' read = 330, 20
+    whole pages; with a slowdown of 1 those 99 (6 pages) alone; nothing waiting: the step's
+    16. A longer context leaves more (its K/V read is as long whatever the piece): 700 at
+    401, capped by the chunk."""
+    assert (lambda p: (p.start, p.end))(_first_mixed_piece(3, queued=True)) == (0, 320)
+    assert _first_mixed_piece(1, queued=True).end == 96
+    assert _first_mixed_piece(3, queued=False).end == 16
+    assert _first_mixed_piece(3, queued=True, context=400).end == 512
+
+
+def test_piece_size_by_hand():
+    """Whole pages whose layer costs at most the work, attention over the prefix counted
+    (here a token's attention over 100 earlier tokens costs as much as its linear layers)."""
+    from headspace.engine.piece_work import layer_cost, piece_size
+
+    # from 200: 16 tokens cost 16 x (1 + 208 / 100) = 49.3; 32 cost 32 x 3.16 = 101.1
+    assert layer_cost(200, 216, 100) < 100 < layer_cost(200, 232, 100)
+    assert piece_size(200, 1000, 100.0, 16, 512, 100) == 16
+    assert piece_size(200, 210, 100.0, 16, 512, 100) == 10  # the prompt ends first
+    assert piece_size(0, 1000, 1.0, 16, 512, 1 << 30) == 16  # at least a page
+    assert piece_size(0, 1000, 1e9, 16, 40, 1 << 30) == 40  # at most ``most``
+
+
 def test_decode_rates_of_llama3_8b_by_hand():
     """Llama-3-8B in bf16 at 790 TFLOP/s and 3 TB/s: a layer's weights (2 bytes a
     parameter) read in the time a prompt token's linear layers take 790 / 3 = 263.3 times

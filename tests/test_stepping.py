@@ -3,7 +3,8 @@ prefilled in pieces between the decode steps of the others, in every tier mode.
 
 Each mode runs the tiny Llama-3 (3 layers x 2 kv heads, fp32) through a small arena, so the
 running batch streams heads, attends on the CPU, swaps sequences out, or keeps per-head
-budgets; prompts are prefilled in pieces of one page while others decode.
+budgets; prompts are prefilled in pieces of one page while others decode (in one forward
+with their decode rows, in the mixed mode).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ MODES = {  # name: engine options (an arena in KiB: the KV the GPU budget leaves
     "hybrid": {"arena_kib": 60, "offload": "hybrid", "cpu_share": 1.0, "gpu_window": 16},
     "budgets": {"kv_budget": 0.5},
     "swap": {"num_kv_pages": 13},
+    "mixed": {"offload": "none", "mixed_steps": True},  # a piece and decode rows: one forward
 }
 SLOW = settings(max_examples=4, deadline=None,
                 suppress_health_check=[HealthCheck.function_scoped_fixture])  # fmt: skip
@@ -135,11 +137,66 @@ def _piece(engine: Engine, lane: str = "resident"):
     return None if step is None else step["prefill"]
 
 
+def _long_arrival(engine: Engine, mixed: list[bool] | None = None):
+    """Two requests decode (60 tokens each); a 400-token prompt arrives asking for 4. Steps
+    until its first token, then to the end: (the others' tokens during its prefill, steps
+    of its prefill, every request's tokens by id, the long one's id). ``mixed``: each step
+    of its prefill, whether it ran as one forward with the decode rows."""
+    short = _prompts([20, 30], seed=3)
+    params = SamplingParams(max_new_tokens=60, ignore_eos=True)
+    running = [engine.add_request(p, params) for p in short]
+    tokens = {r: [] for r in running}
+    while not all(engine.load().request(r).generated_tokens for r in running):
+        for output in engine.step():
+            tokens[output.request_id] += output.new_token_ids
+    long_id = engine.add_request(_prompts([400], seed=4)[0], FOUR)
+    others, steps, tokens[long_id] = 0, 0, []
+    while not tokens[long_id]:
+        outputs = {o.request_id: o for o in engine.step()}
+        steps += 1
+        if mixed is not None:
+            mixed.append(engine.load().lane("main").last_step["mixed"])
+        for request_id, output in outputs.items():
+            tokens[request_id] += output.new_token_ids
+        others += sum(len(outputs[r].new_token_ids) for r in running if r in outputs)
+    while engine.has_unfinished():
+        for output in engine.step():
+            tokens[output.request_id] += output.new_token_ids
+    return others, steps, tokens, long_id
+
+
+FOUR = SamplingParams(max_new_tokens=4, ignore_eos=True)
+
+
+def test_a_prompt_beside_decoding_requests_runs_in_their_forward(tiny_llama):
+    """Two requests decode; a 400-token prompt arrives. In the resident layout each step of
+    its prefill runs a piece of it and their decode rows through the layers in one forward
+    (``mixed_steps``): pieces of a page (a step's prompt work of 16 tokens, the
+    tiny model's weights read as fast as its linear layers run), and they get a token at
+    every step (the first, whose token was on its way, aside). The long one's tokens equal
+    its prompt's alone, as with two forwards a step, whose prefill takes more steps (a
+    chunk's layers a step). (The others' tokens are not compared: this random model's
+    near-ties flip with the rows a CPU GEMM is given, with two forwards too.)"""
+    llm = _make(tiny_llama, offload="none", mixed_steps=True)
+    mixed: list[bool] = []
+    others, steps, tokens, long_id = _long_arrival(llm.engine, mixed)
+    assert all(mixed[:-1]) and len(mixed) >= 400 // PAGE  # (the last reads its token)
+    assert others >= 2 * (steps - 1)
+    assert [len(t) for t in tokens.values()] == [60, 60, 4]
+    alone = llm.engine.run(_prompts([400], seed=4)[0], FOUR).token_ids
+    apart = _make(tiny_llama, offload="none")
+    _, steps_apart, tokens_apart, apart_id = _long_arrival(apart.engine)
+    assert tokens[long_id] == tokens_apart[apart_id] == alone
+    assert steps < steps_apart
+    assert _pools_full(llm.engine)
+
+
 def test_a_long_prompt_prefills_between_the_others_tokens(tiny_llama):
-    """Two requests decode; a 400-token prompt arrives. The resident layout lets a chunk
-    run a few layers a step: its 7 chunks of 64 tokens run about a layer a step (a prompt
-    work of 16 tokens a step) between their decode steps, and they get a token at nearly
-    every step of its prefill. Its tokens equal those of its prompt alone (whole chunks)."""
+    """Two requests decode; a 400-token prompt arrives. With two forwards a step (the
+    default) the resident layout lets a chunk run a few layers a step: its 7
+    chunks of 64 tokens run about a layer a step (a prompt work of 16 tokens a step)
+    between their decode steps, and they get a token at nearly every step of its prefill.
+    Its tokens equal those of its prompt alone (whole chunks)."""
     llm = _make(tiny_llama, offload="none")
     engine = llm.engine
     short = _prompts([20, 30], seed=3)

@@ -30,15 +30,17 @@ def sdpa_attention(
     scale: float | None = None,
     rows_unit: int | None = None,
     kernel: Callable | None = None,
+    plans: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Fused attention; returns ``out [heads, q_tokens, dim]`` and fp32 ``lse [heads, q]``.
     ``rows_unit``: the call runs whole units of this many query rows (:func:`cudnn_rows`);
     default :data:`CUDNN_ROWS` where cuDNN runs, else the rows given. ``kernel``: in place
-    of :func:`fused_kernel` (same arguments), e.g. to record the calls."""
+    of :func:`fused_kernel` (same arguments), e.g. to record the calls. ``plans``: False
+    never runs cuDNN (:func:`unplanned_attention`)."""
     assert not causal or q.shape[1] == k.shape[1], "causal sdpa needs a square block"
     num_heads, num_q, dim = q.shape
     scale = dim**-0.5 if scale is None else scale
-    cudnn = _use_cudnn(q)
+    cudnn = plans and _use_cudnn(q)
     if rows_unit is None:
         rows_unit = CUDNN_ROWS if cudnn else 0
     num_rows = cudnn_rows(num_q, rows_unit) if rows_unit else num_q  # zeros past num_q
@@ -57,6 +59,15 @@ def sdpa_attention(
     out, lse = (kernel or fused_kernel)(q4, k4, v4, causal, scale, cudnn)
     out = out.reshape(num_heads, num_rows, dim)[:, :num_q]
     return out, lse.reshape(num_heads, num_rows)[:, :num_q].float()
+
+
+def unplanned_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
+                        causal: bool = False, scale: float | None = None):  # fmt: skip
+    """:func:`sdpa_attention` without cuDNN (flash on a GPU; the same kernels elsewhere),
+    for calls whose shapes seldom recur: a mixed step's piece (a new length over a new
+    prefix at nearly every step), where cuDNN would build an execution plan (45-70 ms) at
+    each; a burst's steps took 55-90 ms instead of about 15 (H100, bench/NOTES.md)."""
+    return sdpa_attention(q, k, v, causal=causal, scale=scale, plans=False)
 
 
 def cudnn_rows(num_q: int, unit: int | None = None) -> int:

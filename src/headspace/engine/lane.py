@@ -192,11 +192,16 @@ class Lane:
             self._admitted(plan.admitted)
         sampled: list[tuple[list[Sequence], torch.Tensor]] = []  # (sequences, their tokens)
         logprobs: dict[int, torch.Tensor] = {}  # seq id -> its token's logprob row
+        hidden = None  # a mixed step's piece, computed with the decode rows
         if plan.decode:
             batch = plan.decode
             positions = [s.num_scheduled - 1 for s in batch]
             seq_ids, slots = [s.seq_id for s in batch], [s.slot for s in batch]
-            logits, slots = self.runner.decode(seq_ids, positions, slots, plan.decode_pages)
+            if plan.mixed:
+                hidden, (logits, slots) = self.runner.mixed(plan.prefill, seq_ids, positions,
+                                                            slots, plan.decode_pages)  # fmt: skip
+            else:
+                logits, slots = self.runner.decode(seq_ids, positions, slots, plan.decode_pages)
             finite = self._sample(batch, logits, logprobs)
             sampled.append((batch, _picked(self.runner.tokens.index_select(0, slots), finite)))
             pool = self.scheduler.blocks.pool
@@ -205,7 +210,7 @@ class Lane:
             piece = plan.prefill
             span = (piece.layers[1] - piece.layers[0]) / piece.num_layers  # (a layer slice's part)
             self.prefilled_tokens += (piece.end - piece.start) * span
-            first = self._prefill(piece, logprobs)
+            first = self._prefill(piece, logprobs, hidden)
             if first is not None:
                 sampled.append(first)
         self.steps += bool(plan.decode) or plan.prefill is not None
@@ -249,14 +254,17 @@ class Lane:
         self._bars[seq.seq_id] = tqdm(total=total, desc="prefill", unit="tok", disable=not show,
                                       leave=False)  # fmt: skip
 
-    def _prefill(self, piece: PrefillPiece, logprobs: dict[int, torch.Tensor]
+    def _prefill(self, piece: PrefillPiece, logprobs: dict[int, torch.Tensor],
+                 hidden: torch.Tensor | None = None
                  ) -> tuple[list[Sequence], torch.Tensor] | None:  # fmt: skip
-        """One piece of a prompt; after its last, its sequence and first token (on the
-        device; its logprob row into ``logprobs`` where asked for)."""
+        """One piece of a prompt (``hidden``: its states, computed in a mixed step); after
+        its last, its sequence and first token (on the device; its logprob row into
+        ``logprobs`` where asked for)."""
         seq = piece.seq
         carried = self._hidden if piece.layers[0] > 0 else None  # the slice before's states
-        hidden = self.runner.prefill_chunk(seq, piece.start, piece.end, piece.pages, piece.recurs,
-                                           piece.layers, carried)  # fmt: skip
+        if hidden is None:
+            hidden = self.runner.prefill_chunk(seq, piece.start, piece.end, piece.pages,
+                                               piece.recurs, piece.layers, carried)  # fmt: skip
         self._hidden = None if piece.through else hidden
         if not piece.through:
             return None

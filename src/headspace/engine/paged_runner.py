@@ -160,7 +160,7 @@ class PagedRunner(PrefillSteps):
         except UserError as error:  # (on every rank alike)
             raise self._refused(str(error)) from None
         pools = self._apply(plan)
-        return LayoutResult(pools, self.layer_slices, host_pages, reset)
+        return LayoutResult(pools, self.layer_slices, host_pages, reset, self.mixes)
 
     @property
     def page_size(self) -> int:

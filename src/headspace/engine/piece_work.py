@@ -33,6 +33,37 @@ def queued_step_work(base: float, slowdown: float, decode: float) -> float:
     return max(base, (slowdown - 1) * decode)
 
 
+def mixed_piece_work(base: float, slowdown: float, rates: tuple[float, float], rows: int,
+                     context_tokens: int, waiting: bool) -> float:  # fmt: skip
+    """A piece's work in one layer of a step that runs it with ``rows`` decode rows in one
+    forward (their linear layers read the layer's weights once): ``base`` (the work while
+    no prompt waits its turn); while some wait, enough that the step takes up to
+    ``slowdown`` times the decode rows' step alone, whose layer costs ``max(weight_work,
+    rows) + kv_work * context_tokens`` (``rates``: :func:`decode_work`'s), the piece's first
+    ``weight_work - rows`` tokens hidden under the weights' read; never less than ``base``."""
+    if not waiting:
+        return base
+    weight_work, kv_work = rates
+    decode = max(weight_work, rows) + kv_work * context_tokens
+    return max(base, (slowdown - 1) * decode + max(0.0, weight_work - rows))
+
+
+def piece_size(start: int, num_tokens: int, work: float, page: int, most: int,
+               attention_prefix: int) -> int:  # fmt: skip
+    """The most tokens from ``start`` (of a prompt of ``num_tokens``), in whole pages unless
+    the prompt ends first, at most ``most``, whose layer costs at most ``work``
+    (:func:`layer_cost`); at least one page."""
+    fits = 1
+    low, high = 1, max(1, -(-min(most, num_tokens - start) // page))  # in pages
+    while low <= high:
+        middle = (low + high) // 2
+        if layer_cost(start, min(start + middle * page, num_tokens), attention_prefix) <= work:
+            fits, low = middle, middle + 1
+        else:
+            high = middle - 1
+    return min(fits * page, num_tokens - start, most)
+
+
 def grown_piece(tokens: int, scale: float, page: int) -> int:
     """A piece of ``tokens`` (through every layer) given ``scale`` times its work: whole
     pages of ``tokens * scale``, never fewer than ``tokens``."""
@@ -62,6 +93,8 @@ __all__ = [
     "grown_piece",
     "layer_cost",
     "layers_per_step",
+    "mixed_piece_work",
+    "piece_size",
     "queued_step_work",
     "slice_size",
     "step_work",

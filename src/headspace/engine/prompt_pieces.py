@@ -9,7 +9,10 @@ from collections import deque
 from headspace.engine.piece_work import (
     decode_work,
     grown_piece,
+    layer_cost,
     layers_per_step,
+    mixed_piece_work,
+    piece_size,
     queued_step_work,
     slice_size,
     step_work,
@@ -31,6 +34,7 @@ class PromptPieces:
     piece_tokens: int
     chunk_limit: int | None
     layer_slices: bool
+    mixes: bool
     prefix_streams: bool
     waiting: deque[Sequence]
 
@@ -46,7 +50,9 @@ class PromptPieces:
             start, end, first = piece.start, piece.end, piece.layers[1]
         else:
             start, first, size = self.prefill_next, 0, chunk
-            if decoding and not slices:  # (it grows with the work while prompts wait)
+            if decoding and self.mixes:  # through every layer, beside the decode rows
+                size = self._mixed_size(start, len(seq.prompt_ids), batch)
+            elif decoding and not slices:  # (it grows with the work while prompts wait)
                 size = grown_piece(self.piece_tokens or self.step_tokens, work / base,
                                    self.blocks.page_size)  # fmt: skip
                 size = min(chunk, size)
@@ -57,7 +63,7 @@ class PromptPieces:
             end = min(start + size, len(seq.prompt_ids))
         num_layers = self.settings.num_layers
         count = num_layers - first
-        if decoding and slices:
+        if decoding and slices and not self.mixes:
             count = min(count, layers_per_step(start, end, work, self.settings.attention_prefix))
         pages = self.blocks.pages([seq.seq_id])
         piece = PrefillPiece(seq, start, end, pages, (first, first + count), num_layers,
@@ -68,6 +74,18 @@ class PromptPieces:
             if piece.last:
                 self.prefilling = None
         return piece
+
+    def _mixed_size(self, start: int, num_tokens: int, batch: list[Sequence]) -> int:
+        """A piece run in one forward with the decode rows of ``batch``: the work of
+        ``step_tokens`` tokens in a layer, more while prompts wait (:func:`mixed_piece_work`),
+        in whole pages (:func:`piece_size`)."""
+        settings, prefix = self.settings, self.settings.attention_prefix
+        context = sum(s.num_scheduled for s in batch)
+        work = mixed_piece_work(layer_cost(0, self.step_tokens, prefix),
+                                settings.prefill_slowdown, settings.decode_rates, len(batch),
+                                context, bool(self.waiting))  # fmt: skip
+        most = settings.chunk if self.chunk_limit is None else self.chunk_limit
+        return piece_size(start, num_tokens, work, self.blocks.page_size, most, prefix)
 
     def _step_work(self, batch: list[Sequence], base: float) -> float:
         """A step's prompt work beside ``batch``: ``base`` (the work of ``step_tokens``),

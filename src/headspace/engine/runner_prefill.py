@@ -1,13 +1,18 @@
 """The runner's prompt steps: per-sequence chunked prefill over the layout in force, a few
-layers a step where every tier allows it, and the budgets' compression after the last chunk.
-A mixin of :class:`~headspace.engine.paged_runner.PagedRunner` (its model, tiers, token slots
-and hooks); nothing here changes the layout."""
+layers a step where every tier allows it, a piece and the decode rows in one forward where
+every tier mixes them, and the budgets' compression after the last chunk. A mixin of
+:class:`~headspace.engine.paged_runner.PagedRunner` (its model, tiers, token slots and
+hooks); nothing here changes the layout."""
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 
+from headspace.engine.step_plan import PrefillPiece
 from headspace.kv.block_table import Pages
+from headspace.kv.transfer import device_ints
 from headspace.model.llama import SliceStates
 from headspace.tiers import StepInputs, attend_tiers
 
@@ -45,6 +50,53 @@ class PrefillSteps:
         if self.model.layer_source is not None or self.layout is not None:
             return False
         return all(tier.layer_slices for tier in self.tiers)
+
+    @property
+    def mixes(self) -> bool:
+        """Whether a step may run a prompt piece and the decode rows through the layers in
+        one forward under this layout (:meth:`mixed`): asked for (``mixed_steps``), every
+        tier mixes (``Tier.mixes``), the prompt computed (no benchmark's stand-in)."""
+        return (self.config.runtime.mixed_steps and self.prompt_stand_in is None
+                and bool(self.tiers) and all(tier.mixes for tier in self.tiers))  # fmt: skip
+
+    @torch.inference_mode()
+    def mixed(self, piece: PrefillPiece, seq_ids: list[int], positions: list[int],
+              slots: list[int], pages: Pages) -> tuple[torch.Tensor, tuple]:  # fmt: skip
+        """One forward over a prompt ``piece`` (through every layer) and one decode token
+        for each of ``seq_ids`` (as :meth:`decode` takes them): the linear layers read the
+        weights once for both. Returns the piece's last-layer hidden states ``[tokens,
+        hidden]`` and the decode rows' result (fp32 logits ``[seqs, vocab]``, the slots on
+        the device; each greedy pick written into its slot). Runs through ``decode_hooks``
+        as a decode step of ``seq_ids``."""
+        held: dict[str, torch.Tensor] = {}
+        step = partial(self._mixed, piece, seq_ids, positions, slots, pages, held)
+        for hook in self.decode_hooks:
+            step = partial(hook, seq_ids, step)
+        result = step()
+        return held["hidden"], result
+
+    def _mixed(self, piece: PrefillPiece, seq_ids: list[int], positions: list[int],
+               slots: list[int], pages: Pages, held: dict) -> tuple:  # fmt: skip
+        seq, start, end = piece.seq, piece.start, piece.end
+        for tier in self.tiers:
+            tier.before_decode(seq_ids, slots)
+        piece_step = StepInputs(False, torch.arange(start, end, device=self.device), [],
+                                piece.pages, start=start, seq_ids=[seq.seq_id])  # fmt: skip
+        decode_step = self._decode_inputs(positions, pages)
+        decode_step.seq_ids = list(seq_ids)
+        self.hybrid_share.other_work = True
+        for tier in self.tiers:
+            tier.begin_mixed(piece_step, decode_step)
+        slot_index = device_ints(slots, self.device)
+        prompt = torch.tensor(seq.prompt_ids[start:end], device=self.device)
+        ids = torch.cat([prompt, self.tokens[slot_index]])  # [piece + seqs]
+        mode = "dynamic" if self._compiled else "eager"
+        hidden = self.model(ids, torch.cat([piece_step.positions, decode_step.positions]),
+                            self._attention, mode)  # fmt: skip
+        held["hidden"] = hidden[: end - start]
+        logits = self.model.logits(hidden[end - start :])
+        self.tokens[slot_index] = logits.argmax(-1)
+        return logits, slot_index
 
     @torch.inference_mode()
     def prefill_chunk(self, seq, start: int, end: int, pages: Pages, static: bool = True,

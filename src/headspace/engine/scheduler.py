@@ -70,6 +70,7 @@ class Scheduler(PromptPieces, HostRefusals):
         self.tiers: tuple[str, ...] = (GPU,)
         self.optimistic = False
         self.layer_slices = False  # whether the layout lets a chunk run a few layers a step
+        self.mixes = False  # whether it lets a piece and decode rows run as one forward
         self.prefix_streams = False  # whether a piece's prefix is staged from host pages
         self._chosen: tuple[Plan, set[int] | None] | None = None  # handed out, not laid out
         self._resize: Resize | None = None
@@ -132,7 +133,7 @@ class Scheduler(PromptPieces, HostRefusals):
         self.tiers = ((GPU,) if plan.head_map.count("gpu") else ()) + ((HOST,) if streams else ())
         if self.blocks.per_entry:  # host pages are the entry table's, by entry
             self.tiers = (GPU,)
-        self.layer_slices = result.layer_slices
+        self.layer_slices, self.mixes = result.layer_slices, result.mixes
         self.prefix_streams = streams  # a halved chunk would stage its prefix again
         self.optimistic = not streams and self.settings.swaps
 
@@ -244,7 +245,8 @@ class Scheduler(PromptPieces, HostRefusals):
         if asked for, a swapped-out sequence back in when it fits; the next waiting one
         admitted when no prompt is being prefilled; one token for every running sequence
         past its prompt (growing their pages, swapping the latest out on shortage); the next
-        piece of the prompt being prefilled."""
+        piece of the prompt being prefilled, in one forward with the decode rows where the
+        layout mixes them."""
         layout = self._layout_step()
         if layout is not None:
             return layout
@@ -264,6 +266,8 @@ class Scheduler(PromptPieces, HostRefusals):
             plan.decode_pages = self.blocks.pages([s.seq_id for s in plan.decode])
         if self.prefilling is not None:
             plan.prefill = self._next_piece(plan.decode)
+            whole = plan.prefill.layers == (0, plan.prefill.num_layers)
+            plan.mixed = bool(plan.decode) and self.mixes and whole
         plan.host_pages, self._host_target = self._host_target, 0
         return plan
 

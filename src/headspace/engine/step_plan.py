@@ -115,8 +115,9 @@ class StepPlan:
     else), or the resident pool's ``resize``; host pages grown to ``host_pages``; page
     copies in (a swapped-out sequence back); page copies out; one decode token for each of
     ``decode`` over ``decode_pages`` (their tables, the new token's place included); a piece
-    of a prompt. ``admitted``: whose prefill begins now. The only thing the scheduler hands
-    the runner: the block tables stay the scheduler's."""
+    of a prompt (``mixed``: in the same forward as the decode rows). ``admitted``: whose
+    prefill begins now. The only thing the scheduler hands the runner: the block tables
+    stay the scheduler's."""
 
     layout: Plan | None = None
     resize: Resize | None = None
@@ -127,6 +128,7 @@ class StepPlan:
     decode: list[Sequence] = field(default_factory=list)
     decode_pages: Pages = field(default_factory=dict)
     prefill: PrefillPiece | None = None
+    mixed: bool = False  # the piece and the decode rows run through the layers as one forward
     admitted: Sequence | None = None
     # sequences the scheduler ended for want of pages (none free on the GPU and no room in
     # the host budget to swap them out, or host pages refused): their pages went back;
@@ -147,7 +149,8 @@ class StepPlan:
                 "swap_out": len(self.swap_out), "decode": [s.seq_id for s in self.decode],
                 "ended": [s.seq_id for s in self.ended],
                 "prefill": None if piece is None else
-                (piece.seq.seq_id, piece.start, piece.end, piece.layers)}  # fmt: skip
+                (piece.seq.seq_id, piece.start, piece.end, piece.layers),
+                "mixed": self.mixed}  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -156,12 +159,14 @@ class LayoutResult:
     (``pools``: None when the layout's tensors stay), whether a prefill chunk may run a few
     layers a step (``layer_slices``), the pages the host arena holds (``host_pages``) and
     whether it was made anew (``host_reset``: per-entry pages offloading another number of
-    heads a layer; nothing was in it)."""
+    heads a layer; nothing was in it); whether a step may run a prompt piece and decode rows
+    in one forward (``mixes``)."""
 
     pools: PoolLayout | None
     layer_slices: bool
     host_pages: int
     host_reset: bool = False
+    mixes: bool = False
 
 
 __all__ = ["LayoutResult", "PrefillPiece", "Resize", "SchedulerSettings", "Sequence", "StepPlan"]

@@ -238,7 +238,11 @@ class Tier:
     elsewhere); ``kept_summary(seq_id)``: the sparse hybrid mode's kept shares.
     ``layer_slices``: a prefill chunk may run a few layers a step, other steps between its
     slices (``begin`` is called again with the chunk's inputs before each slice; a tier
-    that stages the chunk's history ahead across layers cannot). ``graph_version``: counts
+    that stages the chunk's history ahead across layers cannot). ``mixes``: a step may
+    carry a prompt piece and decode rows through the layers in one forward, the piece's
+    rows first (``begin_mixed(piece, decode)`` in place of ``begin``; each ``submit`` then
+    attends the first ``len(piece.positions)`` rows as the piece, the rest as the decode
+    rows). ``graph_version``: counts
     moves of the device tensors a captured step reads (graphs are captured again).
     """
 
@@ -246,6 +250,7 @@ class Tier:
     entry_rows = False
     runs_outside_graphs = False
     layer_slices = False
+    mixes = False
     graph_version = 0
     cpu_split = None  # the hybrid tier's CPU side (its share searched by the engine)
 
@@ -261,6 +266,11 @@ class Tier:
         raise NotImplementedError
 
     def begin(self, step: StepInputs) -> None:
+        raise NotImplementedError
+
+    def begin_mixed(self, piece: StepInputs, decode: StepInputs) -> None:
+        """A step of a prompt ``piece`` (its rows first) and ``decode`` rows (see
+        ``mixes``)."""
         raise NotImplementedError
 
     def submit(self, layer: int, q: torch.Tensor, kv: torch.Tensor, out: torch.Tensor) -> None:

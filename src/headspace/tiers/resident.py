@@ -14,6 +14,7 @@ from headspace.attention.flex import (
     flex_paged_prefill,
 )
 from headspace.attention.paged import gather_pages
+from headspace.attention.sdpa import unplanned_attention
 from headspace.attention.sparse_prefill import prefill_with_patterns
 from headspace.kv.paged_store import PagedKVStore
 from headspace.kv.spec import Pattern, prefix_piece
@@ -39,6 +40,7 @@ class ResidentTier(Tier):
     pattern at prefill."""
 
     layer_slices = True  # each layer's prefill reads only the step's inputs and its pages
+    mixes = True  # a piece's rows and decode rows attend apart, over the same arena
 
     def __init__(self, store: PagedKVStore, ranges: list[HeadRange | None], q_per_kv: int,
                  backend: str, patterns: list[list[Pattern] | None] | None = None,
@@ -66,41 +68,61 @@ class ResidentTier(Tier):
                    site.key_span)  # fmt: skip
 
     def begin(self, step: StepInputs) -> None:
-        self.step = step
-        device = self.store.buffer.device
-        if not step.decode:
-            self.pages, self.slots = chunk_slots(self.store, step)
-            if self.backend == "flex":  # one mask for every layer of the chunk
-                slots = self.store.kv[0].shape[2]
-                self.chunk_mask = chunk_block_mask(self.pages, step.start, len(step.positions),
-                                                   slots, self.page_size)  # fmt: skip
-            if any(self.patterns):
-                self.num_keys = step.start + len(step.positions)
-                positions = padded_positions(self.num_keys, device)
-                self.key_slots = self.store.slots(self.pages, positions)
-        elif self.backend == "flex" and "gpu" in step.tables:  # one mask for every layer
+        if step.decode:
+            self.piece_step, self.decode_step = None, step
+            self._begin_decode(step)
+        else:
+            self.piece_step, self.decode_step = step, None
+            self._begin_piece(step)
+
+    def begin_mixed(self, piece: StepInputs, decode: StepInputs) -> None:
+        self.piece_step, self.decode_step = piece, decode
+        self._begin_piece(piece)
+        self._begin_decode(decode)
+
+    def _begin_piece(self, step: StepInputs) -> None:
+        self.pages, self.slots = chunk_slots(self.store, step)
+        if self.backend == "flex":  # one mask for every layer of the chunk
+            slots = self.store.kv[0].shape[2]
+            self.chunk_mask = chunk_block_mask(self.pages, step.start, len(step.positions),
+                                               slots, self.page_size)  # fmt: skip
+        if any(self.patterns):
+            self.num_keys = step.start + len(step.positions)
+            positions = padded_positions(self.num_keys, self.store.buffer.device)
+            self.key_slots = self.store.slots(self.pages, positions)
+
+    def _begin_decode(self, step: StepInputs) -> None:
+        if self.backend == "flex" and "gpu" in step.tables:  # one mask for every layer
             slots = self.store.kv[0].shape[2]
             self.step_mask = decode_block_mask(step.tables["gpu"], step.lengths, slots,
                                                self.page_size)  # fmt: skip
         elif not self.on_gpu and "gpu" in step.tables:  # the CPU kernel's inputs, per step
             self.ends = step.lengths.to(torch.int32)
             self.table = step.tables["gpu"].to(torch.int32).contiguous()  # (graphs': int64)
-            self.slots = new_token_slots(self.table, self.ends - 1, self.page_size)
+            self.new_slots = new_token_slots(self.table, self.ends - 1, self.page_size)
 
     def submit(self, layer: int, q: torch.Tensor, kv: torch.Tensor, out: torch.Tensor) -> None:
-        """``q [tokens, heads, dim]``, ``kv [2, tokens, kv_heads, dim]`` of the whole layer;
-        the result goes into this tier's heads of ``out``."""
+        """``q [tokens, heads, dim]``, ``kv [2, tokens, kv_heads, dim]`` of the whole layer
+        (a mixed step's: the piece's rows, then the decode rows); the result goes into this
+        tier's heads of ``out``."""
         kv_range = self.ranges[layer]
         if kv_range is None:
             return
         heads = q_heads(kv_range, self.q_per_kv)
         q_part, kv_part, out_part = q[:, heads], kv[:, :, slice(*kv_range)], out[:, heads]
-        if self.step.decode:
-            result = self._decode(layer, q_part, kv_part, out_part)
-        else:
-            result = self._prefill(layer, q_part, kv_part)
-            out_part.copy_(result[0])
-        self._results[layer] = result
+        rows = 0 if self.piece_step is None else len(self.piece_step.positions)  # the piece's
+        results = []
+        if rows:
+            result = self._prefill(layer, q_part[:rows], kv_part[:, :rows])
+            out_part[:rows].copy_(result[0])
+            results.append(result)
+        if self.decode_step is not None:
+            results.append(self._decode(layer, q_part[rows:], kv_part[:, rows:],
+                                        out_part[rows:]))  # fmt: skip
+        if len(results) == 1:
+            self._results[layer] = results[0]
+        else:  # [rows, heads, dim] and [heads, rows]
+            self._results[layer] = (out_part, torch.cat([lse for _, lse in results], dim=1))
 
     def collect(self, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         return self._results.pop(layer, None)
@@ -119,17 +141,22 @@ class ResidentTier(Tier):
             out, lse = flex_paged_prefill(q_heads_first, store_kv[0], store_kv[1],
                                           self.chunk_mask)  # fmt: skip
             return out.transpose(0, 1), lse
+        backend = self.backend
+        if backend == "sdpa" and self.decode_step is not None:  # a mixed step's piece
+            backend = unplanned_attention
         k, v = kv[0].transpose(0, 1), kv[1].transpose(0, 1)
-        out, lse = attend(q_heads_first, k, v, causal=True, backend=self.backend)
-        if self.step.start > 0:
-            out, lse = self._prefix(layer, q_heads_first, self.step.start, (out, lse))
+        out, lse = attend(q_heads_first, k, v, causal=True, backend=backend)
+        if self.piece_step.start > 0:
+            out, lse = self._prefix(layer, q_heads_first, self.piece_step.start, (out, lse),
+                                    backend)  # fmt: skip
         return out.transpose(0, 1), lse
 
-    def _prefix(self, layer: int, q: torch.Tensor, prefix: int, result: tuple):
+    def _prefix(self, layer: int, q: torch.Tensor, prefix: int, result: tuple, backend):
         """``result`` (the chunk's causal ``(out, lse)``) with the attention of chunk queries
         ``q [heads, tokens, dim]`` to the pool's first ``prefix`` tokens of the sequence
-        merged in: the pages gathered in pieces (:func:`prefix_piece`), attended by the
-        fused kernel (cuDNN on a GPU: about 1.8x FlexAttention over the pages at 128K) and
+        merged in: the pages gathered in pieces (:func:`prefix_piece`), attended by
+        ``backend``'s fused kernel (cuDNN on a GPU: about 1.8x FlexAttention over the pages
+        at 128K; flash for a mixed step's piece, whose shapes seldom recur) and
         merged by LSE into the running result, piece after piece as the stream tier merges
         its staged pieces (the same sums in the same order where the pieces agree), so one
         piece and one result are held at a time."""
@@ -139,12 +166,12 @@ class ResidentTier(Tier):
         for start in range(0, prefix, size):
             k, v = gather_pages(store_kv, self.pages, min(prefix, start + size), page_size,
                                 start)  # fmt: skip
-            out, lse = attend(q, k, v, backend=self.backend)
+            out, lse = attend(q, k, v, backend=backend)
             result = merge_attention([result[0], out], [result[1], lse])
         return result
 
     def _decode(self, layer: int, q, kv, out):
-        store_kv, step = self.store.kv[layer], self.step
+        store_kv, step = self.store.kv[layer], self.decode_step
         if self.backend == "flex":  # it stores the new K/V itself too
             _, lse = flex_paged_decode(q, store_kv[0], store_kv[1], step.tables["gpu"],
                                        step.lengths, self.page_size, new_kv=kv, out=out,
@@ -157,7 +184,7 @@ class ResidentTier(Tier):
                                             step.lengths, self.store.page_size, new_kv=kv,
                                             out=out)  # fmt: skip
             return out, lse.transpose(0, 1)
-        store_kv[:, :, self.slots] = kv.transpose(1, 2)  # [2, heads, seqs, dim]
+        store_kv[:, :, self.new_slots] = kv.transpose(1, 2)  # [2, heads, seqs, dim]
         result, lse = cpu_paged_decode(q, store_kv[0], store_kv[1], self.table, self.ends,
                                        self.page_size)  # fmt: skip
         out.copy_(result)
