@@ -161,6 +161,7 @@ BAD = {  # name: (request body or raw text, status)
     "max_tokens of a wrong type": ({"max_tokens": "many"}, 400),
     "temperature -1": ({"temperature": -1}, 400),
     "top_p 2": ({"top_p": 2}, 400),
+    "top_p NaN": ('{"model": "smol", "prompt": "Hello", "top_p": NaN, "max_tokens": 4}', 400),
     "n 0": ({"n": 0}, 400),
     "n past 16": ({"n": 17}, 400),
     "an unknown model": ({"model": "gpt-5"}, 404),
@@ -200,6 +201,23 @@ def test_a_bad_request_gets_its_status_and_the_server_keeps_serving(server, case
         assert error["param"] is None and "not valid JSON" in error["message"]
     if case == "a lone surrogate":  # said in the server's words, not the tokenizer's
         assert "unpaired surrogate" in error["message"] and error["param"] == "prompt"
+    if case == "top_p NaN":  # not "less than or equal to 1"
+        assert "finite" in error["message"] and error["param"] == "top_p"
+    if case == "min_tokens past max_tokens":  # (refused by the engine's own check)
+        assert error["param"] == "min_tokens" and "max_new_tokens=4" in error["message"]
+    assert server.healthy()
+
+
+def test_a_json_body_not_sent_as_json_is_told_how_to_send_it(server):
+    """A JSON body sent without ``Content-Type: application/json`` (curl's ``-d`` sends
+    form-encoded, some clients text/plain) is not read as JSON: the 400 says what to send."""
+    headers = {"Authorization": f"Bearer {KEY}"}
+    body = '{"model": "smol", "prompt": "Hello", "max_tokens": 2}'
+    for content_type in ("text/plain", "application/x-www-form-urlencoded"):
+        reply = httpx.post(server.url + "/v1/completions", content=body, timeout=60,
+                           headers=headers | {"Content-Type": content_type})  # fmt: skip
+        assert reply.status_code == 400, reply.text
+        assert "Content-Type: application/json" in reply.json()["error"]["message"]
     assert server.healthy()
 
 
@@ -308,6 +326,11 @@ def test_echo_gives_the_prompt_tokens_log_probabilities_as_harnesses_ask(client,
                                      logprobs=0, temperature=0)  # fmt: skip
     assert more.choices[0].text.startswith(prompt) and more.usage.completion_tokens == 3
     assert len(more.choices[0].logprobs.tokens) == len(ids) + 3
+    three = client.completions.create(model=NAME, prompt=prompt, max_tokens=0, echo=True,
+                                      logprobs=1, n=3, temperature=0)  # fmt: skip
+    assert len(three.choices) == 3  # the prompt scored once (the first), given to each
+    for choice in three.choices:
+        assert choice.logprobs.token_logprobs == shown.token_logprobs
     for bad in ({"max_tokens": 0}, {"echo": True, "stream": True}):
         with pytest.raises(openai.BadRequestError):
             client.completions.create(model=NAME, prompt=prompt, **bad)

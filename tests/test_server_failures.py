@@ -74,6 +74,7 @@ def test_an_underflowing_top_p_is_refused_and_the_others_stream_on(server, alone
     texts, reply = _while_others_stream(server, bad)
     assert reply.status_code == 400, reply.text
     assert "float32" in reply.json()["error"]["message"]
+    assert reply.json()["error"]["param"] == "top_p"
     assert texts == alone
     assert server.healthy()
 

@@ -81,6 +81,22 @@ def test_sampling_fields_become_sampling_params():
         4096).max_new_tokens == 4096  # fmt: skip
 
 
+def test_an_echoed_prompt_is_scored_by_the_first_choice_and_shown_in_every_one():
+    """With echo and logprobs, only choice 0 computes the prompt's log probabilities (the
+    others reuse its pages); the reply gives each choice the first one's."""
+    from headspace.engine.outputs import TokenLogprob
+
+    request = CompletionRequest(model="m", prompt="x", echo=True, logprobs=1, n=2,
+                                max_tokens=0)  # fmt: skip
+    assert [request.sampling(16, i).prompt_logprobs for i in range(2)] == [1, None]
+    first, second = _output([5], [9], "length"), _output([5], [8], "length")
+    first.prompt_logprobs = [None, TokenLogprob(6, -0.5, ((6, -0.5),))]
+    first.logprobs, second.logprobs = [], []  # (asked for; the generated token hidden)
+    reply = Reply("r", "m", chat=False, echo=("t5t6", [5, 6]), hidden=True)
+    choices = reply.completion([first, second])["choices"]
+    assert [c["logprobs"]["token_logprobs"] for c in choices] == [[None, -0.5]] * 2
+
+
 def test_nulls_take_defaults_and_harmless_values_pass():
     request = CompletionRequest(model="m", prompt="x", temperature=None, top_p=None, n=None,
                                 stream=None, tools=[], tool_choice="none",

@@ -5,7 +5,12 @@ class UserError(ValueError):
     """Bad input from the user (model path, option value, prompt length, device).
 
     The CLI prints ``error: <message>`` on stderr and exits with code 2, no traceback.
+    ``param``: the option or field at fault, where one is (a server's 400 names it).
     """
+
+    def __init__(self, message: str = "", param: str | None = None):
+        super().__init__(message)
+        self.param = param
 
 
 class HostBudgetError(UserError):

@@ -49,41 +49,47 @@ class SamplingParams:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
-            raise UserError(f"max_new_tokens must be a positive integer, got {self.max_new_tokens}")
+            raise UserError(f"max_new_tokens must be a positive integer, got "
+                            f"{self.max_new_tokens}", "max_new_tokens")  # fmt: skip
         if not 0 <= self.temperature < float("inf"):
-            raise UserError(f"temperature must be >= 0 and finite, got {self.temperature}")
+            raise UserError(f"temperature must be >= 0 and finite, got {self.temperature}",
+                            "temperature")  # fmt: skip
         if not 0 < self.top_p <= 1:
-            raise UserError(f"top_p must be in (0, 1], got {self.top_p}")
+            raise UserError(f"top_p must be in (0, 1], got {self.top_p}", "top_p")
         for name in ("temperature", "top_p"):  # as the sampler sees them: float32
             value = getattr(self, name)
             if value > 0 and as_float32(value) == 0:
                 raise UserError(f"{name}={value:.3g} rounds to 0 in float32, the sampler's "
-                                "precision (the smallest float32 above 0 is 1.4e-45)")  # fmt: skip
+                                "precision (the smallest float32 above 0 is 1.4e-45)",
+                                name)  # fmt: skip
         if not isinstance(self.top_k, int) or self.top_k < 0:
-            raise UserError(f"top_k must be a non-negative integer, got {self.top_k}")
+            raise UserError(f"top_k must be a non-negative integer, got {self.top_k}", "top_k")
         if any(not s for s in self.stop):
-            raise UserError("stop strings must be non-empty")
+            raise UserError("stop strings must be non-empty", "stop")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             raise UserError(f"stop_token_ids must be non-negative integers, got "
-                            f"{self.stop_token_ids}")  # fmt: skip
+                            f"{self.stop_token_ids}", "stop_token_ids")  # fmt: skip
         self._check_penalties()
         for name in ("logprobs", "prompt_logprobs"):
             top = getattr(self, name)
             if top is not None and (isinstance(top, bool) or not isinstance(top, int)
                                     or not 0 <= top <= MOST_LOGPROBS):  # fmt: skip
-                raise UserError(f"{name} must be an integer in [0, {MOST_LOGPROBS}], got {top}")
+                raise UserError(f"{name} must be an integer in [0, {MOST_LOGPROBS}], got {top}",
+                                name)  # fmt: skip
 
     def _check_penalties(self) -> None:
         penalty = self.repetition_penalty  # (within it, fp32 logits stay finite)
         if not REPETITION_PENALTY[0] <= penalty <= REPETITION_PENALTY[1]:
             raise UserError(f"repetition_penalty must be in [{REPETITION_PENALTY[0]}, "
-                            f"{REPETITION_PENALTY[1]}], got {penalty}")  # fmt: skip
+                            f"{REPETITION_PENALTY[1]}], got {penalty}",
+                            "repetition_penalty")  # fmt: skip
         for name in ("presence_penalty", "frequency_penalty"):
             if not -2 <= getattr(self, name) <= 2:
-                raise UserError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+                raise UserError(f"{name} must be in [-2, 2], got {getattr(self, name)}", name)
         if not isinstance(self.min_tokens, int) or not 0 <= self.min_tokens <= self.max_new_tokens:
             raise UserError(f"min_tokens must be an integer in [0, max_new_tokens="
-                            f"{self.max_new_tokens}], got {self.min_tokens}")  # fmt: skip
+                            f"{self.max_new_tokens}], got {self.min_tokens}",
+                            "min_tokens")  # fmt: skip
 
 
 def make_generator(params: SamplingParams, device: torch.device) -> torch.Generator | None:

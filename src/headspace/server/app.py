@@ -53,6 +53,9 @@ def _validation_message(error: RequestValidationError) -> tuple[str, str | None]
     first = error.errors()[0] if error.errors() else {}
     if first.get("type") == "json_invalid":
         return f"the body is not valid JSON: {first.get('ctx', {}).get('error', '')}", None
+    if tuple(first.get("loc", ())) == ("body",) and isinstance(first.get("input"), bytes):
+        return ("the body must be a JSON object sent with Content-Type: application/json "
+                "(it was not read as JSON)"), None  # fmt: skip
     where = [str(p) for p in first.get("loc", ()) if p != "body"]
     message = first.get("msg", "invalid request").removeprefix("Value error, ")
     return (f"{'.'.join(where)}: {message}" if where else message), (where[0] if where else None)
@@ -184,7 +187,7 @@ def build_app(engine_loop: EngineLoop, options: ServerOptions) -> FastAPI:
         except BaseException as error:
             engine_loop.release(body.n)
             if isinstance(error, UserError):
-                raise APIError(400, str(error)) from None
+                raise APIError(400, str(error), param=_api_field(error.param, chat)) from None
             raise
         reply = protocol.Reply(protocol.new_id("chatcmpl" if chat else "cmpl"), name, chat,
                                token_text)  # fmt: skip
@@ -218,6 +221,18 @@ def build_app(engine_loop: EngineLoop, options: ServerOptions) -> FastAPI:
 
 
 _SURROGATE = re.compile("[\ud800-\udfff]")  # halves of UTF-16 pairs: not text
+
+
+# the engine's sampling fields that a request names otherwise
+API_FIELDS = {"max_new_tokens": "max_tokens", "prompt_logprobs": "logprobs"}
+
+
+def _api_field(param: str | None, chat: bool) -> str | None:
+    """The request field of an engine's sampling field (a chat names ``logprobs``'s count
+    ``top_logprobs``)."""
+    if chat and param == "logprobs":
+        return "top_logprobs"
+    return API_FIELDS.get(param, param)
 
 
 def _refuse_surrogates(texts: list[str]) -> None:

@@ -71,8 +71,8 @@ class _Sampling(BaseModel):
 
     model: str
     max_tokens: Annotated[int, Field(ge=1)] | None = None
-    temperature: Annotated[float, Field(ge=0, le=2)] = 1.0
-    top_p: Annotated[float, Field(gt=0, le=1)] = 1.0
+    temperature: Annotated[float, Field(ge=0, le=2, allow_inf_nan=False)] = 1.0
+    top_p: Annotated[float, Field(gt=0, le=1, allow_inf_nan=False)] = 1.0
     top_k: Annotated[int, Field(ge=-1)] = 0  # 0 or -1: off
     seed: Annotated[int, Field(ge=-(2**63), le=2**64 - 1)] | None = None
     stop: str | list[str] | None = None
@@ -82,10 +82,11 @@ class _Sampling(BaseModel):
     n: Annotated[int, Field(ge=1, le=MOST_CHOICES)] = 1
     ignore_eos: StrictBool = False
     # (numbers only: a boolean given for one is a 400)
-    presence_penalty: Annotated[float, Field(strict=True, ge=-2, le=2)] = 0.0
-    frequency_penalty: Annotated[float, Field(strict=True, ge=-2, le=2)] = 0.0
+    presence_penalty: Annotated[float, Field(strict=True, ge=-2, le=2, allow_inf_nan=False)] = 0.0
+    frequency_penalty: Annotated[float, Field(strict=True, ge=-2, le=2, allow_inf_nan=False)] = 0.0
     repetition_penalty: Annotated[float, Field(strict=True, ge=REPETITION_PENALTY[0],
-                                               le=REPETITION_PENALTY[1])] = 1.0  # fmt: skip
+                                               le=REPETITION_PENALTY[1],
+                                               allow_inf_nan=False)] = 1.0  # fmt: skip
     min_tokens: Annotated[int, Field(strict=True, ge=0)] = 0
     best_of: int | None = None
 
@@ -163,11 +164,13 @@ class CompletionRequest(_Sampling):
 
     def sampling(self, default_max_tokens: int, choice: int = 0) -> SamplingParams:
         """As a chat's, and with ``echo`` the prompt tokens' log probabilities where asked
-        for; ``max_tokens`` 0 computes one token that the answer leaves out."""
+        for, computed by the first choice alone (the others reuse its prompt's pages, and
+        the reply gives every choice the first's); ``max_tokens`` 0 computes one token that
+        the answer leaves out."""
         params = super().sampling(default_max_tokens, choice)
         if self.max_tokens == 0:
             params.max_new_tokens = 1
-        if self.echo and self.logprobs is not None:
+        if self.echo and self.logprobs is not None and choice == 0:
             params.prompt_logprobs = self.logprobs
         return params
 
@@ -263,22 +266,23 @@ class Reply:
 
     def completion(self, outputs: list[RequestOutput]) -> dict:
         """The whole response of a finished request: a choice per output, in order."""
-        choices = []
+        choices, prompt = [], outputs[0].prompt_logprobs if outputs else None
         for index, output in enumerate(outputs):
             reason = output.finish_reason  # "stop", "length" or "abort", as OpenAI's
             if self.chat:
                 choice = {"message": {"role": "assistant", "content": output.text}}
                 logprobs = self._chat_logprobs(output.logprobs)
             else:
-                choice, logprobs = self._text_choice(output, index)
+                choice, logprobs = self._text_choice(output, index, prompt)
             choices.append({"index": index, **choice, "logprobs": logprobs,
                             "finish_reason": reason})  # fmt: skip
         return {**self._head(False), "choices": choices, "usage": usage(outputs, self.hidden)}
 
-    def _text_choice(self, output: RequestOutput, index: int) -> tuple[dict, dict | None]:
-        """A completion's text and log probabilities: the prompt's first when echoed (its
-        first token's log probability null, as OpenAI's), the generated ones unless
-        hidden."""
+    def _text_choice(self, output: RequestOutput, index: int,
+                     prompt_logprobs: list | None) -> tuple[dict, dict | None]:  # fmt: skip
+        """A completion's text and log probabilities: the prompt's first when echoed
+        (``prompt_logprobs``, the first choice's; its first token's null, as OpenAI's),
+        the generated ones unless hidden."""
         text, logprobs = output.text, output.logprobs
         if self.hidden:
             text, logprobs = "", None if logprobs is None else []
@@ -287,7 +291,7 @@ class Reply:
             prompt_text, prompt_ids = self.echo
             text = prompt_text + text
             if entries is not None:
-                prompt = output.prompt_logprobs or [None] * len(prompt_ids)
+                prompt = prompt_logprobs or [None] * len(prompt_ids)
                 entries = [*zip(prompt_ids, prompt, strict=True), *entries]
         return {"text": text}, self._text_logprobs(entries, index)
 
