@@ -229,6 +229,11 @@ def _command(name: str):
     return run
 
 
+# how long a quiet rank waits before it exits with a one-line error, so that rank 0 (which
+# meets the same error) prints it before torchrun stops every rank at the first exit
+QUIET_RANK_GRACE_S = 5.0
+
+
 def _quiet_other_ranks() -> bool:
     """Under torchrun only rank 0 writes (the output, progress bars, one-line errors); the
     others keep stderr for tracebacks only. Returns whether this rank is quiet."""
@@ -256,6 +261,8 @@ def main(argv: list[str] | None = None) -> int:
         _command(args.command)(args)
     except UserError as exc:
         print("error: " + " ".join(str(exc).split()), file=sys.stderr)  # always one line
+        if quiet:  # the same error on rank 0 is the one said: let it say it first (torchrun
+            time.sleep(QUIET_RANK_GRACE_S)  # stops the others once one rank exits)
         return 2
     except KeyboardInterrupt:
         return 130
