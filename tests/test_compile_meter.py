@@ -159,3 +159,48 @@ def test_a_ready_server_logs_each_compile_by_name(caplog, tiny_llama):
         loop.stop()
     (record,) = [r for r in caplog.records if r.name == "headspace.serve"]
     assert record.getMessage().startswith("compiled while serving: Triton decode_kernel")
+
+
+def test_a_first_use_is_timed_once_by_name_and_a_capture_every_time():
+    """What a shape costs the first time besides compiles: ``first_use`` times its block as
+    a compile of the name it gives (asked for only then) the first time a key is met, never
+    again; ``timing`` (a CUDA graph's capture) every time."""
+    heard, asked = [], []
+    meter = CompileMeter()
+    meter.listen(lambda what, seconds: heard.append(what))
+
+    def name() -> str:
+        asked.append(1)
+        return "cuDNN attention plan: 512 query rows"
+
+    for _ in range(3):
+        with meter.first_use(("plan", 512), name):
+            time.sleep(0.01)
+    with meter.first_use(("plan", 768), lambda: "cuDNN attention plan: 768 query rows"):
+        pass
+    assert heard == ["cuDNN attention plan: 512 query rows", "cuDNN attention plan: 768 query rows"]
+    assert len(asked) == 1 and meter.count == 2 and meter.seconds >= 0.01
+    for _ in range(2):
+        with meter.timing("decode step CUDA graph: batch 8"):
+            pass
+    assert heard[2:] == ["decode step CUDA graph: batch 8"] * 2
+
+
+def test_the_decode_graphs_capture_of_each_key_is_timed_by_name(tiny_llama):
+    """Each decode-step graph the engine captures (the tests' twin, on the CPU) is told to
+    the process's meter by its key: a server names one captured while users wait."""
+    from graph_twin import EagerGraphTwin
+    from headspace import LLM, SamplingParams
+    from headspace.engine.hooks import EngineHooks
+    from headspace.model.compile_meter import COMPILE_METER
+
+    heard: list[str] = []
+    llm = LLM(str(tiny_llama), hooks=EngineHooks(graphs=EagerGraphTwin), offload="none",
+              kv_budget=0.5)  # fmt: skip
+    COMPILE_METER.listen(lambda what, seconds: heard.append(what))
+    try:
+        llm.generate([[5, 6, 7, 8] * 5], SamplingParams(max_new_tokens=4, ignore_eos=True))
+    finally:
+        COMPILE_METER.listen(None)
+    graphs = [what for what in heard if what.startswith("decode step CUDA graph: batch 1,")]
+    assert graphs and len(graphs) == len(set(graphs))  # each key once

@@ -17,6 +17,8 @@ from collections.abc import Callable
 
 import torch
 
+from headspace.model.compile_meter import COMPILE_METER
+
 aten = torch.ops.aten
 CUDNN_ROWS = 256  # cuDNN's calls run whole multiples of this many query rows
 
@@ -121,10 +123,11 @@ def fused_kernel(q4, k4, v4, causal: bool, scale: float,
         out, lse = aten._scaled_dot_product_flash_attention_for_cpu(
             q4, k4, v4, 0.0, causal, scale=scale
         )[:2]
-    elif cudnn:
-        out, lse = aten._scaled_dot_product_cudnn_attention(
-            q4, k4, v4, None, True, 0.0, causal, False, scale=scale
-        )[:2]
+    elif cudnn:  # (a new shape: cuDNN builds its plan first, 45-70 ms, metered by name)
+        with COMPILE_METER.first_use(_plan_key(q4, k4, causal), lambda: _plan_name(q4, k4, causal)):
+            out, lse = aten._scaled_dot_product_cudnn_attention(
+                q4, k4, v4, None, True, 0.0, causal, False, scale=scale
+            )[:2]
     elif q4.dtype == torch.float32:  # flash kernels are half-precision only
         out, lse = aten._scaled_dot_product_efficient_attention(
             q4, k4, v4, None, True, 0.0, causal, scale=scale
@@ -134,6 +137,18 @@ def fused_kernel(q4, k4, v4, causal: bool, scale: float,
             q4, k4, v4, 0.0, causal, False, scale=scale
         )[:2]
     return out, lse[..., : q4.shape[2]]
+
+
+def _plan_key(q4: torch.Tensor, k4: torch.Tensor, causal: bool) -> tuple:
+    """What a cuDNN attention plan is built for: shapes, strides, dtype, mask, device."""
+    return ("cudnn", q4.shape, q4.stride(), k4.shape, k4.stride(), q4.dtype, causal,
+            q4.device)  # fmt: skip
+
+
+def _plan_name(q4: torch.Tensor, k4: torch.Tensor, causal: bool) -> str:
+    mask = ", causal" if causal else ""
+    return (f"cuDNN attention plan: {q4.shape[2]} query rows x {q4.shape[1]} heads over "
+            f"{k4.shape[2]} keys{mask}")  # fmt: skip
 
 
 def _use_cudnn(q: torch.Tensor) -> bool:

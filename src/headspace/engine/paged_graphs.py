@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 from headspace.kv.transfer import shared_stream
+from headspace.model.compile_meter import COMPILE_METER
 from headspace.model.llama import DEVICE_LOCK
 from headspace.planner.memory import graph_step_faster
 from headspace.tiers import StepInputs, Tier, attend_tiers
@@ -26,6 +27,12 @@ from headspace.tiers.base import MIN_WIDTH, bucket
 
 def _queries_as_output(layer: int, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
     return q  # [tokens, heads, dim]: an attention stand-in of the right shape
+
+
+def _capture_name(key: tuple) -> str:
+    batch, gpu_width, staging_width = key
+    staged = f", {staging_width} staged pages a row" if staging_width else ""
+    return f"decode step CUDA graph: batch {batch}, {gpu_width} pages a row{staged}"
 
 
 def graphs_allowed(runtime, plan, streamed_weights: bool) -> bool:
@@ -288,8 +295,9 @@ class DecodeGraphs:
         graph_step = getattr(self.attention, "graph_step", None)
         if graph_step is not None:
             graph_step(self, key, key not in self._graphs, num_seqs)
-        if key not in self._graphs:
-            self._graphs[key] = self._capture(key)
+        if key not in self._graphs:  # (metered as a first use: named once ready)
+            with COMPILE_METER.timing(_capture_name(key)):
+                self._graphs[key] = self._capture(key)
         return self._graphs[key]
 
     def release(self) -> None:

@@ -1,5 +1,8 @@
 """Seconds the process spends compiling: torch.compile's frames (Dynamo and Inductor) and
-Triton's own kernels (the decode attention, the page copies), by the hooks each offers.
+Triton's own kernels (the decode attention, the page copies), by the hooks each offers;
+and, told by the engine (:meth:`CompileMeter.timing`, :meth:`CompileMeter.first_use`), the
+other work a shape costs the first time it is met: cuDNN's execution plan of an attention
+shape, the capture of a decode step's CUDA graph.
 
 A shape met for the first time compiles while a request waits (a new block-table width
 compiled the decode kernel again in the middle of a served stream: bench/NOTES.md). The
@@ -10,6 +13,7 @@ Triton's count includes kernels read back from its disk cache (milliseconds each
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -33,6 +37,7 @@ class CompileMeter:
         self._listener: CompileListener | None = None
         self._dynamo: tuple = ()  # the callbacks given to torch.compile's handler
         self._triton: tuple | None = None  # Triton's hooks before, and this meter's
+        self._met: set = set()  # the keys first_use has met
 
     @property
     def seconds(self) -> float:
@@ -90,6 +95,25 @@ class CompileMeter:
                 listener(what, seconds)
             except Exception:
                 logging.getLogger(__name__).debug("a compile listener failed", exc_info=True)
+
+    @contextlib.contextmanager
+    def timing(self, what: str):
+        """Time the block as a compile of ``what`` (work the engine tells the meter of: a
+        CUDA graph's capture)."""
+        self.start(what)
+        try:
+            yield
+        finally:
+            self.end()
+
+    def first_use(self, key, what: Callable[[], str]):
+        """:meth:`timing` of ``what()`` (called only then) if ``key`` (hashable) is met for
+        the first time in this process, else nothing: a cuDNN attention plan (host work a
+        shape costs once, like a compile)."""
+        with self._lock:
+            new = key not in self._met
+            self._met.add(key)
+        return self.timing(what()) if new else contextlib.nullcontext()
 
     def install(self) -> None:
         """Hook into torch.compile's compile callbacks and Triton's JIT hooks (once a
@@ -179,7 +203,8 @@ COMPILE_METER = CompileMeter()  # the process's
 def log_compiles(logger: logging.Logger, meter: CompileMeter = COMPILE_METER) -> None:
     """From now on (a server once ready), each compile that ``meter`` times is a warning in
     ``logger`` with what compiled and its seconds: a compile while users wait, named, for a
-    shape the warm-up did not meet (nothing compiles on the CPU, so nothing is said there).
+    shape the warm-up did not meet (a cuDNN plan and a graph's capture included; nothing
+    compiles on the CPU, so nothing is said there).
     The guard that failed, for a torch.compile frame, is torch's own log
     (``TORCH_LOGS=recompiles``)."""
     meter.listen(lambda what, seconds: logger.warning("compiled while serving: %s (%.2f s)",
