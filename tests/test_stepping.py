@@ -415,7 +415,7 @@ def test_step_budget_defaults_to_the_pace_of_arrivals_and_to_throughput_for_a_ba
     ``generate`` runs a batch given at once (back to 512 after it); a piece through every
     layer (layouts without layer slices) is 8192 tokens in both; set, it is all of them
     (in whole pages)."""
-    from headspace.engine.config import ARRIVING_STEP_TOKENS, AT_ONCE_STEP_TOKENS
+    from headspace.engine.config_fields import ARRIVING_STEP_TOKENS, AT_ONCE_STEP_TOKENS
 
     assert (ARRIVING_STEP_TOKENS, AT_ONCE_STEP_TOKENS) == (512, 8192)
     llm = LLM(str(tiny_llama), page_size=PAGE)

@@ -29,6 +29,7 @@ from headspace.engine.ranks import Ranks
 from headspace.engine.requests import (
     Request,
     TokenRead,
+    advance,
     logprob_rows,
     prompt_logprobs,
     read_logprob,
@@ -357,7 +358,7 @@ class Lane:
             if not seq.output_ids:
                 request.first_token = time.perf_counter()
             seq.output_ids.append(token)
-            piece, reason = self._advance(request, token)
+            piece, reason = advance(request, token, self.context.eos_token_ids)
         blocks = self.scheduler.blocks
         if reason:
             if blocks.per_entry:  # (bytes held, share of the full KV)
@@ -369,24 +370,6 @@ class Lane:
         elif blocks.has_pages_to_cache(seq.seq_id, seq.num_tokens):
             blocks.cache_full_pages(seq.seq_id, seq.token_ids)  # once per page
         return piece
-
-    def _advance(self, request: Request, token: int) -> tuple[str, str | None]:
-        """The new text of an appended ``token`` and the finish reason it ends the request
-        with (None: it goes on); sets ``request.ended``, the reason in detail."""
-        seq, params = request.seq, request.params
-        piece = ""
-        if token in self.context.eos_token_ids and not params.ignore_eos:
-            request.ended = "end of sequence"
-        elif token in params.stop_token_ids:
-            request.ended = "stop token"
-        else:
-            piece = request.streamer.update(seq.output_ids)
-            if request.streamer.stopped:
-                request.ended = "stop string"
-            elif seq.num_tokens >= seq.max_tokens:
-                request.ended = "max_new_tokens" if len(seq.output_ids) >= \
-                    params.max_new_tokens else "context"  # fmt: skip
-        return piece, FINISH_REASONS.get(request.ended)
 
     def _output(self, request: Request, final: bool) -> RequestOutput:
         """The request as it stands; ``final``: with its whole stats (it has ended)."""

@@ -11,7 +11,7 @@ import torch
 
 from headspace.engine.detokenize import StopStringStreamer
 from headspace.engine.logits_process import TokenHistory
-from headspace.engine.outputs import GenerationStats, RequestOutput, TokenLogprob
+from headspace.engine.outputs import FINISH_REASONS, GenerationStats, RequestOutput, TokenLogprob
 from headspace.engine.sampling import SamplingParams
 from headspace.engine.step_plan import Sequence
 
@@ -145,3 +145,25 @@ def start_read(batch: list[Sequence], tokens: torch.Tensor,
     ready = torch.cuda.Event()
     ready.record()
     return TokenRead([s.seq_id for s in batch], host, ready, rows)
+
+
+def advance(request: Request, token: int, eos_token_ids: frozenset[int]
+            ) -> tuple[str, str | None]:  # fmt: skip
+    """The new text of a ``token`` just appended to ``request``'s outputs and the finish
+    reason it ends the request with (None: it goes on); sets ``request.ended``, the reason
+    in detail (an end-of-sequence id of ``eos_token_ids``, a stop token or string, the
+    tokens asked for or the context)."""
+    seq, params = request.seq, request.params
+    piece = ""
+    if token in eos_token_ids and not params.ignore_eos:
+        request.ended = "end of sequence"
+    elif token in params.stop_token_ids:
+        request.ended = "stop token"
+    else:
+        piece = request.streamer.update(seq.output_ids)
+        if request.streamer.stopped:
+            request.ended = "stop string"
+        elif seq.num_tokens >= seq.max_tokens:
+            request.ended = "max_new_tokens" if len(seq.output_ids) >= \
+                params.max_new_tokens else "context"  # fmt: skip
+    return piece, FINISH_REASONS.get(request.ended)
