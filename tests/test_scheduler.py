@@ -447,9 +447,11 @@ def test_a_refused_host_growth_ends_the_prompt_it_was_for_and_moves_a_new_token_
     """Heads stream (every sequence in both tiers): a prompt admitted onto host pages grew
     the host pool, and in the same step a decoding sequence's new token took one of the
     new pages. The arena cannot grow after all (page-locking refused): the prompt ends,
-    the decoding one keeps going on a page the arena holds, the pool shrinks back."""
+    the decoding one keeps going on a page the arena holds, the pool shrinks back; its
+    piece was to run in the decode rows' forward (a layout that mixes them): the step is a
+    plain decode step now."""
     scheduler = _scheduler(gpu_pages=32, host_pages=4, host_claim=lambda pages, rows, keep: True)
-    scheduler.tiers = (GPU, HOST)
+    scheduler.tiers, scheduler.mixes = (GPU, HOST), True
     first = Sequence(0, list(range(16)), 40)  # its prompt fills host page 0
     _until_first_token(scheduler, first)
     second = Sequence(1, list(range(100, 148)), 60)
@@ -457,9 +459,11 @@ def test_a_refused_host_growth_ends_the_prompt_it_was_for_and_moves_a_new_token_
     plan = scheduler.schedule()
     assert plan.admitted is second and plan.host_pages > 4 and plan.decode == [first]
     assert scheduler.blocks.table(0, HOST).pages[-1] >= 4  # a new page for its token
+    assert plan.mixed
     scheduler.host_refused(4, plan)
     assert plan.ended == [second] and second.finish_reason == "error"
     assert plan.admitted is None and plan.prefill is None and plan.host_pages == 0
+    assert not plan.mixed
     assert plan.decode == [first] and max(plan.decode_pages[HOST][0]) < 4
     host = scheduler.blocks.pools[HOST]
     assert host.num_pages == 4 and host.num_free == 2

@@ -13,6 +13,7 @@ the mask hides them); their outputs are dropped (``bench/profiles/prompt_lengths
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 
 import torch
@@ -124,7 +125,8 @@ def fused_kernel(q4, k4, v4, causal: bool, scale: float,
             q4, k4, v4, 0.0, causal, scale=scale
         )[:2]
     elif cudnn:  # (a new shape: cuDNN builds its plan first, 45-70 ms, metered by name)
-        with COMPILE_METER.first_use(_plan_key(q4, k4, causal), lambda: _plan_name(q4, k4, causal)):
+        with COMPILE_METER.first_use(_plan_key(q4, k4, v4, causal),
+                                     lambda: _plan_name(q4, k4, causal)):  # fmt: skip
             out, lse = aten._scaled_dot_product_cudnn_attention(
                 q4, k4, v4, None, True, 0.0, causal, False, scale=scale
             )[:2]
@@ -139,10 +141,11 @@ def fused_kernel(q4, k4, v4, causal: bool, scale: float,
     return out, lse[..., : q4.shape[2]]
 
 
-def _plan_key(q4: torch.Tensor, k4: torch.Tensor, causal: bool) -> tuple:
-    """What a cuDNN attention plan is built for: shapes, strides, dtype, mask, device."""
-    return ("cudnn", q4.shape, q4.stride(), k4.shape, k4.stride(), q4.dtype, causal,
-            q4.device)  # fmt: skip
+def _plan_key(q4: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor, causal: bool) -> tuple:
+    """What a cuDNN attention plan is built for: shapes, strides, dtype, mask, device, and
+    the thread (torch keeps its cache of plans per thread; a lane runs on either of two)."""
+    return ("cudnn", q4.shape, q4.stride(), k4.shape, k4.stride(), v4.shape, v4.stride(),
+            q4.dtype, causal, q4.device, threading.get_ident())  # fmt: skip
 
 
 def _plan_name(q4: torch.Tensor, k4: torch.Tensor, causal: bool) -> str:

@@ -55,7 +55,10 @@ class PrefillSteps:
     def mixes(self) -> bool:
         """Whether a step may run a prompt piece and the decode rows through the layers in
         one forward under this layout (:meth:`mixed`): asked for (``mixed_steps``), every
-        tier mixes (``Tier.mixes``), the prompt computed (no benchmark's stand-in)."""
+        tier mixes (``Tier.mixes``), the prompt computed (no benchmark's stand-in); not yet
+        with streamed weights or under torchrun (untested there)."""
+        if self.model.layer_source is not None or self.layout is not None:
+            return False
         return (self.config.runtime.mixed_steps and self.prompt_stand_in is None
                 and bool(self.tiers) and all(tier.mixes for tier in self.tiers))  # fmt: skip
 
