@@ -153,7 +153,9 @@ def headspace_runs(model_dir: Path, lengths: list[int], caches: Path) -> dict:
 def variant_runs(model_dir: Path, lengths: list[int], caches: Path,
                  variants: list[str]) -> dict:  # fmt: skip
     """Each of ``variants`` (server flags) on a server over the fresh run's caches: a first
-    burst, then the measured one (the warm run's prompts)."""
+    burst (``first``: what a new process pays for beyond the disk caches, as cuDNN's plans
+    and the decode graphs' captures, which live in the process), then the measured one
+    (the warm run's prompts)."""
     env = dict(os.environ, HEADSPACE_CACHE=str(caches / "headspace"),
                TORCHINDUCTOR_CACHE_DIR=str(caches / "inductor"),
                TRITON_CACHE_DIR=str(caches / "triton"))  # fmt: skip
@@ -161,8 +163,9 @@ def variant_runs(model_dir: Path, lengths: list[int], caches: Path,
     for flags in variants:
         server, url, _ = start_server_timed(model_dir, *flags.split(), budget=BUDGET, env=env)
         try:
-            burst(url, prompts(1, lengths), NAME)
+            first = _short(figures(burst(url, prompts(1, lengths), NAME)))
             runs[flags] = _short(figures(burst(url, prompts(2, lengths), NAME)))
+            runs[flags]["first"] = first
             print(f"variant {flags!r}: {runs[flags]}", flush=True)
         finally:
             stop(server)
