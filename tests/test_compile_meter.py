@@ -162,9 +162,10 @@ def test_a_ready_server_logs_each_compile_by_name(caplog, tiny_llama):
 
 
 def test_a_first_use_is_timed_once_by_name_and_a_capture_every_time():
-    """What a shape costs the first time besides compiles: ``first_use`` times its block as
-    a compile of the name it gives (asked for only then) the first time a key is met, never
-    again; ``timing`` (a CUDA graph's capture) every time."""
+    """What a shape costs the first time besides compiles: ``first_use`` tells the listener
+    of its block by the name it gives (asked for only then) the first time a key is met,
+    never again; ``timing`` (a CUDA graph's capture) every time; neither is counted as a
+    compile."""
     heard, asked = [], []
     meter = CompileMeter()
     meter.listen(lambda what, seconds: heard.append(what))
@@ -179,7 +180,7 @@ def test_a_first_use_is_timed_once_by_name_and_a_capture_every_time():
     with meter.first_use(("plan", 768), lambda: "cuDNN attention plan: 768 query rows"):
         pass
     assert heard == ["cuDNN attention plan: 512 query rows", "cuDNN attention plan: 768 query rows"]
-    assert len(asked) == 1 and meter.count == 2 and meter.seconds >= 0.01
+    assert len(asked) == 1 and meter.count == 0 and meter.seconds == 0.0
     for _ in range(2):
         with meter.timing("decode step CUDA graph: batch 8"):
             pass

@@ -295,8 +295,8 @@ class DecodeGraphs:
         graph_step = getattr(self.attention, "graph_step", None)
         if graph_step is not None:
             graph_step(self, key, key not in self._graphs, num_seqs)
-        if key not in self._graphs:  # metered as a compile once the lock is held (an RLock:
-            with DEVICE_LOCK, COMPILE_METER.timing(_capture_name(key)):  # the capture's own)
+        if key not in self._graphs:  # timed and named once the lock is held (an RLock: the
+            with DEVICE_LOCK, COMPILE_METER.timing(_capture_name(key)):  # capture's own)
                 self._graphs[key] = self._capture(key)
         return self._graphs[key]
 

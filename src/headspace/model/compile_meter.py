@@ -1,8 +1,9 @@
 """Seconds the process spends compiling: torch.compile's frames (Dynamo and Inductor) and
 Triton's own kernels (the decode attention, the page copies), by the hooks each offers;
-and, told by the engine (:meth:`CompileMeter.timing`, :meth:`CompileMeter.first_use`), the
-other work a shape costs the first time it is met: cuDNN's execution plan of an attention
-shape, the capture of a decode step's CUDA graph.
+and, told by the engine (:meth:`CompileMeter.timing`, :meth:`CompileMeter.first_use`) and
+heard by the listener alone (not counted), the other work a shape costs the first time it
+is met: cuDNN's execution plan of an attention shape, the capture of a decode step's CUDA
+graph.
 
 A shape met for the first time compiles while a request waits (a new block-table width
 compiled the decode kernel again in the middle of a served stream: bench/NOTES.md). The
@@ -98,18 +99,25 @@ class CompileMeter:
 
     @contextlib.contextmanager
     def timing(self, what: str):
-        """Time the block as a compile of ``what`` (work the engine tells the meter of: a
-        CUDA graph's capture)."""
-        self.start(what)
+        """Tell the listener (:meth:`listen`) of the block as ``what`` with its seconds, not
+        counted as a compile: first-use work that the hooks do not see and that is not a
+        compile of torch's or Triton's (a CUDA graph's capture); a compile inside it is
+        timed and heard on its own."""
+        start = time.perf_counter()
         try:
             yield
         finally:
-            self.end()
+            listener = self._listener
+            if listener is not None:
+                try:
+                    listener(what, time.perf_counter() - start)
+                except Exception:
+                    logging.getLogger(__name__).debug("a listener failed", exc_info=True)
 
     def first_use(self, key, what: Callable[[], str]):
         """:meth:`timing` of ``what()`` (called only then) if ``key`` (hashable) is met for
         the first time in this process, else nothing: a cuDNN attention plan (host work a
-        shape costs once, like a compile)."""
+        shape costs once)."""
         with self._lock:
             new = key not in self._met
             self._met.add(key)
@@ -203,8 +211,8 @@ COMPILE_METER = CompileMeter()  # the process's
 def log_compiles(logger: logging.Logger, meter: CompileMeter = COMPILE_METER) -> None:
     """From now on (a server once ready), each compile that ``meter`` times is a warning in
     ``logger`` with what compiled and its seconds: a compile while users wait, named, for a
-    shape the warm-up did not meet (a cuDNN plan and a graph's capture included; nothing
-    compiles on the CPU, so nothing is said there).
+    shape the warm-up did not meet (a cuDNN plan and a graph's capture are said the same
+    way, though not counted; nothing compiles on the CPU, so nothing is said there).
     The guard that failed, for a torch.compile frame, is torch's own log
     (``TORCH_LOGS=recompiles``)."""
     meter.listen(lambda what, seconds: logger.warning("compiled while serving: %s (%.2f s)",
