@@ -59,7 +59,6 @@ class HostRefusals:
         )
         if plan.prefill is not None and plan.prefill.seq in ended:
             plan.prefill = None
-        plan.mixed = plan.mixed and plan.prefill is not None and bool(plan.decode)
         if plan.admitted in ended:
             plan.admitted = None
 

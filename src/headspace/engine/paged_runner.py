@@ -336,24 +336,30 @@ class PagedRunner(PrefillSteps):
         if graphs is not None and graphs.accepts(positions):
             return graphs.run(slots, positions, pages)
         self.hybrid_share.before_step(seq_ids)
-        step = self._decode_inputs(positions, pages)
-        step.seq_ids = list(seq_ids)
+        step = self._decode_inputs(seq_ids, positions, pages)
         for tier in self.tiers:
             tier.begin(step)
         slot_index = device_ints(slots, self.device)
         mode = "dynamic" if self._compiled else "eager"
         hidden = self.model(self.tokens[slot_index], step.positions, self._attention, mode)
-        logits = self.model.logits(hidden)
-        self.tokens[slot_index] = logits.argmax(-1)
-        return logits, slot_index
+        return self._picks(hidden, slot_index)
 
-    def _decode_inputs(self, positions: list[int], pages: Pages) -> StepInputs:
+    def _decode_inputs(self, seq_ids: list[int], positions: list[int],
+                       pages: Pages) -> StepInputs:  # fmt: skip
         pos = device_ints(positions, self.device)
         tables = {}
         for tier, rows in pages.items():
             width = bucket(max(map(len, rows)), MIN_WIDTH)
             tables[tier] = device_ints(block_table(rows, width), self.device, torch.int32)
-        return StepInputs(True, pos, list(positions), pages, tables, pos + 1)
+        return StepInputs(True, pos, list(positions), pages, tables, pos + 1,
+                          seq_ids=list(seq_ids))  # fmt: skip
+
+    def _picks(self, hidden: torch.Tensor, slot_index: torch.Tensor) -> DecodeResult:
+        """The decode rows' fp32 logits from their ``hidden`` states ``[seqs, hidden]``,
+        each greedy pick written into its token slot (``slot_index`` on the device)."""
+        logits = self.model.logits(hidden)
+        self.tokens[slot_index] = logits.argmax(-1)
+        return logits, slot_index
 
     # -- swapping ----------------------------------------------------------------------
     def _swap(self, pairs: list[tuple[int, int]], to_host: bool) -> None:

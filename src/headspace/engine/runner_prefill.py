@@ -80,26 +80,30 @@ class PrefillSteps:
 
     def _mixed(self, piece: PrefillPiece, seq_ids: list[int], positions: list[int],
                slots: list[int], pages: Pages, held: dict) -> tuple:  # fmt: skip
-        seq, start, end = piece.seq, piece.start, piece.end
         for tier in self.tiers:
             tier.before_decode(seq_ids, slots)
-        piece_step = StepInputs(False, torch.arange(start, end, device=self.device), [],
-                                piece.pages, start=start, seq_ids=[seq.seq_id])  # fmt: skip
-        decode_step = self._decode_inputs(positions, pages)
-        decode_step.seq_ids = list(seq_ids)
-        self.hybrid_share.other_work = True
+        prompt, piece_step = self._piece_inputs(piece.seq, piece.start, piece.end, piece.pages)
+        decode_step = self._decode_inputs(seq_ids, positions, pages)
         for tier in self.tiers:
             tier.begin_mixed(piece_step, decode_step)
         slot_index = device_ints(slots, self.device)
-        prompt = torch.tensor(seq.prompt_ids[start:end], device=self.device)
         ids = torch.cat([prompt, self.tokens[slot_index]])  # [piece + seqs]
         mode = "dynamic" if self._compiled else "eager"
         hidden = self.model(ids, torch.cat([piece_step.positions, decode_step.positions]),
                             self._attention, mode)  # fmt: skip
-        held["hidden"] = hidden[: end - start]
-        logits = self.model.logits(hidden[end - start :])
-        self.tokens[slot_index] = logits.argmax(-1)
-        return logits, slot_index
+        rows = len(prompt)
+        held["hidden"] = hidden[:rows]
+        return self._picks(hidden[rows:], slot_index)
+
+    def _piece_inputs(self, seq, start: int, end: int, pages: Pages,
+                      first_layer: int = 0) -> tuple[torch.Tensor, StepInputs]:  # fmt: skip
+        """Prompt tokens ``start .. end-1`` of ``seq`` on the device ``[tokens]`` and the
+        tiers' inputs of their piece (a prompt step: other work than a decode step's)."""
+        self.hybrid_share.other_work = True
+        ids = torch.tensor(seq.prompt_ids[start:end], device=self.device)
+        positions = torch.arange(start, end, device=self.device)
+        return ids, StepInputs(False, positions, [], pages, start=start, seq_ids=[seq.seq_id],
+                               first_layer=first_layer)  # fmt: skip
 
     @torch.inference_mode()
     def prefill_chunk(self, seq, start: int, end: int, pages: Pages, static: bool = True,
@@ -114,18 +118,14 @@ class PrefillSteps:
         if self.prompt_stand_in is not None:  # a benchmark's: nothing computed
             return torch.zeros(end - start, self.model.config.hidden_size, device=self.device,
                                dtype=self.config.runtime.torch_dtype)  # fmt: skip
-        ids = torch.tensor(seq.prompt_ids[start:end], device=self.device)
-        positions = torch.arange(start, end, device=self.device)
         first_layer = 0 if layers is None else layers[0]
-        step = StepInputs(False, positions, [], pages, start=start, seq_ids=[seq.seq_id],
-                          first_layer=first_layer)  # fmt: skip
-        self.hybrid_share.other_work = True
+        ids, step = self._piece_inputs(seq, start, end, pages, first_layer)
         for tier in self.tiers:
             tier.begin(step)
         mode = "eager"
         if self._compiled:  # static shapes for full chunks: one compile per chunk size
             mode = "static" if static else "dynamic"
-        return self.model(ids, positions, self._attention, mode, layers, hidden)
+        return self.model(ids, step.positions, self._attention, mode, layers, hidden)
 
     @torch.inference_mode()
     def end_prefill(self, seq, hidden: torch.Tensor | None, slot: int | None):

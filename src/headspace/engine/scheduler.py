@@ -266,8 +266,7 @@ class Scheduler(PromptPieces, HostRefusals):
             plan.decode_pages = self.blocks.pages([s.seq_id for s in plan.decode])
         if self.prefilling is not None:
             plan.prefill = self._next_piece(plan.decode)
-            whole = plan.prefill.layers == (0, plan.prefill.num_layers)
-            plan.mixed = bool(plan.decode) and self.mixes and whole
+            plan.mixes = self.mixes and plan.prefill.layers == (0, plan.prefill.num_layers)
         plan.host_pages, self._host_target = self._host_target, 0
         return plan
 

@@ -128,12 +128,18 @@ class StepPlan:
     decode: list[Sequence] = field(default_factory=list)
     decode_pages: Pages = field(default_factory=dict)
     prefill: PrefillPiece | None = None
-    mixed: bool = False  # the piece and the decode rows run through the layers as one forward
+    mixes: bool = False  # a piece beside decode rows would run in their forward (the layout)
     admitted: Sequence | None = None
     # sequences the scheduler ended for want of pages (none free on the GPU and no room in
     # the host budget to swap them out, or host pages refused): their pages went back;
     # their requests end alone
     ended: list[Sequence] = field(default_factory=list)
+
+    @property
+    def mixed(self) -> bool:
+        """Whether its piece and its decode rows run through the layers as one forward:
+        the layout mixes them and the step has both (after any the scheduler ended)."""
+        return self.mixes and bool(self.decode) and self.prefill is not None
 
     @property
     def computes(self) -> bool:

@@ -90,9 +90,14 @@ class CompileMeter:
             seconds = time.perf_counter() - start
             self._seconds += seconds
             self._count += 1
-            listener = self._listener
+        self._tell(what, seconds)
+
+    def _tell(self, what: str, seconds: float) -> None:
+        """The listener, if any, hears ``what`` took ``seconds`` (inside torch.compile's
+        callback too: an error of the listener's must not reach the compiler)."""
+        listener = self._listener
         if listener is not None:
-            try:  # (inside torch.compile's callback: an error must not reach it)
+            try:
                 listener(what, seconds)
             except Exception:
                 logging.getLogger(__name__).debug("a compile listener failed", exc_info=True)
@@ -107,12 +112,7 @@ class CompileMeter:
         try:
             yield
         finally:
-            listener = self._listener
-            if listener is not None:
-                try:
-                    listener(what, time.perf_counter() - start)
-                except Exception:
-                    logging.getLogger(__name__).debug("a listener failed", exc_info=True)
+            self._tell(what, time.perf_counter() - start)
 
     def first_use(self, key, what: Callable[[], str]):
         """:meth:`timing` of ``what()`` (called only then) if ``key`` (hashable) is met for
