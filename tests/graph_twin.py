@@ -1,15 +1,16 @@
-"""The CPU twin of the decode step's CUDA graphs, for tests (passed as
+"""The CPU twin of the decode and mixed steps' CUDA graphs, for tests (passed as
 ``EngineHooks(graphs=EagerGraphTwin)``)."""
 
 from __future__ import annotations
 
 import torch
 
-from headspace.engine.paged_graphs import CapturedStep, DecodeGraphs
+from headspace.engine.mixed_graphs import MixedGraphs, MixedStep
+from headspace.engine.paged_graphs import CapturedStep
 
 
-class EagerGraphTwin(DecodeGraphs):
-    """The CPU twin of :class:`DecodeGraphs` for tests: the same keys, padded rows, packed
+class EagerGraphTwin(MixedGraphs):
+    """The CPU twin of :class:`MixedGraphs` for tests: the same keys, padded rows, packed
     inputs and two warm-up steps of all-padding rows when a key is new, each "replay" the
     captured step run eagerly over those inputs (what a graph replays, bugs included)."""
 
@@ -30,3 +31,19 @@ class EagerGraphTwin(DecodeGraphs):
         per_row, _ = self._columns(key)
         # a copy: on the CPU nothing else would copy the shared buffer before the next step
         return self.logits[:num_seqs].clone(), captured.inputs[: num_seqs * per_row : per_row]
+
+    def _capture_mixed(self, key) -> MixedStep:
+        values = self._mixed_pack([], 0, [], [], [], {}, key)
+        inputs = torch.tensor(values, dtype=torch.long, device=self.device)
+        for _ in range(2):  # the warm-up steps a capture runs, every row padding
+            self._mixed_step(self._mixed_views(inputs, key), key)
+        return MixedStep(None, inputs, [])
+
+    def _replay_mixed(self, captured: MixedStep, key, values: list[int]) -> torch.Tensor:
+        captured.inputs.copy_(torch.tensor(values))
+        return self._mixed_step(self._mixed_views(captured.inputs, key), key)
+
+    @torch.inference_mode()
+    def run_mixed(self, *args) -> tuple[torch.Tensor, tuple]:
+        hidden, (logits, slots) = super().run_mixed(*args)
+        return hidden, (logits.clone(), slots)  # (a copy, as ``run`` makes)

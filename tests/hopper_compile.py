@@ -16,7 +16,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from headspace.attention import merge_kernel, triton_decode
+from headspace.attention import merge_kernel, triton_decode, triton_piece
 from headspace.kv import transfer
 
 HOPPER = GPUTarget("cuda", 90, 32)
@@ -127,11 +127,26 @@ def merge_pair_kernel(parts: str, out: str) -> dict:
             "kernel": resources(compiled, num_warps=4)}  # fmt: skip
 
 
+def piece_kernel(dtype: str) -> dict:
+    """The prompt piece's paged kernel as a Llama launch gives it (groups of 4, dims of 128,
+    pages of 128)."""
+    pointers = dict(Q=dtype, K=dtype, V=dtype, OUT=dtype, LSE="fp32", TABLE="i32", START="i64",
+                    ROWS="i64")  # fmt: skip
+    constants = dict(GROUP=4, GROUP_PAD=4, DIM=128, PAGE_SIZE=128, BLOCK_Q=triton_piece.BLOCK_Q,
+                     BLOCK_N=triton_piece.BLOCK_N, WHILE_LOOP=False, PRECISION="tf32")  # fmt: skip
+    compiled = compile_for_hopper(triton_piece._piece_kernel, pointers, constants,
+                                  floats=("scale_log2",), num_warps=8, num_stages=2)  # fmt: skip
+    ptx = compiled.asm["ptx"]
+    return {"checks": {"stores": "st.global" in ptx, "tensor_cores": "mma." in ptx},
+            "kernel": resources(compiled, num_warps=8)}  # fmt: skip
+
+
 if __name__ == "__main__":
     results = {f"decode {case}": decode_kernels(*case) for case in DECODE_CASES}
     results |= {f"copies {case}": copy_kernels(*case) for case in [(False, False), (True, True)]}
     results |= {f"merge pair {case}": merge_pair_kernel(*case)
                 for case in [("bf16", "bf16"), ("fp32", "fp32")]}  # fmt: skip
+    results["piece bf16"] = piece_kernel("bf16")
     results["unspecialised"] = {"partial": unspecialised(triton_decode._partial_kernel),
                                 "merge": unspecialised(triton_decode._merge_kernel),
                                 "merge_pair": unspecialised(merge_kernel._merge_pair_kernel),

@@ -332,3 +332,39 @@ def test_decode_attend_cpu_appends_and_attends():
     assert torch.equal(k[:, 9], new_kv[0, 0]) and torch.equal(v[:, 9], new_kv[1, 0])
     ref_out, _ = reference_attention(q, k[:, :10], v[:, :10])
     assert torch.equal(out, ref_out)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize(
+    "heads,kv_heads,page,start,rows,bucket",
+    [(4, 2, 16, 37, 21, 32), (8, 2, 8, 0, 16, 16), (4, 4, 16, 100, 5, 16), (6, 2, 16, 3, 40, 48)],
+)
+def test_paged_piece_kernel_matches_reference(dtype, heads, kv_heads, page, start, rows, bucket):
+    """A prompt piece's causal attention over its sequence's pages (scattered, the table
+    padded with another page), its first position and length device values, run by Triton's
+    interpreter on CPU tensors: the piece's rows equal the fp32 reference over the logical
+    keys, and the padding rows of the bucket are left as they were."""
+    from headspace.attention.triton_piece import paged_piece_attention
+
+    generator = torch.Generator().manual_seed(start + rows)
+    needed = -(-(start + rows) // page)
+    pool_pages = needed + 4
+    order = torch.randperm(pool_pages, generator=generator)[:needed].to(torch.int32)
+    table = torch.cat([order, torch.full((3,), pool_pages - 1, dtype=torch.int32)]).to(DEVICE)
+    k, v = (torch.randn(kv_heads, pool_pages * page, 16, generator=generator).to(dtype).to(DEVICE)
+            for _ in range(2))  # fmt: skip
+    q = torch.randn(bucket, heads, 16, generator=generator).to(dtype).to(DEVICE)
+    out = torch.full_like(q, 7.0)
+    ints = {"device": DEVICE, "dtype": torch.long}
+    paged_piece_attention(q, k, v, table, torch.tensor([start], **ints),
+                          torch.tensor([rows], **ints), page, out=out)  # fmt: skip
+    _, lse = paged_piece_attention(q, k, v, table, torch.tensor([start], **ints),
+                                   torch.tensor([rows], **ints), page)  # fmt: skip
+    positions = torch.arange(start + rows, device=DEVICE)
+    slots = table[positions // page].long() * page + positions % page
+    want, want_lse = reference_attention(q[:rows].transpose(0, 1), k[:, slots], v[:, slots],
+                                         causal=True)  # fmt: skip
+    tolerance = 1e-5 if dtype == torch.float32 and DEVICE == "cpu" else 2e-3
+    assert (out[:rows].transpose(0, 1).float() - want.float()).abs().max().item() < tolerance
+    assert (lse[:, :rows] - want_lse).abs().max().item() < tolerance
+    assert (out[rows:] == 7.0).all()

@@ -470,3 +470,39 @@ def test_layer_slices_in_bf16_compiled_blocks_equal_the_whole_pass():
         for first, end in ((0, 1), (1, 3), (3, 4)):
             hidden = model(prompt, positions, attention, "static", (first, end), hidden)
     assert torch.equal(hidden, whole)
+
+
+def _arrival(engine, long_prompt: list[int]) -> tuple[list[int], int]:
+    """Two requests decode; ``long_prompt`` arrives asking for 8 tokens: its tokens, and the
+    steps that ran a piece of it beside their decode rows in one forward."""
+    from headspace.engine.sampling import SamplingParams
+
+    generator = torch.Generator().manual_seed(6)
+    params = SamplingParams(max_new_tokens=200, ignore_eos=True)
+    running = [engine.add_request(torch.randint(0, 512, (n,), generator=generator).tolist(),
+                                  params) for n in (40, 90)]  # fmt: skip
+    while not all(engine.load().request(r).generated_tokens for r in running):
+        engine.step()
+    long_id = engine.add_request(long_prompt, SamplingParams(max_new_tokens=8, ignore_eos=True))
+    tokens, mixed = [], 0
+    while engine.load().request(long_id) is not None:
+        tokens += [t for o in engine.step() if o.request_id == long_id for t in o.new_token_ids]
+        mixed += engine.load().lane("main").last_step["mixed"]
+    return tokens, mixed
+
+
+def test_mixed_graph_steps_equal_the_eager_mixed_steps():
+    """A 1,000-token prompt arrives while two requests decode. With mixed steps, each of
+    its pieces and the decode rows replay a captured graph (the piece's first position,
+    length and pages read on the device by the paged piece kernel; fp32): its tokens equal
+    those of the eager mixed steps and of its prompt alone."""
+    prompt = torch.randint(0, 512, (1000,), generator=torch.Generator().manual_seed(7)).tolist()
+    model = tiny_model("cuda", torch.float32)
+    options = {"dtype": "float32", "mixed_steps": True, "prefill_step_tokens": 64}
+    graphed = make_engine(model, **options)
+    tokens, mixed = _arrival(graphed, prompt)
+    assert mixed >= 1000 // 64 // 2 and graphed.lanes.resident.runner.has_mixed_graphs
+    eager = make_engine(model, cuda_graph=False, **options)
+    eager_tokens, eager_mixed = _arrival(eager, prompt)
+    assert eager_mixed >= 1000 // 64 // 2 and not eager.lanes.resident.runner.has_mixed_graphs
+    assert tokens == eager_tokens == greedy(eager, [torch.tensor(prompt)])[0][:8]

@@ -14,8 +14,10 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from graph_twin import EagerGraphTwin
 from headspace import LLM, SamplingParams
 from headspace.engine.engine import Engine
+from headspace.engine.hooks import EngineHooks
 from headspace.errors import UserError
 
 PAGE, CHUNK = 16, 64
@@ -480,3 +482,33 @@ def test_one_step_in_flight_and_a_finished_request_returned_at_once(tiny_llama):
         engine.step()
         assert len(engine.lanes.resident._reads) <= 1  # the step's own read, at most
     assert long_request < arrivals[0] and _pools_full(engine)
+
+
+class _MixedCounter(EagerGraphTwin):
+    """The graphs' CPU twin, counting the mixed steps it replays (a test's hook)."""
+
+    replays: list[int] = []  # the piece's rows of each
+
+    def run_mixed(self, piece_ids, *args):
+        type(self).replays.append(len(piece_ids))
+        return super().run_mixed(piece_ids, *args)
+
+
+def test_a_mixed_step_replays_its_graph_with_the_piece_lengths_on_the_device(tiny_llama):
+    """As above, with the decode and mixed steps' graphs (their CPU twin): every piece of
+    the 400-token prompt replays a mixed step's graph (one graph a decode key and piece
+    bucket: its first position, length and pages are inputs, the paged piece kernel reads
+    them), the others get a token at every step, and the long one's tokens equal its
+    prompt's alone."""
+    _MixedCounter.replays = []
+    llm = _make(tiny_llama, offload="none", mixed_steps=True,
+                hooks=EngineHooks(graphs=_MixedCounter))  # fmt: skip
+    mixed: list[bool] = []
+    others, steps, tokens, long_id = _long_arrival(llm.engine, mixed)
+    assert all(mixed[:-1]) and len(mixed) >= 400 // PAGE  # (the last reads its token)
+    # every token of its prompt through a graph's piece (a short prompt's pieces before it)
+    assert sum(_MixedCounter.replays[-sum(mixed) :]) == 400
+    assert others >= 2 * (steps - 1)
+    alone = _make(tiny_llama, offload="none").engine.run(_prompts([400], seed=4)[0], FOUR)
+    assert tokens[long_id] == alone.token_ids
+    assert _pools_full(llm.engine)

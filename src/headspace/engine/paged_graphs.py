@@ -216,33 +216,36 @@ class DecodeGraphs:
         self.model(ids, ids, _queries_as_output, self.blocks_mode)
         self._rows_compiled = True
 
-    def _capture_into(self, views: dict[str, torch.Tensor], key) -> torch.cuda.CUDAGraph:
-        """Two warm-up steps (they compile), then the step captured, on the capture stream
+    def _capture_into(self, views: dict[str, torch.Tensor], key,
+                      step=None) -> torch.cuda.CUDAGraph:  # fmt: skip
+        """Two warm-up steps (they compile), then the step (``step(views, key)``, default
+        the decode step) captured, on the capture stream
         (:func:`capture_stream`), without torch.cuda.graph's device-wide synchronisation and
         cache release: those waited for the offload lane's prompt piece in flight, a stall of
         every resident stream of 1.2-2.5 s when the arena split (bench/NOTES.md). Where the
         capture finds no memory (no cached block is released while one runs), the cache is
         released and it is captured once more."""
+        step = step or self._step
         stream, current = capture_stream(self.device), torch.cuda.current_stream(self.device)
         stream.wait_stream(current)
         with torch.cuda.stream(stream):
             for _ in range(2):
-                self._step(views, key)
+                step(views, key)
             try:
-                graph = self._recorded(views, key)
+                graph = self._recorded(views, key, step)
             except torch.OutOfMemoryError:
                 torch.cuda.empty_cache()  # (the caller holds DEVICE_LOCK)
-                graph = self._recorded(views, key)
+                graph = self._recorded(views, key, step)
         current.wait_stream(stream)
         return graph
 
-    def _recorded(self, views: dict[str, torch.Tensor], key) -> torch.cuda.CUDAGraph:
-        """The step captured on the current stream (thread_local: the offload lane's thread
+    def _recorded(self, views: dict[str, torch.Tensor], key, step) -> torch.cuda.CUDAGraph:
+        """``step`` captured on the current stream (thread_local: the offload lane's thread
         goes on working meanwhile, on streams of its own)."""
         graph = torch.cuda.CUDAGraph()
         graph.capture_begin(self._pool, capture_error_mode="thread_local")
         try:
-            self._step(views, key)
+            step(views, key)
         except BaseException:
             with contextlib.suppress(RuntimeError):  # (it ends invalid; the step's error raised)
                 graph.capture_end()

@@ -20,7 +20,8 @@ import torch.distributed
 from headspace.engine.config import EngineConfig
 from headspace.engine.hooks import EngineHooks
 from headspace.engine.hybrid_share import HybridShare
-from headspace.engine.paged_graphs import DecodeGraphs, GraphCache, graphs_allowed
+from headspace.engine.mixed_graphs import MixedGraphs
+from headspace.engine.paged_graphs import GraphCache, graphs_allowed
 from headspace.engine.runner_prefill import PrefillSteps
 from headspace.engine.step_plan import LayoutResult, Resize, StepPlan
 from headspace.errors import HostPagesRefused, UserError
@@ -240,6 +241,12 @@ class PagedRunner(PrefillSteps):
         return bool(self.graph_cache)
 
     @property
+    def has_mixed_graphs(self) -> bool:
+        """Whether a mixed step (a piece and decode rows) of this layout ran as a graph."""
+        graphs = self._graphs if self.graph_cache else None
+        return isinstance(graphs, MixedGraphs) and graphs.num_mixed > 0
+
+    @property
     def _graphs(self):
         """The CUDA graphs of this layout's decode step, None without CUDA graphs (kept per
         layout while the host pages and the tiers' tensors they address stay where they
@@ -262,10 +269,11 @@ class PagedRunner(PrefillSteps):
         mode = "eager"
         if self._compiled:
             mode = "tuned" if self.config.runtime.tune_decode else "rows"
-        return (self.graphs_class or DecodeGraphs)(
+        return (self.graphs_class or MixedGraphs)(
             self.model, self.tiers, self.tokens, self.page_size, self.store.num_pages,
             self.host.scratch_slot, self.config.runtime.max_batch, mode, pool,
             self.attention_hook,  # a benchmark's timed attention, if it set one
+            piece_width=-(-self.max_context // self.page_size),
         )  # fmt: skip
 
     def release_graphs(self) -> None:

@@ -10,6 +10,7 @@ from functools import partial
 
 import torch
 
+from headspace.engine.mixed_graphs import MixedGraphs
 from headspace.engine.step_plan import PrefillPiece
 from headspace.kv.block_table import Pages
 from headspace.kv.transfer import device_ints
@@ -82,6 +83,13 @@ class PrefillSteps:
                slots: list[int], pages: Pages, held: dict) -> tuple:  # fmt: skip
         for tier in self.tiers:
             tier.before_decode(seq_ids, slots)
+        graphs = self._graphs
+        if isinstance(graphs, MixedGraphs) and graphs.accepts_mixed(piece.end - piece.start):
+            self.hybrid_share.other_work = True
+            held["hidden"], result = graphs.run_mixed(
+                piece.seq.prompt_ids[piece.start : piece.end], piece.start,
+                piece.pages["gpu"][0], slots, positions, pages)  # fmt: skip
+            return result
         prompt, piece_step = self._piece_inputs(piece.seq, piece.start, piece.end, piece.pages)
         decode_step = self._decode_inputs(seq_ids, positions, pages)
         for tier in self.tiers:

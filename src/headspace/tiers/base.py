@@ -242,7 +242,9 @@ class Tier:
     carry a prompt piece and decode rows through the layers in one forward, the piece's
     rows first (``begin_mixed(piece, decode)`` in place of ``begin``; each ``submit`` then
     attends the first ``len(piece.positions)`` rows as the piece, the rest as the decode
-    rows). ``graph_version``: counts
+    rows). ``mixes_in_graphs``: such a step may also be captured in a CUDA graph
+    (``begin_graph_mixed(piece, decode, views)`` in place of ``begin_mixed``: the piece's
+    lengths are device values in ``views``). ``graph_version``: counts
     moves of the device tensors a captured step reads (graphs are captured again).
     """
 
@@ -251,6 +253,7 @@ class Tier:
     runs_outside_graphs = False
     layer_slices = False
     mixes = False
+    mixes_in_graphs = False
     graph_version = 0
     cpu_split = None  # the hybrid tier's CPU side (its share searched by the engine)
 
@@ -271,6 +274,14 @@ class Tier:
     def begin_mixed(self, piece: StepInputs, decode: StepInputs) -> None:
         """A step of a prompt ``piece`` (its rows first) and ``decode`` rows (see
         ``mixes``)."""
+        raise NotImplementedError
+
+    def begin_graph_mixed(self, piece: StepInputs, decode: StepInputs,
+                          views: dict[str, torch.Tensor]) -> None:  # fmt: skip
+        """A captured step of a prompt ``piece`` (a bucket's rows, its positions on the
+        device) and ``decode`` rows (see ``mixes_in_graphs``); ``views``: the piece's
+        ``slots [rows]`` (padding rows: a scratch slot), ``table [pages]``, ``start [1]``
+        and ``rows [1]`` on the device."""
         raise NotImplementedError
 
     def submit(self, layer: int, q: torch.Tensor, kv: torch.Tensor, out: torch.Tensor) -> None:

@@ -53,6 +53,9 @@ class ResidentTier(Tier):
         self.piece, self.key_span = piece, key_span
         self.on_gpu = store.buffer.is_cuda
         self.page_size = store.page_size
+        # a mixed step's piece in a graph: the paged kernel, every length a device value
+        self.mixes_in_graphs = backend != "flex" and not any(self.patterns)
+        self.piece_views: dict[str, torch.Tensor] | None = None  # (a graph's mixed step)
         self._results: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     @classmethod
@@ -68,6 +71,7 @@ class ResidentTier(Tier):
                    site.key_span)  # fmt: skip
 
     def begin(self, step: StepInputs) -> None:
+        self.piece_views = None
         if step.decode:
             self.piece_step, self.decode_step = None, step
             self._begin_decode(step)
@@ -76,8 +80,13 @@ class ResidentTier(Tier):
             self._begin_piece(step)
 
     def begin_mixed(self, piece: StepInputs, decode: StepInputs) -> None:
-        self.piece_step, self.decode_step = piece, decode
+        self.piece_step, self.decode_step, self.piece_views = piece, decode, None
         self._begin_piece(piece)
+        self._begin_decode(decode)
+
+    def begin_graph_mixed(self, piece: StepInputs, decode: StepInputs,
+                          views: dict[str, torch.Tensor]) -> None:  # fmt: skip
+        self.piece_step, self.decode_step, self.piece_views = piece, decode, views
         self._begin_decode(decode)
 
     def _begin_piece(self, step: StepInputs) -> None:
@@ -112,7 +121,10 @@ class ResidentTier(Tier):
         q_part, kv_part, out_part = q[:, heads], kv[:, :, slice(*kv_range)], out[:, heads]
         rows = 0 if self.piece_step is None else len(self.piece_step.positions)  # the piece's
         results = []
-        if rows:
+        if rows and self.piece_views is not None:
+            results.append(self._graph_piece(layer, q_part[:rows], kv_part[:, :rows],
+                                             out_part[:rows]))  # fmt: skip
+        elif rows:
             result = self._prefill(layer, q_part[:rows], kv_part[:, :rows])
             out_part[:rows].copy_(result[0])
             results.append(result)
@@ -150,6 +162,17 @@ class ResidentTier(Tier):
             out, lse = self._prefix(layer, q_heads_first, self.piece_step.start, (out, lse),
                                     backend)  # fmt: skip
         return out.transpose(0, 1), lse
+
+    def _graph_piece(self, layer: int, q, kv, out):
+        """A graph's piece: its K/V stored (padding rows into a scratch slot), then its
+        queries over the sequence's pages by the paged kernel, whose lengths are read on the
+        device: ``(out, lse [heads, rows])``."""
+        from headspace.attention.triton_piece import paged_piece_attention
+
+        views, store_kv = self.piece_views, self.store.kv[layer]
+        self.store.write(layer, views["slots"], kv)
+        return paged_piece_attention(q, store_kv[0], store_kv[1], views["table"], views["start"],
+                                     views["rows"], self.page_size, out=out)  # fmt: skip
 
     def _prefix(self, layer: int, q: torch.Tensor, prefix: int, result: tuple, backend):
         """``result`` (the chunk's causal ``(out, lse)``) with the attention of chunk queries

@@ -1,0 +1,193 @@
+"""CUDA graphs of a mixed step: a prompt piece and the decode rows in one forward, replayed.
+
+Eager, a mixed step waits for the host: about 30 ms of launches a step for Llama-3.1-8B on
+an H100, against a GPU time of about 8 ms (bench/NOTES.md, "One forward for a piece and the
+decode rows"). A graph of it is keyed as the decode step's are (batch bucket, block-table
+width) and by the piece's rows in whole pages; the piece's first position, its length and
+its pages are device values (the piece's attention reads them: ``attention.triton_piece``),
+so one graph serves every piece of its bucket, wherever it falls in its prompt. Padding rows
+of the piece store their K/V into a scratch slot that no sequence owns and attend nothing.
+The piece's table is packed at the widest a sequence can be (``piece_width`` pages), which
+keeps it out of the key.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from headspace.engine.paged_graphs import DecodeGraphs
+from headspace.model.compile_meter import COMPILE_METER
+from headspace.model.llama import DEVICE_LOCK
+from headspace.tiers import StepInputs
+
+# the most rows a graphed piece has: a larger one runs eagerly (each bucket is a graph of
+# its own for every decode key, and its activations sit in the graphs' pool)
+MOST_GRAPHED_PIECE = 1024
+
+
+@dataclass
+class MixedStep:
+    graph: torch.cuda.CUDAGraph | None
+    inputs: torch.Tensor  # flat int64: the decode rows' (DecodeGraphs), then the piece's
+    staging: list[torch.Tensor]  # the same twice in pinned host memory
+    hidden: torch.Tensor | None = None  # [piece rows, hidden]: the piece's, of the last replay
+    copied: list[torch.cuda.Event | None] = field(default_factory=lambda: [None, None])
+    turn: int = 0
+
+
+def _mixed_name(key: tuple) -> str:
+    batch, gpu_width, piece_rows = key
+    return f"mixed step CUDA graph: batch {batch}, {gpu_width} pages a row, piece {piece_rows}"
+
+
+class MixedGraphs(DecodeGraphs):
+    """The decode step's graphs (:class:`DecodeGraphs`) and the mixed step's: ``run_mixed``
+    replays a piece and decode rows in one captured forward."""
+
+    def __init__(self, *args, piece_width: int = 0, **kwargs) -> None:
+        """``piece_width``: pages of the longest sequence (the piece's table is packed at
+        it); the rest as :class:`DecodeGraphs` takes them."""
+        super().__init__(*args, **kwargs)
+        self.piece_width = piece_width
+        self._mixed: dict[tuple[int, int, int], MixedStep] = {}
+        self._offsets = torch.arange(MOST_GRAPHED_PIECE, device=self.device)  # [rows]
+
+    @property
+    def num_mixed(self) -> int:
+        """Mixed steps' graphs captured (or, in a twin, keys met)."""
+        return len(self._mixed)
+
+    def accepts_mixed(self, piece_rows: int) -> bool:
+        """Whether a mixed step with a piece of ``piece_rows`` runs as a graph: every tier
+        mixes in graphs, nothing staged or attended outside them, the piece not past
+        :data:`MOST_GRAPHED_PIECE` and its sequence within ``piece_width`` pages."""
+        tiers_mix = all(tier.mixes_in_graphs for tier in self.tiers)
+        inside = self.stream is None and self.budget is None and not self.outside
+        fits = 0 < piece_rows <= MOST_GRAPHED_PIECE and self.piece_width > 0
+        return tiers_mix and inside and fits
+
+    def _mixed_key(self, piece_rows: int, positions: list[int], pages: dict) -> tuple:
+        batch, gpu_width, _ = self._key(positions, pages)
+        return batch, gpu_width, -(-piece_rows // self.page_size) * self.page_size  # whole pages
+
+    def _mixed_columns(self, key) -> tuple[int, int]:
+        """(int64 values of the decode rows, of the piece) in the inputs of ``key``."""
+        batch, gpu_width, piece_rows = key
+        per_row, _ = self._columns((batch, gpu_width, 0))
+        return batch * per_row, 2 * piece_rows + 2 + self.piece_width
+
+    def _mixed_views(self, inputs: torch.Tensor, key) -> tuple[dict, dict]:
+        batch, gpu_width, rows = key
+        decode_values, _ = self._mixed_columns(key)
+        decode = self._views(inputs[:decode_values], (batch, gpu_width, 0))
+        piece = inputs[decode_values:]
+        return decode, {"ids": piece[:rows], "slots": piece[rows : 2 * rows],
+                        "start": piece[2 * rows : 2 * rows + 1],
+                        "rows": piece[2 * rows + 1 : 2 * rows + 2],
+                        "table": piece[2 * rows + 2 :]}  # fmt: skip
+
+    def _mixed_pack(self, piece_ids: list[int], start: int, piece_pages: list[int],
+                    slots: list[int], positions: list[int], pages: dict,
+                    key) -> list[int]:  # fmt: skip
+        """A mixed step's inputs as one flat list of int64 values (see ``_mixed_views``)."""
+        batch, gpu_width, rows = key
+        values = self._pack(slots, positions, pages, (batch, gpu_width, 0))
+        size, scratch = self.page_size, self.scratch_page * self.page_size
+        kv_slots = [piece_pages[p // size] * size + p % size
+                    for p in range(start, start + len(piece_ids))]  # fmt: skip
+        values += list(piece_ids) + [0] * (rows - len(piece_ids))
+        values += kv_slots + [scratch] * (rows - len(piece_ids))
+        values += [start, len(piece_ids)]
+        padding = [self.scratch_page] * (self.piece_width - len(piece_pages))
+        return values + list(piece_pages) + padding
+
+    def _mixed_step(self, views: tuple[dict, dict], key) -> torch.Tensor:
+        """The captured work: the piece's rows and the decode rows through the model, the
+        decode rows' logits into the shared buffer and their greedy picks into their slots;
+        returns the piece's hidden states ``[piece rows, hidden]``."""
+        decode_views, piece_views = views
+        rows = key[2]
+        positions = decode_views["positions"]
+        decode = StepInputs(True, positions, [], {}, {"gpu": decode_views["gpu"]}, positions + 1)
+        piece_positions = piece_views["start"] + self._offsets[:rows]
+        piece = StepInputs(False, piece_positions, [], {})
+        for tier in self.tiers:
+            tier.begin_graph_mixed(piece, decode, piece_views)
+        slots = decode_views["slots"]
+        ids = torch.cat([piece_views["ids"], self.tokens.index_select(0, slots)])
+        attention = self.attention or self._attention
+        hidden = self.model(ids, torch.cat([piece_positions, positions]), attention,
+                            self.blocks_mode)  # fmt: skip
+        logits = self.logits[: slots.shape[0]]
+        logits.copy_(self.model.logits(hidden[rows:]))
+        self.tokens.index_copy_(0, slots, logits.argmax(-1))
+        return hidden[:rows]
+
+    def _capture_mixed(self, key) -> MixedStep:
+        decode_values, piece_values = self._mixed_columns(key)
+        inputs = torch.zeros(decode_values + piece_values, dtype=torch.long, device=self.device)
+        staging = [torch.empty(inputs.shape, dtype=torch.long, pin_memory=True) for _ in range(2)]
+        staging[0].copy_(torch.tensor(self._mixed_pack([], 0, [], [], [], {}, key)))
+        inputs.copy_(staging[0])  # every row padding: writes go to scratch slots
+        views = self._mixed_views(inputs, key)
+        held = {}
+
+        def step(views, key) -> None:
+            held["hidden"] = self._mixed_step(views, key)
+
+        with DEVICE_LOCK:
+            if not self._rows_compiled:
+                self._compile_rows()
+            graph = self._capture_into(views, key, step)
+        return MixedStep(graph, inputs, staging, held["hidden"])
+
+    def _mixed_captured(self, key) -> MixedStep:
+        if key not in self._mixed:
+            with DEVICE_LOCK, COMPILE_METER.timing(_mixed_name(key)):
+                self._mixed[key] = self._capture_mixed(key)
+        return self._mixed[key]
+
+    def _replay_mixed(self, captured: MixedStep, key, values: list[int]) -> torch.Tensor:
+        """The captured step of ``key`` over ``values`` (its packed inputs): the piece's
+        hidden states."""
+        turn = captured.turn
+        if captured.copied[turn] is not None:  # the copy that read this buffer is done
+            captured.copied[turn].synchronize()
+        staging = captured.staging[turn]
+        staging.copy_(torch.tensor(values))
+        captured.inputs.copy_(staging, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self.device))
+        captured.copied[turn], captured.turn = event, 1 - turn
+        captured.graph.replay()
+        return captured.hidden
+
+    @torch.inference_mode()
+    def run_mixed(self, piece_ids: list[int], start: int, piece_pages: list[int],
+                  slots: list[int], positions: list[int],
+                  pages: dict[str, list[list[int]]]) -> tuple[torch.Tensor, tuple]:  # fmt: skip
+        """One mixed step: prompt tokens ``piece_ids`` from position ``start`` of a sequence
+        whose pages are ``piece_pages`` (their K/V stored there), and one decode token for
+        each of ``slots`` as :meth:`run` takes them. Returns the piece's hidden states
+        ``[tokens, hidden]`` and the decode rows' ``(logits, slots on the device)``, each
+        overwritten by the next call."""
+        key = self._mixed_key(len(piece_ids), positions, pages)
+        captured = self._mixed_captured(key)
+        values = self._mixed_pack(piece_ids, start, piece_pages, slots, positions, pages, key)
+        hidden = self._replay_mixed(captured, key, values)
+        per_row, _ = self._columns((key[0], key[1], 0))
+        num_seqs = len(slots)
+        decode = (self.logits[:num_seqs], captured.inputs[: num_seqs * per_row : per_row])
+        return hidden[: len(piece_ids)], decode
+
+    def release(self) -> None:
+        for captured in self._mixed.values():
+            if captured.graph is not None:
+                captured.graph.reset()
+        self._mixed.clear()
+        super().release()
+
+
+__all__ = ["MOST_GRAPHED_PIECE", "MixedGraphs", "MixedStep"]
