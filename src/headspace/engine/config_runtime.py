@@ -71,9 +71,9 @@ class RuntimeConfig:
     mixed_steps: bool = _option(
         False, "beside decoding requests, a prompt's piece and their decode rows run through "
         "the layers in one forward (the weights read once: vLLM's chunked-prefill batch) "
-        "where every tier of the layout allows it (all resident), eagerly; else two "
-        "forwards, the decode step's in a CUDA graph (on an H100 a burst's time per token "
-        "was 39 ms one way against 21 the other: the eager step waits for the host)",
+        "where every tier of the layout allows it (all resident), captured in CUDA graphs "
+        "as the decode step is (the piece's lengths read on the device); else two forwards "
+        "a step, the decode step's in a CUDA graph",
     )  # fmt: skip
     prefill_key_span: int | None = _option(
         None, "a prompt piece's attention over its prefix reads at most this many keys a "

@@ -52,7 +52,8 @@ class MixedGraphs(DecodeGraphs):
         super().__init__(*args, **kwargs)
         self.piece_width = piece_width
         self._mixed: dict[tuple[int, int, int], MixedStep] = {}
-        self._offsets = torch.arange(MOST_GRAPHED_PIECE, device=self.device)  # [rows]
+        most = -(-MOST_GRAPHED_PIECE // self.page_size) * self.page_size  # (a bucket's rows)
+        self._offsets = torch.arange(most, device=self.device)  # [rows]
 
     @property
     def num_mixed(self) -> int:
