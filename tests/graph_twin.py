@@ -39,11 +39,12 @@ class EagerGraphTwin(MixedGraphs):
             self._mixed_step(self._mixed_views(inputs, key), key)
         return MixedStep(None, inputs, [])
 
-    def _replay_mixed(self, captured: MixedStep, key, values: list[int]) -> torch.Tensor:
+    def _replay_mixed(self, captured: MixedStep, key, values: list[int]) -> None:
         captured.inputs.copy_(torch.tensor(values))
-        return self._mixed_step(self._mixed_views(captured.inputs, key), key)
+        self._mixed_step(self._mixed_views(captured.inputs, key), key)
 
     @torch.inference_mode()
     def run_mixed(self, *args) -> tuple[torch.Tensor, tuple]:
         hidden, (logits, slots) = super().run_mixed(*args)
-        return hidden, (logits.clone(), slots)  # (a copy, as ``run`` makes)
+        return hidden, (logits.clone(), slots)  # (a copy, as ``run`` makes: the buffers
+        # are the next step's to overwrite; the piece's states are read before it)

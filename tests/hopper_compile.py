@@ -128,9 +128,9 @@ def merge_pair_kernel(parts: str, out: str) -> dict:
 
 
 def piece_kernel(dtype: str) -> dict:
-    """The prompt piece's paged kernel as a Llama launch gives it (groups of 4, dims of 128,
-    pages of 128)."""
-    pointers = dict(Q=dtype, K=dtype, V=dtype, OUT=dtype, LSE="fp32", TABLE="i32", START="i64",
+    """The prompt piece's paged kernel as a mixed step's graph launches it for Llama (groups
+    of 4, dims of 128, pages of 128; its table a view of the graph's int64 inputs)."""
+    pointers = dict(Q=dtype, K=dtype, V=dtype, OUT=dtype, LSE="fp32", TABLE="i64", START="i64",
                     ROWS="i64")  # fmt: skip
     constants = dict(GROUP=4, GROUP_PAD=4, DIM=128, PAGE_SIZE=128, BLOCK_Q=triton_piece.BLOCK_Q,
                      BLOCK_N=triton_piece.BLOCK_N, WHILE_LOOP=False, PRECISION="tf32")  # fmt: skip

@@ -136,8 +136,9 @@ def paged_piece_attention(
     scale = dim**-0.5 if scale is None else scale
     group_pad = triton.next_power_of_2(group)
     block_n = BLOCK_N if q.dtype != torch.float32 else BLOCK_N // 2  # (fp32: shared memory)
-    if page_size >= 16:  # a block within a page (a power of two, as the page size is)
+    if page_size >= 16:  # a block within a page
         block_n = min(block_n, page_size)
+        assert page_size % block_n == 0, "the page size must be a multiple of the key block"
     grid = (triton.cdiv(num_tokens, BLOCK_Q), num_kv_heads)
     _piece_kernel[grid](
         q, k, v, table, start, rows, out, lse, scale * LOG2E,

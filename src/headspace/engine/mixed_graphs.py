@@ -32,13 +32,12 @@ class MixedStep:
     graph: torch.cuda.CUDAGraph | None
     inputs: torch.Tensor  # flat int64: the decode rows' (DecodeGraphs), then the piece's
     staging: list[torch.Tensor]  # the same twice in pinned host memory
-    hidden: torch.Tensor | None = None  # [piece rows, hidden]: the piece's, of the last replay
     copied: list[torch.cuda.Event | None] = field(default_factory=lambda: [None, None])
     turn: int = 0
 
 
 def _mixed_name(key: tuple) -> str:
-    batch, gpu_width, piece_rows = key
+    _, batch, gpu_width, piece_rows = key
     return f"mixed step CUDA graph: batch {batch}, {gpu_width} pages a row, piece {piece_rows}"
 
 
@@ -51,36 +50,44 @@ class MixedGraphs(DecodeGraphs):
         it); the rest as :class:`DecodeGraphs` takes them."""
         super().__init__(*args, **kwargs)
         self.piece_width = piece_width
-        self._mixed: dict[tuple[int, int, int], MixedStep] = {}
+        self._mixed: dict[tuple[str, int, int, int], MixedStep] = {}
         most = -(-MOST_GRAPHED_PIECE // self.page_size) * self.page_size  # (a bucket's rows)
         self._offsets = torch.arange(most, device=self.device)  # [rows]
+        # the piece's last-layer states, written by every mixed graph: one buffer, where an
+        # output per graph would keep its rows in the graphs' pool
+        hidden_size = self.model.config.hidden_size
+        self.piece_hidden = torch.empty(most, hidden_size, device=self.device,
+                                        dtype=self.model.lm_head.weight.dtype)  # fmt: skip
 
     @property
     def num_mixed(self) -> int:
         """Mixed steps' graphs captured (or, in a twin, keys met)."""
         return len(self._mixed)
 
-    def accepts_mixed(self, piece_rows: int) -> bool:
-        """Whether a mixed step with a piece of ``piece_rows`` runs as a graph: every tier
-        mixes in graphs, nothing staged or attended outside them, the piece not past
+    def accepts_mixed(self, piece_rows: int, piece_pages: int) -> bool:
+        """Whether a mixed step with a piece of ``piece_rows`` (of a sequence of
+        ``piece_pages`` pages) runs as a graph: every tier mixes in graphs, nothing staged
+        or attended outside them, the blocks compiled once for every row count (not tuned
+        per count: each new piece would compile while serving), the piece not past
         :data:`MOST_GRAPHED_PIECE` and its sequence within ``piece_width`` pages."""
         tiers_mix = all(tier.mixes_in_graphs for tier in self.tiers)
         inside = self.stream is None and self.budget is None and not self.outside
-        fits = 0 < piece_rows <= MOST_GRAPHED_PIECE and self.piece_width > 0
-        return tiers_mix and inside and fits
+        fits = 0 < piece_rows <= MOST_GRAPHED_PIECE and 0 < piece_pages <= self.piece_width
+        return tiers_mix and inside and fits and self.blocks_mode != "tuned"
 
     def _mixed_key(self, piece_rows: int, positions: list[int], pages: dict) -> tuple:
         batch, gpu_width, _ = self._key(positions, pages)
-        return batch, gpu_width, -(-piece_rows // self.page_size) * self.page_size  # whole pages
+        rows = -(-piece_rows // self.page_size) * self.page_size  # whole pages
+        return "mixed", batch, gpu_width, rows
 
     def _mixed_columns(self, key) -> tuple[int, int]:
         """(int64 values of the decode rows, of the piece) in the inputs of ``key``."""
-        batch, gpu_width, piece_rows = key
+        _, batch, gpu_width, piece_rows = key
         per_row, _ = self._columns((batch, gpu_width, 0))
         return batch * per_row, 2 * piece_rows + 2 + self.piece_width
 
     def _mixed_views(self, inputs: torch.Tensor, key) -> tuple[dict, dict]:
-        batch, gpu_width, rows = key
+        _, batch, gpu_width, rows = key
         decode_values, _ = self._mixed_columns(key)
         decode = self._views(inputs[:decode_values], (batch, gpu_width, 0))
         piece = inputs[decode_values:]
@@ -93,7 +100,7 @@ class MixedGraphs(DecodeGraphs):
                     slots: list[int], positions: list[int], pages: dict,
                     key) -> list[int]:  # fmt: skip
         """A mixed step's inputs as one flat list of int64 values (see ``_mixed_views``)."""
-        batch, gpu_width, rows = key
+        _, batch, gpu_width, rows = key
         values = self._pack(slots, positions, pages, (batch, gpu_width, 0))
         size, scratch = self.page_size, self.scratch_page * self.page_size
         kv_slots = [piece_pages[p // size] * size + p % size
@@ -104,12 +111,12 @@ class MixedGraphs(DecodeGraphs):
         padding = [self.scratch_page] * (self.piece_width - len(piece_pages))
         return values + list(piece_pages) + padding
 
-    def _mixed_step(self, views: tuple[dict, dict], key) -> torch.Tensor:
+    def _mixed_step(self, views: tuple[dict, dict], key) -> None:
         """The captured work: the piece's rows and the decode rows through the model, the
-        decode rows' logits into the shared buffer and their greedy picks into their slots;
-        returns the piece's hidden states ``[piece rows, hidden]``."""
+        piece's last-layer states into :attr:`piece_hidden`, the decode rows' logits into
+        the shared buffer and their greedy picks into their slots."""
         decode_views, piece_views = views
-        rows = key[2]
+        rows = key[3]
         positions = decode_views["positions"]
         decode = StepInputs(True, positions, [], {}, {"gpu": decode_views["gpu"]}, positions + 1)
         piece_positions = piece_views["start"] + self._offsets[:rows]
@@ -124,7 +131,7 @@ class MixedGraphs(DecodeGraphs):
         logits = self.logits[: slots.shape[0]]
         logits.copy_(self.model.logits(hidden[rows:]))
         self.tokens.index_copy_(0, slots, logits.argmax(-1))
-        return hidden[:rows]
+        self.piece_hidden[:rows].copy_(hidden[:rows])
 
     def _capture_mixed(self, key) -> MixedStep:
         decode_values, piece_values = self._mixed_columns(key)
@@ -133,26 +140,25 @@ class MixedGraphs(DecodeGraphs):
         staging[0].copy_(torch.tensor(self._mixed_pack([], 0, [], [], [], {}, key)))
         inputs.copy_(staging[0])  # every row padding: writes go to scratch slots
         views = self._mixed_views(inputs, key)
-        held = {}
-
-        def step(views, key) -> None:
-            held["hidden"] = self._mixed_step(views, key)
-
         with DEVICE_LOCK:
             if not self._rows_compiled:
                 self._compile_rows()
-            graph = self._capture_into(views, key, step)
-        return MixedStep(graph, inputs, staging, held["hidden"])
+            graph = self._capture_into(views, key, self._mixed_step)
+        return MixedStep(graph, inputs, staging)
 
-    def _mixed_captured(self, key) -> MixedStep:
+    def _mixed_captured(self, key, num_seqs: int) -> MixedStep:
+        """The graph of ``key``, captured if new; the ``attention`` hook told first, as
+        :meth:`DecodeGraphs._captured` tells it."""
+        graph_step = getattr(self.attention, "graph_step", None)
+        if graph_step is not None:
+            graph_step(self, key, key not in self._mixed, num_seqs)
         if key not in self._mixed:
             with DEVICE_LOCK, COMPILE_METER.timing(_mixed_name(key)):
                 self._mixed[key] = self._capture_mixed(key)
         return self._mixed[key]
 
-    def _replay_mixed(self, captured: MixedStep, key, values: list[int]) -> torch.Tensor:
-        """The captured step of ``key`` over ``values`` (its packed inputs): the piece's
-        hidden states."""
+    def _replay_mixed(self, captured: MixedStep, key, values: list[int]) -> None:
+        """The captured step of ``key`` over ``values`` (its packed inputs)."""
         turn = captured.turn
         if captured.copied[turn] is not None:  # the copy that read this buffer is done
             captured.copied[turn].synchronize()
@@ -163,7 +169,6 @@ class MixedGraphs(DecodeGraphs):
         event.record(torch.cuda.current_stream(self.device))
         captured.copied[turn], captured.turn = event, 1 - turn
         captured.graph.replay()
-        return captured.hidden
 
     @torch.inference_mode()
     def run_mixed(self, piece_ids: list[int], start: int, piece_pages: list[int],
@@ -174,14 +179,13 @@ class MixedGraphs(DecodeGraphs):
         each of ``slots`` as :meth:`run` takes them. Returns the piece's hidden states
         ``[tokens, hidden]`` and the decode rows' ``(logits, slots on the device)``, each
         overwritten by the next call."""
-        key = self._mixed_key(len(piece_ids), positions, pages)
-        captured = self._mixed_captured(key)
+        key, num_seqs = self._mixed_key(len(piece_ids), positions, pages), len(slots)
+        captured = self._mixed_captured(key, num_seqs)
         values = self._mixed_pack(piece_ids, start, piece_pages, slots, positions, pages, key)
-        hidden = self._replay_mixed(captured, key, values)
-        per_row, _ = self._columns((key[0], key[1], 0))
-        num_seqs = len(slots)
+        self._replay_mixed(captured, key, values)
+        per_row, _ = self._columns((key[1], key[2], 0))
         decode = (self.logits[:num_seqs], captured.inputs[: num_seqs * per_row : per_row])
-        return hidden[: len(piece_ids)], decode
+        return self.piece_hidden[: len(piece_ids)], decode
 
     def release(self) -> None:
         for captured in self._mixed.values():

@@ -84,11 +84,13 @@ class PrefillSteps:
         for tier in self.tiers:
             tier.before_decode(seq_ids, slots)
         graphs = self._graphs
-        if isinstance(graphs, MixedGraphs) and graphs.accepts_mixed(piece.end - piece.start):
+        piece_pages = piece.pages["gpu"][0]
+        if isinstance(graphs, MixedGraphs) and graphs.accepts_mixed(piece.end - piece.start,
+                                                                    len(piece_pages)):  # fmt: skip
             self.hybrid_share.other_work = True
             held["hidden"], result = graphs.run_mixed(
                 piece.seq.prompt_ids[piece.start : piece.end], piece.start,
-                piece.pages["gpu"][0], slots, positions, pages)  # fmt: skip
+                piece_pages, slots, positions, pages)  # fmt: skip
             return result
         prompt, piece_step = self._piece_inputs(piece.seq, piece.start, piece.end, piece.pages)
         decode_step = self._decode_inputs(seq_ids, positions, pages)
