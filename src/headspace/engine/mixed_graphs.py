@@ -25,6 +25,11 @@ from headspace.tiers import StepInputs
 # the most rows a graphed piece has: a larger one runs eagerly (each bucket is a graph of
 # its own for every decode key, and its activations sit in the graphs' pool)
 MOST_GRAPHED_PIECE = 1024
+# the most keys a graphed piece's sequence holds: the piece kernel does not split its keys,
+# so a piece of a page deep in a long prompt (a step's work there is a page or two) would
+# run in a few programs over all of them, a fraction of the SMs, the decode rows waiting;
+# past this the step runs eagerly (flash, over the prefix in pieces)
+MOST_GRAPHED_KEYS = 16384
 
 
 @dataclass
@@ -69,10 +74,12 @@ class MixedGraphs(DecodeGraphs):
         ``piece_pages`` pages) runs as a graph: every tier mixes in graphs, nothing staged
         or attended outside them, the blocks compiled once for every row count (not tuned
         per count: each new piece would compile while serving), the piece not past
-        :data:`MOST_GRAPHED_PIECE` and its sequence within ``piece_width`` pages."""
+        :data:`MOST_GRAPHED_PIECE`, its sequence within ``piece_width`` pages and
+        :data:`MOST_GRAPHED_KEYS` keys."""
         tiers_mix = all(tier.mixes_in_graphs for tier in self.tiers)
         inside = self.stream is None and self.budget is None and not self.outside
-        fits = 0 < piece_rows <= MOST_GRAPHED_PIECE and 0 < piece_pages <= self.piece_width
+        most_pages = min(self.piece_width, MOST_GRAPHED_KEYS // self.page_size)
+        fits = 0 < piece_rows <= MOST_GRAPHED_PIECE and 0 < piece_pages <= most_pages
         return tiers_mix and inside and fits and self.blocks_mode != "tuned"
 
     def _mixed_key(self, piece_rows: int, positions: list[int], pages: dict) -> tuple:
@@ -195,4 +202,4 @@ class MixedGraphs(DecodeGraphs):
         super().release()
 
 
-__all__ = ["MOST_GRAPHED_PIECE", "MixedGraphs", "MixedStep"]
+__all__ = ["MOST_GRAPHED_KEYS", "MOST_GRAPHED_PIECE", "MixedGraphs", "MixedStep"]
