@@ -56,13 +56,11 @@ class MixedGraphs(DecodeGraphs):
         super().__init__(*args, **kwargs)
         self.piece_width = piece_width
         self._mixed: dict[tuple[str, int, int, int], MixedStep] = {}
-        most = -(-MOST_GRAPHED_PIECE // self.page_size) * self.page_size  # (a bucket's rows)
-        self._offsets = torch.arange(most, device=self.device)  # [rows]
-        # the piece's last-layer states, written by every mixed graph: one buffer, where an
-        # output per graph would keep its rows in the graphs' pool
-        hidden_size = self.model.config.hidden_size
-        self.piece_hidden = torch.empty(most, hidden_size, device=self.device,
-                                        dtype=self.model.lm_head.weight.dtype)  # fmt: skip
+        # made at the first mixed step: the piece rows' offsets from its first position, and
+        # its last-layer states, written by every mixed graph (one buffer, where an output
+        # per graph would keep its rows in the graphs' pool)
+        self._offsets: torch.Tensor | None = None  # [rows]
+        self.piece_hidden: torch.Tensor | None = None  # [rows, hidden]
 
     @property
     def num_mixed(self) -> int:
@@ -159,6 +157,12 @@ class MixedGraphs(DecodeGraphs):
         graph_step = getattr(self.attention, "graph_step", None)
         if graph_step is not None:
             graph_step(self, key, key not in self._mixed, num_seqs)
+        if self.piece_hidden is None:
+            most = -(-MOST_GRAPHED_PIECE // self.page_size) * self.page_size  # a bucket's rows
+            self._offsets = torch.arange(most, device=self.device)
+            self.piece_hidden = torch.empty(most, self.model.config.hidden_size,
+                                            device=self.device,
+                                            dtype=self.model.lm_head.weight.dtype)  # fmt: skip
         if key not in self._mixed:
             with DEVICE_LOCK, COMPILE_METER.timing(_mixed_name(key)):
                 self._mixed[key] = self._capture_mixed(key)
