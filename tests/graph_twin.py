@@ -35,7 +35,7 @@ class EagerGraphTwin(MixedGraphs):
     def _capture_mixed(self, key) -> MixedStep:
         values = self._mixed_pack([], 0, [], [], [], {}, key)
         inputs = torch.tensor(values, dtype=torch.long, device=self.device)
-        for _ in range(2):  # the warm-up steps a capture runs, every row padding
+        for _ in range(1 if self._mixed else 2):  # the warm-up steps a capture runs
             self._mixed_step(self._mixed_views(inputs, key), key)
         return MixedStep(None, inputs, [])
 

@@ -487,7 +487,8 @@ def _arrival(engine, long_prompt: list[int]) -> tuple[list[int], int]:
     tokens, mixed = [], 0
     while engine.load().request(long_id) is not None:
         tokens += [t for o in engine.step() if o.request_id == long_id for t in o.new_token_ids]
-        mixed += engine.load().lane("main").last_step["mixed"]
+        view = engine.load()  # (the resident lane where a GPU's arena is shared, else main)
+        mixed += (view.lane("resident") or view.lane("main")).last_step["mixed"]
     return tokens, mixed
 
 

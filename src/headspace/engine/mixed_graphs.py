@@ -148,7 +148,11 @@ class MixedGraphs(DecodeGraphs):
         with DEVICE_LOCK:
             if not self._rows_compiled:
                 self._compile_rows()
-            graph = self._capture_into(views, key, self._mixed_step)
+            # after the first, one warm-up step: the blocks' rows are symbolic and the piece
+            # kernel's lengths run-time values, so a new key compiles nothing (a burst's
+            # first steps captured new keys at 48 ms a step against 19: bench/NOTES.md)
+            graph = self._capture_into(views, key, self._mixed_step,
+                                       warm_ups=1 if self._mixed else 2)  # fmt: skip
         return MixedStep(graph, inputs, staging)
 
     def _mixed_captured(self, key, num_seqs: int) -> MixedStep:

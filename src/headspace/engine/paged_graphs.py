@@ -216,9 +216,9 @@ class DecodeGraphs:
         self.model(ids, ids, _queries_as_output, self.blocks_mode)
         self._rows_compiled = True
 
-    def _capture_into(self, views: dict[str, torch.Tensor], key,
-                      step=None) -> torch.cuda.CUDAGraph:  # fmt: skip
-        """Two warm-up steps (they compile), then the step (``step(views, key)``, default
+    def _capture_into(self, views: dict[str, torch.Tensor], key, step=None,
+                      warm_ups: int = 2) -> torch.cuda.CUDAGraph:  # fmt: skip
+        """``warm_ups`` steps (they compile), then the step (``step(views, key)``, default
         the decode step) captured, on the capture stream
         (:func:`capture_stream`), without torch.cuda.graph's device-wide synchronisation and
         cache release: those waited for the offload lane's prompt piece in flight, a stall of
@@ -229,7 +229,7 @@ class DecodeGraphs:
         stream, current = capture_stream(self.device), torch.cuda.current_stream(self.device)
         stream.wait_stream(current)
         with torch.cuda.stream(stream):
-            for _ in range(2):
+            for _ in range(warm_ups):
                 step(views, key)
             try:
                 graph = self._recorded(views, key, step)
