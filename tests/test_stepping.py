@@ -515,10 +515,11 @@ def test_a_mixed_step_replays_its_graph_with_the_piece_lengths_on_the_device(tin
 
 
 def test_a_mixed_step_runs_as_a_graph_only_where_its_graph_serves_it(tiny_llama):
-    """What a mixed step's graph takes: a resident layout's piece of at most 1,024 rows whose
-    sequence holds at most 16K keys and fits the packed table; not the blocks tuned per row
-    count (each new piece would compile while serving), nor a layout with budgets (their
-    per-entry pages attend outside the paged piece kernel)."""
+    """What a mixed step's graph takes: a resident layout's piece of at most 1,024 rows, its
+    sequence and the decode rows' within the one width every table is packed at (at most
+    16K keys); not the blocks tuned per row count (each new piece would compile while
+    serving), nor a layout with budgets (their per-entry pages attend outside the paged
+    piece kernel)."""
     from headspace.engine.mixed_graphs import MOST_GRAPHED_KEYS, MOST_GRAPHED_PIECE
 
     def graphs(**options):
@@ -528,10 +529,13 @@ def test_a_mixed_step_runs_as_a_graph_only_where_its_graph_serves_it(tiny_llama)
         return llm.engine.lanes.resident.runner._graphs
 
     resident = graphs(offload="none")
-    pages = min(resident.piece_width, MOST_GRAPHED_KEYS // PAGE)
-    assert resident.accepts_mixed(PAGE, 1) and resident.accepts_mixed(MOST_GRAPHED_PIECE, pages)
-    assert not resident.accepts_mixed(MOST_GRAPHED_PIECE + 1, 1)
-    assert not resident.accepts_mixed(PAGE, pages + 1)
+    pages = resident.mixed_width  # every table packed at it: the tiny model's whole context
+    assert pages == min(512 // PAGE, MOST_GRAPHED_KEYS // PAGE)
+    assert resident.accepts_mixed(PAGE, 1, 1)
+    assert resident.accepts_mixed(MOST_GRAPHED_PIECE, pages, pages)
+    assert not resident.accepts_mixed(MOST_GRAPHED_PIECE + 1, 1, 1)
+    assert not resident.accepts_mixed(PAGE, pages + 1, 1)
+    assert not resident.accepts_mixed(PAGE, 1, pages + 1)  # a decode row past the width
     resident.blocks_mode = "tuned"
-    assert not resident.accepts_mixed(PAGE, 1)
-    assert not graphs(kv_budget=0.5).accepts_mixed(PAGE, 1)
+    assert not resident.accepts_mixed(PAGE, 1, 1)
+    assert not graphs(kv_budget=0.5).accepts_mixed(PAGE, 1, 1)

@@ -3,13 +3,13 @@
 Eager, a mixed step waits for the host: about 30 ms of launches a step for Llama-3.1-8B on
 an H100, several times its GPU work (bench/NOTES.md, "One forward for a piece and the decode
 rows"); graphed, a step of 550 prompt tokens beside 8 decode rows took about 19 ms, the host
-waiting for the GPU ("The mixed step in a CUDA graph"). A graph of it is keyed as the decode
-step's are (batch bucket, block-table width) and by the piece's rows in whole pages; the
-piece's first position, its length and its pages are device values (the piece's attention
-reads them: ``attention.triton_piece``), so one graph serves every piece of its bucket,
-wherever it falls in its prompt. Padding rows of the piece store their K/V into a scratch
-slot that no sequence owns and attend nothing. The piece's table is packed at the widest a
-sequence can be (``piece_width`` pages), which keeps it out of the key.
+waiting for the GPU ("The mixed step in a CUDA graph"). A graph of it is keyed by the decode
+rows' batch bucket and the piece's rows in whole pages; the piece's first position, its
+length and its pages are device values (the piece's attention reads them:
+``attention.triton_piece``), so one graph serves every piece of its bucket, wherever it
+falls in its prompt. Padding rows of the piece store their K/V into a scratch slot that no
+sequence owns and attend nothing. Every table, the piece's and the decode rows', is packed
+at one width (``mixed_width``), which keeps the width out of the key.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from headspace.engine.paged_graphs import DecodeGraphs
 from headspace.model.compile_meter import COMPILE_METER
 from headspace.model.llama import DEVICE_LOCK
 from headspace.tiers import StepInputs
+from headspace.tiers.base import bucket
 
 # the most rows a graphed piece has: a larger one runs eagerly (each bucket is a graph of
 # its own for every decode key, and its activations sit in the graphs' pool)
@@ -52,8 +53,8 @@ class MixedGraphs(DecodeGraphs):
     replays a piece and decode rows in one captured forward."""
 
     def __init__(self, *args, piece_width: int = 0, **kwargs) -> None:
-        """``piece_width``: pages of the longest sequence (the piece's table is packed at
-        it); the rest as :class:`DecodeGraphs` takes them."""
+        """``piece_width``: pages of the longest sequence (see :attr:`mixed_width`); the
+        rest as :class:`DecodeGraphs` takes them."""
         super().__init__(*args, **kwargs)
         self.piece_width = piece_width
         self._mixed: dict[tuple[str, int, int, int], MixedStep] = {}
@@ -68,29 +69,36 @@ class MixedGraphs(DecodeGraphs):
         """Mixed steps' graphs captured (or, in a twin, keys met)."""
         return len(self._mixed)
 
-    def accepts_mixed(self, piece_rows: int, piece_pages: int) -> bool:
+    @property
+    def mixed_width(self) -> int:
+        """Pages of every table a mixed graph packs, the piece's and the decode rows': the
+        most a graphed sequence holds (``piece_width``, within :data:`MOST_GRAPHED_KEYS`
+        keys). One width for every step keeps the width out of the key: a burst's requests
+        grow through several widths while prompts arrive, and each key is a capture."""
+        return min(self.piece_width, MOST_GRAPHED_KEYS // self.page_size)
+
+    def accepts_mixed(self, piece_rows: int, piece_pages: int, decode_pages: int) -> bool:
         """Whether a mixed step with a piece of ``piece_rows`` (of a sequence of
-        ``piece_pages`` pages) runs as a graph: every tier mixes in graphs, nothing staged
-        or attended outside them, the blocks compiled once for every row count (not tuned
-        per count: each new piece would compile while serving), the piece not past
-        :data:`MOST_GRAPHED_PIECE`, its sequence within ``piece_width`` pages and
-        :data:`MOST_GRAPHED_KEYS` keys."""
+        ``piece_pages`` pages) and decode rows of at most ``decode_pages`` pages runs as a
+        graph: every tier mixes in graphs, nothing staged or attended outside them, the
+        blocks compiled once for every row count (not tuned per count: each new piece would
+        compile while serving), the piece not past :data:`MOST_GRAPHED_PIECE`, every
+        sequence within :attr:`mixed_width` pages."""
         tiers_mix = all(tier.mixes_in_graphs for tier in self.tiers)
         inside = self.stream is None and self.budget is None and not self.outside
-        most_pages = min(self.piece_width, MOST_GRAPHED_KEYS // self.page_size)
-        fits = 0 < piece_rows <= MOST_GRAPHED_PIECE and 0 < piece_pages <= most_pages
+        widest = max(piece_pages, decode_pages)
+        fits = 0 < piece_rows <= MOST_GRAPHED_PIECE and 0 < widest <= self.mixed_width
         return tiers_mix and inside and fits and self.blocks_mode != "tuned"
 
-    def _mixed_key(self, piece_rows: int, positions: list[int], pages: dict) -> tuple:
-        batch, gpu_width, _ = self._key(positions, pages)
+    def _mixed_key(self, piece_rows: int, num_seqs: int) -> tuple:
         rows = -(-piece_rows // self.page_size) * self.page_size  # whole pages
-        return "mixed", batch, gpu_width, rows
+        return "mixed", bucket(num_seqs), self.mixed_width, rows
 
     def _mixed_columns(self, key) -> tuple[int, int]:
         """(int64 values of the decode rows, of the piece) in the inputs of ``key``."""
         _, batch, gpu_width, piece_rows = key
         per_row, _ = self._columns((batch, gpu_width, 0))
-        return batch * per_row, 2 * piece_rows + 2 + self.piece_width
+        return batch * per_row, 2 * piece_rows + 2 + gpu_width
 
     def _mixed_views(self, inputs: torch.Tensor, key) -> tuple[dict, dict]:
         _, batch, gpu_width, rows = key
@@ -114,7 +122,7 @@ class MixedGraphs(DecodeGraphs):
         values += list(piece_ids) + [0] * (rows - len(piece_ids))
         values += kv_slots + [scratch] * (rows - len(piece_ids))
         values += [start, len(piece_ids)]
-        padding = [self.scratch_page] * (self.piece_width - len(piece_pages))
+        padding = [self.scratch_page] * (gpu_width - len(piece_pages))
         return values + list(piece_pages) + padding
 
     def _mixed_step(self, views: tuple[dict, dict], key) -> None:
@@ -195,7 +203,7 @@ class MixedGraphs(DecodeGraphs):
         each of ``slots`` as :meth:`run` takes them. Returns the piece's hidden states
         ``[tokens, hidden]`` and the decode rows' ``(logits, slots on the device)``, each
         overwritten by the next call."""
-        key, num_seqs = self._mixed_key(len(piece_ids), positions, pages), len(slots)
+        key, num_seqs = self._mixed_key(len(piece_ids), len(slots)), len(slots)
         captured = self._mixed_captured(key, num_seqs)
         values = self._mixed_pack(piece_ids, start, piece_pages, slots, positions, pages, key)
         self._replay_mixed(captured, key, values)

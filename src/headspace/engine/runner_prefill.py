@@ -84,9 +84,10 @@ class PrefillSteps:
         for tier in self.tiers:
             tier.before_decode(seq_ids, slots)
         graphs = self._graphs
-        piece_pages = piece.pages["gpu"][0]
-        if isinstance(graphs, MixedGraphs) and graphs.accepts_mixed(piece.end - piece.start,
-                                                                    len(piece_pages)):  # fmt: skip
+        piece_pages, widest = piece.pages["gpu"][0], max(map(len, pages.get("gpu", [[]])))
+        if isinstance(graphs, MixedGraphs) and graphs.accepts_mixed(
+            piece.end - piece.start, len(piece_pages), widest
+        ):
             self.hybrid_share.other_work = True
             held["hidden"], result = graphs.run_mixed(
                 piece.seq.prompt_ids[piece.start : piece.end], piece.start,
