@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from headspace.engine.mixed_graphs import MixedGraphs, MixedStep
+from headspace.engine.mixed_graphs import MixedGraphs
 from headspace.engine.paged_graphs import CapturedStep
 
 
@@ -15,6 +15,8 @@ class EagerGraphTwin(MixedGraphs):
     captured step run eagerly over those inputs (what a graph replays, bugs included)."""
 
     def _capture(self, key) -> CapturedStep:
+        if key[0] == "mixed":
+            return self._capture_mixed(key)
         inputs = torch.tensor(self._pack([], [], {}, key), dtype=torch.long, device=self.device)
         views = self._views(inputs, key)
         for _ in range(2):  # the warm-up steps a capture runs, every row padding
@@ -32,14 +34,14 @@ class EagerGraphTwin(MixedGraphs):
         # a copy: on the CPU nothing else would copy the shared buffer before the next step
         return self.logits[:num_seqs].clone(), captured.inputs[: num_seqs * per_row : per_row]
 
-    def _capture_mixed(self, key) -> MixedStep:
+    def _capture_mixed(self, key) -> CapturedStep:
         values = self._mixed_pack([], 0, [], [], [], {}, key)
         inputs = torch.tensor(values, dtype=torch.long, device=self.device)
-        for _ in range(1 if self._mixed else 2):  # the warm-up steps a capture runs
+        for _ in range(1 if self.num_mixed else 2):  # the warm-up steps a capture runs
             self._mixed_step(self._mixed_views(inputs, key), key)
-        return MixedStep(None, inputs, [])
+        return CapturedStep(None, inputs, [])
 
-    def _replay_mixed(self, captured: MixedStep, key, values: list[int]) -> None:
+    def _replay_mixed(self, captured: CapturedStep, key, values: list[int]) -> None:
         captured.inputs.copy_(torch.tensor(values))
         self._mixed_step(self._mixed_views(captured.inputs, key), key)
 

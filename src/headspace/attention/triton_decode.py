@@ -47,21 +47,16 @@ def _share_cut(fraction, length, PAGE_SIZE: tl.constexpr):
 
 
 @triton.jit
-def _attend_block(q, k_base, v_base, table, block_start, end, new_pos, m_i, l_i, acc,
-                  stride_kt, stride_vt, scale_log2, DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
-                  BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):  # fmt: skip
-    """One block of ``BLOCK_N`` keys from ``block_start`` (those before ``end``, but the
-    slot ``new_pos``) added to a running softmax: ``(m_i, l_i, acc)`` updated, base 2."""
-    offs_n = block_start + tl.arange(0, BLOCK_N)
+def _attend_keys(q, k_base, v_base, slots, n_ok, visible, m_i, l_i, acc, stride_kt, stride_vt,
+                 scale_log2, DIM: tl.constexpr, PRECISION: tl.constexpr):  # fmt: skip
+    """The keys of ``slots`` (those ``n_ok``) added to each query row's running softmax,
+    where ``visible`` (a row's mask, or the keys' for every row): ``(m_i, l_i, acc)``
+    updated, base 2. Shared by the decode and the prompt piece's kernels."""
     offs_d = tl.arange(0, DIM)
-    n_ok = (offs_n < end) & (offs_n != new_pos)
-    # int64: one plane of entry pages (KV budgets) holds more than 2^31 elements
-    page = tl.load(table + block_start // PAGE_SIZE).to(tl.int64)
-    slots = page * PAGE_SIZE + offs_n % PAGE_SIZE
     k = tl.load(k_base + slots[:, None] * stride_kt + offs_d[None, :], mask=n_ok[:, None],
                 other=0.0)  # fmt: skip
     s = tl.dot(q, tl.trans(k), input_precision=PRECISION).to(tl.float32) * scale_log2
-    s = tl.where(n_ok[None, :], s, float("-inf"))
+    s = tl.where(visible, s, float("-inf"))
     m_new, m_safe, alpha = _running_max(m_i, tl.max(s, 1))
     p = tl.exp2(s - m_safe[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
@@ -69,6 +64,21 @@ def _attend_block(q, k_base, v_base, table, block_start, end, new_pos, m_i, l_i,
                 other=0.0)  # fmt: skip
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION).to(tl.float32)
     return m_new, l_i, acc
+
+
+@triton.jit
+def _attend_block(q, k_base, v_base, table, block_start, end, new_pos, m_i, l_i, acc,
+                  stride_kt, stride_vt, scale_log2, DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
+                  BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):  # fmt: skip
+    """One block of ``BLOCK_N`` keys from ``block_start`` (those before ``end``, but the
+    slot ``new_pos``) added to a running softmax: ``(m_i, l_i, acc)`` updated, base 2."""
+    offs_n = block_start + tl.arange(0, BLOCK_N)
+    n_ok = (offs_n < end) & (offs_n != new_pos)
+    # int64: one plane of entry pages (KV budgets) holds more than 2^31 elements
+    page = tl.load(table + block_start // PAGE_SIZE).to(tl.int64)
+    slots = page * PAGE_SIZE + offs_n % PAGE_SIZE
+    return _attend_keys(q, k_base, v_base, slots, n_ok, n_ok[None, :], m_i, l_i, acc, stride_kt,
+                        stride_vt, scale_log2, DIM, PRECISION)  # fmt: skip
 
 
 # The slice length and the strides that follow the slice count are run-time values, not

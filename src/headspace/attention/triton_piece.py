@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from headspace.attention.triton_decode import LOG2E, _running_max
+from headspace.attention.triton_decode import LOG2E, _attend_keys
 
 BLOCK_Q = 16  # query tokens a program takes (times the group's heads: the tile's rows)
 BLOCK_N = 64  # keys a step of a program's loop
@@ -31,7 +31,6 @@ def _piece_block(q, k_base, v_base, TABLE, block_start, end, key_limit, m_i, l_i
     """Keys ``block_start .. +BLOCK_N`` (those before ``end``) added to each row's running
     softmax, row ``r`` seeing keys up to ``key_limit[r]``: ``(m_i, l_i, acc)``, base 2."""
     offs_n = block_start + tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, DIM)
     n_ok = offs_n < end
     # int64: a pool's plane may pass 2^31 elements
     if BLOCK_N <= PAGE_SIZE:  # a block within one page: its keys' addresses are contiguous
@@ -40,18 +39,9 @@ def _piece_block(q, k_base, v_base, TABLE, block_start, end, key_limit, m_i, l_i
     else:  # pages smaller than a block (a test's): a page a key
         page = tl.load(TABLE + offs_n // PAGE_SIZE, mask=n_ok, other=0).to(tl.int64)
     slots = page * PAGE_SIZE + offs_n % PAGE_SIZE
-    k = tl.load(k_base + slots[:, None] * stride_kt + offs_d[None, :], mask=n_ok[:, None],
-                other=0.0)  # fmt: skip
-    s = tl.dot(q, tl.trans(k), input_precision=PRECISION).to(tl.float32) * scale_log2
     visible = n_ok[None, :] & (offs_n[None, :] <= key_limit[:, None])
-    s = tl.where(visible, s, float("-inf"))
-    m_new, m_safe, alpha = _running_max(m_i, tl.max(s, 1))
-    p = tl.exp2(s - m_safe[:, None])
-    l_i = l_i * alpha + tl.sum(p, 1)
-    v = tl.load(v_base + slots[:, None] * stride_vt + offs_d[None, :], mask=n_ok[:, None],
-                other=0.0)  # fmt: skip
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION).to(tl.float32)
-    return m_new, l_i, acc
+    return _attend_keys(q, k_base, v_base, slots, n_ok, visible, m_i, l_i, acc, stride_kt,
+                        stride_vt, scale_log2, DIM, PRECISION)  # fmt: skip
 
 
 @triton.jit

@@ -14,12 +14,9 @@ at one width (``mixed_width``), which keeps the width out of the key.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import torch
 
-from headspace.engine.paged_graphs import DecodeGraphs
-from headspace.model.compile_meter import COMPILE_METER
+from headspace.engine.paged_graphs import CapturedStep, DecodeGraphs
 from headspace.model.llama import DEVICE_LOCK
 from headspace.tiers import StepInputs
 from headspace.tiers.base import bucket
@@ -34,30 +31,17 @@ MOST_GRAPHED_PIECE = 1024
 MOST_GRAPHED_KEYS = 16384
 
 
-@dataclass
-class MixedStep:
-    graph: torch.cuda.CUDAGraph | None
-    inputs: torch.Tensor  # flat int64: the decode rows' (DecodeGraphs), then the piece's
-    staging: list[torch.Tensor]  # the same twice in pinned host memory
-    copied: list[torch.cuda.Event | None] = field(default_factory=lambda: [None, None])
-    turn: int = 0
-
-
-def _mixed_name(key: tuple) -> str:
-    _, batch, gpu_width, piece_rows = key
-    return f"mixed step CUDA graph: batch {batch}, {gpu_width} pages a row, piece {piece_rows}"
-
-
 class MixedGraphs(DecodeGraphs):
     """The decode step's graphs (:class:`DecodeGraphs`) and the mixed step's: ``run_mixed``
-    replays a piece and decode rows in one captured forward."""
+    replays a piece and decode rows in one captured forward. Both kinds of graph share
+    one table, a mixed step's key tagged "mixed" (its inputs: the decode rows' as
+    :class:`DecodeGraphs` packs them, then the piece's)."""
 
     def __init__(self, *args, piece_width: int = 0, **kwargs) -> None:
         """``piece_width``: pages of the longest sequence (see :attr:`mixed_width`); the
         rest as :class:`DecodeGraphs` takes them."""
         super().__init__(*args, **kwargs)
         self.piece_width = piece_width
-        self._mixed: dict[tuple[str, int, int, int], MixedStep] = {}
         # made at the first mixed step: the piece rows' offsets from its first position, and
         # its last-layer states, written by every mixed graph (one buffer, where an output
         # per graph would keep its rows in the graphs' pool)
@@ -67,7 +51,7 @@ class MixedGraphs(DecodeGraphs):
     @property
     def num_mixed(self) -> int:
         """Mixed steps' graphs captured (or, in a twin, keys met)."""
-        return len(self._mixed)
+        return sum(key[0] == "mixed" for key in self._graphs)
 
     @property
     def mixed_width(self) -> int:
@@ -147,7 +131,16 @@ class MixedGraphs(DecodeGraphs):
         self.tokens.index_copy_(0, slots, logits.argmax(-1))
         self.piece_hidden[:rows].copy_(hidden[:rows])
 
-    def _capture_mixed(self, key) -> MixedStep:
+    def _capture(self, key) -> CapturedStep:
+        return self._capture_mixed(key) if key[0] == "mixed" else super()._capture(key)
+
+    def _capture_name(self, key) -> str:
+        if key[0] != "mixed":
+            return super()._capture_name(key)
+        _, batch, width, piece_rows = key
+        return f"mixed step CUDA graph: batch {batch}, {width} pages a row, piece {piece_rows}"
+
+    def _capture_mixed(self, key) -> CapturedStep:
         decode_values, piece_values = self._mixed_columns(key)
         inputs = torch.zeros(decode_values + piece_values, dtype=torch.long, device=self.device)
         staging = [torch.empty(inputs.shape, dtype=torch.long, pin_memory=True) for _ in range(2)]
@@ -161,38 +154,13 @@ class MixedGraphs(DecodeGraphs):
             # kernel's lengths run-time values, so a new key compiles nothing (a burst's
             # first steps captured new keys at 48 ms a step against 19: bench/NOTES.md)
             graph = self._capture_into(views, key, self._mixed_step,
-                                       warm_ups=1 if self._mixed else 2)  # fmt: skip
-        return MixedStep(graph, inputs, staging)
+                                       warm_ups=1 if self.num_mixed else 2)  # fmt: skip
+        return CapturedStep(graph, inputs, staging)
 
-    def _mixed_captured(self, key, num_seqs: int) -> MixedStep:
-        """The graph of ``key``, captured if new; the ``attention`` hook told first, as
-        :meth:`DecodeGraphs._captured` tells it."""
-        graph_step = getattr(self.attention, "graph_step", None)
-        if graph_step is not None:
-            graph_step(self, key, key not in self._mixed, num_seqs)
-        if self.piece_hidden is None:
-            most = -(-MOST_GRAPHED_PIECE // self.page_size) * self.page_size  # a bucket's rows
-            self._offsets = torch.arange(most, device=self.device)
-            self.piece_hidden = torch.empty(most, self.model.config.hidden_size,
-                                            device=self.device,
-                                            dtype=self.model.lm_head.weight.dtype)  # fmt: skip
-        if key not in self._mixed:
-            with DEVICE_LOCK, COMPILE_METER.timing(_mixed_name(key)):
-                self._mixed[key] = self._capture_mixed(key)
-        return self._mixed[key]
-
-    def _replay_mixed(self, captured: MixedStep, key, values: list[int]) -> None:
-        """The captured step of ``key`` over ``values`` (its packed inputs)."""
-        turn = captured.turn
-        if captured.copied[turn] is not None:  # the copy that read this buffer is done
-            captured.copied[turn].synchronize()
-        staging = captured.staging[turn]
-        staging.copy_(torch.tensor(values))
-        captured.inputs.copy_(staging, non_blocking=True)
-        event = torch.cuda.Event()
-        event.record(torch.cuda.current_stream(self.device))
-        captured.copied[turn], captured.turn = event, 1 - turn
-        captured.graph.replay()
+    def _replay_mixed(self, captured: CapturedStep, key, values: list[int]) -> None:
+        """The captured step of ``key`` over ``values`` (its packed inputs; the tests'
+        twin runs the step instead)."""
+        self._replay(captured, values)
 
     @torch.inference_mode()
     def run_mixed(self, piece_ids: list[int], start: int, piece_pages: list[int],
@@ -203,20 +171,20 @@ class MixedGraphs(DecodeGraphs):
         each of ``slots`` as :meth:`run` takes them. Returns the piece's hidden states
         ``[tokens, hidden]`` and the decode rows' ``(logits, slots on the device)``, each
         overwritten by the next call."""
-        key, num_seqs = self._mixed_key(len(piece_ids), len(slots)), len(slots)
-        captured = self._mixed_captured(key, num_seqs)
+        num_seqs = len(slots)
+        key = self._mixed_key(len(piece_ids), num_seqs)
+        if self.piece_hidden is None:  # (the first mixed step)
+            most = -(-MOST_GRAPHED_PIECE // self.page_size) * self.page_size  # a bucket's rows
+            self._offsets = torch.arange(most, device=self.device)
+            self.piece_hidden = torch.empty(most, self.model.config.hidden_size,
+                                            device=self.device,
+                                            dtype=self.model.lm_head.weight.dtype)  # fmt: skip
+        captured = self._captured(key, num_seqs)
         values = self._mixed_pack(piece_ids, start, piece_pages, slots, positions, pages, key)
         self._replay_mixed(captured, key, values)
         per_row, _ = self._columns((key[1], key[2], 0))
         decode = (self.logits[:num_seqs], captured.inputs[: num_seqs * per_row : per_row])
         return self.piece_hidden[: len(piece_ids)], decode
 
-    def release(self) -> None:
-        for captured in self._mixed.values():
-            if captured.graph is not None:
-                captured.graph.reset()
-        self._mixed.clear()
-        super().release()
 
-
-__all__ = ["MOST_GRAPHED_KEYS", "MOST_GRAPHED_PIECE", "MixedGraphs", "MixedStep"]
+__all__ = ["MOST_GRAPHED_KEYS", "MOST_GRAPHED_PIECE", "MixedGraphs"]

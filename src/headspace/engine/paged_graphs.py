@@ -299,9 +299,27 @@ class DecodeGraphs:
         if graph_step is not None:
             graph_step(self, key, key not in self._graphs, num_seqs)
         if key not in self._graphs:  # timed and named once the lock is held (an RLock: the
-            with DEVICE_LOCK, COMPILE_METER.timing(_capture_name(key)):  # capture's own)
+            with DEVICE_LOCK, COMPILE_METER.timing(self._capture_name(key)):  # capture's own)
                 self._graphs[key] = self._capture(key)
         return self._graphs[key]
+
+    def _capture_name(self, key) -> str:
+        """What the compile meter's listener is told a capture of ``key`` is."""
+        return _capture_name(key)
+
+    def _replay(self, captured: CapturedStep, values: list[int]) -> None:
+        """The graph of ``captured`` replayed over ``values`` (its packed inputs), copied in
+        through the pinned buffer that the copy before last read."""
+        turn = captured.turn
+        if captured.copied[turn] is not None:  # the copy that read this buffer is done
+            captured.copied[turn].synchronize()
+        staging = captured.staging[turn]
+        staging.copy_(torch.tensor(values))
+        captured.inputs.copy_(staging, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self.device))
+        captured.copied[turn], captured.turn = event, 1 - turn
+        captured.graph.replay()
 
     def release(self) -> None:
         """Free every captured graph now (before the process group goes: see
@@ -318,15 +336,6 @@ class DecodeGraphs:
         and the slots on the device; each row's greedy token is written into its slot."""
         num_seqs, key = len(slots), self._key(positions, pages)
         captured = self._captured(key, num_seqs)
-        turn = captured.turn
-        if captured.copied[turn] is not None:  # the copy that read this buffer is done
-            captured.copied[turn].synchronize()
-        staging = captured.staging[turn]
-        staging.copy_(torch.tensor(self._pack(slots, positions, pages, key)))
-        captured.inputs.copy_(staging, non_blocking=True)
-        event = torch.cuda.Event()
-        event.record(torch.cuda.current_stream(self.device))
-        captured.copied[turn], captured.turn = event, 1 - turn
-        captured.graph.replay()
+        self._replay(captured, self._pack(slots, positions, pages, key))
         per_row, _ = self._columns(key)
         return self.logits[:num_seqs], captured.inputs[: num_seqs * per_row : per_row]
