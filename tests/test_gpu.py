@@ -489,6 +489,10 @@ def _arrival(engine, long_prompt: list[int]) -> tuple[list[int], int]:
         tokens += [t for o in engine.step() if o.request_id == long_id for t in o.new_token_ids]
         view = engine.load()  # (the resident lane where a GPU's arena is shared, else main)
         mixed += (view.lane("resident") or view.lane("main")).last_step["mixed"]
+    for request_id in running:  # (the engine is then free for generate)
+        engine.abort(request_id)
+    while engine.has_unfinished():
+        engine.step()
     return tokens, mixed
 
 
