@@ -1,11 +1,14 @@
-"""The server's warm-up: every decode batch bucket up to its bound, and the offload lane laid
-out for the whole context, run before users come (so that no compile stands between them and
-their tokens)."""
+"""The server's warm-up: every decode batch bucket up to its bound, the decode graph of every
+width its prompts meet, and the offload lane laid out for the whole context, run before users
+come (so that no compile stands between them and their tokens)."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
+from graph_twin import EagerGraphTwin
 from headspace import LLM, SamplingParams
 from headspace.engine.step_plan import StepPlan
 from headspace.errors import UserError
@@ -80,3 +83,76 @@ def test_a_warm_up_skips_the_offload_lane_where_no_plan_holds_the_whole_context(
     assert lines == [] and llm.engine.load().requests == ()
     with pytest.raises(UserError, match="more than the .* host budget"):
         llm.engine.check_request(_prompt(20), SamplingParams(max_new_tokens=480))
+
+
+class _Captures(EagerGraphTwin):
+    """The graphs' CPU twin, recording each decode key it captures with the graphs that
+    captured it (a test's hook)."""
+
+    made: list[tuple] = []  # (graphs, key)
+
+    def _capture(self, key):
+        if key[0] != "mixed":
+            type(self).made.append((self, key))
+        return super()._capture(key)
+
+
+@pytest.mark.parametrize("offload", ["none", "head"])
+def test_a_server_warm_up_captures_every_decode_width_its_prompts_meet(tiny_llama, offload):
+    """With ``shapes`` (a server's warm-up), a warm-up of a 145-token prompt (a chunk of 128
+    and 17; 19 pages of 8 tokens) and decode batches to 4 leaves the resident lane's decode
+    graphs (their CPU twin) captured at every batch bucket (1, 2, 4) and width bucket (8,
+    16 and 32 pages a row), the offload lane laid out and run after them where there is
+    one; requests within that length, alone and three at a time, then capture nothing."""
+    from headspace.engine.hooks import EngineHooks
+    from headspace.model.config import load_config
+    from headspace.planner.memory import decode_bytes, weight_bytes, working_bytes
+
+    _Captures.made = []
+    config, budget = load_config(tiny_llama), None
+    if offload == "head":  # an arena of 150 KiB: 22 pages of 8 tokens, not the whole context
+        budget = (weight_bytes(config, 4) + working_bytes(config, 128, 4)
+                  + decode_bytes(config, 64, 4) + 150 * 1024)  # fmt: skip
+    llm = LLM(str(tiny_llama), prefill_chunk=128, page_size=8, gpu_memory=budget,
+              offload=offload, hooks=EngineHooks(graphs=_Captures))  # fmt: skip
+    lines = []
+    llm.engine.warm_up(128 + 17, batch=4, report=lines.append, offload=True, shapes=True)
+    offloaded = "warm-up: the offload lane, laid out for the whole context"
+    assert (lines[-1] == offloaded) == (offload == "head")
+    graphs = llm.engine.lanes.resident.runner._graphs
+    keys = {(batch, width, 0) for batch in (1, 2, 4) for width in (8, 16, 32)}
+    assert {key for made, key in _Captures.made if made is graphs} == keys
+    said = r"warm-up: decode graphs of 3 widths, 8 to 32 pages a row, batch buckets 1 to 4: [1-8] "
+    assert any(re.match(said + "captured", line) for line in lines)  # (what the batches left)
+    captured = len(_Captures.made)
+    params = SamplingParams(max_new_tokens=4, ignore_eos=True)
+    llm.engine.run(_prompt(140), params)
+    llm.engine.generate_batch([_prompt(n) for n in (20, 90, 140)], [params] * 3)
+    assert len(_Captures.made) == captured
+
+
+def test_the_warm_ups_shapes_are_those_its_prompts_meet():
+    """The decode keys: every batch bucket of the warm-up's batches (and 1) at every width
+    bucket to the prompt's (a chunk of 8,192 and 17 tokens in pages of 64: 129 pages, in
+    the bucket of 256). The causal squares cuDNN runs padded for a piece of up to a chunk:
+    a piece of 3 to ``chunk`` tokens not exactly its rows meets one of them, and each is
+    met (no cuDNN off a GPU: nothing built)."""
+    import torch
+
+    from headspace.attention.sdpa import causal_plan_rows, cudnn_rows, warm_causal_plans
+    from headspace.engine.engine import warm_up_batches
+    from headspace.engine.warm_shapes import decode_graph_keys
+
+    keys = decode_graph_keys(8192 + 17, 64, warm_up_batches(64, 64))
+    assert keys == [(1 << b, 8 << w) for b in range(7) for w in range(6)]  # 42 keys
+    assert decode_graph_keys(145, 8, [2, 4, 5]) == [
+        (batch, width) for batch in (1, 2, 4, 8) for width in (8, 16, 32)
+    ]
+    assert decode_graph_keys(20, 64, []) == [(1, 8)]
+    assert causal_plan_rows(128) == [4, 8, 16, 32, 64, 128]
+    assert causal_plan_rows(1000) == [4, 8, 16, 32, 64, 128, 256, 512, 768, 1024]
+    assert len(causal_plan_rows(8192)) == 7 + 31  # powers of two to 256, then 512 to 8,192
+    for chunk in (100, 256, 1000, 8192):
+        padded = {cudnn_rows(n) for n in range(3, chunk + 1) if cudnn_rows(n) != n}
+        assert padded == set(causal_plan_rows(chunk))
+    assert warm_causal_plans(8, 2, 32, torch.bfloat16, "cpu", 256) == 0

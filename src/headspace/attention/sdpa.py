@@ -83,6 +83,44 @@ def cudnn_rows(num_q: int, unit: int | None = None) -> int:
     return 1 << (num_q - 1).bit_length() if num_q > 1 else num_q
 
 
+def causal_plan_rows(chunk: int) -> list[int]:
+    """Rows (and keys) of each causal square cuDNN runs for a prompt piece of 3 to ``chunk``
+    tokens padded (:func:`cudnn_rows`): the powers of two from 4 to :data:`CUDNN_ROWS`, then
+    its multiples, up to ``cudnn_rows(chunk)``."""
+    top = cudnn_rows(chunk)
+    powers = [1 << bits for bits in range(2, CUDNN_ROWS.bit_length()) if 1 << bits <= top]
+    return powers + list(range(2 * CUDNN_ROWS, top + 1, CUDNN_ROWS))
+
+
+def warm_causal_plans(num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+                      device: torch.device | str, max_rows: int) -> int:  # fmt: skip
+    """Build now, where cuDNN runs, the plan of each causal square a prefill of a piece of
+    up to ``max_rows`` tokens meets (:func:`causal_plan_rows`), through
+    :func:`sdpa_attention` as the prefill's ``attend(q, k, v, causal=True)`` calls it:
+    zero ``q [heads, rows - 1, dim]`` and ``k, v [kv_heads, rows - 1, dim]``, head-major
+    views of token-major tensors as the model's projections give them; how many plans were
+    new (0 without cuDNN). Torch keeps cuDNN's plans per thread: call it on the thread that
+    prefills. A piece of exactly its rows (a multiple of :data:`CUDNN_ROWS`, a power of two
+    below it) runs unpadded, K/V read in place, token-major: strides of another plan, not
+    built here (a full chunk's is built by its first prompt)."""
+    built = 0
+
+    def counted(q4, k4, v4, causal: bool, scale: float, cudnn: bool):
+        nonlocal built
+        built += cudnn and not COMPILE_METER.has_met(_plan_key(q4, k4, v4, causal))
+        return fused_kernel(q4, k4, v4, causal, scale, cudnn)
+
+    if not cudnn_runs(dtype, device):
+        return 0
+    with torch.inference_mode():
+        for rows in causal_plan_rows(max_rows):
+            q = torch.zeros(rows - 1, num_heads, head_dim, dtype=dtype, device=device)
+            kv = torch.zeros(2, rows - 1, num_kv_heads, head_dim, dtype=dtype, device=device)
+            k, v = kv.transpose(1, 2)  # [kv_heads, rows - 1, dim] each
+            sdpa_attention(q.transpose(0, 1), k, v, causal=True, kernel=counted)
+    return built
+
+
 def _with_rows(x: torch.Tensor, num_rows: int, token_major: bool) -> torch.Tensor:
     """``x [heads, rows, dim]`` followed by zero rows up to ``num_rows`` (``x`` itself when
     none), stored token-major (as the model's projections are: the output keeps that
@@ -152,6 +190,11 @@ def _plan_name(q4: torch.Tensor, k4: torch.Tensor, causal: bool) -> str:
     mask = ", causal" if causal else ""
     return (f"cuDNN attention plan: {q4.shape[2]} query rows x {q4.shape[1]} heads over "
             f"{k4.shape[2]} keys{mask}")  # fmt: skip
+
+
+def cudnn_runs(dtype: torch.dtype, device: torch.device | str) -> bool:
+    """Whether attention over tensors of ``dtype`` on ``device`` runs cuDNN's kernel."""
+    return _use_cudnn(torch.empty(0, dtype=dtype, device=device))
 
 
 def _use_cudnn(q: torch.Tensor) -> bool:

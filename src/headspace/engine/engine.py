@@ -18,6 +18,7 @@ from headspace.engine.memory import with_gpu_budget
 from headspace.engine.outputs import EngineLoad, GenerationStats, RequestOutput
 from headspace.engine.ranks import join, plan_ranks, setup_ranks
 from headspace.engine.sampling import SamplingParams
+from headspace.engine.warm_shapes import warm_shapes
 from headspace.engine.weight_stream import WeightStream, weights_streamed
 from headspace.errors import UserError
 from headspace.model.compile_meter import COMPILE_METER
@@ -325,8 +326,8 @@ class Engine:
         return self.generate_batch([prompt_ids], [params])[0]
 
     def warm_up(self, prompt_len: int = 0, decode: bool = True, batch: int = 1,
-                report: Callable[[str], None] | None = None,
-                offload: bool = False) -> float:  # fmt: skip
+                report: Callable[[str], None] | None = None, offload: bool = False,
+                shapes: bool = False) -> float:  # fmt: skip
         """Run a request alone, so that compilation and CUDA graph capture happen before the
         first real one (whose timings then leave them out); its seconds. Without
         ``prompt_len``, a short request; with it, one whose prefill takes the shapes a prompt
@@ -337,7 +338,10 @@ class Engine:
         (:func:`warm_up_batches`; a server passes its bound on concurrent requests), each
         batch told to ``report`` (a progress line) as it starts. ``offload``: then, where
         the engine has an offload lane, the same prompt through it as a request of the
-        whole context (:meth:`_warm_up_offload`)."""
+        whole context (:meth:`_warm_up_offload`). ``shapes`` (a server's): before that, the
+        decode graph of every batch bucket and width a prompt of up to the warm-up's meets,
+        and cuDNN's plan of every causal square of a prompt of up to a chunk
+        (:func:`~headspace.engine.warm_shapes.warm_shapes`); not for one request (the CLI's)."""
         started = time.perf_counter()
         length, new_tokens = warm_up_request(prompt_len, self.lanes.chunk, decode)
         vocab = self.model.config.vocab_size
@@ -353,6 +357,8 @@ class Engine:
             prompts = [[(11 + 31 * (i + row)) % vocab for i in range(WARM_UP_PIECE)]
                        for row in range(size)]  # fmt: skip
             self.generate_batch(prompts, [short] * size)
+        if shapes:
+            warm_shapes(self.lanes, self.model, len(ids), sizes, report, started)
         if offload and decode:
             self._warm_up_offload(ids, report)
         return time.perf_counter() - started

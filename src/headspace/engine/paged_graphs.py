@@ -303,6 +303,17 @@ class DecodeGraphs:
                 self._graphs[key] = self._capture(key)
         return self._graphs[key]
 
+    @torch.inference_mode()
+    def capture(self, key: tuple[int, int, int]) -> bool:
+        """Capture the decode step of ``key`` (batch bucket, block-table width, staging
+        width) now, every row padding, as its first step would (no sequence needed); False
+        where it was captured already. A server's warm-up captures the keys its prompts
+        will meet, so that no capture stands between a client and its tokens."""
+        if key in self._graphs:
+            return False
+        self._captured(key, 0)
+        return True
+
     def _capture_name(self, key) -> str:
         """What the compile meter's listener is told a capture of ``key`` is."""
         return _capture_name(key)

@@ -276,6 +276,17 @@ class PagedRunner(PrefillSteps):
             piece_width=-(-self.max_context // self.page_size),
         )  # fmt: skip
 
+    def capture_decode_graphs(self, keys: list[tuple[int, int]]) -> int:
+        """Capture now the decode step of each ``(batch bucket, block-table width in pages)``
+        of ``keys`` for the layout in force, where its graphs are keyed by those alone
+        (nothing staged or streamed, no KV budget, nothing attended outside them); how many
+        were new (a server's warm-up: every key its prompts will meet)."""
+        graphs = self._graphs
+        plain = graphs is not None and graphs.stream is None and graphs.budget is None
+        if not plain or graphs.outside:
+            return 0
+        return sum(graphs.capture((batch, width, 0)) for batch, width in keys)
+
     def release_graphs(self) -> None:
         """Free the decode steps' graphs of every layout (the next step captures anew)."""
         self.graph_cache.release()

@@ -123,6 +123,11 @@ class CompileMeter:
             self._met.add(key)
         return self.timing(what()) if new else contextlib.nullcontext()
 
+    def has_met(self, key) -> bool:
+        """Whether :meth:`first_use` has met ``key`` in this process."""
+        with self._lock:
+            return key in self._met
+
     def install(self) -> None:
         """Hook into torch.compile's compile callbacks and Triton's JIT hooks (once a
         process; hooks already set are kept and called first)."""

@@ -233,8 +233,10 @@ class EngineLoop:
     def _warm_up_shapes(self) -> dict:
         """What the warm-up runs: where the engine compiles (a GPU), a prompt of a full
         prefill chunk and a piece of another length, a decode batch of every bucket up to
-        ``max_concurrent``, and the prompt again through the offload lane laid out for the
-        whole context, so that no compile stands between users and their tokens."""
+        ``max_concurrent``, the decode graphs of every width and the cuDNN plans of every
+        causal square a prompt of up to a chunk meets, and the prompt again through the
+        offload lane laid out for the whole context, so that no compile stands between users
+        and their tokens."""
         if not self.engine.config.runtime.on_gpu:
             return {}
         return {
@@ -242,6 +244,7 @@ class EngineLoop:
             "batch": self.max_concurrent,
             "report": log.info,
             "offload": True,
+            "shapes": True,
         }
 
     def _observe(self) -> None:

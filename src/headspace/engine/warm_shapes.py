@@ -1,0 +1,69 @@
+"""The shapes a server's warm-up meets beyond its own requests: the decode step's CUDA graph
+of every batch bucket and block-table width a prompt of up to a chunk meets, and cuDNN's
+plan of every causal square such a prompt's prefill runs.
+
+Without them a fresh server's first burst (16 requests of 1K-8K tokens, pages of 64, on an
+H100) captured a graph of each new (batch, width) pair (about 0.1 s each) and built a plan
+for each new prompt length's square (about 0.05 s each) while users waited: its first
+tokens 1.9x a warm server's.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from headspace.attention.sdpa import causal_plan_rows, cudnn_runs, warm_causal_plans
+from headspace.tiers.base import MIN_WIDTH, bucket
+
+if TYPE_CHECKING:
+    from headspace.engine.lanes import Lanes
+    from headspace.model.llama import LlamaModel
+
+
+def decode_graph_keys(prompt_len: int, page_size: int, sizes: list[int]) -> list[tuple[int, int]]:
+    """``(batch bucket, block-table width in pages)`` of every decode step that a batch of
+    at most ``max(sizes)`` sequences (1 and ``sizes``: the warm-up's decode batches,
+    :func:`~headspace.engine.engine.warm_up_batches`) of up to ``prompt_len`` tokens each
+    (``page_size`` tokens a page) meets: each batch bucket at each width bucket from
+    :data:`MIN_WIDTH` to the prompt's."""
+    widest = bucket(-(-prompt_len // page_size), MIN_WIDTH)
+    widths = [MIN_WIDTH << shift for shift in range((widest // MIN_WIDTH).bit_length())]
+    batches = sorted({bucket(size) for size in [1, *sizes]})
+    return [(batch, width) for batch in batches for width in widths]
+
+
+def warm_shapes(lanes: Lanes, model: LlamaModel, prompt_len: int, sizes: list[int],
+                report: Callable[[str], None] | None, started: float) -> int:  # fmt: skip
+    """Capture the resident lane's decode graphs of :func:`decode_graph_keys` (where its
+    layout's graphs are plain: :meth:`PagedRunner.capture_decode_graphs`), then, under the
+    sdpa backend where cuDNN runs, build the plan of every causal square of a prompt of up
+    to a chunk (:func:`warm_causal_plans`, on this thread: the one the resident lane
+    prefills on), each told to ``report`` (a progress line, seconds since ``started``): the
+    graphs once captured (where any were new), the plans as they start. Returns the graphs
+    and plans that were new."""
+    runner, runtime = lanes.resident.runner, lanes.config.runtime
+
+    def told(what: str) -> None:
+        if report is not None:
+            report(f"warm-up: {what} ({time.perf_counter() - started:.0f} s so far)")
+
+    keys = decode_graph_keys(prompt_len, lanes.spec.page_size, sizes) if sizes else []
+    made = runner.capture_decode_graphs(keys)
+    if made:
+        widths = sorted({width for _, width in keys})
+        told(f"decode graphs of {len(widths)} widths, {widths[0]} to {widths[-1]} pages a "
+             f"row, batch buckets 1 to {keys[-1][0]}: {made} captured")  # fmt: skip
+    dtype, device = runtime.torch_dtype, runner.device
+    if runtime.attention_backend != "sdpa" or not cudnn_runs(dtype, device):
+        return made
+    rows = causal_plan_rows(lanes.chunk)
+    told(f"cuDNN attention plans of {len(rows)} causal squares, {rows[0]} to {rows[-1]} rows")
+    shapes = {layer.shape for layer in model.layers if layer.shape[1]}  # (a rank's heads)
+    for heads, kv_heads, head_dim in sorted(shapes):
+        made += warm_causal_plans(heads, kv_heads, head_dim, dtype, device, lanes.chunk)
+    return made
+
+
+__all__ = ["decode_graph_keys", "warm_shapes"]
