@@ -499,15 +499,17 @@ def _arrival(engine, long_prompt: list[int]) -> tuple[list[int], int]:
 def test_mixed_graph_steps_equal_the_eager_mixed_steps():
     """A 1,000-token prompt arrives while two requests decode. With mixed steps, each of
     its pieces and the decode rows replay a captured graph (the piece's first position,
-    length and pages read on the device by the paged piece kernel; fp32): its tokens equal
-    those of the eager mixed steps and of its prompt alone."""
+    length and pages read on the device by the paged piece kernel; fp32; pieces of a whole
+    256-token chunk, the tiny model's linear layers hidden under its weights' read at the
+    H100's rates): its tokens equal those of the eager mixed steps and of its prompt
+    alone."""
     prompt = torch.randint(0, 512, (1000,), generator=torch.Generator().manual_seed(7)).tolist()
     model = tiny_model("cuda", torch.float32)
     options = {"dtype": "float32", "mixed_steps": True, "prefill_step_tokens": 64}
     graphed = make_engine(model, **options)
     tokens, mixed = _arrival(graphed, prompt)
-    assert mixed >= 1000 // 64 // 2 and graphed.lanes.resident.runner.has_mixed_graphs
+    assert mixed >= 1000 // 256 and graphed.lanes.resident.runner.has_mixed_graphs
     eager = make_engine(model, cuda_graph=False, **options)
     eager_tokens, eager_mixed = _arrival(eager, prompt)
-    assert eager_mixed >= 1000 // 64 // 2 and not eager.lanes.resident.runner.has_mixed_graphs
+    assert eager_mixed >= 1000 // 256 and not eager.lanes.resident.runner.has_mixed_graphs
     assert tokens == eager_tokens == greedy(eager, [torch.tensor(prompt)])[0][:8]

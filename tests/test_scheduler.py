@@ -323,14 +323,17 @@ def test_while_prompts_wait_a_step_carries_prompt_work_up_to_the_slowdown():
         assert (piece.end, piece.layers) == (16, (0, 8))
 
 
-def _first_mixed_piece(slowdown: float, queued: bool, context: int = 30):
+def _first_mixed_piece(slowdown: float, queued: bool, context: int = 30, paced: bool = False,
+                       floor: int = 0):  # fmt: skip
     """The first piece of a 640-token prompt beside one decoding sequence (of ``context``
-    tokens) in a layout that mixes them, another prompt waiting or not: 8 layers, chunks of
-    512, a step's work that of 16 tokens, a layer's weights as long as 100 tokens' linear
-    layers and a context token's K/V as 0.5 of one."""
+    tokens) in a layout that mixes them, another prompt waiting or not, for requests given
+    at once or arriving one by one (``paced``, a piece of at least ``floor`` tokens' work):
+    8 layers, chunks of 512, a step's work that of 16 tokens, a layer's weights as long as
+    100 tokens' linear layers and a context token's K/V as 0.5 of one."""
     scheduler = _scheduler(gpu_pages=128, chunk=512, step_tokens=16, num_layers=8,
-                           decode_rates=(100.0, 0.5), prefill_slowdown=slowdown)  # fmt: skip
-    scheduler.mixes = True
+                           decode_rates=(100.0, 0.5), prefill_slowdown=slowdown,
+                           mixed_slowdown=slowdown, mixed_floor=floor)  # fmt: skip
+    scheduler.mixes, scheduler.paced = True, paced
     _until_first_token(scheduler, Sequence(0, list(range(context)), context + 200))
     scheduler.add(Sequence(1, list(range(640)), 650))
     if queued:
@@ -353,6 +356,18 @@ def test_a_mixed_step_carries_the_piece_that_keeps_it_within_the_slowdown():
     assert _first_mixed_piece(1, queued=True).end == 96
     assert _first_mixed_piece(3, queued=False).end == 16
     assert _first_mixed_piece(3, queued=True, context=400).end == 512
+
+
+def test_for_requests_arriving_one_by_one_a_mixed_step_is_capped_whether_prompts_wait_or_not():
+    """A server's requests (``paced``): the piece beside the decode rows keeps the step
+    within ``mixed_slowdown`` times their decode step alone whether prompts wait or not,
+    the step tokens no floor unless given (``mixed_floor``): 320 tokens at a slowdown of 3
+    (as above), 96 (the tokens hidden under the weights' read) at 1, queued or not; a floor
+    of 200 tokens' work: 192 (whole pages of it)."""
+    for queued in (True, False):
+        assert _first_mixed_piece(3, queued, paced=True).end == 320
+        assert _first_mixed_piece(1, queued, paced=True).end == 96
+    assert _first_mixed_piece(1, False, paced=True, floor=200).end == 192
 
 
 def test_piece_size_by_hand():
@@ -467,3 +482,16 @@ def test_a_refused_host_growth_ends_the_prompt_it_was_for_and_moves_a_new_token_
     assert plan.decode == [first] and max(plan.decode_pages[HOST][0]) < 4
     host = scheduler.blocks.pools[HOST]
     assert host.num_pages == 4 and host.num_free == 2
+
+
+def test_the_widest_mixed_piece_is_the_first_piece_the_cap_gives():
+    """What a server's warm-up captures mixed graphs for: the piece a prompt's first step
+    takes beside so many decode rows of so much context (as in the tests above: 320 tokens
+    at a slowdown of 3 beside one row of 31 tokens, 96 at 1), growing with their context
+    (their K/V read as long whatever the piece: the chunk's 512 at 401)."""
+    scheduler = _scheduler(gpu_pages=128, chunk=512, step_tokens=16, num_layers=8,
+                           decode_rates=(100.0, 0.5), mixed_slowdown=3)  # fmt: skip
+    assert scheduler.widest_mixed_piece(1, 31) == 320
+    assert scheduler.widest_mixed_piece(1, 401) == 512
+    slow = _scheduler(gpu_pages=128, chunk=512, num_layers=8, decode_rates=(100.0, 0.5))
+    assert slow.widest_mixed_piece(1, 31) == 96

@@ -173,8 +173,9 @@ FOUR = SamplingParams(max_new_tokens=4, ignore_eos=True)
 def test_a_prompt_beside_decoding_requests_runs_in_their_forward(tiny_llama):
     """Two requests decode; a 400-token prompt arrives. In the resident layout each step of
     its prefill runs a piece of it and their decode rows through the layers in one forward
-    (``mixed_steps``): pieces of a page (a step's prompt work of 16 tokens, the
-    tiny model's weights read as fast as its linear layers run), and they get a token at
+    (``mixed_steps``): pieces of a whole chunk (requests added one by one: each piece as
+    large as keeps the step within the slowdown, and at the H100's rates a whole chunk of
+    the tiny model's linear layers hides under its weights' read), and they get a token at
     every step (the first, whose token was on its way, aside). The long one's tokens equal
     its prompt's alone, as with two forwards a step, whose prefill takes more steps (a
     chunk's layers a step). (The others' tokens are not compared: this random model's
@@ -182,7 +183,7 @@ def test_a_prompt_beside_decoding_requests_runs_in_their_forward(tiny_llama):
     llm = _make(tiny_llama, offload="none", mixed_steps=True)
     mixed: list[bool] = []
     others, steps, tokens, long_id = _long_arrival(llm.engine, mixed)
-    assert all(mixed[:-1]) and len(mixed) >= 400 // PAGE  # (the last reads its token)
+    assert all(mixed[:-1]) and len(mixed) == -(-400 // CHUNK) + 1  # (the last reads its token)
     assert others >= 2 * (steps - 1)
     assert [len(t) for t in tokens.values()] == [60, 60, 4]
     alone = llm.engine.run(_prompts([400], seed=4)[0], FOUR).token_ids
@@ -505,7 +506,7 @@ def test_a_mixed_step_replays_its_graph_with_the_piece_lengths_on_the_device(tin
                 hooks=EngineHooks(graphs=_MixedCounter))  # fmt: skip
     mixed: list[bool] = []
     others, steps, tokens, long_id = _long_arrival(llm.engine, mixed)
-    assert all(mixed[:-1]) and len(mixed) >= 400 // PAGE  # (the last reads its token)
+    assert all(mixed[:-1]) and len(mixed) == -(-400 // CHUNK) + 1  # (the last reads its token)
     # every token of its prompt through a graph's piece (a short prompt's pieces before it)
     assert sum(_MixedCounter.replays[-sum(mixed) :]) == 400
     assert others >= 2 * (steps - 1)

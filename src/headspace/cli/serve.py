@@ -55,7 +55,7 @@ def add_serve_parser(subparsers) -> None:
                         "else it is closed (default: 10)")  # fmt: skip
     server.add_argument("--no-warm-up", dest="warm_up", action="store_false",
                         help="skip the start-up request (compiles, captures graphs)")  # fmt: skip
-    add_engine_options(p, defaults={"progress": False})
+    add_engine_options(p, defaults={"progress": False, "mixed_steps": True})
     add_engine_parallel_options(p)
 
 

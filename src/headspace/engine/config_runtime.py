@@ -12,6 +12,7 @@ import torch
 from headspace.engine.config_fields import (
     ARRIVING_STEP_TOKENS,
     AT_ONCE_STEP_TOKENS,
+    MIXED_SLOWDOWN,
     PREFILL_SLOWDOWN,
     PREFILL_SM_SHARE,
     _option,
@@ -63,10 +64,13 @@ class RuntimeConfig:
         f"else {AT_ONCE_STEP_TOKENS} (a batch given at once, generate: throughput first; "
         "pieces of other layouts: each re-reads the prompt's prefix)",
     )  # fmt: skip
-    prefill_slowdown: float = _option(
-        PREFILL_SLOWDOWN, "while other prompts wait their turn, a step carries more prompt "
-        "work beside decoding requests: up to this many times their decode step alone (the "
-        "cap on their time per token then), never less than prefill_step_tokens; 1: no more",
+    prefill_slowdown: float | None = _option(
+        None, "while other prompts wait their turn, a step carries more prompt work beside "
+        "decoding requests: up to this many times their decode step alone (the cap on their "
+        "time per token then), never less than prefill_step_tokens; 1: no more. Where the "
+        "piece rides in their forward (mixed_steps) for requests arriving one by one, the "
+        "piece is this cap's whether prompts wait or not (prefill_step_tokens its floor only "
+        f"where given). Default: {MIXED_SLOWDOWN} there, else {PREFILL_SLOWDOWN}",
     )  # fmt: skip
     mixed_steps: bool = _option(
         False, "beside decoding requests, a prompt's piece and their decode rows run through "
@@ -100,7 +104,7 @@ class RuntimeConfig:
         _positive_ints(self, ("max_batch",), optional=False)
         _positive_ints(self, ("max_context", "prefill_chunk", "prefill_step_tokens",
                               "prefill_key_span"), True)  # fmt: skip
-        if not self.prefill_slowdown >= 1:  # (NaN too)
+        if self.prefill_slowdown is not None and not self.prefill_slowdown >= 1:  # (NaN too)
             raise UserError(f"prefill_slowdown must be at least 1, got {self.prefill_slowdown}")
         if not 0 < self.prefill_sm_share <= 1:
             raise UserError(f"prefill_sm_share must be in (0, 1], got {self.prefill_sm_share}")
@@ -112,6 +116,13 @@ class RuntimeConfig:
         if self.prefill_step_tokens is not None:
             return self.prefill_step_tokens
         return ARRIVING_STEP_TOKENS if slices and not at_once else AT_ONCE_STEP_TOKENS
+
+    def slowdown(self, mixed: bool) -> float:
+        """``prefill_slowdown`` as asked, else its default where a piece rides in the decode
+        rows' forward (``mixed``) or runs as a forward of its own."""
+        if self.prefill_slowdown is not None:
+            return self.prefill_slowdown
+        return MIXED_SLOWDOWN if mixed else PREFILL_SLOWDOWN
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -120,9 +120,11 @@ class LaneFactory:
             max_batch, 2 * max_batch, config.cache.prefix_caching, self.chunk,
             self.step_tokens(False), self.model.config.num_layers,
             attention_prefix(self.model.config), self.step_tokens(False, slices=False),
-            swaps=config.swaps, prefill_slowdown=config.runtime.prefill_slowdown,
+            swaps=config.swaps, prefill_slowdown=config.runtime.slowdown(False),
             decode_rates=decode_rates(self.model.config, config.runtime.torch_dtype.itemsize,
-                                      self.hardware.gemm_flops, self.hardware.hbm_bytes),
+                                      self.hardware.prompt_flops, self.hardware.hbm_bytes),
+            mixed_slowdown=config.runtime.slowdown(True),
+            mixed_floor=config.runtime.prefill_step_tokens or 0,
         )  # fmt: skip
         ranked = self.ranks is not None
         own_pools = ranked and blocks.per_entry  # pages per rank

@@ -96,6 +96,7 @@ class Lanes:
 
         def set_budget(lane: Lane) -> None:
             lane.scheduler.step_tokens, lane.scheduler.piece_tokens = step, piece
+            lane.scheduler.paced = not at_once
 
         set_budget(self.resident)
         if self.worker is not None:

@@ -168,17 +168,18 @@ def attention_prefix(config: ModelConfig) -> int:
     return max(1, round(linear / (4 * c.num_heads * c.head_dim)))
 
 
-def decode_rates(config: ModelConfig, itemsize: int, gemm_flops: float,
+def decode_rates(config: ModelConfig, itemsize: int, prompt_flops: float,
                  hbm_bytes: float) -> tuple[float, float]:  # fmt: skip
     """A decode step's reads in prompt work (a prompt token through one layer's linear
-    layers = 1) at ``gemm_flops`` and ``hbm_bytes`` a second: (a layer's weights read once,
-    one context token's K/V in a layer). Llama-3.1-8B in bf16 on the planner's H100 rates:
-    263 and 0.0025 (a decode step of 16 requests at 4.5K tokens: as long as 440 prompt
-    tokens through every layer)."""
+    layers = 1) where a prompt runs at ``prompt_flops`` (its linear layers' FLOPs a second,
+    the whole forward's pace: ``Hardware.prompt_flops``) and HBM reads ``hbm_bytes`` a
+    second: (a layer's weights read once, one context token's K/V in a layer). Llama-3.1-8B
+    in bf16 on the planner's H100 rates: 165 and 0.0016 (a decode step of 16 requests at
+    4.5K tokens: as long as 280 prompt tokens through every layer)."""
     c = config
     kv_bytes = 2 * c.num_kv_heads * c.head_dim * itemsize  # a token's K and V in a layer
-    linear_seconds = 4 * attention_prefix(config) * c.num_heads * c.head_dim / gemm_flops
-    return itemsize * gemm_flops / (2 * hbm_bytes), kv_bytes / hbm_bytes / linear_seconds
+    linear_seconds = 4 * attention_prefix(config) * c.num_heads * c.head_dim / prompt_flops
+    return itemsize * prompt_flops / (2 * hbm_bytes), kv_bytes / hbm_bytes / linear_seconds
 
 
 def kv_arena_bytes(config: ModelConfig, engine_config, spec: KVSpec, weight_bytes: int,

@@ -34,14 +34,14 @@ def queued_step_work(base: float, slowdown: float, decode: float) -> float:
 
 
 def mixed_piece_work(base: float, slowdown: float, rates: tuple[float, float], rows: int,
-                     context_tokens: int, waiting: bool) -> float:  # fmt: skip
+                     context_tokens: int, capped: bool) -> float:  # fmt: skip
     """A piece's work in one layer of a step that runs it with ``rows`` decode rows in one
-    forward (their linear layers read the layer's weights once): ``base`` (the work while
-    no prompt waits its turn); while some wait, enough that the step takes up to
-    ``slowdown`` times the decode rows' step alone, whose layer costs ``max(weight_work,
-    rows) + kv_work * context_tokens`` (``rates``: :func:`decode_work`'s), the piece's first
-    ``weight_work - rows`` tokens hidden under the weights' read; never less than ``base``."""
-    if not waiting:
+    forward (their linear layers read the layer's weights once): where ``capped``, enough
+    that the step takes up to ``slowdown`` times the decode rows' step alone, whose layer
+    costs ``max(weight_work, rows) + kv_work * context_tokens`` (``rates``:
+    :func:`decode_work`'s), the piece's first ``weight_work - rows`` tokens hidden under the
+    weights' read; never less than ``base`` (else ``base`` alone)."""
+    if not capped:
         return base
     weight_work, kv_work = rates
     decode = max(weight_work, rows) + kv_work * context_tokens

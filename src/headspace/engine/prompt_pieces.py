@@ -31,6 +31,7 @@ class PromptPieces:
     prefill_next: int
     piece: PrefillPiece | None
     step_tokens: int
+    paced: bool
     piece_tokens: int
     chunk_limit: int | None
     layer_slices: bool
@@ -76,16 +77,34 @@ class PromptPieces:
         return piece
 
     def _mixed_size(self, start: int, num_tokens: int, batch: list[Sequence]) -> int:
-        """A piece run in one forward with the decode rows of ``batch``: the work of
-        ``step_tokens`` tokens in a layer, more while prompts wait (:func:`mixed_piece_work`),
-        in whole pages (:func:`piece_size`)."""
+        """A piece run in one forward with the decode rows of ``batch``, in whole pages
+        (:func:`piece_size`; its work :func:`mixed_piece_work`'s): for requests arriving one
+        by one (``paced``), what keeps the step within ``mixed_slowdown`` times their decode
+        step alone (at least ``mixed_floor`` tokens' work); for a batch given at once, the
+        work of ``step_tokens`` tokens in a layer, more while prompts wait."""
+        work = self._mixed_work(len(batch), sum(s.num_scheduled for s in batch))
+        most = self.settings.chunk if self.chunk_limit is None else self.chunk_limit
+        return piece_size(start, num_tokens, work, self.blocks.page_size, most,
+                          self.settings.attention_prefix)  # fmt: skip
+
+    def _mixed_work(self, rows: int, context_tokens: int) -> float:
+        """A mixed piece's work in a layer beside ``rows`` decode rows of ``context_tokens``
+        in all (:meth:`_mixed_size`)."""
         settings, prefix = self.settings, self.settings.attention_prefix
-        context = sum(s.num_scheduled for s in batch)
-        work = mixed_piece_work(layer_cost(0, self.step_tokens, prefix),
-                                settings.prefill_slowdown, settings.decode_rates, len(batch),
-                                context, bool(self.waiting))  # fmt: skip
-        most = settings.chunk if self.chunk_limit is None else self.chunk_limit
-        return piece_size(start, num_tokens, work, self.blocks.page_size, most, prefix)
+        if self.paced:
+            base, slowdown, capped = settings.mixed_floor, settings.mixed_slowdown, True
+        else:
+            base, slowdown, capped = self.step_tokens, settings.prefill_slowdown, bool(self.waiting)
+        return mixed_piece_work(layer_cost(0, base, prefix), slowdown, settings.decode_rates,
+                                rows, context_tokens, capped)  # fmt: skip
+
+    def widest_mixed_piece(self, rows: int, context_tokens: int) -> int:
+        """The most tokens a mixed piece takes beside ``rows`` decode rows of
+        ``context_tokens`` in all, for requests arriving one by one (a prompt's first piece:
+        its attention over no prefix): what a server's warm-up captures graphs for."""
+        chunk = self.settings.chunk
+        return piece_size(0, chunk, self._mixed_work(rows, context_tokens),
+                          self.blocks.page_size, chunk, self.settings.attention_prefix)  # fmt: skip
 
     def _step_work(self, batch: list[Sequence], base: float) -> float:
         """A step's prompt work beside ``batch``: ``base`` (the work of ``step_tokens``),

@@ -54,6 +54,7 @@ class Scheduler(PromptPieces, HostRefusals):
         self.blocks, self.settings, self.planner = blocks, settings, planner
         self.agree, self.host_claim = agree, host_claim
         self.step_tokens, self.piece_tokens = settings.step_tokens, settings.piece_tokens
+        self.paced = True  # requests arrive one by one (a server), not as one batch
         self.chunk_limit: int | None = None  # a cap on new pieces (the offload lane runs)
         self.admit_before: int | None = None  # only sequences of lower ids are admitted
         self.prefilling: Sequence | None = None  # the prompt being computed, piece by piece

@@ -19,8 +19,12 @@ class SchedulerSettings:
     layers), else pieces of ``piece_tokens`` (default ``step_tokens``) through every layer;
     while other prompts wait their turn, more: up to ``prefill_slowdown`` times the decode
     step's own work (``decode_rates``: a layer's weights and a context token's K/V read, in
-    prompt work, :func:`decode_work`); ``swaps``: a sequence may be swapped out to host
-    pages in the all-resident layout."""
+    prompt work, :func:`decode_work`). Where a piece rides in the decode rows' forward and
+    requests arrive one by one (the scheduler's ``paced``), it takes up to
+    ``mixed_slowdown`` times their decode step alone whether prompts wait or not, at least
+    ``mixed_floor`` tokens' work (the step tokens where the user gave them, else none: a
+    page). ``swaps``: a sequence may be swapped out to host pages in the all-resident
+    layout."""
 
     max_batch: int
     num_slots: int
@@ -33,6 +37,8 @@ class SchedulerSettings:
     swaps: bool = False
     decode_rates: tuple[float, float] = (0.0, 0.0)
     prefill_slowdown: float = 1.0
+    mixed_slowdown: float = 1.0
+    mixed_floor: int = 0
 
 
 @dataclass

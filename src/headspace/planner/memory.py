@@ -25,6 +25,10 @@ class Hardware:
     """Rates the roofline uses (bytes/s, FLOP/s); defaults: measured on an H100 machine."""
 
     gemm_flops: float = 790e12
+    prompt_flops: float = 495e12  # a whole prefill forward's pace, in its linear layers'
+    # FLOPs a second (norms, rotary, attention over a short prefix and launches included):
+    # Llama-3.1-8B prefilled 35.5K tokens/s at 8K on an H100 (regress, 2026-12-07), 13.96
+    # GFLOP a token. The scheduler prices a prompt piece beside decode rows at this pace
     attention_flops: float = 610e12
     hbm_bytes: float = 3.0e12
     h2d_bytes: float = 54e9
