@@ -156,3 +156,44 @@ def test_the_warm_ups_shapes_are_those_its_prompts_meet():
         padded = {cudnn_rows(n) for n in range(3, chunk + 1) if cudnn_rows(n) != n}
         assert padded == set(causal_plan_rows(chunk))
     assert warm_causal_plans(8, 2, 32, torch.bfloat16, "cpu", 256) == 0
+
+
+class _MixedCaptures(EagerGraphTwin):
+    """The graphs' CPU twin, recording each mixed key it captures (a test's hook)."""
+
+    made: list[tuple] = []
+
+    def _capture(self, key):
+        if key[0] == "mixed":
+            type(self).made.append(key)
+        return super()._capture(key)
+
+
+def test_a_server_warm_up_captures_the_mixed_pieces_a_burst_meets(tiny_llama):
+    """With mixed steps, a server's warm-up also captures the mixed step of every piece the
+    scheduler's cap gives beside each batch bucket (:func:`mixed_pieces`: whole pages up to
+    its widest piece there), and requests arriving one by one beside decoding ones then
+    run every piece through a graph captured before (none captured while they run)."""
+    from headspace.engine.hooks import EngineHooks
+    from headspace.engine.warm_shapes import mixed_pieces
+
+    _MixedCaptures.made = []
+    llm = LLM(str(tiny_llama), prefill_chunk=128, page_size=8, offload="none", mixed_steps=True,
+              hooks=EngineHooks(graphs=_MixedCaptures))  # fmt: skip
+    llm.engine.warm_up(128 + 17, batch=4, offload=True, shapes=True)
+    scheduler = llm.engine.lanes.resident.scheduler
+    pieces = mixed_pieces(scheduler.widest_mixed_piece, 145, 8, [2, 4])
+    assert {(rows, batch) for rows, batch in pieces} >= {(8, 1), (8, 4)}
+    graphs = llm.engine.lanes.resident.runner._graphs
+    assert set(_MixedCaptures.made) == {graphs._mixed_key(r, b) for r, b in pieces}
+    captured = len(_MixedCaptures.made)
+    params = SamplingParams(max_new_tokens=40, ignore_eos=True)
+    running = [llm.engine.add_request(_prompt(n), params) for n in (20, 30)]
+    while not all(llm.engine.load().request(r).generated_tokens for r in running):
+        llm.engine.step()
+    llm.engine.add_request(_prompt(140), SamplingParams(max_new_tokens=2, ignore_eos=True))
+    mixed = 0
+    while llm.engine.has_unfinished():
+        llm.engine.step()
+        mixed += llm.engine.load().lane("main").last_step["mixed"]
+    assert mixed >= 2 and len(_MixedCaptures.made) == captured

@@ -140,6 +140,29 @@ class MixedGraphs(DecodeGraphs):
         _, batch, width, piece_rows = key
         return f"mixed step CUDA graph: batch {batch}, {width} pages a row, piece {piece_rows}"
 
+    def _piece_buffers(self) -> None:
+        """Made before the first mixed capture: the piece rows' offsets and the buffer of
+        its last-layer states."""
+        if self.piece_hidden is not None:
+            return
+        most = -(-MOST_GRAPHED_PIECE // self.page_size) * self.page_size  # a bucket's rows
+        self._offsets = torch.arange(most, device=self.device)
+        self.piece_hidden = torch.empty(most, self.model.config.hidden_size, device=self.device,
+                                        dtype=self.model.lm_head.weight.dtype)  # fmt: skip
+
+    @torch.inference_mode()
+    def capture_mixed(self, piece_rows: int, num_seqs: int) -> bool:
+        """Capture now the mixed step of a piece of ``piece_rows`` beside ``num_seqs`` decode
+        rows (every row padding), where such a step runs as a graph; False where it was
+        captured already or would not run as one (a server's warm-up: the pieces its
+        scheduler gives a burst)."""
+        key = self._mixed_key(piece_rows, num_seqs)
+        if key in self._graphs or not self.accepts_mixed(piece_rows, 1, 1):
+            return False
+        self._piece_buffers()
+        self._captured(key, 0)
+        return True
+
     def _capture_mixed(self, key) -> CapturedStep:
         decode_values, piece_values = self._mixed_columns(key)
         inputs = torch.zeros(decode_values + piece_values, dtype=torch.long, device=self.device)
@@ -173,12 +196,7 @@ class MixedGraphs(DecodeGraphs):
         overwritten by the next call."""
         num_seqs = len(slots)
         key = self._mixed_key(len(piece_ids), num_seqs)
-        if self.piece_hidden is None:  # (the first mixed step)
-            most = -(-MOST_GRAPHED_PIECE // self.page_size) * self.page_size  # a bucket's rows
-            self._offsets = torch.arange(most, device=self.device)
-            self.piece_hidden = torch.empty(most, self.model.config.hidden_size,
-                                            device=self.device,
-                                            dtype=self.model.lm_head.weight.dtype)  # fmt: skip
+        self._piece_buffers()
         captured = self._captured(key, num_seqs)
         values = self._mixed_pack(piece_ids, start, piece_pages, slots, positions, pages, key)
         self._replay_mixed(captured, key, values)

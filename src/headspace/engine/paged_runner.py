@@ -287,6 +287,15 @@ class PagedRunner(PrefillSteps):
             return 0
         return sum(graphs.capture((batch, width, 0)) for batch, width in keys)
 
+    def capture_mixed_graphs(self, pieces: list[tuple[int, int]]) -> int:
+        """Capture now the mixed step of each ``(piece rows, decode rows)`` of ``pieces``
+        where the layout in force runs mixed steps as graphs (:meth:`MixedGraphs.accepts_mixed`);
+        how many were new (a server's warm-up: the pieces a burst meets)."""
+        graphs = self._graphs
+        if not self.mixes or not isinstance(graphs, MixedGraphs):
+            return 0
+        return sum(graphs.capture_mixed(rows, seqs) for rows, seqs in pieces)
+
     def release_graphs(self) -> None:
         """Free the decode steps' graphs of every layout (the next step captures anew)."""
         self.graph_cache.release()

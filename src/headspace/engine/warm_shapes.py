@@ -34,6 +34,21 @@ def decode_graph_keys(prompt_len: int, page_size: int, sizes: list[int]) -> list
     return [(batch, width) for batch in batches for width in widths]
 
 
+def mixed_pieces(widest: Callable[[int, int], int], prompt_len: int, page_size: int,
+                 sizes: list[int]) -> list[tuple[int, int]]:  # fmt: skip
+    """``(piece rows, decode rows)`` of every mixed step that a batch of at most
+    ``max(sizes)`` decoding sequences (1 and ``sizes``, as :func:`decode_graph_keys`) of up
+    to ``prompt_len`` tokens each meets: at each batch bucket, pieces of every whole number
+    of pages up to ``widest(rows, context tokens)`` (the scheduler's
+    :meth:`~headspace.engine.prompt_pieces.PromptPieces.widest_mixed_piece`) beside that
+    many rows of ``prompt_len`` tokens each (a prompt's last piece is any of those sizes)."""
+    pieces = []
+    for batch in sorted({bucket(size) for size in [1, *sizes]}):
+        most = widest(batch, batch * prompt_len)
+        pieces += [(rows, batch) for rows in range(page_size, most + 1, page_size)]
+    return pieces
+
+
 def warm_shapes(lanes: Lanes, model: LlamaModel, prompt_len: int, sizes: list[int],
                 report: Callable[[str], None] | None, started: float) -> int:  # fmt: skip
     """Capture the resident lane's decode graphs of :func:`decode_graph_keys` (where its
@@ -55,6 +70,15 @@ def warm_shapes(lanes: Lanes, model: LlamaModel, prompt_len: int, sizes: list[in
         widths = sorted({width for _, width in keys})
         told(f"decode graphs of {len(widths)} widths, {widths[0]} to {widths[-1]} pages a "
              f"row, batch buckets 1 to {keys[-1][0]}: {made} captured")  # fmt: skip
+    scheduler = lanes.resident.scheduler
+    pieces = mixed_pieces(scheduler.widest_mixed_piece, prompt_len, lanes.spec.page_size,
+                          sizes) if sizes and scheduler.mixes else []  # fmt: skip
+    mixed = runner.capture_mixed_graphs(pieces)
+    if mixed:
+        told(f"mixed step graphs of {len(pieces)} pieces, {pieces[0][0]} to "
+             f"{max(rows for rows, _ in pieces)} rows beside 1 to {pieces[-1][1]} decode rows: "
+             f"{mixed} captured")  # fmt: skip
+    made += mixed
     dtype, device = runtime.torch_dtype, runner.device
     if runtime.attention_backend != "sdpa" or not cudnn_runs(dtype, device):
         return made
@@ -66,4 +90,4 @@ def warm_shapes(lanes: Lanes, model: LlamaModel, prompt_len: int, sizes: list[in
     return made
 
 
-__all__ = ["decode_graph_keys", "warm_shapes"]
+__all__ = ["decode_graph_keys", "mixed_pieces", "warm_shapes"]
