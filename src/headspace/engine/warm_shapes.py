@@ -41,10 +41,13 @@ def mixed_pieces(widest: Callable[[int, int], int], prompt_len: int, page_size: 
     to ``prompt_len`` tokens each meets: at each batch bucket, pieces of every whole number
     of pages up to ``widest(rows, context tokens)`` (the scheduler's
     :meth:`~headspace.engine.prompt_pieces.PromptPieces.widest_mixed_piece`) beside that
-    many rows of ``prompt_len`` tokens each (a prompt's last piece is any of those sizes)."""
+    many rows of ``prompt_len`` tokens each, and one page more: a prompt's last piece, of
+    fewer tokens than whole pages hold, may cost within the cap with its last page partly
+    filled (a fresh server's burst captured such keys, 256 rows for 230 tokens beside a
+    192-token widest piece, while serving: H100)."""
     pieces = []
     for batch in sorted({bucket(size) for size in [1, *sizes]}):
-        most = widest(batch, batch * prompt_len)
+        most = widest(batch, batch * prompt_len) + page_size
         pieces += [(rows, batch) for rows in range(page_size, most + 1, page_size)]
     return pieces
 
