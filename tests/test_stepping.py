@@ -540,3 +540,19 @@ def test_a_mixed_step_runs_as_a_graph_only_where_its_graph_serves_it(tiny_llama)
     resident.blocks_mode = "tuned"
     assert not resident.accepts_mixed(PAGE, 1, 1)
     assert not graphs(kv_budget=0.5).accepts_mixed(PAGE, 1, 1)
+
+
+def test_a_mixed_step_no_graph_takes_runs_as_two_forwards(tiny_llama):
+    """Where the layout's decode steps are graphs but no mixed graph takes a step (here its
+    sequences past the width every table is packed at), the step runs as two forwards, the
+    decode step's a graph, rather than one eager forward (launch-bound on a GPU): no step
+    of the 400-token prompt's prefill is mixed, and its tokens equal its prompt's alone."""
+    llm = _make(tiny_llama, offload="none", mixed_steps=True,
+                hooks=EngineHooks(graphs=_MixedCounter))  # fmt: skip
+    llm.engine.run(_prompts([40])[0], FOUR)  # (the layout and its graphs made)
+    llm.engine.lanes.resident.runner._graphs.piece_width = 0  # no mixed graph takes a step
+    mixed: list[bool] = []
+    _, steps, tokens, long_id = _long_arrival(llm.engine, mixed)
+    assert steps > 1 and not any(mixed)
+    alone = _make(tiny_llama, offload="none").engine.run(_prompts([400], seed=4)[0], FOUR)
+    assert tokens[long_id] == alone.token_ids

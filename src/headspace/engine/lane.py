@@ -198,6 +198,8 @@ class Lane:
             batch = plan.decode
             positions = [s.num_scheduled - 1 for s in batch]
             seq_ids, slots = [s.seq_id for s in batch], [s.slot for s in batch]
+            if plan.mixed and not self.runner.runs_mixed(plan.prefill, plan.decode_pages):
+                plan.mixes = False  # (no graph takes it: two forwards, the decode's a graph)
             if plan.mixed:
                 hidden, (logits, slots) = self.runner.mixed(plan.prefill, seq_ids, positions,
                                                             slots, plan.decode_pages)  # fmt: skip

@@ -79,6 +79,20 @@ class PrefillSteps:
         result = step()
         return held["hidden"], result
 
+    def runs_mixed(self, piece: PrefillPiece, pages: Pages) -> bool:
+        """Whether a planned mixed step of ``piece`` beside decode rows of ``pages`` runs as
+        one forward: as a graph where this layout's decode steps are graphs, eagerly where
+        there are none. Where the graphs refuse it (a piece past ``MOST_GRAPHED_PIECE``
+        rows, a sequence past their packed width, blocks tuned per row count), False: two
+        forwards, the decode step's a graph (an eager forward of an 8B model costs about
+        30 ms of launches, bench/NOTES.md)."""
+        graphs = self._graphs
+        if graphs is None:
+            return True
+        piece_pages, widest = piece.pages["gpu"][0], max(map(len, pages.get("gpu", [[]])))
+        return isinstance(graphs, MixedGraphs) and graphs.accepts_mixed(
+            piece.end - piece.start, len(piece_pages), widest)  # fmt: skip
+
     def _mixed(self, piece: PrefillPiece, seq_ids: list[int], positions: list[int],
                slots: list[int], pages: Pages, held: dict) -> tuple:  # fmt: skip
         for tier in self.tiers:
