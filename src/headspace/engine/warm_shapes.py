@@ -86,6 +86,8 @@ def warm_shapes(lanes: Lanes, model: LlamaModel, prompt_len: int, sizes: list[in
     if runtime.attention_backend != "sdpa" or not cudnn_runs(dtype, device):
         return made
     rows = causal_plan_rows(lanes.chunk)
+    if not rows:  # (a chunk of at most 3 tokens: no square cuDNN pads)
+        return made
     told(f"cuDNN attention plans of {len(rows)} causal squares, {rows[0]} to {rows[-1]} rows")
     shapes = {layer.shape for layer in model.layers if layer.shape[1]}  # (a rank's heads)
     for heads, kv_heads, head_dim in sorted(shapes):
