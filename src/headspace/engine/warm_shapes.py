@@ -1,8 +1,9 @@
 """The shapes a server's warm-up meets beyond its own requests: the decode step's CUDA graph
-of every batch bucket and block-table width a prompt of up to a chunk meets, and cuDNN's
-plan of every causal square such a prompt's prefill runs.
+of every batch bucket and block-table width a prompt of up to a chunk meets, with mixed
+steps the graph of every piece the scheduler's cap gives beside each batch bucket, and
+cuDNN's plan of every causal square such a prompt's prefill runs.
 
-Without them a fresh server's first burst (16 requests of 1K-8K tokens, pages of 64, on an
+Without them a fresh server's first burst (16 requests of 1K-8K tokens, pages of 128, on an
 H100) captured a graph of each new (batch, width) pair (about 0.1 s each) and built a plan
 for each new prompt length's square (about 0.05 s each) while users waited: its first
 tokens 1.9x a warm server's.
@@ -43,8 +44,8 @@ def mixed_pieces(widest: Callable[[int, int], int], prompt_len: int, page_size: 
     :meth:`~headspace.engine.prompt_pieces.PromptPieces.widest_mixed_piece`) beside that
     many rows of ``prompt_len`` tokens each, and one page more: a prompt's last piece, of
     fewer tokens than whole pages hold, may cost within the cap with its last page partly
-    filled (a fresh server's burst captured such keys, 256 rows for 230 tokens beside a
-    192-token widest piece, while serving: H100)."""
+    filled (a fresh server's burst captured such keys while serving, pieces of 256 rows
+    beside a widest piece of one 128-token page: H100)."""
     pieces = []
     for batch in sorted({bucket(size) for size in [1, *sizes]}):
         most = widest(batch, batch * prompt_len) + page_size
