@@ -71,6 +71,7 @@ COMPILE = "decode_compile_llama3-8b_h100_2026-12-06.json"
 PAGED = "paged_llama3-8b_h100_2026-11-21.json"
 ARRIVALS = "arrivals_llama3-8b_h200_2026-11-28.json"
 MIXED = "mixed_llama3-8b_h100_2026-12-07.json"
+BURST = "serve_burst16_llama3-8b_h100_2026-12-07_cap1-5.json"
 OFFLOAD, REGRESS_H200 = "offload_llama3-8b_h200_2026-11-21.json", "regress_h200_2026-12-01.json"
 MILLION = "million_llama3-8b_h100_2026-11-27.json"
 MILLION2 = "million_approximate_llama3-8b_h100_2026-11-28.json"
@@ -93,6 +94,10 @@ SERVED, SYNCED = COPIES.format("served"), COPIES.format("synced")
 def _hybrid(name: str, length: str, floor: bool = False) -> float:
     run = _load(name)["runs"][length]["hybrid_split"]
     return run["pcie_floor_ms"] / _settled_ms(run) if floor else _settled_ms(run)
+
+
+def _burst(key: str, over: str) -> float:
+    return _at(BURST, key) / _at(BURST, over)
 
 
 def _mixed(key: str) -> float:
@@ -138,6 +143,16 @@ FIGURES = {
         ("({:.0f} alone)", lambda: _mixed("long_decode_ms_alone")),
         ("peak {:.1f} GiB", lambda: _mixed("peak_reserved_gib")),
         ("GiB, {:d} failed", lambda: _mixed("num_failed")),
+    ]),
+    "a burst of requests": ((BURST,), [
+        ("first tokens p50 {:.2f} s", "ttft_p50_s"),
+        ("({:.2f}x the prefill bound)", lambda: _burst("ttft_p50_s", "prefill_bound_s")),
+        ("{:.1f} ms a token p50", "tpot_p50_ms"),
+        ("({:.2f}x its HBM roofline)", lambda: _burst("tpot_p50_ms", "tpot_roofline_ms")),
+        ("{:.0f} tok/s", "output_tok_s"),
+        ("first tokens {:.2f}x a warm one's", lambda: _burst("fresh_ttft_p50_s", "ttft_p50_s")),
+        ("ready in {:.0f} s", "ready_s"),
+        ("; {:d} failed", lambda: int(_at(BURST, "num_failed"))),
     ]),
     "head offload": ((OFFLOAD, REGRESS_H200), [
         ("{:.0f}K tokens under", lambda: _at(OFFLOAD, "max_context/head/tokens") / 1024),
