@@ -43,6 +43,7 @@ HEADLINES = {
     "arrivals": Headline("requests arriving", ("bench/arrivals.py",), 6),
     "mixed": Headline("OpenAI-compatible server", ("bench/mixed.py", "--scenarios", "a"), 5,
                       host_gib=120),  # fmt: skip
+    "serve_burst": Headline("a burst of requests", ("bench/serve_burst.py",), 10),
     "offload": Headline("head offload", ("bench/offload.py", "--part", "speed"), 10,
                         host_gib=100),  # fmt: skip
     "million": Headline("a million tokens", ("bench/million.py",), 25, host_gib=240),

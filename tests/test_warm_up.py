@@ -171,18 +171,16 @@ class _MixedCaptures(EagerGraphTwin):
 
 def test_a_server_warm_up_captures_the_mixed_pieces_a_burst_meets(tiny_llama):
     """With mixed steps, a server's warm-up also captures the mixed step of every piece the
-    scheduler's cap gives beside each batch bucket (:func:`mixed_pieces`: whole pages up to
-    its widest piece there, and one more), and requests arriving one by one beside decoding
-    ones then run every piece through a graph captured before (none captured while they
-    run). Rates that make the cap bind on the tiny model (a layer's weights read as long as
-    20 prompt tokens, a context token's K/V 0.033 of one; a token's attention over 152
-    earlier ones as long as its linear layers; the default cap, 1.5): beside 1 row of 145
-    tokens a layer of the decode step costs 24.8, the piece 0.5 x 24.8 + 19 = 31.4, which
-    holds 24 tokens (25.9) but not 32 (35.4); beside 4 rows 39.1 and 35.5, which holds 32:
-    pieces of 1 to 4 pages (5 beside 4 rows), the last page for a prompt's last piece (26
-    tokens in one piece of 4 pages beside 2 rows)."""
+    scheduler's cap gives beside each batch bucket (:func:`mixed_pieces`), and requests
+    arriving one by one beside decoding ones then run every piece through a graph captured
+    before (none captured while they run). Rates that make the cap bind on the tiny model
+    (a layer's weights read as long as 20 prompt tokens, a context token's K/V 0.033 of
+    one; a token's attention over 152 earlier ones as long as its linear layers; the
+    default cap, 1.5): beside 1 row of its whole context (512 tokens) a layer of the decode
+    step costs 36.8, the piece 0.5 x 36.8 + 19 = 37.4, which holds 32 tokens (35.4) but not
+    40 (45.3); beside 4 rows (2,048 tokens) 87.4 and 59.7, which holds 48: pieces of 1 to 5
+    pages (7 beside 4 rows), the last page for a prompt's last piece."""
     from headspace.engine.hooks import EngineHooks
-    from headspace.engine.warm_shapes import mixed_pieces
     from headspace.planner.memory import Hardware
 
     _MixedCaptures.made = []
@@ -191,11 +189,11 @@ def test_a_server_warm_up_captures_the_mixed_pieces_a_burst_meets(tiny_llama):
               hooks=EngineHooks(graphs=_MixedCaptures, hardware=rates))  # fmt: skip
     llm.engine.warm_up(128 + 17, batch=4, offload=True, shapes=True)
     scheduler = llm.engine.lanes.resident.scheduler
-    assert [scheduler.widest_mixed_piece(b, b * 145) for b in (1, 2, 4)] == [24, 24, 32]
-    pieces = mixed_pieces(scheduler.widest_mixed_piece, 145, 8, [2, 4])
-    assert pieces == [(rows, batch) for batch, most in ((1, 32), (2, 32), (4, 40))
-                      for rows in range(8, most + 1, 8)]  # fmt: skip
+    assert llm.engine.max_context == 512 and scheduler.blocks.pool.num_pages * 8 >= 4 * 512
+    assert [scheduler.widest_mixed_piece(b, b * 512) for b in (1, 2, 4)] == [32, 32, 48]
     graphs = llm.engine.lanes.resident.runner._graphs
+    pieces = [(rows, batch) for batch, most in ((1, 40), (2, 40), (4, 56))
+              for rows in range(8, most + 1, 8)]  # fmt: skip
     assert set(_MixedCaptures.made) == {graphs._mixed_key(r, b) for r, b in pieces}
     captured = len(_MixedCaptures.made)
     params = SamplingParams(max_new_tokens=40, ignore_eos=True)
@@ -203,10 +201,27 @@ def test_a_server_warm_up_captures_the_mixed_pieces_a_burst_meets(tiny_llama):
     while not all(llm.engine.load().request(r).generated_tokens for r in running):
         llm.engine.step()
     mixed = 0
-    for length in (26, 140):  # (26 tokens: one piece of 4 pages, past the widest 3 pages'
-        # 24 tokens, within the cap: 26 x 1.09 = 28.2)
+    for length in (26, 140):
         llm.engine.add_request(_prompt(length), SamplingParams(max_new_tokens=2, ignore_eos=True))
         while len(llm.engine.load().requests) > 2:
             llm.engine.step()
             mixed += llm.engine.load().lane("main").last_step["mixed"]
     assert mixed >= 1 + 140 // 32 and len(_MixedCaptures.made) == captured
+
+
+def test_the_mixed_pieces_grow_with_the_rows_context_within_the_arena():
+    """:func:`mixed_pieces` asks for the widest piece beside each batch bucket at its rows'
+    longest (each of ``row_tokens``, ``arena_tokens`` in all) and adds a page: here a
+    widest piece of a page per 100 context tokens, rows of 100 tokens, 300 in the arena."""
+    from headspace.engine.warm_shapes import mixed_pieces
+
+    asked = []
+
+    def widest(rows: int, context: int) -> int:
+        asked.append((rows, context))
+        return context // 100 * 8
+
+    pieces = mixed_pieces(widest, 100, 300, 8, [2, 4])
+    assert asked == [(1, 100), (2, 200), (4, 300)]
+    assert pieces == [(rows, batch) for batch, most in ((1, 16), (2, 24), (4, 32))
+                      for rows in range(8, most + 1, 8)]  # fmt: skip

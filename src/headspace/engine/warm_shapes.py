@@ -16,6 +16,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from headspace.attention.sdpa import causal_plan_rows, cudnn_runs, warm_causal_plans
+from headspace.engine.mixed_graphs import MOST_GRAPHED_KEYS
 from headspace.tiers.base import MIN_WIDTH, bucket
 
 if TYPE_CHECKING:
@@ -35,20 +36,22 @@ def decode_graph_keys(prompt_len: int, page_size: int, sizes: list[int]) -> list
     return [(batch, width) for batch in batches for width in widths]
 
 
-def mixed_pieces(widest: Callable[[int, int], int], prompt_len: int, page_size: int,
-                 sizes: list[int]) -> list[tuple[int, int]]:  # fmt: skip
+def mixed_pieces(widest: Callable[[int, int], int], row_tokens: int, arena_tokens: int,
+                 page_size: int, sizes: list[int]) -> list[tuple[int, int]]:  # fmt: skip
     """``(piece rows, decode rows)`` of every mixed step that a batch of at most
     ``max(sizes)`` decoding sequences (1 and ``sizes``, as :func:`decode_graph_keys`) of up
-    to ``prompt_len`` tokens each meets: at each batch bucket, pieces of every whole number
-    of pages up to ``widest(rows, context tokens)`` (the scheduler's
-    :meth:`~headspace.engine.prompt_pieces.PromptPieces.widest_mixed_piece`) beside that
-    many rows of ``prompt_len`` tokens each, and one page more: a prompt's last piece, of
-    fewer tokens than whole pages hold, may cost within the cap with its last page partly
-    filled (a fresh server's burst captured such keys while serving, pieces of 256 rows
-    beside a widest piece of one 128-token page: H100)."""
+    to ``row_tokens`` tokens each (the longest a mixed graph takes), ``arena_tokens`` in all,
+    meets: at each batch bucket, pieces of every whole number of pages up to ``widest(rows,
+    context tokens)`` (the scheduler's
+    :meth:`~headspace.engine.prompt_pieces.PromptPieces.widest_mixed_piece`, which grows with
+    the rows' context: their K/V read is as long whatever the piece) beside that many rows
+    at their longest, and one page more: a prompt's last piece, of fewer tokens than whole
+    pages hold, may cost within the cap with its last page partly filled (a fresh server's
+    burst captured such keys while serving, pieces of 256 rows beside a widest piece of one
+    128-token page: H100)."""
     pieces = []
     for batch in sorted({bucket(size) for size in [1, *sizes]}):
-        most = widest(batch, batch * prompt_len) + page_size
+        most = widest(batch, min(batch * row_tokens, arena_tokens)) + page_size
         pieces += [(rows, batch) for rows in range(page_size, most + 1, page_size)]
     return pieces
 
@@ -74,8 +77,10 @@ def warm_shapes(lanes: Lanes, model: LlamaModel, prompt_len: int, sizes: list[in
         widths = sorted({width for _, width in keys})
         told(f"decode graphs of {len(widths)} widths, {widths[0]} to {widths[-1]} pages a "
              f"row, batch buckets 1 to {keys[-1][0]}: {made} captured")  # fmt: skip
-    scheduler = lanes.resident.scheduler
-    pieces = mixed_pieces(scheduler.widest_mixed_piece, prompt_len, lanes.spec.page_size,
+    scheduler, page = lanes.resident.scheduler, lanes.spec.page_size
+    row_tokens = min(lanes.max_context, MOST_GRAPHED_KEYS)  # (a graph's packed width)
+    arena_tokens = scheduler.blocks.pool.num_pages * page
+    pieces = mixed_pieces(scheduler.widest_mixed_piece, row_tokens, arena_tokens, page,
                           sizes) if sizes and scheduler.mixes else []  # fmt: skip
     mixed = runner.capture_mixed_graphs(pieces)
     if mixed:
