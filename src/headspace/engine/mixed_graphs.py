@@ -69,10 +69,9 @@ class MixedGraphs(DecodeGraphs):
         compile while serving), the piece not past :data:`MOST_GRAPHED_PIECE`, every
         sequence within :attr:`mixed_width` pages."""
         tiers_mix = all(tier.mixes_in_graphs for tier in self.tiers)
-        inside = self.stream is None and self.budget is None and not self.outside
         widest = max(piece_pages, decode_pages)
         fits = 0 < piece_rows <= MOST_GRAPHED_PIECE and 0 < widest <= self.mixed_width
-        return tiers_mix and inside and fits and self.blocks_mode != "tuned"
+        return tiers_mix and self.plain and fits and self.blocks_mode != "tuned"
 
     def _mixed_key(self, piece_rows: int, num_seqs: int) -> tuple:
         rows = -(-piece_rows // self.page_size) * self.page_size  # whole pages

@@ -141,6 +141,12 @@ class DecodeGraphs:
         streamed = num_pages * self.stream.num_heads * self.stream.entry_page_bytes
         return self.step_faster(streamed, self.stream.num_groups)
 
+    @property
+    def plain(self) -> bool:
+        """Whether the layout's graphs are keyed by batch and table width alone: nothing
+        staged or streamed, no KV budget, nothing attended outside them."""
+        return self.stream is None and self.budget is None and not self.outside
+
     def step_faster(self, streamed_bytes: int, num_groups: int) -> bool:
         """Whether a graph's step beats the eager one when it streams ``streamed_bytes`` of
         history in ``num_groups`` groups (:func:`graph_step_faster`; a test's twin may

@@ -282,8 +282,7 @@ class PagedRunner(PrefillSteps):
         (nothing staged or streamed, no KV budget, nothing attended outside them); how many
         were new (a server's warm-up: every key its prompts will meet)."""
         graphs = self._graphs
-        plain = graphs is not None and graphs.stream is None and graphs.budget is None
-        if not plain or graphs.outside:
+        if graphs is None or not graphs.plain:
             return 0
         return sum(graphs.capture((batch, width, 0)) for batch, width in keys)
 

@@ -86,26 +86,27 @@ class PrefillSteps:
         rows, a sequence past their packed width, blocks tuned per row count), False: two
         forwards, the decode step's a graph (an eager forward of an 8B model costs about
         30 ms of launches, bench/NOTES.md)."""
+        return self._graphs is None or self._mixed_graphs(piece, pages) is not None
+
+    def _mixed_graphs(self, piece: PrefillPiece, pages: Pages) -> MixedGraphs | None:
+        """This layout's graphs where one of them takes the mixed step of ``piece`` beside
+        decode rows of ``pages`` (:meth:`MixedGraphs.accepts_mixed`), else None."""
         graphs = self._graphs
-        if graphs is None:
-            return True
-        piece_pages, widest = piece.pages["gpu"][0], max(map(len, pages.get("gpu", [[]])))
-        return isinstance(graphs, MixedGraphs) and graphs.accepts_mixed(
-            piece.end - piece.start, len(piece_pages), widest)  # fmt: skip
+        widest = max(map(len, pages.get("gpu", [[]])))
+        takes = isinstance(graphs, MixedGraphs) and graphs.accepts_mixed(
+            piece.end - piece.start, len(piece.pages["gpu"][0]), widest)  # fmt: skip
+        return graphs if takes else None
 
     def _mixed(self, piece: PrefillPiece, seq_ids: list[int], positions: list[int],
                slots: list[int], pages: Pages, held: dict) -> tuple:  # fmt: skip
         for tier in self.tiers:
             tier.before_decode(seq_ids, slots)
-        graphs = self._graphs
-        piece_pages, widest = piece.pages["gpu"][0], max(map(len, pages.get("gpu", [[]])))
-        if isinstance(graphs, MixedGraphs) and graphs.accepts_mixed(
-            piece.end - piece.start, len(piece_pages), widest
-        ):
+        graphs = self._mixed_graphs(piece, pages)
+        if graphs is not None:
             self.hybrid_share.other_work = True
             held["hidden"], result = graphs.run_mixed(
                 piece.seq.prompt_ids[piece.start : piece.end], piece.start,
-                piece_pages, slots, positions, pages)  # fmt: skip
+                piece.pages["gpu"][0], slots, positions, pages)  # fmt: skip
             return result
         prompt, piece_step = self._piece_inputs(piece.seq, piece.start, piece.end, piece.pages)
         decode_step = self._decode_inputs(seq_ids, positions, pages)

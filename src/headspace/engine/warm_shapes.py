@@ -24,6 +24,12 @@ if TYPE_CHECKING:
     from headspace.model.llama import LlamaModel
 
 
+def batch_buckets(sizes: list[int]) -> list[int]:
+    """The batch buckets of 1 and ``sizes`` (the warm-up's decode batches,
+    :func:`~headspace.engine.engine.warm_up_batches`), in order."""
+    return sorted({bucket(size) for size in [1, *sizes]})
+
+
 def decode_graph_keys(prompt_len: int, page_size: int, sizes: list[int]) -> list[tuple[int, int]]:
     """``(batch bucket, block-table width in pages)`` of every decode step that a batch of
     at most ``max(sizes)`` sequences (1 and ``sizes``: the warm-up's decode batches,
@@ -32,8 +38,7 @@ def decode_graph_keys(prompt_len: int, page_size: int, sizes: list[int]) -> list
     :data:`MIN_WIDTH` to the prompt's."""
     widest = bucket(-(-prompt_len // page_size), MIN_WIDTH)
     widths = [MIN_WIDTH << shift for shift in range((widest // MIN_WIDTH).bit_length())]
-    batches = sorted({bucket(size) for size in [1, *sizes]})
-    return [(batch, width) for batch in batches for width in widths]
+    return [(batch, width) for batch in batch_buckets(sizes) for width in widths]
 
 
 def mixed_pieces(widest: Callable[[int, int], int], row_tokens: int, arena_tokens: int,
@@ -50,7 +55,7 @@ def mixed_pieces(widest: Callable[[int, int], int], row_tokens: int, arena_token
     burst captured such keys while serving, pieces of 256 rows beside a widest piece of one
     128-token page: H100)."""
     pieces = []
-    for batch in sorted({bucket(size) for size in [1, *sizes]}):
+    for batch in batch_buckets(sizes):
         most = widest(batch, min(batch * row_tokens, arena_tokens)) + page_size
         pieces += [(rows, batch) for rows in range(page_size, most + 1, page_size)]
     return pieces
@@ -71,13 +76,13 @@ def warm_shapes(lanes: Lanes, model: LlamaModel, prompt_len: int, sizes: list[in
         if report is not None:
             report(f"warm-up: {what} ({time.perf_counter() - started:.0f} s so far)")
 
-    keys = decode_graph_keys(prompt_len, lanes.spec.page_size, sizes) if sizes else []
+    scheduler, page = lanes.resident.scheduler, lanes.spec.page_size
+    keys = decode_graph_keys(prompt_len, page, sizes) if sizes else []
     made = runner.capture_decode_graphs(keys)
     if made:
         widths = sorted({width for _, width in keys})
         told(f"decode graphs of {len(widths)} widths, {widths[0]} to {widths[-1]} pages a "
              f"row, batch buckets 1 to {keys[-1][0]}: {made} captured")  # fmt: skip
-    scheduler, page = lanes.resident.scheduler, lanes.spec.page_size
     row_tokens = min(lanes.max_context, MOST_GRAPHED_KEYS)  # (a graph's packed width)
     arena_tokens = scheduler.blocks.pool.num_pages * page
     pieces = mixed_pieces(scheduler.widest_mixed_piece, row_tokens, arena_tokens, page,
@@ -101,4 +106,4 @@ def warm_shapes(lanes: Lanes, model: LlamaModel, prompt_len: int, sizes: list[in
     return made
 
 
-__all__ = ["decode_graph_keys", "mixed_pieces", "warm_shapes"]
+__all__ = ["batch_buckets", "decode_graph_keys", "mixed_pieces", "warm_shapes"]
