@@ -366,3 +366,35 @@ def test_a_prefix_cached_beside_a_long_request_is_still_right_once_the_arena_joi
     again = run_until(engine.add_request(_prompt(30), params))
     assert again.num_cached_tokens > 0 and again.token_ids == alone
     assert engine.abort(holder)
+
+
+def test_a_runner_keeps_the_decode_graphs_of_its_most_recent_layouts_only():
+    """Each split of the arena gives the resident lane a layout of its own size; a server
+    meets ever new sizes, and graphs kept for all of them would grow its memory without
+    bound. The cache keeps those of the last ``kept`` layouts used."""
+    from headspace.engine.paged_graphs import GraphCache
+
+    made, freed = [], []
+
+    class Graphs:
+        def __init__(self, layout: int):
+            self.layout = layout
+
+        def release(self) -> None:
+            freed.append(self.layout)
+
+    cache = GraphCache(twin=True, kept=2)
+
+    def get(layout: int, generation: int = 0) -> Graphs:
+        return cache.get(layout, (generation,), lambda pool: made.append(layout) or Graphs(layout))
+
+    whole = get(0)
+    get(1)
+    assert get(0) is whole  # the same graphs again: the most recently used now
+    get(2)  # a third layout: the least recently used one's graphs are freed
+    assert freed == [1] and len(cache) == 2 and get(0) is whole
+    get(0, generation=1)  # the tensors they address moved: made anew, the old ones freed
+    assert freed == [1, 0] and made == [0, 1, 2, 0]
+    for layout in range(3, 40):
+        get(layout)
+    assert len(cache) == 2 and len(freed) == len(made) - 2
