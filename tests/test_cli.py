@@ -316,6 +316,7 @@ def _non_default(name, f):
         "balance_phase": ("decode", "decode"),
         "weights": ("stream", "stream"),
         "kv_budget": ("64tok", 64),
+        "prompt_order": ("shortest", "shortest"),
     }  # a token count says so (a bare 7 is refused)
     if name in values:
         return values[name]

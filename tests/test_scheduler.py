@@ -78,6 +78,31 @@ def test_one_prompt_is_prefilled_at_a_time_in_arrival_order():
     assert admitted == [0, 1, 2]
 
 
+def _admission_order(scheduler: Scheduler, seqs: list[Sequence]) -> list[int]:
+    """Add ``seqs`` at once and step until every one is admitted: their ids in that order."""
+    for seq in seqs:
+        scheduler.add(seq)
+    admitted = []
+    while len(admitted) < len(seqs):
+        plan = scheduler.schedule()
+        admitted += [plan.admitted.seq_id] if plan.admitted is not None else []
+        _ran(plan)
+    return admitted
+
+
+def test_the_shortest_waiting_prompt_goes_first_but_none_is_passed_over_past_its_bound():
+    lengths = [60, 20, 30, 10]  # (the scheduler's batch: 4)
+
+    def order(passes: int) -> list[int]:
+        seqs = [Sequence(i, list(range(n)), n + 2) for i, n in enumerate(lengths)]
+        return _admission_order(_scheduler(gpu_pages=64, passes=passes), seqs)
+
+    assert order(0) == [0, 1, 2, 3]  # arrival order
+    assert order(16) == [3, 1, 2, 0]  # shortest first
+    # the 60-token prompt is passed over by the 10 and the 20, then goes first
+    assert order(2) == [3, 1, 0, 2]
+
+
 def test_abort_mid_prefill_frees_its_pages_and_the_next_prompt_starts():
     scheduler = _scheduler(gpu_pages=32)
     long, short = Sequence(0, list(range(200)), 210), Sequence(1, list(range(20)), 30)

@@ -227,6 +227,25 @@ def test_a_long_prompt_prefills_between_the_others_tokens(tiny_llama):
     assert _pools_full(engine)
 
 
+@pytest.mark.parametrize("order", ["shortest", "arrival"])
+def test_a_burst_gets_its_first_tokens_shortest_prompt_first_or_in_arrival_order(tiny_llama, order):
+    """Four prompts added at once: the engine gives the shortest its first token first, and
+    so on, where asked; else in arrival order (the default). Each as alone."""
+    engine = _make(tiny_llama, offload="none", prompt_order=order).engine
+    prompts = _prompts([150, 30, 60, 45], seed=5)
+    ids = [engine.add_request(p, GREEDY) for p in prompts]
+    firsts, tokens = [], {}
+    while engine.has_unfinished():
+        for output in engine.step():
+            if output.request_id not in firsts and output.token_ids:
+                firsts.append(output.request_id)
+            if output.finished:
+                tokens[output.request_id] = output.token_ids
+    expected = [1, 3, 2, 0] if order == "shortest" else [0, 1, 2, 3]
+    assert firsts == [ids[i] for i in expected]
+    assert [tokens[i] for i in ids] == [engine.run(p, GREEDY).token_ids for p in prompts]
+
+
 def _placements(engine: Engine, ids: list[int]) -> list[tuple[str, dict]]:
     """(lane, placement) of each request of ``ids`` the engine still holds."""
     load = engine.load()

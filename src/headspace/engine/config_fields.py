@@ -25,6 +25,10 @@ PREFILL_SLOWDOWN = 3.0
 # (issue 73's caps: 1.5x and 1.3x); at 1.3 the same time per token and first tokens 1.26-1.59x;
 # at 1.6 first tokens 1.03x and a token 1.51x (pieces come in whole pages: a coarse knob)
 MIXED_SLOWDOWN = 1.5
+# with prompt_order "shortest", the shortest waiting prompt is admitted first, but none is passed
+# over by more than this many later ones: a burst of 16 prompts is taken shortest first, a long
+# prompt among steady short ones waits at most 16 of their prefills longer than in arrival order
+ORDER_PASSES = 16
 # beside decoding requests on a GPU, the share of its SMs a long prompt's pieces in the offload
 # lane may use (a CUDA green context): the rest are always free for the others' decode steps,
 # whose kernels otherwise wait for the prompt's long attention blocks to leave an SM. All by

@@ -13,6 +13,7 @@ from headspace.engine.config_fields import (
     ARRIVING_STEP_TOKENS,
     AT_ONCE_STEP_TOKENS,
     MIXED_SLOWDOWN,
+    ORDER_PASSES,
     PREFILL_SLOWDOWN,
     PREFILL_SM_SHARE,
     _option,
@@ -52,6 +53,12 @@ class RuntimeConfig:
     max_context: int | None = _option(
         None, "longest sequence allowed (default: the model's trained context)"
     )
+    prompt_order: Literal["shortest", "arrival"] = _option(
+        "arrival", "of requests arriving one by one (a server), which waiting prompt is "
+        "admitted next: each in its turn of arrival, or the shortest (a burst's first tokens "
+        f"sooner on the whole), though none is passed over by more than {ORDER_PASSES} later "
+        "ones. A batch given at once runs in the order given",
+    )  # fmt: skip
     prefill_chunk: int | None = _option(
         None, "prompt tokens per prefill step (default: what the budget allows)"
     )
@@ -123,6 +130,11 @@ class RuntimeConfig:
         if self.prefill_slowdown is not None:
             return self.prefill_slowdown
         return MIXED_SLOWDOWN if mixed else PREFILL_SLOWDOWN
+
+    @property
+    def passes(self) -> int:
+        """How many later prompts may be admitted before a waiting one (0: arrival order)."""
+        return ORDER_PASSES if self.prompt_order == "shortest" else 0
 
     @property
     def torch_dtype(self) -> torch.dtype:

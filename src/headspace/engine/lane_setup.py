@@ -124,7 +124,7 @@ class LaneFactory:
             decode_rates=decode_rates(self.model.config, config.runtime.torch_dtype.itemsize,
                                       self.hardware.prompt_flops, self.hardware.hbm_bytes),
             mixed_slowdown=config.runtime.slowdown(True),
-            mixed_floor=config.runtime.prefill_step_tokens or 0,
+            mixed_floor=config.runtime.prefill_step_tokens or 0, passes=config.runtime.passes,
         )  # fmt: skip
         ranked = self.ranks is not None
         own_pools = ranked and blocks.per_entry  # pages per rank

@@ -1,18 +1,20 @@
-"""Continuous batching within one lane: its layout, who is admitted, who grows, who is
-swapped out and back in, which piece of a prompt is prefilled. Pure bookkeeping, no tensors:
+"""Continuous batching within one lane: its layout, who is admitted, who grows, who is swapped
+out and back in, which piece of a prompt is prefilled. Pure bookkeeping, no tensors:
 ``schedule()`` returns a :class:`StepPlan`, the only thing the lane's runner is handed, and
 ``laid_out`` takes back what laying a new layout out made.
 
 The layout follows the sequences: each time nothing holds pages and requests wait, the
 lane's :class:`LayoutPlanner` chooses one for the requests next in line (all resident if the
 first fits, else the streaming plan for the first k that maximises the predicted
-throughput), and a step carrying that layout alone is returned. Admission follows the
-layout in force. In the all-resident layout, with the host tier allowed, a prompt is
-admitted when its pages fit (plus a page of headroom per running sequence), like vLLM: a
-sequence that later finds no page for its next token swaps the most recently admitted one
-out to host pages (its K/V copied, not recomputed) and that one resumes when pages free up;
-where the host budget has no room for its pages, that one ends alone (finish reason
-"error", the plan's ``ended``) and the others go on.
+throughput), and a step carrying that layout alone is returned. Next in line is the first to
+arrive or, with ``passes``, for requests arriving one by one, the shortest waiting prompt,
+but none passed over by more than that many later ones (:func:`in_line`); a batch given at
+once goes as given. Admission follows the layout in force. In the all-resident layout, with
+the host tier allowed, a prompt is admitted when its pages fit (plus a page of headroom per
+running sequence), like vLLM: a sequence that later finds no page for its next token swaps
+the most recently admitted one out to host pages (its K/V copied, not recomputed) and that
+one resumes when pages free up; where the host budget has no room for its pages, that one
+ends alone (finish reason "error", the plan's ``ended``) and the others go on.
 Without a host tier, and while heads stream, a prompt is admitted only when the pages it may
 ever need fit beside those the running sequences may still need.
 """
@@ -32,6 +34,7 @@ from headspace.engine.step_plan import (
     SchedulerSettings,
     Sequence,
     StepPlan,
+    in_line,
 )
 from headspace.errors import UserError
 from headspace.kv.block_table import GPU, HOST, BlockManager, OutOfPages, PoolLayout
@@ -172,7 +175,7 @@ class Scheduler(PromptPieces, HostRefusals):
             self.plan = None
         if not self.waiting:
             return None
-        queue = list(self.waiting)[: self.settings.max_batch]
+        queue = self._in_line()[: self.settings.max_batch]
         if tuple(s.seq_id for s in queue) == self._laid_for:  # chosen for them already
             return None
         self._laid_for = tuple(s.seq_id for s in queue)
@@ -186,6 +189,12 @@ class Scheduler(PromptPieces, HostRefusals):
             return StepPlan()
         self._chosen = (plan, planned)
         return StepPlan(layout=plan, host_pages=plan.num_host_pages, host_kept=kept)
+
+    def _in_line(self) -> list[Sequence]:
+        """The waiting sequences in the order they are admitted: shortest first within the
+        bound of ``passes`` for requests arriving one by one, a batch given at once as given
+        (its throughput the same either way)."""
+        return in_line(self.waiting, self.settings.passes if self.paced else 0)
 
     # -- host pages ------------------------------------------------------------------------
     def _claim_host(self, plan: Plan, kept: bool) -> bool | None:
@@ -288,9 +297,12 @@ class Scheduler(PromptPieces, HostRefusals):
             return None
         if self.planner is not None and self.plan is None:  # no layout in force yet
             return None
-        seq = self.waiting[0]
-        if self.admit_before is not None and seq.seq_id >= self.admit_before:
-            return None  # an earlier request of another lane waits for room
+        before = self.admit_before  # an earlier request of another lane waits for room
+        line = [s for s in self._in_line()
+                if before is None or s.seq_id < before]  # fmt: skip
+        if not line:
+            return None
+        seq = line[0]
         if len(self.running) >= self.settings.max_batch or not self._fits(seq):
             return None
         if not self._accepts(seq):
@@ -304,7 +316,10 @@ class Scheduler(PromptPieces, HostRefusals):
             )
         except OutOfPages:  # reused pages were counted as free
             return None
-        self.waiting.popleft()
+        arrival = self.waiting.index(seq)
+        self.waiting.remove(seq)
+        for passed in list(self.waiting)[:arrival]:
+            passed.num_passed += 1
         seq.slot = self.free_slots.pop()
         self.running.append(seq)
         return seq

@@ -3,6 +3,7 @@ the scheduler hands the runner. Plain data, no tensors."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from headspace.kv.block_table import Pages, PoolLayout
@@ -24,7 +25,8 @@ class SchedulerSettings:
     ``mixed_slowdown`` times their decode step alone whether prompts wait or not, at least
     ``mixed_floor`` tokens' work (the step tokens where the user gave them, else none: a
     page). ``swaps``: a sequence may be swapped out to host pages in the all-resident
-    layout."""
+    layout. ``passes``: the shortest waiting prompt is admitted first, but none is passed
+    over by more than this many later ones (0: in arrival order; :func:`in_line`)."""
 
     max_batch: int
     num_slots: int
@@ -39,6 +41,7 @@ class SchedulerSettings:
     prefill_slowdown: float = 1.0
     mixed_slowdown: float = 1.0
     mixed_floor: int = 0
+    passes: int = 0
 
 
 @dataclass
@@ -55,6 +58,7 @@ class Sequence:
     num_pending: int = 0  # tokens sampled on the device, not read yet
     num_swaps: int = 0
     reuse_prefix: bool = True  # whether its prompt may start from the prefix cache
+    num_passed: int = 0  # later arrivals admitted while it waited
 
     @property
     def token_ids(self) -> list[int]:
@@ -181,4 +185,26 @@ class LayoutResult:
     mixes: bool = False
 
 
-__all__ = ["LayoutResult", "PrefillPiece", "Resize", "SchedulerSettings", "Sequence", "StepPlan"]
+__all__ = [
+    "LayoutResult",
+    "PrefillPiece",
+    "Resize",
+    "SchedulerSettings",
+    "Sequence",
+    "StepPlan",
+    "in_line",
+]
+
+
+def in_line(waiting: Iterable[Sequence], passes: int) -> list[Sequence]:
+    """``waiting`` (in arrival order) in the order they are admitted: with ``passes`` 0 as
+    they came; else the shortest prompt first (a burst's first tokens come sooner on the
+    whole: the mean wait of shortest-job-first), except that a sequence passed over by
+    ``passes`` later arrivals goes first, those in arrival order (no prompt waits for
+    ever)."""
+    if not passes:
+        return list(waiting)
+    overdue = (0, 0)  # (sorted is stable: ties stay as they came)
+    return sorted(
+        waiting, key=lambda s: overdue if s.num_passed >= passes else (1, len(s.prompt_ids))
+    )
