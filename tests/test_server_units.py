@@ -4,6 +4,7 @@ request's task, and the request shapes' checks."""
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
 
 import pytest
@@ -145,3 +146,34 @@ def test_the_outbox_merges_log_probabilities_with_their_tokens():
 
     (merged,) = asyncio.run(run())
     assert merged.new_logprobs == [TokenLogprob(0, -1.0), TokenLogprob(1, -2.0)]
+
+
+def test_a_stream_whose_client_stops_reading_takes_no_more_outputs_from_its_choices():
+    """A client that reads one event and stops (its socket full): the stream takes at most a
+    couple of outputs a choice more while it waits (the outbox merges the rest into one),
+    not every output the engine makes; read on, it gets every token in order."""
+    from headspace.server.app import _events
+
+    made = [0, 0]
+
+    async def choice(index: int):
+        for n in range(1, 201):  # an engine far faster than its reader
+            made[index] = n
+            yield _output(list(range(n)), [n - 1], "length" if n == 200 else None)
+
+    async def run() -> tuple[list[int], str]:
+        reply = Reply("cmpl-1", "m", chat=False, created=1)
+        events = _events([choice(0), choice(1)], reply, include_usage=False)
+        first = await events.__anext__()
+        for _ in range(50):  # the client reads nothing while the loop runs on
+            await asyncio.sleep(0)
+        taken = list(made)
+        rest = [first] + [e async for e in events]
+        return taken, "".join(rest)
+
+    taken, body = asyncio.run(run())
+    assert max(taken) <= 3  # queued without bound before: all 200 of each choice
+    texts = ["".join(c["text"] for e in body.split("data: ")[1:-1]
+                     for c in json.loads(e)["choices"] if c["index"] == i)
+             for i in range(2)]  # fmt: skip
+    assert texts == ["".join(f"t{n}" for n in range(200))] * 2 and body.endswith("[DONE]\n\n")

@@ -300,15 +300,20 @@ async def _events(choices: list[AsyncIterator[RequestOutput]], reply: protocol.R
         return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
 
     merged: asyncio.Queue = asyncio.Queue()  # (choice, output or APIError or None: it ended)
+    # a choice's next output is taken only once its last one is sent: a client that stops
+    # reading holds one a choice here, the outbox merging the rest into one (queued, each
+    # would hold every token so far: memory growing with the square of the tokens)
+    sent = [asyncio.Semaphore(1) for _ in choices]
 
     async def pump(index: int, outputs: AsyncIterator[RequestOutput]) -> None:
         try:
             async for output in outputs:
-                await merged.put((index, output))
+                await sent[index].acquire()
+                merged.put_nowait((index, output))
         except APIError as error:  # the engine stopped, or the server ends it
-            await merged.put((index, error))
+            merged.put_nowait((index, error))
         finally:
-            await merged.put((index, None))
+            merged.put_nowait((index, None))
 
     finals: list[RequestOutput | None] = [None] * len(choices)
     pumps = [asyncio.ensure_future(pump(i, outputs)) for i, outputs in enumerate(choices)]
@@ -328,6 +333,7 @@ async def _events(choices: list[AsyncIterator[RequestOutput]], reply: protocol.R
                     yield event(reply.chunk(item.new_text, item.finish_reason, index=index,
                                             logprobs=item.new_logprobs))  # fmt: skip
                 finals[index] = item
+                sent[index].release()
         if failed is not None:
             yield event(failed.body())
     finally:  # also when the client has gone: its requests are aborted now (each pump's
