@@ -21,6 +21,7 @@ ever need fit beside those the running sequences may still need.
 
 from __future__ import annotations
 
+import itertools
 from collections import deque
 from collections.abc import Callable
 
@@ -298,11 +299,9 @@ class Scheduler(PromptPieces, HostRefusals):
         if self.planner is not None and self.plan is None:  # no layout in force yet
             return None
         before = self.admit_before  # an earlier request of another lane waits for room
-        line = [s for s in self._in_line()
-                if before is None or s.seq_id < before]  # fmt: skip
-        if not line:
+        seq = next((s for s in self._in_line() if before is None or s.seq_id < before), None)
+        if seq is None:
             return None
-        seq = line[0]
         if len(self.running) >= self.settings.max_batch or not self._fits(seq):
             return None
         if not self._accepts(seq):
@@ -317,8 +316,8 @@ class Scheduler(PromptPieces, HostRefusals):
         except OutOfPages:  # reused pages were counted as free
             return None
         arrival = self.waiting.index(seq)
-        self.waiting.remove(seq)
-        for passed in list(self.waiting)[:arrival]:
+        del self.waiting[arrival]
+        for passed in itertools.islice(self.waiting, arrival):
             passed.num_passed += 1
         seq.slot = self.free_slots.pop()
         self.running.append(seq)
