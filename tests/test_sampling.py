@@ -140,6 +140,23 @@ def test_streamer_holds_back_a_partial_stop():
     assert streamer.update([ord(c) for c in "abcST"]) == "ab"  # "cST" could start "STOP"
 
 
+@pytest.mark.parametrize("min_tokens, shown", [
+    (0, "ab"), (4, "ab"), (5, "abENDcd"), (9, "abENDcd"), (10, "abENDcdENDef"),
+])  # fmt: skip
+def test_no_stop_string_ends_a_request_within_its_min_tokens(min_tokens, shown):
+    """As vLLM: a stop string counts only where it ends past the first ``min_tokens``
+    tokens' text (one character a token here); one ending at or before it is shown."""
+    streamer = StopStringStreamer(_CharTokenizer(), ["END"], min_tokens)
+    ids, pieces = [], []
+    for ch in "abENDcdENDef":
+        ids.append(ord(ch))
+        pieces.append(streamer.update(ids))
+        if streamer.stopped:
+            break
+    pieces.append(streamer.finish())
+    assert "".join(pieces) == shown and streamer.stopped == (len(shown) < 12)
+
+
 @pytest.fixture(scope="module")
 def embedded_tokenizer(embedded_dir):
     from headspace.model.tokenizer import load_tokenizer

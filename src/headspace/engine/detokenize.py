@@ -15,12 +15,15 @@ class StopStringStreamer:
     unfinished multi-byte character. Each update decodes only the newest tokens, with a few
     before them for context (the text of the window past the context is what they add):
     decoding every token so far at every step cost the engine's thread a third of its time
-    at 1,500 tokens a stream (bench/NOTES.md).
+    at 1,500 tokens a stream (bench/NOTES.md). A stop string counts only where it ends past
+    the text of the first ``min_tokens`` tokens (vLLM's ``min_tokens``: no stop before them).
     """
 
-    def __init__(self, tokenizer, stop: list[str]):
+    def __init__(self, tokenizer, stop: list[str], min_tokens: int = 0):
         self.tokenizer = tokenizer
         self.stop = stop
+        self.min_tokens = min_tokens
+        self._min_chars = 0  # the text's length at ``min_tokens`` tokens (its last update)
         self.hold_back = max((len(s) for s in stop), default=1) - 1
         self.text = ""
         self.emitted = 0
@@ -35,8 +38,11 @@ class StopStringStreamer:
         text = self._grown(token_ids)
         if text is None:  # an unfinished UTF-8 sequence: wait for more bytes
             return ""
+        if len(token_ids) <= self.min_tokens:
+            self._min_chars = len(text)
         search_from = max(0, self.emitted - self.hold_back)
-        cuts = [i for i in (text.find(s, search_from) for s in self.stop) if i >= 0]
+        cuts = [i for i in (text.find(s, max(search_from, self._min_chars - len(s) + 1))
+                            for s in self.stop) if i >= 0]  # fmt: skip
         if cuts:
             self.text, self.stopped = text[: min(cuts)], True
             return self._release(len(self.text))

@@ -131,8 +131,9 @@ class Lanes:
         numbers, a prompt that no plan can hold."""
         seq = self.check(prompt_ids, params)
         self._next_id += 1
-        request = Request(seq, params, make_generator(params, self.resident.runner.device),
-                          StopStringStreamer(self.tokenizer, params.stop), time.perf_counter(),
+        streamer = StopStringStreamer(self.tokenizer, params.stop, params.min_tokens)
+        generator = make_generator(params, self.resident.runner.device)
+        request = Request(seq, params, generator, streamer, time.perf_counter(),
                           prompt_ids if prompt is None else prompt)  # fmt: skip
         if self._offloads(self.spec.pages_for(seq.max_tokens)):
             self._lane_of[seq.seq_id] = self.offload

@@ -87,8 +87,8 @@ class SamplingParams:
             if not -2 <= getattr(self, name) <= 2:
                 raise UserError(f"{name} must be in [-2, 2], got {getattr(self, name)}", name)
         if not isinstance(self.min_tokens, int) or not 0 <= self.min_tokens <= self.max_new_tokens:
-            raise UserError(f"min_tokens must be an integer in [0, max_new_tokens="
-                            f"{self.max_new_tokens}], got {self.min_tokens}",
+            raise UserError(f"min_tokens must be an integer from 0 to the new tokens asked "
+                            f"for ({self.max_new_tokens}), got {self.min_tokens}",
                             "min_tokens")  # fmt: skip
 
 
