@@ -173,6 +173,10 @@ BAD = {  # name: (request body or raw text, status)
     "tools": ({"tools": [{"type": "function", "function": {"name": "f"}}]}, 400),
     "stream_options without stream": ({"stream_options": {"include_usage": True}}, 400),
     "stream given as a string": ({"stream": "yes"}, 400),
+    "max_tokens given as true": ({"max_tokens": True}, 400),
+    "n given as a string": ({"n": "2"}, 400),
+    "a prompt of a wrong type": ({"prompt": 5}, 400),
+    "an empty body": ("", 400),
     "max_tokens past the context": ({"max_tokens": 10**9}, 400),
     "repetition_penalty 0": ({"repetition_penalty": 0}, 400),
     "presence_penalty past 2": ({"presence_penalty": 2.5}, 400),
@@ -203,8 +207,14 @@ def test_a_bad_request_gets_its_status_and_the_server_keeps_serving(server, case
         assert "unpaired surrogate" in error["message"] and error["param"] == "prompt"
     if case == "top_p NaN":  # not "less than or equal to 1"
         assert "finite" in error["message"] and error["param"] == "top_p"
+    if case == "a prompt of a wrong type":  # the shapes it takes, in a client's words
+        assert error["message"] == ("prompt: must be a string, a list of token ids, a list "
+                                    "of strings or a list of token id lists"), error  # fmt: skip
+    if case == "an empty body":
+        assert error["param"] is None and "JSON object" in error["message"], error
     if case == "min_tokens past max_tokens":  # (refused by the engine's own check)
-        assert error["param"] == "min_tokens" and "max_new_tokens=4" in error["message"]
+        assert error["param"] == "min_tokens" and "asked for (4)" in error["message"]
+        assert "max_new_tokens" not in error["message"]  # (the engine's word for max_tokens)
     assert server.healthy()
 
 
@@ -374,6 +384,7 @@ def test_a_wrong_key_gets_401_and_the_open_routes_stay_open(server):
         reply = httpx.get(server.url + "/v1/models", headers={"Authorization": header})
         assert reply.status_code == status, header  # the scheme in any case (RFC 9110)
     assert httpx.get(server.url + "/metrics").status_code == 200
+    assert httpx.head(server.url + "/health").status_code == 200  # (a load balancer's probe)
     assert server.metrics()['headspace_request_errors_total{status="401"}'] >= 2  # counted
     assert server.healthy()
 

@@ -163,9 +163,11 @@ def test_a_request_with_no_room_for_its_pages_ends_alone(alone):
     """Three streams outgrow 8 KV pages of 16 tokens, and the host budget (1 KiB) has no
     room to swap one out: the one that finds no page ends with a 503 error event and
     [DONE] (a full server: sent again later, it may run), the others stream on to their
-    text run alone, and the server keeps serving."""
+    text run alone, and the server keeps serving. A request whose ``n`` is past what the
+    server holds at once could never run: a 400 naming ``n``, not a 429 (try again)."""
+    bounds = ("--max-concurrent-requests", "3", "--max-queued-requests", "1")
     server = ServerProcess("--served-model-name", NAME, "--num-kv-pages", "8", "--page-size",
-                           "16", "--host-memory", "1KiB", "--no-warm-up")  # fmt: skip
+                           "16", "--host-memory", "1KiB", "--no-warm-up", *bounds)  # fmt: skip
     try:
         body = {"max_tokens": TOKENS, "temperature": 0}
         with ThreadPoolExecutor(len(PROMPTS)) as pool:
@@ -183,5 +185,8 @@ def test_a_request_with_no_room_for_its_pages_ends_alone(alone):
         assert server.healthy()
         assert _streamed(server, PROMPTS[0]) == alone[0]
         assert "no host page to swap it out to" in server.output()
+        with pytest.raises(openai.BadRequestError) as caught:
+            _client(server).completions.create(model=NAME, prompt="Hi", max_tokens=2, n=5)
+        assert caught.value.body["param"] == "n" and "past the 4 requests" in str(caught.value)
     finally:
         server.stop()

@@ -60,6 +60,11 @@ def test_a_reply_keeps_one_id_and_time_across_its_chunks():
     {"stream_options": {"include_usage": True}}, {"presence_penalty": 2.5}, {"stop": [""]},
     {"temperature": 2.5}, {"top_p": 0}, {"max_tokens": 0}, {"prompt": ["a", "b"]},
     {"repetition_penalty": 200}, {"min_tokens": -1}, {"frequency_penalty": True},
+    # types as OpenAI's: no string, boolean or fraction taken for a number
+    {"max_tokens": True}, {"max_tokens": "3"}, {"max_tokens": 3.0}, {"n": True},
+    {"temperature": True}, {"top_p": "1"}, {"top_k": True}, {"seed": True}, {"seed": 1.5},
+    {"prompt": [True, False]}, {"stop": 3}, {"stop_token_ids": [True]}, {"echo": 1},
+    {"stream": True, "stream_options": {"include_usage": "yes"}},
 ])  # fmt: skip
 def test_what_cannot_be_honoured_is_refused(fields):
     with pytest.raises(ValidationError):
@@ -67,6 +72,9 @@ def test_what_cannot_be_honoured_is_refused(fields):
 
 
 def test_sampling_fields_become_sampling_params():
+    body = '{"model": "m", "prompt": [1], "temperature": 0, "top_p": 1, "presence_penalty": -2}'
+    whole = CompletionRequest.model_validate_json(body)  # (JSON integers pass for numbers)
+    assert (whole.temperature, whole.top_p, whole.presence_penalty) == (0.0, 1.0, -2.0)
     request = CompletionRequest(model="m", prompt=[1, 2], temperature=1e-30, top_k=-1,
                                 stop="END", seed=2**64 - 1)  # fmt: skip
     params = request.sampling(4096)

@@ -49,16 +49,36 @@ def _error(error: APIError, metrics=None) -> JSONResponse:
     return JSONResponse(error.body(), status_code=error.status)
 
 
+# the members of a field's union, as pydantic tags its errors' places, in a client's words
+UNION_MEMBERS = {"str": "a string", "list[int]": "a list of token ids",
+                 "list[str]": "a list of strings", "list[list[int]]": "a list of token id lists",
+                 "list[TextPart]": "a list of text parts"}  # fmt: skip
+
+
 def _validation_message(error: RequestValidationError) -> tuple[str, str | None]:
-    first = error.errors()[0] if error.errors() else {}
+    """The first error's message and the field at fault (None: the body as a whole); where
+    a field takes one of several shapes, the shapes it takes, not each one's complaint."""
+    places = [tuple(p for p in e.get("loc", ()) if p != "body") for e in error.errors()]
+    first, loc = (error.errors()[0], places[0]) if places else ({}, ())
     if first.get("type") == "json_invalid":
         return f"the body is not valid JSON: {first.get('ctx', {}).get('error', '')}", None
-    if tuple(first.get("loc", ())) == ("body",) and isinstance(first.get("input"), bytes):
+    if not loc and isinstance(first.get("input"), bytes):
         return ("the body must be a JSON object sent with Content-Type: application/json "
                 "(it was not read as JSON)"), None  # fmt: skip
-    where = [str(p) for p in first.get("loc", ()) if p != "body"]
+    if not loc and first.get("type") in ("missing", "model_type", "dict_type"):
+        return "the body must be a JSON object of the request's fields", None
     message = first.get("msg", "invalid request").removeprefix("Value error, ")
-    return (f"{'.'.join(where)}: {message}" if where else message), (where[0] if where else None)
+    if not loc:  # (a check of the request as a whole)
+        return message, None
+    union = next((i for i, p in enumerate(loc) if p in UNION_MEMBERS), None)
+    where = ".".join(str(p) for p in loc[:union])
+    if union is not None:
+        members = dict.fromkeys(p[union] for p in places
+                                if p[:union] == loc[:union] and p[union:union + 1] and
+                                p[union] in UNION_MEMBERS)  # fmt: skip
+        words = [UNION_MEMBERS[m] for m in members]
+        message = f"must be {', '.join(words[:-1])}{' or ' if words[1:] else ''}{words[-1]}"
+    return f"{where}: {message}", str(loc[0])
 
 
 async def _disconnected(request: Request) -> None:
@@ -129,7 +149,7 @@ def build_app(engine_loop: EngineLoop, options: ServerOptions) -> FastAPI:
         kind = "not_found_error" if error.status_code == 404 else "invalid_request_error"
         return _error(APIError(error.status_code, str(error.detail), kind), counted)
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])
     async def health():
         if engine_loop.error is not None:  # (the process is on its way out)
             return JSONResponse({"status": "error"}, 503)
@@ -178,6 +198,10 @@ def build_app(engine_loop: EngineLoop, options: ServerOptions) -> FastAPI:
         if body.model != name:
             raise APIError(404, f"the model {body.model!r} does not exist; this server serves "
                            f"{name!r}", "not_found_error", "model")  # fmt: skip
+        bound = engine_loop.max_concurrent + engine_loop.max_queued
+        if body.n > bound:  # (never servable: not a 429, which says to try again)
+            raise APIError(400, f"n is {body.n}, past the {bound} requests this server holds "
+                           "at once (each choice runs as a request)", param="n")  # fmt: skip
         arrived = time.perf_counter()
         engine_loop.reserve(body.n)  # a place for each choice (429 or 503 before any work)
         try:

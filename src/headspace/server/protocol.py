@@ -4,7 +4,9 @@ Requests are pydantic models: a field of the wrong type or out of range is a 400
 error shape (``{"error": {"message", "type", "param", "code"}}``); fields this server does
 not know are ignored, as OpenAI-compatible servers do; ones it knows and cannot honour
 (``best_of`` > 1, ``echo`` with ``stream``, vLLM's ``prompt_logprobs``, tools) are refused by
-name unless their value asks for nothing; booleans are JSON's true and false only.
+name unless their value asks for nothing. Types are strict, as OpenAI's: a number is a JSON
+number (an integer where one is meant; ``3.0``, ``"3"`` and ``true`` are refused), a boolean
+JSON's true or false.
 Penalties and ``min_tokens`` are vLLM's; log probabilities, ``echo`` and ``max_tokens`` 0
 are OpenAI's.
 """
@@ -17,7 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from headspace.engine.outputs import RequestOutput, TokenLogprob
 from headspace.engine.sampling import MOST_LOGPROBS, REPETITION_PENALTY, SamplingParams
@@ -30,7 +32,8 @@ UNSUPPORTED = ("tools", "tool_choice", "functions", "function_call", "response_f
                "logit_bias", "suffix", "prediction", "audio", "modalities",
                "use_beam_search", "prompt_logprobs")  # fmt: skip
 ASKS_NOTHING = {"use_beam_search": (False,)}
-TopLogprobs = Annotated[int, Field(strict=True, ge=0, le=MOST_LOGPROBS)]
+TopLogprobs = Annotated[int, Field(ge=0, le=MOST_LOGPROBS)]
+STRICT = ConfigDict(extra="ignore", strict=True)  # (unknown fields ignored, as OpenAI does)
 
 
 class APIError(Exception):
@@ -61,13 +64,15 @@ def _asks_nothing(name: str, value) -> bool:
 
 
 class StreamOptions(BaseModel):
-    include_usage: StrictBool = False
+    model_config = STRICT
+
+    include_usage: bool = False
 
 
 class _Sampling(BaseModel):
     """The fields completions and chat completions share."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = STRICT
 
     model: str
     max_tokens: Annotated[int, Field(ge=1)] | None = None
@@ -77,17 +82,15 @@ class _Sampling(BaseModel):
     seed: Annotated[int, Field(ge=-(2**63), le=2**64 - 1)] | None = None
     stop: str | list[str] | None = None
     stop_token_ids: Annotated[list[Annotated[int, Field(ge=0)]], Field(max_length=MOST_STOPS)] = []
-    stream: StrictBool = False  # (JSON's true or false: "yes" is refused, not taken as true)
+    stream: bool = False  # (JSON's true or false: "yes" is refused, not taken as true)
     stream_options: StreamOptions | None = None
     n: Annotated[int, Field(ge=1, le=MOST_CHOICES)] = 1
-    ignore_eos: StrictBool = False
-    # (numbers only: a boolean given for one is a 400)
-    presence_penalty: Annotated[float, Field(strict=True, ge=-2, le=2, allow_inf_nan=False)] = 0.0
-    frequency_penalty: Annotated[float, Field(strict=True, ge=-2, le=2, allow_inf_nan=False)] = 0.0
-    repetition_penalty: Annotated[float, Field(strict=True, ge=REPETITION_PENALTY[0],
-                                               le=REPETITION_PENALTY[1],
+    ignore_eos: bool = False
+    presence_penalty: Annotated[float, Field(ge=-2, le=2, allow_inf_nan=False)] = 0.0
+    frequency_penalty: Annotated[float, Field(ge=-2, le=2, allow_inf_nan=False)] = 0.0
+    repetition_penalty: Annotated[float, Field(ge=REPETITION_PENALTY[0], le=REPETITION_PENALTY[1],
                                                allow_inf_nan=False)] = 1.0  # fmt: skip
-    min_tokens: Annotated[int, Field(strict=True, ge=0)] = 0
+    min_tokens: Annotated[int, Field(ge=0)] = 0
     best_of: int | None = None
 
     @model_validator(mode="before")
@@ -155,7 +158,7 @@ class CompletionRequest(_Sampling):
 
     prompt: str | list[int] | list[str] | list[list[int]]
     max_tokens: Annotated[int, Field(ge=0)] | None = 16  # (0: with echo, the prompt alone)
-    echo: StrictBool = False
+    echo: bool = False
     logprobs: TopLogprobs | None = None
 
     @property
@@ -190,12 +193,14 @@ class CompletionRequest(_Sampling):
 
 
 class TextPart(BaseModel):
+    model_config = STRICT
+
     type: Literal["text"]
     text: str
 
 
 class Message(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = STRICT
 
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: str | list[TextPart] | None = None
@@ -213,7 +218,7 @@ class ChatRequest(_Sampling):
 
     messages: Annotated[list[Message], Field(min_length=1)]
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
-    logprobs: StrictBool = False
+    logprobs: bool = False
     top_logprobs: TopLogprobs | None = None
 
     @model_validator(mode="after")
