@@ -31,7 +31,10 @@ LAYERS = {
 }
 PURE = ["headspace.planner", "headspace.planner.context", "headspace.parallel.balance",
         "headspace.parallel.solvers", "headspace.parallel.rank_plan",
-        "headspace.kv.spec"]  # fmt: skip
+        "headspace.kv.spec",
+        # what the command line's flags are built from (its help answers without torch)
+        "headspace.cli.options", "headspace.engine.config", "headspace.budgets.spec",
+        "headspace.tiers.settings", "headspace.parallel.launch"]  # fmt: skip
 
 
 def _layer(module: str) -> str:

@@ -237,6 +237,6 @@ def test_ranks_divide_the_machines_cores_unless_bound_to_their_own(pinned, machi
                                                                     cores):  # fmt: skip
     """The hybrid tier's CPU threads: a rank bound to part of the machine keeps its cores
     (they are its own); ranks sharing the whole machine divide it, one core at least."""
-    from headspace.parallel.dist import rank_cores
+    from headspace.parallel.launch import rank_cores
 
     assert rank_cores(pinned, machine, ranks_here) == cores

@@ -17,7 +17,8 @@ from headspace.engine.hooks import EngineHooks
 from headspace.engine.sampling import SamplingParams
 from headspace.errors import UserError
 from headspace.kv.host_store import HostKVArena
-from headspace.parallel.dist import is_first_rank, leave
+from headspace.parallel.dist import leave
+from headspace.parallel.launch import is_first_rank
 from headspace.tiers.budget_ranks import RankBudgetTier
 from headspace.tiers.entry_staging import EntryStaging
 

@@ -6,11 +6,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-WINDOW = 32  # observation window: the prompt's last queries, always kept
-# max-pool width over neighbouring tokens: SnapKV keeps clusters, not lone tokens. 15, not
-# SnapKV's 7: an answer sits some tokens after the words the question matches (NIAH and RULER
-# on the embedded model, bench/NOTES.md "Pooling width")
-POOL = 15
+from headspace.budgets.spec import POOL, WINDOW
+
+__all__ = ["POOL", "WINDOW", "observation_scores"]
 
 
 def observation_scores(

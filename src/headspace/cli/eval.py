@@ -217,7 +217,7 @@ def _keep_partial(rows: list[dict], path: Path) -> None:
 def run_eval(args, options: dict) -> None:
     from headspace.api import LLM
     from headspace.eval import run
-    from headspace.parallel.dist import is_first_rank
+    from headspace.parallel.launch import is_first_rank
 
     defaults = _ppl_defaults(args, options)
     _check_counts(args)

@@ -237,7 +237,7 @@ QUIET_RANK_GRACE_S = 5.0
 def _quiet_other_ranks() -> bool:
     """Under torchrun only rank 0 writes (the output, progress bars, one-line errors); the
     others keep stderr for tracebacks only. Returns whether this rank is quiet."""
-    from headspace.parallel.dist import is_first_rank
+    from headspace.parallel.launch import is_first_rank
 
     if is_first_rank():
         return False

@@ -130,11 +130,10 @@ def add_engine_parallel_options(p) -> None:
     (listed in its help where they can act: several GPUs here, or under torchrun)."""
     import os
 
-    import torch
-
     from headspace.parallel.config import ENGINE_FIELDS, ParallelConfig
+    from headspace.parallel.launch import visible_gpus
 
-    several = torch.cuda.device_count() > 1 or "LOCAL_WORLD_SIZE" in os.environ
+    several = visible_gpus() > 1 or "LOCAL_WORLD_SIZE" in os.environ
     add_config_options(p, ParallelConfig, ENGINE_FIELDS, hidden=not several)
 
 

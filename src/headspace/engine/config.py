@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields, replace
 from typing import ClassVar, get_args
 
-from headspace.budgets import POOL, KVBudget, PolicyName
+from headspace.budgets.spec import POOL, KVBudget, PolicyName
 from headspace.engine.config_fields import (
     _is_number,
     _option,
@@ -26,7 +26,7 @@ from headspace.planner.entry_offload import check_offload
 from headspace.planner.memory import WeightMode
 from headspace.planner.plan import OffloadMode
 from headspace.planner.profile import with_patterns
-from headspace.tiers.base import HybridSettings
+from headspace.tiers.settings import HybridSettings
 
 KV_POLICIES = get_args(PolicyName)
 

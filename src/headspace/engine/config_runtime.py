@@ -5,9 +5,7 @@ pieces beside decoding requests; one of the engine's option groups
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar, Literal
-
-import torch
+from typing import TYPE_CHECKING, ClassVar, Literal
 
 from headspace.engine.config_fields import (
     ARRIVING_STEP_TOKENS,
@@ -22,8 +20,10 @@ from headspace.engine.config_fields import (
 )
 from headspace.errors import UserError
 
-DType = Literal["float32", "bfloat16", "float16"]
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+if TYPE_CHECKING:  # (torch is imported where it is used: the CLI's flags and help need none)
+    import torch
+
+DType = Literal["float32", "bfloat16", "float16"]  # (torch's names of the dtypes)
 
 
 @dataclass
@@ -103,7 +103,7 @@ class RuntimeConfig:
     def __post_init__(self):
         if self.device != "cpu" and not self.device.startswith("cuda"):
             raise UserError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
-        if self.on_gpu and not torch.cuda.is_available():
+        if self.on_gpu and not _cuda_available():
             raise UserError(f"device {self.device!r} requested but no CUDA GPU is available")
         if self.dtype is None:
             self.dtype = "bfloat16" if self.on_gpu else "float32"
@@ -138,11 +138,19 @@ class RuntimeConfig:
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        return DTYPES[self.dtype]
+        import torch
+
+        return getattr(torch, self.dtype)
 
     @property
     def on_gpu(self) -> bool:
         return self.device.startswith("cuda")
 
 
-__all__ = ["DTYPES", "DType", "RuntimeConfig"]
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+__all__ = ["DType", "RuntimeConfig"]

@@ -21,13 +21,8 @@ from headspace.errors import UserError
 from headspace.kv.spec import KVSpec
 from headspace.model.llama import LlamaModel
 from headspace.parallel.balance import balance_heads, check_balance, priced_map
-from headspace.parallel.dist import (
-    all_reduce_sum,
-    broadcast_object,
-    host_min,
-    init_from_env,
-    local_world_size,
-)
+from headspace.parallel.dist import all_reduce_sum, broadcast_object, host_min, init_from_env
+from headspace.parallel.launch import local_world_size
 from headspace.parallel.placement import RankLayout, rank_layout
 from headspace.parallel.rank_plan import entry_parts, spread_plan
 from headspace.parallel.shard import shard_layer, shard_model

@@ -130,28 +130,3 @@ def broadcast_(tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
     """Rank ``src``'s ``tensor`` copied into every rank's, in place."""
     dist.broadcast(tensor, src=src)
     return tensor
-
-
-def local_world_size() -> int:
-    """The ranks torchrun started on this machine (``LOCAL_WORLD_SIZE``; 1 outside it):
-    they share its memory and cores."""
-    return int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-
-
-def rank_cores(pinned: int | None = None, machine: int | None = None,
-               ranks_here: int | None = None) -> int:  # fmt: skip
-    """CPU cores this process may use: the ``pinned`` cores of its affinity mask where the
-    launcher bound it to part of the ``machine``'s cores (they are its own already), else
-    the machine's divided among the ``ranks_here`` on it (defaults: this process's)."""
-    pinned = len(os.sched_getaffinity(0)) if pinned is None else pinned
-    machine = (os.cpu_count() or pinned) if machine is None else machine
-    ranks_here = local_world_size() if ranks_here is None else ranks_here
-    if pinned < machine:
-        return pinned
-    return max(1, pinned // ranks_here)
-
-
-def is_first_rank() -> bool:
-    """Whether this process is rank 0 of torchrun's (or the only process): the one that
-    writes output."""
-    return int(os.environ.get("RANK", "0")) == 0

@@ -30,7 +30,8 @@ from headspace.engine.outputs import RequestOutput
 from headspace.engine.sampling import SamplingParams
 from headspace.errors import UserError
 from headspace.model.compile_meter import COMPILE_METER, CompileMeter, log_compiles
-from headspace.parallel.dist import broadcast_object, first_error, is_first_rank
+from headspace.parallel.dist import broadcast_object, first_error
+from headspace.parallel.launch import is_first_rank
 from headspace.server.metrics import Metrics
 from headspace.server.outbox import Outbox
 from headspace.server.protocol import APIError

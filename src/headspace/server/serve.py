@@ -9,7 +9,7 @@ import time
 import uvicorn
 
 from headspace.engine.engine import Engine
-from headspace.parallel.dist import is_first_rank
+from headspace.parallel.launch import is_first_rank
 from headspace.server.app import ServerOptions, build_app
 from headspace.server.engine_loop import EngineLoop, log
 from headspace.server.header_deadline import with_header_timeout

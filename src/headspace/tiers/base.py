@@ -27,6 +27,7 @@ from headspace.kv.spec import KVSpec, padded_length
 from headspace.kv.transfer import device_ints
 from headspace.parallel.dist import all_gather_stack
 from headspace.parallel.placement import RankLayout
+from headspace.tiers.settings import HybridSettings
 
 if TYPE_CHECKING:
     from headspace.tiers.hybrid import CpuAttention
@@ -74,20 +75,6 @@ class StepInputs:
     start: int = 0
     seq_ids: list[int] = field(default_factory=list)
     first_layer: int = 0
-
-
-@dataclass
-class HybridSettings:
-    """The hybrid tier's CPU side: ``threads`` (None: the rank's cores but one), sparse mode's
-    ``sparsity`` (beta; None: exact), ``maw_alpha`` and ``query_blocks`` (blocks each step's
-    query adds), and the ``gpu_window`` of recent tokens always attended on the GPU. The
-    defaults are the engine's (``OffloadConfig``'s)."""
-
-    threads: int | None = None
-    sparsity: float | None = None
-    maw_alpha: float = 0.1
-    gpu_window: int = 1024
-    query_blocks: int = 64
 
 
 class CpuCall(NamedTuple):

@@ -26,7 +26,7 @@ import torch
 from headspace.attention.cpu_decode import MAX_KERNEL_GROUP, cpu_paged_decode
 from headspace.attention.cpu_jobs import BackgroundDecode
 from headspace.kv.host_store import HostKVArena
-from headspace.parallel.dist import rank_cores
+from headspace.parallel.launch import rank_cores
 from headspace.tiers.base import CpuCall, CpuTimings, HeadRange, TierSite, timed
 from headspace.tiers.hybrid_sparse import SparseSelector
 
