@@ -20,11 +20,16 @@ from headspace import LLM, SamplingParams
 from test_stepping import CHUNK, PAGE, budget_for_kib
 
 LENGTHS = (12, 30, 60, 150, 190)  # with their new tokens: 2-13 pages of 16 tokens
+HYBRID = {"arena_kib": 150, "offload": "hybrid", "cpu_share": 1.0, "gpu_window": 16}
 MODES = {  # name: engine options (the arena: 11 resident pages of 16 tokens)
     "streamed": {"arena_kib": 150},
-    "hybrid": {"arena_kib": 150, "offload": "hybrid", "cpu_share": 1.0, "gpu_window": 16},
+    "hybrid": HYBRID,
+    "hybrid_sparse": {**HYBRID, "cpu_sparsity": 0.5, "cpu_query_blocks": 1},  # (approximate)
     "budgets": {"kv_budget": 0.5},  # per-entry pages: one lane
-    "swap": {"num_kv_pages": 9},  # all resident: the long ones swap, none offloads
+    "swap": {"num_kv_pages": 9},  # resident ones swap under 9 pages; the longest offload
+    # half the entries streaming(4,16) by a profile's retrieval scores (approximate)
+    "patterns": {"profile": "random", "retrieval_heads": 0.5, "sparse_pattern": "streaming(4,16)"},
+    "weights_streamed": {"weights": "stream"},  # each layer's weights copied in as it runs
 }
 ENGINES: dict[str, LLM] = {}
 ALONE: dict[tuple, list[int]] = {}  # (mode, length, new tokens) -> its greedy tokens alone
@@ -35,8 +40,22 @@ def _engine(checkpoint, mode: str, **extra) -> LLM:
     options = dict(MODES[mode])
     kib = options.pop("arena_kib", None)
     budget = None if kib is None else budget_for_kib(checkpoint, kib)
+    if options.get("profile") == "random":
+        options["profile"] = _random_profile(checkpoint)
     return LLM(str(checkpoint), prefill_chunk=CHUNK, page_size=PAGE, gpu_memory=budget,
                prefill_step_tokens=PAGE, **options, **extra)  # fmt: skip
+
+
+def _random_profile(checkpoint) -> str:
+    """A profile of random retrieval scores for ``checkpoint``'s heads, saved beside it."""
+    from headspace.model.config import load_config
+    from headspace.planner.profile import Profile
+
+    path, config = checkpoint / "random_profile.json", load_config(checkpoint)
+    scores = torch.rand(config.num_layers, config.num_kv_heads,
+                        generator=torch.Generator().manual_seed(3))  # fmt: skip
+    Profile("random", config.num_layers, config.num_kv_heads, scores.tolist()).save(path)
+    return str(path)
 
 
 def _prompt(length: int) -> list[int]:
@@ -103,8 +122,9 @@ class Lanes(RuleBasedStateMachine):
 
     @invariant()
     def resident_stays_resident(self) -> None:
+        """In the resident lane, and in the one lane ("main") of per-entry pages."""
         for view in self.engine.load().requests:
-            if view.lane == "resident" and view.state != "waiting":
+            if view.lane in ("resident", "main") and view.state != "waiting":
                 assert set(view.placement) <= {"gpu", "stream", "hybrid"}
                 assert view.placement.get("stream", 0) == view.placement.get("hybrid", 0) == 0
 
@@ -136,6 +156,10 @@ def test_requests_of_mixed_lengths_in_their_lanes(tiny_llama, mode):
     machine.TestCase.settings = settings(max_examples=5, stateful_step_count=12, deadline=None,
                                          suppress_health_check=list(HealthCheck))  # fmt: skip
     machine.TestCase().runTest()
+    engine = ENGINES[mode].engine  # (the mode in force, not only asked for)
+    layouts = " ".join(lane.layout or "" for lane in engine.load().lanes)
+    assert ("streaming(4,16)=3" in layouts) == (mode == "patterns"), layouts
+    assert (engine.model.layer_source is not None) == (mode == "weights_streamed")
 
 
 def test_a_long_and_a_short_request_run_in_their_own_lanes(tiny_llama):
