@@ -156,7 +156,8 @@ def test_requests_arriving_and_aborted_at_random_steps_under_two_ranks(
 ):
     """Hypothesis draws when each request arrives and whether (how many steps later) it is
     aborted; under two ranks (gloo), in every mode torchrun runs, each request that is not
-    aborted first ends with its tokens alone in one process."""
+    aborted first ends with its tokens alone in one process; no running request's placement
+    changes on any rank, and once idle every lane's pages are back in its pools."""
     lengths = [length for length, _, _ in schedule]
     arrivals = [at for _, at, _ in schedule]
     aborts = [[i, at + later] for i, (_, at, later) in enumerate(schedule) if later is not None]
@@ -164,6 +165,9 @@ def test_requests_arriving_and_aborted_at_random_steps_under_two_ranks(
               "aborts": aborts} for options in ARRIVING_MODES]  # fmt: skip
     results = run_cases(2, cases, tmp_path)
     for got, case, mode in zip(results, cases, range(len(ARRIVING_MODES)), strict=True):
+        assert got["moved"] == [[], []], (case["options"], got["moved"])
+        assert len(got["idle_pages"]) == 2 and all(got["idle_pages"]), got["idle_pages"]
+        assert all(used == [0, 0] for rank in got["idle_pages"] for _, *used in rank), got
         llm = None
         for index, (tokens, prompt_ids) in enumerate(zip(got["arrivals"], batch(case),
                                                          strict=True)):  # fmt: skip

@@ -115,7 +115,7 @@ def run_case(case: dict) -> dict:
         error = str(refused)
         short = SamplingParams(max_new_tokens=8, ignore_eos=True)  # then a request that fits
         after = llm.generate(ids[:40], short)[0].token_ids if case.get("after") else None
-    arrivals = arrive(llm, case) if "arrivals" in case else None
+    arrivals, moved = arrive(llm, case) if "arrivals" in case else (None, None)
     ranks = llm.engine.ranks
     errors = every_rank(error)
     heads = [lay.layer_heads for lay in ranks.layouts]  # every rank's heads per layer
@@ -131,6 +131,7 @@ def run_case(case: dict) -> dict:
             "graph_decisions": every_rank(GRAPH_DECISIONS), "weighed": weighed,
             "swaps": list(SWAPS), "staged": staged, "errors": errors, "after": after,
             "tiers": [tiers(o.stats) for o in outputs], "arrivals": arrivals,
+            "moved": every_rank(moved), "idle_pages": every_rank(pages_in_use(llm)),
             "streamed": llm.engine.model.layer_source is not None,
             "searching": searching, "kept": every_rank(list(KEPT)),
             "rank_heads": [[lay.heads(layer) for layer in range(len(lay.own))]
@@ -157,11 +158,17 @@ def left(llm: LLM) -> dict:
     }
 
 
-def arrive(llm: LLM, case: dict) -> list[list[int] | str]:
+def pages_in_use(llm: LLM) -> list[tuple[str, int, int]]:
+    """Each lane's GPU and host pages in use on this rank."""
+    return [(v.name, v.gpu_pages_used, v.host_pages_used) for v in llm.engine.load().lanes]
+
+
+def arrive(llm: LLM, case: dict) -> tuple[list[list[int] | str], list]:
     """The batch's prompts added to the stepping engine before steps ``case["arrivals"]``
     (every rank alike), and aborted before the steps of ``case.get("aborts")`` ([index,
-    step] pairs; one that has ended by then is left); each one's final tokens, or "abort"."""
-    engine, prompts, finals = llm.engine, batch(case), {}
+    step] pairs; one that has ended by then is left); each one's final tokens, or "abort",
+    and the placements that changed under a running request ([index, before, after])."""
+    engine, prompts, finals, placed, moved = llm.engine, batch(case), {}, {}, []
     params = SamplingParams(**case["params"])
     ids, step, aborts = {}, 0, case.get("aborts", [])
     last = max(case["arrivals"] + [at for _, at in aborts])
@@ -178,8 +185,13 @@ def arrive(llm: LLM, case: dict) -> list[list[int] | str]:
                 reason = output.finish_reason
                 finals[ids[output.request_id]] = "abort" if reason == "abort" else \
                     output.token_ids  # fmt: skip
+        for view in engine.load().requests:
+            if view.state in ("prefilling", "decoding"):
+                before = placed.setdefault(view.request_id, view.placement)
+                if view.placement != before:
+                    moved.append([ids[view.request_id], before, view.placement])
         step += 1
-    return [finals[i] for i in range(len(prompts))]
+    return [finals[i] for i in range(len(prompts))], moved
 
 
 def every_rank(value) -> list:
