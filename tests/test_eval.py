@@ -131,6 +131,42 @@ def test_ruler_end_to_end_on_the_embedded_model(llm):
         assert 0.9 * 768 <= row["prompt_tokens"] <= 768
 
 
+class _StoppedAfter:
+    """An LLM whose batch is interrupted (Ctrl-C) once ``count`` of its requests have ended."""
+
+    def __init__(self, llm, count: int):
+        self.engine, self._llm, self._count = llm.engine, llm, count
+
+    def generate(self, prompts, params, *, on_finish, **options):
+        ended = []
+
+        def finish(position, output):
+            on_finish(position, output)
+            ended.append(position)
+            if len(ended) == self._count:
+                raise KeyboardInterrupt
+
+        return self._llm.generate(prompts, params, on_finish=finish, **options)
+
+
+def test_ctrl_c_during_niah_or_ruler_keeps_the_rows_finished(llm):
+    """Ctrl-C once some of the batch's requests have ended: EvalInterrupted holds their
+    rows, each as the whole run would give it (a batch's rows were all lost before), and
+    the engine is free for the next run."""
+    from headspace.eval.run import EvalInterrupted, run_niah, run_ruler
+
+    whole = run_niah(llm, [600, 900], [0, 100], max_new_tokens=6)
+    with pytest.raises(EvalInterrupted) as stopped:
+        run_niah(_StoppedAfter(llm, 2), [600, 900], [0, 100], max_new_tokens=6)
+    rows = stopped.value.rows
+    assert len(rows) == 2 and all(row in whole for row in rows), rows
+    with pytest.raises(EvalInterrupted) as stopped:
+        run_ruler(_StoppedAfter(llm, 1), [600], ["niah_single", "common_words"],
+                  max_new_tokens=4)  # fmt: skip
+    assert len(stopped.value.rows) == 1 and stopped.value.rows[0]["length"] == 600
+    assert run_niah(llm, [600], [0], max_new_tokens=6) == whole[:1]
+
+
 def test_ppl_compare_scores_budgets_at_decode(tmp_path, capsys, embedded_dir):
     """Without --decode-tokens a KV budget would never act (every token scored at prefill,
     before compression): approximate modes are scored through decode steps, every mode

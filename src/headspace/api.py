@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 from tqdm import tqdm
@@ -66,6 +66,7 @@ class LLM:
         *,
         chat: bool = False,
         use_tqdm: bool = False,
+        on_finish: Callable[[int, RequestOutput], None] | None = None,
     ) -> list[RequestOutput]:
         """Generate for one prompt or a list; returns one RequestOutput per prompt.
 
@@ -73,7 +74,9 @@ class LLM:
         template with ``chat=True``) or a list of token ids. All prompts run as one batch
         over the shared KV page pool (continuous batching, shared prefixes reuse pages);
         ``params`` is one SamplingParams for all or a list with one per prompt;
-        ``use_tqdm`` shows a progress bar of finished requests on stderr.
+        ``use_tqdm`` shows a progress bar of finished requests on stderr;
+        ``on_finish(position, output)`` is called as each prompt's request ends (its
+        position in ``prompts``): what finished before a Ctrl-C is not lost.
         """
         single = isinstance(prompts, str) or (
             isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
@@ -86,9 +89,14 @@ class LLM:
         )
         ids = [self._prompt_ids(prompt, chat) for prompt in prompts]
         with tqdm(total=len(ids), unit="request", disable=not use_tqdm) as bar:
-            outputs = self.engine.generate_batch(ids, params_list, on_finish=bar.update)
-        for output, prompt in zip(outputs, prompts, strict=True):
-            output.prompt = prompt
+
+            def finished(position: int, output: RequestOutput) -> None:
+                bar.update()
+                output.prompt = prompts[position]
+                if on_finish is not None:
+                    on_finish(position, output)
+
+            outputs = self.engine.generate_batch(ids, params_list, on_finish=finished)
         self.last_output = outputs[-1]
         return outputs
 

@@ -277,7 +277,8 @@ class Engine:
         self, prompts: list[list[int]], params: list[SamplingParams], on_finish=None
     ) -> list[RequestOutput]:
         """Generate for many prompts (token ids) as one batch over the shared KV pages; the
-        final RequestOutputs in order. ``on_finish()`` is called as each request ends."""
+        final RequestOutputs in order. ``on_finish(position, output)`` is called as each
+        request ends, with its prompt's position in ``prompts``."""
         if self.lanes.has_running():
             raise UserError("requests added with add_request are still running: step them "
                             "to the end (or abort them) before generate")  # fmt: skip
@@ -287,12 +288,13 @@ class Engine:
         self.lanes.given_at_once(True)
         try:
             ids = [self.add_request(p, q) for p, q in zip(prompts, params, strict=True)]
+            position = {request: i for i, request in enumerate(ids)}
             while self.has_unfinished():
                 for output in self.step():
                     if output.finished:
                         finals[output.request_id] = output
                         if on_finish:
-                            on_finish()
+                            on_finish(position[output.request_id], output)
         finally:  # stopped early (an error, Ctrl-C): every page goes back
             try:
                 self.lanes.abort_all()

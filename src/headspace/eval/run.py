@@ -32,12 +32,14 @@ def run_niah(llm, lengths: list[int], depths: list[float], needle: Needle | None
     cases = [build_case(tokenizer, _encoder(llm, chat), haystack, n, d, needle)
              for n in lengths for d in depths]  # fmt: skip
     params = SamplingParams(max_new_tokens=max_new_tokens)
-    outputs = _generate(llm, [c.prompt_ids for c in cases], params)
-    return [
-        {"length": c.length, "depth": c.depth, "prompt_tokens": len(c.prompt_ids),
-         "score": score(needle.answer, o.text), "generation": o.text.strip()}
-        for c, o in zip(cases, outputs, strict=True)
-    ]  # fmt: skip
+
+    def row(position: int, output) -> dict:
+        case = cases[position]
+        return {"length": case.length, "depth": case.depth,
+                "prompt_tokens": len(case.prompt_ids), "score": score(needle.answer, output.text),
+                "generation": output.text.strip()}  # fmt: skip
+
+    return _generate(llm, [c.prompt_ids for c in cases], params, row)
 
 
 def run_ruler(llm, lengths: list[int], tasks: list[str], seed: int = 0, samples: int = 1,
@@ -47,12 +49,13 @@ def run_ruler(llm, lengths: list[int], tasks: list[str], seed: int = 0, samples:
     fitted = [(task, n, s, *_fitted_case(llm, task, n, seed + s, filler, chat))
               for task in tasks for n in lengths for s in range(samples)]  # fmt: skip
     prompts = [prompt for *_, prompt in fitted]
-    outputs = _generate(llm, prompts, SamplingParams(max_new_tokens=max_new_tokens))
-    return [
-        {"task": task, "length": n, "sample": s, "prompt_tokens": len(p),
-         "score": case.score(o.text), "generation": o.text.strip()}
-        for (task, n, s, case, p), o in zip(fitted, outputs, strict=True)
-    ]  # fmt: skip
+
+    def row(position: int, output) -> dict:
+        task, n, s, case, prompt = fitted[position]
+        return {"task": task, "length": n, "sample": s, "prompt_tokens": len(prompt),
+                "score": case.score(output.text), "generation": output.text.strip()}  # fmt: skip
+
+    return _generate(llm, prompts, SamplingParams(max_new_tokens=max_new_tokens), row)
 
 
 def _fitted_case(llm, task: str, length: int, seed: int, filler: str, chat: bool):
@@ -74,9 +77,20 @@ def _fitted_case(llm, task: str, length: int, seed: int, filler: str, chat: bool
     return best
 
 
-def _generate(llm, prompts: list[list[int]], params: SamplingParams):
-    """Batched generation with a progress bar over finished requests."""
-    return llm.generate(prompts, params, use_tqdm=True)
+def _generate(llm, prompts: list[list[int]], params: SamplingParams, row) -> list[dict]:
+    """Batched generation with a progress bar over finished requests: ``row(position,
+    output)`` of each prompt, in order. Ctrl-C raises :class:`EvalInterrupted` with the
+    rows of the requests finished before it."""
+    rows: dict[int, dict] = {}
+
+    def keep(position: int, output) -> None:
+        rows[position] = row(position, output)
+
+    try:
+        llm.generate(prompts, params, use_tqdm=True, on_finish=keep)
+    except KeyboardInterrupt:
+        raise EvalInterrupted([rows[i] for i in sorted(rows)]) from None
+    return [rows[i] for i in range(len(prompts))]
 
 
 class EvalInterrupted(KeyboardInterrupt):
