@@ -40,3 +40,51 @@ def test_readme_python_snippets_are_formatted_as_the_code_is():
         done = subprocess.run([ruff, "format", "--check", "--stdin-filename", "README.py", "-"],
                               input=code, capture_output=True, text=True)  # fmt: skip
         assert done.returncode == 0, code
+
+
+def _commands() -> list[list[str]]:
+    """The README's shell commands, each split as bash would (continued lines joined,
+    comments and a trailing ``&`` dropped)."""
+    import shlex
+
+    blocks = re.findall(r"```bash\n(.*?)```", README.read_text(), flags=re.S)
+    lines = "\n".join(blocks).replace("\\\n", " ").splitlines()
+    words = [shlex.split(line, comments=True) for line in lines]
+    return [w[:-1] if w[-1:] == ["&"] else w for w in words if w]
+
+
+def test_readme_commands_that_need_no_file_or_gpu_run_as_written():
+    """``generate`` with the embedded model, and ``serve`` driven by the README's own curl
+    body (on a free port in place of 8000): what a reader tries first."""
+    import json
+    import subprocess
+    import sys
+    from urllib.parse import urlsplit
+
+    import httpx
+
+    from server_process import ServerProcess
+
+    commands = _commands()
+    plain = [c for c in commands if c[:2] == ["headspace", "generate"]
+             and not {"--model", "--prompt-file"} & set(c)]  # fmt: skip
+    assert plain, commands
+    for command in plain:
+        done = subprocess.run([sys.executable, "-m", "headspace.cli", *command[1:]],
+                              capture_output=True, text=True, timeout=600)  # fmt: skip
+        assert done.returncode == 0 and done.stdout.strip(), done.stderr[-2000:]
+        assert "Paris" in done.stdout, done.stdout  # the embedded model knows this one
+    serve = next(c for c in commands if c[:2] == ["headspace", "serve"] and "--model" not in c)
+    curl = next(c for c in commands if c[0] == "curl")
+    flags = serve[2:]
+    del flags[flags.index("--port") : flags.index("--port") + 2]
+    server = ServerProcess(*flags)
+    try:
+        body = json.loads(curl[curl.index("-d") + 1])
+        path = urlsplit("http://" + next(w for w in curl if w.startswith("localhost:"))).path
+        reply = httpx.post(server.url + path, json=body, timeout=120)
+        assert reply.status_code == 200, reply.text
+        answer = reply.json()
+        assert answer["model"] == body["model"] and answer["choices"][0]["message"]["content"]
+    finally:
+        server.stop()
