@@ -61,7 +61,8 @@ def worker(model_dir: str, length: int, budget: str, steps: int) -> None:
     ids = torch.randint(0, vocab, (length,), generator=torch.Generator().manual_seed(3)).tolist()
     params = SamplingParams(max_new_tokens=steps + 1, ignore_eos=True)
     compiled = COMPILE_METER.seconds
-    warm_up_s = llm.engine.warm_up(length, decode=True)
+    warm_up_s = llm.engine.warm_up(length, decode=True, offload=True,  # as generate's
+                                   alone=length + params.max_new_tokens)  # fmt: skip
     warm_up_compile_s, compiled = COMPILE_METER.seconds - compiled, COMPILE_METER.seconds
     torch.cuda.reset_peak_memory_stats()
     stats = llm.generate(ids, params)[0].stats

@@ -73,6 +73,36 @@ def test_a_warm_up_runs_the_offload_lane_laid_out_for_the_whole_context(tiny_lla
     assert engine.load().lane("resident").gpu_pages == 11  # the arena whole again
 
 
+@pytest.mark.parametrize("alone", [190 + 8, None])
+def test_the_clis_warm_up_lays_the_offload_lane_out_as_its_request_will_be(tiny_llama, alone):
+    """``generate``'s warm-up (``alone``: its request's prompt and new tokens) runs its
+    prompt through the offload lane laid out as the request will be, so that the request's
+    prefill meets no layout, kernel or host page it has not met; laid out for requests of
+    the whole context arriving one by one (None, a server's), the offload lane holds
+    another. The request streamed lays out as the same one generated (given alone: no
+    resident reserve kept for requests that cannot come)."""
+    from headspace.engine.hooks import EngineHooks
+
+    layouts = []  # the offload lane's head map at each of its steps
+
+    def look(name: str) -> None:
+        plan = llm.engine.lanes.lane(name).runner.plan
+        if name == "offload" and plan is not None:
+            layouts.append(plan.head_map.summary())
+
+    llm = _engine(tiny_llama, "streamed", hooks=EngineHooks(lane_step=look))
+    prompt, params, lines = _prompt(190), SamplingParams(max_new_tokens=8, ignore_eos=True), []
+    llm.engine.warm_up(len(prompt), report=lines.append, offload=True, alone=alone)
+    assert lines[-1].endswith("198 tokens" if alone else "the whole context")
+    warmed, layouts[:] = layouts[-1], []
+    "".join(llm.stream(prompt, params))  # (as the generate command runs it)
+    assert llm.last_output.stats.lane == "offload" and layouts
+    assert (set(layouts) == {warmed}) == (alone is not None), (warmed, set(layouts))
+    streamed, layouts[:] = set(layouts), []
+    llm.generate(prompt, params)
+    assert set(layouts) == streamed
+
+
 def test_a_warm_up_skips_the_offload_lane_where_no_plan_holds_the_whole_context(tiny_llama):
     """A host budget too small for a request of the whole context: the warm-up leaves the
     offload lane alone (such a request is refused with the numbers when it comes) instead

@@ -137,7 +137,9 @@ def _generate(args) -> None:
           f"{llm.engine.load_seconds:.1f} s)", file=sys.stderr)  # fmt: skip
     compiled = COMPILE_METER.seconds
     if args.warm_up:  # on its own line: the summary's prefill is the prompt's alone
-        seconds = llm.engine.warm_up(len(prompt_ids), decode=params.max_new_tokens > 1)
+        alone = len(prompt_ids) + params.max_new_tokens  # (offloaded: laid out as it)
+        seconds = llm.engine.warm_up(len(prompt_ids), decode=params.max_new_tokens > 1,
+                                     offload=True, alone=alone)  # fmt: skip
         what = "a first request, no compilation"
         if on_gpu:
             what = f"{COMPILE_METER.seconds - compiled:.1f} s compiling, graph capture"

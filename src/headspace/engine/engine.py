@@ -290,8 +290,8 @@ class Engine:
             ids = [self.add_request(p, q) for p, q in zip(prompts, params, strict=True)]
             position = {request: i for i, request in enumerate(ids)}
             while self.has_unfinished():
-                for output in self.step():
-                    if output.finished:
+                for output in self.step():  # (an aborted earlier request's end: not ours)
+                    if output.finished and output.request_id in position:
                         finals[output.request_id] = output
                         if on_finish:
                             on_finish(position[output.request_id], output)
@@ -311,16 +311,20 @@ class Engine:
                             "to the end (or abort them) before stream")  # fmt: skip
         if self.config.runtime.on_gpu:
             torch.cuda.reset_peak_memory_stats(self.config.runtime.device)
-        self.add_request(prompt_ids, params)
+        self.lanes.given_at_once(True)  # (alone, as generate's: no reserve, no pacing)
         self.stream_output = None
         try:
+            self.add_request(prompt_ids, params)
             while self.has_unfinished():
                 for output in self.step():
                     self.stream_output = output
                     if output.new_text:
                         yield output.new_text
         finally:
-            self.lanes.abort_all()
+            try:
+                self.lanes.abort_all()
+            finally:
+                self.lanes.given_at_once(False)
         return self.stream_output
 
     def run(self, prompt_ids: list[int], params: SamplingParams) -> RequestOutput:
@@ -329,7 +333,7 @@ class Engine:
 
     def warm_up(self, prompt_len: int = 0, decode: bool = True, batch: int = 1,
                 report: Callable[[str], None] | None = None, offload: bool = False,
-                shapes: bool = False) -> float:  # fmt: skip
+                shapes: bool = False, alone: int | None = None) -> float:  # fmt: skip
         """Run a request alone, so that compilation and CUDA graph capture happen before the
         first real one (whose timings then leave them out); its seconds. Without
         ``prompt_len``, a short request; with it, one whose prefill takes the shapes a prompt
@@ -339,11 +343,13 @@ class Engine:
         decode step of every batch bucket up to ``batch`` is compiled too
         (:func:`warm_up_batches`; a server passes its bound on concurrent requests), each
         batch told to ``report`` (a progress line) as it starts. ``offload``: then, where
-        the engine has an offload lane, the same prompt through it as a request of the
-        whole context (:meth:`_warm_up_offload`). ``shapes`` (a server's): before that, the
-        decode graph of every batch bucket and width a prompt of up to the warm-up's meets,
-        and cuDNN's plan of every causal square of a prompt of up to a chunk
-        (:func:`~headspace.engine.warm_shapes.warm_shapes`); not for one request (the CLI's)."""
+        the engine has an offload lane, the same prompt through it, laid out as the requests
+        that follow will be: ``alone``, the tokens (prompt and new) of the one request given
+        alone after it (the CLI's); None, requests of up to the whole context arriving one
+        by one (a server's) (:meth:`_warm_up_offload`). ``shapes`` (a server's): before
+        that, the decode graph of every batch bucket and width a prompt of up to the
+        warm-up's meets, and cuDNN's plan of every causal square of a prompt of up to a
+        chunk (:func:`~headspace.engine.warm_shapes.warm_shapes`); not for the CLI's one."""
         started = time.perf_counter()
         length, new_tokens = warm_up_request(prompt_len, self.lanes.chunk, decode)
         vocab = self.model.config.vocab_size
@@ -361,37 +367,45 @@ class Engine:
             self.generate_batch(prompts, [short] * size)
         if shapes:
             warm_shapes(self.lanes, self.model, len(ids), sizes, report, started)
-        if offload and decode:
-            self._warm_up_offload(ids, report)
+        if offload:
+            self._warm_up_offload(ids, report, alone, decode)
         return time.perf_counter() - started
 
-    def _warm_up_offload(self, ids: list[int], report: Callable[[str], None] | None) -> None:
-        """``ids`` as a request that may grow to the whole context, which the arena does not
-        hold resident: it runs in the offload lane, laid out as the longest request would
-        be (its heads streamed or attended on the CPU, its host pages allocated), prefills
-        and decodes WARM_UP_DECODE_TOKENS tokens, and is aborted. The kernels of that layout
-        compile here rather than at a long request's first steps, and the host pages are
-        page-locked once. Nothing happens without an offload lane, where the whole context
-        fits resident, or where no plan holds it (the host budget too small: such a
-        request is refused with the numbers when it comes)."""
-        room = self.max_context - len(ids)
-        if room < 1 or not self.lanes.offloads(self.max_context):
+    def _warm_up_offload(self, ids: list[int], report: Callable[[str], None] | None,
+                         alone: int | None, decode: bool) -> None:  # fmt: skip
+        """``ids`` as a request that may grow to ``alone`` tokens, given alone (None: to the
+        whole context, one of requests arriving one by one), which the arena does not hold
+        resident: it runs in the offload lane, laid out as such a request is (its heads
+        streamed or attended on the CPU, its host pages allocated), prefills, decodes
+        WARM_UP_DECODE_TOKENS tokens where ``decode`` (else stops at its first), and is
+        aborted. The kernels of that layout compile here rather than at a long request's
+        first steps, and the host pages are page-locked once. Nothing happens without an
+        offload lane, where ``tokens`` fit resident, or where no plan holds them (the host
+        budget too small: such a request is refused with the numbers when it comes)."""
+        tokens = alone or self.max_context
+        room = tokens - len(ids)
+        if room < 1 or not self.lanes.offloads(tokens):
             return
         params = SamplingParams(max_new_tokens=room, ignore_eos=True)
+        self.lanes.given_at_once(alone is not None)
         try:
             request_id, decoded = self.add_request(ids, params), 0
         except UserError:
+            self.lanes.given_at_once(False)
             return
         if report is not None:
-            report("warm-up: the offload lane, laid out for the whole context")
+            what = "the whole context" if tokens == self.max_context else f"{tokens:,} tokens"
+            report(f"warm-up: the offload lane, laid out for {what}")
+        wanted = WARM_UP_DECODE_TOKENS if decode else 1
         try:
-            while decoded < WARM_UP_DECODE_TOKENS and self.has_unfinished():
+            while decoded < wanted and self.has_unfinished():
                 for output in self.step():
                     decoded += len(output.new_token_ids) if output.request_id == request_id else 0
         finally:
             self.abort(request_id)
             while self.has_unfinished():
                 self.step()
+            self.lanes.given_at_once(False)
 
     def logits(self, token_ids: list[int], decode_tokens: int = 0) -> torch.Tensor:
         """fp32 logits ``[len(token_ids), vocab]`` (CPU) through the chunked prefill path,
