@@ -203,8 +203,8 @@ def test_warm_up_takes_the_prompts_shapes_and_decodes_only_when_asked(tiny_llama
     tokens), else the prompt's prefill shapes (a full chunk and the last piece, at most two
     chunks); its decode step compiled and captured only when the request will decode."""
     from graph_twin import EagerGraphTwin
-    from headspace.engine.engine import WARM_UP_DECODE_TOKENS, warm_up_request
     from headspace.engine.hooks import EngineHooks
+    from headspace.engine.warm_shapes import WARM_UP_DECODE_TOKENS, warm_up_request
 
     assert warm_up_request(0, 256, True) == (0, WARM_UP_DECODE_TOKENS)
     assert warm_up_request(12, 256, False) == (0, 1)

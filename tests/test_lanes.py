@@ -422,3 +422,18 @@ def test_a_runner_keeps_the_decode_graphs_of_its_most_recent_layouts_only():
     for layout in range(3, 40):
         get(layout)
     assert len(cache) == 2 and len(freed) == len(made) - 2
+
+
+def test_a_stream_after_an_aborted_offloaded_request_gives_its_own_text_alone(tiny_llama):
+    """A request aborted in the offload lane ends there a few steps later (on that lane's
+    thread): a stream begun meanwhile yields its own text only, as when it runs alone (it
+    yielded the aborted request's last tokens too)."""
+    llm, params = _engine(tiny_llama, "streamed"), SamplingParams(max_new_tokens=6, ignore_eos=True)
+    engine = llm.engine
+    long = engine.add_request(_prompt(190), params)
+    for _ in range(3):
+        engine.step()
+    assert engine.abort(long) and not engine.lanes.has_running()
+    pieces = list(engine.stream(_prompt(12), params))
+    alone = _engine(tiny_llama, "streamed").engine.run(_prompt(12), params)
+    assert "".join(pieces) == alone.text and engine.stream_output.token_ids == alone.token_ids

@@ -177,6 +177,7 @@ BAD = {  # name: (request body or raw text, status)
     "n given as a string": ({"n": "2"}, 400),
     "a prompt of a wrong type": ({"prompt": 5}, 400),
     "an empty body": ("", 400),
+    "a JSON list for a body": ("[1, 2]", 400),
     "max_tokens past the context": ({"max_tokens": 10**9}, 400),
     "repetition_penalty 0": ({"repetition_penalty": 0}, 400),
     "presence_penalty past 2": ({"presence_penalty": 2.5}, 400),
@@ -210,7 +211,7 @@ def test_a_bad_request_gets_its_status_and_the_server_keeps_serving(server, case
     if case == "a prompt of a wrong type":  # the shapes it takes, in a client's words
         assert error["message"] == ("prompt: must be a string, a list of token ids, a list "
                                     "of strings or a list of token id lists"), error  # fmt: skip
-    if case == "an empty body":
+    if case in ("an empty body", "a JSON list for a body"):
         assert error["param"] is None and "JSON object" in error["message"], error
     if case == "min_tokens past max_tokens":  # (refused by the engine's own check)
         assert error["param"] == "min_tokens" and "asked for (4)" in error["message"]

@@ -19,8 +19,8 @@ def test_a_warm_up_decodes_every_batch_bucket_up_to_its_bound(tiny_llama):
     """A server's warm-up (``batch`` = its bound on concurrent requests) decodes batches of
     every bucket up to the bound (its steps' sizes seen from the lane's last step), so no
     decode step of a new bucket compiles while users wait."""
-    from headspace.engine.engine import warm_up_batches
     from headspace.engine.hooks import EngineHooks
+    from headspace.engine.warm_shapes import warm_up_batches
 
     assert warm_up_batches(1, 64) == [] and warm_up_batches(100, 64) == [2, 4, 8, 16, 32, 64]
     assert warm_up_batches(5, 64) == [2, 4, 5]  # 5 in the bucket of 8
@@ -44,8 +44,8 @@ def test_a_warm_up_runs_the_offload_lane_laid_out_for_the_whole_context(tiny_lla
     resident lane has the whole arena again; a request after it runs as on an engine
     never warmed. An engine without an offload lane (per-entry pages under a KV budget)
     has none to warm."""
-    from headspace.engine.engine import WARM_UP_DECODE_TOKENS
     from headspace.engine.hooks import EngineHooks
+    from headspace.engine.warm_shapes import WARM_UP_DECODE_TOKENS
 
     offloaded = []  # entries offloaded in each of the offload lane's steps
 
@@ -101,6 +101,9 @@ def test_the_clis_warm_up_lays_the_offload_lane_out_as_its_request_will_be(tiny_
     streamed, layouts[:] = set(layouts), []
     llm.generate(prompt, params)
     assert set(layouts) == streamed
+    if alone:  # a request past the context is laid out for the context (it is refused)
+        llm.engine.warm_up(len(prompt), report=lines.append, offload=True, alone=10**6)
+        assert lines[-1].endswith("the whole context")
 
 
 def test_a_warm_up_skips_the_offload_lane_where_no_plan_holds_the_whole_context(tiny_llama):
@@ -170,8 +173,7 @@ def test_the_warm_ups_shapes_are_those_its_prompts_meet():
     import torch
 
     from headspace.attention.sdpa import causal_plan_rows, cudnn_rows, warm_causal_plans
-    from headspace.engine.engine import warm_up_batches
-    from headspace.engine.warm_shapes import decode_graph_keys
+    from headspace.engine.warm_shapes import decode_graph_keys, warm_up_batches
 
     keys = decode_graph_keys(8192 + 17, 64, warm_up_batches(64, 64))
     assert keys == [(1 << b, 8 << w) for b in range(7) for w in range(6)]  # 42 keys

@@ -18,7 +18,13 @@ from headspace.engine.memory import with_gpu_budget
 from headspace.engine.outputs import EngineLoad, GenerationStats, RequestOutput
 from headspace.engine.ranks import join, plan_ranks, setup_ranks
 from headspace.engine.sampling import SamplingParams
-from headspace.engine.warm_shapes import warm_shapes
+from headspace.engine.warm_shapes import (
+    WARM_UP_DECODE_TOKENS,
+    WARM_UP_PIECE,
+    warm_shapes,
+    warm_up_batches,
+    warm_up_request,
+)
 from headspace.engine.weight_stream import WeightStream, weights_streamed
 from headspace.errors import UserError
 from headspace.model.compile_meter import COMPILE_METER
@@ -68,33 +74,6 @@ def compile_in_process() -> None:
     import torch._inductor.config as inductor_config
 
     inductor_config.compile_threads = 1
-
-
-WARM_UP_DECODE_TOKENS = 4  # decode steps a warm-up request takes (the graph of its batch)
-# tokens of a warm-up piece of no chunk's length: above 1, which compiled code specialises
-WARM_UP_PIECE = 17
-
-
-def warm_up_request(prompt_len: int, chunk: int, decode: bool) -> tuple[int, int]:
-    """(prompt tokens, new tokens) of the request :meth:`Engine.warm_up` runs; 0 tokens
-    stands for the short text "Warm-up.". Without ``prompt_len`` (or for one of at most 16
-    tokens), that short request; else one of synthetic tokens whose prefill takes the
-    shapes of a ``prompt_len`` prompt in chunks of ``chunk``: a full chunk (which compiles
-    for its own size) and the last piece (for any), at most two chunks. It decodes
-    WARM_UP_DECODE_TOKENS tokens with ``decode``, else stops at its first token."""
-    length = min(prompt_len, chunk + (prompt_len % chunk or chunk))
-    return (length if length > 16 else 0), (WARM_UP_DECODE_TOKENS if decode else 1)
-
-
-def warm_up_batches(batch: int, max_batch: int) -> list[int]:
-    """The decode batch sizes a warm-up runs after its first request so that every batch
-    bucket up to ``batch`` (at most ``max_batch``) has its decode step compiled and
-    captured: 2, 4, 8, ... (each a bucket of its own; 1 is the first request's)."""
-    top, sizes, size = min(batch, max_batch), [], 2
-    while size // 2 < top:  # the bucket of ``size`` holds more than the one before
-        sizes.append(min(size, top))
-        size *= 2
-    return sizes
 
 
 class Engine:
@@ -314,9 +293,11 @@ class Engine:
         self.lanes.given_at_once(True)  # (alone, as generate's: no reserve, no pacing)
         self.stream_output = None
         try:
-            self.add_request(prompt_ids, params)
+            request = self.add_request(prompt_ids, params)
             while self.has_unfinished():
                 for output in self.step():
+                    if output.request_id != request:  # (a request aborted before it: ending)
+                        continue
                     self.stream_output = output
                     if output.new_text:
                         yield output.new_text
@@ -382,7 +363,7 @@ class Engine:
         first steps, and the host pages are page-locked once. Nothing happens without an
         offload lane, where ``tokens`` fit resident, or where no plan holds them (the host
         budget too small: such a request is refused with the numbers when it comes)."""
-        tokens = alone or self.max_context
+        tokens = min(alone or self.max_context, self.max_context)
         room = tokens - len(ids)
         if room < 1 or not self.lanes.offloads(tokens):
             return
@@ -402,10 +383,12 @@ class Engine:
                 for output in self.step():
                     decoded += len(output.new_token_ids) if output.request_id == request_id else 0
         finally:
-            self.abort(request_id)
-            while self.has_unfinished():
-                self.step()
-            self.lanes.given_at_once(False)
+            try:
+                self.abort(request_id)
+                while self.has_unfinished():
+                    self.step()
+            finally:
+                self.lanes.given_at_once(False)
 
     def logits(self, token_ids: list[int], decode_tokens: int = 0) -> torch.Tensor:
         """fp32 logits ``[len(token_ids), vocab]`` (CPU) through the chunked prefill path,

@@ -1,4 +1,6 @@
-"""The shapes a server's warm-up meets beyond its own requests: the decode step's CUDA graph
+"""What a warm-up runs: its request and decode batches (:func:`warm_up_request`,
+:func:`warm_up_batches`), and the shapes a server's warm-up meets beyond its own requests:
+the decode step's CUDA graph
 of every batch bucket and block-table width a prompt of up to a chunk meets, with mixed
 steps the graph of every piece the scheduler's cap gives beside each batch bucket, and
 cuDNN's plan of every causal square such a prompt's prefill runs.
@@ -24,16 +26,43 @@ if TYPE_CHECKING:
     from headspace.model.llama import LlamaModel
 
 
+WARM_UP_DECODE_TOKENS = 4  # decode steps a warm-up request takes (the graph of its batch)
+# tokens of a warm-up piece of no chunk's length: above 1, which compiled code specialises
+WARM_UP_PIECE = 17
+
+
+def warm_up_request(prompt_len: int, chunk: int, decode: bool) -> tuple[int, int]:
+    """(prompt tokens, new tokens) of the request a warm-up runs (``Engine.warm_up``); 0
+    tokens stands for the short text "Warm-up.". Without ``prompt_len`` (or for one of at most 16
+    tokens), that short request; else one of synthetic tokens whose prefill takes the
+    shapes of a ``prompt_len`` prompt in chunks of ``chunk``: a full chunk (which compiles
+    for its own size) and the last piece (for any), at most two chunks. It decodes
+    WARM_UP_DECODE_TOKENS tokens with ``decode``, else stops at its first token."""
+    length = min(prompt_len, chunk + (prompt_len % chunk or chunk))
+    return (length if length > 16 else 0), (WARM_UP_DECODE_TOKENS if decode else 1)
+
+
+def warm_up_batches(batch: int, max_batch: int) -> list[int]:
+    """The decode batch sizes a warm-up runs after its first request so that every batch
+    bucket up to ``batch`` (at most ``max_batch``) has its decode step compiled and
+    captured: 2, 4, 8, ... (each a bucket of its own; 1 is the first request's)."""
+    top, sizes, size = min(batch, max_batch), [], 2
+    while size // 2 < top:  # the bucket of ``size`` holds more than the one before
+        sizes.append(min(size, top))
+        size *= 2
+    return sizes
+
+
 def batch_buckets(sizes: list[int]) -> list[int]:
     """The batch buckets of 1 and ``sizes`` (the warm-up's decode batches,
-    :func:`~headspace.engine.engine.warm_up_batches`), in order."""
+    :func:`warm_up_batches`), in order."""
     return sorted({bucket(size) for size in [1, *sizes]})
 
 
 def decode_graph_keys(prompt_len: int, page_size: int, sizes: list[int]) -> list[tuple[int, int]]:
     """``(batch bucket, block-table width in pages)`` of every decode step that a batch of
     at most ``max(sizes)`` sequences (1 and ``sizes``: the warm-up's decode batches,
-    :func:`~headspace.engine.engine.warm_up_batches`) of up to ``prompt_len`` tokens each
+    :func:`warm_up_batches`) of up to ``prompt_len`` tokens each
     (``page_size`` tokens a page) meets: each batch bucket at each width bucket from
     :data:`MIN_WIDTH` to the prompt's."""
     widest = bucket(-(-prompt_len // page_size), MIN_WIDTH)

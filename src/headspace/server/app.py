@@ -65,7 +65,8 @@ def _validation_message(error: RequestValidationError) -> tuple[str, str | None]
     if not loc and isinstance(first.get("input"), bytes):
         return ("the body must be a JSON object sent with Content-Type: application/json "
                 "(it was not read as JSON)"), None  # fmt: skip
-    if not loc and first.get("type") in ("missing", "model_type", "dict_type"):
+    not_an_object = ("missing", "model_type", "dict_type", "model_attributes_type")
+    if not loc and first.get("type") in not_an_object:  # (none, a list, null, a string)
         return "the body must be a JSON object of the request's fields", None
     message = first.get("msg", "invalid request").removeprefix("Value error, ")
     if not loc:  # (a check of the request as a whole)

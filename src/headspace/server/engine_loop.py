@@ -25,9 +25,10 @@ from collections import deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from headspace.engine.engine import WARM_UP_PIECE, Engine
+from headspace.engine.engine import Engine
 from headspace.engine.outputs import RequestOutput
 from headspace.engine.sampling import SamplingParams
+from headspace.engine.warm_shapes import WARM_UP_PIECE
 from headspace.errors import UserError
 from headspace.model.compile_meter import COMPILE_METER, CompileMeter, log_compiles
 from headspace.parallel.dist import broadcast_object, first_error
