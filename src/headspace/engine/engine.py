@@ -76,6 +76,9 @@ def compile_in_process() -> None:
     inductor_config.compile_threads = 1
 
 
+DRAIN_STEPS = 4  # steps that take aborted requests' tokens on their way (one read at most)
+
+
 class Engine:
     """A model, its tokenizer and the batch generator over the KV tiers."""
 
@@ -258,11 +261,7 @@ class Engine:
         """Generate for many prompts (token ids) as one batch over the shared KV pages; the
         final RequestOutputs in order. ``on_finish(position, output)`` is called as each
         request ends, with its prompt's position in ``prompts``."""
-        if self.lanes.has_running():
-            raise UserError("requests added with add_request are still running: step them "
-                            "to the end (or abort them) before generate")  # fmt: skip
-        if self.config.runtime.on_gpu:
-            torch.cuda.reset_peak_memory_stats(self.config.runtime.device)
+        self._alone(before="generate")
         finals: dict[int, RequestOutput] = {}
         self.lanes.given_at_once(True)
         try:
@@ -281,15 +280,23 @@ class Engine:
                 self.lanes.given_at_once(False)
         return [finals[i] for i in ids]
 
+    def _alone(self, before: str) -> None:
+        """Refuse ``before`` while added requests run (aborted ones' reads taken first)."""
+        for _ in range(DRAIN_STEPS):
+            if self.lanes.has_requests() or not self.lanes.has_running():
+                break
+            self.step()
+        if self.lanes.has_running():
+            raise UserError("requests added with add_request are still running: step them "
+                            f"to the end (or abort them) before {before}")  # fmt: skip
+        if self.config.runtime.on_gpu:
+            torch.cuda.reset_peak_memory_stats(self.config.runtime.device)
+
     def stream(self, prompt_ids: list[int], params: SamplingParams) -> Iterator[str]:
         """Yield text pieces as tokens are produced; returns the final RequestOutput. A
         stream closed early aborts its request; ``stream_output`` holds the request as it stood
         after the last step (its stats so far, when interrupted)."""
-        if self.lanes.has_running():
-            raise UserError("requests added with add_request are still running: step them "
-                            "to the end (or abort them) before stream")  # fmt: skip
-        if self.config.runtime.on_gpu:
-            torch.cuda.reset_peak_memory_stats(self.config.runtime.device)
+        self._alone(before="stream")
         self.lanes.given_at_once(True)  # (alone, as generate's: no reserve, no pacing)
         self.stream_output = None
         try:

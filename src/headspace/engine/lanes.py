@@ -187,6 +187,10 @@ class Lanes:
     def has_running(self) -> bool:
         return bool(self._lane_of) or self.resident.has_running()
 
+    def has_requests(self) -> bool:
+        """Whether a request added is neither ended nor aborted."""
+        return bool(self._lane_of)
+
     def prefilling(self) -> int | None:
         """The request whose prompt is being prefilled on the engine's thread, else the
         offload lane's (None between prompts)."""
