@@ -226,7 +226,8 @@ def test_the_gpus_the_help_counts_are_the_drivers_narrowed_by_cuda_visible_devic
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     assert visible_gpus(str(tmp_path)) == 3
     assert visible_gpus(str(tmp_path / "none")) == 0  # no driver: no GPU
-    for named, seen in (("1", 1), ("0,2", 2), ("", 0), ("0,1,2,3,4", 3)):
+    for named, seen in (("1", 1), ("0,2", 2), ("", 0), ("0,1,2,3,4", 3), ("-1", 0),
+                        ("0,-1,1", 1), ("GPU-8e6a,1", 2)):  # fmt: skip
         monkeypatch.setenv("CUDA_VISIBLE_DEVICES", named)
         assert visible_gpus(str(tmp_path)) == seen
 

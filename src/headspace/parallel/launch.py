@@ -43,4 +43,9 @@ def visible_gpus(driver: str = "/proc/driver/nvidia/gpus") -> int:
     named = os.environ.get("CUDA_VISIBLE_DEVICES")
     if named is None:
         return present
-    return min(present, len([d for d in named.split(",") if d.strip()]))
+    listed = 0  # (CUDA reads the list up to its first entry that names no device)
+    for entry in (e.strip() for e in named.split(",")):
+        if not (entry.isdigit() or entry.startswith(("GPU-", "MIG-"))):
+            break
+        listed += 1
+    return min(present, listed)
