@@ -338,7 +338,7 @@ def _non_default(name, f):
         "balance_phase": ("decode", "decode"),
         "weights": ("stream", "stream"),
         "kv_budget": ("64tok", 64),
-        "prompt_order": ("shortest", "shortest"),
+        "prompt_order": ("arrival", "arrival"),
     }  # a token count says so (a bare 7 is refused)
     if name in values:
         return values[name]

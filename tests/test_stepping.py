@@ -230,7 +230,7 @@ def test_a_long_prompt_prefills_between_the_others_tokens(tiny_llama):
 @pytest.mark.parametrize("order", ["shortest", "arrival"])
 def test_a_burst_gets_its_first_tokens_shortest_prompt_first_or_in_arrival_order(tiny_llama, order):
     """Four prompts added at once: the engine gives the shortest its first token first, and
-    so on, where asked; else in arrival order (the default). Each as alone."""
+    so on (the default); else, where asked, in arrival order. Each as alone."""
     engine = _make(tiny_llama, offload="none", prompt_order=order).engine
     prompts = _prompts([150, 30, 60, 45], seed=5)
     ids = [engine.add_request(p, GREEDY) for p in prompts]

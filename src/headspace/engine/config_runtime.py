@@ -54,7 +54,7 @@ class RuntimeConfig:
         None, "longest sequence allowed (default: the model's trained context)"
     )
     prompt_order: Literal["shortest", "arrival"] = _option(
-        "arrival", "of requests arriving one by one (a server), which waiting prompt is "
+        "shortest", "of requests arriving one by one (a server), which waiting prompt is "
         "admitted next: each in its turn of arrival, or the shortest (a burst's first tokens "
         f"sooner on the whole), though none is passed over by more than {ORDER_PASSES} later "
         "ones. A batch given at once runs in the order given",
