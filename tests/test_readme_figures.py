@@ -71,7 +71,8 @@ COMPILE = "decode_compile_llama3-8b_h100_2026-12-06.json"
 PAGED = "paged_llama3-8b_h100_2026-11-21.json"
 ARRIVALS = "arrivals_llama3-8b_h200_2026-11-28.json"
 MIXED = "mixed_llama3-8b_h100_2026-12-07.json"
-BURST = "serve_burst16_llama3-8b_h100_2026-12-07_cap1-5.json"
+BURST = "serve_burst16_llama3-8b_h100_2026-12-07_shortest.json"
+BURST_PEER = "serve_burst16_llama3-8b_h100_2026-12-07_peer.json"
 OFFLOAD, REGRESS_H200 = "offload_llama3-8b_h200_2026-11-21.json", "regress_h200_2026-12-01.json"
 MILLION = "million_llama3-8b_h100_2026-11-27.json"
 MILLION2 = "million_approximate_llama3-8b_h100_2026-11-28.json"
@@ -144,7 +145,7 @@ FIGURES = {
         ("peak {:.1f} GiB", lambda: _mixed("peak_reserved_gib")),
         ("GiB, {:d} failed", lambda: _mixed("num_failed")),
     ]),
-    "a burst of requests": ((BURST,), [
+    "a burst of requests": ((BURST, BURST_PEER), [
         ("first tokens p50 {:.2f} s", "ttft_p50_s"),
         ("({:.2f}x the prefill bound)", lambda: _burst("ttft_p50_s", "prefill_bound_s")),
         ("{:.1f} ms a token p50", "tpot_p50_ms"),
@@ -153,6 +154,11 @@ FIGURES = {
         ("first tokens {:.2f}x a warm one's", lambda: _burst("fresh_ttft_p50_s", "ttft_p50_s")),
         ("ready in {:.0f} s", "ready_s"),
         ("; {:d} failed", lambda: int(_at(BURST, "num_failed"))),
+        ("variant, {:.2f} s)",
+         lambda: _at(BURST_PEER, "variants/--prompt-order shortest/ttft_p50_s")),
+        ("first tokens p50 {:.2f} s, ", lambda: _at(BURST_PEER, "peer_ttft_p50_s")),
+        ("{:.0f} ms a token, ", lambda: _at(BURST_PEER, "peer_tpot_p50_ms")),
+        ("{:.0f} tok/s |", lambda: _at(BURST_PEER, "peer_output_tok_s")),
     ]),
     "head offload": ((OFFLOAD, REGRESS_H200), [
         ("{:.0f}K tokens under", lambda: _at(OFFLOAD, "max_context/head/tokens") / 1024),
