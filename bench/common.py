@@ -30,7 +30,8 @@ LLAMA3_8B = dict(
 
 
 def code_version() -> dict:
-    """Which code ran: the commit where a git checkout is at hand, and a digest of the
+    """Which code ran: the commit where a git checkout is at hand ("+changes" where the
+    sources differ from it: then only the digest names them), and a digest of the
     engine's sources either way (a copy of the working tree may carry no history; the same
     digest of a commit's ``src/headspace`` names it). The sources are the imported
     package's, which ``PYTHONPATH`` may take from another tree than this script's."""
@@ -47,8 +48,13 @@ def code_version() -> dict:
     try:
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=package, text=True,
                                 capture_output=True, check=True).stdout.strip()  # fmt: skip
+        status = ["git", "status", "--porcelain", "--", "."]
+        changed = subprocess.run(status, cwd=package, text=True, capture_output=True,
+                                 check=True).stdout.strip()  # fmt: skip
     except (OSError, subprocess.CalledProcessError):
-        commit = None
+        commit, changed = None, ""
+    if commit and changed:  # sources unlike the commit's (edited, or a copy over an old HEAD)
+        commit += "+changes"
     return {"commit": commit, "src_sha256": digest.hexdigest()[:16]}
 
 

@@ -33,3 +33,27 @@ def test_the_digest_names_the_imported_sources_wherever_they_lie(tmp_path):
     with open(tmp_path / "headspace" / "errors.py", "a") as source:
         source.write("\n# changed\n")
     assert _digest(tmp_path) != here
+
+
+def test_the_commit_is_marked_where_the_sources_differ_from_it(tmp_path):
+    """A checkout whose sources are the commit's gives the commit; one whose sources differ
+    (edited, or a copy laid over an older HEAD) says so, so that only the digest names it."""
+    package = Path(headspace.__file__).resolve().parent
+    shutil.copytree(package, tmp_path / "headspace", ignore=shutil.ignore_patterns("__pycache__"))
+    git = ["git", "-c", "user.name=t", "-c", "user.email=t@t", "-C", str(tmp_path)]
+    for command in (["init", "-q"], ["add", "."], ["commit", "-q", "-m", "c"]):
+        subprocess.run([*git, *command], check=True, capture_output=True)
+    head = subprocess.run([*git, "rev-parse", "--short", "HEAD"], text=True,
+                          capture_output=True, check=True).stdout.strip()  # fmt: skip
+    label = ("import sys; sys.path.insert(0, sys.argv[1]); import common; "
+             "print(common.code_version()['commit'])")  # fmt: skip
+
+    def commit() -> str:
+        env = {**os.environ, "PYTHONPATH": str(tmp_path)}
+        return subprocess.run([sys.executable, "-c", label, str(BENCH)], env=env, text=True,
+                              capture_output=True, check=True).stdout.strip()  # fmt: skip
+
+    assert commit() == head
+    with open(tmp_path / "headspace" / "errors.py", "a") as source:
+        source.write("\n# changed\n")
+    assert commit() == head + "+changes"
