@@ -1,9 +1,8 @@
 """What a warm-up runs: its request and decode batches (:func:`warm_up_request`,
 :func:`warm_up_batches`), and the shapes a server's warm-up meets beyond its own requests:
-the decode step's CUDA graph
-of every batch bucket and block-table width a prompt of up to a chunk meets, with mixed
-steps the graph of every piece the scheduler's cap gives beside each batch bucket, and
-cuDNN's plan of every causal square such a prompt's prefill runs.
+the decode step's CUDA graph of every batch bucket and block-table width a prompt of up to
+a chunk meets, with mixed steps the graph of every piece the scheduler's cap gives beside
+each batch bucket, and cuDNN's plan of every causal square such a prompt's prefill runs.
 
 Without them a fresh server's first burst (16 requests of 1K-8K tokens, pages of 128, on an
 H100) captured a graph of each new (batch, width) pair (about 0.1 s each) and built a plan
@@ -33,8 +32,8 @@ WARM_UP_PIECE = 17
 
 def warm_up_request(prompt_len: int, chunk: int, decode: bool) -> tuple[int, int]:
     """(prompt tokens, new tokens) of the request a warm-up runs (``Engine.warm_up``); 0
-    tokens stands for the short text "Warm-up.". Without ``prompt_len`` (or for one of at most 16
-    tokens), that short request; else one of synthetic tokens whose prefill takes the
+    tokens stands for the short text "Warm-up.". Without ``prompt_len`` (or for one of at
+    most 16 tokens), that short request; else one of synthetic tokens whose prefill takes the
     shapes of a ``prompt_len`` prompt in chunks of ``chunk``: a full chunk (which compiles
     for its own size) and the last piece (for any), at most two chunks. It decodes
     WARM_UP_DECODE_TOKENS tokens with ``decode``, else stops at its first token."""
