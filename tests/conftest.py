@@ -142,6 +142,16 @@ def cpu_timings():
     return CpuTimings()
 
 
+def random_profile(path: Path, num_layers: int, num_kv_heads: int, seed: int) -> str:
+    """A profile of random retrieval scores for a model's (layer, kv head) entries, saved
+    to ``path``; its path."""
+    from headspace.planner.profile import Profile
+
+    scores = torch.rand(num_layers, num_kv_heads, generator=torch.Generator().manual_seed(seed))
+    Profile("random", num_layers, num_kv_heads, scores.tolist()).save(path)
+    return str(path)
+
+
 def ran_in(llm, output=None):
     """The lane ``output`` (default: ``llm``'s last) ran in (a test's look at a runner)."""
     output = output or llm.last_output

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -12,15 +13,19 @@ import headspace
 
 BENCH = Path(__file__).parents[1] / "bench"
 # run in a fresh interpreter: bench/ from argv, headspace from PYTHONPATH
-DIGEST = ("import sys; sys.path.insert(0, sys.argv[1]); import common; "
-          "print(common.code_version()['src_sha256'])")  # fmt: skip
+VERSION = ("import sys, json; sys.path.insert(0, sys.argv[1]); import common; "
+           "print(json.dumps(common.code_version()))")  # fmt: skip
+
+
+def _version(pythonpath: Path) -> dict:
+    env = {**os.environ, "PYTHONPATH": str(pythonpath)}
+    run = subprocess.run([sys.executable, "-c", VERSION, str(BENCH)], env=env, text=True,
+                         capture_output=True, check=True)  # fmt: skip
+    return json.loads(run.stdout)
 
 
 def _digest(pythonpath: Path) -> str:
-    env = {**os.environ, "PYTHONPATH": str(pythonpath)}
-    run = subprocess.run([sys.executable, "-c", DIGEST, str(BENCH)], env=env, text=True,
-                         capture_output=True, check=True)  # fmt: skip
-    return run.stdout.strip()
+    return _version(pythonpath)["src_sha256"]
 
 
 def test_the_digest_names_the_imported_sources_wherever_they_lie(tmp_path):
@@ -45,15 +50,7 @@ def test_the_commit_is_marked_where_the_sources_differ_from_it(tmp_path):
         subprocess.run([*git, *command], check=True, capture_output=True)
     head = subprocess.run([*git, "rev-parse", "--short", "HEAD"], text=True,
                           capture_output=True, check=True).stdout.strip()  # fmt: skip
-    label = ("import sys; sys.path.insert(0, sys.argv[1]); import common; "
-             "print(common.code_version()['commit'])")  # fmt: skip
-
-    def commit() -> str:
-        env = {**os.environ, "PYTHONPATH": str(tmp_path)}
-        return subprocess.run([sys.executable, "-c", label, str(BENCH)], env=env, text=True,
-                              capture_output=True, check=True).stdout.strip()  # fmt: skip
-
-    assert commit() == head
+    assert _version(tmp_path)["commit"] == head
     with open(tmp_path / "headspace" / "errors.py", "a") as source:
         source.write("\n# changed\n")
-    assert commit() == head + "+changes"
+    assert _version(tmp_path)["commit"] == head + "+changes"

@@ -16,6 +16,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
+from conftest import random_profile
 from headspace import LLM, SamplingParams
 from test_stepping import CHUNK, PAGE, budget_for_kib
 
@@ -49,13 +50,10 @@ def _engine(checkpoint, mode: str, **extra) -> LLM:
 def _random_profile(checkpoint) -> str:
     """A profile of random retrieval scores for ``checkpoint``'s heads, saved beside it."""
     from headspace.model.config import load_config
-    from headspace.planner.profile import Profile
 
-    path, config = checkpoint / "random_profile.json", load_config(checkpoint)
-    scores = torch.rand(config.num_layers, config.num_kv_heads,
-                        generator=torch.Generator().manual_seed(3))  # fmt: skip
-    Profile("random", config.num_layers, config.num_kv_heads, scores.tolist()).save(path)
-    return str(path)
+    config = load_config(checkpoint)
+    return random_profile(checkpoint / "random_profile.json", config.num_layers,
+                          config.num_kv_heads, seed=3)  # fmt: skip
 
 
 def _prompt(length: int) -> list[int]:

@@ -14,6 +14,7 @@ PACKAGE = Path(headspace.__file__).parent
 # the layers, lowest first: a module may import from its own layer and those below
 LAYERS = {
     "errors": 0,
+    "lazy": 0,
     "model": 1,
     "kv": 2,
     "attention": 3,

@@ -15,13 +15,12 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from conftest import make_tiny_checkpoint
+from conftest import make_tiny_checkpoint, random_profile
 from headspace.api import LLM
 from headspace.attention.entry_decode import share_cut
 from headspace.engine.sampling import SamplingParams
 from headspace.parallel.placement import copy_keys, copy_rows, cumulative_shares, rank_layout
 from headspace.planner.head_map import HeadEntry, HeadMap
-from headspace.planner.profile import Profile
 from workers.parallel_engine import batch
 
 WORKER = Path(__file__).parent / "workers" / "parallel_engine.py"
@@ -65,10 +64,7 @@ def _case(model, prompt, options=None, params=GREEDY, decode_tokens=12) -> dict:
 
 
 def _random_profile(path: Path, num_layers: int, num_kv_heads: int) -> str:
-    generator = torch.Generator().manual_seed(7)
-    scores = torch.rand(num_layers, num_kv_heads, generator=generator).tolist()
-    Profile("tiny", num_layers, num_kv_heads, scores).save(path)
-    return str(path)
+    return random_profile(path, num_layers, num_kv_heads, seed=7)
 
 
 def _check(results: list[dict], cases: list[dict], relative: bool = False) -> list[dict]:

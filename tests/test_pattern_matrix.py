@@ -12,13 +12,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import plan_of, ran_in
+from conftest import plan_of, ran_in, random_profile
 from headspace import SamplingParams, UserError
 from headspace.attention.patterns import estimate
 from headspace.attention.reference import reference_attention
 from headspace.kv.spec import KVSpec, Pattern, prefill_ring
 from headspace.model.config import load_config
-from headspace.planner.profile import Profile
 from headspace.planner.sparsity import prefill_gathers
 from test_offload import CHUNK, PAGE, _prompts, make
 
@@ -30,10 +29,7 @@ PROMPT, STEPS = 420, 4
 
 
 def _profile(path, config) -> str:
-    scores = torch.rand(config.num_layers, config.num_kv_heads,
-                        generator=torch.Generator().manual_seed(3))  # fmt: skip
-    Profile("matrix", config.num_layers, config.num_kv_heads, scores.tolist()).save(path)
-    return str(path)
+    return random_profile(path, config.num_layers, config.num_kv_heads, seed=3)
 
 
 def _oracle_logits(llm, tokens: list[int], prompt_len: int) -> torch.Tensor:

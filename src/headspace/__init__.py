@@ -6,6 +6,8 @@ solvers of ``headspace.parallel``) import without torch.
 
 import os
 
+from headspace.lazy import lazy_names
+
 # The GPU budget counts what the engine allocates; the caching allocator's fixed-size segments
 # reserved up to 2.5 GiB more than that in a 24 GiB budget (freed gathers and pieces of
 # varying sizes). Segments that grow in place keep the reservation near the allocations.
@@ -22,10 +24,4 @@ _HOMES = {
     "UserError": "headspace.errors",
 }
 
-
-def __getattr__(name: str):
-    if name not in _HOMES:
-        raise AttributeError(f"module 'headspace' has no attribute {name!r}")
-    import importlib
-
-    return getattr(importlib.import_module(_HOMES[name]), name)
+__getattr__ = lazy_names(__name__, _HOMES)

@@ -16,17 +16,12 @@ without torch.
 
 from __future__ import annotations
 
-import importlib
+from headspace.lazy import lazy_names
 
 _HOMES = {
-    "KVBudget": "spec", "PolicyName": "spec", "LAYER_LOCAL": "spec", "POOL": "spec",
-    "WINDOW": "spec", "POLICIES": "select", "kept_positions": "select",
-    "selected_counts": "select", "observation_scores": "scores",
+    "KVBudget": ".spec", "PolicyName": ".spec", "LAYER_LOCAL": ".spec", "POOL": ".spec",
+    "WINDOW": ".spec", "POLICIES": ".select", "kept_positions": ".select",
+    "selected_counts": ".select", "observation_scores": ".scores",
 }  # fmt: skip
 __all__ = list(_HOMES)
-
-
-def __getattr__(name: str):
-    if name not in _HOMES:
-        raise AttributeError(f"module 'headspace.budgets' has no attribute {name!r}")
-    return getattr(importlib.import_module(f"headspace.budgets.{_HOMES[name]}"), name)
+__getattr__ = lazy_names(__name__, _HOMES)

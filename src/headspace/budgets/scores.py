@@ -6,9 +6,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from headspace.budgets.spec import POOL, WINDOW
-
-__all__ = ["POOL", "WINDOW", "observation_scores"]
+from headspace.budgets.spec import POOL
 
 
 def observation_scores(

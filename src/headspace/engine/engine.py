@@ -76,9 +76,6 @@ def compile_in_process() -> None:
     inductor_config.compile_threads = 1
 
 
-DRAIN_STEPS = 4  # steps that take aborted requests' tokens on their way (one read at most)
-
-
 class Engine:
     """A model, its tokenizer and the batch generator over the KV tiers."""
 
@@ -263,32 +260,29 @@ class Engine:
         request ends, with its prompt's position in ``prompts``."""
         self._alone(before="generate")
         finals: dict[int, RequestOutput] = {}
-        self.lanes.given_at_once(True)
-        try:
-            ids = [self.add_request(p, q) for p, q in zip(prompts, params, strict=True)]
-            position = {request: i for i, request in enumerate(ids)}
-            while self.has_unfinished():
-                for output in self.step():  # (an aborted earlier request's end: not ours)
-                    if output.finished and output.request_id in position:
-                        finals[output.request_id] = output
-                        if on_finish:
-                            on_finish(position[output.request_id], output)
-        finally:  # stopped early (an error, Ctrl-C): every page goes back
+        with self.lanes.given_at_once():
             try:
+                ids = [self.add_request(p, q) for p, q in zip(prompts, params, strict=True)]
+                position = {request: i for i, request in enumerate(ids)}
+                while self.has_unfinished():
+                    for output in self.step():
+                        if output.finished:
+                            finals[output.request_id] = output
+                            if on_finish:
+                                on_finish(position[output.request_id], output)
+            finally:  # stopped early (an error, Ctrl-C): every page goes back
                 self.lanes.abort_all()
-            finally:
-                self.lanes.given_at_once(False)
         return [finals[i] for i in ids]
 
     def _alone(self, before: str) -> None:
-        """Refuse ``before`` while added requests run (aborted ones' reads taken first)."""
-        for _ in range(DRAIN_STEPS):
-            if self.lanes.has_requests() or not self.lanes.has_running():
-                break
-            self.step()
-        if self.lanes.has_running():
+        """Refuse ``before`` while requests added with add_request run; where all were
+        aborted, step until what they left is taken (a read in flight, an end still coming
+        from the offload lane), so that nothing of theirs comes out of the new steps."""
+        if self.lanes.has_requests():
             raise UserError("requests added with add_request are still running: step them "
                             f"to the end (or abort them) before {before}")  # fmt: skip
+        while self.has_unfinished():
+            self.step()
         if self.config.runtime.on_gpu:
             torch.cuda.reset_peak_memory_stats(self.config.runtime.device)
 
@@ -297,22 +291,17 @@ class Engine:
         stream closed early aborts its request; ``stream_output`` holds the request as it stood
         after the last step (its stats so far, when interrupted)."""
         self._alone(before="stream")
-        self.lanes.given_at_once(True)  # (alone, as generate's: no reserve, no pacing)
         self.stream_output = None
-        try:
-            request = self.add_request(prompt_ids, params)
-            while self.has_unfinished():
-                for output in self.step():
-                    if output.request_id != request:  # (a request aborted before it: ending)
-                        continue
-                    self.stream_output = output
-                    if output.new_text:
-                        yield output.new_text
-        finally:
+        with self.lanes.given_at_once():  # (alone, as generate's: no reserve, no pacing)
             try:
-                self.lanes.abort_all()
+                self.add_request(prompt_ids, params)
+                while self.has_unfinished():
+                    for output in self.step():
+                        self.stream_output = output
+                        if output.new_text:
+                            yield output.new_text
             finally:
-                self.lanes.given_at_once(False)
+                self.lanes.abort_all()
         return self.stream_output
 
     def run(self, prompt_ids: list[int], params: SamplingParams) -> RequestOutput:
@@ -375,27 +364,24 @@ class Engine:
         if room < 1 or not self.lanes.offloads(tokens):
             return
         params = SamplingParams(max_new_tokens=room, ignore_eos=True)
-        self.lanes.given_at_once(alone is not None)
-        try:
-            request_id, decoded = self.add_request(ids, params), 0
-        except UserError:
-            self.lanes.given_at_once(False)
-            return
-        if report is not None:
-            what = "the whole context" if tokens == self.max_context else f"{tokens:,} tokens"
-            report(f"warm-up: the offload lane, laid out for {what}")
-        wanted = WARM_UP_DECODE_TOKENS if decode else 1
-        try:
-            while decoded < wanted and self.has_unfinished():
-                for output in self.step():
-                    decoded += len(output.new_token_ids) if output.request_id == request_id else 0
-        finally:
+        with self.lanes.given_at_once(alone is not None):
             try:
+                request_id, decoded = self.add_request(ids, params), 0
+            except UserError:
+                return
+            if report is not None:
+                what = "the whole context" if tokens == self.max_context else f"{tokens:,} tokens"
+                report(f"warm-up: the offload lane, laid out for {what}")
+            wanted = WARM_UP_DECODE_TOKENS if decode else 1
+            try:
+                while decoded < wanted and self.has_unfinished():
+                    for output in self.step():
+                        if output.request_id == request_id:
+                            decoded += len(output.new_token_ids)
+            finally:
                 self.abort(request_id)
                 while self.has_unfinished():
                     self.step()
-            finally:
-                self.lanes.given_at_once(False)
 
     def logits(self, token_ids: list[int], decode_tokens: int = 0) -> torch.Tensor:
         """fp32 logits ``[len(token_ids), vocab]`` (CPU) through the chunked prefill path,

@@ -89,9 +89,18 @@ class Lanes:
         self._lane_of: dict[int, Lane] = {}  # every request not returned finished, by id
         self._aborted: list[RequestOutput] = []  # of requests never handed to a lane
 
-    def given_at_once(self, at_once: bool) -> None:
-        """Whether the requests now added come as one batch (``generate``: the step budget
-        for throughput) or one by one (a server: for the running requests' pace)."""
+    @contextlib.contextmanager
+    def given_at_once(self, at_once: bool = True):
+        """Within it, the requests added come as one batch (``at_once``: ``generate``'s or a
+        lone stream's, the step budget for throughput and no resident reserve) or one by
+        one (a server's: for the running requests' pace); one by one again after it."""
+        self._given(at_once)
+        try:
+            yield
+        finally:
+            self._given(False)
+
+    def _given(self, at_once: bool) -> None:
         step, piece = self.parts.step_tokens(at_once), self.parts.step_tokens(at_once, slices=False)
 
         def set_budget(lane: Lane) -> None:

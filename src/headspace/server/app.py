@@ -74,9 +74,8 @@ def _validation_message(error: RequestValidationError) -> tuple[str, str | None]
     union = next((i for i, p in enumerate(loc) if p in UNION_MEMBERS), None)
     where = ".".join(str(p) for p in loc[:union])
     if union is not None:
-        members = dict.fromkeys(p[union] for p in places
-                                if p[:union] == loc[:union] and p[union:union + 1] and
-                                p[union] in UNION_MEMBERS)  # fmt: skip
+        members = dict.fromkeys(p[union] for p in places if len(p) > union and
+                                p[:union] == loc[:union] and p[union] in UNION_MEMBERS)  # fmt: skip
         words = [UNION_MEMBERS[m] for m in members]
         message = f"must be {', '.join(words[:-1])}{' or ' if words[1:] else ''}{words[-1]}"
     return f"{where}: {message}", str(loc[0])
@@ -199,10 +198,10 @@ def build_app(engine_loop: EngineLoop, options: ServerOptions) -> FastAPI:
         if body.model != name:
             raise APIError(404, f"the model {body.model!r} does not exist; this server serves "
                            f"{name!r}", "not_found_error", "model")  # fmt: skip
-        bound = engine_loop.max_concurrent + engine_loop.max_queued
-        if body.n > bound:  # (never servable: not a 429, which says to try again)
-            raise APIError(400, f"n is {body.n}, past the {bound} requests this server holds "
-                           "at once (each choice runs as a request)", param="n")  # fmt: skip
+        if body.n > engine_loop.bound:  # (never servable: not a 429, which says try again)
+            raise APIError(400, f"n is {body.n}, past the {engine_loop.bound} requests this "
+                           "server holds at once (each choice runs as a request)",
+                           param="n")  # fmt: skip
         arrived = time.perf_counter()
         engine_loop.reserve(body.n)  # a place for each choice (429 or 503 before any work)
         try:

@@ -35,35 +35,11 @@ from headspace.parallel.dist import broadcast_object, first_error
 from headspace.parallel.launch import is_first_rank
 from headspace.server.metrics import Metrics
 from headspace.server.outbox import Outbox
-from headspace.server.protocol import APIError
+from headspace.server.protocol import APIError, ended_alone, engine_stopped, shutting_down
 
 log = logging.getLogger("headspace.serve")
 IDLE_WAIT_S = 0.5  # how long the idle loop waits for a request before looking again
 OBSERVE_EVERY_S = 0.25  # the load gauges' refresh while requests run
-
-
-def _stopped() -> APIError:
-    return APIError(503, "the engine has stopped; the server exits", "server_error")
-
-
-def _shutting_down(ended: bool) -> APIError:
-    message = ("the server is shutting down; this request was ended before it finished" if ended
-               else "the server is shutting down and takes no new requests")  # fmt: skip
-    return APIError(503, message, "server_error")
-
-
-def _failed(ended: str | None) -> APIError:
-    """What a request the engine ended alone (finish reason "error") gets, by why it ended
-    (``GenerationStats.ended``): its logits not finite (500), or no KV page for it, on
-    the GPU or in host memory (503: the server is full; sent again later, it may run)."""
-    if ended == "no pages":
-        message = ("the server ran out of KV cache memory for this request (no free page, "
-                   "and none in host memory to move it to); it was ended, the other "
-                   "requests go on")  # fmt: skip
-        return APIError(503, message, "server_error")
-    message = ("the model's logits for this request were not finite (NaN or infinity); it "
-               "was ended, the other requests go on")  # fmt: skip
-    return APIError(500, message, "server_error")
 
 
 def freeze_heap() -> None:
@@ -147,15 +123,20 @@ class EngineLoop:
         or raise APIError: 503 when the engine has stopped, 429 past the bound. Each
         ``generate`` or a ``release`` gives one back."""
         if self.error is not None or not self._thread.is_alive():
-            raise _stopped()
+            raise engine_stopped()
         if self.draining:
-            raise _shutting_down(ended=False)
+            raise shutting_down(ended=False)
         with self._count_lock:
-            if self._count + count > self.max_concurrent + self.max_queued:
+            if self._count + count > self.bound:
                 raise APIError(429, f"the server holds {self._count} requests, its bound "
                                f"({self.max_concurrent} running + {self.max_queued} queued); "
                                "try again later", "rate_limit_error")  # fmt: skip
             self._count += count
+
+    @property
+    def bound(self) -> int:
+        """Requests held at most: running and queued."""
+        return self.max_concurrent + self.max_queued
 
     @property
     def held(self) -> int:
@@ -184,7 +165,7 @@ class EngineLoop:
                              arrived=arrived)  # fmt: skip
         self._inbox.put(("add", request))  # its key is given on the engine's thread
         if self.error is not None or not self._thread.is_alive():  # it stopped meanwhile
-            raise _stopped()
+            raise engine_stopped()
         finished = False
         try:
             while True:
@@ -360,7 +341,7 @@ class EngineLoop:
         """Every request known ends with a 503 and is aborted (rank 0 delivers it)."""
         for request in list(self._by_key.values()):
             if not request.aborted:
-                request.deliver(_shutting_down(ended=True))
+                request.deliver(shutting_down(ended=True))
             self._handle("abort", request)
 
     def _admit(self) -> None:
@@ -394,7 +375,7 @@ class EngineLoop:
             if request.aborted:
                 continue
             failed = output.finish_reason == "error"
-            request.deliver(_failed(output.stats.ended) if failed else output)
+            request.deliver(ended_alone(output.stats.ended) if failed else output)
 
     def _refuse(self, request: _Submitted, error: Exception) -> None:
         """End ``request`` with a 400 (what the engine refuses) or, for anything else, a 500

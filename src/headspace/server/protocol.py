@@ -50,6 +50,32 @@ class APIError(Exception):
                           "code": self.status}}  # fmt: skip
 
 
+def engine_stopped() -> APIError:
+    """What every request gets once the engine loop has stopped (the process exits)."""
+    return APIError(503, "the engine has stopped; the server exits", "server_error")
+
+
+def shutting_down(ended: bool) -> APIError:
+    """What a request gets while the server shuts down: a new one, or one it ``ended``."""
+    message = ("the server is shutting down; this request was ended before it finished" if ended
+               else "the server is shutting down and takes no new requests")  # fmt: skip
+    return APIError(503, message, "server_error")
+
+
+def ended_alone(ended: str | None) -> APIError:
+    """What a request the engine ended alone (finish reason "error") gets, by why it ended
+    (``GenerationStats.ended``): its logits not finite (500), or no KV page for it, on
+    the GPU or in host memory (503: the server is full; sent again later, it may run)."""
+    if ended == "no pages":
+        message = ("the server ran out of KV cache memory for this request (no free page, "
+                   "and none in host memory to move it to); it was ended, the other "
+                   "requests go on")  # fmt: skip
+        return APIError(503, message, "server_error")
+    message = ("the model's logits for this request were not finite (NaN or infinity); it "
+               "was ended, the other requests go on")  # fmt: skip
+    return APIError(500, message, "server_error")
+
+
 def _asks_nothing(name: str, value) -> bool:
     """Whether an unsupported field's value leaves the request as it is."""
     if name in ("tools", "functions"):

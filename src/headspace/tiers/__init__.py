@@ -7,14 +7,9 @@ The names below load on first use, so that the tiers' settings (``tiers.settings
 without torch.
 """
 
-import importlib
+from headspace.lazy import lazy_names
 
-_HOMES = {"HybridSettings": "settings", "StepInputs": "base", "Tier": "base", "TierSite": "base",
-          "attend_tiers": "base", "build_tiers": "table"}  # fmt: skip
+_HOMES = {"HybridSettings": ".settings", "StepInputs": ".base", "Tier": ".base",
+          "TierSite": ".base", "attend_tiers": ".base", "build_tiers": ".table"}  # fmt: skip
 __all__ = list(_HOMES)
-
-
-def __getattr__(name: str):
-    if name not in _HOMES:
-        raise AttributeError(f"module 'headspace.tiers' has no attribute {name!r}")
-    return getattr(importlib.import_module(f"headspace.tiers.{_HOMES[name]}"), name)
+__getattr__ = lazy_names(__name__, _HOMES)

@@ -29,7 +29,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from headspace.budgets.scores import WINDOW as OBSERVED_QUERIES
+from headspace.budgets.spec import WINDOW as OBSERVED_QUERIES
 from headspace.kv.paged_store import token_slots
 from headspace.kv.transfer import device_ints, shared_stream
 from headspace.tiers.base import CpuTimings, timed
