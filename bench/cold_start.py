@@ -59,8 +59,9 @@ def _phases_headspace(checkpoint: str, prompt_file: str, device: str) -> dict:
     phases["weights_s"] = llm.engine.load_seconds  # of load_s: reading and placing weights
     phases["tokenizer_s"] = llm.engine.tokenizer_seconds  # of load_s, its imports included
     ids = llm.engine.encode(Path(prompt_file).read_text())
-    phases["warm_up_s"] = llm.engine.warm_up(len(ids), decode=False, offload=True,
-                                             alone=len(ids) + 1)  # as the CLI: 1 token
+    phases["warm_up_s"] = llm.engine.warm_up(
+        len(ids), decode=False, offload=True, alone=len(ids) + 1
+    )  # as the CLI: 1 token
     mark = time.perf_counter()
     out = llm.engine.run(ids, SamplingParams(max_new_tokens=1, ignore_eos=True))
     phases["request_s"] = time.perf_counter() - mark
