@@ -35,7 +35,7 @@ from common import (  # noqa: E402
     environment,
     gpu_tag,
     make_engine,
-    ran_lane,
+    ran_view,
     random_model,
     write_result,
 )
@@ -186,7 +186,7 @@ def main() -> None:
         "prefill_step_tokens_at_once": engine.config.runtime.step_tokens(at_once=True),
         "workload": {"prompt_lengths": lengths, "new_tokens": NEW_TOKENS, "load": LOAD,
                      "arrival_rate_per_s": rate, "arrivals_s": arrivals},
-        "head_map": ran_lane(engine).runner.plan.head_map.summary(),
+        "head_map": ran_view(engine).layout,
         "throughput_tok_s": throughput, "offline_throughput_tok_s": offline_tok_s,
         "throughput_vs_offline": throughput / offline_tok_s,
         **{k: v for k, v in stats.items() if k != "buckets"},

@@ -334,6 +334,12 @@ def pinned_h2d_bandwidth(num_bytes: int = 2**30) -> float:
     return num_bytes / cuda_time(lambda: device.copy_(host, non_blocking=True), warmup=2, repeat=5)
 
 
+def ran_view(engine):
+    """What :func:`ran_lane` holds, as the engine shows it (``Engine.load()``'s
+    :class:`LaneView`: its layout, plan, host bytes, graphs, CPU share)."""
+    return engine.load().lane(ran_lane(engine).name)
+
+
 def ran_lane(engine):
     """The lane that ran a benchmark's requests: the offload lane where its layout offloads
     any head, else the resident (or only) lane."""

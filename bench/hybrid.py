@@ -87,16 +87,15 @@ def run_mode(model, mode: str, lengths: list[int], h2d: float) -> dict:
     context = sum(lengths) + len(lengths) * NEW_TOKENS // 2
     floor_s = offloaded * 2 * context * cfg.head_dim * 2 / h2d
     decode_s = _decode_window(outs)  # requests may run together or one after another
-    runner = engine.lanes.lane(out.stats.lane).runner
-    split = next((t.cpu_split for t in runner.tiers if t.cpu_split), None)
+    lane = engine.load().lane(out.stats.lane)
     return {
         "decode_ms": 1000 * decode_s / steps, "pcie_floor_ms": 1000 * floor_s,
         "speedup_vs_pcie_floor": floor_s / (decode_s / steps), "num_requests": len(outs),
         "aggregate_decode_tok_s": sum(len(o.token_ids) - 1 for o in outs) / decode_s,
-        "cpu_share": runner.cpu_share,
-        "gpu_window": split.gpu_window if split else None,
+        "cpu_share": lane.cpu_share,
+        "gpu_window": engine.config.offload.gpu_window if lane.cpu_share is not None else None,
         "head_map_summary": out.stats.summary().split(" | ")[3], "wall_seconds": wall,
-        "plan": runner.plan.head_map.summary(),
+        "plan": lane.layout,
         "auto_picks": auto_choice(engine.lanes, lengths),
         "cpu_kept_fraction_min_median_max": out.stats.cpu_kept_fraction,
         "summary": out.stats.summary(), "tokens": [o.token_ids for o in outs],

@@ -92,23 +92,20 @@ def exact_run(model, length: int, steps: int, h2d: float) -> dict:
     """The default engine under the budget: warm-up, then one request's prefill of
     ``length`` random tokens and ``steps`` decode steps."""
     engine, warm_s, stats = _request(model, length, steps)
-    generator = engine.lanes.lane(stats.lane)
-    plan = generator.runner.plan
+    lane = engine.load().lane(stats.lane)
     offloaded = stats.num_streamed_heads + stats.num_hybrid_heads
     floor_s = _pcie_floor_s(model, offloaded, length, h2d)
     decode_s = stats.decode_seconds / steps
-    split = next((t.cpu_split for t in generator.runner.tiers if t.cpu_split), None)
     row = {
         "prefill_s": stats.prefill_seconds, "prefill_tok_s": stats.prefill_tok_s,
         "warm_up_s": warm_s, "prefill_chunk": engine.lanes.chunk,
         "decode_ms": 1000 * decode_s, "pcie_floor_ms": 1000 * floor_s,
         "decode_ratio_vs_pcie_floor": decode_s / floor_s, "decode_steps": steps,
-        "auto_picks": auto_choice(generator, [length]), "head_map": plan.head_map.summary(),
-        "cpu_share": split.share if split else None,
-        "host_pages_gib": generator.runner.host.num_bytes / GiB,
+        "auto_picks": auto_choice(engine.lanes, [length]), "head_map": lane.layout,
+        "cpu_share": lane.cpu_share, "host_pages_gib": lane.host_bytes / GiB,
         "summary": stats.summary(),
     }  # fmt: skip
-    del engine, generator
+    del engine
     return row
 
 
@@ -136,8 +133,8 @@ def approximate_run(model, length: int, steps: int, h2d: float, share: float) ->
     steps; the PCIe floor is the offloaded entries' K and V, every token, per step."""
     options = {"profile": balanced_profile(share), "retrieval_heads": share}
     engine, warm_s, stats = _request(model, length, steps, **options)
-    generator = engine.lanes.lane(stats.lane)
-    plan = generator.runner.plan
+    lane = engine.load().lane(stats.lane)
+    plan = lane.plan
     offloaded = plan.head_map.num_offloaded
     floor_s = _pcie_floor_s(model, offloaded, length, h2d)
     decode_s = stats.decode_seconds / steps
@@ -153,10 +150,10 @@ def approximate_run(model, length: int, steps: int, h2d: float, share: float) ->
         "kv_fraction_held": stats.kv_held_fraction, "offloaded_entries": offloaded,
         "attention_share": computed / len(plan.head_map.entries),
         "head_map": plan.head_map.summary(),
-        "host_pages_gib": generator.runner.host.num_bytes / GiB,
+        "host_pages_gib": lane.host_bytes / GiB,
         "summary": stats.summary(), "modes": modes,
     }  # fmt: skip
-    del engine, generator
+    del engine
     return row
 
 

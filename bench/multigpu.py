@@ -98,6 +98,7 @@ from common import (  # noqa: E402
     model_config,
     model_tag,
     ran_lane,
+    ran_view,
     random_model,
     sharpen_heads,
     write_result,
@@ -237,7 +238,7 @@ def run_solver(solver: str, args, profile: str) -> dict | None:
     length, batch = args.context - args.decode, args.batch
     every, prefill_s, decode_tok_s, steps = timed_batch(engine, timer, args, cfg, prompts, solver)
     stats = every[0]  # peak memory and KV held: the batch's, alike in every request
-    entries = ran_lane(engine).runner.plan.head_map.entries
+    entries = ran_view(engine).plan.head_map.entries
     floor_bytes = decode_layer_floor_bytes(engine, args, options, profile)
     hbm = measure_hbm_bandwidth()
     measured, per_rank = attention_per_rank(timer, model.config.num_layers, args.stand_in)
@@ -251,7 +252,7 @@ def run_solver(solver: str, args, profile: str) -> dict | None:
         "decode_step_seconds": steps,  # rank 0's steps of the whole batch (--served-rate: paces)
         "peak_gpu_gib": stats.peak_gpu_bytes / 2**30,
         "kv_held_fraction": stats.kv_held_fraction,
-        "head_map": ran_lane(engine).runner.plan.head_map.summary(),
+        "head_map": ran_view(engine).layout,
         # each entry's layer, kv head, ranks and (for a copied head) each rank's share
         "placement": placement_of(entries),
         # the decode floor: rank 0's weights and, each layer, the K/V its slowest rank reads

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from common import ran_lane
+from common import ran_view
 from multigpu_report import layer_floor_tokens
 from sparsity import timed_decode
 from stand_in import KEPT_FILE
@@ -68,7 +68,7 @@ def decode_layer_floor_bytes(engine, args, options: dict, profile: str) -> int:
     """Bytes a decode step of the batch reads at least, at its end: rank 0's weights and,
     each layer, the K/V its slowest rank reads (:func:`multigpu_report.layer_floor_tokens`:
     every layer ends in an all-reduce; a copy reads its share of its head)."""
-    entries = ran_lane(engine).runner.plan.head_map.entries
+    entries = ran_view(engine).plan.head_map.entries
     kept = entry_tokens_at_end(args, entries, options, profile)
     tokens = layer_floor_tokens(placement_of(entries), kept)
     weights = sum(p.nbytes for p in engine.model.parameters())

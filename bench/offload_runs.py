@@ -85,7 +85,7 @@ def _headspace_run(model, length, offload, budget, steps) -> dict:
         "decode_steps": steps, "prefill_chunk": engine.lanes.chunk, **_peaks(), "budget": budget,
         "head_map": plan.head_map.summary(), "summary": out.stats.summary(),
         "streamed_bytes_per_token": streamed * 2 * length * model.config.head_dim * 2,
-        "host_pages_gib": engine.lanes.lane(lane.name).runner.host.num_bytes / GiB,
+        "host_pages_gib": lane.host_bytes / GiB,
     }  # fmt: skip
 
 

@@ -32,7 +32,7 @@ import httpx
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import LLAMA31_8B, environment, gpu_tag, ran_lane, random_hf_llama, write_result  # noqa: E402
+from common import LLAMA31_8B, environment, gpu_tag, ran_view, random_hf_llama, write_result  # noqa: E402
 
 K = 1024
 BUDGET = "24GiB"
@@ -89,7 +89,7 @@ def offline(model_dir: Path, requests, **options) -> dict:
     outputs = llm.generate([p for p, _ in requests], params)
     seconds = time.perf_counter() - start
     tokens = sum(len(o.token_ids) for o in outputs)
-    head_map = ran_lane(llm.engine).runner.plan.head_map.summary()
+    head_map = ran_view(llm.engine).layout
     del llm
     torch.cuda.empty_cache()
     return {"seconds": seconds, "output_tokens": tokens, "head_map": head_map}

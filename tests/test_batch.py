@@ -85,22 +85,22 @@ def test_decode_graphs_call_the_attention_a_benchmark_wrapped(tiny_llama):
     from headspace.engine.hooks import EngineHooks
     from headspace.tiers.base import attend_tiers
 
-    twin = EngineHooks(graphs=EagerGraphTwin)  # the graphs' CPU twin
     (prompt,) = _prompts([30], seed=3)
     params = SamplingParams(max_new_tokens=6, ignore_eos=True)
     options = {"offload": "none", "kv_budget": 0.5}  # per-entry decode (the twin's CPU path)
+    twin = EngineHooks(graphs=EagerGraphTwin)  # the graphs' CPU twin
     plain = LLM(str(tiny_llama), hooks=twin, **options).generate([prompt], params)[0].token_ids
-    llm = LLM(str(tiny_llama), hooks=twin, **options)
-    runner, decoded = llm.engine.lanes.resident.runner, []
+    decoded = []
 
     def timed(layer, q, kv):
         decoded.append(q.shape[0] != len(prompt))  # a decode step's rows (padded batch)
-        return attend_tiers(runner.tiers, layer, q, kv)
+        return attend_tiers(llm.engine.lanes.resident.runner.tiers, layer, q, kv)
 
-    runner.attention_hook = timed  # before the first request makes the graphs
+    llm = LLM(str(tiny_llama), hooks=EngineHooks(graphs=EagerGraphTwin, attention_hook=timed),
+              **options)  # fmt: skip
     assert llm.generate([prompt], params)[0].token_ids == plain
-    assert runner._graphs is not None and type(runner._graphs) is EagerGraphTwin
-    num_layers = runner.model.config.num_layers
+    assert llm.engine.load().lanes[0].decode_graphs
+    num_layers = llm.engine.model.config.num_layers
     # the twin's two warm-up steps and the 5 decode steps, every layer through the wrapper
     assert decoded.count(True) == (2 + 5) * num_layers
 
@@ -111,26 +111,28 @@ def test_decode_hooks_wrap_every_decode_step_in_order_and_pass_its_result_on(tin
     returns is the step's result (here the greedy picks swapped for token 7)."""
     (prompt,) = _prompts([20], seed=9)
     params = SamplingParams(max_new_tokens=5, ignore_eos=True)
-    llm = LLM(str(tiny_llama), offload="none")
-    runner, calls = llm.engine.lanes.resident.runner, []
+    from headspace.engine.hooks import EngineHooks
+
+    calls = []
 
     def inner(seq_ids, step):
         calls.append(("inner", len(seq_ids)))
         logits, slots = step()
         forced = torch.full_like(logits, -1e9)
         forced[:, 7] = 0.0
-        runner.tokens[slots] = 7
+        llm.engine.lanes.resident.runner.tokens[slots] = 7  # (the step's picks, on the device)
         return forced, slots
 
     def outer(seq_ids, step):
         calls.append(("outer", len(seq_ids)))
         return step()
 
-    runner.decode_hooks += [inner, outer]
+    hooks = EngineHooks(decode_hooks=[inner, outer])
+    llm = LLM(str(tiny_llama), offload="none", hooks=hooks)
     tokens = llm.generate([prompt], params)[0].token_ids
     assert tokens[1:] == [7] * 4  # the first comes from the prefill
     assert calls == [("outer", 1), ("inner", 1)] * 4
-    runner.decode_hooks.clear()
+    hooks.decode_hooks.clear()  # (the list is shared: a hook taken out applies at once)
     assert llm.generate([prompt], params)[0].token_ids[1:] != [7] * 4
 
 
@@ -144,10 +146,6 @@ def test_decode_graphs_name_each_graph_they_capture_or_replay_to_the_attention(t
     from headspace.engine.hooks import EngineHooks
     from headspace.tiers.base import attend_tiers
 
-    llm = LLM(str(tiny_llama), hooks=EngineHooks(graphs=EagerGraphTwin), offload="none",
-              kv_budget=0.5)  # fmt: skip
-    runner = llm.engine.lanes.resident.runner
-
     class Told:
         steps: list = []  # (graphs, key, capture) per graph step
         rows: list = []  # (sequences, the key's padded rows) per graph step
@@ -157,9 +155,11 @@ def test_decode_graphs_name_each_graph_they_capture_or_replay_to_the_attention(t
             self.rows.append((num_seqs, key[0]))
 
         def __call__(self, layer, q, kv):
-            return attend_tiers(runner.tiers, layer, q, kv)
+            return attend_tiers(llm.engine.lanes.resident.runner.tiers, layer, q, kv)
 
-    told = runner.attention_hook = Told()
+    told = Told()
+    llm = LLM(str(tiny_llama), hooks=EngineHooks(graphs=EagerGraphTwin, attention_hook=told),
+              offload="none", kv_budget=0.5)  # fmt: skip
     params = SamplingParams(max_new_tokens=8, ignore_eos=True)
     outputs = llm.generate(_prompts([30, 40, 50], seed=5), params)
     assert all(len(o.token_ids) == 8 for o in outputs)
@@ -213,6 +213,6 @@ def test_warm_up_takes_the_prompts_shapes_and_decodes_only_when_asked(tiny_llama
     assert warm_up_request(8192, 4096, True) == (8192, WARM_UP_DECODE_TOKENS)
     llm = LLM(str(tiny_llama), offload="none", kv_budget=0.5,
               hooks=EngineHooks(graphs=EagerGraphTwin))  # fmt: skip
-    runner = llm.engine.lanes.resident.runner
-    assert llm.engine.warm_up(40, decode=False) > 0 and not runner.has_graphs
-    assert llm.engine.warm_up(40) > 0 and runner.has_graphs
+    graphed = lambda: llm.engine.load().lanes[0].decode_graphs  # noqa: E731 (the resident lane)
+    assert llm.engine.warm_up(40, decode=False) > 0 and not graphed()
+    assert llm.engine.warm_up(40) > 0 and graphed()

@@ -158,7 +158,7 @@ def test_graph_decode_equals_eager_decode_and_batches_equal_one_at_a_time():
     # an engine is made, and an engine lays out its arena at its first request
     eager = make_engine(model, dtype="float32", cuda_graph=False, compile=False)
     assert batched == [greedy(eager, [p])[0] for p in prompts]
-    assert graphed.lanes.resident.runner.has_graphs
+    assert graphed.load().lanes[0].decode_graphs  # (the resident lane)
 
 
 def test_penalties_and_logprobs_in_graph_steps_equal_the_eager_ones():
@@ -508,8 +508,8 @@ def test_mixed_graph_steps_equal_the_eager_mixed_steps():
     options = {"dtype": "float32", "mixed_steps": True, "prefill_step_tokens": 64}
     graphed = make_engine(model, **options)
     tokens, mixed = _arrival(graphed, prompt)
-    assert mixed >= 1000 // 256 and graphed.lanes.resident.runner.has_mixed_graphs
+    assert mixed >= 1000 // 256 and graphed.load().lanes[0].mixed_graphs
     eager = make_engine(model, cuda_graph=False, **options)
     eager_tokens, eager_mixed = _arrival(eager, prompt)
-    assert eager_mixed >= 1000 // 256 and not eager.lanes.resident.runner.has_mixed_graphs
+    assert eager_mixed >= 1000 // 256 and not eager.load().lanes[0].mixed_graphs
     assert tokens == eager_tokens == greedy(eager, [torch.tensor(prompt)])[0][:8]

@@ -46,6 +46,8 @@ def test_window_on_gpu_gives_the_logits_of_staging_it(wide_llama, prompt, cpu_ti
     assert gap.abs().max().item() < 1e-4  # every decode step, 150 to 214 tokens
     plan = plan_of(kept)
     assert plan.gpu_window is not None and plan_of(staged).gpu_window is None
+    shares = {llm.engine.load().lane("offload").cpu_share for llm in (kept, staged)}
+    assert shares == {options["cpu_share"]}  # the view's: the share asked for, in force
     assert plan.head_map.count("hybrid") > 0
     ours, theirs = _counters(kept), _counters(staged)
     assert ours.window_fill_pages > 0  # filled once from host pages

@@ -186,6 +186,9 @@ def test_a_long_and_a_short_request_run_in_their_own_lanes(tiny_llama):
     prefilled = {name: view.prefilled_tokens for name, view in lanes.items()}
     assert prefilled == {"resident": 20, "offload": 190}  # every prompt token, in its lane
     assert lanes["offload"].steps >= 20 and lanes["resident"].steps >= 20
+    # pinned host pages only where heads stream; no hybrid tier, no graphs on the CPU
+    assert lanes["offload"].host_bytes > 0 == lanes["resident"].host_bytes
+    assert {(v.cpu_share, v.decode_graphs) for v in lanes.values()} == {(None, False)}
 
 
 def test_lanes_on_the_metrics_page(tiny_llama):

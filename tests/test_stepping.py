@@ -563,17 +563,26 @@ def test_a_mixed_step_runs_as_a_graph_only_where_its_graph_serves_it(tiny_llama)
     assert not graphs(kv_budget=0.5).accepts_mixed(PAGE, 1, 1)
 
 
+class _NoMixedWidth(_MixedCounter):
+    """The counting twin with no width to pack a mixed step's tables at: no mixed graph
+    takes a step (a test's hook)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **{**kwargs, "piece_width": 0})
+
+
 def test_a_mixed_step_no_graph_takes_runs_as_two_forwards(tiny_llama):
     """Where the layout's decode steps are graphs but no mixed graph takes a step (here its
     sequences past the width every table is packed at), the step runs as two forwards, the
     decode step's a graph, rather than one eager forward (launch-bound on a GPU): no step
     of the 400-token prompt's prefill is mixed, and its tokens equal its prompt's alone."""
+    _MixedCounter.replays = []
     llm = _make(tiny_llama, offload="none", mixed_steps=True,
-                hooks=EngineHooks(graphs=_MixedCounter))  # fmt: skip
+                hooks=EngineHooks(graphs=_NoMixedWidth))  # fmt: skip
     llm.engine.run(_prompts([40])[0], FOUR)  # (the layout and its graphs made)
-    llm.engine.lanes.resident.runner._graphs.piece_width = 0  # no mixed graph takes a step
     mixed: list[bool] = []
     _, steps, tokens, long_id = _long_arrival(llm.engine, mixed)
-    assert steps > 1 and not any(mixed)
+    assert steps > 1 and not any(mixed) and not _MixedCounter.replays
+    assert llm.engine.load().lanes[0].decode_graphs  # (the decode steps: graphs)
     alone = _make(tiny_llama, offload="none").engine.run(_prompts([400], seed=4)[0], FOUR)
     assert tokens[long_id] == alone.token_ids

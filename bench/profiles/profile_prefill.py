@@ -25,7 +25,7 @@ from common import (  # noqa: E402
     environment,
     gpu_tag,
     make_engine,
-    ran_lane,
+    ran_view,
     random_model,
     write_result,
 )
@@ -94,7 +94,7 @@ def profiled_prefill(scenario: str, context: int) -> dict:
         {"name": e.key, "cuda_ms": e.device_time_total / 1000, "calls": e.count}
         for e in sorted(prof.key_averages(), key=lambda e: -e.device_time_total)[:40]
     ]
-    head_map = ran_lane(engine).runner.plan.head_map.summary()
+    head_map = ran_view(engine).layout
     del engine
     gc.collect()
     torch.cuda.empty_cache()

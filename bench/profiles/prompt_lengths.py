@@ -31,7 +31,7 @@ from common import (  # noqa: E402
     environment,
     gpu_tag,
     make_engine,
-    ran_lane,
+    ran_view,
     random_model,
     write_result,
 )
@@ -105,7 +105,7 @@ def main() -> None:
         "config": {"model": "Llama-3.1-8B architecture, random bf16 weights",
                    "options": "default", "prefill_chunk": engine.lanes.chunk,
                    "cudnn_rows": unit, "low": args.low, "high": args.high},
-        "head_map": ran_lane(engine).runner.plan.head_map.summary(),
+        "head_map": ran_view(engine).layout,
         "runs": runs,
     }  # fmt: skip
     write_result(f"prompt_lengths_{gpu_tag(env)}_unit{unit}_{env['date']}.json", result)

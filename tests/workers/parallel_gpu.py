@@ -68,7 +68,7 @@ def run(engine: Engine, prompt: list[int], batch: list[list[int]], num_new: int)
     logits = engine.logits(prompt, decode_tokens=16)
     params = SamplingParams(max_new_tokens=num_new, ignore_eos=True)
     outputs = engine.generate_batch(batch, [params] * len(batch))
-    graphs = engine.lanes.resident.runner.has_graphs  # decode steps replayed as CUDA graphs
+    graphs = engine.load().lanes[0].decode_graphs  # decode steps replayed as CUDA graphs
     offloaded = outputs[0].stats.num_streamed_heads + outputs[0].stats.num_hybrid_heads
     summary = engine.ranks.head_map.summary() if engine.ranks is not None else ""
     return {"logits": logits, "tokens": [o.token_ids for o in outputs], "graphs": graphs,

@@ -137,7 +137,9 @@ class LaneView:
     """One lane: its GPU and host pages (in all and in use), the bytes of the arena it
     holds, the layout in force (``plan``, and ``layout``: its head map's summary line; None
     before its first), what its last step did (``StepPlan.summary()``), what its tiers
-    copied so far (``TierCounters``' fields), its steps and prompt tokens computed so far."""
+    copied so far (``TierCounters``' fields), its steps and prompt tokens computed so far,
+    the pinned host memory its host pages hold, whether its layout's decode steps (and a
+    mixed step) ran as graphs, and the hybrid tier's CPU share in force."""
 
     name: str
     gpu_pages: int
@@ -152,6 +154,10 @@ class LaneView:
     counters: dict[str, int] = field(default_factory=dict)  # its tiers' copies so far
     steps: int = 0  # steps that ran compute so far
     prefilled_tokens: float = 0.0  # prompt tokens computed so far (a layer slice: its part)
+    host_bytes: int = 0  # pinned host memory of its host pages (bytes)
+    decode_graphs: bool = False  # its layout's decode steps replay graphs (CUDA's or a twin)
+    mixed_graphs: bool = False  # a mixed step (a piece and decode rows) ran as a graph
+    cpu_share: float | None = None  # the hybrid tier's CPU share of history (None: no hybrid)
 
 
 @dataclass(frozen=True)

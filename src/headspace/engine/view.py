@@ -63,14 +63,16 @@ def _request_views(lane: Lane) -> list[RequestView]:
 
 
 def _lane_view(lane: Lane) -> LaneView:
-    pools, plan, step = lane.scheduler.blocks.pools, lane.runner.plan, lane.last_step
+    runner, step = lane.runner, lane.last_step
+    pools, plan = lane.scheduler.blocks.pools, runner.plan
     gpu, host = pools[GPU], pools[HOST]
     return LaneView(lane.name, gpu.num_pages, gpu.num_pages - gpu.num_free, host.num_pages,
                     host.num_pages - host.num_free, lane.scheduler.planner.memory.region,
                     None if plan is None else plan.head_map.summary(),
                     None if step is None else step.summary(), plan, lane.peak_pages,
-                    dataclasses.asdict(lane.runner.site.counters), lane.steps,
-                    lane.prefilled_tokens)  # fmt: skip
+                    dataclasses.asdict(runner.site.counters), lane.steps,
+                    lane.prefilled_tokens, runner.host.num_bytes, runner.has_graphs,
+                    runner.has_mixed_graphs, runner.cpu_share)  # fmt: skip
 
 
 __all__ = ["engine_view"]
