@@ -20,25 +20,26 @@ def _per_layer(layer_ms: list[float], num_layers: int) -> list[float]:
 
 
 class AttentionTimer:
-    """Wraps a runner's attention: CUDA events around every layer's submits, per phase.
+    """Wraps the runners' attention (``EngineHooks(attention_hook=timer)``): CUDA events
+    around every layer's submits, per phase.
 
-    Installed before the warm-up request, so the decode graphs captured then hold its events
-    (external ones, recorded again at every replay; about 64 event nodes a step). The graphs
-    call ``graph_step`` before each graph step, naming the graph it captures or replays: a
-    capture's eager warm-up steps (padding) are skipped, and a replay's events are read just
-    before the next graph step (the step between them waited for its sampled tokens, so no
-    extra wait): every graph step is timed, as every eager step is. Events are kept per
-    graphs object (one a layout, made anew when the tables grow), for as long as it lives."""
+    Given when the engine is made (before the warm-up request), so the decode graphs
+    captured then hold its events (external ones, recorded again at every replay; about 64
+    event nodes a step). The graphs call ``graph_step`` before each graph step, naming the
+    graph it captures or replays: a capture's eager warm-up steps (padding) are skipped, and
+    a replay's events are read just before the next graph step (the step between them
+    waited for its sampled tokens, so no extra wait): every graph step is timed, as every
+    eager step is. Events are kept per graphs object (one a layout, made anew when the
+    tables grow), for as long as it lives."""
 
-    def __init__(self, runner):
-        self.runner, self.events = runner, {"prefill": [], "decode": []}
+    def __init__(self):
+        self.events = {"prefill": [], "decode": []}
         # graphs object -> graph key -> its layers' events (start, end)
         self.captured: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self.capturing, self.last, self.warming = None, None, False
         self.replayed_ms: list[list[float]] = []  # each timed graph step's layers, in ms
         self.num_steps = 0  # the decode steps the last reading averaged
         self.rows, self.step_rows = None, None  # decode steps timed: all, or of ``rows``
-        runner.attention_hook = self
 
     def graph_step(self, graphs, key, capture: bool, num_seqs: int) -> None:
         """``graphs`` is about to replay the graph of ``key`` for ``num_seqs`` sequences,
@@ -72,8 +73,7 @@ class AttentionTimer:
         replayed[-1][1].synchronize()
         self.replayed_ms.append([s.elapsed_time(e) for s, e in replayed])
 
-    def __call__(self, layer: int, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
-        tiers = self.runner.tiers
+    def __call__(self, tiers, layer: int, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
         out = torch.empty_like(q)
         capturing = torch.cuda.is_current_stream_capturing()
         start, end = (torch.cuda.Event(enable_timing=True, external=capturing) for _ in "se")
@@ -94,9 +94,8 @@ class AttentionTimer:
         return out
 
     def close(self) -> None:
-        """The runner's own attention back (the two held each other: nothing was freed)."""
-        self.runner.attention_hook = None
-        self.runner, self.captured, self.capturing, self.last = None, {}, None, None
+        """Drop the events kept (the graphs' too)."""
+        self.captured, self.capturing, self.last = {}, None, None
 
     def seconds(self, num_layers: int) -> dict[str, float | list[float]]:
         """Attention seconds: the prompt's chunks in all, its last chunk (what the cost model

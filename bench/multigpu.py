@@ -97,7 +97,6 @@ from common import (  # noqa: E402
     measure_hbm_bandwidth,
     model_config,
     model_tag,
-    ran_lane,
     ran_view,
     random_model,
     sharpen_heads,
@@ -228,13 +227,14 @@ def run_solver(solver: str, args, profile: str) -> dict | None:
     cfg = model_config(args.model, args.layers)
     model = random_model(cfg, device=config.runtime.device)
     sharpen_heads(model, args.sharpen)
-    prompts, hooks = run_prompts(cfg, args, args.batch), None
+    prompts = run_prompts(cfg, args, args.batch)
+    # in the engine before the warm-up captures the graphs; none at the served rate (reading
+    # a graph's events waits for its step, which would hold the host back from the next)
+    timer = None if args.served_rate else AttentionTimer()
+    hooks = EngineHooks(attention_hook=timer)
     if args.stand_in:  # decode over pages at measured lengths, prompts not computed
-        hooks = EngineHooks(prompt_stand_in=stand_in(Path(profile).parent / KEPT_FILE, prompts))
+        hooks.prompt_stand_in = stand_in(Path(profile).parent / KEPT_FILE, prompts)
     engine = Engine.from_model(model, NoText(), config, hooks)
-    # before the warm-up captures the graphs; none at the served rate (reading a graph's
-    # events waits for its step, which would hold the host back from the next)
-    timer = None if args.served_rate else AttentionTimer(ran_lane(engine).runner)
     length, batch = args.context - args.decode, args.batch
     every, prefill_s, decode_tok_s, steps = timed_batch(engine, timer, args, cfg, prompts, solver)
     stats = every[0]  # peak memory and KV held: the batch's, alike in every request

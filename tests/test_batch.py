@@ -92,9 +92,9 @@ def test_decode_graphs_call_the_attention_a_benchmark_wrapped(tiny_llama):
     plain = LLM(str(tiny_llama), hooks=twin, **options).generate([prompt], params)[0].token_ids
     decoded = []
 
-    def timed(layer, q, kv):
+    def timed(tiers, layer, q, kv):
         decoded.append(q.shape[0] != len(prompt))  # a decode step's rows (padded batch)
-        return attend_tiers(llm.engine.lanes.resident.runner.tiers, layer, q, kv)
+        return attend_tiers(tiers, layer, q, kv)
 
     llm = LLM(str(tiny_llama), hooks=EngineHooks(graphs=EagerGraphTwin, attention_hook=timed),
               **options)  # fmt: skip
@@ -154,8 +154,8 @@ def test_decode_graphs_name_each_graph_they_capture_or_replay_to_the_attention(t
             self.steps.append((graphs, key, capture))
             self.rows.append((num_seqs, key[0]))
 
-        def __call__(self, layer, q, kv):
-            return attend_tiers(llm.engine.lanes.resident.runner.tiers, layer, q, kv)
+        def __call__(self, tiers, layer, q, kv):
+            return attend_tiers(tiers, layer, q, kv)
 
     told = Told()
     llm = LLM(str(tiny_llama), hooks=EngineHooks(graphs=EagerGraphTwin, attention_hook=told),

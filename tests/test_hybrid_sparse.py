@@ -199,11 +199,20 @@ def test_each_append_is_reevaluated_and_taken_over_a_fixed_number_of_steps_later
     assert selector.sparse == [0] and state.kept(0, 0).tolist() == [5]
 
 
-def _selector(**options) -> SparseSelector:
-    settings = dict(beta=1.0, alpha=0.5, kv_heads={0: range(2), 1: range(2)}, num_layers=2,
-                    num_kv_heads=2, window=8, page_size=4, max_rows=4,
-                    device=torch.device("cpu"))  # fmt: skip
-    return SparseSelector(**{**settings, **options})
+def _selector(kv_heads: dict[int, range] | None = None, num_layers: int = 2,
+              num_kv_heads: int = 2, window: int = 8, page_size: int = 4,
+              query_blocks: int = 0) -> SparseSelector:  # fmt: skip
+    """A selector of beta 1 and alpha 0.5 over 4 rows (every kv head of every layer
+    offloaded unless ``kv_heads`` says which)."""
+    from headspace.kv.spec import KVSpec
+    from headspace.tiers.settings import HybridSettings
+
+    settings = HybridSettings(sparsity=1.0, maw_alpha=0.5, gpu_window=window,
+                              query_blocks=query_blocks)  # fmt: skip
+    spec = KVSpec(num_layers, num_kv_heads, 4, page_size, 4)  # (its head_dim: not read)
+    if kv_heads is None:
+        kv_heads = {layer: range(num_kv_heads) for layer in range(num_layers)}
+    return SparseSelector(settings, spec, kv_heads, 4, torch.device("cpu"))
 
 
 def test_moving_average_starts_at_the_first_weight_and_moves_by_alpha():

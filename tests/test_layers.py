@@ -176,3 +176,33 @@ def test_no_engine_module_but_its_config_names_a_tier_mode():
         text = path.read_text()
         named += [f"engine/{path.name}: {flag}" for flag in MODE_FLAGS if flag in text]
     assert not named, "\n".join(named)
+
+
+def _chain(node: ast.expr) -> set[str]:
+    """The names and attributes an expression such as ``a.b.c`` or ``a.b(x).c`` is built
+    of (``{"a", "b", "c"}``)."""
+    names = set()
+    while isinstance(node, ast.Attribute | ast.Call | ast.Subscript):
+        if isinstance(node, ast.Attribute):
+            names.add(node.attr)
+        node = node.func if isinstance(node, ast.Call) else node.value
+    if isinstance(node, ast.Name):
+        names.add(node.id)
+    return names
+
+
+def test_tests_and_benchmarks_set_nothing_on_a_runner():
+    """Hooks for tests and benchmarks are explicit arguments (``EngineHooks``), never
+    attributes set on a runner or its graphs after the engine is made."""
+    roots = [PACKAGE.parents[1] / "tests", PACKAGE.parents[1] / "bench"]
+    wrong = []
+    for path in (p for root in roots for p in root.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            targets = getattr(node, "targets", None) or [getattr(node, "target", None)]
+            for target in targets:
+                items = target.elts if isinstance(target, ast.Tuple) else [target]
+                for item in items:
+                    if isinstance(item, ast.Attribute) and \
+                            _chain(item.value) & {"runner", "_graphs", "runners"}:  # fmt: skip
+                        wrong.append(f"{path.name}:{node.lineno} {ast.unparse(item)}")
+    assert not wrong, "\n".join(wrong)

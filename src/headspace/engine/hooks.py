@@ -19,11 +19,12 @@ class EngineHooks:
     GPU; under gloo the twin stands in where collectives cannot be captured). None: CUDA
     graphs on a GPU, none on a CPU.
 
-    ``attention_hook``: ``hook(layer, q, kv) -> out`` called by each layer's attention in
-    place of the tiers' (a benchmark's timer; eager and graphed steps alike; every lane's
-    runner). ``decode_hooks``: each decode step runs as ``hook(seq_ids, step) -> step()``'s
-    result, the first hook innermost (timers, profilers and traces; the list is shared, so a
-    hook appended later applies too). None and empty by default.
+    ``attention_hook``: ``hook(tiers, layer, q, kv) -> out`` called by each layer's
+    attention in place of the tiers' (``attend_tiers(tiers, layer, q, kv)`` is theirs; a
+    benchmark's timer; eager and graphed steps alike; every lane's runner).
+    ``decode_hooks``: each decode step runs as ``hook(seq_ids, step) -> step()``'s result,
+    the first hook innermost (timers, profilers and traces; the list is shared, so a hook
+    appended later applies too). None and empty by default.
 
     ``host_arena``: the class of the host pages in place of
     :class:`headspace.kv.host_store.HostKVArena`, with its constructor's arguments (a test's

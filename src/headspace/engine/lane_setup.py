@@ -9,7 +9,7 @@ from headspace.attention.cpu_decode import kernel_isa
 from headspace.engine.config import EngineConfig
 from headspace.engine.hooks import EngineHooks
 from headspace.engine.lane import Lane, LaneContext
-from headspace.engine.layout_plan import LaneMemory, LayoutPlanner
+from headspace.engine.layout_plan import LaneMemory, LayoutPlanner, PlanTerms
 from headspace.engine.memory import (
     attention_prefix,
     check_host_room,
@@ -90,15 +90,15 @@ class LaneFactory:
             Hardware() if has_kernel else Hardware(cpu_attention_bytes=0)
         )
         self.rates = (heaviest, most_streamed, self.hardware)
+        flex = config.runtime.attention_backend == "flex"
+        self.plan_terms = PlanTerms(
+            cfg, config, self.spec, self.chunk, heaviest, most_streamed, self.hardware,
+            self.profile, ranks, flex_pool_pages(self.spec) if flex else None,
+            config.entries_per_page(self.spec) is not None)  # fmt: skip
 
     def planner(self, memory: LaneMemory, budget=None) -> LayoutPlanner:
         """A layout planner within ``memory`` (``budget``: what each entry keeps)."""
-        config = self.config
-        most = flex_pool_pages(self.spec) if config.runtime.attention_backend == "flex" else None
-        entry_pages = config.entries_per_page(self.spec) is not None
-        return LayoutPlanner(self.model.config, config, self.spec, memory, self.rates,
-                             self.chunk, self.profile, budget, self.ranks, most,
-                             entry_pages)  # fmt: skip
+        return LayoutPlanner(self.plan_terms, memory, budget)
 
     def lane(self, name: str, region: int, context: LaneContext,
              resident_only: bool = False) -> Lane:  # fmt: skip

@@ -15,6 +15,7 @@ from headspace.engine.step_plan import Sequence
 from headspace.errors import UserError
 from headspace.kv.host_store import HostKVArena
 from headspace.kv.spec import KVSpec
+from headspace.model.config import ModelConfig
 from headspace.planner.entry_offload import entry_step_seconds, plan_entries
 from headspace.planner.head_map import HeadMap
 from headspace.planner.memory import Hardware
@@ -40,22 +41,38 @@ class LaneMemory:
         return self.host if self.host_arena is None else self.host_arena.budget
 
 
-class LayoutPlanner:
-    """Plans for one lane (``spec``: its page shape; ``chunk``: prompt tokens a prefill step
-    runs at most; ``weight_bytes`` and ``streamed_bytes``: weights read from HBM and copied
-    from the host per step; ``hardware``: the planner's rates)."""
+@dataclass(frozen=True)
+class PlanTerms:
+    """What every plan of an engine's lanes is made from, whatever part of the arena: the
+    model's config and the engine's options, the page shape (``spec``), prompt tokens a
+    prefill step runs at most (``chunk``), weight bytes read from HBM and copied from the
+    host per step, the planner's rates (``hardware``), the profile and ranks (None: none),
+    the most pages a layer's pool may hold (FlexAttention's int32 indices; None: no bound),
+    and whether each (layer, kv head) has its own pages (budgets, streaming heads)."""
 
-    def __init__(self, model_config, config: EngineConfig, spec: KVSpec, memory: LaneMemory,
-                 rates: tuple[int, int, Hardware], chunk: int, profile: Profile | None = None,
-                 budget: KVBudget | None = None, ranks: Ranks | None = None,
-                 max_gpu_pages: int | None = None, entry_pages: bool = False):  # fmt: skip
-        """``rates``: (weight bytes, streamed weight bytes, hardware); ``max_gpu_pages``: the
-        most pages a layer's pool may hold (FlexAttention's int32 indices); ``entry_pages``:
-        each (layer, kv head) has its own pages (budgets, streaming heads)."""
-        self.model_config, self.config, self.spec, self.memory = model_config, config, spec, memory
-        self.weight_bytes, self.streamed_bytes, self.hardware = rates
-        self.chunk, self.profile, self.budget, self.ranks = chunk, profile, budget, ranks
-        self.max_gpu_pages, self.entry_pages = max_gpu_pages, entry_pages
+    model_config: ModelConfig
+    config: EngineConfig
+    spec: KVSpec
+    chunk: int
+    weight_bytes: int
+    streamed_bytes: int
+    hardware: Hardware
+    profile: Profile | None = None
+    ranks: Ranks | None = None
+    max_gpu_pages: int | None = None
+    entry_pages: bool = False
+
+
+class LayoutPlanner:
+    """Plans for one lane: ``terms`` (:class:`PlanTerms`) within ``memory``, each entry
+    keeping what ``budget`` says of a prompt (None: all)."""
+
+    def __init__(self, terms: PlanTerms, memory: LaneMemory, budget: KVBudget | None = None):
+        self.model_config, self.config, self.spec = terms.model_config, terms.config, terms.spec
+        self.weight_bytes, self.streamed_bytes = terms.weight_bytes, terms.streamed_bytes
+        self.chunk, self.hardware, self.profile = terms.chunk, terms.hardware, terms.profile
+        self.ranks, self.max_gpu_pages = terms.ranks, terms.max_gpu_pages
+        self.entry_pages, self.memory, self.budget = terms.entry_pages, memory, budget
 
     def plan(self, seqs: list[Sequence]) -> Plan:
         """The plan for ``seqs`` running together (UserError with the numbers if none)."""
@@ -169,4 +186,4 @@ class LayoutPlanner:
         return self.rate(plan, running + [seq]) >= self.rate(plan, running)
 
 
-__all__ = ["LaneMemory", "LayoutPlanner"]
+__all__ = ["LaneMemory", "LayoutPlanner", "PlanTerms"]

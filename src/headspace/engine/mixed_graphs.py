@@ -122,8 +122,7 @@ class MixedGraphs(DecodeGraphs):
             tier.begin_graph_mixed(piece, decode, piece_views)
         slots = decode_views["slots"]
         ids = torch.cat([piece_views["ids"], self.tokens.index_select(0, slots)])
-        attention = self.attention or self._attention
-        hidden = self.model(ids, torch.cat([piece_positions, positions]), attention,
+        hidden = self.model(ids, torch.cat([piece_positions, positions]), self._attention,
                             self.blocks_mode)  # fmt: skip
         logits = self.logits[: slots.shape[0]]
         logits.copy_(self.model.logits(hidden[rows:]))

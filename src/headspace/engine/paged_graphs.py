@@ -127,9 +127,9 @@ class DecodeGraphs:
     def __init__(self, model, tiers: list[Tier], tokens: torch.Tensor, page_size: int,
                  scratch_page: int, host_scratch_slot: int, max_batch: int, blocks_mode: str,
                  pool, attention=None) -> None:  # fmt: skip
-        """``tokens``: the runner's token slots; ``page_size`` in tokens; ``attention(layer,
-        q, kv) -> out``: what each captured layer calls (default: the tiers; a benchmark
-        passes a timed one)."""
+        """``tokens``: the runner's token slots; ``page_size`` in tokens; ``attention(tiers,
+        layer, q, kv) -> out``: what each captured layer calls in place of the tiers' (a
+        benchmark's timed one; None: the tiers')."""
         self.model, self.tiers, self.tokens = model, list(tiers), tokens
         self.attention = attention  # (not a bound method of self: no cycle holds the KV)
         # the tiers whose decode inputs the graph packs beside the block tables
@@ -203,6 +203,8 @@ class DecodeGraphs:
         return views
 
     def _attention(self, layer: int, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
+        if self.attention is not None:  # a benchmark's timed attention
+            return self.attention(self.tiers, layer, q, kv)
         return attend_tiers(self.tiers, layer, q, kv)
 
     def _step(self, views: dict[str, torch.Tensor], key) -> None:
@@ -212,8 +214,7 @@ class DecodeGraphs:
         for tier in self.tiers:  # (copies find their key ranges on the device)
             tier.begin_graph(step, views, key)
         slots = views["slots"]
-        attention = self.attention or self._attention
-        hidden = self.model(self.tokens.index_select(0, slots), positions, attention,
+        hidden = self.model(self.tokens.index_select(0, slots), positions, self._attention,
                             self.blocks_mode)  # fmt: skip
         logits = self.logits[: slots.shape[0]]
         logits.copy_(self.model.logits(hidden))

@@ -23,7 +23,7 @@ class PrefillSteps:
 
     def _attention(self, layer: int, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
         if self.attention_hook is not None:
-            return self.attention_hook(layer, q, kv)
+            return self.attention_hook(self.tiers, layer, q, kv)
         return attend_tiers(self.tiers, layer, q, kv)
 
     @torch.inference_mode()

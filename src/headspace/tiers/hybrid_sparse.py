@@ -31,9 +31,11 @@ import torch
 
 from headspace.budgets.spec import WINDOW as OBSERVED_QUERIES
 from headspace.kv.paged_store import token_slots
+from headspace.kv.spec import KVSpec
 from headspace.kv.transfer import device_ints, shared_stream
 from headspace.tiers.base import CpuTimings, timed
 from headspace.tiers.hybrid_blocks import KeyBoxes, add_query_blocks, spare_columns
+from headspace.tiers.settings import HybridSettings
 
 SELECTION_DELAY = 2  # steps from the dense pass that writes the weights to the first sparse one
 
@@ -125,16 +127,19 @@ class SparseSelector:
     of the host time in ``track``, ``begin`` and ``token_tables``, and whether the GPU side's
     weights are tracked at all (:class:`CpuTimings`; None: nothing recorded, tracked)."""
 
-    def __init__(self, beta: float, alpha: float, kv_heads: dict[int, range], num_layers: int,
-                 num_kv_heads: int, window: int, page_size: int, max_rows: int,
-                 device: torch.device, timings: CpuTimings | None = None,
-                 query_blocks: int = 0):  # fmt: skip
-        self.beta, self.alpha, self.kv_heads = beta, alpha, kv_heads
-        self.query_blocks = query_blocks  # blocks each step's query adds (hybrid_blocks)
+    def __init__(self, settings: HybridSettings, spec: KVSpec, kv_heads: dict[int, range],
+                 max_rows: int, device: torch.device,
+                 timings: CpuTimings | None = None):  # fmt: skip
+        """The selector of ``settings`` (``sparsity``: beta, ``maw_alpha``, ``gpu_window``,
+        ``query_blocks``) over pages of ``spec``'s shape: per layer, its offloaded kv heads
+        (``kv_heads``), for ``max_rows`` sequences at most."""
+        self.beta, self.alpha, self.kv_heads = settings.sparsity, settings.maw_alpha, kv_heads
+        self.query_blocks = settings.query_blocks  # blocks each step's query adds
         self.timings = timings
         self.tracks = timings is None or timings.track_weights  # the GPU side's MAW updated
-        self.ring = window + 2 * page_size  # the GPU side never spans more tokens
-        self.maw = torch.full((max_rows, num_layers, num_kv_heads, self.ring), -1.0, device=device)
+        self.ring = settings.gpu_window + 2 * spec.page_size  # the GPU side spans no more
+        rows = (max_rows, spec.num_layers, spec.num_kv_heads, self.ring)
+        self.maw = torch.full(rows, -1.0, device=device)  # [rows, layers, kv heads, ring]
         self.states: dict[int, SparseState] = {}
         self.rows: dict[int, int] = {}
         self.summaries: dict[int, tuple[float, float, float]] = {}
@@ -150,8 +155,8 @@ class SparseSelector:
         self.step = 0
 
     @classmethod
-    def over_groups(cls, settings, spec, groups: list[list[tuple[int, int]]], max_rows: int,
-                    device: torch.device,
+    def over_groups(cls, settings: HybridSettings, spec: KVSpec,
+                    groups: list[list[tuple[int, int]]], max_rows: int, device: torch.device,
                     timings: CpuTimings | None = None) -> SparseSelector:  # fmt: skip
         """The selector of the hybrid tier's ``settings`` (``sparsity``, ``maw_alpha``,
         ``gpu_window``, ``query_blocks``) over each layer's offloaded kv-head ``groups``
@@ -159,19 +164,7 @@ class SparseSelector:
         bound and boxes), if any."""
         kv_heads = {layer: range(ranges[0][0], ranges[-1][1])
                     for layer, ranges in enumerate(groups) if ranges}  # fmt: skip
-        return cls(
-            settings.sparsity,
-            settings.maw_alpha,
-            kv_heads,
-            spec.num_layers,
-            spec.num_kv_heads,
-            settings.gpu_window,
-            spec.page_size,
-            max_rows,
-            device,
-            timings,
-            settings.query_blocks,
-        )
+        return cls(settings, spec, kv_heads, max_rows, device, timings)
 
     # -- the step ------------------------------------------------------------------------
     @timed("begin")

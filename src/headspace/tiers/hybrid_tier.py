@@ -9,8 +9,7 @@ from __future__ import annotations
 import torch
 
 from headspace.attention import merge_attention
-from headspace.kv.host_store import HostKVArena
-from headspace.tiers.base import HeadRange, StepInputs, TierCounters, TierSite, q_heads
+from headspace.tiers.base import HeadRange, StepInputs, TierSite, q_heads
 from headspace.tiers.hybrid import CpuSplit, cpu_ends, cpu_split
 from headspace.tiers.hybrid_sparse import SparseSelector
 from headspace.tiers.hybrid_window import GpuWindow
@@ -23,12 +22,10 @@ class HybridTier(StreamedTier):
 
     runs_outside_graphs = True  # the CPU part
 
-    def __init__(self, host: HostKVArena, staging: list[torch.Tensor],
-                 groups: list[list[HeadRange]], q_per_kv: int, page_size: int, backend: str,
-                 sized: tuple[int, int], cpu: CpuSplit, window: GpuWindow | None = None,
-                 counters: TierCounters | None = None, key_span: int | None = None):  # fmt: skip
-        super().__init__(host, staging, groups, q_per_kv, page_size, backend, sized, counters,
-                         key_span)  # fmt: skip
+    def __init__(self, site: TierSite, groups: list[list[HeadRange]], sized: tuple[int, int],
+                 cpu: CpuSplit, window: GpuWindow | None = None):  # fmt: skip
+        """As :class:`StreamedTier`'s, with the CPU side (``cpu``) and the GPU window."""
+        super().__init__(site, groups, sized)
         self.cpu_split, self.window = cpu, window  # (the engine's share search sets its share)
         self._cpu_job = None  # the CPU part of the layer being attended
 
@@ -43,9 +40,7 @@ class HybridTier(StreamedTier):
         if plan.gpu_window is not None:
             window = GpuWindow.over_groups(site.store.window, groups, plan.gpu_window.pages,
                                            cpu.gpu_window, site.host)  # fmt: skip
-        return cls(site.host, site.store.staging, groups, site.q_per_kv, site.spec.page_size,
-                   site.backend, cls.sized(plan), cpu, window, site.counters,
-                   site.key_span)  # fmt: skip
+        return cls(site, groups, cls.sized(plan), cpu, window)
 
     @property
     def sparse(self) -> SparseSelector | None:

@@ -21,7 +21,6 @@ from headspace.attention.paged import (
     paged_token_scores,
     paged_token_slots,
 )
-from headspace.kv.host_store import HostKVArena
 from headspace.kv.transfer import (
     as_heads,
     copy_pages,
@@ -35,7 +34,6 @@ from headspace.tiers.base import (
     HeadRange,
     StepInputs,
     Tier,
-    TierCounters,
     TierSite,
     q_heads,
 )
@@ -49,18 +47,18 @@ class StreamedTier(Tier):
 
     stages_history = True
 
-    def __init__(self, host: HostKVArena, staging: list[torch.Tensor],
-                 groups: list[list[HeadRange]], q_per_kv: int, page_size: int,
-                 backend: str, sized: tuple[int, int],
-                 counters: TierCounters | None = None, key_span: int | None = None):  # fmt: skip
-        """``sized``: the streamed entries and groups a CUDA graph's step is weighed by
-        (under torchrun the most any rank may stream, so that every rank decides alike);
-        ``key_span``: the most keys a prompt piece's attention kernel reads (None: all)."""
-        self.host, self.staging, self.q_per_kv = host, staging, q_per_kv
-        self.key_span = key_span
+    def __init__(self, site: TierSite, groups: list[list[HeadRange]], sized: tuple[int, int]):
+        """Over ``site``'s host pages and its arena's staging slots (``[2, groups, pages x
+        page size, dim]`` each), the head groups of each layer (``groups``: kv-head ranges,
+        places in this rank's heads); ``sized``: the streamed entries and groups a CUDA
+        graph's step is weighed by (under torchrun the most any rank may stream, so that
+        every rank decides alike)."""
+        staging, page_size = site.store.staging, site.spec.page_size
+        self.host, self.staging, self.q_per_kv = site.host, staging, site.q_per_kv
+        self.key_span = site.key_span  # the most keys a prompt piece's kernel reads (None: all)
         self.window, self.window_piece = None, None  # (the hybrid tier's GPU window)
-        self.counters = counters or TierCounters()
-        self.page_size, self.backend = page_size, backend
+        self.counters = site.counters
+        self.page_size, self.backend = page_size, site.backend
         self.groups = groups  # per layer: contiguous kv-head ranges, one per group
         self.num_heads, self.num_groups = sized
         self.entry_page_bytes = (2 * page_size * staging[0].shape[-1]
@@ -84,9 +82,7 @@ class StreamedTier(Tier):
         all decide alike, so their collectives pair up)."""
         if plan.staging is None or plan.offload == "hybrid":
             return None
-        return cls(site.host, site.store.staging, cls.offloaded_groups(plan, site),
-                   site.q_per_kv, site.spec.page_size, site.backend, cls.sized(plan),
-                   counters=site.counters, key_span=site.key_span)  # fmt: skip
+        return cls(site, cls.offloaded_groups(plan, site), cls.sized(plan))
 
     @staticmethod
     def offloaded_groups(plan, site: TierSite) -> list[list[HeadRange]]:
