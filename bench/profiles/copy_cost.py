@@ -36,7 +36,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent.parent))
 from common import environment, gpu_tag, graph_seconds, write_result  # noqa: E402
-from headspace.attention.entry_decode import entry_decode, new_token_slots, share_ranges  # noqa: E402
+from headspace.attention.entry_decode import entry_decode, share_ranges  # noqa: E402
+from headspace.kv.paged_store import new_token_slots  # noqa: E402
 from headspace.tiers.copies import merge_copies  # noqa: E402
 
 LAYERS, Q_PER_KV, DIM, PAGE, OWN = 32, 4, 128, 128, 4

@@ -12,19 +12,13 @@ from __future__ import annotations
 import torch
 
 from headspace.attention.cpu_decode import cpu_paged_decode, cpu_paged_decode_reference
+from headspace.kv.paged_store import new_token_slots
 
 
 def entry_rows(q: torch.Tensor, num_rows: int) -> torch.Tensor:
     """``q [seqs, heads, dim]`` as ``[rows, group, dim]`` rows, one per (sequence, kv head)."""
     num_seqs, num_heads, dim = q.shape
     return q.reshape(num_rows, num_heads * num_seqs // num_rows, dim)
-
-
-def new_token_slots(tables: torch.Tensor, index: torch.Tensor, page_size: int) -> torch.Tensor:
-    """Plane slot ``[rows]`` int64 of each row's token at ``index [rows]`` of its pages."""
-    index = index.long().clamp(min=0)
-    page = tables.gather(1, (index // page_size)[:, None])[:, 0].long()
-    return page * page_size + index % page_size
 
 
 def share_cut(fraction: torch.Tensor, lengths: torch.Tensor, page_size: int) -> torch.Tensor:
@@ -118,4 +112,4 @@ def _store_new(k: torch.Tensor, v: torch.Tensor, tables: torch.Tensor, lengths: 
     k[slots], v[slots] = rows_new[0, held, 0], rows_new[1, held, 0]
 
 
-__all__ = ["entry_decode", "entry_rows", "new_token_slots", "share_cut", "share_ranges"]
+__all__ = ["entry_decode", "entry_rows", "share_cut", "share_ranges"]

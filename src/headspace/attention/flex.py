@@ -17,8 +17,8 @@ import functools
 import torch
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask
 
-from headspace.attention.entry_decode import new_token_slots
 from headspace.attention.paged import Q_BLOCK, flex_paged_attention
+from headspace.kv.paged_store import new_token_slots
 from headspace.kv.spec import padded_length
 
 

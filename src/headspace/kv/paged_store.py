@@ -20,6 +20,14 @@ def token_slots(pages: torch.Tensor, positions: torch.Tensor, page_size: int) ->
     return pages.long()[positions // page_size] * page_size + positions % page_size
 
 
+def new_token_slots(tables: torch.Tensor, index: torch.Tensor, page_size: int) -> torch.Tensor:
+    """Pool slot ``[rows]`` int64 of each row's token at ``index [rows]`` of its pages
+    (``tables [rows, pages]``); a negative index reads position 0."""
+    index = index.long().clamp(min=0)
+    page = tables.gather(1, (index // page_size)[:, None])[:, 0].long()
+    return page * page_size + index % page_size
+
+
 class KVArena:
     """The one device buffer of KV (``num_bytes``, in ``dtype`` elements on ``device``)."""
 
@@ -166,4 +174,4 @@ def _move_segments(flat: torch.Tensor, count: int, before: int, after: int, used
             flat[target + start : target + end].copy_(flat[source + start : source + end])
 
 
-__all__ = ["KVArena", "PagedKVStore", "resident_bytes", "token_slots"]
+__all__ = ["KVArena", "PagedKVStore", "new_token_slots", "resident_bytes", "token_slots"]

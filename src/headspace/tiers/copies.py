@@ -17,10 +17,10 @@ import torch
 
 from headspace.attention import attend
 from headspace.attention.cpu_decode import cpu_paged_decode
-from headspace.attention.entry_decode import new_token_slots, share_ranges
+from headspace.attention.entry_decode import share_ranges
 from headspace.attention.paged import gather_pages
 from headspace.attention.sparse_prefill import prefill_with_patterns
-from headspace.kv.paged_store import PagedKVStore
+from headspace.kv.paged_store import PagedKVStore, new_token_slots
 from headspace.kv.spec import Pattern
 from headspace.parallel.placement import Copy, RankLayout, copy_rows
 from headspace.tiers.base import (

@@ -14,9 +14,8 @@ from __future__ import annotations
 
 import torch
 
-from headspace.attention.entry_decode import new_token_slots
 from headspace.kv.host_store import HostKVArena
-from headspace.kv.paged_store import token_slots
+from headspace.kv.paged_store import new_token_slots, token_slots
 from headspace.kv.transfer import (
     as_heads,
     copy_pages,

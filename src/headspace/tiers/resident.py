@@ -6,7 +6,6 @@ import torch
 
 from headspace.attention import attend, merge_attention
 from headspace.attention.cpu_decode import cpu_paged_decode
-from headspace.attention.entry_decode import new_token_slots
 from headspace.attention.flex import (
     chunk_block_mask,
     decode_block_mask,
@@ -16,7 +15,7 @@ from headspace.attention.flex import (
 from headspace.attention.paged import gather_pages
 from headspace.attention.sdpa import unplanned_attention
 from headspace.attention.sparse_prefill import prefill_with_patterns
-from headspace.kv.paged_store import PagedKVStore
+from headspace.kv.paged_store import PagedKVStore, new_token_slots
 from headspace.kv.spec import Pattern, prefix_piece
 from headspace.tiers.base import (
     HeadRange,
