@@ -530,6 +530,7 @@ def test_a_mixed_step_replays_its_graph_with_the_piece_lengths_on_the_device(tin
     assert all(mixed[:-1]) and len(mixed) == -(-400 // CHUNK) + 1  # (the last reads its token)
     # every token of its prompt through a graph's piece (a short prompt's pieces before it)
     assert sum(_MixedCounter.replays[-sum(mixed) :]) == 400
+    assert llm.engine.load().lanes[0].mixed_graphs  # (the view says so)
     assert others >= 2 * (steps - 1)
     alone = _make(tiny_llama, offload="none").engine.run(_prompts([400], seed=4)[0], FOUR)
     assert tokens[long_id] == alone.token_ids
@@ -583,6 +584,7 @@ def test_a_mixed_step_no_graph_takes_runs_as_two_forwards(tiny_llama):
     mixed: list[bool] = []
     _, steps, tokens, long_id = _long_arrival(llm.engine, mixed)
     assert steps > 1 and not any(mixed) and not _MixedCounter.replays
-    assert llm.engine.load().lanes[0].decode_graphs  # (the decode steps: graphs)
+    view = llm.engine.load().lanes[0]
+    assert view.decode_graphs and not view.mixed_graphs  # (the decode steps: graphs)
     alone = _make(tiny_llama, offload="none").engine.run(_prompts([400], seed=4)[0], FOUR)
     assert tokens[long_id] == alone.token_ids

@@ -81,6 +81,12 @@ class GraphCache:
     def __len__(self) -> int:
         return len(self._graphs)
 
+    def peek(self, layout_id: int):
+        """The graphs kept for ``layout_id`` (None: none), read only: nothing made, freed or
+        reordered (a view may read it from another thread)."""
+        cached = self._graphs.get(layout_id)
+        return None if cached is None else cached[1]
+
     def get(self, layout_id: int, generation: tuple, make):
         """The graphs of ``layout_id`` at ``generation``; ``make(pool)`` builds them anew
         (freeing those of the least recently used layout past ``kept``)."""

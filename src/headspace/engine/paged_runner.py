@@ -242,8 +242,9 @@ class PagedRunner(PrefillSteps):
 
     @property
     def has_mixed_graphs(self) -> bool:
-        """Whether a mixed step (a piece and decode rows) of this layout ran as a graph."""
-        graphs = self._graphs if self.graph_cache else None
+        """Whether a mixed step (a piece and decode rows) of this layout ran as a graph (read
+        only: the view reads it, also of a lane stepped on another thread)."""
+        graphs = self.graph_cache.peek(self._layout_id) if self.graph_cache else None
         return isinstance(graphs, MixedGraphs) and graphs.num_mixed > 0
 
     @property
