@@ -44,7 +44,7 @@ from common import (  # noqa: E402
 )
 from headspace.engine.hooks import EngineHooks  # noqa: E402
 from headspace.engine.sampling import SamplingParams  # noqa: E402
-from headspace.tiers.base import CpuTimings  # noqa: E402
+from headspace.tiers.cpu_timings import CpuTimings  # noqa: E402
 from hybrid import BUDGET, CAP_GIB, MODES, _prompt, long_decode  # noqa: E402
 from offload_runs import gpu_cap, warm_up  # noqa: E402
 from sparsity import timed_decode  # noqa: E402

@@ -136,8 +136,8 @@ def wide_llama(tmp_path_factory, embedded_dir):
 def cpu_timings():
     """An empty record of the hybrid tier's CPU side, for a test to give its engine as
     ``EngineHooks(cpu_timings=...)`` and read back: each kernel call and background job in
-    ``calls`` (:class:`headspace.tiers.base.CpuCall`: tokens, kv heads, page size)."""
-    from headspace.tiers.base import CpuTimings
+    ``calls`` (:class:`headspace.tiers.cpu_timings.CpuCall`: tokens, kv heads, page size)."""
+    from headspace.tiers.cpu_timings import CpuTimings
 
     return CpuTimings()
 

@@ -32,7 +32,7 @@ def test_balanced_share_finishes_both_together():
 
 def cpu_tokens(timings) -> int:
     """Tokens the CPU kernel attended per kv head, over every call and background job of a
-    :class:`headspace.tiers.base.CpuTimings`."""
+    :class:`headspace.tiers.cpu_timings.CpuTimings`."""
     return sum(call.tokens for call in timings.calls)
 
 

@@ -11,7 +11,7 @@ from headspace import SamplingParams, UserError
 from headspace.attention.paged import paged_token_probs
 from headspace.attention.reference import reference_attention
 from headspace.engine.hooks import EngineHooks
-from headspace.tiers.base import CpuTimings
+from headspace.tiers.cpu_timings import CpuTimings
 from headspace.tiers.hybrid_sparse import SparseSelector, SparseState, renormalise, salient
 from test_hybrid import decode_logits
 from test_offload import GREEDY, _prompts, make
@@ -152,7 +152,7 @@ def test_prompt_queries_weigh_the_cpu_side_tokens_as_softmax_does():
     a kernel call, as query heads of their kv head) equal each query's softmax."""
     from headspace.kv.host_store import HostKVArena
     from headspace.kv.spec import KVSpec
-    from headspace.tiers.hybrid import CpuAttention
+    from headspace.tiers.cpu_attention import CpuAttention
 
     torch.manual_seed(0)
     arena = HostKVArena(KVSpec(1, 2, 16, 4, 4), torch.float32, pin=False, budget=None)

@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).parent.parent))
 from common import LLAMA31_8B, make_engine, random_model  # noqa: E402
 from headspace.engine.hooks import EngineHooks  # noqa: E402
 from headspace.engine.sampling import SamplingParams  # noqa: E402
-from headspace.tiers.base import CpuTimings  # noqa: E402
+from headspace.tiers.cpu_timings import CpuTimings  # noqa: E402
 from hybrid import BUDGET, CAP_GIB, K, _prompt  # noqa: E402
 from offload_runs import gpu_cap  # noqa: E402
 from sparsity import timed_decode  # noqa: E402

@@ -34,7 +34,7 @@ from common import (  # noqa: E402
 )
 from headspace.engine.hooks import EngineHooks  # noqa: E402
 from headspace.engine.step_plan import Sequence  # noqa: E402
-from headspace.tiers.base import CpuTimings  # noqa: E402
+from headspace.tiers.cpu_timings import CpuTimings  # noqa: E402
 from hybrid import BUDGET, CAP_GIB  # noqa: E402
 from offload_runs import gpu_cap  # noqa: E402
 

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 import torch
 
 from headspace.planner.memory import Hardware
-from headspace.tiers.base import CpuTimings
+from headspace.tiers.cpu_timings import CpuTimings
 
 
 @dataclass
@@ -33,7 +33,7 @@ class EngineHooks:
     ``prefix_piece``: prefix tokens a prefill chunk gathers from its pages at a time (a
     test's small pieces end mid-chunk). None: :func:`headspace.tiers.base.prefix_piece`.
 
-    ``cpu_timings``: a :class:`headspace.tiers.base.CpuTimings` the hybrid tier's CPU side
+    ``cpu_timings``: a :class:`headspace.tiers.cpu_timings.CpuTimings` the hybrid tier's CPU side
     fills as it runs (each kernel call's seconds, bytes and tokens, the waits for the query
     and the result and when jobs start and end, the sparse selector's host time), and whose
     ``track_weights`` may switch the sparse mode's moving averages off (a benchmark's

@@ -33,7 +33,7 @@ from headspace.budgets.spec import WINDOW as OBSERVED_QUERIES
 from headspace.kv.paged_store import token_slots
 from headspace.kv.spec import KVSpec
 from headspace.kv.transfer import device_ints, shared_stream
-from headspace.tiers.base import CpuTimings, timed
+from headspace.tiers.cpu_timings import CpuTimings, timed
 from headspace.tiers.hybrid_blocks import KeyBoxes, add_query_blocks, spare_columns
 from headspace.tiers.settings import HybridSettings
 

@@ -1,8 +1,9 @@
 """The hybrid tier (HGCA): entries whose K/V live in host pages, the older part of each
-history attended by CPU threads where it lies (:class:`~headspace.tiers.hybrid.CpuAttention`),
-the rest (at least the GPU window of recent tokens) staged to the GPU as the stream tier's,
-or kept in GPU pages (the window); the two parts merged exactly by LSE. In sparse mode the
-CPU attends only the tokens its selection keeps, tracked from the GPU side's weights."""
+history attended by CPU threads where it lies
+(:class:`~headspace.tiers.cpu_attention.CpuAttention`), the rest (at least the GPU window of
+recent tokens) staged to the GPU as the stream tier's, or kept in GPU pages (the window);
+the two parts merged exactly by LSE. In sparse mode the CPU attends only the tokens its
+selection keeps, tracked from the GPU side's weights."""
 
 from __future__ import annotations
 
