@@ -86,14 +86,19 @@ def _rss_bytes(server) -> int:
 
 def test_a_huge_prompt_or_stop_list_is_refused_before_it_costs(server, alone):
     """A 15 MiB prompt (under the 16 MiB body bound), of words or of one run of characters
-    with no space to cut at, and a conversation of 500,000 empty messages, are each refused
-    without being tokenized whole, and so are 70,000 stop strings, while others stream;
-    memory stays as it was."""
+    with no space to cut at, conversations of 500,000 empty user or system messages (more
+    messages than the context has tokens) and one of 2,000 empty tool messages (each at
+    least the template's tokens for one: "at least"), are each refused without being
+    tokenized whole, and so are 70,000 stop strings, while others stream; memory stays as
+    it was."""
     before = _rss_bytes(server)
     words = "lighthouse keeper harbour dawn " * (15 * 2**20 // 31)
-    empty = [{"role": "user", "content": ""}] * 500_000
+    empty = [
+        [{"role": role, "content": ""}] * count
+        for role, count in (("user", 500_000), ("system", 500_000), ("tool", 2000))
+    ]
     bodies = [("completions", {"prompt": words}), ("completions", {"prompt": "a" * 15 * 2**20}),
-              ("chat/completions", {"messages": empty})]  # fmt: skip
+              *[("chat/completions", {"messages": messages}) for messages in empty]]  # fmt: skip
 
     def bad():
         refused = []
@@ -110,6 +115,7 @@ def test_a_huge_prompt_or_stop_list_is_refused_before_it_costs(server, alone):
     for reply, seconds in refused:  # (tokenized whole: 15.6 s, 15.8 s and about 15 s)
         assert reply.status_code == 400 and "does not fit the context" in reply.text
         assert seconds < 5, seconds
+    assert "has at least" in refused[-1][0].text  # (its lower bound, not the whole count)
     assert stops.status_code == 400 and "at most 64" in stops.text
     assert texts == alone
     assert _rss_bytes(server) < 1.1 * before

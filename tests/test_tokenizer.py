@@ -16,7 +16,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from headspace.model.tokenizer import (
+    CHAT_ROLES,
     JsonTokenizer,
+    chat_ids,
+    empty_message_tokens,
     load_json_tokenizer,
     load_tokenizer,
     tokens_at_least,
@@ -292,3 +295,19 @@ def test_the_engine_loads_the_embedded_tokenizer_without_importing_transformers(
             "print(type(t).__name__, 'transformers' in sys.modules)")  # fmt: skip
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert out.returncode == 0 and out.stdout.split() == ["JsonTokenizer", "False"], out.stderr
+
+
+@settings(max_examples=30, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])  # fmt: skip
+@given(roles=st.lists(st.sampled_from(CHAT_ROLES), min_size=1, max_size=12))
+def test_empty_messages_count_at_least_their_roles_tokens(embedded_pair, roles):
+    """What the engine counts ahead of the template for a conversation of empty messages
+    (each role's tokens for one more, :func:`empty_message_tokens`) never passes what the
+    template renders, and every role counts (a conversation of empty messages of any role
+    is refused by its count, not rendered whole)."""
+    lite, _ = embedded_pair
+    added = empty_message_tokens(lite)
+    assert min(added.values()) > 0 and set(added) == set(CHAT_ROLES)
+    conversation = [{"role": role, "content": ""} for role in roles]
+    rendered = len(chat_ids(lite, conversation, add_generation_prompt=True))
+    assert sum(added[role] for role in roles) <= rendered

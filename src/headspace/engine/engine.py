@@ -35,7 +35,7 @@ from headspace.model.source import cache_root
 from headspace.model.tokenizer import (
     JsonTokenizer,
     chat_ids,
-    empty_turn_tokens,
+    empty_message_tokens,
     load_tokenizer,
     tokens_at_least,
     transformers_tokenizer,
@@ -187,17 +187,22 @@ class Engine:
                             f"the context of {self.max_context} tokens")  # fmt: skip
 
     def check_chat(self, messages: list[dict]) -> None:
-        """:meth:`check_text` for a conversation: each user or assistant message adds at
-        least the tokens the chat template gives an empty one (:attr:`turn_tokens`), so that
-        half a million empty messages are refused before the template renders them all."""
-        turns = sum(message.get("role") in ("user", "assistant") for message in messages)
-        self.check_text([message["content"] for message in messages], turns * self.turn_tokens)
+        """:meth:`check_text` for a conversation: each message adds at least the tokens the
+        chat template gives an empty one of its role (:attr:`message_tokens`), and a
+        conversation of more messages than the context has tokens is refused, so that half a
+        million empty messages of any role are refused before the template renders them."""
+        if len(messages) > self.max_context:
+            raise UserError(f"the conversation has {len(messages)} messages, which does not fit "
+                            f"the context of {self.max_context} tokens")  # fmt: skip
+        added = self.message_tokens
+        least = sum(added.get(message.get("role"), 0) for message in messages)
+        self.check_text([message["content"] for message in messages], least)
 
     @cached_property
-    def turn_tokens(self) -> int:
-        """Tokens the chat template gives an empty user or assistant message, the fewer of
-        the two (:func:`~headspace.model.tokenizer.empty_turn_tokens`, measured once)."""
-        return empty_turn_tokens(self.tokenizer)
+    def message_tokens(self) -> dict[str, int]:
+        """Tokens the chat template gives an empty message of each role
+        (:func:`~headspace.model.tokenizer.empty_message_tokens`, measured once)."""
+        return empty_message_tokens(self.tokenizer)
 
     def encode_chat(self, messages: list[dict]) -> list[int]:
         """Token ids of a conversation (``{"role", "content"}`` dicts) through the

@@ -345,17 +345,25 @@ def chat_ids(tokenizer, messages: list[dict], add_generation_prompt: bool) -> li
     return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
 
-def empty_turn_tokens(tokenizer) -> int:
-    """Tokens the chat template gives an empty user or assistant message, the fewer of the
-    two (from conversations of one, two and three empty turns); 0 without a template or
-    where it cannot render them."""
+CHAT_ROLES = ("user", "assistant", "system", "tool")
+
+
+def empty_message_tokens(tokenizer) -> dict[str, int]:
+    """Tokens the chat template gives one more empty message of each role of
+    :data:`CHAT_ROLES`: the fewer it adds after a user turn and after a user and an
+    assistant turn; 0 for a role it renders as nothing, or cannot render there (a template
+    that refuses the role, or has none)."""
 
     def count(*roles: str) -> int:
         return len(chat_ids(tokenizer, [{"role": r, "content": ""} for r in roles], False))
 
-    try:
-        one, two = count("user"), count("user", "assistant")
-        three = count("user", "assistant", "user")
-    except Exception:  # noqa: BLE001 (no template, or one that refuses these turns)
-        return 0
-    return max(0, min(two - one, three - two))
+    added = {}
+    for role in CHAT_ROLES:
+        found = []
+        for before in (("user",), ("user", "assistant")):
+            try:
+                found.append(count(*before, role) - count(*before))
+            except Exception:  # noqa: BLE001 (no template, or one that refuses this order)
+                continue
+        added[role] = max(0, min(found)) if found else 0
+    return added
