@@ -8,7 +8,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from headspace import SamplingParams, UserError
-from headspace.engine.detokenize import CONTEXT_TOKENS, StopStringStreamer
+from headspace.engine.detokenize import CONTEXT_TOKENS, LOOK_BACK, StopStringStreamer
 from headspace.engine.sampling import finite_rows, make_generator, sample
 
 
@@ -189,14 +189,28 @@ def test_streamed_pieces_are_the_whole_decode_of_a_real_tokenizer(embedded_token
     pieces = [streamer.update(ids[: i + 1]) for i in range(len(ids))] + [streamer.finish()]
     whole = embedded_tokenizer.decode(ids, skip_special_tokens=True,
                                       clean_up_tokenization_spaces=False)  # fmt: skip
-    assert "".join(pieces) == streamer.text
-    if not whole.endswith("\ufffd"):
-        assert streamer.text == whole
+    assert "".join(pieces) == streamer.text == whole  # (replacement characters at its end too)
     if not extra and "\ufffd" not in whole:  # whole characters: a window holds the context
         # and the newest character (one the tokenizer cannot encode whole, as U+40000 here,
         # leaves stray bytes that keep a window open, as the whole decode shows)
         # (the context and the newest character: a bound that the stream's length never moves)
         assert max(counting.decoded[2 * CONTEXT_TOKENS :], default=0) <= CONTEXT_TOKENS + 8
+
+
+def test_a_stream_of_replacement_characters_is_whole_and_decoded_a_window_at_a_time(
+        embedded_tokenizer):  # fmt: skip
+    """Tokens of U+FFFD itself, after words and at the end: every one is in the text (none
+    lost as an unfinished character), and the windows stay bounded however long the run
+    (each step decoding the whole run again cost seconds at a few thousand tokens)."""
+    (replacement,) = embedded_tokenizer("\ufffd", add_special_tokens=False)["input_ids"]
+    words = embedded_tokenizer("Replacement: ", add_special_tokens=False)["input_ids"]
+    ids = words + [replacement] * 400
+    counting = _CountingTokenizer(embedded_tokenizer)
+    streamer = StopStringStreamer(counting, [])
+    pieces = [streamer.update(ids[: i + 1]) for i in range(len(ids))] + [streamer.finish()]
+    assert "".join(pieces) == streamer.text == "Replacement: " + "\ufffd" * 400
+    assert max(counting.decoded) <= LOOK_BACK + CONTEXT_TOKENS
+    assert "".join(pieces[: len(words) + LOOK_BACK + 1])  # shown as it comes, not at the end
 
 
 def _byte_fallback_tokenizer():

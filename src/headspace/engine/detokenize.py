@@ -5,7 +5,10 @@ from __future__ import annotations
 # tokens decoded again before the new ones, for their context (a SentencePiece token's
 # leading space, a byte-level token's partial character): as vLLM's incremental decoding
 CONTEXT_TOKENS = 5
-LOOK_BACK = 32  # tokens a window's start may go back to begin on a whole character
+# tokens a window's start may go back to begin on a whole character, and that a window ending
+# in replacement characters waits for them to become one (past it they are the text's own)
+LOOK_BACK = 32
+REPLACEMENT = "\ufffd"  # what a decoder shows for bytes that are no whole character (yet)
 
 
 class StopStringStreamer:
@@ -31,15 +34,26 @@ class StopStringStreamer:
         self._decoded = ""  # the text of the tokens read so far (not cut)
         self._context = 0  # the first token the next window decodes
         self._before = ""  # the text of the tokens from ``_context`` on, read so far
+        # the token ids last given, and how many (a later stop token is none of them)
+        self._read: list[int] = []
+        self._num_read = 0
+        self._held = False  # whether the last ones end in an unfinished character
 
     def update(self, token_ids: list[int]) -> str:
         """Decode ``token_ids`` (all generated so far, the earlier ones as before); returns
         the new piece to show."""
+        self._read, self._num_read = token_ids, len(token_ids)
         text = self._grown(token_ids)
+        self._held = text is None
         if text is None:  # an unfinished UTF-8 sequence: wait for more bytes
             return ""
         if len(token_ids) <= self.min_tokens:
             self._min_chars = len(text)
+        return self._stop_or_release(text)
+
+    def _stop_or_release(self, text: str) -> str:
+        """Cut ``text`` (all so far) at its first stop string and release what no stop
+        string can still claim."""
         search_from = max(0, self.emitted - self.hold_back)
         cuts = [i for i in (text.find(s, max(search_from, self._min_chars - len(s) + 1))
                             for s in self.stop) if i >= 0]  # fmt: skip
@@ -49,10 +63,13 @@ class StopStringStreamer:
         self.text = text
         return self._release(max(self.emitted, len(text) - self.hold_back))
 
-    def _grown(self, token_ids: list[int]) -> str | None:
-        """The text of all of ``token_ids``; None while its last character is unfinished."""
+    def _grown(self, token_ids: list[int], final: bool = False) -> str | None:
+        """The text of all of ``token_ids``; None while its last character may be unfinished
+        (replacement characters at its end, for at most ``LOOK_BACK`` tokens: past them,
+        or when ``final``, they are the text's, as a token of U+FFFD itself is)."""
         before, window = self._before, self._decode(token_ids[self._context :])
-        if window.endswith("\ufffd"):
+        waits = len(token_ids) - self._context < LOOK_BACK and not final
+        if window.endswith(REPLACEMENT) and waits:
             return None
         if len(window) > len(before):
             if window.startswith(before):
@@ -67,11 +84,12 @@ class StopStringStreamer:
         earlier where that one starts inside a character (a byte-fallback decoder turns a
         whole run of bytes into replacement characters if it starts mid-character, so that
         no later window would end whole); the very start when none within ``LOOK_BACK``
-        does."""
+        does. A window whose text ends the text so far (a token of U+FFFD itself first)
+        starts where it is."""
         end = len(token_ids)
         start = max(0, end - CONTEXT_TOKENS)
         text = self._decode(token_ids[start:end])
-        while start > 0 and text.startswith("\ufffd"):
+        while start > 0 and text.startswith(REPLACEMENT) and not self._decoded.endswith(text):
             start = start - 1 if end - start < LOOK_BACK else 0
             text = self._decode(token_ids[start:end])
         self._context, self._before = start, text
@@ -83,7 +101,11 @@ class StopStringStreamer:
                                      clean_up_tokenization_spaces=False)  # fmt: skip
 
     def finish(self) -> str:
-        """Release what was held back at the end of generation."""
+        """Release what was held back at the end of generation: where the last tokens ended
+        in replacement characters, those too (up to a stop string), which are the text's."""
+        if self._held and not self.stopped:
+            text = self._grown(self._read[: self._num_read], final=True)
+            return self._stop_or_release(text) + self._release(len(self.text))
         return self._release(len(self.text))
 
     def _release(self, upto: int) -> str:
