@@ -106,6 +106,48 @@ def test_an_echoed_prompt_is_scored_by_the_first_choice_and_shown_in_every_one()
     assert [c["logprobs"]["token_logprobs"] for c in choices] == [[None, -0.5]] * 2
 
 
+def test_an_echoed_prompts_log_probabilities_are_named_once_for_every_choice():
+    """With echo and logprobs over n choices, the prompt's part of each choice's lists is
+    the same, made once (each of its tokens named once, not once a choice), and each
+    choice's generated tokens follow it, their offsets after the prompt's text."""
+    from headspace.engine.outputs import TokenLogprob
+
+    named = []
+
+    def token_text(token: int) -> str:
+        named.append(token)
+        return f"t{token}"
+
+    prompt = [None, TokenLogprob(6, -0.5, ((6, -0.5), (7, -1.5)))]
+    outputs = [_output([9 - i], [9 - i], "length") for i in range(3)]
+    for i, output in enumerate(outputs):
+        output.logprobs = [TokenLogprob(9 - i, -0.25, ((9 - i, -0.25),))]
+    outputs[0].prompt_logprobs = prompt
+    reply = Reply("r", "m", chat=False, token_text=token_text, echo=("t5t6", [5, 6]))
+    choices = reply.completion(outputs)["choices"]
+    assert len(named) == 2 + 2 + 3 * 2  # the prompt's tokens and tops once; 3 choices' own
+    for i, choice in enumerate(choices):
+        logprobs = choice["logprobs"]
+        assert choice["text"] == f"t5t6t{9 - i}"
+        assert logprobs["tokens"] == ["t5", "t6", f"t{9 - i}"]
+        assert logprobs["token_logprobs"] == [None, -0.5, -0.25]
+        assert logprobs["text_offset"] == [0, 2, 4]
+
+
+def test_a_whole_reply_is_the_json_of_its_content_written_a_choice_at_a_time():
+    """The body of a whole (not streamed) reply, written on a thread a choice at a time,
+    reads back as its content; non-ASCII text stays as it is, as JSONResponse writes it."""
+    from headspace.server.app import _json_bytes
+
+    content = {"id": "r", "object": "text_completion", "created": 1, "model": "m",
+               "choices": [{"index": i, "text": f"✓ {i}", "logprobs": None}
+                           for i in range(3)], "usage": {"total_tokens": 3}}  # fmt: skip
+    body = _json_bytes(lambda: json.loads(json.dumps(content)))
+    assert json.loads(body) == content and "✓".encode() in body
+    with pytest.raises(ValueError):  # (as JSONResponse: no NaN in JSON)
+        _json_bytes(lambda: {"id": "r", "choices": [{"logprob": float("nan")}]})
+
+
 def test_nulls_take_defaults_and_harmless_values_pass():
     request = CompletionRequest(model="m", prompt="x", temperature=None, top_p=None, n=None,
                                 stream=None, tools=[], tool_choice="none",

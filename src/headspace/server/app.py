@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import re
 import time
@@ -225,7 +226,10 @@ def build_app(engine_loop: EngineLoop, options: ServerOptions) -> FastAPI:
 
         async def whole():
             finals = await asyncio.gather(*(_last(outputs) for outputs in choices))
-            return JSONResponse(reply.completion(list(finals)))
+            # made and serialised on a thread: a reply of many choices and log probabilities
+            # (tens of MB) would hold every stream's event loop for seconds
+            content = await asyncio.to_thread(_json_bytes, reply.completion, list(finals))
+            return Response(content, media_type="application/json")
 
         answer = await _unless_disconnected(request, whole())
         if answer.status_code == GONE:  # (nobody reads it: the log and the metrics do)
@@ -245,6 +249,18 @@ def build_app(engine_loop: EngineLoop, options: ServerOptions) -> FastAPI:
 
 
 _SURROGATE = re.compile("[\ud800-\udfff]")  # halves of UTF-16 pairs: not text
+
+
+def _json_bytes(make, *args) -> bytes:
+    """``make(*args)``, a response with ``choices``, as JSON (as ``JSONResponse`` writes
+    it), a choice at a time: one call of the C encoder holds the GIL until it returns, so
+    a reply of tens of MB in one call would hold the event loop for a second."""
+    content = make(*args)
+    choices = content.pop("choices")
+    dump = functools.partial(json.dumps, ensure_ascii=False, allow_nan=False,
+                             separators=(",", ":"))  # fmt: skip
+    text = dump(content)[:-1] + ',"choices":[' + ",".join(dump(c) for c in choices) + "]}"
+    return text.encode("utf-8")
 
 
 # the engine's sampling fields that a request names otherwise

@@ -288,6 +288,7 @@ class Reply:
     hidden: bool = False  # a completion's generated token left out (max_tokens 0)
     created: int = field(default_factory=lambda: int(time.time()))
     _offsets: dict[int, int] = field(default_factory=dict)  # choice -> text offset so far
+    _echoed: dict | None = None  # an echoed prompt's logprobs lists (every choice's first)
 
     def _head(self, chunk: bool) -> dict:
         kind = ("chat.completion.chunk" if chunk else "chat.completion") if self.chat \
@@ -318,13 +319,18 @@ class Reply:
         if self.hidden:
             text, logprobs = "", None if logprobs is None else []
         entries = None if logprobs is None else [(lp.token_id, lp) for lp in logprobs]
-        if self.echo is not None:
-            prompt_text, prompt_ids = self.echo
-            text = prompt_text + text
-            if entries is not None:
-                prompt = prompt_logprobs or [None] * len(prompt_ids)
-                entries = [*zip(prompt_ids, prompt, strict=True), *entries]
-        return {"text": text}, self._text_logprobs(entries, index)
+        if self.echo is None:
+            return {"text": text}, self._text_logprobs(entries, index)
+        prompt_text, prompt_ids = self.echo
+        if entries is None:
+            return {"text": prompt_text + text}, None
+        if self._echoed is None:  # the prompt's part, the same in every choice: made once
+            prompt = prompt_logprobs or [None] * len(prompt_ids)
+            self._echoed = self._text_logprobs(list(zip(prompt_ids, prompt, strict=True)), -1)
+        self._offsets[index] = self._offsets[-1]  # (the generated tokens' offsets follow)
+        generated = self._text_logprobs(entries, index)
+        return {"text": prompt_text + text}, {key: self._echoed[key] + generated[key]
+                                              for key in self._echoed}  # fmt: skip
 
     def chunk(self, text: str | None, reason: str | None, role: bool = False, index: int = 0,
               logprobs: list[TokenLogprob] | None = None) -> dict:  # fmt: skip
