@@ -169,6 +169,10 @@ BAD = {  # name: (request body or raw text, status)
     "no prompt": ({"prompt": None}, 400),
     "a seed past 64 bits": ({"seed": 2**64}, 400),
     "a lone surrogate": ('{"model": "smol", "prompt": "hi \\ud800", "max_tokens": 2}', 400),
+    "a stop string of a lone surrogate": (
+        '{"model": "smol", "prompt": "hi", "stop": "\\ud800", "max_tokens": 2}',
+        400,
+    ),
     "token ids past the vocabulary": ({"prompt": [1, 2, 10**9]}, 400),
     "tools": ({"tools": [{"type": "function", "function": {"name": "f"}}]}, 400),
     "stream_options without stream": ({"stream_options": {"include_usage": True}}, 400),
@@ -206,6 +210,8 @@ def test_a_bad_request_gets_its_status_and_the_server_keeps_serving(server, case
         assert error["param"] is None and "not valid JSON" in error["message"]
     if case == "a lone surrogate":  # said in the server's words, not the tokenizer's
         assert "unpaired surrogate" in error["message"] and error["param"] == "prompt"
+    if case == "a stop string of a lone surrogate":  # (it could never match: not text)
+        assert "unpaired surrogate" in error["message"]
     if case == "top_p NaN":  # not "less than or equal to 1"
         assert "finite" in error["message"] and error["param"] == "top_p"
     if case == "a prompt of a wrong type":  # the shapes it takes, in a client's words

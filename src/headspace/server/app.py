@@ -13,7 +13,6 @@ import asyncio
 import contextlib
 import functools
 import json
-import re
 import time
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
@@ -248,9 +247,6 @@ def build_app(engine_loop: EngineLoop, options: ServerOptions) -> FastAPI:
     return app
 
 
-_SURROGATE = re.compile("[\ud800-\udfff]")  # halves of UTF-16 pairs: not text
-
-
 def _json_bytes(make, *args) -> bytes:
     """``make(*args)``, a response with ``choices``, as JSON (as ``JSONResponse`` writes
     it), a choice at a time: one call of the C encoder holds the GIL until it returns, so
@@ -278,7 +274,7 @@ def _api_field(param: str | None, chat: bool) -> str | None:
 def _refuse_surrogates(texts: list[str]) -> None:
     """A one-line UserError for text holding an unpaired surrogate (JSON's escapes let
     one through; no tokenizer takes it)."""
-    if any(_SURROGATE.search(text) for text in texts):
+    if any(protocol.UNPAIRED.search(text) for text in texts):
         raise UserError(
             "the text holds an unpaired surrogate (U+D800-U+DFFF), which is not a "
             "character: send UTF-8 text"

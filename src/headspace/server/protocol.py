@@ -13,6 +13,7 @@ are OpenAI's.
 
 from __future__ import annotations
 
+import re
 import time
 import uuid
 from collections.abc import Callable
@@ -25,6 +26,7 @@ from headspace.engine.outputs import RequestOutput, TokenLogprob
 from headspace.engine.sampling import MOST_LOGPROBS, REPETITION_PENALTY, SamplingParams
 
 GREEDY_BELOW = 1e-5  # a temperature this small is greedy (sampling would overflow)
+UNPAIRED = re.compile("[\ud800-\udfff]")  # halves of UTF-16 pairs (JSON lets them in): not text
 MOST_STOPS, MOST_STOP_CHARS = 64, 1000  # stop strings a request may give (OpenAI allows 4)
 MOST_CHOICES = 16  # ``n``: choices a request may ask for (each runs as a request)
 # fields of OpenAI's API this server cannot honour: refused by name, not ignored
@@ -144,6 +146,9 @@ class _Sampling(BaseModel):
         if len(stops) > MOST_STOPS or any(len(s) > MOST_STOP_CHARS for s in stops):
             raise ValueError(f"stop takes at most {MOST_STOPS} strings of at most "
                              f"{MOST_STOP_CHARS} characters each")  # fmt: skip
+        if any(UNPAIRED.search(s) for s in stops):  # (no text ever holds one)
+            raise ValueError("a stop string holds an unpaired surrogate (U+D800-U+DFFF), "
+                             "which is not a character")  # fmt: skip
         return self
 
     def sampling(self, default_max_tokens: int, choice: int = 0) -> SamplingParams:
