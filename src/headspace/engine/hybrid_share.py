@@ -39,13 +39,16 @@ class HybridShare:
     @property
     def share(self) -> float | None:
         """Where the search stands (its centre; a step may be timing a neighbour), else the
-        share the steps run at; None without the tier."""
-        return self.search.share if self.search is not None else self.step_share
+        share the steps run at; None without the tier. (Each read once: the view reads it
+        while the lane's thread may apply a new plan.)"""
+        search = self.search
+        return search.share if search is not None else self.step_share
 
     @property
     def step_share(self) -> float | None:
         """The share the last (or next) decode step ran at; None without the tier."""
-        return self._splits[0].share if self._splits else None
+        splits = self._splits
+        return splits[0].share if splits else None
 
     def before_step(self, seq_ids: list[int]) -> None:
         """An eager decode step of ``seq_ids`` is about to run: its share, and the last

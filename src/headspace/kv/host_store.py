@@ -117,7 +117,8 @@ class HostKVArena:
 
     @property
     def num_bytes(self) -> int:
-        return self.data.nbytes if self.data is not None else 0
+        data = self.data  # (read once: another thread may be reallocating it)
+        return data.nbytes if data is not None else 0
 
     @property
     def scratch_slot(self) -> int:
