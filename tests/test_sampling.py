@@ -8,8 +8,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from headspace import SamplingParams, UserError
-from headspace.engine.detokenize import CONTEXT_TOKENS, LOOK_BACK, StopStringStreamer
+from headspace.engine.detokenize import CONTEXT_TOKENS, StopStringStreamer
 from headspace.engine.sampling import finite_rows, make_generator, sample
+from headspace.model.token_bytes import byte_level_alphabet
 
 
 def _logits(seed=0, vocab=50):
@@ -133,6 +134,11 @@ def test_streamer_earliest_of_several_stops():
 def test_streamer_without_stop_shows_everything_in_order():
     shown, streamer = _stream("plain text", [])
     assert shown == "plain text" and not streamer.stopped
+    # a tokenizer whose bytes are not known: replacement characters, guessed unfinished for
+    # a while, are the text's at the end and past the wait
+    for text in ("ab\ufffd", "ab" + "\ufffd" * 100 + "c"):
+        shown, streamer = _stream(text, [])
+        assert shown == streamer.text == text
 
 
 def test_streamer_holds_back_a_partial_stop():
@@ -165,10 +171,12 @@ def embedded_tokenizer(embedded_dir):
 
 
 class _CountingTokenizer:
-    """The embedded tokenizer, counting the tokens each decode call is given."""
+    """A tokenizer, counting the tokens each decode call is given (its backend, and so its
+    tokens' bytes, as the tokenizer's)."""
 
     def __init__(self, tokenizer):
         self.tokenizer, self.decoded = tokenizer, []
+        self.backend_tokenizer = tokenizer.backend_tokenizer
 
     def decode(self, ids, **kwargs):
         self.decoded.append(len(ids))
@@ -209,8 +217,74 @@ def test_a_stream_of_replacement_characters_is_whole_and_decoded_a_window_at_a_t
     streamer = StopStringStreamer(counting, [])
     pieces = [streamer.update(ids[: i + 1]) for i in range(len(ids))] + [streamer.finish()]
     assert "".join(pieces) == streamer.text == "Replacement: " + "\ufffd" * 400
-    assert max(counting.decoded) <= LOOK_BACK + CONTEXT_TOKENS
-    assert "".join(pieces[: len(words) + LOOK_BACK + 1])  # shown as it comes, not at the end
+    assert max(counting.decoded) <= CONTEXT_TOKENS + 1  # (its bytes known: whole at once)
+    assert all(pieces[len(words) : -1])  # each shown as it comes, not at the end
+
+
+def _byte_level_tokenizer(pieces: list[bytes]):
+    """A byte-level BPE tokenizer in memory (Llama 3's and Qwen's decoder): a token for each
+    of ``pieces`` (ids 0, 1, ...), then one for each byte not among them."""
+    from tokenizers import Tokenizer, decoders, models
+
+    from headspace.model.tokenizer import JsonTokenizer
+
+    char = {byte: c for c, byte in byte_level_alphabet().items()}
+    vocab: dict[str, int] = {}
+    for piece in [*pieces, *(bytes([b]) for b in range(256))]:
+        vocab.setdefault("".join(char[b] for b in piece), len(vocab))
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    backend.decoder = decoders.ByteLevel()
+    return JsonTokenizer(backend, {}, None)
+
+
+BYTE_LEVEL = _byte_level_tokenizer([b"hello", "\ufffd".encode(), b" x", b"ab", b"cd",
+                                    b" \xe2\x80", b"\x94"])  # fmt: skip
+BYTE_ID = {byte: BYTE_LEVEL.backend_tokenizer.token_to_id(c)  # each byte's own token
+           for c, byte in byte_level_alphabet().items()}  # fmt: skip
+
+
+def _joined(tokenizer, ids: list[int], stop=(), min_tokens: int = 0):
+    """The pieces of a stream of ``ids`` joined, the streamer, and the windows' sizes."""
+    counting = _CountingTokenizer(tokenizer)
+    streamer = StopStringStreamer(counting, list(stop), min_tokens)
+    pieces = []
+    for i in range(len(ids)):
+        pieces.append(streamer.update(ids[: i + 1]))
+        if streamer.stopped:
+            break
+    pieces.append(streamer.finish())
+    return "".join(pieces), streamer, counting.decoded
+
+
+def test_a_character_split_over_tokens_after_replacement_characters_streams_whole():
+    """Tokens of U+FFFD itself, then a character whose bytes come a token each: the stream
+    shows what the whole decode shows (a guess from the text alone took the last U+FFFD
+    for an unfinished character, or the split one's first bytes for U+FFFD)."""
+    for run in (1, 29, 30, 40):
+        ids = [0] + [1] * run + [BYTE_ID[b] for b in "中".encode()] + [2]
+        shown, streamer, _ = _joined(BYTE_LEVEL, ids)
+        assert shown == streamer.text == BYTE_LEVEL.decode(ids) == "hello" + "\ufffd" * run + "中 x"
+
+
+def test_byte_fallback_runs_of_replacement_characters_stream_whole():
+    """With byte fallback, U+FFFD as its three byte tokens, many in a row between word
+    tokens: the text and the stream are the whole decode (a window begun inside one of them
+    read every byte as a replacement character of its own)."""
+    for run in (1, 11, 15, 40):
+        ids = [3] + [4 + b for b in "\ufffd".encode() * run] + [3]
+        shown, streamer, decoded = _joined(BYTE_FALLBACK, ids)
+        assert shown == streamer.text == BYTE_FALLBACK.decode(ids, skip_special_tokens=True)
+        assert max(decoded) <= 2 * CONTEXT_TOKENS + 8
+
+
+def test_no_stop_string_ends_within_min_tokens_when_the_last_of_them_is_half_a_character():
+    """The ``min_tokens``-th token ends inside a character (held until the next one): a
+    stop string ending within its text still does not count."""
+    ids = [3, 4, 5, 6]  # "ab", "cd", " " and the first bytes of "—", the rest of "—"
+    shown, streamer, _ = _joined(BYTE_LEVEL, ids, stop=["d "], min_tokens=3)
+    assert shown == streamer.text == "abcd —" and not streamer.stopped
+    shown, streamer, _ = _joined(BYTE_LEVEL, ids, stop=["d "], min_tokens=2)
+    assert shown == "abc" and streamer.stopped  # (past min_tokens it counts)
 
 
 def _byte_fallback_tokenizer():
