@@ -187,15 +187,16 @@ class Engine:
                             f"the context of {self.max_context} tokens")  # fmt: skip
 
     def check_chat(self, messages: list[dict]) -> None:
-        """:meth:`check_text` for a conversation: each message adds at least the tokens the
-        chat template gives an empty one of its role (:attr:`message_tokens`), and a
-        conversation of more messages than the context has tokens is refused, so that half a
-        million empty messages of any role are refused before the template renders them."""
+        """:meth:`check_text` for a conversation: each message past the first adds at least
+        the tokens the chat template gives an empty one of its role (:attr:`message_tokens`),
+        and a conversation of more messages than the context has tokens is refused, so that
+        half a million empty messages of any role are refused before the template renders
+        them."""
         if len(messages) > self.max_context:
             raise UserError(f"the conversation has {len(messages)} messages, which does not fit "
                             f"the context of {self.max_context} tokens")  # fmt: skip
         added = self.message_tokens
-        least = sum(added.get(message.get("role"), 0) for message in messages)
+        least = sum(added.get(message.get("role"), 0) for message in messages[1:])
         self.check_text([message["content"] for message in messages], least)
 
     @cached_property

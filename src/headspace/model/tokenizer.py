@@ -350,9 +350,11 @@ CHAT_ROLES = ("user", "assistant", "system", "tool")
 
 def empty_message_tokens(tokenizer) -> dict[str, int]:
     """Tokens the chat template gives one more empty message of each role of
-    :data:`CHAT_ROLES`: the fewer it adds after a user turn and after a user and an
-    assistant turn; 0 for a role it renders as nothing, or cannot render there (a template
-    that refuses the role, or has none)."""
+    :data:`CHAT_ROLES` past a conversation's first: the fewest it adds after a user turn,
+    after a user and an assistant turn, and after another of its role (templates that wrap
+    a run of tool results once); 0 for a role it renders as nothing, or cannot render there
+    (a template that refuses the role, or has none). A first message may add less (a
+    system message merged into the first user turn, or in place of a default one)."""
 
     def count(*roles: str) -> int:
         return len(chat_ids(tokenizer, [{"role": r, "content": ""} for r in roles], False))
@@ -360,7 +362,7 @@ def empty_message_tokens(tokenizer) -> dict[str, int]:
     added = {}
     for role in CHAT_ROLES:
         found = []
-        for before in (("user",), ("user", "assistant")):
+        for before in (("user",), ("user", "assistant"), ("user", role)):
             try:
                 found.append(count(*before, role) - count(*before))
             except Exception:  # noqa: BLE001 (no template, or one that refuses this order)
