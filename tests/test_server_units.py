@@ -134,6 +134,21 @@ def test_an_echoed_prompts_log_probabilities_are_named_once_for_every_choice():
         assert logprobs["text_offset"] == [0, 2, 4]
 
 
+def test_a_chats_logprobs_give_each_tokens_own_bytes():
+    """A character split over two tokens: each token's ``bytes`` are its own (joined, they
+    are the character's), not those of the replacement character its text shows."""
+    from headspace.engine.outputs import TokenLogprob
+
+    own = {1: "中".encode()[:2], 2: "中".encode()[2:]}
+    reply = Reply("r", "m", chat=True, token_text=lambda t: "\ufffd",
+                  token_bytes=own.__getitem__)  # fmt: skip
+    output = _output([1, 2], [1, 2], "stop")
+    output.logprobs = [TokenLogprob(t, -0.5, ((t, -0.5),)) for t in (1, 2)]
+    content = reply.completion([output])["choices"][0]["logprobs"]["content"]
+    assert bytes(sum((entry["bytes"] for entry in content), [])).decode() == "中"
+    assert content[0]["top_logprobs"][0]["bytes"] == list(own[1])
+
+
 def test_a_whole_reply_is_the_json_of_its_content_written_a_choice_at_a_time():
     """The body of a whole (not streamed) reply, written on a thread a choice at a time,
     reads back as its content; non-ASCII text stays as it is, as JSONResponse writes it."""

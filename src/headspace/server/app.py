@@ -26,6 +26,7 @@ from starlette.exceptions import HTTPException
 from headspace.engine.outputs import RequestOutput
 from headspace.engine.sampling import SamplingParams
 from headspace.errors import UserError
+from headspace.model.token_bytes import token_byte_reader
 from headspace.server import protocol
 from headspace.server.engine_loop import EngineLoop, log
 from headspace.server.guard import Guard
@@ -129,6 +130,8 @@ def build_app(engine_loop: EngineLoop, options: ServerOptions) -> FastAPI:
     def token_text(token: int) -> str:
         return engine.tokenizer.decode([token])
 
+    token_bytes = token_byte_reader(engine.tokenizer)  # (None: their texts' bytes)
+
     @app.exception_handler(APIError)
     async def api_error(_, error: APIError):
         return _error(error, counted)
@@ -214,7 +217,7 @@ def build_app(engine_loop: EngineLoop, options: ServerOptions) -> FastAPI:
                 raise APIError(400, str(error), param=_api_field(error.param, chat)) from None
             raise
         reply = protocol.Reply(protocol.new_id("chatcmpl" if chat else "cmpl"), name, chat,
-                               token_text)  # fmt: skip
+                               token_text, token_bytes)  # fmt: skip
         if not chat and body.echo:
             text = body.prompt if isinstance(body.prompt, str) else engine.tokenizer.decode(ids)
             reply.echo, reply.hidden = (text, ids), body.max_tokens == 0

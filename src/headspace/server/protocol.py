@@ -289,6 +289,9 @@ class Reply:
     model: str
     chat: bool
     token_text: Callable[[int], str] = str  # a token's text (log probabilities name it)
+    # a token's own bytes (a chat's logprobs give them: a character split over tokens is
+    # whole again when they are joined); None: its text's
+    token_bytes: Callable[[int], bytes] | None = None
     echo: tuple[str, list[int]] | None = None  # a completion's prompt (text, ids), echoed
     hidden: bool = False  # a completion's generated token left out (max_tokens 0)
     created: int = field(default_factory=lambda: int(time.time()))
@@ -362,7 +365,8 @@ class Reply:
 
         def entry(token: int, logprob: float) -> dict:
             shown = self.token_text(token)
-            return {"token": shown, "logprob": logprob, "bytes": list(shown.encode())}
+            raw = shown.encode() if self.token_bytes is None else self.token_bytes(token)
+            return {"token": shown, "logprob": logprob, "bytes": list(raw)}
 
         return {"content": [{**entry(lp.token_id, lp.logprob),
                              "top_logprobs": [entry(t, v) for t, v in lp.top]}
