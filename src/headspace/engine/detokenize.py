@@ -90,10 +90,12 @@ class StopStringStreamer:
         """Whether ``token_ids`` end inside a character: read from their bytes where they
         are known, else guessed from ``window`` (the text from the context on) ending in
         replacement characters, for at most ``LOOK_BACK`` tokens (a token of U+FFFD itself
-        shows the same)."""
+        shows the same). A text that ends otherwise ends on a whole character."""
+        if not window.endswith(REPLACEMENT):
+            return False
         if self._bytes is not None:
             return ends_inside_character(self._bytes, token_ids)
-        return window.endswith(REPLACEMENT) and len(token_ids) - self._context < LOOK_BACK
+        return len(token_ids) - self._context < LOOK_BACK
 
     def _next_context(self, token_ids: list[int]) -> None:
         """The next window's context and its text: ``CONTEXT_TOKENS`` before the end, or
@@ -112,10 +114,13 @@ class StopStringStreamer:
     def _starts_inside(self, token_id: int, text: str) -> bool:
         """Whether a window starting at ``token_id`` (its text ``text``) starts inside a
         character: read from the token's first byte where bytes are known, else guessed
-        from a replacement character there that the text so far does not end with."""
+        from a replacement character there that the text so far does not end with. A text
+        that starts otherwise starts on a whole character."""
+        if not text.startswith(REPLACEMENT):
+            return False
         if self._bytes is not None:
             return starts_inside_character(self._bytes, token_id)
-        return text.startswith(REPLACEMENT) and not self._decoded.endswith(text)
+        return not self._decoded.endswith(text)
 
     def _decode(self, token_ids: list[int]) -> str:
         if not token_ids:
