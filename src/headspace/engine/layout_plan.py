@@ -68,39 +68,35 @@ class LayoutPlanner:
     keeping what ``budget`` says of a prompt (None: all)."""
 
     def __init__(self, terms: PlanTerms, memory: LaneMemory, budget: KVBudget | None = None):
-        self.model_config, self.config, self.spec = terms.model_config, terms.config, terms.spec
-        self.weight_bytes, self.streamed_bytes = terms.weight_bytes, terms.streamed_bytes
-        self.chunk, self.hardware, self.profile = terms.chunk, terms.hardware, terms.profile
-        self.ranks, self.max_gpu_pages = terms.ranks, terms.max_gpu_pages
-        self.entry_pages, self.memory, self.budget = terms.entry_pages, memory, budget
+        self.terms, self.memory, self.budget = terms, memory, budget
 
     def plan(self, seqs: list[Sequence]) -> Plan:
         """The plan for ``seqs`` running together (UserError with the numbers if none)."""
-        total = sum(self.spec.pages_for(s.max_tokens) for s in seqs)
+        total = sum(self.terms.spec.pages_for(s.max_tokens) for s in seqs)
         what = f"{len(seqs)} requests of {sum(s.max_tokens for s in seqs)} tokens"
         if len(seqs) == 1:
             what = f"a request of up to {seqs[0].max_tokens} tokens"
-        if self.entry_pages:
+        if self.terms.entry_pages:
             return self._entry_plan(seqs, what)
-        memory, options = self.memory, self.config.offload_plan_options()
+        memory, options = self.memory, self.terms.config.offload_plan_options()
         if memory.resident_only:
             options["offload"] = "none"
-        plan = plan_batch(self.spec, memory.region, total, host_budget=memory.host_bytes,
-                          what=what, hw=self.hardware, num_seqs=len(seqs),
-                          auto_hybrid=self.config.runtime.on_gpu,
-                          max_gpu_pages=self.max_gpu_pages, **options)  # fmt: skip
-        if self.ranks is not None:  # sized for the widest rank; the whole map, with its ranks
-            return self.ranks.spread(plan, what)
+        plan = plan_batch(self.terms.spec, memory.region, total, host_budget=memory.host_bytes,
+                          what=what, hw=self.terms.hardware, num_seqs=len(seqs),
+                          auto_hybrid=self.terms.config.runtime.on_gpu,
+                          max_gpu_pages=self.terms.max_gpu_pages, **options)  # fmt: skip
+        if self.terms.ranks is not None:  # sized for the widest rank; the whole map, with its ranks
+            return self.terms.ranks.spread(plan, what)
         plan.head_map = self._with_patterns(plan.head_map)  # retrieval heads keep all
         return plan
 
     def empty(self) -> Plan | None:
         """The all-resident layout of the lane's part for no sequence yet: the pools a new
         part starts with (None where the part holds not even the scratch page)."""
-        full = self.spec.full_page_bytes
+        full = self.terms.spec.full_page_bytes
         if self.memory.region < full:
             return None
-        head_map = HeadMap.all_gpu(self.spec.num_layers, self.spec.num_kv_heads)
+        head_map = HeadMap.all_gpu(self.terms.spec.num_layers, self.terms.spec.num_kv_heads)
         return Plan(head_map, "none", self.memory.region // full - 1, 0, None, 0)
 
     def fits(self, seqs: list[Sequence]) -> bool:
@@ -114,23 +110,23 @@ class LayoutPlanner:
     def _with_patterns(self, head_map: HeadMap) -> HeadMap:
         """The profile's retrieval heads keep every token; the others take the pattern
         (where asked)."""
-        retrieval = None if self.profile is None else self.profile.retrieval
-        return self.config.with_patterns(head_map, retrieval)
+        retrieval = None if self.terms.profile is None else self.terms.profile.retrieval
+        return self.terms.config.with_patterns(head_map, retrieval)
 
     def _entry_plan(self, seqs: list[Sequence], what: str) -> Plan:
         """Per-entry pages (budgets, streaming heads): patterns and budgets first, then
         which entries live in host pages if the batch does not fit (never a ring)."""
-        config, spec, budget = self.config, self.spec, self.budget
+        config, spec, budget = self.terms.config, self.terms.spec, self.budget
         head_map = self._with_patterns(HeadMap.all_gpu(spec.num_layers, spec.num_kv_heads))
         kept = None if budget is None else max(budget.tokens(len(s.prompt_ids)) for s in seqs)
         parts = None
-        if self.ranks is not None:  # the whole map, with its ranks; each rank's entries
-            head_map, parts = self.ranks.head_map, self.ranks.entry_parts()
+        if self.terms.ranks is not None:  # the whole map, with its ranks; each rank's entries
+            head_map, parts = self.terms.ranks.head_map, self.terms.ranks.entry_parts()
         head_map = with_budgets(head_map, kept)  # rings keep their sink and window
         return plan_entries(spec, self.memory.region, head_map, [s.max_tokens for s in seqs],
                             self.bounds(seqs), offload=config.offload.mode,
                             host_budget=self.memory.host_bytes, what=what, parts=parts,
-                            ring_chunk=self.chunk if budget is None else None)  # fmt: skip
+                            ring_chunk=self.terms.chunk if budget is None else None)  # fmt: skip
 
     def bounds(self, seqs: list[Sequence]) -> list[int]:
         """Most tokens one entry of each sequence holds after its prompt."""
@@ -141,21 +137,22 @@ class LayoutPlanner:
     def rate(self, plan: Plan, seqs: list[Sequence]) -> float:
         """Predicted sequences x tokens/s of a decode step over ``seqs`` (roofline; with
         entries in host pages, over what each holds after its prompt)."""
+        terms = self.terms
         if plan.entry_staging:  # under torchrun: the slowest rank's step
             counts = [(plan.head_map.count("gpu"), plan.head_map.num_offloaded)]
-            if self.ranks is not None:
-                counts = self.ranks.entry_counts(plan.head_map)
-            seconds = max(entry_step_seconds(self.spec, resident, offloaded, self.bounds(seqs),
-                                             self.weight_bytes, self.hardware,
-                                             self.streamed_bytes)
+            if terms.ranks is not None:
+                counts = terms.ranks.entry_counts(plan.head_map)
+            seconds = max(entry_step_seconds(terms.spec, resident, offloaded, self.bounds(seqs),
+                                             terms.weight_bytes, terms.hardware,
+                                             terms.streamed_bytes)
                           for resident, offloaded in counts)  # fmt: skip
         else:
             if plan.rank_map is not None:  # under torchrun: the widest rank's step
                 plan = replace(plan, head_map=plan.rank_map)
-            share = self.config.offload_plan_options()["cpu_share"]
-            seconds, _ = step_seconds(self.model_config, plan, sum(s.max_tokens for s in seqs),
-                                      self.spec.dtype_bytes, self.hardware, share,
-                                      streamed_weights=self.streamed_bytes)  # fmt: skip
+            share = terms.config.offload_plan_options()["cpu_share"]
+            seconds, _ = step_seconds(terms.model_config, plan, sum(s.max_tokens for s in seqs),
+                                      terms.spec.dtype_bytes, terms.hardware, share,
+                                      streamed_weights=terms.streamed_bytes)  # fmt: skip
         return len(seqs) / seconds
 
     def choose(self, queue: list[Sequence]) -> tuple[Plan, set[int] | None]:

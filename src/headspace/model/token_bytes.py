@@ -6,15 +6,12 @@ character that its text shows until the next one comes."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import re
-import weakref
 from collections.abc import Callable, Sequence
 from functools import lru_cache
 
 BYTE_TOKEN = re.compile(r"<0x[0-9A-Fa-f]{2}>")  # a byte-fallback token
-_READERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # tokenizer -> its reader
 
 
 @lru_cache(maxsize=1)
@@ -36,18 +33,8 @@ def token_byte_reader(tokenizer) -> Callable[[int], bytes] | None:
     """``read(token_id) -> bytes`` of ``tokenizer``'s tokens, where its decoder is byte-level
     BPE or byte fallback (each as the ``tokenizers`` backend names it, alone or in a
     sequence); None for other decoders (whose tokens are whole characters) and tokenizers
-    without a ``tokenizers`` backend. Made once per tokenizer."""
-    try:
-        return _READERS[tokenizer]
-    except (KeyError, TypeError):
-        pass
-    reader = _reader(getattr(tokenizer, "backend_tokenizer", None))
-    with contextlib.suppress(TypeError):  # (not weakly referable: made again next time)
-        _READERS[tokenizer] = reader
-    return reader
-
-
-def _reader(backend) -> Callable[[int], bytes] | None:
+    without a ``tokenizers`` backend. (Cheap to make: the decoder's description is small.)"""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
     decoder = getattr(backend, "decoder", None)
     try:
         described = json.loads(decoder.__getstate__())
