@@ -87,7 +87,7 @@ def _rss_bytes(server) -> int:
 def test_a_huge_prompt_or_stop_list_is_refused_before_it_costs(server, alone):
     """A 15 MiB prompt (under the 16 MiB body bound), of words or of one run of characters
     with no space to cut at, conversations of 500,000 empty user or system messages (more
-    messages than the context has tokens) and one of 2,000 empty tool messages (each at
+    than a conversation may hold) and one of 2,000 empty tool messages (each at
     least the template's tokens for one: "at least"), are each refused without being
     tokenized whole, and so are 70,000 stop strings, while others stream; memory stays as
     it was."""
@@ -113,8 +113,12 @@ def test_a_huge_prompt_or_stop_list_is_refused_before_it_costs(server, alone):
 
     texts, (refused, stops) = _while_others_stream(server, bad)
     for reply, seconds in refused:  # (tokenized whole: 15.6 s, 15.8 s and about 15 s)
-        assert reply.status_code == 400 and "does not fit the context" in reply.text
+        assert reply.status_code == 400, reply.text
         assert seconds < 5, seconds
+    for reply, _ in refused[:2] + refused[-1:]:
+        assert "does not fit the context" in reply.text
+    for reply, _ in refused[2:4]:  # (by the list's length, before each message's validation)
+        assert "at most 16384 messages" in reply.text
     assert "has at least" in refused[-1][0].text  # (its lower bound, not the whole count)
     assert stops.status_code == 400 and "at most 64" in stops.text
     assert texts == alone

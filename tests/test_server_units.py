@@ -71,6 +71,29 @@ def test_what_cannot_be_honoured_is_refused(fields):
         CompletionRequest(**({"model": "m", "prompt": "hi"} | fields))
 
 
+EMPTY, PART, BAD = {"role": "user", "content": ""}, {"type": "text", "text": ""}, {"x": 1}
+
+
+@pytest.mark.parametrize(("request_type", "field", "at_bound", "past_it", "refusal"), [
+    (ChatRequest, "messages", [EMPTY] * 16384, [EMPTY] * 16384 + [BAD],
+     "at most 16384 messages"),
+    (ChatRequest, "messages", [{"role": "user", "content": [PART] * 16384}],
+     [{"role": "user", "content": [PART] * 16384 + [BAD]}], "as many content parts"),
+    (CompletionRequest, "stop", ["a"] * 64, ["a"] * 64 + [7], "at most 64 strings"),
+    (CompletionRequest, "prompt", ["a"], ["a", 7], "one prompt per request"),
+])  # fmt: skip
+def test_a_list_past_its_bound_is_refused_by_its_length_before_its_items(
+        request_type, field, at_bound, past_it, refusal):  # fmt: skip
+    """A list at its bound is taken; with one more item, itself invalid, the refusal names
+    the bound, not the item: the items were not validated one by one (on the event loop's
+    thread, which every client waits for)."""
+    base = {"model": "m"} if request_type is ChatRequest or field == "prompt" else \
+        {"model": "m", "prompt": "hi"}  # fmt: skip
+    request_type.model_validate(base | {field: at_bound})
+    with pytest.raises(ValidationError, match=refusal):
+        request_type.model_validate(base | {field: past_it})
+
+
 def test_sampling_fields_become_sampling_params():
     body = '{"model": "m", "prompt": [1], "temperature": 0, "top_p": 1, "presence_penalty": -2}'
     whole = CompletionRequest.model_validate_json(body)  # (JSON integers pass for numbers)

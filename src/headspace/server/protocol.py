@@ -29,6 +29,12 @@ GREEDY_BELOW = 1e-5  # a temperature this small is greedy (sampling would overfl
 UNPAIRED = re.compile("[\ud800-\udfff]")  # halves of UTF-16 pairs (JSON lets them in): not text
 MOST_STOPS, MOST_STOP_CHARS = 64, 1000  # stop strings a request may give (OpenAI allows 4)
 MOST_CHOICES = 16  # ``n``: choices a request may ask for (each runs as a request)
+# messages (and content parts) a conversation may hold: each is validated as an object on the
+# event loop's thread (2-5 us, which every client waits for), so a longer list is refused by
+# its length first
+MOST_MESSAGES = 16384
+ONE_PROMPT = "one prompt per request (a list of several is not supported)"
+STOPS_BOUND = f"stop takes at most {MOST_STOPS} strings of at most {MOST_STOP_CHARS} characters"
 # fields of OpenAI's API this server cannot honour: refused by name, not ignored
 UNSUPPORTED = ("tools", "tool_choice", "functions", "function_call", "response_format",
                "logit_bias", "suffix", "prediction", "audio", "modalities",
@@ -132,6 +138,9 @@ class _Sampling(BaseModel):
         named = [k for k in UNSUPPORTED if k in data and not _asks_nothing(k, data[k])]
         if named:
             raise ValueError(f"{', '.join(named)}: not supported by this server")
+        stops = data.get("stop")
+        if isinstance(stops, list) and len(stops) > MOST_STOPS:  # (before each is validated)
+            raise ValueError(STOPS_BOUND)
         return data
 
     @model_validator(mode="after")
@@ -144,8 +153,7 @@ class _Sampling(BaseModel):
         if any(not s for s in stops):
             raise ValueError("stop strings must be non-empty")
         if len(stops) > MOST_STOPS or any(len(s) > MOST_STOP_CHARS for s in stops):
-            raise ValueError(f"stop takes at most {MOST_STOPS} strings of at most "
-                             f"{MOST_STOP_CHARS} characters each")  # fmt: skip
+            raise ValueError(STOPS_BOUND)
         if any(UNPAIRED.search(s) for s in stops):  # (no text ever holds one)
             raise ValueError("a stop string holds an unpaired surrogate (U+D800-U+DFFF), "
                              "which is not a character")  # fmt: skip
@@ -208,11 +216,20 @@ class CompletionRequest(_Sampling):
             params.prompt_logprobs = self.logprobs
         return params
 
+    @model_validator(mode="before")
+    @classmethod
+    def _one(cls, data):
+        """Refuse a list of several prompts by its length, before each is validated."""
+        prompt = data.get("prompt") if isinstance(data, dict) else None
+        if isinstance(prompt, list) and len(prompt) > 1 and not isinstance(prompt[0], int):
+            raise ValueError(ONE_PROMPT)
+        return data
+
     @model_validator(mode="after")
     def _one_prompt(self):
         if isinstance(self.prompt, list) and self.prompt and not isinstance(self.prompt[0], int):
             if len(self.prompt) != 1:
-                raise ValueError("one prompt per request (a list of several is not supported)")
+                raise ValueError(ONE_PROMPT)
             self.prompt = self.prompt[0]
         if not self.prompt:
             raise ValueError("the prompt is empty")
@@ -251,6 +268,22 @@ class ChatRequest(_Sampling):
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
     logprobs: bool = False
     top_logprobs: TopLogprobs | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _bounded(cls, data):
+        """Refuse more messages or content parts than :data:`MOST_MESSAGES` by the lists'
+        lengths, before each is validated (a body of 15 MiB holds 500,000 empty messages:
+        2.3 s of the event loop's thread)."""
+        messages = data.get("messages") if isinstance(data, dict) else None
+        if isinstance(messages, list):
+            parts = len(messages) if len(messages) > MOST_MESSAGES else sum(
+                len(m["content"]) for m in messages
+                if isinstance(m, dict) and isinstance(m.get("content"), list))  # fmt: skip
+            if max(len(messages), parts) > MOST_MESSAGES:
+                raise ValueError(f"a conversation takes at most {MOST_MESSAGES} messages and "
+                                 f"as many content parts")  # fmt: skip
+        return data
 
     @model_validator(mode="after")
     def _chat(self):
