@@ -99,3 +99,26 @@ def test_logprobs_equal_log_softmax_of_the_engines_own_logits(tiny_cpu_llm, prom
     want = [reference[i, tokens[i + 1]].item() for i in range(len(tokens) - 1)]
     got = [lp.logprob for lp in out.prompt_logprobs[1:]] + [lp.logprob for lp in out.logprobs]
     assert got == pytest.approx(want, abs=1e-5)
+
+
+def test_a_prompt_of_the_whole_context_is_scored_and_takes_one_token(
+    tiny_llama, tiny_hf_model, prompt
+):
+    """A prompt of exactly the context (a harness's whole window): its log probabilities as
+    transformers' logits give them, and the one token its last position predicts; more new
+    tokens, or one prompt token more, are refused with the numbers."""
+    from headspace import LLM
+
+    engine = LLM(str(tiny_llama), device="cpu", max_context=len(prompt)).engine
+    out = engine.run(prompt, SamplingParams(max_new_tokens=1, prompt_logprobs=0))
+    with torch.no_grad():
+        logits = tiny_hf_model(torch.tensor([prompt])).logits[0].float()
+    reference = torch.log_softmax(logits, dim=-1)
+    got = [lp.logprob for lp in out.prompt_logprobs[1:]]
+    assert got == pytest.approx([reference[i, t].item() for i, t in enumerate(prompt[1:])],
+                                abs=2e-4)  # fmt: skip
+    assert out.token_ids == [int(reference[-1].argmax())] and out.finish_reason == "length"
+    with pytest.raises(UserError, match="leaves room for one new token, not 2"):
+        engine.run(prompt, SamplingParams(max_new_tokens=2))
+    with pytest.raises(UserError, match=f"does not fit the context of {len(prompt)} tokens"):
+        engine.run(prompt + [5], SamplingParams(max_new_tokens=1))

@@ -178,11 +178,11 @@ class Engine:
         """Refuse (UserError) ``texts`` (a prompt, or a conversation's messages) whose tokens
         cannot fit the context, found without tokenizing them whole (a few of the context's
         worth of tokens at most); ``least``: tokens known to come besides them."""
-        for text in texts:
-            if least >= self.max_context:
+        for text in texts:  # (a prompt of the whole context may take one new token)
+            if least > self.max_context:
                 break
             least += tokens_at_least(self.tokenizer, text, self.max_context - least)
-        if least >= self.max_context:
+        if least > self.max_context:
             raise UserError(f"the prompt has at least {least} tokens, which does not fit "
                             f"the context of {self.max_context} tokens")  # fmt: skip
 

@@ -116,22 +116,29 @@ class Lanes:
     def check(self, prompt_ids: list[int], params: SamplingParams) -> Sequence:
         """The sequence a request would be; UserError, with the numbers, for a prompt past
         the context or one that no plan of the whole arena can hold."""
-        self.check_length(len(prompt_ids), room_for_one=True)
+        self.check_length(len(prompt_ids), params.max_new_tokens)
         max_tokens = min(len(prompt_ids) + params.max_new_tokens, self.max_context)
         seq = Sequence(self._next_id, list(prompt_ids), max_tokens)
         seq.reuse_prefix = params.prompt_logprobs is None  # (each position's logits needed)
         self.whole.plan([seq])  # refuses, with the numbers, what no plan can hold
         return seq
 
-    def check_length(self, num_tokens: int, room_for_one: bool) -> None:
-        """Refuse an empty prompt or one past the context (with ``room_for_one``, a prompt
-        must leave room for a generated token)."""
+    def check_length(self, num_tokens: int, new_tokens: int) -> None:
+        """Refuse an empty prompt or one past the context. A prompt of the whole context
+        takes one new token at most (its last position predicts it, and no K/V is kept for
+        it: how a harness scores a whole window), so it is refused ``new_tokens`` past 1."""
         if num_tokens == 0:
             raise UserError("the prompt is empty")
-        if num_tokens + room_for_one > self.max_context:
+        if num_tokens > self.max_context:
             raise UserError(
                 f"the prompt has {num_tokens} tokens, which does not fit the context of "
                 f"{self.max_context} tokens (raise it explicitly with max_context / --max-context)"
+            )
+        if num_tokens == self.max_context and new_tokens > 1:
+            raise UserError(
+                f"the prompt has {num_tokens} tokens, the whole context, which leaves room for "
+                f"one new token, not {new_tokens} (raise the context explicitly with "
+                f"max_context / --max-context)"
             )
 
     def add(self, prompt_ids: list[int], params: SamplingParams,
@@ -283,7 +290,7 @@ class Lanes:
         last ``decode_tokens`` rows come from decode steps fed the given tokens (teacher
         forcing), so they run what generation runs (the hybrid tier, its sparse mode).
         Nothing may run: the lane that holds the tokens takes the whole arena."""
-        self.check_length(len(token_ids), room_for_one=False)
+        self.check_length(len(token_ids), 0)
         if not 0 <= decode_tokens < len(token_ids):
             raise UserError(f"decode_tokens must be in [0, {len(token_ids) - 1}], got "
                             f"{decode_tokens}")  # fmt: skip
