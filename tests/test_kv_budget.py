@@ -20,7 +20,8 @@ from headspace.kv.entry_table import EntryBlockManager
 from headspace.kv.page_pool import OutOfPages
 from headspace.kv.spec import KVSpec
 from headspace.model.config import load_config
-from headspace.tiers.budget import BudgetTier
+from headspace.tiers.base import TierSite
+from headspace.tiers.budget import BudgetTier, EntryLayout
 from test_hybrid import decode_logits
 from test_offload import PAGE, _prompts, make
 
@@ -182,8 +183,11 @@ def test_compression_moves_exactly_the_policys_tokens_to_the_front(policy):
     plane = torch.randn(2, 200 * page_size, dim)
     head_scores = torch.rand(num_layers, num_kv_heads)
     budget = KVBudget(0.4, policy, window=8)
-    executor = BudgetTier(plane, blocks, num_kv_heads, group, "reference", budget, 2,
-                          head_scores)  # fmt: skip
+    # what compression reads of a site: its page lists, kernels, budget and head scores
+    site = TierSite(store=None, host=None, blocks=blocks, spec=None, q_per_kv=group,
+                    backend="reference", max_slots=2, per_entry_pages=True, budget=budget,
+                    head_scores=head_scores)  # fmt: skip
+    executor = BudgetTier(site, plane, EntryLayout([num_kv_heads] * num_layers))
     executor.window_q = {layer: torch.randn(budget.window, num_kv_heads * group, dim)
                          for layer in range(num_layers)}  # fmt: skip
     slots = _entry_slots(executor, 7, prompt)  # [entries, prompt]

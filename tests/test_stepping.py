@@ -9,6 +9,8 @@ with their decode rows, in the mixed mode).
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -18,6 +20,7 @@ from graph_twin import EagerGraphTwin
 from headspace import LLM, SamplingParams
 from headspace.engine.engine import Engine
 from headspace.engine.hooks import EngineHooks
+from headspace.engine.paged_graphs import GraphSite
 from headspace.errors import UserError
 
 PAGE, CHUNK = 16, 64
@@ -568,8 +571,8 @@ class _NoMixedWidth(_MixedCounter):
     """The counting twin with no width to pack a mixed step's tables at: no mixed graph
     takes a step (a test's hook)."""
 
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **{**kwargs, "piece_width": 0})
+    def __init__(self, site: GraphSite, tiers, pool):
+        super().__init__(dataclasses.replace(site, piece_width=0), tiers, pool)
 
 
 def test_a_mixed_step_no_graph_takes_runs_as_two_forwards(tiny_llama):

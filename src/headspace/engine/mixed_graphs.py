@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import torch
 
-from headspace.engine.paged_graphs import CapturedStep, DecodeGraphs
+from headspace.engine.paged_graphs import CapturedStep, DecodeGraphs, GraphSite
 from headspace.model.llama import DEVICE_LOCK
-from headspace.tiers import StepInputs
+from headspace.tiers import StepInputs, Tier
 from headspace.tiers.base import bucket
 
 # the most rows a graphed piece has: a larger one runs eagerly (each bucket is a graph of
@@ -37,11 +37,11 @@ class MixedGraphs(DecodeGraphs):
     one table, a mixed step's key tagged "mixed" (its inputs: the decode rows' as
     :class:`DecodeGraphs` packs them, then the piece's)."""
 
-    def __init__(self, *args, piece_width: int = 0, **kwargs) -> None:
-        """``piece_width``: pages of the longest sequence (see :attr:`mixed_width`); the
-        rest as :class:`DecodeGraphs` takes them."""
-        super().__init__(*args, **kwargs)
-        self.piece_width = piece_width
+    def __init__(self, site: GraphSite, tiers: list[Tier], pool) -> None:
+        """As :class:`DecodeGraphs`; ``site.piece_width``: pages of the longest sequence
+        (see :attr:`mixed_width`)."""
+        super().__init__(site, tiers, pool)
+        self.piece_width = site.piece_width
         # made at the first mixed step: the piece rows' offsets from its first position, and
         # its last-layer states, written by every mixed graph (one buffer, where an output
         # per graph would keep its rows in the graphs' pool)

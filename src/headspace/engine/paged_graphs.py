@@ -127,30 +127,45 @@ class CapturedStep:
     turn: int = 0
 
 
+@dataclass(frozen=True)
+class GraphSite:
+    """What a runner's decode graphs are captured over, whatever its layout."""
+
+    model: object  # the model whose layers the graphs replay
+    tokens: torch.Tensor  # the runner's token slots (the last one the graphs' scratch)
+    page_size: int  # tokens a page
+    scratch_page: int  # the GPU page padded rows point at
+    host_scratch_slot: int  # the host page slot padded rows point at
+    max_batch: int  # the most rows a step decodes
+    blocks_mode: str  # the decode blocks: "eager", "rows" or "tuned" (compiled)
+    # ``attention(tiers, layer, q, kv) -> out``: what each captured layer calls in place of
+    # the tiers' (a benchmark's timed one; None: the tiers'); not a bound method of the
+    # graphs, so that no cycle holds the KV
+    attention: object = None
+    piece_width: int = 0  # pages of the longest sequence (a mixed step's tables)
+
+
 class DecodeGraphs:
     """Captures and replays the decode step over the tiers of one layout."""
 
-    def __init__(self, model, tiers: list[Tier], tokens: torch.Tensor, page_size: int,
-                 scratch_page: int, host_scratch_slot: int, max_batch: int, blocks_mode: str,
-                 pool, attention=None) -> None:  # fmt: skip
-        """``tokens``: the runner's token slots; ``page_size`` in tokens; ``attention(tiers,
-        layer, q, kv) -> out``: what each captured layer calls in place of the tiers' (a
-        benchmark's timed one; None: the tiers')."""
-        self.model, self.tiers, self.tokens = model, list(tiers), tokens
-        self.attention = attention  # (not a bound method of self: no cycle holds the KV)
+    def __init__(self, site: GraphSite, tiers: list[Tier], pool) -> None:
+        """Over ``site``, the ``tiers`` of one layout; ``pool``: the memory pool its graphs
+        capture into (None: a CPU twin's)."""
+        self.model, self.tiers, self.tokens = site.model, list(tiers), site.tokens
+        self.attention = site.attention
         # the tiers whose decode inputs the graph packs beside the block tables
         self.stream = next((t for t in tiers if t.stages_history), None)
         self.budget = next((t for t in tiers if t.entry_rows), None)
         self.outside = any(t.runs_outside_graphs for t in tiers)
-        self.scratch_page, self.scratch_slot = scratch_page, tokens.numel() - 1
-        self.host_scratch_slot, self.blocks_mode = host_scratch_slot, blocks_mode
-        self.page_size = page_size
-        self.device = tokens.device
-        vocab = model.lm_head.weight.shape[0]
-        self.logits = torch.empty(bucket(max_batch), vocab, device=self.device)
-        self.top_rows = bucket(max_batch)  # the largest batch bucket
+        self.scratch_page, self.scratch_slot = site.scratch_page, site.tokens.numel() - 1
+        self.host_scratch_slot, self.blocks_mode = site.host_scratch_slot, site.blocks_mode
+        self.page_size = site.page_size
+        self.device = site.tokens.device
+        vocab = site.model.lm_head.weight.shape[0]
+        self.logits = torch.empty(bucket(site.max_batch), vocab, device=self.device)
+        self.top_rows = bucket(site.max_batch)  # the largest batch bucket
         self._graphs: dict[tuple[int, int, int], CapturedStep] = {}
-        self._rows_compiled = blocks_mode != "rows"
+        self._rows_compiled = site.blocks_mode != "rows"
         self._pool = pool
 
     def accepts(self, positions: list[int]) -> bool:

@@ -21,7 +21,7 @@ from headspace.engine.config import EngineConfig
 from headspace.engine.hooks import EngineHooks
 from headspace.engine.hybrid_share import HybridShare
 from headspace.engine.mixed_graphs import MixedGraphs
-from headspace.engine.paged_graphs import GraphCache, graphs_allowed
+from headspace.engine.paged_graphs import GraphCache, GraphSite, graphs_allowed
 from headspace.engine.runner_prefill import PrefillSteps
 from headspace.engine.step_plan import LayoutResult, Resize, StepPlan
 from headspace.errors import HostPagesRefused, UserError
@@ -270,12 +270,11 @@ class PagedRunner(PrefillSteps):
         mode = "eager"
         if self._compiled:
             mode = "tuned" if self.config.runtime.tune_decode else "rows"
-        return (self.graphs_class or MixedGraphs)(
-            self.model, self.tiers, self.tokens, self.page_size, self.store.num_pages,
-            self.host.scratch_slot, self.config.runtime.max_batch, mode, pool,
-            self.attention_hook,  # a benchmark's timed attention, if it set one
-            piece_width=-(-self.max_context // self.page_size),
-        )  # fmt: skip
+        site = GraphSite(self.model, self.tokens, self.page_size, self.store.num_pages,
+                         self.host.scratch_slot, self.config.runtime.max_batch, mode,
+                         self.attention_hook,  # a benchmark's timed attention, if it set one
+                         piece_width=-(-self.max_context // self.page_size))  # fmt: skip
+        return (self.graphs_class or MixedGraphs)(site, self.tiers, pool)
 
     def capture_decode_graphs(self, keys: list[tuple[int, int]]) -> int:
         """Capture now the decode step of each ``(batch bucket, block-table width in pages)``

@@ -27,13 +27,14 @@ each keeps streamed into staging pages of the plane.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
 import torch
 
 from headspace.attention import attend, merge_attention
 from headspace.attention.entry_decode import entry_decode
 from headspace.attention.sparse_prefill import prefill_with_patterns
-from headspace.budgets import KVBudget
-from headspace.kv.entry_table import EntryBlockManager
 from headspace.kv.spec import Pattern, padded_length, prefix_piece
 from headspace.kv.transfer import device_ints
 from headspace.tiers.base import (
@@ -51,70 +52,45 @@ from headspace.tiers.layout import host_places, prefill_patterns
 RING_KINDS = ("full", "streaming")  # patterns whose prefill gathers only what they see
 
 
+@dataclass(frozen=True)
+class EntryLayout:
+    """Where a plan puts the entries of one runner's per-entry pages."""
+
+    layer_heads: Sequence[int]  # [layers] entries of each layer (one rank's: its own, copies)
+    rings: dict[int, tuple[int, int]] = field(default_factory=dict)  # entry -> (sink, window)
+    patterns: list[list[Pattern] | None] | None = None  # [layers] per query head (None: full)
+    staging: EntryStaging | None = None  # the entries in host pages (None: none)
+
+
 class BudgetTier(BudgetSelection, Tier):
     """Attention of every entry over per-entry pages of one plane ``[2, slots, dim]``."""
 
     entry_rows = True
 
-    def __init__(self, plane: torch.Tensor, blocks: EntryBlockManager,
-                 num_kv_heads: int | list[int], q_per_kv: int, backend: str,
-                 budget: KVBudget | None, max_slots: int,
-                 head_scores: torch.Tensor | None = None,
-                 rings: dict[int, tuple[int, int]] | None = None,
-                 patterns: list[list[Pattern] | None] | None = None,
-                 staging: EntryStaging | None = None, piece: int | None = None):  # fmt: skip
-        """``num_kv_heads``: the entries of every layer, or of each layer (one rank's
-        heads); ``budget``: what each entry keeps of the prompt (None: all); ``rings``: the
-        streaming entries' ``(sink, window)``, by entry index; ``patterns``: per layer, one
-        per query head at prefill (None: all full); ``staging``: the offloaded entries;
-        ``piece``: prefix tokens gathered at a time (None: :func:`prefix_piece`)."""
-        self.plane, self.blocks, self.budget = plane, blocks, budget
-        self.q_per_kv, self.backend = q_per_kv, backend
-        if isinstance(num_kv_heads, int):
-            num_kv_heads = [num_kv_heads] * (blocks.num_entries // num_kv_heads)
-        self.layer_heads = num_kv_heads  # [layers] entries of each layer
-        self.first = [sum(num_kv_heads[:layer]) for layer in range(len(num_kv_heads) + 1)]
-        self.num_kv_heads = num_kv_heads[0] if len(set(num_kv_heads)) == 1 else None
-        self.head_scores, self.rings = head_scores, dict(rings or {})
-        self.staging, self.piece = staging, piece
+    def __init__(self, site: TierSite, plane: torch.Tensor, entries: EntryLayout):
+        """Over ``site``'s entry pages (its ``blocks``, budget, head scores, kernels and
+        slots) and ``plane`` ``[2, slots, head_dim]``, the entries ``entries`` places."""
+        blocks = site.blocks
+        self.plane, self.blocks, self.budget = plane, blocks, site.budget
+        self.q_per_kv, self.backend = site.q_per_kv, site.backend
+        layer_heads = list(entries.layer_heads)
+        self.layer_heads = layer_heads  # [layers] entries of each layer
+        self.first = [sum(layer_heads[:layer]) for layer in range(len(layer_heads) + 1)]
+        self.num_kv_heads = layer_heads[0] if len(set(layer_heads)) == 1 else None
+        self.head_scores, self.rings = site.head_scores, dict(entries.rings)
+        self.staging, self.piece = entries.staging, site.prefix_piece
         self.page_size = blocks.page_size
         self.window_q: dict[int, torch.Tensor] = {}  # layer -> [tokens <= window, heads, dim]
         self._results: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.num_layers = len(self.layer_heads)
-        self.patterns = patterns or [None] * self.num_layers
+        self.patterns = entries.patterns or [None] * self.num_layers
         # decode's block tables on the device, a row per token slot in use
-        self.entry_tables = EntryTables(blocks.num_entries, max_slots, plane.device)
+        self.entry_tables = EntryTables(blocks.num_entries, site.max_slots, plane.device)
 
     @classmethod
-    def from_plan(cls, plan, site: TierSite, **rank_args) -> BudgetTier:
-        """Every entry of ``plan`` (this rank's heads, layer by layer: its own, then its
-        copies) over the arena's plane of entry pages ``[2, slots, head_dim]``; the head
-        map's streaming entries become rings, its offloaded ones go through
-        :class:`EntryStaging` (two slots after the pool's pages)."""
-        spec, head_map = site.spec, plan.head_map
-        num_pages = site.store.num_bytes // spec.entry_page_bytes
-        plane = site.store.buffer[: 2 * num_pages * spec.page_size * spec.head_dim]
-        plane = plane.view(2, -1, spec.head_dim)
-        heads = [site.heads(layer) for layer in range(spec.num_layers)]
-        widths = [len(hs) for hs in heads]  # entries of each layer
-        entries = [(layer, h) for layer, hs in enumerate(heads) for h in hs]  # [entry]
-        offloaded = host_places(plan, heads)  # [layer] places in ``heads``
-        staging = None
-        if any(offloaded):
-            staging = EntryStaging(plane, site.host, offloaded, widths, spec.page_size,
-                                   plan.num_gpu_pages, plan.entry_staging,
-                                   site.counters)  # fmt: skip
-        rings = {}
-        for e, (layer, h) in enumerate(entries):
-            pattern = Pattern.parse(head_map.entry(layer, h).pattern)
-            if pattern.kind == "streaming":
-                rings[e] = pattern.params
-        patterns = [prefill_patterns(plan, layer, hs, site.q_per_kv)
-                    for layer, hs in enumerate(heads)]  # fmt: skip
-        return cls(plane, site.blocks, widths, site.q_per_kv, site.backend, site.budget,
-                   site.max_slots, head_scores=site.head_scores,
-                   rings=rings, patterns=patterns, staging=staging, piece=site.prefix_piece,
-                   **rank_args)  # fmt: skip
+    def from_plan(cls, plan, site: TierSite) -> BudgetTier:
+        """Every entry of ``plan`` over the arena's plane (:func:`plan_entries`)."""
+        return cls(site, *plan_entries(plan, site))
 
     def _slots(self, seq_id: int, num_positions: int) -> EntrySlots:
         """Plane slots of positions ``0 .. num_positions - 1`` in the entries of ``seq_id``,
@@ -370,3 +346,30 @@ class BudgetTier(BudgetSelection, Tier):
             counts[e] = min(prompt_len, sink + window)
         self.blocks.compress(seq_id, counts, self.rings)
         return counts
+
+
+def plan_entries(plan, site: TierSite) -> tuple[torch.Tensor, EntryLayout]:
+    """The arena's plane of entry pages ``[2, slots, head_dim]`` and where ``plan`` puts
+    its entries (this rank's heads, layer by layer: its own, then its copies): the head
+    map's streaming entries become rings, its offloaded ones go through
+    :class:`EntryStaging` (two slots after the pool's pages)."""
+    spec, head_map = site.spec, plan.head_map
+    num_pages = site.store.num_bytes // spec.entry_page_bytes
+    plane = site.store.buffer[: 2 * num_pages * spec.page_size * spec.head_dim]
+    plane = plane.view(2, -1, spec.head_dim)
+    heads = [site.heads(layer) for layer in range(spec.num_layers)]
+    widths = [len(hs) for hs in heads]  # entries of each layer
+    entries = [(layer, h) for layer, hs in enumerate(heads) for h in hs]  # [entry]
+    offloaded = host_places(plan, heads)  # [layer] places in ``heads``
+    staging = None
+    if any(offloaded):
+        staging = EntryStaging(plane, site.host, offloaded, widths, spec.page_size,
+                               plan.num_gpu_pages, plan.entry_staging, site.counters)  # fmt: skip
+    rings = {}
+    for e, (layer, h) in enumerate(entries):
+        pattern = Pattern.parse(head_map.entry(layer, h).pattern)
+        if pattern.kind == "streaming":
+            rings[e] = pattern.params
+    patterns = [prefill_patterns(plan, layer, hs, site.q_per_kv)
+                for layer, hs in enumerate(heads)]  # fmt: skip
+    return plane, EntryLayout(widths, rings, patterns, staging)

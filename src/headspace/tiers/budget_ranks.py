@@ -19,15 +19,14 @@ What differs from one process (:class:`~headspace.tiers.budget.BudgetTier`):
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 
 from headspace.attention.entry_decode import entry_decode
 from headspace.parallel.dist import host_min
-from headspace.parallel.placement import RankLayout, copy_rows, rank_layout
+from headspace.parallel.placement import copy_rows, rank_layout
 from headspace.planner.head_map import HeadMap
-from headspace.tiers.budget import BudgetTier
+from headspace.tiers.base import TierSite
+from headspace.tiers.budget import BudgetTier, EntryLayout, plan_entries
 from headspace.tiers.copies import copy_columns, key_share_tables, merge_copies
 
 
@@ -35,10 +34,12 @@ class RankBudgetTier(BudgetTier):
     """A :class:`BudgetTier` over one rank's entries of ``head_map`` (its ``layout``);
     ``exchange(t)`` returns every rank's ``t`` stacked ``[world, ...]`` (an all-gather)."""
 
-    def __init__(self, *args, layout: RankLayout, head_map: HeadMap,
-                 exchange: Callable[[torch.Tensor], torch.Tensor], **kwargs):  # fmt: skip
-        super().__init__(*args, **kwargs)
-        self.layout, self.exchange = layout, exchange
+    def __init__(self, site: TierSite, plane: torch.Tensor, entries: EntryLayout,
+                 head_map: HeadMap):  # fmt: skip
+        """As a :class:`BudgetTier`, over ``site``'s rank (``layout``, ``exchange``)."""
+        super().__init__(site, plane, entries)
+        layout = site.layout
+        self.layout, self.exchange = layout, site.exchange
         layouts = [rank_layout(head_map, r, layout.world) for r in range(layout.world)]
         self.width = max(lay.most_heads for lay in layouts)  # rows a rank sends per layer
         # [layer][kv head] -> (rank, row) of the scores every rank ranks that head's tokens by
@@ -53,10 +54,9 @@ class RankBudgetTier(BudgetTier):
         self._parts: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     @classmethod
-    def from_plan(cls, plan, site) -> RankBudgetTier:
+    def from_plan(cls, plan, site: TierSite) -> RankBudgetTier:
         """This rank's entries of ``plan`` (``site.layout``)."""
-        return super().from_plan(plan, site, layout=site.layout, head_map=plan.head_map,
-                                 exchange=site.exchange)  # fmt: skip
+        return cls(site, *plan_entries(plan, site), plan.head_map)
 
     def _agree(self, widest: int) -> int:
         """The widest rank's: a CUDA graph is keyed by the tables' width and captured again
