@@ -22,7 +22,7 @@ from common import (  # noqa: E402
     gpu_tag,
     graph_seconds,
     make_engine,
-    ran_lane,
+    ran_view,
     random_hf_llama,
     write_result,
 )
@@ -40,11 +40,9 @@ def run_batch(model, prompts, warmup_prompts) -> dict:
     """Time the batch after a warm-up of the same lengths (other tokens: no prefix hits),
     so that compiling each shape stays out of the measurement."""
     engine = make_engine(model, page_size=PAGE)
-    generator = ran_lane(engine)
     params = [SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True)] * len(prompts)
     engine.generate_batch(warmup_prompts, params)
-    generator.peak_pages = 0
-    torch.cuda.synchronize()
+    torch.cuda.synchronize()  # (the batch's peaks are its own: a run starts them over)
     start = time.perf_counter()
     outputs = engine.generate_batch(prompts, params)
     torch.cuda.synchronize()
@@ -53,15 +51,14 @@ def run_batch(model, prompts, warmup_prompts) -> dict:
     page_bytes = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * PAGE * 2
     # every sequence is running at the peak: prompt + generated tokens of each
     peak_tokens = sum(len(p) + NEW_TOKENS - 1 for p in prompts)
+    lane = ran_view(engine)
     return {
         "outputs": [o.token_ids for o in outputs],
         "seconds": seconds,
-        "kv_overhead_ratio": generator.peak_pages
-        * page_bytes
-        / (peak_tokens * cfg.kv_bytes_per_token),
-        "peak_pages": generator.peak_pages,
-        "pool_pages": generator.scheduler.blocks.pool.num_pages,
-        "head_map": generator.runner.plan.head_map.summary(),
+        "kv_overhead_ratio": lane.peak_pages * page_bytes / (peak_tokens * cfg.kv_bytes_per_token),
+        "peak_pages": lane.peak_pages,
+        "pool_pages": lane.gpu_pages,
+        "head_map": lane.layout,
     }
 
 

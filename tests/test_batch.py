@@ -52,6 +52,17 @@ def test_shared_prefix_reuses_pages_and_gives_identical_outputs(tiny_llama):
     assert shared_peak < unshared.engine.load().lane("resident").peak_pages
 
 
+def test_each_run_has_its_own_peak_of_pages(tiny_llama):
+    """A run starts the lanes' peaks over, as it does the allocator's: a short request's
+    peak after a long batch is its own pages, not the batch's."""
+    llm = LLM(str(tiny_llama), page_size=16)
+    params = SamplingParams(max_new_tokens=4, ignore_eos=True)
+    llm.generate(_prompts([200, 180, 160], seed=3), params)
+    after_batch = llm.engine.load().lane("resident").peak_pages
+    llm.engine.run(_prompts([20], seed=4)[0], params)
+    assert llm.engine.load().lane("resident").peak_pages == 2 < after_batch  # (24 tokens)
+
+
 def test_request_that_can_never_fit_is_refused_without_a_host_tier(tiny_llama):
     llm = LLM(str(tiny_llama), page_size=16, num_kv_pages=4, offload="none")
     with pytest.raises(UserError, match=r"needs [0-9.]+ KiB of KV \(5 pages of 16 tokens\)"):

@@ -289,6 +289,7 @@ class Engine:
                             f"to the end (or abort them) before {before}")  # fmt: skip
         while self.has_unfinished():
             self.step()
+        self.lanes.reset_peaks()  # (each run's peaks are its own)
         if self.config.runtime.on_gpu:
             torch.cuda.reset_peak_memory_stats(self.config.runtime.device)
 

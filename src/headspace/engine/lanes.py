@@ -322,6 +322,13 @@ class Lanes:
             raise
         return lane.runner.plan, lane
 
+    def reset_peaks(self) -> None:
+        """Start each lane's peak of GPU pages over (nothing runs: the offload lane's
+        thread is idle)."""
+        for lane in (self.resident, self.offload):
+            if lane is not None:
+                lane.peak_pages = 0
+
     def close(self) -> None:
         if self.worker is not None:
             self.worker.close()

@@ -150,7 +150,7 @@ class LaneView:
     layout: str | None = None
     last_step: dict | None = None
     plan: Plan | None = None  # the layout in force (the planner's plain data)
-    peak_pages: int = 0  # GPU pages its decode steps held at most
+    peak_pages: int = 0  # GPU pages its decode steps held at most (since the last run began)
     counters: dict[str, int] = field(default_factory=dict)  # its tiers' copies so far
     steps: int = 0  # steps that ran compute so far
     prefilled_tokens: float = 0.0  # prompt tokens computed so far (a layer slice: its part)
