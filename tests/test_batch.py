@@ -180,7 +180,7 @@ def test_decode_graphs_name_each_graph_they_capture_or_replay_to_the_attention(t
     for graphs, key, capture in told.steps:
         assert capture == ((graphs, key) not in captured)  # told exactly when it captures
         captured.add((graphs, key))
-    assert {key for g, key in captured if g is made[-1]} == set(made[-1]._graphs)
+    assert {key for g, key in captured if g is made[-1]} == made[-1].captured
     assert all(1 <= n <= padded for n, padded in told.rows) and (3, 4) in told.rows
 
 
@@ -198,7 +198,7 @@ def test_an_engine_with_decode_graphs_is_freed_when_dropped(tiny_llama):
     params = SamplingParams(max_new_tokens=4, ignore_eos=True)
     llm.generate(_prompts([20], seed=4), params)
     runner = llm.engine.lanes.resident.runner
-    graphs, plane = runner._graphs, runner.tiers[0].plane
+    graphs, plane = runner.graphs, runner.tiers[0].plane
     assert graphs is not None and any(e.plane is plane for e in graphs.tiers)
     dropped = [weakref.ref(x) for x in (runner, graphs, plane)]
     gc.disable()  # freed by reference counts alone

@@ -223,7 +223,7 @@ def test_decode_steps_never_wait_for_the_gpu(case):
             return step()
         finally:
             torch.cuda.set_sync_debug_mode("default")
-            checked.append(sum(len(r._graphs._graphs) for r in runners if r._graphs))
+            checked.append(sum(len(r.graphs.captured) for r in runners if r.graphs))
 
     hooks.decode_hooks.append(no_waits)
     tokens, plans = stepped(engine, prompts)

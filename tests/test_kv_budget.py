@@ -393,9 +393,9 @@ def test_decode_graphs_follow_the_tiers_when_a_layout_comes_back(tiny_llama):
     llm = make(tiny_llama, arena, **options)
     runner = llm.engine.lanes.resident.runner  # (per-entry pages: one lane)
     assert llm.generate(short, params)[0].token_ids == fresh
-    first = runner._graphs
+    first = runner.graphs
     for prompt in long:
         llm.generate(prompt, params)
     assert runner.plan.entry_staging  # the long ones' layout put entries in host pages
     assert llm.generate(short, params)[0].token_ids == fresh
-    assert runner._graphs is not first and runner._graphs.tiers == runner.tiers
+    assert runner.graphs is not first and runner.graphs.tiers == runner.tiers

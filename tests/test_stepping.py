@@ -552,7 +552,7 @@ def test_a_mixed_step_runs_as_a_graph_only_where_its_graph_serves_it(tiny_llama)
         llm = _make(tiny_llama, mixed_steps=True, hooks=EngineHooks(graphs=_MixedCounter),
                     **options)  # fmt: skip
         llm.engine.run(_prompts([40])[0], FOUR)  # (the layout and its graphs made)
-        return llm.engine.lanes.resident.runner._graphs
+        return llm.engine.lanes.resident.runner.graphs
 
     resident = graphs(offload="none")
     pages = resident.mixed_width  # every table packed at it: the tiny model's whole context

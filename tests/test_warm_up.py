@@ -152,7 +152,7 @@ def test_a_server_warm_up_captures_every_decode_width_its_prompts_meet(tiny_llam
     llm.engine.warm_up(128 + 17, batch=4, report=lines.append, offload=True, shapes=True)
     offloaded = "warm-up: the offload lane, laid out for the whole context"
     assert (lines[-1] == offloaded) == (offload == "head")
-    graphs = llm.engine.lanes.resident.runner._graphs
+    graphs = llm.engine.lanes.resident.runner.graphs
     keys = {(batch, width, 0) for batch in (1, 2, 4) for width in (8, 16, 32)}
     assert {key for made, key in _Captures.made if made is graphs} == keys
     said = r"warm-up: decode graphs of 3 widths, 8 to 32 pages a row, batch buckets 1 to 4: [1-8] "
@@ -223,7 +223,7 @@ def test_a_server_warm_up_captures_the_mixed_pieces_a_burst_meets(tiny_llama):
     scheduler = llm.engine.lanes.resident.scheduler
     assert llm.engine.max_context == 512 and scheduler.blocks.pool.num_pages * 8 >= 4 * 512
     assert [scheduler.widest_mixed_piece(b, b * 512) for b in (1, 2, 4)] == [32, 32, 48]
-    graphs = llm.engine.lanes.resident.runner._graphs
+    graphs = llm.engine.lanes.resident.runner.graphs
     pieces = [(rows, batch) for batch, most in ((1, 40), (2, 40), (4, 56))
               for rows in range(8, most + 1, 8)]  # fmt: skip
     assert set(_MixedCaptures.made) == {graphs._mixed_key(r, b) for r, b in pieces}

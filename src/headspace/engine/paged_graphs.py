@@ -168,6 +168,11 @@ class DecodeGraphs:
         self._rows_compiled = site.blocks_mode != "rows"
         self._pool = pool
 
+    @property
+    def captured(self) -> frozenset[tuple]:
+        """The keys of the steps captured so far (read only)."""
+        return frozenset(self._graphs)
+
     def accepts(self, positions: list[int]) -> bool:
         """Whether a step at ``positions`` runs as a graph: always when nothing streams;
         with streamed heads when their history fits one staging slot and is short enough

@@ -241,10 +241,15 @@ class PagedRunner(PrefillSteps):
         return bool(self.graph_cache)
 
     @property
+    def graphs(self):
+        """The decode graphs made so far for the layout in force (None: none), read only:
+        nothing made or freed (a view, a test or a benchmark may read it)."""
+        return self.graph_cache.peek(self._layout_id) if self.graph_cache else None
+
+    @property
     def has_mixed_graphs(self) -> bool:
-        """Whether a mixed step (a piece and decode rows) of this layout ran as a graph (read
-        only: the view reads it, also of a lane stepped on another thread)."""
-        graphs = self.graph_cache.peek(self._layout_id) if self.graph_cache else None
+        """Whether a mixed step (a piece and decode rows) of this layout ran as a graph."""
+        graphs = self.graphs
         return isinstance(graphs, MixedGraphs) and graphs.num_mixed > 0
 
     @property
