@@ -15,13 +15,12 @@ from dataclasses import dataclass
 from functools import partial
 
 import torch
-import torch.distributed
 
 from headspace.engine.config import EngineConfig
 from headspace.engine.hooks import EngineHooks
 from headspace.engine.hybrid_share import HybridShare
-from headspace.engine.mixed_graphs import MixedGraphs
-from headspace.engine.paged_graphs import GraphCache, GraphSite, graphs_allowed
+from headspace.engine.paged_graphs import GraphCache
+from headspace.engine.runner_graphs import RunnerGraphs
 from headspace.engine.runner_prefill import PrefillSteps
 from headspace.engine.step_plan import LayoutResult, Resize, StepPlan
 from headspace.errors import HostPagesRefused, UserError
@@ -68,7 +67,7 @@ class RunnerParts:
     layout: RankLayout | None = None
 
 
-class PagedRunner(PrefillSteps):
+class PagedRunner(PrefillSteps, RunnerGraphs):
     """Steps the model for sequences whose K/V live in the lane's part of the GPU arena and
     in host pages. Its layout changes only through :meth:`prepare` (a step plan's layout,
     resize, host pages and page copies); :meth:`decode` and :meth:`prefill_chunk` run the
@@ -234,75 +233,6 @@ class PagedRunner(PrefillSteps):
         the scheduler's to free)."""
         for tier in self.tiers:
             tier.forget(seq_id)
-
-    @property
-    def has_graphs(self) -> bool:
-        """Whether graphs (CUDA's, or the tests' twin) were built for a layout's decode."""
-        return bool(self.graph_cache)
-
-    @property
-    def graphs(self):
-        """The decode graphs made so far for the layout in force (None: none), read only:
-        nothing made or freed (a view, a test or a benchmark may read it)."""
-        return self.graph_cache.peek(self._layout_id) if self.graph_cache else None
-
-    @property
-    def has_mixed_graphs(self) -> bool:
-        """Whether a mixed step (a piece and decode rows) of this layout ran as a graph."""
-        graphs = self.graphs
-        return isinstance(graphs, MixedGraphs) and graphs.num_mixed > 0
-
-    @property
-    def _graphs(self):
-        """The CUDA graphs of this layout's decode step, None without CUDA graphs (kept per
-        layout while the host pages and the tiers' tensors they address stay where they
-        are: ``Tier.graph_version``)."""
-        twin = self.graphs_class  # a CPU stand-in in tests; None: real graphs, on a GPU only
-        capturable = (twin is not None or self.device.type == "cuda") and (
-            self.layout is None or twin is not None
-            or torch.distributed.get_backend() == "nccl"  # (gloo's collectives: never)
-        )  # fmt: skip
-        if not capturable or not graphs_allowed(self.config.runtime, self.plan,
-                                                self.model.layer_source is not None):  # fmt: skip
-            return None
-        generation = (
-            self.host.generation if self.plan.staging else 0,  # graphs address host
-            tuple(tier.graph_version for tier in self.tiers),
-        )  # and tiers' tensors
-        return self.graph_cache.get(self._layout_id, generation, self._new_graphs)
-
-    def _new_graphs(self, pool):
-        mode = "eager"
-        if self._compiled:
-            mode = "tuned" if self.config.runtime.tune_decode else "rows"
-        site = GraphSite(self.model, self.tokens, self.page_size, self.store.num_pages,
-                         self.host.scratch_slot, self.config.runtime.max_batch, mode,
-                         self.attention_hook,  # a benchmark's timed attention, if it set one
-                         piece_width=-(-self.max_context // self.page_size))  # fmt: skip
-        return (self.graphs_class or MixedGraphs)(site, self.tiers, pool)
-
-    def capture_decode_graphs(self, keys: list[tuple[int, int]]) -> int:
-        """Capture now the decode step of each ``(batch bucket, block-table width in pages)``
-        of ``keys`` for the layout in force, where its graphs are keyed by those alone
-        (nothing staged or streamed, no KV budget, nothing attended outside them); how many
-        were new (a server's warm-up: every key its prompts will meet)."""
-        graphs = self._graphs
-        if graphs is None or not graphs.plain:
-            return 0
-        return sum(graphs.capture((batch, width, 0)) for batch, width in keys)
-
-    def capture_mixed_graphs(self, pieces: list[tuple[int, int]]) -> int:
-        """Capture now the mixed step of each ``(piece rows, decode rows)`` of ``pieces``
-        where the layout in force runs mixed steps as graphs (:meth:`MixedGraphs.accepts_mixed`);
-        how many were new (a server's warm-up: the pieces a burst meets)."""
-        graphs = self._graphs
-        if not self.mixes or not isinstance(graphs, MixedGraphs):
-            return 0
-        return sum(graphs.capture_mixed(rows, seqs) for rows, seqs in pieces)
-
-    def release_graphs(self) -> None:
-        """Free the decode steps' graphs of every layout (the next step captures anew)."""
-        self.graph_cache.release()
 
     def _resize(self, resize: Resize) -> None:
         """The resident layout over ``resize.num_pages`` pages, its held pages' K/V moved
