@@ -470,7 +470,10 @@ def test_an_offload_mode_the_request_did_not_need_is_said(capsys, tiny_dir):
 
 def test_a_kv_budget_on_a_short_prompt_or_keeping_almost_all_gets_a_note(capsys, tiny_dir):
     """A budget over a prompt within its observation window keeps everything (the note says
-    why); one that keeps 90% or more is said to save little; a real cut, nothing."""
+    why); over a prompt short of the window over its share, it keeps the window, not its
+    share (said, with the prompt it needs); one that keeps 90% or more is said to save
+    little; a real cut, nothing."""
+    from headspace.budgets import KVBudget
     from headspace.cli.main import summary_notes
     from headspace.engine.outputs import GenerationStats
 
@@ -484,6 +487,20 @@ def test_a_kv_budget_on_a_short_prompt_or_keeping_almost_all_gets_a_note(capsys,
 
     assert notes(0.95) and "kept 95% of the full KV: it saves little" in notes(0.95)[0]
     assert notes(0.25) == []
+    # a prompt past the window but short of window / share: the window sets what is kept
+    # (the issue's case: 65 tokens under 0.25 kept 32 a head, 89.6% held with the new ones)
+    raised = GenerationStats(prompt_tokens=65, kv_held_bytes=1, kv_held_fraction=0.896)
+    said = summary_notes(raised, "auto", KVBudget(0.25, "snapkv"))
+    assert said == ["the KV budget keeps 32 of the prompt's 65 tokens a head (49%), not the "
+                    "25% asked: every policy keeps its 32-token observation window, so a 25% "
+                    "budget needs a prompt of 128 tokens or more"]  # fmt: skip
+    assert summary_notes(GenerationStats(prompt_tokens=128, kv_held_bytes=1,
+                                         kv_held_fraction=0.3), "auto",
+                         KVBudget(0.25, "snapkv")) == []  # fmt: skip
+    words = " ".join(["harbour", "light", "keeper", "dawn", "tide"] * 12)  # 60 words
+    code, _, err = _run(capsys, "generate", "--model", str(tiny_dir), "--prompt", words,
+                        "--kv-budget", "0.25", "--max-new-tokens", "2")  # fmt: skip
+    assert code == 0 and "not the 25% asked: every policy keeps its 32-token" in err
 
 
 def test_a_budget_the_engine_cannot_split_is_refused_when_the_llm_is_made(embedded_dir):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 import time
@@ -160,7 +161,7 @@ def _generate(args) -> None:
     sys.stdout.write("\n")
     stats = llm.last_output.stats
     print(stats.summary(), file=sys.stderr)
-    notes = summary_notes(stats, llm.engine.config.offload.mode)
+    notes = summary_notes(stats, llm.engine.config.offload.mode, llm.engine.config.entry_budget())
     notes += compile_notes(COMPILE_METER.seconds - compiled)
     for note in notes:
         print(f"note: {note}", file=sys.stderr)
@@ -169,12 +170,23 @@ def _generate(args) -> None:
 ALMOST_ALL_KV = 0.9  # a KV budget keeping this share of the full KV or more saves little
 
 
-def summary_notes(stats, offload_mode: str) -> list[str]:
+def summary_notes(stats, offload_mode: str, budget=None) -> list[str]:
     """What the summary's figures mean for the options asked: an offload mode the request
-    did not need; a KV budget on a prompt too short for it, or keeping almost everything."""
+    did not need; a KV budget (``budget``, a :class:`~headspace.budgets.KVBudget`; None:
+    none) on a prompt too short for it, one its observation window raised past its share,
+    or one keeping almost everything."""
     from headspace.budgets import WINDOW
 
     notes = []
+    prompt = stats.prompt_tokens
+    if budget is not None and isinstance(budget.value, float) and prompt > WINDOW and \
+            budget.tokens(prompt) > round(budget.value * prompt):  # fmt: skip
+        kept = budget.tokens(prompt)
+        notes.append(f"the KV budget keeps {kept} of the prompt's {prompt} tokens a head "
+                     f"({kept / prompt:.0%}), not the {budget.value:.0%} asked: every policy "
+                     f"keeps its {budget.window}-token observation window, so a {budget.value:.0%} "
+                     f"budget needs a prompt of {math.ceil(budget.window / budget.value)} tokens "
+                     f"or more")  # fmt: skip
     if offload_mode in ("layer", "head", "hybrid") and not stats.num_streamed_heads + \
             stats.num_hybrid_heads:  # fmt: skip
         notes.append(f"--offload {offload_mode} was not needed: the request's KV fit the GPU "
