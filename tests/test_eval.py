@@ -192,7 +192,8 @@ def test_ppl_compare_scores_budgets_at_decode(tmp_path, capsys, embedded_dir):
 
 def test_ppl_counts_its_windows_up_front_and_keeps_finished_rows_on_ctrl_c(tmp_path):
     """run_ppl says how many windows it will score, then, after the first, how long they
-    should take; Ctrl-C part-way raises EvalInterrupted holding the rows finished."""
+    should take (in every mode a comparison runs); Ctrl-C part-way raises EvalInterrupted
+    holding the rows finished."""
     from types import SimpleNamespace
 
     from headspace.eval.run import EvalInterrupted, ppl_windows, run_ppl
@@ -213,11 +214,13 @@ def test_ppl_counts_its_windows_up_front_and_keeps_finished_rows_on_ctrl_c(tmp_p
     llm = SimpleNamespace(engine=SimpleNamespace(tokenizer=tokenizer), logits=logits)
     said = []
     with pytest.raises(EvalInterrupted) as stopped:
-        run_ppl(llm, [str(text)], [40, 60], report=said.append)
+        run_ppl(llm, [str(text)], [40, 60], report=said.append, modes=3)
     rows = stopped.value.rows
     assert [(r["context"], r["tokens"]) for r in rows] == [(40, 99)]  # 40-token windows: 4
-    assert said[0] == f"ppl: {ppl_windows(100, 40) + ppl_windows(100, 60):,} windows to score"
+    windows = ppl_windows(100, 40) + ppl_windows(100, 60)
+    assert said[0] == f"ppl: {windows:,} windows to score in each of 3 modes"
     assert said[1].startswith("ppl: the first window took") and len(said) == 2
+    assert f"for all {windows:,} in 3 modes (Ctrl-C" in said[1]  # (a comparison's modes)
     assert rows[0]["perplexity"] == pytest.approx(8.0)  # uniform logits over 8 tokens
 
 

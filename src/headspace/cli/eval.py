@@ -64,8 +64,9 @@ def add_eval_parser(subparsers, add_engine_options) -> None:
     p.set_defaults(parse_tokens=parse_tokens)
 
 
-def _rows(args, llm) -> tuple[list[dict], list[str], list[str]]:
-    """(rows, key columns, value columns) of the chosen suite."""
+def _rows(args, llm, modes_left: int = 1) -> tuple[list[dict], list[str], list[str]]:
+    """(rows, key columns, value columns) of the chosen suite (``modes_left``: this mode and
+    those a comparison runs after it, which ppl's estimate covers)."""
     from headspace.eval import run
     from headspace.eval.niah import Needle
 
@@ -81,7 +82,8 @@ def _rows(args, llm) -> tuple[list[dict], list[str], list[str]]:
         rows = run.run_ruler(llm, lengths, _list(args.tasks), args.seed, args.samples)
         return rows, ["task", "length", "sample"], ["score", "prompt_tokens"]
     rows = run.run_ppl(llm, _list(args.text), _list(args.context, args.parse_tokens),
-                       args.max_tokens, args.decode_tokens, report=_say)  # fmt: skip
+                       args.max_tokens, args.decode_tokens, report=_say,
+                       modes=modes_left)  # fmt: skip
     return rows, ["text", "context"], ["perplexity", "tokens"]
 
 
@@ -229,14 +231,14 @@ def run_eval(args, options: dict) -> None:
         _say(defaults)
     _decode_scoring(args, per_mode)
     results = {}
-    for mode, mode_options in zip(modes, per_mode, strict=True):
+    for index, (mode, mode_options) in enumerate(zip(modes, per_mode, strict=True)):
         if args.compare and mode == "none":  # the all-resident reference ignores the budget
             mode_options["gpu_memory"] = None
         llm = LLM(args.model, **mode_options)
         suffix = f"_{mode.replace(':', '-')}" if args.compare else ""  # each mode as it ends
         out = Path(args.output)
         try:
-            rows, keys, values = _rows(args, llm)
+            rows, keys, values = _rows(args, llm, len(modes) - index)
         except run.EvalInterrupted as stopped:
             _keep_partial(stopped.rows, out / f"{args.suite}{suffix}_partial.csv")
             raise

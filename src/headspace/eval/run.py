@@ -109,17 +109,19 @@ def ppl_windows(num_tokens: int, context: int, decode_tokens: int = 0) -> int:
 
 
 def run_ppl(llm, texts: list[str], contexts: list[int], max_tokens: int | None = None,
-            decode_tokens: int = 0, report=None) -> list[dict]:  # fmt: skip
+            decode_tokens: int = 0, report=None, modes: int = 1) -> list[dict]:  # fmt: skip
     """Sliding-window perplexity per (text, context). With ``decode_tokens``, each window's
     last ``decode_tokens`` tokens are scored, predicted by decode steps (teacher forcing):
     the path generation takes, with its tiers. ``report(line)``: the run's windows up
-    front and, after the first, the time they should take. Ctrl-C raises
-    :class:`EvalInterrupted` with the rows finished."""
+    front and, after the first, the time they should take (in each of ``modes`` modes, a
+    comparison's). Ctrl-C raises :class:`EvalInterrupted` with the rows finished."""
     token_ids = {name: llm.engine.tokenizer(builtin_text(name))["input_ids"][:max_tokens]
                  for name in texts}  # fmt: skip
     total = sum(ppl_windows(len(ids), c, decode_tokens) for ids in token_ids.values()
                 for c in contexts)  # fmt: skip
-    clock = _WindowClock(total, report)
+    tokens = sum(ppl_windows(len(ids), c, decode_tokens) * min(c, len(ids))
+                 for ids in token_ids.values() for c in contexts)  # fmt: skip
+    clock = _WindowClock(total, tokens, report, modes)
     rows = []
     try:
         for name, ids in token_ids.items():
@@ -131,20 +133,27 @@ def run_ppl(llm, texts: list[str], contexts: list[int], max_tokens: int | None =
 
 
 class _WindowClock:
-    """Counts a run's windows; after the first, reports how long all should take."""
+    """Counts a run's windows; after the first, reports how long all should take: the
+    first's seconds a token times the tokens of every window (``total_tokens``), of each
+    of ``modes`` modes a comparison runs."""
 
-    def __init__(self, total: int, report=None):
-        self.total, self.report, self.done = total, report, 0
+    def __init__(self, total: int, total_tokens: int, report=None, modes: int = 1):
+        self.total, self.total_tokens, self.report, self.done = total, total_tokens, report, 0
+        self.modes = modes
         self.started = time.perf_counter()
         if report is not None:
-            report(f"ppl: {total:,} windows to score")
+            each = f" in each of {modes} modes" if modes > 1 else ""
+            report(f"ppl: {total:,} windows to score{each}")
 
-    def tick(self) -> None:
+    def tick(self, tokens: int) -> None:
+        """A window of ``tokens`` tokens scored."""
         self.done += 1
         if self.done == 1 and self.report is not None:
             seconds = time.perf_counter() - self.started
+            whole = seconds / tokens * self.total_tokens * self.modes
+            every = f" in {self.modes} modes" if self.modes > 1 else ""
             self.report(f"ppl: the first window took {seconds:.1f} s: about "
-                        f"{_duration(seconds * self.total)} for all {self.total:,} (Ctrl-C "
+                        f"{_duration(whole)} for all {self.total:,}{every} (Ctrl-C "
                         f"keeps the rows finished)")  # fmt: skip
 
 
@@ -160,14 +169,15 @@ def _ppl_row(llm, name: str, ids: list[int], context: int, decode_tokens: int,
 
     def logits(window: list[int]):  # (the last window may be shorter)
         steps = min(decode_tokens + 1, len(window) - 1) if decode_tokens else 0
-        return llm.logits(window, decode_tokens=steps)
+        scored = llm.logits(window, decode_tokens=steps)
+        clock.tick(len(window))
+        return scored
 
     windows = ppl_windows(len(ids), context, decode_tokens)
     with tqdm(total=windows, desc=f"ppl {name} @{context}", unit="window") as bar:
 
         def on_window() -> None:
             bar.update()
-            clock.tick()
 
         nll, count = sliding_window_nll(logits, ids, context, on_window=on_window,
                                         score_last=decode_tokens or None)  # fmt: skip
