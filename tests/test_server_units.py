@@ -81,17 +81,21 @@ EMPTY, PART, BAD = {"role": "user", "content": ""}, {"type": "text", "text": ""}
      [{"role": "user", "content": [PART] * 16384 + [BAD]}], "as many content parts"),
     (CompletionRequest, "stop", ["a"] * 64, ["a"] * 64 + [7], "at most 64 strings"),
     (CompletionRequest, "prompt", ["a"], ["a", 7], "one prompt per request"),
+    (CompletionRequest, "prompt", [0] * 1000, [0] + ["x"] * 1000, "all be integers"),
+    (CompletionRequest, "prompt", [[0] * 1000], [[0] + ["x"] * 1000], "all be integers"),
 ])  # fmt: skip
 def test_a_list_past_its_bound_is_refused_by_its_length_before_its_items(
         request_type, field, at_bound, past_it, refusal):  # fmt: skip
     """A list at its bound is taken; with one more item, itself invalid, the refusal names
     the bound, not the item: the items were not validated one by one (on the event loop's
-    thread, which every client waits for)."""
+    thread, which every client waits for). Token ids with other items among them: one
+    error, not one for each item and shape of the prompt's union."""
     base = {"model": "m"} if request_type is ChatRequest or field == "prompt" else \
         {"model": "m", "prompt": "hi"}  # fmt: skip
     request_type.model_validate(base | {field: at_bound})
-    with pytest.raises(ValidationError, match=refusal):
+    with pytest.raises(ValidationError, match=refusal) as refused:
         request_type.model_validate(base | {field: past_it})
+    assert refused.value.error_count() == 1  # (not one an item, or one an item and shape)
 
 
 def test_sampling_fields_become_sampling_params():

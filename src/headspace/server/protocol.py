@@ -219,10 +219,18 @@ class CompletionRequest(_Sampling):
     @model_validator(mode="before")
     @classmethod
     def _one(cls, data):
-        """Refuse a list of several prompts by its length, before each is validated."""
+        """Refuse, with one error before its items are validated (each item of a union's
+        list a failure per shape, made on the event loop's thread), a list of several
+        prompts, and token ids (alone or as the one prompt of a list) not all integers."""
         prompt = data.get("prompt") if isinstance(data, dict) else None
-        if isinstance(prompt, list) and len(prompt) > 1 and not isinstance(prompt[0], int):
+        if not isinstance(prompt, list) or not prompt:
+            return data
+        first = prompt[0]
+        if len(prompt) > 1 and not isinstance(first, int):
             raise ValueError(ONE_PROMPT)
+        ids = first if isinstance(first, list) else prompt if isinstance(first, int) else None
+        if ids is not None and set(map(type, ids)) - {int}:  # (a C loop; bools refused too)
+            raise ValueError("prompt: token ids must all be integers")
         return data
 
     @model_validator(mode="after")
