@@ -134,6 +134,16 @@ def test_prompt_longer_than_context_and_override(capsys, tiny_dir):
     code, _, err = _run(capsys, "generate", "--model", str(tiny_dir), "--prompt", "word " * 10,
                         "--max-context", "2048", "--max-new-tokens", "4")  # fmt: skip
     assert code == 0 and "note: " not in err  # (within the trained context: no note)
+    # the last new token is predicted, never run: a prompt and new tokens one past the
+    # trained context run within it
+    from headspace import LLM
+
+    prompt = "word " * 500
+    room = 512 - len(LLM(str(tiny_dir)).engine.encode(prompt)) + 1
+    for new, noted in ((room, False), (room + 1, True)):
+        code, _, err = _run(capsys, "generate", "--model", str(tiny_dir), "--prompt", prompt,
+                            "--max-context", "2048", "--max-new-tokens", str(new))  # fmt: skip
+        assert code == 0 and ("past the model's trained context" in err) == noted, (new, err)
 
 
 @pytest.mark.parametrize(

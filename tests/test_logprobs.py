@@ -118,7 +118,8 @@ def test_a_prompt_of_the_whole_context_is_scored_and_takes_one_token(
     assert got == pytest.approx([reference[i, t].item() for i, t in enumerate(prompt[1:])],
                                 abs=2e-4)  # fmt: skip
     assert out.token_ids == [int(reference[-1].argmax())] and out.finish_reason == "length"
-    with pytest.raises(UserError, match="leaves room for one new token, not 2"):
+    with pytest.raises(UserError, match="leaves room for one new token, not 2") as refused:
         engine.run(prompt, SamplingParams(max_new_tokens=2))
+    assert refused.value.param == "max_new_tokens"  # (a server's 400 names max_tokens)
     with pytest.raises(UserError, match=f"does not fit the context of {len(prompt)} tokens"):
         engine.run(prompt + [5], SamplingParams(max_new_tokens=1))

@@ -130,7 +130,7 @@ def _generate(args) -> None:
     load_seconds = time.perf_counter() - started
     prompt_ids = llm.engine.encode(prompt, chat=args.chat)
     llm.engine.check_request(prompt_ids, params)  # bad input refused before the warm-up
-    _note_past_trained_context(len(prompt_ids) + params.max_new_tokens,
+    _note_past_trained_context(len(prompt_ids) + params.max_new_tokens - 1,
                                llm.engine.model.config.max_context)  # fmt: skip
     # after the check, so that an error stays the one line on stderr
     weights = sum(p.nbytes for p in llm.engine.model.parameters())
@@ -217,7 +217,8 @@ def compile_notes(seconds: float) -> list[str]:
 
 def _note_past_trained_context(most_tokens: int, trained: int) -> None:
     """A note on stderr when a request may run past the model's trained context (allowed
-    with --max-context): ``plan`` says the same."""
+    with --max-context): ``plan`` says the same. ``most_tokens``: the positions it may run
+    (its last new token is predicted, never run)."""
     if most_tokens > trained:
         print(f"note: this request may reach {most_tokens:,} tokens, past the model's trained "
               f"context of {trained:,}: what it generates there is outside its training",

@@ -138,7 +138,8 @@ class Lanes:
             raise UserError(
                 f"the prompt has {num_tokens} tokens, the whole context, which leaves room for "
                 f"one new token, not {new_tokens} (raise the context explicitly with "
-                f"max_context / --max-context)"
+                f"max_context / --max-context)",
+                "max_new_tokens",
             )
 
     def add(self, prompt_ids: list[int], params: SamplingParams,

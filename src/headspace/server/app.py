@@ -16,7 +16,7 @@ import json
 import time
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -30,7 +30,7 @@ from headspace.model.token_bytes import token_byte_reader
 from headspace.server import protocol
 from headspace.server.engine_loop import EngineLoop, log
 from headspace.server.guard import Guard
-from headspace.server.protocol import APIError, ChatRequest, CompletionRequest
+from headspace.server.protocol import API_FIELDS, APIError, ChatRequest, CompletionRequest
 
 
 @dataclass
@@ -211,6 +211,10 @@ def build_app(engine_loop: EngineLoop, options: ServerOptions) -> FastAPI:
             ids = await _tokens(body, chat)
             _check_room(len(ids), body.asked_max_tokens, engine.max_context)
             params = [body.sampling(options.default_max_tokens, i) for i in range(body.n)]
+            if body.asked_max_tokens is None:  # what the context leaves (a whole one: one)
+                left = max(engine.max_context - len(ids), 1)
+                params = [replace(p, max_new_tokens=min(p.max_new_tokens, left))
+                          for p in params]  # fmt: skip
         except BaseException as error:
             engine_loop.release(body.n)
             if isinstance(error, UserError):
@@ -260,10 +264,6 @@ def _json_bytes(make, *args) -> bytes:
                              separators=(",", ":"))  # fmt: skip
     text = dump(content)[:-1] + ',"choices":[' + ",".join(dump(c) for c in choices) + "]}"
     return text.encode("utf-8")
-
-
-# the engine's sampling fields that a request names otherwise
-API_FIELDS = {"max_new_tokens": "max_tokens", "prompt_logprobs": "logprobs"}
 
 
 def _api_field(param: str | None, chat: bool) -> str | None:

@@ -35,7 +35,13 @@ from headspace.parallel.dist import broadcast_object, first_error
 from headspace.parallel.launch import is_first_rank
 from headspace.server.metrics import Metrics
 from headspace.server.outbox import Outbox
-from headspace.server.protocol import APIError, ended_alone, engine_stopped, shutting_down
+from headspace.server.protocol import (
+    API_FIELDS,
+    APIError,
+    ended_alone,
+    engine_stopped,
+    shutting_down,
+)
 
 log = logging.getLogger("headspace.serve")
 IDLE_WAIT_S = 0.5  # how long the idle loop waits for a request before looking again
@@ -382,7 +388,8 @@ class EngineLoop:
         for it alone (logged)."""
         self._end(request)
         if isinstance(error, UserError):
-            request.deliver(APIError(400, str(error), param="prompt"))
+            field = API_FIELDS.get(error.param, "prompt")  # (the prompt, unless it names one)
+            request.deliver(APIError(400, str(error), param=field))
             return
         log.exception("request refused by an error")
         request.deliver(APIError(500, "the request failed inside the engine (the server's "

@@ -35,6 +35,8 @@ MOST_CHOICES = 16  # ``n``: choices a request may ask for (each runs as a reques
 MOST_MESSAGES = 16384
 ONE_PROMPT = "one prompt per request (a list of several is not supported)"
 STOPS_BOUND = f"stop takes at most {MOST_STOPS} strings of at most {MOST_STOP_CHARS} characters"
+# the engine's sampling fields that a request names otherwise
+API_FIELDS = {"max_new_tokens": "max_tokens", "prompt_logprobs": "logprobs"}
 # fields of OpenAI's API this server cannot honour: refused by name, not ignored
 UNSUPPORTED = ("tools", "tool_choice", "functions", "function_call", "response_format",
                "logit_bias", "suffix", "prediction", "audio", "modalities",
