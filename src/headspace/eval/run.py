@@ -117,11 +117,11 @@ def run_ppl(llm, texts: list[str], contexts: list[int], max_tokens: int | None =
     comparison's). Ctrl-C raises :class:`EvalInterrupted` with the rows finished."""
     token_ids = {name: llm.engine.tokenizer(builtin_text(name))["input_ids"][:max_tokens]
                  for name in texts}  # fmt: skip
-    total = sum(ppl_windows(len(ids), c, decode_tokens) for ids in token_ids.values()
-                for c in contexts)  # fmt: skip
-    tokens = sum(ppl_windows(len(ids), c, decode_tokens) * min(c, len(ids))
-                 for ids in token_ids.values() for c in contexts)  # fmt: skip
-    clock = _WindowClock(total, tokens, report, modes)
+    # (windows, tokens each) of each text at each context
+    sizes = [(ppl_windows(len(ids), c, decode_tokens), min(c, len(ids)))
+             for ids in token_ids.values() for c in contexts]  # fmt: skip
+    clock = _WindowClock(sum(n for n, _ in sizes), sum(n * size for n, size in sizes), report,
+                         modes)  # fmt: skip
     rows = []
     try:
         for name, ids in token_ids.items():

@@ -16,17 +16,11 @@ BYTE_TOKEN = re.compile(r"<0x[0-9A-Fa-f]{2}>")  # a byte-fallback token
 
 @lru_cache(maxsize=1)
 def byte_level_alphabet() -> dict[str, int]:
-    """Byte-level BPE's character for each byte, read backwards (character -> byte): the
-    printable bytes stand for themselves, the others for the characters from U+0100 on."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAC + 1), *range(0xAE, 0x100)]
-    chars, extra = {}, 0
-    for byte in range(256):
-        if byte in printable:
-            chars[chr(byte)] = byte
-        else:
-            chars[chr(0x100 + extra)] = byte
-            extra += 1
-    return chars
+    """Byte-level BPE's character for each byte, read backwards (character -> byte), from
+    transformers' table of it."""
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    return {char: byte for byte, char in bytes_to_unicode().items()}
 
 
 def token_byte_reader(tokenizer) -> Callable[[int], bytes] | None:

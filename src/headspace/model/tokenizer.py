@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import re
 from datetime import datetime
-from functools import lru_cache
+from functools import cache, lru_cache
 from pathlib import Path
 
 from headspace.errors import UserError
@@ -356,6 +356,7 @@ def empty_message_tokens(tokenizer) -> dict[str, int]:
     (a template that refuses the role, or has none). A first message may add less (a
     system message merged into the first user turn, or in place of a default one)."""
 
+    @cache  # (the conversations before each role are the same for every role)
     def count(*roles: str) -> int:
         return len(chat_ids(tokenizer, [{"role": r, "content": ""} for r in roles], False))
 

@@ -33,7 +33,6 @@ MOST_CHOICES = 16  # ``n``: choices a request may ask for (each runs as a reques
 # event loop's thread (2-5 us, which every client waits for), so a longer list is refused by
 # its length first
 MOST_MESSAGES = 16384
-ONE_PROMPT = "one prompt per request (a list of several is not supported)"
 STOPS_BOUND = f"stop takes at most {MOST_STOPS} strings of at most {MOST_STOP_CHARS} characters"
 # the engine's sampling fields that a request names otherwise
 API_FIELDS = {"max_new_tokens": "max_tokens", "prompt_logprobs": "logprobs"}
@@ -154,7 +153,7 @@ class _Sampling(BaseModel):
         stops = [self.stop] if isinstance(self.stop, str) else self.stop or []
         if any(not s for s in stops):
             raise ValueError("stop strings must be non-empty")
-        if len(stops) > MOST_STOPS or any(len(s) > MOST_STOP_CHARS for s in stops):
+        if any(len(s) > MOST_STOP_CHARS for s in stops):  # (their count: before, in _known)
             raise ValueError(STOPS_BOUND)
         if any(UNPAIRED.search(s) for s in stops):  # (no text ever holds one)
             raise ValueError("a stop string holds an unpaired surrogate (U+D800-U+DFFF), "
@@ -229,7 +228,7 @@ class CompletionRequest(_Sampling):
             return data
         first = prompt[0]
         if len(prompt) > 1 and not isinstance(first, int):
-            raise ValueError(ONE_PROMPT)
+            raise ValueError("one prompt per request (a list of several is not supported)")
         ids = first if isinstance(first, list) else prompt if isinstance(first, int) else None
         if ids is not None and set(map(type, ids)) - {int}:  # (a C loop; bools refused too)
             raise ValueError("prompt: token ids must all be integers")
@@ -238,9 +237,7 @@ class CompletionRequest(_Sampling):
     @model_validator(mode="after")
     def _one_prompt(self):
         if isinstance(self.prompt, list) and self.prompt and not isinstance(self.prompt[0], int):
-            if len(self.prompt) != 1:
-                raise ValueError(ONE_PROMPT)
-            self.prompt = self.prompt[0]
+            self.prompt = self.prompt[0]  # (a list of one: several were refused, in _one)
         if not self.prompt:
             raise ValueError("the prompt is empty")
         if self.max_tokens == 0 and not self.echo:
@@ -271,6 +268,12 @@ class Message(BaseModel):
                 "content": content or ""}  # fmt: skip
 
 
+def _content_parts(messages: list) -> int:
+    """The content parts of a conversation's messages, as sent (before validation)."""
+    return sum(len(m["content"]) for m in messages
+               if isinstance(m, dict) and isinstance(m.get("content"), list))  # fmt: skip
+
+
 class ChatRequest(_Sampling):
     """``POST /v1/chat/completions``: ``messages`` through the tokenizer's chat template."""
 
@@ -286,13 +289,10 @@ class ChatRequest(_Sampling):
         lengths, before each is validated (a body of 15 MiB holds 500,000 empty messages:
         2.3 s of the event loop's thread)."""
         messages = data.get("messages") if isinstance(data, dict) else None
-        if isinstance(messages, list):
-            parts = len(messages) if len(messages) > MOST_MESSAGES else sum(
-                len(m["content"]) for m in messages
-                if isinstance(m, dict) and isinstance(m.get("content"), list))  # fmt: skip
-            if max(len(messages), parts) > MOST_MESSAGES:
-                raise ValueError(f"a conversation takes at most {MOST_MESSAGES} messages and "
-                                 f"as many content parts")  # fmt: skip
+        if isinstance(messages, list) and (len(messages) > MOST_MESSAGES or
+                                           _content_parts(messages) > MOST_MESSAGES):  # fmt: skip
+            raise ValueError(f"a conversation takes at most {MOST_MESSAGES} messages and as "
+                             f"many content parts")  # fmt: skip
         return data
 
     @model_validator(mode="after")
