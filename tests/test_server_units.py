@@ -12,7 +12,8 @@ from pydantic import ValidationError
 
 from headspace.engine.outputs import RequestOutput
 from headspace.server.outbox import Outbox
-from headspace.server.protocol import APIError, ChatRequest, CompletionRequest, Reply
+from headspace.server.protocol import APIError, ChatRequest, CompletionRequest
+from headspace.server.reply import Reply
 
 
 def _output(ids: list[int], new: list[int], reason: str | None = None) -> RequestOutput:

@@ -31,6 +31,7 @@ from headspace.server import protocol
 from headspace.server.engine_loop import EngineLoop, log
 from headspace.server.guard import Guard
 from headspace.server.protocol import API_FIELDS, APIError, ChatRequest, CompletionRequest
+from headspace.server.reply import Reply, new_id
 
 
 @dataclass
@@ -220,7 +221,7 @@ def build_app(engine_loop: EngineLoop, options: ServerOptions) -> FastAPI:
             if isinstance(error, UserError):
                 raise APIError(400, str(error), param=_api_field(error.param, chat)) from None
             raise
-        reply = protocol.Reply(protocol.new_id("chatcmpl" if chat else "cmpl"), name, chat,
+        reply = Reply(new_id("chatcmpl" if chat else "cmpl"), name, chat,
                                token_text, token_bytes)  # fmt: skip
         if not chat and body.echo:
             text = body.prompt if isinstance(body.prompt, str) else engine.tokenizer.decode(ids)
@@ -328,7 +329,7 @@ async def _accepted(engine_loop: EngineLoop, ids: list[int], params: list[Sampli
     return choices
 
 
-async def _events(choices: list[AsyncIterator[RequestOutput]], reply: protocol.Reply,
+async def _events(choices: list[AsyncIterator[RequestOutput]], reply: Reply,
                   include_usage: bool) -> AsyncIterator[str]:  # fmt: skip
     """Server-sent events: a chunk per step and choice with new text (a chat's first of each
     choice carries the role), the finish reason on each choice's last, the usage chunk if
