@@ -399,7 +399,7 @@ def test_a_runner_keeps_the_decode_graphs_of_its_most_recent_layouts_only():
     """Each split of the arena gives the resident lane a layout of its own size; a server
     meets ever new sizes, and graphs kept for all of them would grow its memory without
     bound. The cache keeps those of the last ``kept`` layouts used."""
-    from headspace.engine.paged_graphs import GraphCache
+    from headspace.engine.runner_graphs import GraphCache
 
     made, freed = [], []
 

@@ -19,8 +19,7 @@ import torch
 from headspace.engine.config import EngineConfig
 from headspace.engine.hooks import EngineHooks
 from headspace.engine.hybrid_share import HybridShare
-from headspace.engine.paged_graphs import GraphCache
-from headspace.engine.runner_graphs import RunnerGraphs
+from headspace.engine.runner_graphs import GraphCache, RunnerGraphs
 from headspace.engine.runner_prefill import PrefillSteps
 from headspace.engine.step_plan import LayoutResult, Resize, StepPlan
 from headspace.errors import HostPagesRefused, UserError

@@ -1,6 +1,6 @@
 """The runner's decode graphs: those of the layout in force, made when a step first needs
-them (kept per layout in the runner's :class:`~headspace.engine.paged_graphs.GraphCache`),
-captured ahead by a server's warm-up, read by the engine's view. A mixin of
+them (kept per layout in the runner's :class:`GraphCache`), captured ahead by a server's
+warm-up, read by the engine's view. A mixin of
 :class:`~headspace.engine.paged_runner.PagedRunner` (its model, tiers, token slots, arena,
 host pages and hooks); nothing here changes the layout."""
 
@@ -11,6 +11,67 @@ import torch.distributed
 
 from headspace.engine.mixed_graphs import MixedGraphs
 from headspace.engine.paged_graphs import GraphSite, graphs_allowed
+
+# layouts whose decode graphs a runner keeps (the most recently used): the resident lane's
+# whole arena and a few of its split sizes. Each split size (set by what the resident
+# requests hold when a long one arrives) is a layout of its own, with its logits buffer
+# (32 MiB for Llama-3.1-8B at batch 64) and graphs: kept all, a server would grow by that
+# much with every new size, past its budget and to an out-of-memory error in the end.
+KEPT_LAYOUTS = 4
+
+
+class GraphCache:
+    """A runner's decode graphs, one :class:`DecodeGraphs` per layout (by its id), made anew
+    when the tensors they address moved (``generation``), those of at most ``kept`` layouts
+    (the most recently used; the others freed); one memory pool for the graphs made since
+    any were freed (none for the tests' twin, ``twin``)."""
+
+    def __init__(self, twin: bool, kept: int = KEPT_LAYOUTS):
+        self.twin, self.kept = twin, kept
+        self._graphs: dict[int, tuple[tuple, object]] = {}  # least recently used first
+        self._pool = None
+
+    def __bool__(self) -> bool:
+        return bool(self._graphs)
+
+    def __len__(self) -> int:
+        return len(self._graphs)
+
+    def peek(self, layout_id: int):
+        """The graphs kept for ``layout_id`` (None: none), read only: nothing made, freed or
+        reordered (a view may read it from another thread)."""
+        cached = self._graphs.get(layout_id)
+        return None if cached is None else cached[1]
+
+    def get(self, layout_id: int, generation: tuple, make):
+        """The graphs of ``layout_id`` at ``generation``; ``make(pool)`` builds them anew
+        (freeing those of the least recently used layout past ``kept``)."""
+        cached = self._graphs.pop(layout_id, None)
+        if cached is not None and cached[0] == generation:
+            self._graphs[layout_id] = cached  # the most recently used now
+            return cached[1]
+        if cached is not None:  # they address tensors that moved
+            self._free(cached[1])
+        while len(self._graphs) >= self.kept:
+            self._free(self._graphs.pop(next(iter(self._graphs)))[1])
+        if self._pool is None and not self.twin:
+            self._pool = torch.cuda.graph_pool_handle()
+        graphs = make(self._pool)
+        self._graphs[layout_id] = (generation, graphs)
+        return graphs
+
+    def _free(self, graphs) -> None:
+        """Free ``graphs`` now; later captures go to a new pool (a capture must not reuse
+        the old one, which is freed once no graph uses it)."""
+        graphs.release()
+        self._pool = None
+
+    def release(self) -> None:
+        """Free every layout's graphs (the next step captures anew), and their pool."""
+        for _, graphs in self._graphs.values():
+            graphs.release()
+        self._graphs.clear()
+        self._pool = None
 
 
 class RunnerGraphs:
